@@ -1,0 +1,110 @@
+"""Build a `Config` from its sources, lowest precedence first:
+
+dataclass defaults < the named model size (`model_name`) < the YAML recipe < CLI flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from paratron.config import schema
+from paratron.config.fields import all_fields, coerce
+from paratron.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def recipe_dirs() -> list[Path]:
+    """Where `--config NAME` looks for NAME.yaml: ./configs, then the checkout paratron runs from."""
+    dirs = [Path.cwd() / "configs", REPO_ROOT / "configs"]
+    return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
+
+
+def available_recipes() -> list[str]:
+    return sorted({p.stem for d in recipe_dirs() for p in d.glob("*.yaml")})
+
+
+def find_recipe(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    if path.suffix not in (".yaml", ".yml") and os.sep not in name_or_path:
+        for d in recipe_dirs():
+            if (d / f"{name_or_path}.yaml").is_file():
+                return d / f"{name_or_path}.yaml"
+    known = ", ".join(available_recipes()) or "none found"
+    raise ConfigError(f"--config {name_or_path}: no such file or recipe; recipes: {known}")
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a recipe into {field: value}, checking that every key is a known setting of its section."""
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}; fix the syntax there") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(schema.SECTIONS)})")
+    fields = all_fields()
+    flat: dict[str, Any] = {}
+    for section, values in tree.items():
+        if section not in schema.SECTIONS:
+            hint = _did_you_mean(str(section), schema.SECTIONS)
+            raise ConfigError(f"{path}: unknown section '{section}'{hint}; sections are {', '.join(schema.SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: section '{section}' must be a mapping of settings")
+        for key, value in values.items():
+            info = fields.get(key)
+            if info is None or info.section != section:
+                names = [f.name for f in fields.values() if f.section == section]
+                raise ConfigError(f"{path}: unknown setting {section}.{key}{_did_you_mean(str(key), names)}")
+            flat[key] = value
+    return flat
+
+
+def _did_you_mean(word: str, options: Any) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def build_config(overrides: dict[str, Any] | None = None, recipe: str | None = None) -> schema.Config:
+    """Resolve a full Config from an optional recipe and field overrides (name -> value)."""
+    from paratron.model.registry import model_preset
+
+    overrides = dict(overrides or {})
+    from_yaml = read_yaml(find_recipe(recipe)) if recipe else {}
+    model_name = overrides.get("model_name", from_yaml.get("model_name"))
+    merged: dict[str, Any] = dict(model_preset(model_name)) if model_name else {}
+    merged.update(from_yaml)
+    merged.update(overrides)
+    return config_from_flat(merged)
+
+
+def config_from_flat(values: dict[str, Any]) -> schema.Config:
+    fields = all_fields()
+    config = schema.Config()
+    for name, value in values.items():
+        info = fields.get(name)
+        if info is None:
+            raise ConfigError(f"{name}: unknown setting{_did_you_mean(name, fields)}")
+        setattr(getattr(config, info.section), name, coerce(info, value, info.flag))
+    return config
+
+
+def config_to_dict(config: schema.Config) -> dict[str, dict[str, Any]]:
+    """Nested plain-data form (for YAML/JSON dumps and checkpoints)."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(tree: dict[str, dict[str, Any]]) -> schema.Config:
+    flat = {k: v for section in tree.values() for k, v in section.items()}
+    return config_from_flat(flat)

@@ -1,0 +1,261 @@
+"""The typed configuration of a paratron run.
+
+Each section is a dataclass; the string under each field is its documentation and
+becomes that flag's `--help` text. Field names are unique across sections and follow
+Megatron-LM's argument names where the setting is shared, so `--hidden-size`,
+`hidden_size:` in YAML and `args.hidden_size` all mean the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Transformer architecture."""
+
+    model_name: Optional[str] = None
+    """Named size from the model registry (debug, gpt2-small, llama3-8b, ...); its values are defaults that the other model settings override."""
+
+    num_layers: int = 2
+    """Number of Transformer layers."""
+
+    hidden_size: int = 64
+    """Width of the residual stream."""
+
+    ffn_hidden_size: Optional[int] = None
+    """Width of the MLP's inner layer (default: 4 x hidden size)."""
+
+    num_attention_heads: int = 4
+    """Number of attention (query) heads."""
+
+    num_query_groups: Optional[int] = None
+    """Number of key/value heads for grouped-query attention (default: one per query head)."""
+
+    kv_channels: Optional[int] = None
+    """Width of each attention head (default: hidden size / attention heads)."""
+
+    max_position_embeddings: int = 1024
+    """Longest sequence the model accepts (size of the learned position table)."""
+
+    vocab_size: Optional[int] = None
+    """Vocabulary size; also the size a trained BPE tokenizer aims for (default: the tokenizer's size, 4096 for mock data)."""
+
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """How positions are encoded: a learned table or rotary embeddings."""
+
+    rotary_base: float = 10000.0
+    """Base (theta) of the rotary embedding frequencies."""
+
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Normalization layer used before attention, before the MLP and at the end."""
+
+    norm_epsilon: float = 1e-5
+    """Epsilon of the normalization layers."""
+
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP activation: GELU, or SwiGLU (gated, as in Llama); --swiglu selects the latter."""
+
+    add_bias_linear: bool = True
+    """Give linear layers a bias (--disable-bias-linear turns it off)."""
+
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weights instead of sharing the input embedding."""
+
+    hidden_dropout: float = 0.0
+    """Dropout probability on the embedding and the outputs of attention and MLP."""
+
+    attention_dropout: float = 0.0
+    """Dropout probability on the attention weights."""
+
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initial weights (output projections are scaled by 1/sqrt(2 x layers))."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the run is spread over processes."""
+
+    nproc_per_node: int = 1
+    """Processes to start on this machine; paratron train launches itself under torchrun when this is above 1 (--nproc)."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel degree: ranks that split each layer's matrices."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel degree: stages the layers are cut into."""
+
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend; auto picks NCCL where CUDA exists and gloo otherwise."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and gradient clipping."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimizer: adam (AdamW, decoupled weight decay) or sgd (with momentum)."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+
+    weight_decay: float = 0.01
+    """Decoupled weight decay, applied to matrices and embeddings, not to biases or norms."""
+
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+
+    adam_beta2: float = 0.95
+    """Adam's second-moment decay."""
+
+    adam_eps: float = 1e-8
+    """Adam's epsilon."""
+
+    sgd_momentum: float = 0.9
+    """SGD momentum."""
+
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm (0 turns clipping off)."""
+
+
+@dataclass
+class LRScheduleConfig:
+    """Learning-rate schedule: linear warmup, then decay to min_lr."""
+
+    lr_warmup_iters: int = 0
+    """Iterations of linear warmup from 0 to the peak learning rate."""
+
+    lr_decay_iters: Optional[int] = None
+    """Iteration at which decay reaches min_lr (default: train_iters)."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    """Shape of the decay after warmup."""
+
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+
+
+@dataclass
+class DataConfig:
+    """What the model trains on."""
+
+    data_path: list[str] = field(default_factory=list)
+    """Text files or directories of text files to train on."""
+
+    corpus: Optional[Literal["stdlib"]] = None
+    """Built-in corpus to train on instead of --data-path: stdlib is the Python standard library's own source, present wherever Python is."""
+
+    mock_data: bool = False
+    """Train on deterministic synthetic tokens instead of a corpus."""
+
+    split: str = "969,30,1"
+    """Relative sizes of the train, validation and test splits."""
+
+    seq_length: int = 64
+    """Tokens per training sample."""
+
+    tokenizer_type: Literal["ByteLevelBPE", "HuggingFaceTokenizer"] = "ByteLevelBPE"
+    """ByteLevelBPE trains a byte-level BPE tokenizer on the data (cached); HuggingFaceTokenizer loads --tokenizer-model."""
+
+    tokenizer_model: Optional[str] = None
+    """Path of a Hugging Face tokenizer.json (for --tokenizer-type HuggingFaceTokenizer)."""
+
+    data_cache_path: Optional[str] = None
+    """Where tokenizers and tokenized corpora are cached (default: $PARATRON_CACHE or ~/.cache/paratron)."""
+
+
+@dataclass
+class TrainingConfig:
+    """The training loop."""
+
+    micro_batch_size: int = 4
+    """Samples per micro-batch on each data-parallel rank."""
+
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all ranks; micro-batches accumulate up to it (default: micro batch x data-parallel size)."""
+
+    train_iters: int = 100
+    """Optimizer steps to train for."""
+
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision; --bf16 and --fp16 select the mixed-precision modes (weights stay fp32)."""
+
+    seed: int = 1234
+    """Seed of weights, data order and dropout; the same seed gives the same run at every layout."""
+
+    eval_interval: int = 100
+    """Evaluate on the validation split every this many steps (and at the end)."""
+
+    eval_iters: int = 10
+    """Global batches per evaluation."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: Optional[str] = None
+    """Directory to save checkpoints into."""
+
+    load: Optional[str] = None
+    """Checkpoint directory to resume from (its newest checkpoint)."""
+
+    save_interval: Optional[int] = None
+    """Save every this many steps (a final checkpoint is always written when --save is set)."""
+
+
+@dataclass
+class LoggingConfig:
+    """What the run reports and where."""
+
+    run_dir: str = "runs/latest"
+    """Directory for metrics.jsonl, TensorBoard events and the loss plot."""
+
+    log_interval: int = 10
+    """Log metrics every this many steps."""
+
+    progress_bar: bool = True
+    """Show a live progress bar on rank 0 (log lines are printed either way)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files into the run directory."""
+
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s of one device for MFU (default: a table for known GPUs, a quick matmul probe on CPU)."""
+
+    sample_prompt: Optional[str] = None
+    """After training, print a continuation of this prompt."""
+
+    sample_tokens: int = 48
+    """Tokens generated for --sample-prompt."""
+
+    sample_temperature: float = 0.7
+    """Sampling temperature for --sample-prompt (0: greedy); sampling draws from the top 40 tokens with the run's seed."""
+
+
+@dataclass
+class Config:
+    """A whole run: one dataclass per section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS: tuple[str, ...] = (
+    "model",
+    "parallel",
+    "optimizer",
+    "lr_schedule",
+    "data",
+    "training",
+    "checkpoint",
+    "logging",
+)

@@ -1,0 +1,151 @@
+"""Consistency checks run before any worker process starts.
+
+Each failure is a ConfigError whose one-line message names the flag and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from paratron.config.schema import Config
+from paratron.errors import ConfigError
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """'969,30,1' -> normalized (train, valid, test) fractions."""
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--split {split!r}: expected up to three non-negative numbers such as 969,30,1")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return weights[0] / total, weights[1] / total, weights[2] / total
+
+
+def _positive(value: float | None, flag: str, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "zero or more" if allow_zero else "at least 1"
+        raise ConfigError(f"{flag} {value}: must be {bound}")
+
+
+def _fraction(value: float, flag: str) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{flag} {value}: must be in [0, 1)")
+
+
+def data_parallel_size(config: Config, world_size: int) -> int:
+    p = config.parallel
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+
+def validate(config: Config, world_size: int, check_data: bool = True) -> None:
+    """Raise ConfigError for the first inconsistent setting of a run on `world_size` processes.
+
+    `check_data=False` skips the data-source checks (for library use that brings its own data)."""
+    m, p, o, s, d, t, c, lg = (config.model, config.parallel, config.optimizer, config.lr_schedule,
+                               config.data, config.training, config.checkpoint, config.logging)
+
+    for value, flag in [
+        (m.num_layers, "--num-layers"), (m.hidden_size, "--hidden-size"), (m.ffn_hidden_size, "--ffn-hidden-size"),
+        (m.num_attention_heads, "--num-attention-heads"), (m.num_query_groups, "--num-query-groups"),
+        (m.kv_channels, "--kv-channels"), (m.max_position_embeddings, "--max-position-embeddings"),
+        (m.vocab_size, "--vocab-size"), (m.rotary_base, "--rotary-base"), (m.norm_epsilon, "--norm-epsilon"),
+        (m.init_method_std, "--init-method-std"),
+        (p.nproc_per_node, "--nproc"), (p.tensor_model_parallel_size, "--tensor-model-parallel-size"),
+        (p.pipeline_model_parallel_size, "--pipeline-model-parallel-size"),
+        (d.seq_length, "--seq-length"), (t.micro_batch_size, "--micro-batch-size"),
+        (t.global_batch_size, "--global-batch-size"), (t.train_iters, "--train-iters"),
+        (t.eval_interval, "--eval-interval"), (lg.log_interval, "--log-interval"),
+        (c.save_interval, "--save-interval"), (lg.sample_tokens, "--sample-tokens"),
+        (s.lr_decay_iters, "--lr-decay-iters"), (lg.peak_tflops, "--peak-tflops"),
+    ]:
+        _positive(value, flag)
+    for value, flag in [
+        (t.eval_iters, "--eval-iters"), (s.lr_warmup_iters, "--lr-warmup-iters"), (o.lr, "--lr"),
+        (s.min_lr, "--min-lr"), (lg.sample_temperature, "--sample-temperature"), (o.weight_decay, "--weight-decay"), (o.clip_grad, "--clip-grad"),
+        (o.adam_eps, "--adam-eps"), (o.sgd_momentum, "--sgd-momentum"),
+    ]:
+        _positive(value, flag, allow_zero=True)
+    for value, flag in [(m.hidden_dropout, "--hidden-dropout"), (m.attention_dropout, "--attention-dropout"),
+                        (o.adam_beta1, "--adam-beta1"), (o.adam_beta2, "--adam-beta2")]:
+        _fraction(value, flag)
+
+    # Model shape.
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    if m.kv_channels is None and m.hidden_size % heads:
+        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {heads}; "
+                          "change one of them or set --kv-channels")
+    if groups > heads or heads % groups:
+        raise ConfigError(f"--num-attention-heads {heads} is not a multiple of --num-query-groups {groups}; "
+                          "use a divisor of the head count")
+    head_dim = m.kv_channels or m.hidden_size // heads
+    if m.position_embedding_type == "rope" and head_dim % 2:
+        raise ConfigError(f"rotary embeddings need an even head width, got {head_dim}; change --kv-channels or --hidden-size")
+    if d.seq_length > m.max_position_embeddings:
+        raise ConfigError(f"--seq-length {d.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}; "
+                          "lower the first or raise the second")
+
+    # Layout.
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--pipeline-model-parallel-size {pp}; use a multiple of {tp * pp} processes")
+    if heads % tp:
+        raise ConfigError(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; "
+                          "choose a tensor-parallel size that divides the head count")
+    if groups % tp:
+        raise ConfigError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
+                          "choose a tensor-parallel size that divides the query-group count")
+    if m.num_layers % pp:
+        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                          "choose a pipeline size that divides the layer count")
+    dp = data_parallel_size(config, world_size)
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+                          f"{t.micro_batch_size} x data-parallel size {dp}; use a multiple of {t.micro_batch_size * dp}")
+    if tp > 1:
+        raise ConfigError("--tensor-model-parallel-size above 1 is not supported yet; use 1")
+    if pp > 1:
+        raise ConfigError("--pipeline-model-parallel-size above 1 is not supported yet; use 1")
+
+    # Schedule.
+    decay_iters = s.lr_decay_iters or t.train_iters
+    if s.lr_warmup_iters > decay_iters:
+        raise ConfigError(f"--lr-warmup-iters {s.lr_warmup_iters} exceeds the decay length {decay_iters}; "
+                          "lower it or raise --lr-decay-iters")
+    if s.min_lr > o.lr:
+        raise ConfigError(f"--min-lr {s.min_lr} exceeds --lr {o.lr}; lower --min-lr")
+
+    # Data.
+    if check_data:
+        _validate_data(config)
+
+    # Checkpoints.
+    if c.load is not None and not Path(c.load).expanduser().is_dir():
+        raise ConfigError(f"--load {c.load}: no such checkpoint directory; check the path")
+
+
+def _validate_data(config: Config) -> None:
+    d, t = config.data, config.training
+    sources = [name for name, on in (("--mock-data", d.mock_data), ("--corpus", d.corpus),
+                                     ("--data-path", bool(d.data_path))) if on]
+    if len(sources) != 1:
+        what = "none" if not sources else " and ".join(sources)
+        raise ConfigError(f"give exactly one of --data-path, --corpus stdlib or --mock-data (got {what})")
+    for path in d.data_path:
+        if not Path(path).expanduser().exists():
+            raise ConfigError(f"--data-path {path}: no such file or directory; check the path")
+    if d.tokenizer_type == "HuggingFaceTokenizer":
+        if not d.tokenizer_model:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
+        if not Path(d.tokenizer_model).expanduser().is_file():
+            raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: no such file; give a tokenizer.json")
+    _, valid_share, _ = parse_split(d.split)
+    if t.eval_iters > 0 and valid_share == 0 and not d.mock_data:
+        raise ConfigError(f"--split {d.split} leaves no validation data for --eval-iters {t.eval_iters}; "
+                          "give the split a validation share or set --eval-iters 0")

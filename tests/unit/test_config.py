@@ -1,0 +1,162 @@
+"""Config: field docs, YAML + CLI precedence, Megatron flag names, the dict form, validation messages."""
+
+from __future__ import annotations
+
+import pytest
+
+import paratron
+from paratron.cli import train_parser
+from paratron.config import build_config, validate
+from paratron.config.arguments import parse_config_arguments
+from paratron.config.fields import all_fields
+from paratron.config.megatron import from_megatron_dict
+from paratron.errors import ConfigError
+
+MEGATRON_COMMAND = """
+--num-layers 6 --hidden-size 96 --ffn-hidden-size 256 --num-attention-heads 6 --group-query-attention
+--num-query-groups 2 --seq-length 48 --max-position-embeddings 64 --micro-batch-size 3 --global-batch-size 12
+--lr 0.002 --min-lr 0.0001 --lr-warmup-iters 7 --lr-decay-iters 90 --lr-decay-style linear --train-iters 100
+--weight-decay 0.05 --adam-beta1 0.8 --adam-beta2 0.99 --clip-grad 0.5 --init-method-std 0.01 --seed 7
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --bf16 --save /tmp/ckpt-out --load /tmp
+--save-interval 50 --log-interval 5 --eval-interval 25 --eval-iters 3 --mock-data --split 90,9,1
+--vocab-size 1000 --tokenizer-type HuggingFaceTokenizer --untie-embeddings-and-output-weights
+--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+""".split()
+
+
+def parse(argv: list[str]):
+    recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
+    return build_config(overrides, recipe)
+
+
+def test_every_field_has_a_doc_shown_by_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for info in all_fields().values():
+        assert info.doc, f"{info.name} has no doc string"
+        assert info.flag in text
+        assert " ".join(info.doc.split())[:40] in text, info.name
+
+
+def test_megatron_flag_names_map_onto_the_config():
+    c = parse(MEGATRON_COMMAND)
+    m, t, o, s, d = c.model, c.training, c.optimizer, c.lr_schedule, c.data
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups) == (6, 96, 256, 6, 2)
+    assert (d.seq_length, m.max_position_embeddings, t.micro_batch_size, t.global_batch_size) == (48, 64, 3, 12)
+    assert (o.lr, s.min_lr, s.lr_warmup_iters, s.lr_decay_iters, s.lr_decay_style) == (0.002, 0.0001, 7, 90, "linear")
+    assert (t.train_iters, o.weight_decay, o.adam_beta1, o.adam_beta2, o.clip_grad) == (100, 0.05, 0.8, 0.99, 0.5)
+    assert (m.init_method_std, t.seed, t.precision) == (0.01, 7, "bf16")
+    assert (c.checkpoint.save, c.checkpoint.load, c.checkpoint.save_interval) == ("/tmp/ckpt-out", "/tmp", 50)
+    assert (c.logging.log_interval, t.eval_interval, t.eval_iters) == (5, 25, 3)
+    assert (d.mock_data, d.split, m.vocab_size, d.tokenizer_type) == (True, "90,9,1", 1000, "HuggingFaceTokenizer")
+    assert m.untie_embeddings_and_output_weights and not m.add_bias_linear
+    assert (m.position_embedding_type, m.normalization, m.activation) == ("rope", "RMSNorm", "swiglu")
+    assert parse(["--fp16"]).training.precision == "fp16"
+
+
+@pytest.mark.parametrize("flag", ["--sequence-parallel", "--use-distributed-optimizer", "--recompute-granularity"])
+def test_unsupported_megatron_flags_are_refused_by_name(flag):
+    with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
+        parse([flag, "full"])
+
+
+def test_unknown_flag_suggests_the_close_one():
+    with pytest.raises(ConfigError, match=r"unknown flag --hiden-size; did you mean --hidden-size\?"):
+        parse(["--hiden-size", "64"])
+    with pytest.raises(ConfigError, match="unknown flag --hidden"):  # no silent prefix matching
+        parse(["--hidden", "64"])
+
+
+def test_bad_values_name_the_flag():
+    with pytest.raises(ConfigError, match=r"--hidden-size: expected an integer, got 'wide'"):
+        parse(["--hidden-size", "wide"])
+    with pytest.raises(ConfigError, match=r"--normalization: 'BatchNorm' is not one of: LayerNorm, RMSNorm"):
+        parse(["--normalization", "BatchNorm"])
+
+
+def test_precedence_registry_then_recipe_then_flags(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  model_name: gpt2-small\n  num_layers: 3\ntraining:\n  train_iters: 9\n")
+    c = parse(["--config", str(recipe), "--train-iters", "11"])
+    assert c.model.hidden_size == 768  # registry
+    assert c.model.num_layers == 3  # recipe over registry
+    assert c.training.train_iters == 11  # flag over recipe
+    assert parse(["--config", str(recipe), "--model", "debug"]).model.hidden_size == 64
+
+
+def test_yaml_mistakes_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hiden_size: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown setting model.hiden_size \(did you mean hidden_size\?\)"):
+        parse(["--config", str(bad)])
+    bad.write_text("modle:\n  hidden_size: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown section 'modle' \(did you mean model\?\)"):
+        parse(["--config", str(bad)])
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        parse(["--config", str(bad)])
+    with pytest.raises(ConfigError, match=r"--config nosuch: no such file or recipe; recipes: .*demo"):
+        parse(["--config", "nosuch"])
+    with pytest.raises(ConfigError, match=r"--model gpt5: unknown model; choose one of debug, gpt2-small"):
+        parse(["--model", "gpt5"])
+
+
+def base(**overrides):
+    values = dict(mock_data=True)
+    values.update(overrides)
+    return build_config(values)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible by --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1"),
+    (dict(num_attention_heads=6, hidden_size=48, tensor_model_parallel_size=4), 4, "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    (dict(num_attention_heads=4, num_query_groups=1, tensor_model_parallel_size=2), 2, "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    (dict(num_layers=3, pipeline_model_parallel_size=2), 2, "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    (dict(global_batch_size=12, micro_batch_size=4), 2, "--global-batch-size 12 is not divisible by --micro-batch-size 4 x data-parallel size 2; use a multiple of 8"),
+    (dict(seq_length=2048, max_position_embeddings=1024), 1, "--seq-length 2048 exceeds --max-position-embeddings 1024"),
+    (dict(hidden_size=0), 1, "--hidden-size 0: must be at least 1"),
+    (dict(micro_batch_size=-2), 1, "--micro-batch-size -2: must be at least 1"),
+    (dict(lr=-1.0), 1, "--lr -1.0: must be zero or more"),
+    (dict(hidden_dropout=1.5), 1, "--hidden-dropout 1.5: must be in [0, 1)"),
+    (dict(num_attention_heads=4, num_query_groups=3), 1, "--num-attention-heads 4 is not a multiple of --num-query-groups 3"),
+    (dict(hidden_size=50, num_attention_heads=4), 1, "--hidden-size 50 is not divisible by --num-attention-heads 4"),
+    (dict(mock_data=False), 1, "give exactly one of --data-path, --corpus stdlib or --mock-data (got none)"),
+    (dict(mock_data=True, corpus="stdlib"), 1, "(got --mock-data and --corpus)"),
+    (dict(mock_data=False, data_path=["/no/such/corpus"]), 1, "--data-path /no/such/corpus: no such file or directory"),
+    (dict(load="/no/such/ckpt"), 1, "--load /no/such/ckpt: no such checkpoint directory"),
+    (dict(lr_warmup_iters=200, train_iters=100), 1, "--lr-warmup-iters 200 exceeds the decay length 100"),
+    (dict(min_lr=0.1, lr=0.01), 1, "--min-lr 0.1 exceeds --lr 0.01"),
+    (dict(split="a,b"), 1, "--split 'a,b': expected up to three non-negative numbers"),
+    (dict(tensor_model_parallel_size=2), 2, "--tensor-model-parallel-size above 1 is not supported yet"),
+])
+def test_validation_messages(overrides, world, message):
+    config = base(**overrides)
+    with pytest.raises(ConfigError) as error:
+        validate(config, world)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_consistent_config_passes():
+    validate(base(global_batch_size=16, micro_batch_size=4), 4)
+
+
+def test_megatron_dict_form_and_get_args():
+    overrides = from_megatron_dict({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                    "micro_batch_size": 2, "global_batch_size": 8, "use_fp16": True,
+                                    "optimizer": "sgd", "lr": 0.05, "train_iters": 33})
+    assert overrides["precision"] == "fp16"
+    args = paratron.initialize_megatron({"micro_batch_size": 2, "global_batch_size": 8, "use_fp16": True,
+                                         "optimizer": "sgd", "lr": 0.05, "train_iters": 33},
+                                        args_defaults={"lr": 0.1, "num_layers": 3})
+    assert paratron.get_args() is args
+    assert (args.micro_batch_size, args.global_batch_size, args.optimizer, args.lr, args.train_iters) == (2, 8, "sgd", 0.05, 33)
+    assert args.num_layers == 3 and args.fp16 and not args.bf16
+    assert args.data_parallel_size == 1 and args.tensor_model_parallel_size == 1
+    assert args.config.training.precision == "fp16"
+    with pytest.raises(ConfigError, match="sequence_parallel: a Megatron-LM setting that paratron does not support yet"):
+        from_megatron_dict({"sequence_parallel": True})
+    with pytest.raises(ConfigError, match="hidden_sise: unknown setting"):
+        from_megatron_dict({"hidden_sise": 3})
