@@ -1,0 +1,249 @@
+"""The GPT family (GPT-2/3, Llama, Mistral, Qwen2 shapes) as plain single-device PyTorch.
+
+Read top to bottom: positions, attention, MLP, a pre-norm block, the whole model.
+Nothing here knows about parallelism. Head counts are derived from weight shapes
+(`view(B, T, -1, head_dim)`), so tensor parallelism can swap `nn.Linear` for its
+sharded twins without touching this file.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratron.config.schema import ModelConfig
+
+# ---------------------------------------------------------------- positions
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [T, head_dim] for rotary embeddings, computed in fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(positions.float(), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + head_dim/2) of x [B, heads, T, head_dim] by position-dependent angles."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+# ---------------------------------------------------------------- KV cache (for generation)
+
+
+class LayerKVCache:
+    """Keys and values of one layer for the positions seen so far; allocated on first use."""
+
+    def __init__(self, max_length: int) -> None:
+        self.max_length = max_length
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            shape = (k.size(0), k.size(1), self.max_length, k.size(3))
+            self.keys = k.new_empty(shape)
+            self.values = v.new_empty(shape)
+        end = start + k.size(2)
+        self.keys[:, :, start:end] = k
+        self.values[:, :, start:end] = v  # type: ignore[index]
+        return self.keys[:, :, :end], self.values[:, :, :end]  # type: ignore[index]
+
+
+class KVCache:
+    """Per-layer caches plus the number of positions already processed."""
+
+    def __init__(self, num_layers: int, max_length: int) -> None:
+        self.layers = [LayerKVCache(max_length) for _ in range(num_layers)]
+        self.length = 0
+
+
+# ---------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Causal self-attention; grouped-query when there are fewer key/value heads than query heads."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        heads = config.num_attention_heads
+        groups = config.num_query_groups or heads
+        self.head_dim = config.kv_channels or config.hidden_size // heads
+        bias = config.add_bias_linear
+        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, groups * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, groups * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
+        self.attention_dropout = config.attention_dropout
+        self.output_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: LayerKVCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, groups, T, hd]
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if cache is not None:
+            k, v = cache.update(k, v, start)
+        mask, causal = None, True
+        if k.size(2) != T:  # decoding with a cache: queries sit at the end of the keys
+            causal = False
+            if T > 1:
+                mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=k.size(1) != q.size(1),
+        )
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.output_dropout(self.out_proj(y))
+
+
+# ---------------------------------------------------------------- MLP
+
+
+class MLP(nn.Module):
+    """GELU MLP (GPT) or SwiGLU MLP (Llama): up-projection, activation, down-projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.ffn_hidden_size or 4 * config.hidden_size
+        bias = config.add_bias_linear
+        self.gated = config.activation == "swiglu"
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias) if self.gated else None
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is not None:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = F.gelu(self.up_proj(x), approximate="tanh")  # GPT-2's GELU
+        return self.dropout(self.down_proj(h))
+
+
+# ---------------------------------------------------------------- block and model
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = make_norm(config)
+        self.attention = Attention(config)
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rotary=None, cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rotary, cache, start)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Token (+ learned position) embedding, a stack of blocks, a final norm and the output layer.
+
+    `forward(input_ids)` returns logits [B, T, vocab]. `config.vocab_size` must be set.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size must be set before building the model")
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        learned = config.position_embedding_type == "learned_absolute"
+        self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.final_norm = make_norm(config)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @property
+    def tied(self) -> bool:
+        return not self.config.untie_embeddings_and_output_weights
+
+    def tie_weights(self) -> None:
+        """Share the input embedding with the output layer (again after materializing from meta)."""
+        if self.tied:
+            self.output.weight = self.embedding.weight
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        T = input_ids.size(1)
+        start = cache.length if cache is not None else 0
+        positions = torch.arange(start, start + T, device=input_ids.device)
+        x = self.embedding(input_ids)
+        rotary = None
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(positions)
+        else:
+            head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
+            rotary = rotary_cos_sin(positions, head_dim, self.config.rotary_base)
+        x = self.embedding_dropout(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rotary, cache.layers[i] if cache is not None else None, start)
+        if cache is not None:
+            cache.length += T
+        return self.output(self.final_norm(x))
+
+
+# ---------------------------------------------------------------- building and initialization
+
+
+def _stable_seed(seed: int, name: str) -> int:
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_parameter(name: str, param: torch.Tensor, config: ModelConfig, seed: int) -> None:
+    """Initialize one parameter from (seed, its name) alone, so every layout gets the same weights.
+
+    Matrices and embeddings ~ N(0, std); the projections that write into the residual stream
+    use std / sqrt(2 x layers) (GPT-2/Megatron scaled init); norms start at 1, biases at 0.
+    """
+    with torch.no_grad():
+        if name.endswith("bias"):
+            param.zero_()
+        elif "norm" in name:
+            param.fill_(1.0)
+        else:
+            std = config.init_method_std
+            if name.endswith(("out_proj.weight", "down_proj.weight")):
+                std /= math.sqrt(2.0 * config.num_layers)
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed(_stable_seed(seed, name))
+            param.normal_(0.0, std, generator=generator)
+
+
+def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> GPT:
+    """Build on the meta device (no memory, no time), then materialize on `device` and initialize."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.tie_weights()
+    for name, param in model.named_parameters():
+        init_parameter(name, param, config, seed)
+    return model

@@ -1,0 +1,95 @@
+"""The GPT family: shapes, flavours, tying, seed-only initialization, causality and the KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from paratron.config.schema import ModelConfig
+from paratron.inference.generate import generate
+from paratron.model.gpt import KVCache, build_model
+
+GPT_FLAVOUR = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97,
+                          max_position_embeddings=64)
+LLAMA_FLAVOUR = dataclasses.replace(GPT_FLAVOUR, position_embedding_type="rope", normalization="RMSNorm",
+                                    activation="swiglu", num_query_groups=2, add_bias_linear=False,
+                                    ffn_hidden_size=80, untie_embeddings_and_output_weights=True)
+FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_forward_shapes_and_structure(flavour):
+    config = FLAVOURS[flavour]
+    model = build_model(config, seed=0)
+    ids = torch.randint(0, config.vocab_size, (3, 11))
+    assert model(ids).shape == (3, 11, config.vocab_size)
+    attention = model.layers[0].attention
+    groups = config.num_query_groups or config.num_attention_heads
+    assert attention.k_proj.weight.shape == (groups * 8, 32)
+    assert (attention.q_proj.bias is None) == (not config.add_bias_linear)
+    assert (model.position_embedding is None) == (flavour == "llama")
+    assert isinstance(model.final_norm, torch.nn.RMSNorm if flavour == "llama" else torch.nn.LayerNorm)
+    assert (model.layers[0].mlp.gate_proj is not None) == (flavour == "llama")
+    assert (model.output.weight is model.embedding.weight) == (flavour == "gpt")
+
+
+def test_initialization_depends_only_on_seed_and_name():
+    a = build_model(GPT_FLAVOUR, seed=5)
+    b = build_model(GPT_FLAVOUR, seed=5)
+    deeper = build_model(dataclasses.replace(GPT_FLAVOUR, num_layers=4), seed=5)
+    other = build_model(GPT_FLAVOUR, seed=6)
+    for name, p in a.named_parameters():
+        assert torch.equal(p, dict(b.named_parameters())[name])
+    q = "layers.1.attention.q_proj.weight"
+    assert torch.equal(dict(a.named_parameters())[q], dict(deeper.named_parameters())[q])
+    assert not torch.equal(dict(a.named_parameters())[q], dict(other.named_parameters())[q])
+    # residual-stream projections are scaled by 1/sqrt(2 x layers); norms start at 1, biases at 0
+    out = dict(a.named_parameters())["layers.0.attention.out_proj.weight"]
+    assert out.std().item() == pytest.approx(0.02 / 2, rel=0.2)
+    assert torch.all(a.layers[0].attention_norm.weight == 1) and torch.all(a.layers[0].mlp.up_proj.bias == 0)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_causal(flavour):
+    config = FLAVOURS[flavour]
+    model = build_model(config, seed=0).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    changed = ids.clone()
+    changed[:, 8:] = (changed[:, 8:] + 1) % config.vocab_size
+    torch.testing.assert_close(model(ids)[:, :8], model(changed)[:, :8])
+    assert not torch.allclose(model(ids)[:, 8:], model(changed)[:, 8:])
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_kv_cache_matches_full_forward(flavour):
+    config = FLAVOURS[flavour]
+    model = build_model(config, seed=1).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 14))
+    full = model(ids)
+    cache = KVCache(config.num_layers, 14)
+    pieces = [model(ids[:, :5], cache), model(ids[:, 5:9], cache)]  # prefill, then a chunk
+    pieces += [model(ids[:, t : t + 1], cache) for t in range(9, 14)]  # then one token at a time
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generation_is_the_argmax_chain():
+    model = build_model(LLAMA_FLAVOUR, seed=2).eval()
+    prompt = [3, 1, 4, 1, 5]
+    out = generate(model, prompt, 6)
+    ids = list(prompt)
+    for _ in range(6):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert out == ids[len(prompt):]
+    sampled = generate(model, prompt, 6, temperature=1.0, top_k=5, seed=0)
+    assert sampled == generate(model, prompt, 6, temperature=1.0, top_k=5, seed=0) and len(sampled) == 6
+
+
+def test_dropout_only_in_training():
+    config = dataclasses.replace(GPT_FLAVOUR, hidden_dropout=0.5, attention_dropout=0.5)
+    model = build_model(config, seed=0)
+    ids = torch.randint(0, config.vocab_size, (2, 8))
+    assert not torch.equal(model(ids), model(ids))
+    model.eval()
+    assert torch.equal(model(ids), model(ids))

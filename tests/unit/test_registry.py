@@ -1,0 +1,26 @@
+"""Named model sizes have the published parameter counts (within 0.5%), counted on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratron.model.registry import MODELS, PUBLISHED_PARAMETERS, count_parameters, model_config
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+def test_parameter_counts_match_published(name):
+    counted = count_parameters(model_config(name))
+    published = PUBLISHED_PARAMETERS[name]
+    assert abs(counted - published) / published < 0.005, f"{name}: {counted:,} vs {published:,}"
+
+
+def test_exact_counts_of_reference_implementations():
+    # Hugging Face's gpt2 and Meta's Llama 3 8B, to the parameter.
+    assert count_parameters(model_config("gpt2-small")) == 124_439_808
+    assert count_parameters(model_config("llama3-8b")) == 8_030_261_248
+    assert count_parameters(model_config("llama3-1b")) == 1_235_814_400  # tied embeddings counted once
+
+
+def test_registry_has_the_required_sizes():
+    assert {"debug", "gpt2-small", "gpt2-xl", "llama3-1b", "llama3-8b", "llama3-70b", "gpt3-175b"} <= set(MODELS)
+    assert count_parameters(model_config("debug", vocab_size=512)) < 1_000_000
