@@ -1,0 +1,103 @@
+"""Process-group start-up, device choice and seeding: the one place that knows about CUDA.
+
+Backend and device come from the machine: NCCL and `cuda:LOCAL_RANK` where CUDA exists,
+gloo and the CPU otherwise. Everything else allocates on the device of a tensor it holds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from paratron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the job and which device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def choose_backend(requested: str = "auto") -> tuple[str, torch.device]:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if requested == "nccl" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--distributed-backend nccl needs CUDA, which this machine lacks; use gloo or auto")
+        torch.cuda.set_device(local_rank)
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cpu")
+
+
+def initialize(backend: str = "auto", timeout_minutes: float = 10.0) -> DistributedContext:
+    """Join the process group torchrun described in the environment (or run alone)."""
+    name, device = choose_backend(backend)
+    rank, world = int(os.environ.get("RANK", "0")), env_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if device.type == "cpu":
+        # Share the cores among the processes on this machine instead of oversubscribing them.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(name, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes),
+                                device_id=device if device.type == "cuda" else None)
+    return DistributedContext(rank, world, local_rank, local_world, device, name)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (every device) alike."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+# Peak dense bf16/fp16 tensor-core throughput (FLOP/s) of known accelerators, for MFU.
+_PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+                    "L40S": 362e12, "A10G": 125e12, "V100": 125e12, "B200": 2250e12, "GH200": 989e12}
+
+
+def accelerator_peak_flops(device: torch.device) -> float | None:
+    """Spec-sheet peak of a known CUDA device (None on CPU or an unknown device)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(_PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in name:
+            return _PEAK_BF16_FLOPS[key]
+    return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocator peak on an accelerator, resident set size on CPU."""
+    if device.type != "cpu" and torch.accelerator.is_available():
+        return int(torch.accelerator.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -1,0 +1,83 @@
+"""Rank arithmetic of the parallel grid, without processes, for world sizes up to 4096."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from paratron.distributed.topology import GROUP_AXES, ParallelDims, Topology
+
+LAYOUTS = [
+    dict(world_size=1),
+    dict(world_size=8, tp=2, pp=2),
+    dict(world_size=16, tp=2, cp=2, pp=2),
+    dict(world_size=64, tp=8, pp=4, ep=2),
+    dict(world_size=4096, tp=8, pp=16, cp=2, ep=4),
+    dict(world_size=4096, tp=4, pp=8),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_groups_partition_the_world_and_agree_with_coordinates(layout):
+    dims = ParallelDims(**layout)
+    assert dims.tp * dims.cp * dims.dp * dims.pp == dims.world_size
+    sizes = {"tp": dims.tp, "cp": dims.cp, "ep": dims.ep, "dp": dims.dp, "expert_dp": dims.edp,
+             "dp_cp": dims.dp * dims.cp, "pp": dims.pp, "model": dims.tp * dims.pp}
+    coords = [dims.coordinates(r) for r in range(dims.world_size)]
+    for kind, varying in GROUP_AXES.items():
+        groups = dims.group_ranks(kind)
+        flat = sorted(itertools.chain.from_iterable(groups))
+        assert flat == list(range(dims.world_size)), f"{kind} groups do not partition the world"
+        assert all(len(g) == sizes[kind] for g in groups)
+        for g in groups:
+            assert g == sorted(g)
+            # members agree on every axis outside the group's varying axes
+            fixed = [a for a in ("tp", "cp", "ep", "edp", "pp") if a not in varying]
+            assert len({tuple(coords[r][a] for a in fixed) for r in g}) == 1
+    for r in range(0, dims.world_size, max(1, dims.world_size // 97)):
+        assert dims.rank_of(**{a: coords[r][a] for a in ("tp", "cp", "ep", "edp", "pp")}) == r
+        assert dims.rank_of(tp=coords[r]["tp"], cp=coords[r]["cp"], dp=coords[r]["dp"], pp=coords[r]["pp"]) == r
+
+
+def test_megatron_rank_order_tp_fastest_then_cp_ep_dp_pp():
+    dims = ParallelDims(world_size=16, tp=2, cp=2, pp=2)  # dp = 2
+    assert dims.group_ranks("tp")[:2] == [[0, 1], [2, 3]]
+    assert dims.group_ranks("cp")[:2] == [[0, 2], [1, 3]]
+    assert dims.group_ranks("dp")[:2] == [[0, 4], [1, 5]]
+    assert dims.group_ranks("pp")[:2] == [[0, 8], [1, 9]]
+    assert dims.coordinates(13) == {"tp": 1, "cp": 0, "ep": 0, "edp": 1, "pp": 1, "dp": 1}
+    # tensor-parallel peers stay inside an 8-GPU node in the classic 8 x TP layout
+    big = ParallelDims(world_size=512, tp=8, pp=8)
+    assert all(g[-1] - g[0] == 7 and g[0] % 8 == 0 for g in big.group_ranks("tp"))
+
+
+def test_expert_parallel_is_carved_out_of_data_parallel():
+    dims = ParallelDims(world_size=16, tp=2, ep=2)  # dp = 8 = ep 2 x edp 4
+    assert dims.group_ranks("ep")[0] == [0, 2]
+    assert dims.group_ranks("expert_dp")[0] == [0, 4, 8, 12]
+    assert dims.group_ranks("dp")[0] == [0, 2, 4, 6, 8, 10, 12, 14]
+
+
+def test_embedding_group_is_first_and_last_stage():
+    dims = ParallelDims(world_size=8, tp=2, pp=4)
+    assert dims.embedding_group_ranks() == [[0, 6], [1, 7]]
+    topo = Topology(dims, rank=7)
+    assert topo.ranks("embedding") == [1, 7] and topo.is_last_stage and not topo.is_first_stage
+    assert topo.ranks("tp") == [6, 7] and topo.local_rank("tp") == 1 and topo.size("dp") == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=6, tp=4), "world size 6 is not divisible by TP x CP x PP = 4"),
+    (dict(world_size=8, tp=2, ep=3), "data-parallel size 4 is not divisible by expert-parallel size 3"),
+    (dict(world_size=0), "world_size must be a positive integer"),
+    (dict(world_size=4, pp=-1), "pp must be a positive integer"),
+])
+def test_invalid_dims_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**kwargs)
+
+
+def test_rank_out_of_range():
+    with pytest.raises(ValueError, match="rank 8 is outside world size 8"):
+        ParallelDims(world_size=8).coordinates(8)
