@@ -1,0 +1,29 @@
+"""Single-device models (and their tokenizers) from saved checkpoints, for inference and fine-tuning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from paratron.checkpoint.io import CheckpointInfo, load_model_weights, read_checkpoint
+from paratron.data.tokenizer import Tokenizer
+from paratron.model.gpt import GPT, build_model
+
+
+def model_from_checkpoint(info: CheckpointInfo, device: torch.device | str = "cpu") -> GPT:
+    model = build_model(info.config.model, device, seed=info.config.training.seed)
+    load_model_weights(info, model)
+    return model.eval()
+
+
+def tokenizer_from_checkpoint(info: CheckpointInfo) -> Tokenizer | None:
+    """The tokenizer saved with a checkpoint (None for runs on mock data)."""
+    file = info.path / "tokenizer.json"
+    return Tokenizer.from_file(file) if file.is_file() else None
+
+
+def load_pretrained(path: str | Path, device: torch.device | str = "cpu") -> GPT:
+    """The model of a paratron checkpoint (a save directory or one iteration folder), in eval mode;
+    `model(input_ids)` returns logits."""
+    return model_from_checkpoint(read_checkpoint(Path(path)), device)

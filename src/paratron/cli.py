@@ -1,0 +1,125 @@
+"""`paratron train | generate`: the command line.
+
+User mistakes (UserError) print one line and exit 2; internal failures keep their
+traceback and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from paratron.errors import PeerFailure, UserError
+
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
+
+
+def command(name: str, summary: str):
+    def register(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
+        COMMANDS[name] = (summary, fn)
+        return fn
+    return register
+
+
+def _usage() -> str:
+    lines = ["usage: paratron COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<10} {summary}" for name, (summary, _) in COMMANDS.items()]
+    lines += ["", "`paratron COMMAND --help` describes a command's options."]
+    return "\n".join(lines)
+
+
+def train_parser() -> argparse.ArgumentParser:
+    from paratron.config.arguments import ArgumentParser, add_config_arguments
+
+    parser = ArgumentParser(
+        prog="paratron train",
+        description="Train a GPT-family model. Settings come from defaults, then --model's registry entry, "
+                    "then the --config recipe, then flags; Megatron-LM flag names are accepted.",
+        allow_abbrev=False,
+    )
+    add_config_arguments(parser)
+    return parser
+
+
+@command("train", "train a model (launches itself under torchrun with --nproc N)")
+def cmd_train(argv: list[str]) -> int:
+    from paratron.config.arguments import parse_config_arguments
+    from paratron.config.loading import build_config
+    from paratron.config.validation import validate
+    from paratron.distributed.init import env_world_size, launched_by_torchrun
+
+    recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
+    config = build_config(overrides, recipe)
+    nproc = config.parallel.nproc_per_node
+    validate(config, env_world_size() if launched_by_torchrun() else nproc)
+    if nproc > 1 and not launched_by_torchrun():
+        from paratron.distributed.launch import run_under_torchrun
+
+        return run_under_torchrun(nproc, ["train", *argv])
+    from paratron.training.run import run_training
+
+    run_training(config)
+    return 0
+
+
+@command("generate", "continue a prompt with a saved model")
+def cmd_generate(argv: list[str]) -> int:
+    from paratron.checkpoint.io import read_checkpoint
+    from paratron.checkpoint.pretrained import model_from_checkpoint, tokenizer_from_checkpoint
+    from paratron.config.arguments import ArgumentParser
+    from paratron.distributed.init import choose_backend
+    from paratron.errors import CheckpointError
+    from paratron.inference.generate import generate
+
+    parser = ArgumentParser(prog="paratron generate", description="Continue a prompt with a saved model.",
+                            allow_abbrev=False)
+    parser.add_argument("--load", required=True, help="Checkpoint directory (as given to --save) or one iteration folder.")
+    parser.add_argument("--prompt", required=True, help="Text to continue.")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate (default: 64).")
+    parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0).")
+    parser.add_argument("--top-k", type=int, default=None, help="Sample only among the k likeliest tokens.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed for sampling (default: 0).")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    info = read_checkpoint(Path(args.load))
+    tokenizer = tokenizer_from_checkpoint(info)
+    if tokenizer is None:
+        raise CheckpointError(f"{info.path}: holds no tokenizer (trained on mock data), so text cannot be encoded")
+    _, device = choose_backend("auto")
+    model = model_from_checkpoint(info, device)
+    ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
+                   eos_id=tokenizer.eod_id, seed=args.seed)
+    print(args.prompt + tokenizer.decode(i for i in ids if i != tokenizer.eod_id))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name][1](rest)
+    except PeerFailure:
+        return 2
+    except UserError as exc:
+        import os
+
+        rank = os.environ.get("RANK", "0")
+        prefix = "" if rank == "0" else f"[rank {rank}] "
+        print(f"{prefix}error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Autoregressive generation with a KV cache: greedy, or temperature with optional top-k."""
+
+from __future__ import annotations
+
+import torch
+
+from paratron.model.gpt import GPT, KVCache
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids [B] from last-position logits [B, V]; temperature 0 means greedy."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, eos_id: int | None = None, seed: int | None = None) -> list[int]:
+    """Continue `prompt_ids`; returns only the new tokens (stopping early at `eos_id`).
+
+    The prompt is cut from the left if prompt + new tokens exceed the model's positions.
+    """
+    device = next(model.parameters()).device
+    limit = model.config.max_position_embeddings
+    max_new_tokens = max(0, min(max_new_tokens, limit - 1))
+    prompt_ids = prompt_ids[-(limit - max_new_tokens):] or [eos_id or 0]
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    cache = KVCache(len(model.layers), len(prompt_ids) + max_new_tokens)
+    logits = model(torch.tensor([prompt_ids], device=device), cache)[:, -1]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = sample_next(logits, temperature, top_k, generator)
+        out.append(int(token))
+        if eos_id is not None and out[-1] == eos_id:
+            break
+        logits = model(token.view(1, 1), cache)[:, -1]
+    model.train(was_training)
+    return out

@@ -1,0 +1,6 @@
+"""The training loop, one step, metrics, plots and FLOPs accounting."""
+
+from paratron.training.loop import Trainer, TrainState
+from paratron.training.run import run_training
+
+__all__ = ["Trainer", "TrainState", "run_training"]

@@ -1,0 +1,132 @@
+"""The training loop: steps, periodic logging, evaluation and checkpoints.
+
+Everything it needs is built beforehand (`training/run.py`); this file only runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratron.checkpoint.io import save_checkpoint
+from paratron.config.schema import Config
+from paratron.data.build import DataBundle
+from paratron.data.loader import BatchPlan, micro_batches
+from paratron.distributed.init import DistributedContext, peak_memory_bytes
+from paratron.distributed.topology import Topology
+from paratron.optim.build import set_learning_rate
+from paratron.optim.lr_schedule import learning_rate
+from paratron.parallel.data import DataParallel, unwrap
+from paratron.training.metrics import MetricsWriter
+from paratron.training.step import Precision, evaluate_batches, train_step
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    losses: list[float] = field(default_factory=list)
+    """Logged train loss of each log interval."""
+    val_losses: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Trainer:
+    config: Config
+    ctx: DistributedContext
+    topology: Topology
+    model: DataParallel
+    optimizer: torch.optim.Optimizer
+    data: DataBundle
+    writer: MetricsWriter
+    flops_per_token: float
+    peak_flops: float
+    state: TrainState = field(default_factory=TrainState)
+
+    def __post_init__(self) -> None:
+        t = self.config.training
+        self.plan = BatchPlan(self.global_batch_size, t.micro_batch_size, self.topology.size("dp"),
+                              self.topology.dp_rank)
+        self.precision = Precision(t.precision, self.ctx.device)
+
+    @property
+    def global_batch_size(self) -> int:
+        t = self.config.training
+        return t.global_batch_size or t.micro_batch_size * self.topology.size("dp")
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        """Average a per-rank scalar over data-parallel ranks (a host sync)."""
+        if self.topology.size("dp") > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.topology.group("dp"))
+            value /= self.topology.size("dp")
+        return float(value.item())
+
+    def fit(self) -> TrainState:
+        t, lg = self.config.training, self.config.logging
+        state = self.state
+        window_loss = torch.zeros((), device=self.ctx.device)
+        window_steps, window_start = 0, time.perf_counter()
+        tokens_per_step = self.global_batch_size * self.config.data.seq_length
+        for iteration in range(state.iteration + 1, t.train_iters + 1):
+            lr = learning_rate(iteration, self.config.optimizer.lr, self.config.lr_schedule, t.train_iters)
+            set_learning_rate(self.optimizer, lr)
+            batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device)
+            result = train_step(self.model, self.optimizer, batches, self.precision, self.config.optimizer.clip_grad)
+            state.iteration = iteration
+            state.consumed_samples += self.global_batch_size
+            window_loss += result.loss
+            window_steps += 1
+            if result.skipped:
+                state.skipped_iterations += 1
+                self.writer.info(f"step {iteration}: fp16 gradients overflowed; step skipped, loss scale now "
+                                 f"{self.precision.scaler.get_scale():g} ({state.skipped_iterations} skipped so far)")
+            self.writer.advance()
+
+            if iteration % lg.log_interval == 0 or iteration == t.train_iters:
+                loss = self._dp_mean(window_loss / window_steps)
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                flops_per_device = self.flops_per_token * tokens_per_s / self.ctx.world_size
+                record = {
+                    "step": iteration, "loss": loss, "lr": lr, "grad_norm": float(result.grad_norm),
+                    "tokens_per_s": tokens_per_s, "tflops_per_device": flops_per_device / 1e12,
+                    "mfu": flops_per_device / self.peak_flops, "mem_gb": peak_memory_bytes(self.ctx.device) / 1e9,
+                    "consumed_samples": state.consumed_samples, "skipped_iterations": state.skipped_iterations,
+                }
+                state.losses.append(loss)
+                self.writer.log_step(record)
+                window_loss.zero_()
+                window_steps = 0
+                window_start = time.perf_counter()
+
+            last = iteration == t.train_iters
+            if t.eval_iters > 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
+                state.val_losses.append(self.evaluate())
+                self.writer.log_eval(iteration, state.val_losses[-1])
+                window_start = time.perf_counter()
+            c = self.config.checkpoint
+            if c.save and ((c.save_interval and iteration % c.save_interval == 0) or last):
+                path = self.save(Path(c.save))
+                self.writer.info(f"saved checkpoint {path}")
+                window_start = time.perf_counter()
+        return state
+
+    def evaluate(self) -> float:
+        """Mean loss over the first eval_iters global batches of the validation split (the same ones each time)."""
+        assert self.data.valid is not None
+        total = torch.zeros((), device=self.ctx.device)
+        iters = self.config.training.eval_iters
+        for i in range(iters):
+            batches = micro_batches(self.data.valid, self.plan, i * self.global_batch_size, self.ctx.device)
+            total += evaluate_batches(self.model, batches, self.precision)
+        return self._dp_mean(total / iters)
+
+    def save(self, root: Path) -> Path:
+        return save_checkpoint(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
+                               self.optimizer, self.config, self.data.tokenizer, writer=self.ctx.is_main)

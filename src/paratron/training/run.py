@@ -1,0 +1,117 @@
+"""Assemble a training run from a validated Config, run it, and report.
+
+Order: process group -> topology -> data (tokenizer, samples) -> model (meta, then
+initialized from the seed) -> parallelize -> optimizer -> resume -> train -> plot, sample.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from paratron.checkpoint.io import load_model_weights, load_training_state, read_checkpoint
+from paratron.config.schema import Config
+from paratron.data.build import build_data
+from paratron.distributed.init import initialize, seed_everything, shutdown
+from paratron.distributed.topology import ParallelDims, Topology
+from paratron.inference.generate import generate
+from paratron.model.gpt import build_model
+from paratron.optim.build import build_optimizer
+from paratron.parallel.data import unwrap
+from paratron.parallel.parallelize import parallelize
+from paratron.training.flops import peak_flops, training_flops_per_token
+from paratron.training.loop import Trainer, TrainState
+from paratron.training.metrics import MetricsWriter
+from paratron.training.plot import plot_loss_curve
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def run_training(config: Config) -> TrainState:
+    """Train as configured on this process's rank; returns the final state (all ranks)."""
+    ctx = initialize(config.parallel.distributed_backend)
+    try:
+        return _run(config, ctx)
+    finally:
+        shutdown()
+
+
+def _run(config: Config, ctx) -> TrainState:
+    started = time.perf_counter()
+    p, t = config.parallel, config.training
+    topology = Topology(ParallelDims(ctx.world_size, tp=p.tensor_model_parallel_size,
+                                     pp=p.pipeline_model_parallel_size), ctx.rank)
+    topology.create_groups()
+    say = print if ctx.is_main else (lambda *a, **k: None)
+
+    data = build_data(config, ctx.local_rank, log=say)
+    config.model.vocab_size = data.vocab_size
+
+    resume = read_checkpoint(Path(config.checkpoint.load)) if config.checkpoint.load else None
+    model = build_model(config.model, ctx.device, seed=t.seed)
+    if resume is not None:
+        load_model_weights(resume, model)
+    n_params = sum(q.numel() for q in model.parameters())
+    model = parallelize(model, config, topology)
+    optimizer = build_optimizer(model, config.optimizer)
+    state = TrainState()
+    seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
+    if resume is not None:
+        load_training_state(resume, optimizer)
+        state = TrainState(resume.iteration, resume.consumed_samples)
+
+    peak, peak_source = peak_flops(ctx.device, config.logging.peak_tflops)
+    run_dir = Path(config.logging.run_dir)
+    writer = MetricsWriter(run_dir, t.train_iters, state.iteration, enabled=ctx.is_main,
+                           progress_bar=config.logging.progress_bar, tensorboard=config.logging.tensorboard)
+    trainer = Trainer(config, ctx, topology, model, optimizer, data, writer,
+                      training_flops_per_token(config.model, config.data.seq_length), peak, state)
+    m = config.model
+    say(f"paratron: {topology.describe()} on {ctx.backend}/{ctx.device.type}, {t.precision}")
+    say(f"model: {n_params / 1e6:.2f}M parameters ({m.num_layers} layers, hidden {m.hidden_size}, "
+        f"{m.num_attention_heads} heads, vocab {m.vocab_size}); global batch {trainer.global_batch_size} x "
+        f"{config.data.seq_length} tokens = {trainer.plan.num_micro_batches} micro-batch(es) of "
+        f"{t.micro_batch_size} per rank; peak {peak / 1e12:.3f} TFLOP/s/device ({peak_source})")
+    if resume is not None:
+        say(f"resumed from {resume.path} at step {resume.iteration}")
+
+    with writer:
+        state = trainer.fit()
+    if ctx.is_main:
+        _report(config, state, run_dir, time.perf_counter() - started, say)
+        if config.logging.sample_prompt and data.tokenizer is not None:
+            _print_sample(config, unwrap(model), data.tokenizer, say)
+    if dist.is_initialized():
+        dist.barrier()
+    return state
+
+
+def _report(config: Config, state: TrainState, run_dir: Path, elapsed: float, say) -> None:
+    plot = plot_loss_curve(run_dir, title=f"{config.model.model_name or 'model'} on "
+                                         f"{config.data.corpus or ('mock data' if config.data.mock_data else 'data')}")
+    line = f"done: {state.iteration} steps in {_duration(elapsed)}"
+    if state.losses:
+        line += f" | final train loss {state.losses[-1]:.4f}"
+    if state.val_losses:
+        line += f" | validation loss {state.val_losses[-1]:.4f}"
+    say(line)
+    if config.checkpoint.save:
+        say(f"checkpoint: {Path(config.checkpoint.save) / f'iter_{state.iteration:07d}'}")
+    say(f"metrics: {run_dir / 'metrics.jsonl'} | loss curve: {plot}")
+
+
+def _print_sample(config: Config, model, tokenizer, say) -> None:
+    prompt = config.logging.sample_prompt or ""
+    temperature = config.logging.sample_temperature
+    ids = generate(model, tokenizer.encode(prompt), config.logging.sample_tokens, temperature=temperature,
+                   top_k=40, eos_id=tokenizer.eod_id, seed=config.training.seed)
+    how = "greedy" if temperature <= 0 else f"temperature {temperature:g}, top-k 40"
+    say(f"sample ({how}) continuing the prompt:")
+    say("-" * 60)
+    say(prompt + tokenizer.decode(i for i in ids if i != tokenizer.eod_id))
+    say("-" * 60)

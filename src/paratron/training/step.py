@@ -1,0 +1,93 @@
+"""One optimizer step over this rank's micro-batches, and evaluation.
+
+The loss of a step is the mean over micro-batches of each micro-batch's mean token loss;
+each micro-batch's backward is scaled by 1/num_micro_batches, and gradients are averaged
+over data-parallel ranks, so every layout computes the gradient of the same global mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from paratron.optim.build import clip_grad_norm
+from paratron.parallel.data import DataParallel
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32 whatever the compute precision."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+class Precision:
+    """Autocast for bf16/fp16 compute over fp32 weights; dynamic loss scaling for fp16."""
+
+    def __init__(self, precision: str, device: torch.device) -> None:
+        self.device = device
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Apply the update; False when fp16 gradients overflowed and the step was skipped."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= before
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """Mean loss of this rank's micro-batches (detached; not yet averaged over ranks)."""
+    grad_norm: torch.Tensor
+    skipped: bool
+
+
+def train_step(model: DataParallel, optimizer: torch.optim.Optimizer,
+               batches: list[tuple[torch.Tensor, torch.Tensor]], precision: Precision,
+               clip_grad: float) -> StepResult:
+    model.zero_grad_buffer()
+    total = torch.zeros((), device=batches[0][0].device)
+    for inputs, labels in batches:
+        with precision.autocast():
+            logits = model(inputs)
+        loss = language_model_loss(logits, labels)
+        precision.backward(loss / len(batches))
+        total += loss.detach()
+    model.finish_grad_sync()
+    precision.unscale(optimizer)
+    grad_norm = clip_grad_norm(model.parameters(), clip_grad)
+    stepped = precision.step(optimizer)
+    return StepResult(total / len(batches), grad_norm, skipped=not stepped)
+
+
+@torch.no_grad()
+def evaluate_batches(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                     precision: Precision) -> torch.Tensor:
+    """Mean loss over the given micro-batches (this rank's share of the evaluation)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=batches[0][0].device)
+    for inputs, labels in batches:
+        with precision.autocast():
+            total += language_model_loss(model(inputs), labels)
+    model.train(was_training)
+    return total / len(batches)

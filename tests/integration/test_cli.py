@@ -1,0 +1,101 @@
+"""The command line end to end, in subprocesses, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+QUIET = ["--no-progress-bar", "--no-tensorboard"]
+
+
+def paratron(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "paratron", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config", "debug", "--nproc", "3", "--tensor-model-parallel-size", "2"],
+     "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    (["--config", "debug", "--num-layers", "3", "--pipeline-model-parallel-size", "2", "--nproc", "2"],
+     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    (["--config", "debug", "--nproc", "2", "--global-batch-size", "12"],
+     "--global-batch-size 12 is not divisible by --micro-batch-size 8 x data-parallel size 2"),
+    (["--config", "nosuchrecipe"], "--config nosuchrecipe: no such file or recipe"),
+    (["--config", "debug", "--no-mock-data", "--data-path", "/no/such/dir"], "--data-path /no/such/dir: no such file"),
+    (["--config", "debug", "--hidden-size", "0"], "--hidden-size 0: must be at least 1"),
+    (["--config", "debug", "--seq-length", "512"], "--seq-length 512 exceeds --max-position-embeddings 256"),
+    (["--config", "debug", "--sequence-parallel"], "--sequence-parallel is a Megatron-LM flag that paratron does not support yet"),
+    (["--config", "debug", "--hiden-size", "8"], "unknown flag --hiden-size; did you mean --hidden-size?"),
+])
+def test_bad_settings_exit_2_with_one_line(args, expected):
+    assert_one_line_error(paratron("train", *args), expected)
+
+
+def test_help_shows_field_docs():
+    result = paratron("train", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--hidden-size INT Width of the residual stream. (default: 64)" in text
+    assert "--tensor-model-parallel-size INT Tensor-parallel degree" in text
+    assert "--fp16 Train in fp16 mixed precision" in text
+    top = paratron("--help")
+    assert top.returncode == 0 and "train" in top.stdout and "generate" in top.stdout
+
+
+def test_two_process_training_then_generate(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" * 40)
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    result = paratron("train", "--config", "debug", "--nproc", "2", "--no-mock-data", "--data-path", str(corpus),
+                      "--vocab-size", "300", "--train-iters", "8", "--log-interval", "4", "--eval-interval", "8",
+                      "--run-dir", str(run), "--save", str(ckpt), "--sample-prompt", "def f3(x):", *QUIET)
+    assert result.returncode == 0, result.stderr
+    assert "world 2 = TP 1 x CP 1 x DP 2" in result.stdout
+    assert "sample (temperature 0.7, top-k 40) continuing the prompt:" in result.stdout
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [4, 8]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    generated = paratron("generate", "--load", str(ckpt), "--prompt", "def f1", "--max-new-tokens", "5")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.startswith("def f1") and len(generated.stdout) > len("def f1")
+
+
+def test_runs_when_started_by_torchrun(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "paratron",
+         "train", "--config", "debug", "--train-iters", "6", "--run-dir", str(tmp_path), *QUIET],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "world 2 = TP 1 x CP 1 x DP 2" in result.stdout
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [5, 6]  # every log interval, and the last step
+
+
+def test_a_data_error_inside_the_workers_exits_2_without_hanging(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9\n")
+    result = paratron("train", "--config", "debug", "--nproc", "2", "--no-mock-data", "--data-path", str(tmp_path),
+                      *QUIET, timeout=120)
+    assert_one_line_error(result, "bad.txt: byte 3 is not valid UTF-8")
+
+
+def test_generate_with_a_missing_checkpoint(tmp_path):
+    assert_one_line_error(paratron("generate", "--load", str(tmp_path / "none"), "--prompt", "x"),
+                          "none: no checkpoint here")

@@ -1,0 +1,76 @@
+"""Run a function on N gloo ranks from pytest and report each rank's failure.
+
+`run_ranks(fn, n, *args)` spawns n processes with the torchrun environment variables set
+(RANK, WORLD_SIZE, MASTER_ADDR, ...), calls `fn(*args)` in each, and returns the list of
+return values in rank order. If any rank raises, exits or hangs past the timeout, every
+rank is stopped and one AssertionError lists what happened on each rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        # plain pickle copies tensors by value (the queue's own pickler would share them by file
+        # descriptor, which dies with this process)
+        results.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException:  # report everything, including SystemExit
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                break
+            outcomes[rank] = (ok, value)
+            if not ok:  # give the others a moment to report, then stop them
+                try:
+                    while len(outcomes) < world_size:
+                        rank, ok, value = results.get(timeout=5)
+                        outcomes[rank] = (ok, value)
+                except queue.Empty:
+                    pass
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=1 if len(outcomes) < world_size else 30)
+            if p.is_alive():
+                p.kill()
+    failures = []
+    for rank in range(world_size):
+        if rank not in outcomes:
+            code = procs[rank].exitcode
+            failures.append(f"rank {rank}: no result (exit code {code}; crashed, stopped or timed out after {timeout:.0f}s)")
+        elif not outcomes[rank][0]:
+            failures.append(f"rank {rank} raised:\n{outcomes[rank][1]}")
+    if failures:
+        raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(failures))
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]

@@ -1,0 +1,119 @@
+"""Single-process training: the loss falls, runs are deterministic, resume continues exactly, outputs exist."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from paratron.checkpoint import load_pretrained, read_checkpoint
+from paratron.errors import CheckpointError
+from paratron.model import build_model
+from paratron.optim.build import build_optimizer, clip_grad_norm
+from paratron.parallel.data import DataParallel
+from paratron.training.step import Precision, train_step
+from paratron.training.run import run_training
+from tiny import tiny_config
+
+
+def test_loss_falls_by_a_margin(tmp_path):
+    state = run_training(tiny_config(tmp_path, train_iters=100))
+    first, last = state.losses[0], state.losses[-1]
+    assert first == pytest.approx(math.log(512), abs=0.15)  # untrained: uniform over the vocabulary
+    assert last < first - 2.0, f"loss fell only from {first:.3f} to {last:.3f}"
+
+
+def test_same_seed_same_losses_different_seed_different(tmp_path):
+    a = run_training(tiny_config(tmp_path / "a", train_iters=8, hidden_dropout=0.1)).losses
+    b = run_training(tiny_config(tmp_path / "b", train_iters=8, hidden_dropout=0.1)).losses
+    c = run_training(tiny_config(tmp_path / "c", train_iters=8, hidden_dropout=0.1, seed=99)).losses
+    assert a == b
+    assert a != c
+
+
+def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
+    big = run_training(tiny_config(tmp_path / "big", train_iters=6, micro_batch_size=8, global_batch_size=8)).losses
+    acc = run_training(tiny_config(tmp_path / "acc", train_iters=6, micro_batch_size=2, global_batch_size=8)).losses
+    assert acc == pytest.approx(big, rel=1e-5)
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = run_training(tiny_config(tmp_path / "straight", train_iters=12, hidden_dropout=0.1)).losses
+    save = tmp_path / "ckpt"
+    first = run_training(tiny_config(tmp_path / "first", train_iters=6, lr_decay_iters=12, hidden_dropout=0.1,
+                                     save=str(save))).losses
+    second = run_training(tiny_config(tmp_path / "second", train_iters=12, hidden_dropout=0.1, load=str(save),
+                                      save=str(save))).losses
+    assert first + second == straight
+    assert read_checkpoint(save).iteration == 12
+
+
+def test_run_outputs_metrics_plot_tensorboard_and_checkpoint(tmp_path):
+    config = tiny_config(tmp_path / "run", train_iters=10, log_interval=5, eval_iters=2, eval_interval=5,
+                         tensorboard=True, save=str(tmp_path / "ckpt"))
+    run_training(config)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_gb"):
+        assert all(isinstance(r[key], float) and r[key] >= 0 for r in records), key
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [5, 10]
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    model = load_pretrained(tmp_path / "ckpt")
+    assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 512)
+
+
+def test_corrupted_checkpoint_is_refused(tmp_path):
+    save = tmp_path / "ckpt"
+    run_training(tiny_config(tmp_path / "run", train_iters=2, save=str(save)))
+    weights = save / "iter_0000002" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors: checksum mismatch; the file is corrupted"):
+        read_checkpoint(save)
+
+
+def test_checkpoint_of_another_shape_is_refused(tmp_path):
+    save = tmp_path / "ckpt"
+    run_training(tiny_config(tmp_path / "run", train_iters=1, save=str(save)))
+    with pytest.raises(CheckpointError, match=r"embedding.weight has shape \[512, 64\] there but \[512, 96\]"):
+        run_training(tiny_config(tmp_path / "run2", train_iters=2, load=str(save), hidden_size=96))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs_close_to_fp32(tmp_path, precision):
+    fp32 = run_training(tiny_config(tmp_path / "fp32", train_iters=4)).losses
+    low = run_training(tiny_config(tmp_path / precision, train_iters=4, precision=precision)).losses
+    assert all(math.isfinite(x) for x in low)
+    assert low == pytest.approx(fp32, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_optimizers_fit_one_batch(tmp_path, name):
+    config = tiny_config(tmp_path, vocab_size=512, optimizer=name, lr=0.5 if name == "sgd" else 0.01, clip_grad=0.0)
+    model = DataParallel(build_model(config.model, seed=0), None, 1)
+    optimizer = build_optimizer(model, config.optimizer)
+    assert type(optimizer).__name__ == {"adam": "AdamW", "sgd": "SGD"}[name]
+    batch = torch.randint(0, 512, (8, 33), generator=torch.Generator().manual_seed(0))
+    batches = [(batch[:, :-1], batch[:, 1:])]
+    losses = [train_step(model, optimizer, batches, Precision("fp32", torch.device("cpu")), 0.0).loss.item()
+              for _ in range(25)]
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_clip_grad_norm_matches_torch():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 10
+    expected = torch.sqrt(sum((p.grad**2).sum() for p in params))
+    before = [p.grad.clone() for p in params]
+    norm = clip_grad_norm(params, max_norm=1.0)
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    clipped = torch.sqrt(sum((p.grad**2).sum() for p in params))
+    assert clipped.item() == pytest.approx(1.0, rel=1e-5)
+    torch.testing.assert_close(params[0].grad, before[0] / expected, rtol=1e-5, atol=1e-6)
