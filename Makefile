@@ -1,12 +1,12 @@
 # The two commands a newcomer needs: `make demo` (the main job) and `make test`.
-# Each creates .venv on first use and installs the CPU build of torch, then paratron.
+# Each creates .venv on first use and installs torch==2.13.0, then paratron.
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench docs setup clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/step_time.py
+
+docs: $(STAMP)
+	$(PY) -c "from paratron.config.arguments import markdown_reference; print(markdown_reference(), end='')" > docs/.flags.md.tmp
+	mv docs/.flags.md.tmp docs/flags.md
 
 clean:
 	rm -rf runs .pytest_cache

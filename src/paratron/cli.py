@@ -14,10 +14,14 @@ from typing import Callable, Sequence
 from paratron.errors import PeerFailure, UserError
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
+"""name -> (one-line summary, function of the remaining arguments returning the exit code)"""
 
 
-def command(name: str, summary: str):
-    def register(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
+Command = Callable[[list[str]], int]
+
+
+def command(name: str, summary: str) -> Callable[[Command], Command]:
+    def register(fn: Command) -> Command:
         COMMANDS[name] = (summary, fn)
         return fn
     return register
@@ -49,11 +53,13 @@ def cmd_train(argv: list[str]) -> int:
     from paratron.config.loading import build_config
     from paratron.config.validation import validate
     from paratron.distributed.init import env_world_size, launched_by_torchrun
+    from paratron.training.run import check_inputs
 
     recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
     config = build_config(overrides, recipe)
     nproc = config.parallel.nproc_per_node
     validate(config, env_world_size() if launched_by_torchrun() else nproc)
+    check_inputs(config)
     if nproc > 1 and not launched_by_torchrun():
         from paratron.distributed.launch import run_under_torchrun
 
@@ -84,6 +90,10 @@ def cmd_generate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature}: must be zero (greedy) or more")
+    if args.top_k is not None and args.top_k < 1:
+        raise UserError(f"--top-k {args.top_k}: must be at least 1")
     info = read_checkpoint(Path(args.load))
     tokenizer = tokenizer_from_checkpoint(info)
     if tokenizer is None:
@@ -110,11 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PeerFailure:
         return 2
     except UserError as exc:
-        import os
+        from paratron.distributed.launch import report_worker_error
 
-        rank = os.environ.get("RANK", "0")
-        prefix = "" if rank == "0" else f"[rank {rank}] "
-        print(f"{prefix}error: {exc}", file=sys.stderr)
+        report_worker_error(str(exc))
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -41,6 +41,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     (["--config", "debug", "--seq-length", "512"], "--seq-length 512 exceeds --max-position-embeddings 256"),
     (["--config", "debug", "--sequence-parallel"], "--sequence-parallel is a Megatron-LM flag that paratron does not support yet"),
     (["--config", "debug", "--hiden-size", "8"], "unknown flag --hiden-size; did you mean --hidden-size?"),
+    (["--config", "debug", "--fp16", "--bf16"], "--fp16 and --bf16 were both given; choose one"),
+    (["--config", "debug", "--nproc", "2", "--load", "."], ".: no checkpoint here"),
 ])
 def test_bad_settings_exit_2_with_one_line(args, expected):
     assert_one_line_error(paratron("train", *args), expected)
@@ -94,6 +96,12 @@ def test_a_data_error_inside_the_workers_exits_2_without_hanging(tmp_path):
     result = paratron("train", "--config", "debug", "--nproc", "2", "--no-mock-data", "--data-path", str(tmp_path),
                       *QUIET, timeout=120)
     assert_one_line_error(result, "bad.txt: byte 3 is not valid UTF-8")
+
+
+def test_an_empty_data_directory_is_refused_before_launch(tmp_path):
+    (tmp_path / ".hidden").write_text("not data")
+    result = paratron("train", "--config", "debug", "--nproc", "2", "--no-mock-data", "--data-path", str(tmp_path))
+    assert_one_line_error(result, f"--data-path {tmp_path}: no files found")
 
 
 def test_generate_with_a_missing_checkpoint(tmp_path):

@@ -160,3 +160,24 @@ def test_megatron_dict_form_and_get_args():
         from_megatron_dict({"sequence_parallel": True})
     with pytest.raises(ConfigError, match="hidden_sise: unknown setting"):
         from_megatron_dict({"hidden_sise": 3})
+
+
+def test_flags_reference_is_up_to_date():
+    from pathlib import Path
+
+    from paratron.config.arguments import markdown_reference
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
+    assert path.read_text(encoding="utf-8") == markdown_reference(), "docs/flags.md is stale: run `make docs`"
+
+
+def test_worker_errors_are_left_for_the_launcher_except_on_rank_0(tmp_path, monkeypatch, capsys):
+    from paratron.distributed.launch import ERROR_DIR_ENV, report_worker_error
+
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    report_worker_error("bad file")
+    assert (tmp_path / "rank000003.txt").read_text() == "bad file" and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    report_worker_error("bad file")
+    assert capsys.readouterr().err == "error: bad file\n"

@@ -26,9 +26,9 @@ def test_byte_level_bpe_round_trips_any_utf8():
 
 def test_stdlib_corpus_is_found_and_ordered():
     files = stdlib_files()
-    assert len(files) > 500
+    assert len(files) > 300
     assert any(f.name == "argparse.py" for f in files)
-    assert not any("site-packages" in f.parts for f in files)
+    assert not any({"site-packages", "test"} & set(f.parts) for f in files)
     assert files == stdlib_files()
 
 

@@ -81,3 +81,11 @@ def test_invalid_dims_are_refused(kwargs, message):
 def test_rank_out_of_range():
     with pytest.raises(ValueError, match="rank 8 is outside world size 8"):
         ParallelDims(world_size=8).coordinates(8)
+
+
+def test_group_kinds_with_equal_ranks_are_listed_once_per_kind_and_cached():
+    dims = ParallelDims(world_size=8, tp=2)
+    assert dims.group_ranks("dp") == dims.group_ranks("dp_cp") == dims.group_ranks("expert_dp")
+    topo = Topology(dims, rank=3)
+    assert topo.ranks("dp") is topo.ranks("dp")  # computed once
+    assert topo.ranks("dp") == [1, 3, 5, 7]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -39,15 +40,21 @@ def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
     assert acc == pytest.approx(big, rel=1e-5)
 
 
-def test_resume_continues_exactly(tmp_path):
-    straight = run_training(tiny_config(tmp_path / "straight", train_iters=12, hidden_dropout=0.1)).losses
-    save = tmp_path / "ckpt"
-    first = run_training(tiny_config(tmp_path / "first", train_iters=6, lr_decay_iters=12, hidden_dropout=0.1,
-                                     save=str(save))).losses
-    second = run_training(tiny_config(tmp_path / "second", train_iters=12, hidden_dropout=0.1, load=str(save),
-                                      save=str(save))).losses
-    assert first + second == straight
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_resume_continues_exactly(tmp_path, precision):
+    common = dict(hidden_dropout=0.1, precision=precision)
+    straight = run_training(tiny_config(tmp_path / "straight", train_iters=12, **common)).losses
+    save, run = tmp_path / "ckpt", tmp_path / "run"
+    first = run_training(tiny_config(run, train_iters=8, lr_decay_iters=12, save=str(save), save_interval=6,
+                                     **common)).losses
+    # as if the job died after step 8 but before saving it: resume from the step-6 checkpoint
+    shutil.rmtree(save / "iter_0000008")
+    (save / "latest_checkpointed_iteration.txt").write_text("6\n")
+    second = run_training(tiny_config(run, train_iters=12, load=str(save), save=str(save), **common)).losses
+    assert first[:6] + second == straight
     assert read_checkpoint(save).iteration == 12
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 13))  # steps 7 and 8 of the dead run were dropped, not repeated
 
 
 def test_run_outputs_metrics_plot_tensorboard_and_checkpoint(tmp_path):
@@ -117,3 +124,15 @@ def test_clip_grad_norm_matches_torch():
     clipped = torch.sqrt(sum((p.grad**2).sum() for p in params))
     assert clipped.item() == pytest.approx(1.0, rel=1e-5)
     torch.testing.assert_close(params[0].grad, before[0] / expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_views_survive_model_zero_grad_and_detaching_them_is_caught():
+    model = DataParallel(build_model(tiny_config(".").model, seed=0), None, 1)
+    model(torch.randint(0, 512, (2, 8))).sum().backward()
+    model.zero_grad()
+    assert model.grad_buffer.abs().sum() == 0 and model.module.embedding.weight.grad is not None
+    model.finish_grad_sync()
+    optimizer = build_optimizer(model, tiny_config(".").optimizer)
+    optimizer.zero_grad()  # sets .grad to None: the views are gone
+    with pytest.raises(RuntimeError, match="gradients were detached from the gradient buffer"):
+        model.finish_grad_sync()

@@ -4,7 +4,7 @@ Layout (Megatron-LM's tracker file and iteration folders):
 
     SAVE/latest_checkpointed_iteration.txt      newest complete checkpoint
     SAVE/iter_0000200/model.safetensors         weights under their single-device names
-    SAVE/iter_0000200/training_state.pt         optimizer state and RNG (tensors only)
+    SAVE/iter_0000200/training_state.pt         optimizer, RNG and loss-scaler state (tensors and numbers only)
     SAVE/iter_0000200/tokenizer.json            the run's tokenizer, if it has one
     SAVE/iter_0000200/meta.json                 iteration, consumed samples, config, checksums
 
@@ -57,31 +57,49 @@ def _write_text_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with each tensor once (a tied output weight is stored as the embedding)."""
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each tensor once (a tied output weight appears as the embedding)."""
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out = {}
     for name, tensor in model.state_dict().items():
         key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = tensor.detach().contiguous().cpu()
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor
     return out
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """Generator states of the CPU and, on an accelerator, of this process's device."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        state["device"] = torch.get_device_module(device.type).get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "device" in state and device.type != "cpu":
+        torch.get_device_module(device.type).set_rng_state(state["device"], device)
 
 
 def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None, config: Config, tokenizer: Any = None,
-                    writer: bool = True) -> Path:
-    """Write iteration `iteration` under `root` (by the writer rank; all ranks wait for it)."""
+                    extra_state: dict[str, Any] | None = None, writer: bool = True) -> Path:
+    """Write iteration `iteration` under `root` (by the writer rank; all ranks wait for it).
+
+    `extra_state` (numbers, tensors, dicts of them) is stored with the optimizer state and
+    returned by `load_training_state`."""
     final = root / f"iter_{iteration:07d}"
     if writer:
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file(model_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        state: dict[str, Any] = {"rng": torch.get_rng_state()}
+        tensors = {name: t.detach().contiguous().cpu() for name, t in unique_state(model).items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        device = next(model.parameters()).device
+        state: dict[str, Any] = {"rng": rng_state(device), "extra": extra_state or {}}
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
         torch.save(state, tmp / "training_state.pt")
@@ -146,7 +164,7 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module) -> None:
     """Copy the checkpoint's weights into `model`, refusing a checkpoint of another shape."""
     device = next(model.parameters()).device
     tensors = load_file(str(info.path / "model.safetensors"), device=str(device))
-    expected = model_tensors(model)
+    expected = unique_state(model)
     for name, tensor in expected.items():
         if name not in tensors:
             raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
@@ -158,15 +176,17 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module) -> None:
         raise CheckpointError(f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); "
                               "it belongs to a different model")
     with torch.no_grad():
-        state = dict(model.state_dict())
-        for name in expected:
-            state[name].copy_(tensors[name])
+        for name, tensor in expected.items():
+            tensor.copy_(tensors[name])
 
 
-def load_training_state(info: CheckpointInfo, optimizer: torch.optim.Optimizer | None) -> None:
+def load_training_state(info: CheckpointInfo, optimizer: torch.optim.Optimizer | None,
+                        device: torch.device) -> dict[str, Any]:
+    """Restore the optimizer and the RNG states; return the `extra_state` saved with them."""
     state = torch.load(info.path / "training_state.pt", map_location="cpu", weights_only=True)
     if optimizer is not None:
         if "optimizer" not in state:
             raise CheckpointError(f"{info.path}: holds no optimizer state to resume from")
         optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+    set_rng_state(state["rng"], device)
+    return state.get("extra", {})

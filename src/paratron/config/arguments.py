@@ -28,7 +28,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def _help(info: FieldInfo) -> str:
     default = info.default if info.default not in (None, []) else "unset"
-    return f"{info.doc} (default: {default})".replace("%", "%%")
+    off = f" --no-{info.flag[2:]} turns it off." if info.base_type is bool else ""
+    return f"{info.doc}{off} (default: {default})".replace("%", "%%")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +61,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def check_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
     """Refuse unknown flags by name (and Megatron flags we do not support yet) before argparse sees them."""
     known = set(parser._option_string_actions)
+    if "--fp16" in argv and "--bf16" in argv:
+        raise ConfigError("--fp16 and --bf16 were both given; choose one")
     for token in argv:
         if not token.startswith("--") or token == "--":
             continue
@@ -80,3 +83,26 @@ def parse_config_arguments(parser: argparse.ArgumentParser, argv: Sequence[str])
     fields = all_fields()
     overrides = {k: v for k, v in vars(namespace).items() if k in fields}
     return namespace.config, overrides, namespace
+
+
+def markdown_reference() -> str:
+    """docs/flags.md: every setting by section, with its flag, type, default and doc."""
+    lines = ["# Flags and settings", "",
+             "Generated from `src/paratron/config/schema.py` by `make docs`; do not edit by hand.", "",
+             "Every setting can be given as a flag (`--hidden-size 256`) or in a recipe's YAML section "
+             "(`model: {hidden_size: 256}`). Flags override the recipe, which overrides the `--model` preset.", ""]
+    for section in schema.SECTIONS:
+        doc = (type(getattr(schema.Config(), section)).__doc__ or "").strip()
+        lines += [f"## {section}", "", doc, "", "| flag | type | default | meaning |", "|---|---|---|---|"]
+        for info in section_fields(section):
+            kind = " \\| ".join(map(str, info.choices)) if info.choices else info.base_type.__name__
+            default = "unset" if info.default in (None, []) else f"`{info.default}`"
+            off = f" (`--no-{info.flag[2:]}` turns it off)" if info.base_type is bool else ""
+            lines.append(f"| `{info.flag}`{off} | {kind} | {default} | {info.doc} |")
+        lines.append("")
+    lines += ["## Megatron-LM switches", "", "| flag | meaning |", "|---|---|"]
+    lines += [f"| `--{alias.replace('_', '-')}` | {text} |" for alias, (_, _, text) in SWITCHES.items()]
+    lines += ["", "Other spellings: " + ", ".join(f"`--{a}` = `--{n.replace('_', '-')}`" for a, n in RENAMES.items()) + ".",
+              "", "Megatron-LM flags that paratron does not support yet are refused by name:", "",
+              ", ".join(f"`--{flag}`" for flag in sorted(UNSUPPORTED)) + ".", ""]
+    return "\n".join(lines)

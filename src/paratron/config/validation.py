@@ -63,6 +63,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
         (t.eval_interval, "--eval-interval"), (lg.log_interval, "--log-interval"),
         (c.save_interval, "--save-interval"), (lg.sample_tokens, "--sample-tokens"),
         (s.lr_decay_iters, "--lr-decay-iters"), (lg.peak_tflops, "--peak-tflops"),
+        (p.distributed_timeout_minutes, "--distributed-timeout-minutes"),
     ]:
         _positive(value, flag)
     for value, flag in [

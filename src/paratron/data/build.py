@@ -24,6 +24,7 @@ from paratron.config.validation import parse_split
 from paratron.data.corpus import files_signature, read_documents, stdlib_files, text_files
 from paratron.data.datasets import MockTokens, ShuffledSamples, TokenWindows
 from paratron.data.tokenizer import Tokenizer, train_byte_level_bpe
+from paratron.distributed.init import collective_device
 from paratron.errors import DataError, PeerFailure, UserError
 
 DEFAULT_BPE_VOCAB = 8192
@@ -56,7 +57,11 @@ def build_once(path: Path, build: Callable[[Path], None], local_rank: int, log: 
         start = time.perf_counter()
         try:
             build(tmp)
-            tmp.replace(path)
+            try:
+                tmp.replace(path)
+            except OSError:
+                if not path.exists():
+                    raise  # otherwise another job built the same thing first: keep theirs
             log(f"built {path} in {time.perf_counter() - start:.1f}s")
         except UserError as exc:
             failure = exc
@@ -65,7 +70,7 @@ def build_once(path: Path, build: Callable[[Path], None], local_rank: int, log: 
                 shutil.rmtree(tmp, ignore_errors=True)
             tmp.unlink(missing_ok=True)
     if dist.is_initialized():
-        failed = torch.tensor([failure is not None], dtype=torch.int32)
+        failed = torch.tensor([failure is not None], dtype=torch.int32, device=collective_device())
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and failure is None:
             raise PeerFailure(f"another rank failed to build {path}")
@@ -150,6 +155,9 @@ def build_data(config: Config, local_rank: int = 0, log: Callable[[str], None] =
         raise DataError(f"the training split holds {len(train_tokens)} tokens, fewer than one sample of "
                         f"--seq-length {d.seq_length}; add data or lower --seq-length")
     valid = TokenWindows(valid_tokens, d.seq_length)
+    if len(valid) == 0 and config.training.eval_iters > 0:
+        raise DataError(f"the validation split of --split {d.split} holds {len(valid_tokens)} tokens, fewer than "
+                        f"one sample of --seq-length {d.seq_length}; give it a larger share or set --eval-iters 0")
     return DataBundle(
         ShuffledSamples(train, seed),
         ShuffledSamples(valid, seed + 1) if len(valid) > 0 else None,

@@ -13,11 +13,12 @@ from typing import Iterable, Iterator
 
 from paratron.errors import DataError
 
-_SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
 
 def stdlib_files() -> list[Path]:
-    """The standard library's .py files (installed packages excluded), in a fixed order."""
+    """The standard library's own modules: its .py files minus test suites and installed packages,
+    in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in root.rglob("*.py") if not _SKIPPED_DIRS & set(p.relative_to(root).parts) and p.is_file()]
     return shuffled_by_name(files, root)

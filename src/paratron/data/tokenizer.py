@@ -48,10 +48,8 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=False)
 
     def save(self, path: Path) -> None:
-        """Write tokenizer.json atomically (temporary file, then rename)."""
-        tmp = path.with_name(path.name + ".tmp")
-        self.hf.save(str(tmp))
-        tmp.replace(path)
+        """Write tokenizer.json (callers write into temporary paths that they rename)."""
+        self.hf.save(str(path))
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import random
-import resource
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -68,6 +68,13 @@ def initialize(backend: str = "auto", timeout_minutes: float = 10.0) -> Distribu
     return DistributedContext(rank, world, local_rank, local_world, device, name)
 
 
+def collective_device() -> torch.device:
+    """Where small tensors for collectives must live: the current GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -100,4 +107,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: allocator peak on an accelerator, resident set size on CPU."""
     if device.type != "cpu" and torch.accelerator.is_available():
         return int(torch.accelerator.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux

@@ -10,12 +10,31 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 from typing import Sequence
+
+
+ERROR_DIR_ENV = "PARATRON_ERROR_DIR"
+"""Where workers other than rank 0 leave their one-line error message for the launcher."""
+
+
+def report_worker_error(message: str) -> None:
+    """Print a user error once for the whole job: rank 0 prints; other self-launched ranks leave
+    it for the launcher, which prints it only if rank 0 had nothing to say."""
+    rank = os.environ.get("RANK", "0")
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if rank != "0" and error_dir:
+        Path(error_dir, f"rank{int(rank):06d}.txt").write_text(message, encoding="utf-8")
+    else:
+        prefix = "" if rank == "0" else f"[rank {rank}] "
+        print(f"{prefix}error: {message}", file=sys.stderr)
 
 
 def run_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
     """Run `python -m paratron ARGV` on `nproc` local processes; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -31,12 +50,22 @@ def run_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=0.2,
-        start_method="spawn",
     )
-    try:
-        elastic_launch(config, sys.executable)("-u", "-m", "paratron", *argv)
-    except ChildFailedError as failure:
-        codes = [f.exitcode for f in failure.failures.values()]
-        # A worker that exits 2 has already printed its one-line reason.
-        return 2 if 2 in codes else 1
+    with tempfile.TemporaryDirectory(prefix="paratron-errors-") as error_dir:
+        os.environ[ERROR_DIR_ENV] = error_dir
+        try:
+            elastic_launch(config, sys.executable)("-u", "-m", "paratron", *argv)
+        except SignalException:  # Ctrl-C or SIGTERM: the agent has stopped the workers
+            print("interrupted", file=sys.stderr)
+            return 130
+        except ChildFailedError as failure:
+            codes = {rank: f.exitcode for rank, f in failure.failures.items()}
+            if 2 not in codes.values():
+                return 1  # an internal failure: the worker printed its traceback
+            messages = sorted(Path(error_dir).glob("rank*.txt"))
+            if codes.get(0) != 2 and messages:
+                print(f"error: {messages[0].read_text(encoding='utf-8')}", file=sys.stderr)
+            return 2
+        finally:
+            del os.environ[ERROR_DIR_ENV]
     return 0

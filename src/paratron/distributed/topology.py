@@ -14,6 +14,7 @@ of a dense layer are the (ep, edp) pairs, DP = EP x EDP.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -92,6 +93,9 @@ class ParallelDims:
 
     def group_ranks(self, kind: str) -> list[list[int]]:
         """All groups of one kind, each a sorted rank list, every rank in exactly one."""
+        return [list(g) for g in _group_ranks(self, kind)]
+
+    def _compute_group_ranks(self, kind: str) -> list[list[int]]:
         varying = GROUP_AXES[kind]
         shape = self.shape()
         grid = np.arange(self.world_size).reshape([shape[a] for a in AXES])
@@ -102,7 +106,12 @@ class ParallelDims:
 
     def embedding_group_ranks(self) -> list[list[int]]:
         """First and last pipeline stage of every pipeline: they share tied embeddings."""
-        return [sorted({g[0], g[-1]}) for g in self.group_ranks("pp")]
+        return [sorted({g[0], g[-1]}) for g in _group_ranks(self, "pp")]
+
+
+@functools.lru_cache(maxsize=256)
+def _group_ranks(dims: ParallelDims, kind: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(g) for g in dims._compute_group_ranks(kind))
 
 
 @dataclass
@@ -116,6 +125,7 @@ class Topology:
     dims: ParallelDims
     rank: int = 0
     groups: dict[str, Any] = field(default_factory=dict)
+    _ranks: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def coords(self) -> dict[str, int]:
@@ -129,11 +139,10 @@ class Topology:
 
     def ranks(self, kind: str) -> list[int]:
         """The ranks of this rank's group of `kind`."""
-        lists = self.dims.embedding_group_ranks() if kind == "embedding" else self.dims.group_ranks(kind)
-        for ranks in lists:
-            if self.rank in ranks:
-                return ranks
-        return [self.rank]
+        if kind not in self._ranks:
+            lists = self.dims.embedding_group_ranks() if kind == "embedding" else self.dims.group_ranks(kind)
+            self._ranks[kind] = next((r for r in lists if self.rank in r), [self.rank])
+        return self._ranks[kind]
 
     def group(self, kind: str) -> Any:
         return self.groups.get(kind)
@@ -164,11 +173,14 @@ class Topology:
 
         kinds: list[tuple[str, list[list[int]]]] = [(k, self.dims.group_ranks(k)) for k in GROUP_AXES]
         kinds.append(("embedding", self.dims.embedding_group_ranks()))
+        made: dict[tuple[tuple[int, ...], ...], Any] = {}  # kinds with the same rank lists share groups
         for kind, lists in kinds:
             if max(len(r) for r in lists) == 1:
                 continue
-            mine, _ = dist.new_subgroups_by_enumeration(lists)
-            self.groups[kind] = mine
+            key = tuple(tuple(r) for r in lists)
+            if key not in made:
+                made[key], _ = dist.new_subgroups_by_enumeration(lists)
+            self.groups[kind] = made[key]
 
     def describe(self) -> str:
         d = self.dims

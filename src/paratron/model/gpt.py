@@ -155,7 +155,8 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rotary=None, cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rotary, cache, start)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -227,7 +228,7 @@ def init_parameter(name: str, param: torch.Tensor, config: ModelConfig, seed: in
     with torch.no_grad():
         if name.endswith("bias"):
             param.zero_()
-        elif "norm" in name:
+        elif name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
             std = config.init_method_std

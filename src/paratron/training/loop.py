@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,4 +130,17 @@ class Trainer:
 
     def save(self, root: Path) -> Path:
         return save_checkpoint(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
-                               self.optimizer, self.config, self.data.tokenizer, writer=self.ctx.is_main)
+                               self.optimizer, self.config, self.data.tokenizer, self.extra_state(),
+                               writer=self.ctx.is_main)
+
+    def extra_state(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond model and optimizer to resume exactly."""
+        extra: dict[str, Any] = {"skipped_iterations": self.state.skipped_iterations}
+        if self.precision.scaler is not None:
+            extra["grad_scaler"] = self.precision.scaler.state_dict()
+        return extra
+
+    def restore_extra_state(self, extra: dict[str, Any]) -> None:
+        self.state.skipped_iterations = int(extra.get("skipped_iterations", 0))
+        if self.precision.scaler is not None and "grad_scaler" in extra:
+            self.precision.scaler.load_state_dict(extra["grad_scaler"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -20,28 +20,43 @@ def format_step_line(record: dict[str, Any], total_iters: int) -> str:
             f"MFU {100 * record['mfu']:.1f}% | mem {record['mem_gb']:.2f} GB")
 
 
+def _open_log(path: Path, start_iter: int) -> TextIO:
+    """Open a JSON-lines log for appending after step `start_iter`: a fresh run starts it anew; a resumed
+    run keeps the records up to its checkpoint and drops later ones (written after the last save)."""
+    if start_iter > 0 and path.exists():
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line)["step"] <= start_iter]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        tmp.replace(path)
+        return open(path, "a", encoding="utf-8")
+    return open(path, "w", encoding="utf-8")
+
+
 class MetricsWriter:
     """Rank 0's sinks. Use as a context manager so files are flushed and closed."""
 
     def __init__(self, run_dir: Path, total_iters: int, start_iter: int, enabled: bool,
                  progress_bar: bool, tensorboard: bool) -> None:
         self.enabled = enabled
-        self.total_iters = total_iters
-        self.bar = None
+        self.total_iters, self.start_iter = total_iters, start_iter
+        self.show_bar = progress_bar
+        self.bar: tqdm | None = None
         self.tb = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        mode = "a" if start_iter > 0 else "w"
-        self.train_file = open(run_dir / "metrics.jsonl", mode, encoding="utf-8")
-        self.eval_file = open(run_dir / "eval.jsonl", mode, encoding="utf-8")
+        self.train_file = _open_log(run_dir / "metrics.jsonl", start_iter)
+        self.eval_file = _open_log(run_dir / "eval.jsonl", start_iter)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        if progress_bar:
-            self.bar = tqdm(total=total_iters, initial=start_iter, desc="train", unit="step",
-                            dynamic_ncols=True, file=sys.stderr, smoothing=0.1)
+
+    @classmethod
+    def disabled(cls) -> "MetricsWriter":
+        """A writer that writes nothing (ranks other than 0, benchmarks)."""
+        return cls(Path("."), 0, 0, enabled=False, progress_bar=False, tensorboard=False)
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -52,6 +67,10 @@ class MetricsWriter:
             print(message, flush=True)
 
     def advance(self) -> None:
+        """One step done; the bar appears with the first step, below whatever was printed before."""
+        if self.enabled and self.show_bar and self.bar is None:
+            self.bar = tqdm(total=self.total_iters, initial=self.start_iter, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr, smoothing=0.1)
         if self.bar is not None:
             self.bar.update(1)
 

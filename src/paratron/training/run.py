@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from paratron.checkpoint.io import load_model_weights, load_training_state, read_checkpoint
+from paratron.checkpoint.io import load_model_weights, load_training_state, read_checkpoint, resolve_checkpoint
 from paratron.config.schema import Config
 from paratron.data.build import build_data
+from paratron.data.corpus import text_files
 from paratron.distributed.init import initialize, seed_everything, shutdown
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.inference.generate import generate
@@ -32,9 +33,17 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
+def check_inputs(config: Config) -> None:
+    """Cheap checks of the files a run will read, made before any worker starts."""
+    if config.data.data_path:
+        text_files(config.data.data_path)
+    if config.checkpoint.load:
+        resolve_checkpoint(Path(config.checkpoint.load))
+
+
 def run_training(config: Config) -> TrainState:
     """Train as configured on this process's rank; returns the final state (all ranks)."""
-    ctx = initialize(config.parallel.distributed_backend)
+    ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
         return _run(config, ctx)
     finally:
@@ -61,8 +70,9 @@ def _run(config: Config, ctx) -> TrainState:
     optimizer = build_optimizer(model, config.optimizer)
     state = TrainState()
     seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
+    extra: dict = {}
     if resume is not None:
-        load_training_state(resume, optimizer)
+        extra = load_training_state(resume, optimizer, ctx.device)
         state = TrainState(resume.iteration, resume.consumed_samples)
 
     peak, peak_source = peak_flops(ctx.device, config.logging.peak_tflops)
@@ -71,6 +81,7 @@ def _run(config: Config, ctx) -> TrainState:
                            progress_bar=config.logging.progress_bar, tensorboard=config.logging.tensorboard)
     trainer = Trainer(config, ctx, topology, model, optimizer, data, writer,
                       training_flops_per_token(config.model, config.data.seq_length), peak, state)
+    trainer.restore_extra_state(extra)
     m = config.model
     say(f"paratron: {topology.describe()} on {ctx.backend}/{ctx.device.type}, {t.precision}")
     say(f"model: {n_params / 1e6:.2f}M parameters ({m.num_layers} layers, hidden {m.hidden_size}, "
@@ -83,7 +94,9 @@ def _run(config: Config, ctx) -> TrainState:
     with writer:
         state = trainer.fit()
     if ctx.is_main:
-        _report(config, state, run_dir, time.perf_counter() - started, say)
+        source = config.data.corpus or ("mock data" if config.data.mock_data else "--data-path")
+        title = f"{n_params / 1e6:.2f}M-parameter model on {source}; {topology.describe()}"
+        _report(config, state, run_dir, time.perf_counter() - started, title, say)
         if config.logging.sample_prompt and data.tokenizer is not None:
             _print_sample(config, unwrap(model), data.tokenizer, say)
     if dist.is_initialized():
@@ -91,9 +104,8 @@ def _run(config: Config, ctx) -> TrainState:
     return state
 
 
-def _report(config: Config, state: TrainState, run_dir: Path, elapsed: float, say) -> None:
-    plot = plot_loss_curve(run_dir, title=f"{config.model.model_name or 'model'} on "
-                                         f"{config.data.corpus or ('mock data' if config.data.mock_data else 'data')}")
+def _report(config: Config, state: TrainState, run_dir: Path, elapsed: float, title: str, say) -> None:
+    plot = plot_loss_curve(run_dir, title)
     line = f"done: {state.iteration} steps in {_duration(elapsed)}"
     if state.losses:
         line += f" | final train loss {state.losses[-1]:.4f}"
