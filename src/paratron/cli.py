@@ -39,6 +39,7 @@ def train_parser() -> argparse.ArgumentParser:
 
     parser = ArgumentParser(
         prog="paratron train",
+        usage="paratron train [--config RECIPE] [--nproc N] [flags]",
         description="Train a GPT-family model. Settings come from defaults, then --model's registry entry, "
                     "then the --config recipe, then flags; Megatron-LM flag names are accepted.",
         allow_abbrev=False,

@@ -29,7 +29,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def _help(info: FieldInfo) -> str:
     default = info.default if info.default not in (None, []) else "unset"
     off = f" --no-{info.flag[2:]} turns it off." if info.base_type is bool else ""
-    return f"{info.doc}{off} (default: {default})".replace("%", "%%")
+    suffix = "" if "(default:" in info.doc else f" (default: {default})"
+    return f"{info.doc}{off}{suffix}".replace("%", "%%")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +49,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument("--no-" + info.flag[2:], dest=info.name, action="store_false",
                                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             else:
-                metavar = "{" + ",".join(map(str, info.choices)) + "}" if info.choices else info.base_type.__name__.upper()
+                metavar = ("{" + ",".join(map(str, info.choices)) + "}" if info.choices
+                           else "PATH" if info.base_type is list else info.base_type.__name__.upper())
                 group.add_argument(*names, dest=info.name, default=argparse.SUPPRESS, metavar=metavar,
                                    nargs="+" if info.base_type is list else None, help=_help(info))
     compat = parser.add_argument_group("Megatron-LM switches")
