@@ -39,7 +39,7 @@ def paratron_round(config, ctx, warmup: int, steps: int) -> float:
     topology = Topology(ParallelDims(1))
     model = parallelize(build_model(config.model, ctx.device, seed=config.training.seed), config, topology)
     optimizer = build_optimizer(model, config.optimizer)
-    data = build_data(config)
+    data = build_data(config, config.training.micro_batch_size)
     trainer = Trainer(config, ctx, topology, model, optimizer, data, MetricsWriter.disabled(),
                       training_flops_per_token(config.model, config.data.seq_length), peak_flops=1.0)
     config.training.train_iters = warmup
@@ -56,8 +56,8 @@ def plain_round(config, ctx, warmup: int, steps: int) -> float:
     model = build_model(config.model, ctx.device, seed=t.seed)
     optimizer = torch.optim.AdamW(parameter_groups(model, o.weight_decay), lr=o.lr,
                                   betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
-    samples = build_data(config).train
     batch = t.micro_batch_size
+    samples = build_data(config, batch).train
 
     def step(i: int) -> None:
         for group in optimizer.param_groups:

@@ -71,6 +71,66 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+@command("preprocess", "tokenize text or jsonl into a Megatron-LM indexed dataset (.bin/.idx)")
+def cmd_preprocess(argv: list[str]) -> int:
+    from paratron.config.arguments import ArgumentParser
+    from paratron.data.preprocess import input_files, preprocess, read_documents, PreprocessResult
+    from paratron.data.tokenizer import load_tokenizer, train_byte_level_bpe
+
+    parser = ArgumentParser(
+        prog="paratron preprocess", allow_abbrev=False,
+        description="Tokenize jsonl (one JSON object per line) and plain-text files into "
+                    "OUTPUT_PREFIX_{key}_document.bin/.idx, Megatron-LM's indexed format.")
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="jsonl/json/ndjson files (one document per line), other files (one document each), "
+                             "or directories of them.")
+    parser.add_argument("--output-prefix", required=True, help="Output path prefix.")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="Keys to extract from each JSON line "
+                        "(one output dataset per key; default: text).")
+    parser.add_argument("--tokenizer-type", default="ByteLevelBPE",
+                        choices=["ByteLevelBPE", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
+                        help="ByteLevelBPE trains a byte-level BPE on the input and saves it as "
+                             "OUTPUT_PREFIX_tokenizer.json (default: ByteLevelBPE).")
+    parser.add_argument("--tokenizer-model", help="tokenizer.json (or its folder) for HuggingFaceTokenizer.")
+    parser.add_argument("--vocab-file", help="GPT-2 vocab.json for GPT2BPETokenizer.")
+    parser.add_argument("--merge-file", help="GPT-2 merges.txt for GPT2BPETokenizer.")
+    parser.add_argument("--vocab-size", type=int, help="Vocabulary size: of the trained BPE (default 8192), "
+                        "or of NullTokenizer's ids.")
+    parser.add_argument("--append-eod", action="store_true", help="End every document with the end-of-document token.")
+    parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default: 1).")
+    parser.add_argument("--skip-bad-lines", action="store_true",
+                        help="Skip and count bad lines (not JSON, no key, empty, not UTF-8) instead of stopping.")
+    parser.add_argument("--no-progress-bar", action="store_true", help="No progress bar.")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        raise UserError(f"--workers {args.workers}: must be at least 1")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise UserError(f"--vocab-size {args.vocab_size}: must be at least 1")
+    files = input_files(args.input)
+    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    if args.tokenizer_type == "ByteLevelBPE":
+        texts = (d.texts[0] for d in read_documents(files, args.json_keys[:1], PreprocessResult([]),
+                                                     args.skip_bad_lines))
+        tokenizer = train_byte_level_bpe(texts, args.vocab_size or 8192)
+        path = Path(f"{args.output_prefix}_tokenizer.json")
+        tokenizer.save(path.with_name(path.name + ".tmp"))
+        path.with_name(path.name + ".tmp").replace(path)
+        print(f"trained a {tokenizer.vocab_size}-entry byte-level BPE: {path}")
+    else:
+        tokenizer = load_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                                   args.vocab_size)
+    result = preprocess(files, args.output_prefix, tokenizer, args.json_keys, args.append_eod, args.workers,
+                        args.skip_bad_lines, progress=not args.no_progress_bar)
+    mb = result.input_bytes / 1e6
+    print(f"{result.documents:,} documents, {result.tokens:,} tokens from {mb:,.1f} MB in {result.seconds:.1f}s "
+          f"({mb / result.seconds:,.2f} MB/s, {result.tokens / result.seconds:,.0f} tokens/s)")
+    if result.skipped:
+        print(f"skipped {result.skipped} bad lines, e.g. {result.skipped_examples[0]}")
+    for prefix in result.prefixes:
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
 @command("generate", "continue a prompt with a saved model")
 def cmd_generate(argv: list[str]) -> int:
     from paratron.checkpoint.io import read_checkpoint

@@ -36,7 +36,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     (["--config", "debug", "--nproc", "2", "--global-batch-size", "12"],
      "--global-batch-size 12 is not divisible by --micro-batch-size 8 x data-parallel size 2"),
     (["--config", "nosuchrecipe"], "--config nosuchrecipe: no such file or recipe"),
-    (["--config", "debug", "--no-mock-data", "--data-path", "/no/such/dir"], "--data-path /no/such/dir: no such file"),
+    (["--config", "debug", "--no-mock-data", "--data-path", "/no/such/dir"], "--data-path /no/such/dir: neither a dataset prefix"),
     (["--config", "debug", "--hidden-size", "0"], "--hidden-size 0: must be at least 1"),
     (["--config", "debug", "--seq-length", "512"], "--seq-length 512 exceeds --max-position-embeddings 256"),
     (["--config", "debug", "--sequence-parallel"], "--sequence-parallel is a Megatron-LM flag that paratron does not support yet"),
@@ -95,7 +95,7 @@ def test_a_data_error_inside_the_workers_exits_2_without_hanging(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9\n")
     result = paratron("train", "--config", "debug", "--nproc", "2", "--no-mock-data", "--data-path", str(tmp_path),
                       *QUIET, timeout=120)
-    assert_one_line_error(result, "bad.txt: byte 3 is not valid UTF-8")
+    assert_one_line_error(result, "bad.txt: byte 3 of the file is not valid UTF-8")
 
 
 def test_an_empty_data_directory_is_refused_before_launch(tmp_path):
@@ -107,3 +107,33 @@ def test_an_empty_data_directory_is_refused_before_launch(tmp_path):
 def test_generate_with_a_missing_checkpoint(tmp_path):
     assert_one_line_error(paratron("generate", "--load", str(tmp_path / "none"), "--prompt", "x"),
                           "none: no checkpoint here")
+
+
+def test_preprocess_then_train_on_the_prefix(tmp_path):
+    lines = [json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 5}) for i in range(300)]
+    (tmp_path / "code.jsonl").write_text("\n".join(lines) + "\n")
+    prefix = tmp_path / "out" / "code"
+    result = paratron("preprocess", "--input", str(tmp_path / "code.jsonl"), "--output-prefix", str(prefix),
+                      "--vocab-size", "300", "--append-eod", "--workers", "2", "--no-progress-bar")
+    assert result.returncode == 0, result.stderr
+    assert "300 documents" in result.stdout and f"wrote {prefix}_text_document.bin" in result.stdout
+    trained = paratron("train", "--config", "debug", "--no-mock-data", "--data-path", f"{prefix}_text_document",
+                       "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", f"{prefix}_tokenizer.json",
+                       "--train-iters", "6", "--eval-interval", "3", "--run-dir", str(tmp_path / "run"),
+                       "--data-cache-path", str(tmp_path / "cache"), *QUIET)
+    assert trained.returncode == 0, trained.stderr
+    assert "vocab 512" in trained.stdout and "validation at step 6" in trained.stdout  # the recipe's 512 >= 300
+
+
+def test_preprocess_bad_input_is_one_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "wrong key"}\n')
+    result = paratron("preprocess", "--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--no-progress-bar")
+    assert_one_line_error(result, "bad.jsonl:2: no key 'text' (--skip-bad-lines skips such lines)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+    idx = tmp_path / "x.idx"
+    idx.write_bytes(b"garbage!" * 8)
+    (tmp_path / "x.bin").write_bytes(b"")
+    result = paratron("train", "--config", "debug", "--no-mock-data", "--data-path", str(tmp_path / "x"),
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10")
+    assert_one_line_error(result, "x.idx: bytes 0-8 are b'garbage!g', not the MMIDIDX magic")

@@ -1,27 +1,22 @@
-"""Data: tokenizer round trips, sample windows, order as a pure function of the seed, DP slices."""
+"""Building a run's data from its config: corpora, caches, splits, blends, per-split paths, order."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from paratron.config import build_config
+from paratron.config import build_config, validate
+from paratron.data.blending import BlendedDataset
 from paratron.data.build import build_data
-from paratron.data.corpus import read_text, stdlib_files, text_files
-from paratron.data.datasets import MockTokens, ShuffledSamples, TokenWindows
+from paratron.data.corpus import stdlib_files
+from paratron.data.datasets import MockTokens
+from paratron.data.gpt_dataset import GPTDataset
 from paratron.data.loader import BatchPlan
+from paratron.data.preprocess import input_files, preprocess
 from paratron.data.tokenizer import train_byte_level_bpe
-from paratron.errors import DataError
+from paratron.errors import ConfigError
 
-TEXTS = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "print('héllo wörld')\n", "数据并行与张量并行\n"] * 20
-
-
-def test_byte_level_bpe_round_trips_any_utf8():
-    tokenizer = train_byte_level_bpe(iter(TEXTS), vocab_size=300)
-    assert tokenizer.vocab_size <= 300
-    for text in TEXTS[:4] + ["emoji 🚀 and unseen 漢字 and tabs\t\r\n", ""]:
-        assert tokenizer.decode(tokenizer.encode(text)) == text
-    assert tokenizer.decode([tokenizer.eod_id]) == "<|endoftext|>"
+TEXTS = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "print('héllo wörld')\n", "数据并行与张量并行\n"]
 
 
 def test_stdlib_corpus_is_found_and_ordered():
@@ -30,26 +25,6 @@ def test_stdlib_corpus_is_found_and_ordered():
     assert any(f.name == "argparse.py" for f in files)
     assert not any({"site-packages", "test"} & set(f.parts) for f in files)
     assert files == stdlib_files()
-
-
-def test_token_windows_overlap_by_one_and_span_documents():
-    tokens = np.arange(23, dtype=np.uint16)
-    windows = TokenWindows(tokens, seq_length=5)
-    assert len(windows) == 4  # (23 - 1) // 5
-    assert windows[0].tolist() == [0, 1, 2, 3, 4, 5]
-    assert windows[1].tolist() == [5, 6, 7, 8, 9, 10]
-    assert windows[3].dtype == np.int64
-
-
-def test_shuffled_order_is_a_pure_function_of_seed_and_index():
-    source = TokenWindows(np.arange(1001), seq_length=10)  # 100 samples
-    a, b, c = ShuffledSamples(source, 1), ShuffledSamples(source, 1), ShuffledSamples(source, 2)
-    epoch0 = [int(a[k][0]) // 10 for k in range(100)]
-    assert sorted(epoch0) == list(range(100))  # each sample once per epoch
-    epoch1 = [int(a[k][0]) // 10 for k in range(100, 200)]
-    assert sorted(epoch1) == list(range(100)) and epoch1 != epoch0  # reshuffled next epoch
-    assert all(np.array_equal(a[k], b[k]) for k in (0, 57, 150, 10_000))
-    assert [int(c[k][0]) for k in range(100)] != [int(a[k][0]) for k in range(100)]
 
 
 def test_mock_samples_are_deterministic_progressions():
@@ -72,31 +47,65 @@ def test_data_parallel_ranks_split_every_global_batch(dp):
         assert ranks[-1].sample_indices(consumed)[0] == [consumed + 2 * (dp - 1), consumed + 2 * (dp - 1) + 1]
 
 
-def test_text_corpus_build_split_and_cache(tmp_path, monkeypatch):
+def make_corpus(path, n_docs=40, repeat=30):
+    path.mkdir()
+    for i in range(n_docs):
+        (path / f"doc{i:02d}.py").write_text(TEXTS[i % 4] * repeat + f"# {i}\n")
+    return path
+
+
+def test_text_directory_is_preprocessed_split_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("PARATRON_CACHE", str(tmp_path / "cache"))
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"doc{i:02d}.py").write_text(TEXTS[i % 4] * 30)
-    (corpus / ".hidden").write_text("ignored")
-    config = build_config(dict(data_path=[str(corpus)], vocab_size=320, seq_length=16, split="90,10,0"))
+    corpus = make_corpus(tmp_path / "corpus")
+    config = build_config(dict(data_path=[str(corpus)], vocab_size=320, seq_length=16, split="90,10,0",
+                               train_iters=20, eval_interval=10, eval_iters=2))
+    validate(config, 1)
     logs: list[str] = []
-    bundle = build_data(config, log=logs.append)
-    assert any("tokenizer-bpe320" in line for line in logs) and any("corpus-" in line for line in logs)
+    bundle = build_data(config, global_batch_size=4, log=logs.append)
+    assert [line.split("/")[-1].split("-")[0] for line in logs] == ["tokenizer", "corpus", "gpt", "gpt"]
     assert bundle.tokenizer is not None and bundle.vocab_size == 320
-    assert len(bundle.train) > 5 * len(bundle.valid) > 0  # 36 documents against 4
+    train, valid = bundle.train, bundle.valid
+    assert isinstance(train, GPTDataset) and isinstance(valid, GPTDataset)
+    assert set(np.asarray(train.document_index).tolist()) == set(range(36))  # 90% of 40 documents
+    assert set(np.asarray(valid.document_index).tolist()) == set(range(36, 40))
+    assert len(train) >= 20 * 4 and len(valid) >= (20 // 10 + 1) * 2 * 4
+    text = bundle.tokenizer.decode(train[0])
+    assert len(train[0]) == 17 and any(t[:6] in text for t in TEXTS)
     logs.clear()
-    again = build_data(config, log=logs.append)
-    assert logs == []  # cached
-    assert np.array_equal(again.train[5], bundle.train[5])
-    assert sorted(p.name for p in text_files([str(corpus)]))[:2] == ["doc00.py", "doc01.py"]
+    again = build_data(config, global_batch_size=4, log=logs.append)
+    assert logs == []  # everything came from the cache
+    assert all(np.array_equal(again.train[k], train[k]) for k in (0, 5, 79))
 
 
-def test_bad_text_is_reported_with_the_byte_offset(tmp_path):
-    bad = tmp_path / "latin1.txt"
-    bad.write_bytes("ok ".encode() + "café".encode("latin-1"))
-    with pytest.raises(DataError, match=r"latin1.txt: byte 6 is not valid UTF-8"):
-        read_text(bad)
-    assert read_text(bad, strict=False).startswith("ok caf")
-    with pytest.raises(DataError, match="no such file or directory"):
-        text_files([str(tmp_path / "missing")])
+def test_weighted_blend_of_preprocessed_prefixes(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARATRON_CACHE", str(tmp_path / "cache"))
+    tokenizer = train_byte_level_bpe(iter(TEXTS * 10), vocab_size=300)
+    tokenizer.save(tmp_path / "tokenizer.json")
+    prefixes = []
+    for name, n in (("a", 30), ("b", 50)):
+        files = input_files([str(make_corpus(tmp_path / name, n_docs=n))])
+        prefixes.append(preprocess(files, str(tmp_path / name), tokenizer, append_eod=True, progress=False).prefixes[0])
+    config = build_config(dict(data_path=["0.3", prefixes[0], "0.7", prefixes[1]], seq_length=16, train_iters=1000,
+                               tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tokenizer.json"),
+                               eval_iters=1, eval_interval=500))
+    validate(config, 1)
+    bundle = build_data(config, global_batch_size=4, log=lambda _: None)
+    assert isinstance(bundle.train, BlendedDataset) and len(bundle.train) == 4000
+    shares = np.bincount(np.asarray(bundle.train.dataset_index), minlength=2) / 4000
+    assert shares == pytest.approx([0.3, 0.7], abs=0.001)
+    assert bundle.vocab_size == tokenizer.vocab_size
+
+    per_split = build_config(dict(train_data_path=[prefixes[1]], valid_data_path=[prefixes[0]], seq_length=16,
+                                  train_iters=10, eval_iters=1, tokenizer_type="HuggingFaceTokenizer",
+                                  tokenizer_model=str(tmp_path / "tokenizer.json")))
+    validate(per_split, 1)
+    bundle = build_data(per_split, global_batch_size=4, log=lambda _: None)
+    assert set(np.asarray(bundle.train.document_index).tolist()) == set(range(50))  # all of b, no --split
+    assert set(np.asarray(bundle.valid.document_index).tolist()) == set(range(30))  # all of a
+
+    with pytest.raises(ConfigError, match="ByteLevelBPE trains on text, but the data is preprocessed already"):
+        validate(build_config(dict(data_path=[prefixes[0]])), 1)
+    with pytest.raises(ConfigError, match="--eval-iters 10 needs --valid-data-path"):
+        validate(build_config(dict(train_data_path=[prefixes[0]], tokenizer_type="NullTokenizer", vocab_size=9)), 1)
+    with pytest.raises(ConfigError, match=r"--data-path /nope: neither a dataset prefix \(/nope.bin/.idx\)"):
+        validate(build_config(dict(data_path=["/nope"])), 1)

@@ -40,14 +40,14 @@ UNSUPPORTED: frozenset[str] = frozenset(
     accumulate-allreduce-grads-in-fp32 recompute-granularity recompute-method recompute-num-layers
     recompute-activations distribute-saved-activations loss-scale initial-loss-scale min-loss-scale
     loss-scale-window hysteresis fp8-format fp8 use-flash-attn transformer-impl attention-backend
-    vocab-file merge-file make-vocab-size-divisible-by
+    make-vocab-size-divisible-by
     exit-signal-handler exit-duration-in-mins exit-interval async-save ckpt-format use-dist-ckpt
     no-load-optim no-load-rng finetune auto-detect-ckpt-format tensorboard-dir wandb-project
     lr-warmup-fraction lr-warmup-samples lr-decay-samples train-samples rampup-batch-size
     rotary-percent rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
     tp-comm-overlap no-masked-softmax-fusion no-bias-gelu-fusion no-bias-dropout-fusion
     no-gradient-accumulation-fusion cross-entropy-loss-fusion moe-router-topk moe-grouped-gemm
-    moe-aux-loss-coeff num-workers dataloader-type train-data-path valid-data-path test-data-path
+    moe-aux-loss-coeff num-workers dataloader-type
     eod-mask-loss reset-position-ids reset-attention-mask profile qk-layernorm
     overlap-p2p-communication empty-unused-memory-level check-for-nan-in-loss-and-grad manual-gc
     use-cpu-initialization data-parallel-random-init log-params-norm log-num-zeros-in-grad

@@ -145,7 +145,16 @@ class DataConfig:
     """What the model trains on."""
 
     data_path: list[str] = field(default_factory=list)
-    """Text files or directories of text files to train on."""
+    """Megatron-LM's form: PREFIX... or WEIGHT PREFIX... (a blend); PREFIX.bin/.idx come from `paratron preprocess`. Text or jsonl files and directories in its place are preprocessed into the cache first. Cut into train/valid/test by --split."""
+
+    train_data_path: list[str] = field(default_factory=list)
+    """Training data, as --data-path but used whole (instead of --data-path and --split)."""
+
+    valid_data_path: list[str] = field(default_factory=list)
+    """Validation data, as --data-path but used whole."""
+
+    test_data_path: list[str] = field(default_factory=list)
+    """Test data, as --data-path but used whole."""
 
     corpus: Optional[Literal["stdlib"]] = None
     """Built-in corpus to train on instead of --data-path: stdlib is the Python standard library's own source, present wherever Python is."""
@@ -159,14 +168,20 @@ class DataConfig:
     seq_length: int = 64
     """Tokens per training sample."""
 
-    tokenizer_type: Literal["ByteLevelBPE", "HuggingFaceTokenizer"] = "ByteLevelBPE"
-    """ByteLevelBPE trains a byte-level BPE tokenizer on the data (cached); HuggingFaceTokenizer loads --tokenizer-model."""
+    tokenizer_type: Literal["ByteLevelBPE", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"] = "ByteLevelBPE"
+    """ByteLevelBPE trains a byte-level BPE on the text (cached); HuggingFaceTokenizer loads --tokenizer-model; GPT2BPETokenizer loads --vocab-file and --merge-file; NullTokenizer reads token ids (--vocab-size)."""
 
     tokenizer_model: Optional[str] = None
-    """Path of a Hugging Face tokenizer.json (for --tokenizer-type HuggingFaceTokenizer)."""
+    """A Hugging Face tokenizer.json, or a folder holding one (for HuggingFaceTokenizer)."""
+
+    vocab_file: Optional[str] = None
+    """GPT-2 vocab.json (for GPT2BPETokenizer)."""
+
+    merge_file: Optional[str] = None
+    """GPT-2 merges.txt (for GPT2BPETokenizer)."""
 
     data_cache_path: Optional[str] = None
-    """Where tokenizers and tokenized corpora are cached (default: $PARATRON_CACHE or ~/.cache/paratron)."""
+    """Where trained tokenizers, preprocessed corpora and sample indices are cached (default: $PARATRON_CACHE or ~/.cache/paratron)."""
 
 
 @dataclass

@@ -132,21 +132,51 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
 
 
 def _validate_data(config: Config) -> None:
+    from paratron.data.blending import parse_blend
+    from paratron.data.indexed import dataset_exists
+
     d, t = config.data, config.training
+    per_split = bool(d.train_data_path or d.valid_data_path or d.test_data_path)
     sources = [name for name, on in (("--mock-data", d.mock_data), ("--corpus", d.corpus),
-                                     ("--data-path", bool(d.data_path))) if on]
+                                     ("--data-path", bool(d.data_path)), ("--train-data-path", per_split)) if on]
     if len(sources) != 1:
         what = "none" if not sources else " and ".join(sources)
-        raise ConfigError(f"give exactly one of --data-path, --corpus stdlib or --mock-data (got {what})")
-    for path in d.data_path:
-        if not Path(path).expanduser().exists():
-            raise ConfigError(f"--data-path {path}: no such file or directory; check the path")
-    if d.tokenizer_type == "HuggingFaceTokenizer":
+        raise ConfigError("give exactly one of --data-path, --train-data-path (with --valid-data-path), "
+                          f"--corpus stdlib or --mock-data (got {what})")
+    if per_split and not d.train_data_path:
+        raise ConfigError("--valid-data-path and --test-data-path need --train-data-path too")
+    if per_split and t.eval_iters > 0 and not d.valid_data_path:
+        raise ConfigError(f"--eval-iters {t.eval_iters} needs --valid-data-path; give it or set --eval-iters 0")
+    raw = bool(d.corpus)
+    for values, flag in ((d.data_path, "--data-path"), (d.train_data_path, "--train-data-path"),
+                         (d.valid_data_path, "--valid-data-path"), (d.test_data_path, "--test-data-path")):
+        for _, path in parse_blend(values, flag):
+            if dataset_exists(path):
+                continue
+            if not Path(path).expanduser().exists():
+                raise ConfigError(f"{flag} {path}: neither a dataset prefix ({path}.bin/.idx) nor a file or "
+                                  "directory; check the path")
+            raw = True
+    kind = d.tokenizer_type
+    if kind == "HuggingFaceTokenizer":
         if not d.tokenizer_model:
-            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
-        if not Path(d.tokenizer_model).expanduser().is_file():
-            raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: no such file; give a tokenizer.json")
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH (a tokenizer.json)")
+        model = Path(d.tokenizer_model).expanduser()
+        if not (model.is_file() or (model / "tokenizer.json").is_file()):
+            raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: no tokenizer.json there; check the path")
+    elif kind == "GPT2BPETokenizer":
+        for value, flag in ((d.vocab_file, "--vocab-file"), (d.merge_file, "--merge-file")):
+            if not value or not Path(value).expanduser().is_file():
+                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (GPT-2's "
+                                  f"{'vocab.json' if flag == '--vocab-file' else 'merges.txt'}); got {value}")
+    elif kind == "NullTokenizer":
+        if not config.model.vocab_size:
+            raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+    elif not raw and not d.mock_data:
+        raise ConfigError("--tokenizer-type ByteLevelBPE trains on text, but the data is preprocessed already; "
+                          "name its tokenizer: HuggingFaceTokenizer --tokenizer-model, GPT2BPETokenizer "
+                          "--vocab-file/--merge-file, or NullTokenizer --vocab-size")
     _, valid_share, _ = parse_split(d.split)
-    if t.eval_iters > 0 and valid_share == 0 and not d.mock_data:
+    if t.eval_iters > 0 and valid_share == 0 and (d.data_path or d.corpus):
         raise ConfigError(f"--split {d.split} leaves no validation data for --eval-iters {t.eval_iters}; "
                           "give the split a validation share or set --eval-iters 0")

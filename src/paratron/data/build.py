@@ -1,17 +1,25 @@
-"""From DataConfig to train/validation samples: tokenizer, tokenized corpus, split, order.
+"""From DataConfig to train and validation samples.
 
-Expensive artifacts (a trained tokenizer, the tokenized corpus) are cached on disk under
-a hash of everything that shapes them, built by local rank 0 while the others wait, and
-written to temporary paths renamed into place, so an interrupted build leaves nothing half-made.
+Sources, in Megatron-LM's terms: `--data-path` (one blend, cut into train/valid/test by
+`--split`), or `--train-data-path` / `--valid-data-path` / `--test-data-path` (one blend
+each). A blend is `PREFIX ...` or `WEIGHT PREFIX ...`; PREFIX names a .bin/.idx pair. A
+text or jsonl file or directory in its place is preprocessed into the cache first, as is
+`--corpus stdlib`. `--mock-data` needs nothing.
+
+Expensive artifacts (a trained tokenizer, preprocessed corpora, sample indices) are cached
+under a hash of everything that shapes them, built by local rank 0 while the others
+wait, and written to temporary paths renamed into place.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -21,21 +29,26 @@ import torch.distributed as dist
 
 from paratron.config.schema import Config
 from paratron.config.validation import parse_split
-from paratron.data.corpus import files_signature, read_documents, stdlib_files, text_files
-from paratron.data.datasets import MockTokens, ShuffledSamples, TokenWindows
-from paratron.data.tokenizer import Tokenizer, train_byte_level_bpe
+from paratron.data.blending import BlendedDataset, component_sizes, parse_blend
+from paratron.data.corpus import files_signature, stdlib_files
+from paratron.data.datasets import MockTokens, SampleSource
+from paratron.data.gpt_dataset import GPTDataset
+from paratron.data.indexed import IndexedDataset, dataset_exists
+from paratron.data.preprocess import PreprocessResult, input_files, preprocess, read_documents
+from paratron.data.tokenizer import AnyTokenizer, Tokenizer, load_tokenizer, train_byte_level_bpe
 from paratron.distributed.init import collective_device
 from paratron.errors import DataError, PeerFailure, UserError
 
 DEFAULT_BPE_VOCAB = 8192
 MOCK_VOCAB = 4096
+Log = Callable[[str], None]
 
 
 @dataclass
 class DataBundle:
-    train: ShuffledSamples
-    valid: ShuffledSamples | None
-    tokenizer: Tokenizer | None
+    train: SampleSource
+    valid: SampleSource | None
+    tokenizer: AnyTokenizer | None
     vocab_size: int
 
 
@@ -44,7 +57,7 @@ def cache_root(config: Config) -> Path:
     return Path(path).expanduser()
 
 
-def build_once(path: Path, build: Callable[[Path], None], local_rank: int, log: Callable[[str], None]) -> None:
+def build_once(path: Path, build: Callable[[Path], None], local_rank: int, log: Log) -> None:
     """Make `path` exist: local rank 0 builds it (into a temp path, then renames); all ranks wait.
 
     If the build fails on a user error, every rank learns it (instead of waiting forever): the
@@ -82,85 +95,151 @@ def _digest(*parts: object) -> str:
     return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
-def _tokenize_corpus(files: list[Path], tokenizer: Tokenizer, strict: bool, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True)
-    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max else np.int32
-    chunks, offsets = [], [0]
-    docs = read_documents(files, strict)
-    batch: list[str] = []
-    for text in docs:
-        batch.append(text)
-        if len(batch) == 256:
-            _append(tokenizer, batch, chunks, offsets, dtype)
-            batch = []
-    if batch:
-        _append(tokenizer, batch, chunks, offsets, dtype)
-    np.save(out_dir / "tokens.npy", np.concatenate(chunks) if chunks else np.zeros(0, dtype))
-    np.save(out_dir / "doc_offsets.npy", np.asarray(offsets, dtype=np.int64))
+def samples_per_split(config: Config, global_batch_size: int) -> tuple[int, int, int]:
+    """Megatron-LM's counts: train iters x batch; one evaluation per interval plus the final one; one test."""
+    t = config.training
+    evaluations = t.train_iters // t.eval_interval + 1
+    return (t.train_iters * global_batch_size, evaluations * t.eval_iters * global_batch_size,
+            t.eval_iters * global_batch_size)
 
 
-def _append(tokenizer: Tokenizer, texts: list[str], chunks: list, offsets: list[int], dtype) -> None:
-    for ids in tokenizer.encode_batch(texts):
-        if not ids:
-            continue  # an empty document contributes nothing, not even its EOD
-        chunks.append(np.asarray(ids + [tokenizer.eod_id], dtype=dtype))
-        offsets.append(offsets[-1] + len(ids) + 1)
+class _Builder:
+    """Holds what building the datasets of one run shares: cache, rank, log, tokenizer."""
+
+    def __init__(self, config: Config, local_rank: int, log: Log) -> None:
+        self.config, self.local_rank, self.log = config, local_rank, log
+        self.cache = cache_root(config)
+        self.once = partial(build_once, local_rank=local_rank, log=log)
+
+    # -- raw text -------------------------------------------------------------------------
+
+    def raw_sources(self) -> list[tuple[list[Path], bool]]:
+        """Text inputs to preprocess: (files, strict) for --corpus and for each raw --*-data-path entry."""
+        d = self.config.data
+        if d.corpus == "stdlib":
+            return [(stdlib_files(), False)]
+        out = []
+        for values, flag in self.blend_flags():
+            for _, path in parse_blend(values, flag):
+                if not dataset_exists(path):
+                    out.append((input_files([path], flag), True))
+        return out
+
+    def blend_flags(self) -> list[tuple[list[str], str]]:
+        d = self.config.data
+        return [(v, f) for v, f in ((d.data_path, "--data-path"), (d.train_data_path, "--train-data-path"),
+                                    (d.valid_data_path, "--valid-data-path"), (d.test_data_path, "--test-data-path"))
+                if v]
+
+    def tokenizer(self) -> tuple[AnyTokenizer, str]:
+        """The run's tokenizer and an identity string for cache keys."""
+        d, m = self.config.data, self.config.model
+        if d.tokenizer_type != "ByteLevelBPE":
+            tokenizer = load_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, m.vocab_size)
+            return tokenizer, _digest(tokenizer.spec())
+        sources = self.raw_sources()
+        if not sources:
+            raise DataError("--tokenizer-type ByteLevelBPE trains on text, but the data is preprocessed already; "
+                            "name its tokenizer (HuggingFaceTokenizer --tokenizer-model, GPT2BPETokenizer "
+                            "--vocab-file/--merge-file, or NullTokenizer --vocab-size)")
+        target = m.vocab_size or DEFAULT_BPE_VOCAB
+        signature = _digest(*(files_signature(files) for files, _ in sources))
+        path = self.cache / f"tokenizer-bpe{target}-{_digest(signature, target)}.json"
+
+        def texts():
+            for files, strict in sources:
+                for document in read_documents(files, ["text"], PreprocessResult([]), skip_bad_lines=not strict):
+                    yield document.texts[0]
+
+        self.once(path, lambda tmp: train_byte_level_bpe(texts(), target).save(tmp))
+        return Tokenizer.from_file(path), path.stem
+
+    def preprocessed(self, files: list[Path], strict: bool, tokenizer: AnyTokenizer, tokenizer_id: str) -> str:
+        """Prefix of the cached indexed dataset of these files (preprocessed on first use)."""
+        folder = self.cache / f"corpus-{_digest(files_signature(files), tokenizer_id)}"
+
+        def build(tmp: Path) -> None:
+            tmp.mkdir(parents=True)
+            preprocess(files, str(tmp / "data"), tokenizer, append_eod=True, skip_bad_lines=not strict,
+                       progress=False)
+
+        self.once(folder, build)
+        return str(folder / "data_text_document")
+
+    # -- datasets -------------------------------------------------------------------------
+
+    def gpt_dataset(self, prefix: str, documents: np.ndarray, num_samples: int) -> GPTDataset:
+        return GPTDataset(IndexedDataset(prefix), documents, self.config.data.seq_length, num_samples,
+                          self.config.training.seed, self.cache / "indices",
+                          lambda path, build: self.once(path, build))
+
+    def blend(self, parts: list[tuple[float, str, np.ndarray]], size: int, what: str) -> SampleSource:
+        """One dataset, or several blended by weight; `parts` are (weight, prefix, documents)."""
+        parts = [p for p in parts if len(p[2]) > 0]
+        if not parts:
+            raise DataError(f"the {what} split holds no documents; change --split or give more data")
+        if len(parts) == 1:
+            _, prefix, documents = parts[0]
+            return self.gpt_dataset(prefix, documents, size)
+        weights = [w / sum(p[0] for p in parts) for w, _, _ in parts]
+        datasets = [self.gpt_dataset(prefix, documents, n)
+                    for (_, prefix, documents), n in zip(parts, component_sizes(weights, size))]
+        names = [f"{prefix}[{documents[0]}:{documents[-1] + 1}]" for _, prefix, documents in parts]
+        return BlendedDataset(datasets, weights, size, self.cache / "indices",
+                              lambda path, build: self.once(path, build), names)
 
 
-def build_data(config: Config, local_rank: int = 0, log: Callable[[str], None] = print) -> DataBundle:
+def _split_documents(num_documents: int, split: str) -> list[np.ndarray]:
+    """Megatron's --split: contiguous document ranges, boundaries rounded from the cumulative fractions."""
+    fractions = parse_split(split)
+    bounds = [0.0]
+    for f in fractions:
+        bounds.append(bounds[-1] + f)
+    edges = [int(round(b * num_documents)) for b in bounds]
+    edges[-1] = num_documents
+    return [np.arange(edges[i], edges[i + 1], dtype=np.int32) for i in range(3)]
+
+
+def build_data(config: Config, global_batch_size: int, local_rank: int = 0, log: Log = print) -> DataBundle:
     d, seed = config.data, config.training.seed
+    train_samples, valid_samples, _ = samples_per_split(config, global_batch_size)
     if d.mock_data:
         vocab = config.model.vocab_size or MOCK_VOCAB
-        return DataBundle(ShuffledSamples(MockTokens(vocab, d.seq_length, seed), seed, shuffle=False),
-                          ShuffledSamples(MockTokens(vocab, d.seq_length, seed + 1), seed, shuffle=False),
+        return DataBundle(MockTokens(vocab, d.seq_length, seed), MockTokens(vocab, d.seq_length, seed + 1),
                           None, vocab)
 
-    strict = d.corpus is None
-    files = stdlib_files() if d.corpus == "stdlib" else text_files(d.data_path)
-    signature = files_signature(files)
-    cache = cache_root(config)
-
-    if d.tokenizer_type == "HuggingFaceTokenizer":
-        tokenizer = Tokenizer.from_file(d.tokenizer_model)  # type: ignore[arg-type]
-        tokenizer_id = _digest(Path(d.tokenizer_model).read_bytes())  # type: ignore[arg-type]
-    else:
-        target = config.model.vocab_size or DEFAULT_BPE_VOCAB
-        tokenizer_path = cache / f"tokenizer-bpe{target}-{_digest(signature, target)}.json"
-        build_once(tokenizer_path,
-                   lambda tmp: train_byte_level_bpe(read_documents(files, strict), target).save(tmp),
-                   local_rank, log)
-        tokenizer = Tokenizer.from_file(tokenizer_path)
-        tokenizer_id = tokenizer_path.stem
-
-    corpus_dir = cache / f"corpus-{_digest(signature, tokenizer_id)}"
-    build_once(corpus_dir, lambda tmp: _tokenize_corpus(files, tokenizer, strict, tmp), local_rank, log)
-    tokens = np.load(corpus_dir / "tokens.npy", mmap_mode="r")
-    offsets = np.load(corpus_dir / "doc_offsets.npy")
-
+    builder = _Builder(config, local_rank, log)
+    tokenizer, tokenizer_id = builder.tokenizer()
     vocab = config.model.vocab_size or tokenizer.vocab_size
     if vocab < tokenizer.vocab_size:
         raise DataError(f"--vocab-size {vocab} is smaller than the tokenizer's {tokenizer.vocab_size}; raise it")
 
-    # Split by documents, in order (Megatron's --split semantics).
-    fractions = parse_split(d.split)
-    n_docs = len(offsets) - 1
-    bounds = [0]
-    for f in fractions:
-        bounds.append(min(n_docs, bounds[-1] + int(round(f * n_docs))))
-    bounds[-1] = n_docs
-    train_tokens = tokens[offsets[bounds[0]] : offsets[bounds[1]]]
-    valid_tokens = tokens[offsets[bounds[1]] : offsets[bounds[2]]]
-    train = TokenWindows(train_tokens, d.seq_length)
-    if len(train) == 0:
-        raise DataError(f"the training split holds {len(train_tokens)} tokens, fewer than one sample of "
-                        f"--seq-length {d.seq_length}; add data or lower --seq-length")
-    valid = TokenWindows(valid_tokens, d.seq_length)
-    if len(valid) == 0 and config.training.eval_iters > 0:
-        raise DataError(f"the validation split of --split {d.split} holds {len(valid_tokens)} tokens, fewer than "
-                        f"one sample of --seq-length {d.seq_length}; give it a larger share or set --eval-iters 0")
-    return DataBundle(
-        ShuffledSamples(train, seed),
-        ShuffledSamples(valid, seed + 1) if len(valid) > 0 else None,
-        tokenizer,
-        vocab,
-    )
+    def resolve(path: str, flag: str) -> str:
+        """A dataset prefix as given, or the cached preprocessed form of text files."""
+        if dataset_exists(path):
+            return path
+        return builder.preprocessed(input_files([path], flag), True, tokenizer, tokenizer_id)
+
+    if d.corpus == "stdlib":
+        blends = {"--data-path": [(1.0, builder.preprocessed(stdlib_files(), False, tokenizer, tokenizer_id))]}
+    else:
+        blends = {flag: [(w, resolve(p, flag)) for w, p in parse_blend(values, flag)]
+                  for values, flag in builder.blend_flags()}
+
+    if "--data-path" in blends:
+        parts = blends["--data-path"]
+        splits: dict[str, list] = {name: [] for name in ("train", "valid")}
+        for weight, prefix in parts:
+            train_docs, valid_docs, _ = _split_documents(IndexedDataset(prefix).num_documents, d.split)
+            splits["train"].append((weight, prefix, train_docs))
+            splits["valid"].append((weight, prefix, valid_docs))
+    else:
+        def whole(flag: str) -> list:
+            return [(w, p, np.arange(IndexedDataset(p).num_documents, dtype=np.int32)) for w, p in blends.get(flag, [])]
+        splits = {"train": whole("--train-data-path"), "valid": whole("--valid-data-path")}
+
+    train = builder.blend(splits["train"], train_samples, "train")
+    valid = None
+    if config.training.eval_iters > 0:
+        valid = builder.blend(splits["valid"], valid_samples, "validation")
+    return DataBundle(train, valid, tokenizer, vocab)

@@ -1,17 +1,12 @@
-"""Finding and reading text documents: user files and the embedded corpus.
-
-The embedded corpus is the Python standard library's own source, located with
-`sysconfig`, so every machine that runs paratron has it without a download.
-"""
+"""The embedded corpus: the Python standard library's own source, located with `sysconfig`,
+so every machine that runs paratron has it without a download."""
 
 from __future__ import annotations
 
 import hashlib
 import sysconfig
 from pathlib import Path
-from typing import Iterable, Iterator
-
-from paratron.errors import DataError
+from typing import Iterable
 
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
@@ -30,39 +25,6 @@ def shuffled_by_name(files: Iterable[Path], root: Path) -> list[Path]:
     def key(p: Path) -> str:
         return hashlib.sha1(p.relative_to(root).as_posix().encode()).hexdigest()
     return sorted(files, key=key)
-
-
-def text_files(paths: Iterable[str]) -> list[Path]:
-    """Expand files and directories (recursively, hidden entries skipped) into a sorted file list."""
-    out: list[Path] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            out.extend(sorted(p for p in path.rglob("*") if p.is_file()
-                              and not any(part.startswith(".") for part in p.relative_to(path).parts)))
-        elif path.is_file():
-            out.append(path)
-        else:
-            raise DataError(f"{path}: no such file or directory; check --data-path")
-    if not out:
-        raise DataError(f"--data-path {' '.join(paths)}: no files found")
-    return out
-
-
-def read_text(path: Path, strict: bool = True) -> str:
-    """A file's text; bytes that are not UTF-8 are an error naming the offset (or replaced when not strict)."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        if not strict:
-            return data.decode("utf-8", errors="replace")
-        raise DataError(f"{path}: byte {exc.start} is not valid UTF-8; convert the file to UTF-8") from None
-
-
-def read_documents(files: Iterable[Path], strict: bool = True) -> Iterator[str]:
-    for path in files:
-        yield read_text(path, strict)
 
 
 def files_signature(files: Iterable[Path]) -> str:

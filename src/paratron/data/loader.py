@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paratron.data.datasets import ShuffledSamples
+from paratron.data.datasets import SampleSource
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class BatchPlan:
         return out
 
 
-def micro_batches(samples: ShuffledSamples, plan: BatchPlan, consumed_samples: int,
+def micro_batches(samples: SampleSource, plan: BatchPlan, consumed_samples: int,
                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, labels) pairs of shape [mbs, seq] for this rank, on `device`."""
     batches = []

@@ -1,13 +1,20 @@
-"""Tokenizers: byte-level BPE trained on the data with HF `tokenizers`, or a saved tokenizer.json.
+"""Tokenizers, as Megatron-LM names them (--tokenizer-type):
 
-Byte-level BPE maps any UTF-8 text to ids and back losslessly; the end-of-document
-token `<|endoftext|>` separates documents in the token stream.
+    ByteLevelBPE          byte-level BPE trained on the data with HF `tokenizers` (--vocab-size)
+    HuggingFaceTokenizer  an existing tokenizer.json (--tokenizer-model FILE or a folder holding one)
+    GPT2BPETokenizer      GPT-2's vocab.json + merges.txt (--vocab-file, --merge-file)
+    NullTokenizer         the text already is token ids separated by spaces (--vocab-size); the
+                          end-of-document id is vocab_size, as in Megatron
+
+Byte-level BPE maps any UTF-8 text to ids and back losslessly. Documents end with the
+end-of-document token; padding, where needed, uses the pad token if there is one, else
+end-of-document.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Union
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -16,15 +23,18 @@ from paratron.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
 _EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+_PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
 
 
 class Tokenizer:
-    """Text <-> token ids, plus the id that ends a document."""
+    """Text <-> token ids, plus the id that ends a document and the one that pads."""
 
     def __init__(self, hf: HFTokenizer, source: str = "") -> None:
         self.hf = hf
         self.source = source
         self.eod_id = self._find_eod()
+        pads = [self.hf.token_to_id(t) for t in _PAD_CANDIDATES]
+        self.pad_id = next((p for p in pads if p is not None), self.eod_id)
 
     def _find_eod(self) -> int:
         for token in _EOD_CANDIDATES:
@@ -42,7 +52,9 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        """Many texts at once, on all cores (`encode_batch_fast` skips the character offsets)."""
+        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
@@ -51,12 +63,101 @@ class Tokenizer:
         """Write tokenizer.json (callers write into temporary paths that they rename)."""
         self.hf.save(str(path))
 
+    def spec(self) -> dict:
+        """Everything needed to rebuild this tokenizer in another process."""
+        return {"type": "hf", "json": self.hf.to_str(), "source": self.source}
+
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise DataError(f"{path}: no such file; give a tokenizer.json or a folder holding one")
         try:
             return cls(HFTokenizer.from_file(str(path)), str(path))
         except Exception as exc:  # tokenizers raises a bare Exception for malformed files
             raise DataError(f"{path}: not a readable tokenizer.json ({str(exc).splitlines()[0]})") from None
+
+    @classmethod
+    def from_gpt2_files(cls, vocab_file: str | Path, merge_file: str | Path) -> "Tokenizer":
+        """GPT-2's byte-level BPE from its vocab.json and merges.txt."""
+        for path in (vocab_file, merge_file):
+            if not Path(path).is_file():
+                raise DataError(f"{path}: no such file; GPT2BPETokenizer needs --vocab-file and --merge-file")
+        try:
+            hf = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        except Exception as exc:
+            raise DataError(f"{vocab_file}, {merge_file}: not a GPT-2 vocabulary and merge list "
+                            f"({str(exc).splitlines()[0]})") from None
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        if hf.token_to_id(EOD_TOKEN) is not None:
+            hf.add_special_tokens([EOD_TOKEN])  # as GPT-2's own tokenizer: never split, never merged
+        return cls(hf, str(vocab_file))
+
+
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is token ids separated by whitespace, ids below `vocab_size`;
+    the end-of-document id is `vocab_size` itself, so the vocabulary holds vocab_size + 1 entries."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.ids_vocab_size = vocab_size
+        self.eod_id = self.pad_id = vocab_size
+        self.source = f"NullTokenizer({vocab_size})"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.ids_vocab_size + 1
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            ids = [int(token) for token in text.split()]
+        except ValueError as exc:
+            raise ValueError(f"NullTokenizer expects token ids separated by spaces ({exc})") from None
+        if any(not 0 <= i < self.ids_vocab_size for i in ids):
+            raise ValueError(f"NullTokenizer: an id is outside [0, {self.ids_vocab_size})")
+        return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+    def save(self, path: Path) -> None:
+        raise DataError("a NullTokenizer has no tokenizer file to save")
+
+    def spec(self) -> dict:
+        return {"type": "null", "vocab_size": self.ids_vocab_size}
+
+
+AnyTokenizer = Union[Tokenizer, NullTokenizer]
+
+
+def tokenizer_from_spec(spec: dict) -> AnyTokenizer:
+    if spec["type"] == "null":
+        return NullTokenizer(spec["vocab_size"])
+    return Tokenizer(HFTokenizer.from_str(spec["json"]), spec.get("source", ""))
+
+
+def load_tokenizer(kind: str, tokenizer_model: str | None = None, vocab_file: str | None = None,
+                   merge_file: str | None = None, vocab_size: int | None = None) -> AnyTokenizer:
+    """An existing tokenizer by its Megatron type name (ByteLevelBPE is trained, see `train_byte_level_bpe`)."""
+    if kind == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise DataError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH")
+        return Tokenizer.from_file(tokenizer_model)
+    if kind == "GPT2BPETokenizer":
+        if not (vocab_file and merge_file):
+            raise DataError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        return Tokenizer.from_gpt2_files(vocab_file, merge_file)
+    if kind == "NullTokenizer":
+        if not vocab_size:
+            raise DataError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    raise DataError(f"--tokenizer-type {kind}: not an existing tokenizer (choose HuggingFaceTokenizer, "
+                    "GPT2BPETokenizer or NullTokenizer)")
 
 
 def train_byte_level_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:

@@ -108,7 +108,7 @@ class Trainer:
 
             last = iteration == t.train_iters
             if t.eval_iters > 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
-                state.val_losses.append(self.evaluate())
+                state.val_losses.append(self.evaluate(-(-iteration // t.eval_interval) - 1))
                 self.writer.log_eval(iteration, state.val_losses[-1])
                 window_start = time.perf_counter()
             c = self.config.checkpoint
@@ -118,13 +118,17 @@ class Trainer:
                 window_start = time.perf_counter()
         return state
 
-    def evaluate(self) -> float:
-        """Mean loss over the first eval_iters global batches of the validation split (the same ones each time)."""
+    def evaluate(self, number: int) -> float:
+        """Mean loss over the `number`-th run of eval_iters global batches of the validation split.
+
+        As in Megatron-LM, each evaluation reads the next batches (the evaluation at step i is
+        number ceil(i / eval_interval) - 1), so the order is a pure function of the step."""
         assert self.data.valid is not None
         total = torch.zeros((), device=self.ctx.device)
         iters = self.config.training.eval_iters
+        first = number * iters * self.global_batch_size
         for i in range(iters):
-            batches = micro_batches(self.data.valid, self.plan, i * self.global_batch_size, self.ctx.device)
+            batches = micro_batches(self.data.valid, self.plan, first + i * self.global_batch_size, self.ctx.device)
             total += evaluate_batches(self.model, batches, self.precision)
         return self._dp_mean(total / iters)
 

@@ -13,8 +13,10 @@ import torch.distributed as dist
 
 from paratron.checkpoint.io import load_model_weights, load_training_state, read_checkpoint, resolve_checkpoint
 from paratron.config.schema import Config
+from paratron.data.blending import parse_blend
 from paratron.data.build import build_data
-from paratron.data.corpus import text_files
+from paratron.data.indexed import IndexedDataset, dataset_exists
+from paratron.data.preprocess import input_files
 from paratron.distributed.init import initialize, seed_everything, shutdown
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.inference.generate import generate
@@ -35,8 +37,14 @@ def _duration(seconds: float) -> str:
 
 def check_inputs(config: Config) -> None:
     """Cheap checks of the files a run will read, made before any worker starts."""
-    if config.data.data_path:
-        text_files(config.data.data_path)
+    d = config.data
+    for values, flag in ((d.data_path, "--data-path"), (d.train_data_path, "--train-data-path"),
+                         (d.valid_data_path, "--valid-data-path"), (d.test_data_path, "--test-data-path")):
+        for _, path in parse_blend(values, flag):
+            if dataset_exists(path):
+                IndexedDataset(path)  # reads and checks the index
+            else:
+                input_files([path], flag)
     if config.checkpoint.load:
         resolve_checkpoint(Path(config.checkpoint.load))
 
@@ -58,7 +66,8 @@ def _run(config: Config, ctx) -> TrainState:
     topology.create_groups()
     say = print if ctx.is_main else (lambda *a, **k: None)
 
-    data = build_data(config, ctx.local_rank, log=say)
+    global_batch = t.global_batch_size or t.micro_batch_size * topology.size("dp")
+    data = build_data(config, global_batch, ctx.local_rank, log=say)
     config.model.vocab_size = data.vocab_size
 
     resume = read_checkpoint(Path(config.checkpoint.load)) if config.checkpoint.load else None

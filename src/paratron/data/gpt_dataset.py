@@ -1,0 +1,140 @@
+"""GPT training samples over an indexed dataset, in Megatron-LM's order.
+
+For the documents of one split and a number of samples to draw, three index arrays fix
+everything (Megatron-LM's GPTDataset, reimplemented and checked against it in
+tests/unit/test_gpt_dataset.py):
+
+- epochs: the fewest E with E x tokens_per_epoch >= samples x seq_length + 1;
+- document index: the split's documents repeated E times and shuffled with
+  `numpy.random.RandomState(seed)`; when the last epoch would contribute under 80% of an
+  epoch's samples it is shuffled on its own, after the others, so it is not spread thin;
+- sample index: sample i is the seq_length + 1 tokens starting at position i x seq_length
+  of the document stream (samples cross document boundaries and share one token with the
+  next); stored as (position in the document index, offset in that document);
+- shuffle index: a permutation of the samples (again with a separate final epoch).
+
+The arrays are built once, by local rank 0, and cached under a hash of everything that
+shapes them, so other ranks, later runs and resumed runs read the same order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from paratron.data.indexed import IndexedDataset
+
+ADD_EXTRA_TOKEN = 1
+FINAL_EPOCH_THRESHOLD = 0.80
+
+
+def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) -> int:
+    requested = num_samples * seq_length + ADD_EXTRA_TOKEN
+    return max(1, -(-requested // tokens_per_epoch))
+
+
+def _shuffled_documents(documents: np.ndarray, epochs: int, rng: np.random.RandomState) -> np.ndarray:
+    index = np.tile(documents.astype(np.int32), epochs)
+    rng.shuffle(index)
+    return index
+
+
+def _shuffled_range(start: int, stop: int, rng: np.random.RandomState) -> np.ndarray:
+    dtype = np.uint32 if stop < np.iinfo(np.uint32).max - 1 else np.int64
+    index = np.arange(start, stop, dtype=dtype)
+    rng.shuffle(index)
+    return index
+
+
+def build_sample_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int,
+                         num_samples: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(document_index, sample_index, shuffle_index) for drawing `num_samples` samples of
+    `seq_length` + 1 tokens from `documents` (indices into `sequence_lengths`)."""
+    lengths = np.asarray(sequence_lengths)
+    tokens_per_epoch = int(lengths[documents].sum(dtype=np.int64))
+    if tokens_per_epoch <= ADD_EXTRA_TOKEN:
+        raise ValueError("the split holds no tokens")
+    epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
+    separate_final_epoch = False
+    if epochs > 1:
+        samples_before_final = ((epochs - 1) * tokens_per_epoch - ADD_EXTRA_TOKEN) // seq_length
+        samples_per_epoch = (tokens_per_epoch - ADD_EXTRA_TOKEN) // seq_length
+        separate_final_epoch = num_samples - samples_before_final < int(FINAL_EPOCH_THRESHOLD * samples_per_epoch)
+
+    rng = np.random.RandomState(seed)
+    if separate_final_epoch:
+        document_index = np.concatenate([_shuffled_documents(documents, epochs - 1, rng),
+                                         _shuffled_documents(documents, 1, rng)])
+    else:
+        document_index = _shuffled_documents(documents, epochs, rng)
+
+    # Sample i starts at stream position i * seq_length; find its document and offset.
+    total_samples = (epochs * tokens_per_epoch - ADD_EXTRA_TOKEN) // seq_length
+    ends = np.cumsum(lengths[document_index], dtype=np.int64)
+    starts = np.arange(total_samples + 1, dtype=np.int64) * seq_length
+    position = np.searchsorted(ends, starts, side="right")
+    offset = starts - (ends[position] - lengths[document_index[position]])
+    index_dtype = np.int32 if len(document_index) < np.iinfo(np.int32).max and lengths.max() < np.iinfo(np.int32).max \
+        else np.int64
+    sample_index = np.stack([position, offset], axis=1).astype(index_dtype)
+    sample_index[0] = 0  # the stream starts at the first document, even an empty one
+
+    if separate_final_epoch:
+        shuffle_index = np.concatenate([_shuffled_range(0, samples_before_final, rng),
+                                        _shuffled_range(samples_before_final, total_samples, rng)])
+    else:
+        shuffle_index = _shuffled_range(0, total_samples, rng)
+    return document_index, sample_index, shuffle_index
+
+
+class GPTDataset:
+    """Samples of seq_length + 1 tokens (inputs and shifted labels) from one split of an indexed dataset."""
+
+    def __init__(self, dataset: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int,
+                 seed: int, cache_dir: Path, build_once: Callable[[Path, Callable[[Path], None]], None]) -> None:
+        self.dataset, self.seq_length = dataset, seq_length
+        description = {
+            "class": "GPTDataset", "dataset": str(Path(dataset.prefix).resolve()),
+            "sequences": len(dataset), "tokens": dataset.num_tokens,
+            "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
+            "seq_length": seq_length, "num_samples": num_samples, "seed": seed,
+            "add_extra_token": ADD_EXTRA_TOKEN,
+        }
+        digest = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+        folder = cache_dir / f"gpt-{digest}"
+
+        def build(tmp: Path) -> None:
+            arrays = build_sample_indices(dataset.sequence_lengths, documents, seq_length, num_samples, seed)
+            tmp.mkdir(parents=True)
+            for name, array in zip(("document_index", "sample_index", "shuffle_index"), arrays):
+                np.save(tmp / f"{name}.npy", array)
+            (tmp / "description.json").write_text(json.dumps(description, indent=2))
+
+        build_once(folder, build)
+        self.cache_folder = folder
+        self.document_index = np.load(folder / "document_index.npy", mmap_mode="r")
+        self.sample_index = np.load(folder / "sample_index.npy", mmap_mode="r")
+        self.shuffle_index = np.load(folder / "shuffle_index.npy", mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        if not 0 <= k < len(self):
+            raise IndexError(f"sample {k} is outside the {len(self)} samples built for this split")
+        i = int(self.shuffle_index[k])
+        (first, first_offset), (last, last_offset) = self.sample_index[i], self.sample_index[i + 1]
+        first, first_offset, last, last_offset = int(first), int(first_offset), int(last), int(last_offset)
+        if first == last:
+            tokens = self.dataset.get(int(self.document_index[first]), first_offset,
+                                      last_offset - first_offset + ADD_EXTRA_TOKEN)
+        else:
+            pieces = [self.dataset.get(int(self.document_index[first]), first_offset)]
+            pieces += [self.dataset.get(int(self.document_index[p])) for p in range(first + 1, last)]
+            pieces.append(self.dataset.get(int(self.document_index[last]), 0, last_offset + ADD_EXTRA_TOKEN))
+            tokens = np.concatenate(pieces)
+        return tokens.astype(np.int64)

@@ -1,0 +1,198 @@
+"""Megatron-LM's memory-mapped indexed dataset: PREFIX.bin (tokens) and PREFIX.idx (index).
+
+The .idx file, all little-endian:
+
+    offset 0    9 bytes   magic b"MMIDIDX\\x00\\x00"
+    offset 9    uint64    version, 1
+    offset 17   uint8     dtype code of the tokens (1 uint8, 2 int8, 3 int16, 4 int32, 5 int64,
+                          6 float64, 7 float32, 8 uint16)
+    offset 18   uint64    S, the number of sequences
+    offset 26   uint64    D, the number of document-index entries (documents + 1)
+    offset 34   int32[S]  sequence lengths, in tokens
+                int64[S]  sequence pointers, byte offsets into .bin
+                int64[D]  document index: document d is sequences [doc[d], doc[d+1])
+
+The .bin file is the tokens of all sequences, back to back. paratron writes one sequence
+per document, as Megatron's preprocessing does without sentence splitting. Files written
+here load with Megatron-LM's reader and the other way round (tests/unit/test_indexed.py).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from array import array
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from paratron.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
+DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+                           6: np.float64, 7: np.float32, 8: np.uint16}
+CODES = {np.dtype(t): code for code, t in DTYPES.items()}
+
+
+def optimal_dtype(vocab_size: int | None) -> type:
+    """Megatron's choice: uint16 when every id fits (vocabulary under 65,500), else int32."""
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def dataset_exists(prefix: str | Path) -> bool:
+    return Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()
+
+
+class IndexedDatasetWriter:
+    """Streams documents into PREFIX.bin and writes PREFIX.idx at `finalize`.
+
+    Both are written under temporary names and renamed into place at the end (.bin first,
+    then .idx), so an interrupted write never leaves a dataset that looks complete. Memory
+    holds only the per-document lengths.
+    """
+
+    def __init__(self, prefix: str | Path, dtype: type) -> None:
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODES:
+            raise ValueError(f"dtype {self.dtype} has no Megatron code")
+        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = f".tmp-{os.getpid()}"
+        self._bin = open(f"{self.prefix}.bin{self._tmp}", "wb")
+        self.lengths = array("i")  # int32, like Megatron
+
+    def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(arr.tobytes(order="C"))
+        self.lengths.append(len(arr))
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Many documents at once: their tokens concatenated, and each one's length."""
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self.lengths.extend(np.asarray(lengths, dtype=np.int32).tolist())
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.lengths)
+
+    def finalize(self) -> None:
+        self._bin.close()
+        lengths = np.frombuffer(self.lengths, dtype=np.int32) if self.lengths else np.zeros(0, np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths) > 1:
+            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        documents = np.arange(len(lengths) + 1, dtype=np.int64)
+        idx_tmp = f"{self.prefix}.idx{self._tmp}"
+        with open(idx_tmp, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", CODES[self.dtype]))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(documents)))
+            f.write(lengths.astype("<i4").tobytes())
+            f.write(pointers.astype("<i8").tobytes())
+            f.write(documents.astype("<i8").tobytes())
+        os.replace(f"{self.prefix}.bin{self._tmp}", f"{self.prefix}.bin")
+        os.replace(idx_tmp, f"{self.prefix}.idx")
+
+    def abort(self) -> None:
+        """Close and delete the temporary files (after an error or an interruption)."""
+        self._bin.close()
+        for path in (f"{self.prefix}.bin{self._tmp}", f"{self.prefix}.idx{self._tmp}"):
+            Path(path).unlink(missing_ok=True)
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+class IndexedDataset:
+    """A memory-mapped view of PREFIX.bin/.idx. `ds[i]` is sequence i as a NumPy array;
+    `ds.get(i, offset, length)` reads part of it without touching the rest."""
+
+    def __init__(self, prefix: str | Path) -> None:
+        self.prefix = str(prefix)
+        idx_path, bin_path = Path(f"{self.prefix}.idx"), Path(f"{self.prefix}.bin")
+        for path in (idx_path, bin_path):
+            if not path.is_file():
+                raise DataError(f"{path}: no such file; --data-path takes the prefix of a .bin/.idx pair")
+        self._read_index(idx_path)
+        needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize \
+            if len(self.sequence_lengths) else 0
+        size = bin_path.stat().st_size
+        if size < needed:
+            last = len(self.sequence_lengths) - 1
+            raise DataError(f"{bin_path}: {size} bytes, shorter than its index says ({needed} bytes, to the end "
+                            f"of sequence {last}); the file is truncated")
+        self.bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
+
+    def _read_index(self, path: Path) -> None:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = f.read(HEADER_BYTES)
+        if header[:9] != MAGIC:
+            raise DataError(f"{path}: bytes 0-8 are {header[:9]!r}, not the MMIDIDX magic; "
+                            "not a Megatron indexed dataset index")
+        if len(header) < HEADER_BYTES:
+            raise DataError(f"{path}: truncated at byte {len(header)} inside the {HEADER_BYTES}-byte header")
+        (version,) = struct.unpack("<Q", header[9:17])
+        if version != VERSION:
+            raise DataError(f"{path}: version {version} at byte 9 is not supported (expected {VERSION})")
+        code = header[17]
+        if code not in DTYPES:
+            raise DataError(f"{path}: dtype code {code} at byte 17 is unknown (expected 1-8)")
+        self.dtype = np.dtype(DTYPES[code])
+        sequences, documents = struct.unpack("<QQ", header[18:34])
+        expected = HEADER_BYTES + sequences * 12 + documents * 8
+        if size < expected:
+            raise DataError(f"{path}: truncated: {size} bytes, but its header promises {expected} "
+                            f"({sequences} sequences, {documents} document entries)")
+        index = np.memmap(path, mode="r", dtype=np.uint8, offset=0)
+        start = HEADER_BYTES
+        self.sequence_lengths = index[start : start + 4 * sequences].view("<i4")
+        start += 4 * sequences
+        self.sequence_pointers = index[start : start + 8 * sequences].view("<i8")
+        start += 8 * sequences
+        self.document_indices = index[start : start + 8 * documents].view("<i8")
+        if sequences and (self.sequence_lengths.min() < 0 or np.any(np.diff(self.sequence_pointers) < 0)):
+            raise DataError(f"{path}: negative lengths or decreasing pointers; the index is corrupt")
+        docs = self.document_indices
+        if documents and (docs[0] != 0 or docs[-1] != sequences or np.any(np.diff(docs) < 0)):
+            raise DataError(f"{path}: the document index (from byte {HEADER_BYTES + 12 * sequences}) does not "
+                            f"run from 0 to {sequences} in order; the index is corrupt")
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    @property
+    def num_documents(self) -> int:
+        return max(0, len(self.document_indices) - 1)
+
+    def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence `index` (to its end when length is None)."""
+        size = int(self.sequence_lengths[index])
+        if length is None:
+            length = size - offset
+        if offset < 0 or offset + length > size:
+            raise IndexError(f"tokens [{offset}, {offset + length}) are outside sequence {index} of length {size}")
+        start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
+        return np.asarray(self.bin[start : start + length])
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sequence {index} is outside the dataset of {len(self)}")
+        return self.get(index)

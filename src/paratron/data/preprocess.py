@@ -1,0 +1,270 @@
+"""Text and jsonl into Megatron-LM indexed datasets: `paratron preprocess`.
+
+Reading, tokenizing and writing stream: the main process reads documents and writes
+finished batches in order, N worker processes tokenize, and at most 2 x N batches are in
+flight, so memory stays flat however large the input. Outputs are written under
+temporary names and renamed at the end.
+
+Inputs: `.jsonl` / `.json` / `.ndjson` files hold one JSON object per line, whose
+--json-keys fields are documents (one output dataset per key); any other file is one
+plain-text document. Directories are read recursively (hidden entries skipped).
+Bad input (bytes that are not UTF-8, a line that is not JSON or lacks the key, an empty
+document) stops with the file and line, or is skipped and counted with --skip-bad-lines.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from paratron.data.indexed import IndexedDatasetWriter, optimal_dtype
+from paratron.data.tokenizer import AnyTokenizer, tokenizer_from_spec
+from paratron.errors import DataError
+
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+BATCH_DOCUMENTS = 256
+BATCH_BYTES = 4 << 20
+
+
+@dataclass
+class Document:
+    texts: list[str]
+    """One text per json key."""
+    where: str
+    """'file:line N' or 'file', for error messages."""
+    nbytes: int
+
+
+@dataclass
+class PreprocessResult:
+    prefixes: list[str]
+    documents: int = 0
+    tokens: int = 0
+    input_bytes: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    skipped_examples: list[str] = field(default_factory=list)
+
+
+def input_files(paths: Sequence[str], flag: str = "--input") -> list[Path]:
+    """Files and directories (recursively, hidden entries skipped) -> files, in a fixed order."""
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            out.extend(sorted(p for p in path.rglob("*") if p.is_file()
+                              and not any(part.startswith(".") for part in p.relative_to(path).parts)))
+        elif path.is_file():
+            out.append(path)
+        else:
+            raise DataError(f"{flag} {raw}: no such file or directory")
+    if not out:
+        raise DataError(f"{flag} {' '.join(paths)}: no files found")
+    return out
+
+
+class _BadInput(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+def _decode(data: bytes, where: str, base_offset: int) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _BadInput(f"{where}: byte {base_offset + exc.start} of the file is not valid UTF-8") from None
+
+
+def _documents_of(path: Path, json_keys: Sequence[str]) -> Iterator[Document | _BadInput]:
+    if path.suffix.lower() not in JSON_SUFFIXES:
+        data = path.read_bytes()
+        try:
+            text = _decode(data, str(path), 0)
+            if not text:
+                raise _BadInput(f"{path}: empty document")
+            yield Document([text] * len(json_keys), str(path), len(data))
+        except _BadInput as bad:
+            yield bad
+        return
+    offset = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            try:
+                text = _decode(line, where, offset)
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise _BadInput(f"{where}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+                texts = []
+                for key in json_keys:
+                    if not isinstance(record, dict) or key not in record:
+                        raise _BadInput(f"{where}: no key {key!r}")
+                    if not isinstance(record[key], str):
+                        raise _BadInput(f"{where}: the value of {key!r} is not a string")
+                    if not record[key]:
+                        raise _BadInput(f"{where}: empty document under {key!r}")
+                    texts.append(record[key])
+                yield Document(texts, where, len(line))
+            except _BadInput as bad:
+                yield bad
+            offset += len(line)
+
+
+def read_documents(files: Sequence[Path], json_keys: Sequence[str], result: PreprocessResult,
+                   skip_bad_lines: bool) -> Iterator[Document]:
+    for path in files:
+        for item in _documents_of(path, json_keys):
+            if isinstance(item, _BadInput):
+                _reject(str(item), result, skip_bad_lines)
+            else:
+                yield item
+
+
+def _reject(message: str, result: PreprocessResult, skip: bool) -> None:
+    if not skip:
+        raise DataError(message + " (--skip-bad-lines skips such lines)")
+    result.skipped += 1
+    if len(result.skipped_examples) < 3:
+        result.skipped_examples.append(message)
+
+
+# ---------------------------------------------------------------- tokenizing (in workers)
+
+_WORKER_TOKENIZER: AnyTokenizer | None = None
+
+
+def _init_worker(spec: dict) -> None:
+    global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    _WORKER_TOKENIZER = tokenizer_from_spec(spec)
+
+
+def _encode(texts_per_key: list[list[str]], tokenizer: AnyTokenizer | None = None
+            ) -> list[tuple[np.ndarray, np.ndarray, list[tuple[int, str]]]]:
+    """For each key: (tokens of all documents concatenated, each document's length, errors)."""
+    tokenizer = tokenizer or _WORKER_TOKENIZER
+    assert tokenizer is not None
+    out = []
+    for texts in texts_per_key:
+        errors: list[tuple[int, str]] = []
+        try:
+            encoded = tokenizer.encode_batch(texts)
+        except ValueError:  # find the offending document(s)
+            encoded = []
+            for i, text in enumerate(texts):
+                try:
+                    encoded.append(tokenizer.encode(text))
+                except ValueError as exc:
+                    errors.append((i, str(exc)))
+                    encoded.append([])
+        lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
+        flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in encoded]) if encoded \
+            else np.zeros(0, np.int64)
+        out.append((flat, lengths, errors))
+    return out
+
+
+def _with_eod(tokens: np.ndarray, lengths: np.ndarray, eod: int) -> tuple[np.ndarray, np.ndarray]:
+    ends = np.cumsum(lengths)
+    return np.insert(tokens, ends, eod), lengths + 1
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def preprocess(files: Sequence[Path], output_prefix: str, tokenizer: AnyTokenizer,
+               json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
+               skip_bad_lines: bool = False, progress: bool = True,
+               log: Callable[[str], None] = print) -> PreprocessResult:
+    """Write OUTPUT_PREFIX_{key}_document.bin/.idx for each json key; returns the counts."""
+    start = time.perf_counter()
+    prefixes = [f"{output_prefix}_{key}_document" for key in json_keys]
+    result = PreprocessResult(prefixes)
+    total_bytes = sum(p.stat().st_size for p in files)
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
+                   dynamic_ncols=True)
+    pool = None
+    if workers > 1:
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
+                                                         initargs=(tokenizer.spec(),))
+    in_flight: deque = deque()
+
+    def write(batch: list[Document], encoded: list) -> None:
+        for writer, (tokens, lengths, errors) in zip(writers, encoded):
+            bad = {i for i, _ in errors} | {int(i) for i in np.flatnonzero(lengths == 0)}
+            for i in sorted(bad):
+                message = dict(errors).get(i, "the document has no tokens")
+                _reject(f"{batch[i].where}: {message}", result, skip_bad_lines)
+            if bad:
+                keep = np.ones(len(lengths), dtype=bool)
+                keep[list(bad)] = False
+                tokens = np.concatenate([t for t, k in zip(np.split(tokens, np.cumsum(lengths)[:-1]), keep) if k]) \
+                    if keep.any() else tokens[:0]
+                lengths = lengths[keep]
+            if append_eod:
+                tokens, lengths = _with_eod(tokens, lengths, tokenizer.eod_id)
+            writer.add_documents(tokens, lengths)
+            if writer is writers[0]:
+                result.documents += len(lengths)
+            result.tokens += int(lengths.sum())
+        nbytes = sum(d.nbytes for d in batch)
+        result.input_bytes += nbytes
+        if bar is not None:
+            bar.update(nbytes)
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix(docs_s=f"{result.documents / elapsed:,.0f}", refresh=False)
+
+    def submit(batch: list[Document]) -> None:
+        texts = [[d.texts[k] for d in batch] for k in range(len(json_keys))]
+        if pool is None:
+            write(batch, _encode(texts, tokenizer))
+            return
+        in_flight.append((batch, pool.apply_async(_encode, (texts,))))
+        while len(in_flight) >= 2 * workers:
+            done, job = in_flight.popleft()
+            write(done, job.get())
+
+    try:
+        batch: list[Document] = []
+        batch_bytes = 0
+        for document in read_documents(files, json_keys, result, skip_bad_lines):
+            batch.append(document)
+            batch_bytes += document.nbytes
+            if len(batch) >= BATCH_DOCUMENTS or batch_bytes >= BATCH_BYTES:
+                submit(batch)
+                batch, batch_bytes = [], 0
+        if batch:
+            submit(batch)
+        while in_flight:
+            done, job = in_flight.popleft()
+            write(done, job.get())
+        if result.documents == 0:
+            raise DataError(f"{' '.join(map(str, files))}: no documents to write")
+        for writer in writers:
+            writer.finalize()
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if bar is not None:
+            bar.close()
+    result.seconds = time.perf_counter() - start
+    return result
