@@ -5,14 +5,33 @@ Public API:
     build_config, Config            the typed configuration
     build_model, model_config, GPT  the model family and its named sizes
     load_pretrained                 a single-device model from a checkpoint
+
+Names are imported on first use, so `import paratron.data.preprocess` (what tokenizing
+worker processes do) does not pull in torch.
 """
 
-from paratron.checkpoint.pretrained import load_pretrained
-from paratron.config import Config, build_config
-from paratron.megatron_api import get_args, initialize_megatron
-from paratron.model import GPT, build_model, model_config
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize_megatron", "get_args", "build_config", "Config", "build_model", "model_config", "GPT", "load_pretrained",
-           "__version__"]
+_EXPORTS = {
+    "initialize_megatron": "paratron.megatron_api",
+    "get_args": "paratron.megatron_api",
+    "build_config": "paratron.config",
+    "Config": "paratron.config",
+    "build_model": "paratron.model",
+    "model_config": "paratron.model",
+    "GPT": "paratron.model",
+    "load_pretrained": "paratron.checkpoint.pretrained",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'paratron' has no attribute {name!r}")

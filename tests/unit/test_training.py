@@ -40,9 +40,18 @@ def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
     assert acc == pytest.approx(big, rel=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_resume_continues_exactly(tmp_path, precision):
+def text_corpus(path):
+    path.mkdir()
+    for i in range(30):
+        (path / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" * 20)
+    return dict(mock_data=False, data_path=[str(path)], vocab_size=300, eval_iters=0)
+
+
+@pytest.mark.parametrize("precision, data", [("fp32", "mock"), ("fp16", "mock"), ("fp32", "text")])
+def test_resume_continues_exactly(tmp_path, precision, data):
     common = dict(hidden_dropout=0.1, precision=precision)
+    if data == "text":  # Megatron-ordered samples from a preprocessed corpus
+        common.update(text_corpus(tmp_path / "corpus"))
     straight = run_training(tiny_config(tmp_path / "straight", train_iters=12, **common)).losses
     save, run = tmp_path / "ckpt", tmp_path / "run"
     first = run_training(tiny_config(run, train_iters=8, lr_decay_iters=12, save=str(save), save_interval=6,

@@ -1,14 +1,29 @@
-"""Data: tokenizers, preprocessing into Megatron indexed datasets, GPT samples, blending, micro-batches."""
+"""Data: tokenizers, preprocessing into Megatron indexed datasets, GPT samples, blending, micro-batches.
 
-from paratron.data.blending import BlendedDataset, parse_blend
-from paratron.data.build import DataBundle, build_data
-from paratron.data.datasets import MockTokens, SampleSource
-from paratron.data.gpt_dataset import GPTDataset, build_sample_indices
-from paratron.data.indexed import IndexedDataset, IndexedDatasetWriter
-from paratron.data.loader import BatchPlan, micro_batches
-from paratron.data.preprocess import preprocess
-from paratron.data.tokenizer import NullTokenizer, Tokenizer, load_tokenizer, train_byte_level_bpe
+Names are imported on first use (the tokenizing workers of `preprocess` import only what they need).
+"""
 
-__all__ = ["BlendedDataset", "parse_blend", "DataBundle", "build_data", "MockTokens", "SampleSource", "GPTDataset",
-           "build_sample_indices", "IndexedDataset", "IndexedDatasetWriter", "BatchPlan", "micro_batches",
-           "preprocess", "NullTokenizer", "Tokenizer", "load_tokenizer", "train_byte_level_bpe"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BlendedDataset": "blending", "parse_blend": "blending",
+    "DataBundle": "build", "build_data": "build",
+    "MockTokens": "datasets", "SampleSource": "datasets",
+    "GPTDataset": "gpt_dataset", "build_sample_indices": "gpt_dataset",
+    "IndexedDataset": "indexed", "IndexedDatasetWriter": "indexed",
+    "BatchPlan": "loader", "micro_batches": "loader",
+    "preprocess": "preprocess",
+    "NullTokenizer": "tokenizer", "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+    "train_byte_level_bpe": "tokenizer",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"paratron.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'paratron.data' has no attribute {name!r}")
