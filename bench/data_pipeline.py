@@ -57,13 +57,17 @@ def throughput(scratch: Path, megabytes: int) -> dict:
     tokenizer = train_byte_level_bpe(iter(texts), 8192)
     documents = [json.loads(line)["text"] for line in data.open(encoding="utf-8")]
     text_mb = sum(len(t.encode()) for t in documents) / 1e6
-    start = time.perf_counter()
-    encodings = tokenizer.hf.encode_batch(documents, add_special_tokens=False)
-    ceiling_s = time.perf_counter() - start
-    tokens = sum(len(e.ids) for e in encodings)
-    del encodings, documents
-    result = {"input_mb": data.stat().st_size / 1e6, "text_mb": text_mb, "tokens": tokens,
-              "hf_encode_batch": {"seconds": ceiling_s, "mb_per_s": text_mb / ceiling_s, "tokens_per_s": tokens / ceiling_s}}
+    result: dict = {"input_mb": data.stat().st_size / 1e6, "text_mb": text_mb}
+    for name in ("encode_batch", "encode_batch_fast"):  # the ceiling is the faster of HF's two batch calls
+        start = time.perf_counter()
+        encodings = getattr(tokenizer.hf, name)(documents, add_special_tokens=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(e.ids) for e in encodings)
+        del encodings
+        result[f"hf_{name}"] = {"seconds": seconds, "mb_per_s": text_mb / seconds, "tokens_per_s": tokens / seconds}
+    result["tokens"] = tokens
+    ceiling_s = min(result["hf_encode_batch"]["seconds"], result["hf_encode_batch_fast"]["seconds"])
+    del documents
     for workers in (1, 2):
         run = preprocess([data], str(scratch / f"tp{workers}"), tokenizer, append_eod=True, workers=workers,
                          progress=False)
