@@ -39,7 +39,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     (["--config", "debug", "--no-mock-data", "--data-path", "/no/such/dir"], "--data-path /no/such/dir: neither a dataset prefix"),
     (["--config", "debug", "--hidden-size", "0"], "--hidden-size 0: must be at least 1"),
     (["--config", "debug", "--seq-length", "512"], "--seq-length 512 exceeds --max-position-embeddings 256"),
-    (["--config", "debug", "--sequence-parallel"], "--sequence-parallel is a Megatron-LM flag that paratron does not support yet"),
+    (["--config", "debug", "--context-parallel-size", "2"], "--context-parallel-size is a Megatron-LM flag that paratron does not support yet"),
     (["--config", "debug", "--hiden-size", "8"], "unknown flag --hiden-size; did you mean --hidden-size?"),
     (["--config", "debug", "--fp16", "--bf16"], "--fp16 and --bf16 were both given; choose one"),
     (["--config", "debug", "--nproc", "2", "--load", "."], ".: no checkpoint here"),

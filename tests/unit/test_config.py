@@ -56,7 +56,7 @@ def test_megatron_flag_names_map_onto_the_config():
     assert parse(["--fp16"]).training.precision == "fp16"
 
 
-@pytest.mark.parametrize("flag", ["--sequence-parallel", "--use-distributed-optimizer", "--recompute-granularity"])
+@pytest.mark.parametrize("flag", ["--context-parallel-size", "--use-distributed-optimizer", "--recompute-granularity"])
 def test_unsupported_megatron_flags_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
         parse([flag, "full"])
@@ -112,7 +112,10 @@ def base(**overrides):
 @pytest.mark.parametrize("overrides, world, message", [
     (dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible by --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1"),
     (dict(num_attention_heads=6, hidden_size=48, tensor_model_parallel_size=4), 4, "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
-    (dict(num_attention_heads=4, num_query_groups=1, tensor_model_parallel_size=2), 2, "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    (dict(hidden_size=48, num_attention_heads=6, num_query_groups=3, tensor_model_parallel_size=2), 2, "--num-query-groups 3 and --tensor-model-parallel-size 2: one must divide the other"),
+    (dict(ffn_hidden_size=30, tensor_model_parallel_size=4), 4, "--ffn-hidden-size 30 is not divisible by --tensor-model-parallel-size 4"),
+    (dict(sequence_parallel=True), 1, "--sequence-parallel needs --tensor-model-parallel-size above 1"),
+    (dict(sequence_parallel=True, tensor_model_parallel_size=4, seq_length=30), 4, "--seq-length 30 is not divisible by --tensor-model-parallel-size 4, which --sequence-parallel needs"),
     (dict(num_layers=3, pipeline_model_parallel_size=2), 2, "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     (dict(global_batch_size=12, micro_batch_size=4), 2, "--global-batch-size 12 is not divisible by --micro-batch-size 4 x data-parallel size 2; use a multiple of 8"),
     (dict(seq_length=2048, max_position_embeddings=1024), 1, "--seq-length 2048 exceeds --max-position-embeddings 1024"),
@@ -129,7 +132,6 @@ def base(**overrides):
     (dict(lr_warmup_iters=200, train_iters=100), 1, "--lr-warmup-iters 200 exceeds the decay length 100"),
     (dict(min_lr=0.1, lr=0.01), 1, "--min-lr 0.1 exceeds --lr 0.01"),
     (dict(split="a,b"), 1, "--split 'a,b': expected up to three non-negative numbers"),
-    (dict(tensor_model_parallel_size=2), 2, "--tensor-model-parallel-size above 1 is not supported yet"),
 ])
 def test_validation_messages(overrides, world, message):
     config = base(**overrides)
@@ -156,8 +158,8 @@ def test_megatron_dict_form_and_get_args():
     assert args.num_layers == 3 and args.fp16 and not args.bf16
     assert args.data_parallel_size == 1 and args.tensor_model_parallel_size == 1
     assert args.config.training.precision == "fp16"
-    with pytest.raises(ConfigError, match="sequence_parallel: a Megatron-LM setting that paratron does not support yet"):
-        from_megatron_dict({"sequence_parallel": True})
+    with pytest.raises(ConfigError, match="overlap_grad_reduce: a Megatron-LM setting that paratron does not support yet"):
+        from_megatron_dict({"overlap_grad_reduce": True})
     with pytest.raises(ConfigError, match="hidden_sise: unknown setting"):
         from_megatron_dict({"hidden_sise": 3})
 

@@ -27,11 +27,11 @@ def test_forward_shapes_and_structure(flavour):
     assert model(ids).shape == (3, 11, config.vocab_size)
     attention = model.layers[0].attention
     groups = config.num_query_groups or config.num_attention_heads
-    assert attention.k_proj.weight.shape == (groups * 8, 32)
-    assert (attention.q_proj.bias is None) == (not config.add_bias_linear)
+    assert attention.in_proj.k.weight.shape == (groups * 8, 32)
+    assert (attention.in_proj.q.bias is None) == (not config.add_bias_linear)
     assert (model.position_embedding is None) == (flavour == "llama")
     assert isinstance(model.final_norm, torch.nn.RMSNorm if flavour == "llama" else torch.nn.LayerNorm)
-    assert (model.layers[0].mlp.gate_proj is not None) == (flavour == "llama")
+    assert list(model.layers[0].mlp.in_proj) == (["gate", "up"] if flavour == "llama" else ["up"])
     assert (model.output.weight is model.embedding.weight) == (flavour == "gpt")
 
 
@@ -42,13 +42,13 @@ def test_initialization_depends_only_on_seed_and_name():
     other = build_model(GPT_FLAVOUR, seed=6)
     for name, p in a.named_parameters():
         assert torch.equal(p, dict(b.named_parameters())[name])
-    q = "layers.1.attention.q_proj.weight"
+    q = "layers.1.attention.in_proj.q.weight"
     assert torch.equal(dict(a.named_parameters())[q], dict(deeper.named_parameters())[q])
     assert not torch.equal(dict(a.named_parameters())[q], dict(other.named_parameters())[q])
     # residual-stream projections are scaled by 1/sqrt(2 x layers); norms start at 1, biases at 0
     out = dict(a.named_parameters())["layers.0.attention.out_proj.weight"]
     assert out.std().item() == pytest.approx(0.02 / 2, rel=0.2)
-    assert torch.all(a.layers[0].attention_norm.weight == 1) and torch.all(a.layers[0].mlp.up_proj.bias == 0)
+    assert torch.all(a.layers[0].attention_norm.weight == 1) and torch.all(a.layers[0].mlp.in_proj.up.bias == 0)
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

@@ -31,6 +31,7 @@ from torch import nn
 from paratron.config.loading import config_from_dict, config_to_dict
 from paratron.config.schema import Config
 from paratron.errors import CheckpointError, UserError
+from paratron.parallel.sharding import full_shape, gather_full, take_slice
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -57,16 +58,10 @@ def _write_text_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with each tensor once (a tied output weight appears as the embedding)."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    out = {}
-    for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            out[name] = tensor
-    return out
+def full_state(model: nn.Module, tp_group: Any = None) -> dict[str, torch.Tensor]:
+    """Every parameter once (a tied output weight appears as the embedding), whole: tensor-parallel
+    slices are gathered from the other ranks (collective over `tp_group`)."""
+    return {name: gather_full(param, tp_group) for name, param in model.named_parameters()}
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -85,18 +80,21 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None, config: Config, tokenizer: Any = None,
-                    extra_state: dict[str, Any] | None = None, writer: bool = True) -> Path:
-    """Write iteration `iteration` under `root` (by the writer rank; all ranks wait for it).
+                    extra_state: dict[str, Any] | None = None, writer: bool = True, tp_group: Any = None) -> Path:
+    """Write iteration `iteration` under `root` (by the writer rank; all ranks take part and wait).
 
-    `extra_state` (numbers, tensors, dicts of them) is stored with the optimizer state and
-    returned by `load_training_state`."""
+    Weights are stored whole, under their single-device names. `extra_state` (numbers,
+    tensors, dicts of them) is stored with the optimizer state and returned by
+    `load_training_state`. The optimizer state is the writer's own (whole under data
+    parallelism; sharded layouts keep theirs in sharded checkpoints)."""
     final = root / f"iter_{iteration:07d}"
+    state_tensors = full_state(model, tp_group)
     if writer:
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        tensors = {name: t.detach().contiguous().cpu() for name, t in unique_state(model).items()}
+        tensors = {name: t.contiguous().cpu() for name, t in state_tensors.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         device = next(model.parameters()).device
         state: dict[str, Any] = {"rng": rng_state(device), "extra": extra_state or {}}
@@ -161,23 +159,24 @@ def read_checkpoint(path: Path) -> CheckpointInfo:
 
 
 def load_model_weights(info: CheckpointInfo, model: nn.Module) -> None:
-    """Copy the checkpoint's weights into `model`, refusing a checkpoint of another shape."""
+    """Copy the checkpoint's (whole) weights into `model`, each rank taking its slice; refuses a
+    checkpoint of another shape."""
     device = next(model.parameters()).device
     tensors = load_file(str(info.path / "model.safetensors"), device=str(device))
-    expected = unique_state(model)
-    for name, tensor in expected.items():
+    expected = dict(model.named_parameters())
+    for name, param in expected.items():
         if name not in tensors:
             raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
-        if tensors[name].shape != tensor.shape:
+        if tuple(tensors[name].shape) != full_shape(param):
             raise CheckpointError(f"{info.path}: {name} has shape {list(tensors[name].shape)} there but "
-                                  f"{list(tensor.shape)} in this model; use the same model settings")
+                                  f"{list(full_shape(param))} in this model; use the same model settings")
     extra = set(tensors) - set(expected)
     if extra:
         raise CheckpointError(f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); "
                               "it belongs to a different model")
     with torch.no_grad():
-        for name, tensor in expected.items():
-            tensor.copy_(tensors[name])
+        for name, param in expected.items():
+            param.copy_(take_slice(tensors[name], param))
 
 
 def load_training_state(info: CheckpointInfo, optimizer: torch.optim.Optimizer | None,

@@ -33,14 +33,13 @@ RENAMES: dict[str, str] = {
 
 UNSUPPORTED: frozenset[str] = frozenset(
     """
-    sequence-parallel context-parallel-size expert-model-parallel-size num-experts
+    context-parallel-size expert-model-parallel-size num-experts
     num-layers-per-virtual-pipeline-stage virtual-pipeline-model-parallel-size
     pipeline-model-parallel-split-rank decoder-first-pipeline-num-layers decoder-last-pipeline-num-layers
     use-distributed-optimizer overlap-grad-reduce overlap-param-gather ddp-bucket-size
     accumulate-allreduce-grads-in-fp32 recompute-granularity recompute-method recompute-num-layers
     recompute-activations distribute-saved-activations loss-scale initial-loss-scale min-loss-scale
     loss-scale-window hysteresis fp8-format fp8 use-flash-attn transformer-impl attention-backend
-    make-vocab-size-divisible-by
     exit-signal-handler exit-duration-in-mins exit-interval async-save ckpt-format use-dist-ckpt
     no-load-optim no-load-rng finetune auto-detect-ckpt-format tensorboard-dir wandb-project
     lr-warmup-fraction lr-warmup-samples lr-decay-samples train-samples rampup-batch-size

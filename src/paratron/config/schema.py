@@ -73,6 +73,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Standard deviation of the normal initial weights (output projections are scaled by 1/sqrt(2 x layers))."""
 
+    make_vocab_size_divisible_by: int = 128
+    """Under tensor parallelism the vocabulary is padded to a multiple of this x TP (padding rows are never predicted)."""
+
 
 @dataclass
 class ParallelConfig:
@@ -86,6 +89,9 @@ class ParallelConfig:
 
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel degree: stages the layers are cut into."""
+
+    sequence_parallel: bool = False
+    """Split activations along the sequence between tensor-parallel layers (norms and dropout run on shards; needs TP > 1)."""
 
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend; auto picks NCCL where CUDA exists and gloo otherwise."""

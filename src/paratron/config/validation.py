@@ -55,7 +55,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
         (m.num_attention_heads, "--num-attention-heads"), (m.num_query_groups, "--num-query-groups"),
         (m.kv_channels, "--kv-channels"), (m.max_position_embeddings, "--max-position-embeddings"),
         (m.vocab_size, "--vocab-size"), (m.rotary_base, "--rotary-base"), (m.norm_epsilon, "--norm-epsilon"),
-        (m.init_method_std, "--init-method-std"),
+        (m.init_method_std, "--init-method-std"), (m.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by"),
         (p.nproc_per_node, "--nproc"), (p.tensor_model_parallel_size, "--tensor-model-parallel-size"),
         (p.pipeline_model_parallel_size, "--pipeline-model-parallel-size"),
         (d.seq_length, "--seq-length"), (t.micro_batch_size, "--micro-batch-size"),
@@ -99,9 +99,18 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
     if heads % tp:
         raise ConfigError(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; "
                           "choose a tensor-parallel size that divides the head count")
-    if groups % tp:
-        raise ConfigError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
-                          "choose a tensor-parallel size that divides the query-group count")
+    if groups % tp and tp % groups:
+        raise ConfigError(f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: one must divide the "
+                          "other (key/value heads are split over the ranks, or replicated when fewer)")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % tp:
+        raise ConfigError(f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}; "
+                          "choose a tensor-parallel size that divides it")
+    if p.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size above 1")
+    if p.sequence_parallel and d.seq_length % tp:
+        raise ConfigError(f"--seq-length {d.seq_length} is not divisible by --tensor-model-parallel-size {tp}, "
+                          "which --sequence-parallel needs; choose a multiple")
     if m.num_layers % pp:
         raise ConfigError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
                           "choose a pipeline size that divides the layer count")
@@ -109,8 +118,6 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                           f"{t.micro_batch_size} x data-parallel size {dp}; use a multiple of {t.micro_batch_size * dp}")
-    if tp > 1:
-        raise ConfigError("--tensor-model-parallel-size above 1 is not supported yet; use 1")
     if pp > 1:
         raise ConfigError("--pipeline-model-parallel-size above 1 is not supported yet; use 1")
 

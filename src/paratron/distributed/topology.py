@@ -182,6 +182,17 @@ class Topology:
                 made[key], _ = dist.new_subgroups_by_enumeration(lists)
             self.groups[kind] = made[key]
 
+    def create_subgroups(self, kind: str, chunk: int) -> Any:
+        """Cut every group of `kind` into consecutive pieces of `chunk` ranks, create them
+        (collective) and return this rank's piece (e.g. the TP ranks sharing a key/value head)."""
+        import torch.distributed as dist
+
+        lists = [g[i : i + chunk] for g in self.dims.group_ranks(kind) for i in range(0, len(g), chunk)]
+        if chunk == 1 or not dist.is_initialized():
+            return None
+        mine, _ = dist.new_subgroups_by_enumeration(lists)
+        return mine
+
     def describe(self) -> str:
         d = self.dims
         return f"world {d.world_size} = TP {d.tp} x CP {d.cp} x DP {d.dp} (EP {d.ep}) x PP {d.pp}"

@@ -64,7 +64,44 @@ class KVCache:
         self.length = 0
 
 
+# ---------------------------------------------------------------- projections
+
+
+class Projections(nn.ModuleDict):
+    """Several linear maps of the same input, returned as a tuple in order (queries, keys and
+    values; or gate and up). Kept together so parallelism can treat them as one matrix."""
+
+    def __init__(self, in_features: int, out_features: dict[str, int], bias: bool) -> None:
+        super().__init__({name: nn.Linear(in_features, size, bias=bias) for name, size in out_features.items()})
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(linear(x) for linear in self.values())
+
+
 # ---------------------------------------------------------------- attention
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v, with dropout on the attention weights.
+
+    A module of its own so that parallelism can run it under its own random stream and
+    recomputation can recompute just this part."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T, S = q.size(2), k.size(2)
+        mask, causal = None, True
+        if S != T:  # decoding with a cache: queries sit at the end of the keys
+            causal = False
+            if T > 1:
+                mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=k.size(1) != q.size(1),
+        )
 
 
 class Attention(nn.Module):
@@ -76,11 +113,10 @@ class Attention(nn.Module):
         groups = config.num_query_groups or heads
         self.head_dim = config.kv_channels or config.hidden_size // heads
         bias = config.add_bias_linear
-        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, groups * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, groups * self.head_dim, bias=bias)
+        widths = {"q": heads * self.head_dim, "k": groups * self.head_dim, "v": groups * self.head_dim}
+        self.in_proj = Projections(config.hidden_size, widths, bias)
         self.out_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
-        self.attention_dropout = config.attention_dropout
+        self.core = AttentionCore(config.attention_dropout)
         self.output_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -90,25 +126,16 @@ class Attention(nn.Module):
         cache: LayerKVCache | None = None,
         start: int = 0,
     ) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, groups, T, hd]
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.in_proj(x)
+        B, T = q.shape[:2]  # (not x's: with sequence parallelism x holds only part of the sequence)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, groups, T, hd]
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             k, v = cache.update(k, v, start)
-        mask, causal = None, True
-        if k.size(2) != T:  # decoding with a cache: queries sit at the end of the keys
-            causal = False
-            if T > 1:
-                mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            enable_gqa=k.size(1) != q.size(1),
-        )
-        y = y.transpose(1, 2).reshape(B, T, -1)
+        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
         return self.output_dropout(self.out_proj(y))
 
 
@@ -123,17 +150,18 @@ class MLP(nn.Module):
         hidden, inner = config.hidden_size, config.ffn_hidden_size or 4 * config.hidden_size
         bias = config.add_bias_linear
         self.gated = config.activation == "swiglu"
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias) if self.gated else None
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.in_proj = Projections(hidden, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias)
+        self.out_proj = nn.Linear(inner, hidden, bias=bias)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_proj is not None:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if self.gated:
+            gate, up = self.in_proj(x)
+            h = F.silu(gate) * up
         else:
-            h = F.gelu(self.up_proj(x), approximate="tanh")  # GPT-2's GELU
-        return self.dropout(self.down_proj(h))
+            (up,) = self.in_proj(x)
+            h = F.gelu(up, approximate="tanh")  # GPT-2's GELU
+        return self.dropout(self.out_proj(h))
 
 
 # ---------------------------------------------------------------- block and model
@@ -232,7 +260,7 @@ def init_parameter(name: str, param: torch.Tensor, config: ModelConfig, seed: in
             param.fill_(1.0)
         else:
             std = config.init_method_std
-            if name.endswith(("out_proj.weight", "down_proj.weight")):
+            if name.endswith("out_proj.weight"):
                 std /= math.sqrt(2.0 * config.num_layers)
             generator = torch.Generator(device=param.device)
             generator.manual_seed(_stable_seed(seed, name))

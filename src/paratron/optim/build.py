@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from paratron.distributed import comm
+from paratron.parallel.sharding import grad_norm_weight
 
 from paratron.config.schema import OptimizerConfig
 
@@ -32,15 +34,22 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Global L2 norm of the gradients (summed over `group` when gradients are sharded across it);
-    scales them down to `max_norm` when larger (max_norm 0: measure only). Returns the norm before clipping."""
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_group: Any = None,
+                   tp_size: int = 1) -> torch.Tensor:
+    """Global L2 norm of the gradients of the whole model; scales them down to `max_norm` when
+    larger (max_norm 0: measure only). Returns the norm before clipping.
+
+    With tensor parallelism the squared norms of the ranks' parts are summed over the TP group,
+    each tensor weighted so that one held by several ranks counts once."""
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if group is not None:
-        squared = norm.pow(2)
-        dist.all_reduce(squared, group=group)
+    if tp_size == 1:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    else:
+        norms = torch.stack(torch._foreach_norm(grads))
+        weights = torch.tensor([grad_norm_weight(p, tp_size) for p in params], device=norms.device)
+        squared = (weights * norms.float().pow(2)).sum()
+        comm.all_reduce(squared, tp_group)
         norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)

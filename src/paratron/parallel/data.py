@@ -1,27 +1,41 @@
-"""Data parallelism: every rank holds the whole model; gradients are averaged over the DP group.
+"""Data parallelism: every rank of a data-parallel group holds the same model part; gradients
+are averaged over the group.
 
-Gradients live in one contiguous buffer (`param.grad` are views into it), so
-accumulation over micro-batches adds in place and the reduction is a single
-collective on the last micro-batch. Zero the buffer with `zero_grad_buffer`, never with
-`optimizer.zero_grad()` (which would detach the views).
+Gradients live in one contiguous buffer (`param.grad` are views into it), so accumulation
+over micro-batches adds in place and the reduction is a single collective after the last
+micro-batch. Before it, gradients that are partial sums over some other group (see
+`parallel/sharding.py`) are completed there. Zero the buffer with `zero_grad_buffer` (or
+`model.zero_grad()`), never with `optimizer.zero_grad()`, which would detach the views.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from paratron.distributed import comm
+from paratron.model.loss import language_model_loss
 
 
 class DataParallel(nn.Module):
-    """Wraps a model; `finish_grad_sync()` averages gradients over `group` after backward."""
+    """Wraps this rank's model part; `finish_grad_sync()` completes and averages its gradients.
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, size: int) -> None:
+    It also carries what the training step needs to know about the layout: the loss
+    function (vocabulary-parallel under tensor parallelism) and the tensor-parallel group
+    for gradient norms."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, size: int,
+                 loss_function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = language_model_loss,
+                 tp_group: Any = None, tp_size: int = 1) -> None:
         super().__init__()
         self.module = module
         self.group, self.size = group, size
+        self.loss_function = loss_function
+        self.tp_group, self.tp_size = tp_group, tp_size
         params = [p for p in module.parameters() if p.requires_grad]
         self._params = params  # a plain list: not registered twice
         total = sum(p.numel() for p in params)
@@ -30,6 +44,12 @@ class DataParallel(nn.Module):
         for p in params:
             p.grad = self.grad_buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
+        partial: dict[int, tuple[Any, list[nn.Parameter]]] = {}
+        for p in params:
+            group_of_p = getattr(p, "partial_grad_group", None)
+            if group_of_p is not None:
+                partial.setdefault(id(group_of_p), (group_of_p, []))[1].append(p)
+        self._partial = list(partial.values())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -42,11 +62,17 @@ class DataParallel(nn.Module):
         self.zero_grad_buffer()
 
     def finish_grad_sync(self) -> None:
-        """Average gradients over the data-parallel group (a no-op on one rank)."""
+        """Sum partial gradients over their groups, then average over the data-parallel group."""
         first = self._params[0].grad
         if first is None or first.data_ptr() != self.grad_buffer.data_ptr():
             raise RuntimeError("gradients were detached from the gradient buffer (optimizer.zero_grad()?); "
                                "zero them with model.zero_grad_buffer()")
+        for group, params in self._partial:
+            grads = [p.grad for p in params]
+            flat = _flatten_dense_tensors(grads)
+            comm.all_reduce(flat, group)
+            for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(summed)
         if self.size > 1:
             dist.all_reduce(self.grad_buffer, group=self.group)
             self.grad_buffer.mul_(1.0 / self.size)

@@ -1,19 +1,75 @@
-"""The one ordered transform from a plain single-device model to this rank's parallel model.
+"""The one ordered transform from a plain model on the meta device to this rank's parallel model.
 
-Order (as in torchtitan): tensor/sequence parallelism -> activation recomputation ->
-pipeline stage split -> data parallelism. Today only data parallelism is applied;
-`config.validation` refuses the other degrees above 1 until they are.
+Order (as in torchtitan): tensor/sequence parallelism -> (activation recomputation) ->
+(pipeline stage split) -> weights materialized and initialized -> data parallelism.
+Weights are created only after the layout is known, each rank initializing just its slice
+of every single-device tensor, from the seed and the tensor's name: every layout starts
+from the same model.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
 from torch import nn
 
 from paratron.config.schema import Config
+from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSET, RNGStates
 from paratron.distributed.topology import Topology
+from paratron.model.gpt import GPT, init_parameter
 from paratron.parallel.data import DataParallel
+from paratron.parallel.sharding import full_shape, shard_of, take_slice
+from paratron.parallel.tensor.apply import apply_tensor_parallel
+from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from paratron.parallel.tensor.layers import TPContext
+from paratron.model.loss import language_model_loss
 
 
-def parallelize(model: nn.Module, config: Config, topology: Topology) -> DataParallel:
-    """Return `model` wrapped for this rank's place in `topology`."""
-    return DataParallel(model, topology.group("dp"), topology.size("dp"))
+def parallelize(model: GPT, config: Config, topology: Topology, device: torch.device) -> DataParallel:
+    """`model` is built on the meta device; returns this rank's part, materialized and wrapped."""
+    seed = config.training.seed
+    tp = TPContext(topology.size("tp"), topology.local_rank("tp"), topology.group("tp"),
+                   config.parallel.sequence_parallel)
+    loss_function = language_model_loss
+    if tp.size > 1:
+        rng = RNGStates(device)
+        rng.add(TENSOR_PARALLEL, seed + TENSOR_PARALLEL_SEED_OFFSET + tp.rank)
+        groups = config.model.num_query_groups or config.model.num_attention_heads
+        kv_replicas = topology.create_subgroups("tp", tp.size // groups) if groups < tp.size else None
+        apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
+        vocab_start = shard_of(model.output.weight).start
+        loss_function = partial(_vocab_parallel_loss, vocab_start=vocab_start, group=tp.group)
+    materialize(model, device, seed)
+    return DataParallel(model, topology.group("dp"), topology.size("dp"), loss_function, tp.group, tp.size)
+
+
+def _allocate(model: nn.Module, device: torch.device | str) -> None:
+    """Like `Module.to_empty`, but keeping shared parameters shared and their tags (`shard`, ...)."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in made:
+                new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), param.requires_grad)
+                new.__dict__.update(param.__dict__)
+                made[id(param)] = new
+            module._parameters[key] = made[id(param)]
+        for key, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[key] = torch.empty_like(buffer, device=device)
+
+
+def _vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+    return vocab_parallel_cross_entropy(logits, labels, vocab_start, group).mean()
+
+
+def materialize(model: nn.Module, device: torch.device | str, seed: int) -> None:
+    """Allocate the weights on `device` and give each parameter its slice of the single-device init."""
+    _allocate(model, device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = torch.empty(full_shape(param), device=param.device, dtype=param.dtype)
+            init_parameter(name, full, model.config, seed)
+            param.copy_(take_slice(full, param))

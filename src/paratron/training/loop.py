@@ -135,7 +135,7 @@ class Trainer:
     def save(self, root: Path) -> Path:
         return save_checkpoint(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
                                self.optimizer, self.config, self.data.tokenizer, self.extra_state(),
-                               writer=self.ctx.is_main)
+                               writer=self.ctx.is_main, tp_group=self.model.tp_group)
 
     def extra_state(self) -> dict[str, Any]:
         """What a checkpoint needs beyond model and optimizer to resume exactly."""

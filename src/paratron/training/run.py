@@ -9,9 +9,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import load_model_weights, load_training_state, read_checkpoint, resolve_checkpoint
+from paratron.checkpoint.io import (
+    full_state,
+    load_model_weights,
+    load_training_state,
+    read_checkpoint,
+    resolve_checkpoint,
+)
 from paratron.config.schema import Config
 from paratron.data.blending import parse_blend
 from paratron.data.build import build_data
@@ -20,7 +27,8 @@ from paratron.data.preprocess import input_files
 from paratron.distributed.init import initialize, seed_everything, shutdown
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.inference.generate import generate
-from paratron.model.gpt import build_model
+from paratron.data.tokenizer import Tokenizer
+from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
 from paratron.parallel.data import unwrap
 from paratron.parallel.parallelize import parallelize
@@ -71,11 +79,12 @@ def _run(config: Config, ctx) -> TrainState:
     config.model.vocab_size = data.vocab_size
 
     resume = read_checkpoint(Path(config.checkpoint.load)) if config.checkpoint.load else None
-    model = build_model(config.model, ctx.device, seed=t.seed)
-    if resume is not None:
-        load_model_weights(resume, model)
+    with torch.device("meta"):
+        model = GPT(config.model)
     n_params = sum(q.numel() for q in model.parameters())
-    model = parallelize(model, config, topology)
+    model = parallelize(model, config, topology, ctx.device)
+    if resume is not None:
+        load_model_weights(resume, model.module)
     optimizer = build_optimizer(model, config.optimizer)
     state = TrainState()
     seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
@@ -106,8 +115,12 @@ def _run(config: Config, ctx) -> TrainState:
         source = config.data.corpus or ("mock data" if config.data.mock_data else "--data-path")
         title = f"{n_params / 1e6:.2f}M-parameter model on {source}; {topology.describe()}"
         _report(config, state, run_dir, time.perf_counter() - started, title, say)
-        if config.logging.sample_prompt and data.tokenizer is not None:
-            _print_sample(config, unwrap(model), data.tokenizer, say)
+    if config.logging.sample_prompt and isinstance(data.tokenizer, Tokenizer):
+        weights = full_state(unwrap(model), model.tp_group)  # collective: every rank takes part
+        if ctx.is_main:
+            single = build_model(config.model, ctx.device, seed=t.seed)
+            single.load_state_dict(weights, strict=False)  # strict=False: the tied output weight
+            _print_sample(config, single, data.tokenizer, say)
     if dist.is_initialized():
         dist.barrier()
     return state

@@ -11,15 +11,9 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from paratron.optim.build import clip_grad_norm
 from paratron.parallel.data import DataParallel
-
-
-def language_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32 whatever the compute precision."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
 class Precision:
@@ -69,18 +63,18 @@ def train_step(model: DataParallel, optimizer: torch.optim.Optimizer,
     for inputs, labels in batches:
         with precision.autocast():
             logits = model(inputs)
-        loss = language_model_loss(logits, labels)
+        loss = model.loss_function(logits, labels)
         precision.backward(loss / len(batches))
         total += loss.detach()
     model.finish_grad_sync()
     precision.unscale(optimizer)
-    grad_norm = clip_grad_norm(model.parameters(), clip_grad)
+    grad_norm = clip_grad_norm(model.parameters(), clip_grad, model.tp_group, model.tp_size)
     stepped = precision.step(optimizer)
     return StepResult(total / len(batches), grad_norm, skipped=not stepped)
 
 
 @torch.no_grad()
-def evaluate_batches(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+def evaluate_batches(model: DataParallel, batches: list[tuple[torch.Tensor, torch.Tensor]],
                      precision: Precision) -> torch.Tensor:
     """Mean loss over the given micro-batches (this rank's share of the evaluation)."""
     was_training = model.training
@@ -88,6 +82,6 @@ def evaluate_batches(model: torch.nn.Module, batches: list[tuple[torch.Tensor, t
     total = torch.zeros((), device=batches[0][0].device)
     for inputs, labels in batches:
         with precision.autocast():
-            total += language_model_loss(model(inputs), labels)
+            total += model.loss_function(model(inputs), labels)
     model.train(was_training)
     return total / len(batches)

@@ -1,0 +1,76 @@
+"""Turn the plain GPT into this rank's tensor-parallel part (Megatron-LM's layout).
+
+    attention   q/k/v projections column-parallel by heads, as one matrix (key/value heads
+                split, or replicated when TP exceeds their number), output projection row-parallel;
+                the attention core runs on this rank's heads under the tensor-parallel RNG
+    MLP         up (and gate) projections column-parallel, as one matrix; down projection row-parallel
+    embedding   vocabulary-parallel, padded to a multiple of TP x --make-vocab-size-divisible-by;
+                the output layer is vocabulary-parallel too (tied weights stay tied)
+    sequence parallel (optional): between the row- and column-parallel layers the activations
+                are split along the sequence; norms and dropout run on those shards, norm
+                gradients are summed over the TP group
+
+Works on a model on the meta device, before its weights exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from paratron.distributed.rng import TENSOR_PARALLEL, Forked, RNGStates
+from paratron.model.gpt import GPT
+from paratron.parallel.sharding import set_partial_grad
+from paratron.parallel.tensor.layers import (
+    ColumnParallelProjections,
+    RowParallelLinear,
+    SequenceShardedEmbedding,
+    TPContext,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+)
+
+
+def apply_tensor_parallel(model: GPT, tp: TPContext, rng: RNGStates | None, divisible_by: int,
+                          kv_replica_group: Any = None) -> GPT:
+    """Replace `model`'s layers in place by their tensor-parallel twins; returns the model."""
+    config = model.config
+    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+    groups = config.num_query_groups or config.num_attention_heads
+
+    def forked(module: nn.Module) -> nn.Module:
+        return Forked(module, rng, TENSOR_PARALLEL) if rng is not None else module
+
+    heads = {"q": (head_dim, config.num_attention_heads), "k": (head_dim, groups), "v": (head_dim, groups)}
+    for block in model.layers:
+        attention = block.attention
+        attention.in_proj = ColumnParallelProjections(attention.in_proj, tp, heads)
+        if groups < tp.size:  # a replicated key/value head: its gradient is split over the replicas
+            for name in ("k", "v"):
+                for param in attention.in_proj[name].parameters():
+                    set_partial_grad(param, kv_replica_group)
+        attention.out_proj = RowParallelLinear(attention.out_proj, tp)
+        attention.core = forked(attention.core)
+
+        mlp = block.mlp
+        mlp.in_proj = ColumnParallelProjections(mlp.in_proj, tp, {})
+        mlp.out_proj = RowParallelLinear(mlp.out_proj, tp)
+
+        if tp.sequence_parallel:
+            for norm in (block.attention_norm, block.mlp_norm):
+                for param in norm.parameters():
+                    set_partial_grad(param, tp.group)
+            attention.output_dropout = forked(attention.output_dropout)
+            mlp.dropout = forked(mlp.dropout)
+
+    model.embedding = VocabParallelEmbedding(model.embedding, tp, divisible_by)
+    model.output = VocabParallelOutput(model.output, tp, divisible_by)
+    model.tie_weights()
+    if tp.sequence_parallel:
+        if model.position_embedding is not None:
+            model.position_embedding = SequenceShardedEmbedding(model.position_embedding, tp)
+        for param in model.final_norm.parameters():
+            set_partial_grad(param, tp.group)
+        model.embedding_dropout = forked(model.embedding_dropout)
+    return model

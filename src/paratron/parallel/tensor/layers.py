@@ -1,0 +1,223 @@
+"""Tensor-parallel twins of nn.Linear and nn.Embedding (Megatron-LM's layers).
+
+- `ColumnParallelLinear`: the weight's output rows are split over the TP ranks; the input is
+  whole (or, under sequence parallelism, gathered from sequence shards) and each rank
+  produces its slice of the output features.
+- `RowParallelLinear`: the weight's input columns are split; each rank multiplies its slice
+  of the features and the partial outputs are summed (all-reduce, or reduce-scatter into
+  sequence shards under sequence parallelism); the bias is added after the sum.
+- `VocabParallelEmbedding`: the vocabulary rows are split; each rank looks up the ids it
+  owns and zeros the rest, and the ranks' results are summed.
+
+Parameters keep the names of the layers they replace and carry a `Shard` tag (see
+`parallel/sharding.py`). Communication comes from `distributed/comm.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratron.distributed import comm
+from paratron.parallel.sharding import Shard, set_partial_grad, set_shard
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Where this rank sits in its tensor-parallel group (group None: shapes only, no communication)."""
+
+    size: int
+    rank: int
+    group: Any = None
+    sequence_parallel: bool = False
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class _ColumnParallelMatmuls(torch.autograd.Function):
+    """y_i = x W_i^T + b_i for this rank's rows of one or more weights sharing the input x
+    (queries, keys and values; gate and up). x is replicated, or sequence-sharded and gathered
+    here. In backward, one all-reduce (or reduce-scatter) of the summed input gradient is
+    launched asynchronously and overlaps the weight-gradient matmuls."""
+
+    @staticmethod
+    def forward(ctx, x, group, sequence_parallel, *weights_and_biases):
+        dtype = _compute_dtype(x)
+        total = comm.all_gather(x, 1, group) if sequence_parallel else x
+        total = total.to(dtype)
+        weights = [w.to(dtype) for w in weights_and_biases[0::2]]
+        biases = [b.to(dtype) if b is not None else None for b in weights_and_biases[1::2]]
+        with torch.autocast(x.device.type, enabled=False):
+            outputs = tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
+        ctx.save_for_backward(total, *weights)
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.input_dtype = x.dtype
+        ctx.param_dtypes = [w.dtype for w in weights_and_biases[0::2]]
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        total, *weights = ctx.saved_tensors
+        grads = [torch.zeros(total.shape[:-1] + (w.size(0),), dtype=total.dtype, device=total.device)
+                 if g is None else g.contiguous() for g, w in zip(grad_outputs, weights)]
+        grad_input = sum(g.matmul(w) for g, w in zip(grads, weights))
+        if ctx.sequence_parallel:
+            grad_input, work = comm.reduce_scatter(grad_input, 1, ctx.group, async_op=True)
+        else:
+            work = comm.all_reduce(grad_input, ctx.group, async_op=True)
+        flat_input = total.reshape(-1, total.size(-1))
+        param_grads: list[torch.Tensor | None] = []
+        for g, has_bias, dtype in zip(grads, ctx.has_bias, ctx.param_dtypes):
+            flat = g.reshape(-1, g.size(-1))
+            param_grads.append(flat.t().matmul(flat_input).to(dtype))
+            param_grads.append(flat.sum(0).to(dtype) if has_bias else None)
+        if work is not None:
+            work.wait()
+        return (grad_input.to(ctx.input_dtype), None, None, *param_grads)
+
+
+def _column_shard(out_features: int, tp: TPContext, rows_per_unit: int, units: int | None) -> Shard:
+    """This rank's rows, in whole units (heads of `rows_per_unit` rows). With fewer units than
+    ranks (key/value heads under GQA when TP exceeds them) each unit is replicated on
+    size // units consecutive ranks."""
+    units = units or out_features // rows_per_unit
+    if units % tp.size == 0:
+        per_rank = units // tp.size
+        return Shard(0, tp.rank * per_rank * rows_per_unit, per_rank * rows_per_unit, out_features)
+    replicas = tp.size // units
+    return Shard(0, (tp.rank // replicas) * rows_per_unit, rows_per_unit, out_features, duplicates=replicas)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, rows: int, bias: bool, tp: TPContext, shard: Shard,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(rows, in_features, device=device))
+        self.bias = nn.Parameter(torch.empty(rows, device=device)) if bias else None
+        set_shard(self.weight, shard)
+        if self.bias is not None:
+            set_shard(self.bias, Shard(0, shard.start, shard.length, shard.full_size, shard.duplicates))
+
+    @classmethod
+    def split(cls, linear: nn.Linear, tp: TPContext, rows_per_unit: int = 1, units: int | None = None
+              ) -> "ColumnParallelLinear":
+        shard = _column_shard(linear.out_features, tp, rows_per_unit, units)
+        return cls(linear.in_features, shard.length, linear.bias is not None, tp, shard, linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.group is None:
+            return F.linear(x, self.weight, self.bias)
+        (out,) = _ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, self.weight, self.bias)
+        return out
+
+
+class ColumnParallelProjections(nn.ModuleDict):
+    """`Projections` split by rows: several column-parallel linears of one input, computed with a
+    single input gather and a single gradient reduction."""
+
+    def __init__(self, projections: nn.ModuleDict, tp: TPContext, units: dict[str, tuple[int, int]]) -> None:
+        """`units[name]` = (rows per unit, number of units) for each projection (e.g. heads)."""
+        super().__init__({name: ColumnParallelLinear.split(linear, tp, *units.get(name, (1, None)))
+                          for name, linear in projections.items()})
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.tp.group is None:
+            return tuple(linear(x) for linear in self.values())
+        params = [p for linear in self.values() for p in (linear.weight, linear.bias)]
+        return _ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, *params)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        per_rank = linear.in_features // tp.size
+        device = linear.weight.device
+        self.weight = nn.Parameter(torch.empty(linear.out_features, per_rank, device=device))
+        self.bias = nn.Parameter(torch.empty(linear.out_features, device=device)) if linear.bias is not None else None
+        set_shard(self.weight, Shard(1, tp.rank * per_rank, per_rank, linear.in_features))
+        if self.bias is not None and tp.sequence_parallel:
+            set_partial_grad(self.bias, tp.group)  # added on a sequence shard: each rank sees part
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        if self.tp.sequence_parallel:
+            out = comm.reduce_scatter_to_sequence(partial, self.tp.group)
+        else:
+            out = comm.reduce_from_region(partial, self.tp.group)
+        return out + self.bias if self.bias is not None else out
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int) -> int:
+    """Megatron's padding: up to a multiple of divisible_by x TP (none on a single rank)."""
+    if tp_size == 1:
+        return vocab_size
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def vocab_shard(vocab_size: int, tp: TPContext, divisible_by: int) -> Shard:
+    per_rank = padded_vocab_size(vocab_size, tp.size, divisible_by) // tp.size
+    start = tp.rank * per_rank
+    return Shard(0, start, max(0, min(per_rank, vocab_size - start)), vocab_size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, embedding: nn.Embedding, tp: TPContext, divisible_by: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = embedding.num_embeddings
+        shard = vocab_shard(self.vocab_size, tp, divisible_by)
+        self.rows = padded_vocab_size(self.vocab_size, tp.size, divisible_by) // tp.size
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, embedding.embedding_dim, device=embedding.weight.device))
+        set_shard(self.weight, shard)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.start + self.rows)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.tp.sequence_parallel:
+            return comm.reduce_scatter_to_sequence(out, self.tp.group)
+        return comm.reduce_from_region(out, self.tp.group)
+
+
+class VocabParallelOutput(ColumnParallelLinear):
+    """The output layer over this rank's vocabulary rows. Logits of padding rows (beyond the
+    real vocabulary) are -inf, so they are never predicted and get no gradient."""
+
+    def __init__(self, output: nn.Linear, tp: TPContext, divisible_by: int) -> None:
+        shard = vocab_shard(output.out_features, tp, divisible_by)
+        rows = padded_vocab_size(output.out_features, tp.size, divisible_by) // tp.size
+        super().__init__(output.in_features, rows, False, tp, shard, output.weight.device)
+        self.valid_rows = shard.length
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        if self.valid_rows < logits.size(-1):
+            padding = torch.arange(logits.size(-1), device=logits.device) >= self.valid_rows
+            logits = logits.masked_fill(padding, float("-inf"))
+        return logits
+
+
+class SequenceShardedEmbedding(nn.Embedding):
+    """A replicated table (learned positions) whose output is cut to this rank's sequence shard."""
+
+    def __init__(self, embedding: nn.Embedding, tp: TPContext) -> None:
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, device=embedding.weight.device)
+        self.tp = tp
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return comm.scatter_to_sequence(super().forward(positions), self.tp.group, dim=0)
