@@ -107,12 +107,12 @@ def cmd_preprocess(argv: list[str]) -> int:
     if args.vocab_size is not None and args.vocab_size < 1:
         raise UserError(f"--vocab-size {args.vocab_size}: must be at least 1")
     files = input_files(args.input)
-    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     if args.tokenizer_type == "ByteLevelBPE":
         texts = (d.texts[0] for d in read_documents(files, args.json_keys[:1], PreprocessResult([]),
                                                      args.skip_bad_lines))
         tokenizer = train_byte_level_bpe(texts, args.vocab_size or 8192)
         path = Path(f"{args.output_prefix}_tokenizer.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
         tokenizer.save(path.with_name(path.name + ".tmp"))
         path.with_name(path.name + ".tmp").replace(path)
         print(f"trained a {tokenizer.vocab_size}-entry byte-level BPE: {path}")
@@ -179,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[name][1](rest)
     except PeerFailure:
+        return 2
+    except OSError as exc:  # an unreadable input, an unwritable output, a full disk: the user's to fix
+        from paratron.distributed.launch import report_worker_error
+
+        where = f"{exc.filename}: " if exc.filename else ""
+        report_worker_error(f"{where}{exc.strerror or exc}")
         return 2
     except UserError as exc:
         from paratron.distributed.launch import report_worker_error

@@ -14,7 +14,7 @@ from paratron.data.gpt_dataset import GPTDataset
 from paratron.data.loader import BatchPlan
 from paratron.data.preprocess import input_files, preprocess
 from paratron.data.tokenizer import train_byte_level_bpe
-from paratron.errors import ConfigError
+from paratron.errors import ConfigError, DataError
 
 TEXTS = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "print('héllo wörld')\n", "数据并行与张量并行\n"]
 
@@ -103,9 +103,57 @@ def test_weighted_blend_of_preprocessed_prefixes(tmp_path, monkeypatch):
     assert set(np.asarray(bundle.train.document_index).tolist()) == set(range(50))  # all of b, no --split
     assert set(np.asarray(bundle.valid.document_index).tolist()) == set(range(30))  # all of a
 
-    with pytest.raises(ConfigError, match="ByteLevelBPE trains on text, but the data is preprocessed already"):
+    with pytest.raises(ConfigError, match=r"ByteLevelBPE trains on text, but \(some of\) the data is preprocessed"):
         validate(build_config(dict(data_path=[prefixes[0]])), 1)
     with pytest.raises(ConfigError, match="--eval-iters 10 needs --valid-data-path"):
         validate(build_config(dict(train_data_path=[prefixes[0]], tokenizer_type="NullTokenizer", vocab_size=9)), 1)
     with pytest.raises(ConfigError, match=r"--data-path /nope: neither a dataset prefix \(/nope.bin/.idx\)"):
         validate(build_config(dict(data_path=["/nope"])), 1)
+
+
+def test_unweighted_blend_weighs_by_length_and_null_tokenizer_trains(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARATRON_CACHE", str(tmp_path / "cache"))
+    from paratron.data.tokenizer import NullTokenizer
+    from paratron.training.run import run_training
+
+    prefixes = []
+    for name, n in (("a", 20), ("b", 60)):
+        files = [tmp_path / f"{name}.jsonl"]
+        files[0].write_text("".join('{"text": "%s"}\n' % " ".join(str((i * 7 + j) % 50) for j in range(40))
+                                    for i in range(n)))
+        prefixes.append(preprocess(files, str(tmp_path / name), NullTokenizer(50), append_eod=True,
+                                   progress=False).prefixes[0])
+    config = build_config(dict(data_path=prefixes, tokenizer_type="NullTokenizer", vocab_size=50, seq_length=8,
+                               train_iters=5, eval_iters=0, micro_batch_size=2, split="1,0,0"))
+    validate(config, 1)
+    bundle = build_data(config, global_batch_size=2, log=lambda _: None)
+    assert bundle.vocab_size == 51  # the ids and the end-of-document id
+    assert isinstance(bundle.train, BlendedDataset) and len(bundle.train) == 10  # min(needed, one epoch)
+    lengths = [len(ds) for ds in bundle.train.datasets]  # one epoch each
+    assert bundle.train.weights == pytest.approx([lengths[0] / sum(lengths), lengths[1] / sum(lengths)])
+    assert lengths[1] > 2 * lengths[0]  # b holds three times a's documents
+    too_many = build_config(dict(config_dict := dict(data_path=prefixes, tokenizer_type="NullTokenizer",
+                                                      vocab_size=50, seq_length=8, eval_iters=0, split="1,0,0"),
+                                 train_iters=100_000))
+    with pytest.raises(DataError, match=r"holds \d+ samples in one epoch but 200000 are needed"):
+        build_data(too_many, global_batch_size=2, log=lambda _: None)
+    losses = run_training(build_config(dict(config_dict, train_iters=5, micro_batch_size=2, run_dir=str(tmp_path / "r"),
+                                            progress_bar=False, tensorboard=False, log_interval=1))).losses
+    assert len(losses) == 5 and all(np.isfinite(losses))
+
+
+def test_split_boundaries_equal_megatron_core():
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    from paratron.data.build import _split_documents
+
+    for split in ("969,30,1", "99,1,0", "1,1,1", "80,20", "100", "90,5,5"):
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+        for n in (1, 7, 99, 1000, 4097):
+            ours = _split_documents(n, split)
+            for (lo, hi), part in zip([m or (0, 0) for m in matrix], ours):
+                expected = np.arange(int(round(lo * n)), int(round(hi * n)))
+                assert np.array_equal(part, expected), (split, n)

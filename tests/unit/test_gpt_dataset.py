@@ -136,9 +136,9 @@ def test_blended_dataset_draws_from_its_parts(tmp_path):
 
 
 def test_parse_blend():
-    assert parse_blend(["0.3", "A", "0.7", "B"]) == [(pytest.approx(0.3), "A"), (pytest.approx(0.7), "B")]
-    assert parse_blend(["A", "B"]) == [(0.5, "A"), (0.5, "B")]
-    assert parse_blend(["A"]) == [(1.0, "A")]
+    weighted = parse_blend(["0.3", "A", "0.7", "~/B"])
+    assert weighted.paths == ["A", str(Path("~/B").expanduser())] and weighted.weights == pytest.approx([0.3, 0.7])
+    assert parse_blend(["A", "B"]).weights is None and parse_blend(["A"]).paths == ["A"]
     with pytest.raises(ConfigError, match="expected PREFIX..., or WEIGHT PREFIX pairs"):
         parse_blend(["0.3", "A", "B"])
     with pytest.raises(ConfigError, match="weights must be positive"):

@@ -40,10 +40,11 @@ def test_reader_reads_megatrons_file():
     assert ds[-1].tolist() == [65000]
     assert ds.get(2, offset=1, length=2).tolist() == [7, 8]
     assert ds.get(2, offset=3).tolist() == [9]
-    with pytest.raises(IndexError):
-        ds[4]
-    with pytest.raises(IndexError):
-        ds.get(1, offset=1, length=5)
+    assert [d.tolist() for d in ds[1:3]] == TINY_DOCS[1:3]
+    for bad in (lambda: ds[4], lambda: ds.get(1, offset=1, length=5), lambda: ds.get(2, offset=6),
+                lambda: ds.get(2, offset=1, length=-1)):
+        with pytest.raises(IndexError):
+            bad()
 
 
 def test_writer_reproduces_megatrons_bytes(tmp_path):
@@ -83,6 +84,13 @@ def test_dtype_choice_follows_megatron():
     assert optimal_dtype(65500) is np.int32 and optimal_dtype(128256) is np.int32 and optimal_dtype(None) is np.int32
 
 
+def test_values_that_do_not_fit_are_refused(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "x", np.uint16) as writer:
+        with pytest.raises(ValueError, match=r"token ids 0..70000 do not fit uint16"):
+            writer.add_document([0, 70000])
+        writer.add_document([1])
+
+
 def test_interrupted_write_leaves_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with IndexedDatasetWriter(tmp_path / "half", np.uint16) as writer:
@@ -106,8 +114,9 @@ def test_bad_files_are_reported_with_file_and_offset(tmp_path):
         (dict(idx=good[:100]), r"bad.idx: truncated: 100 bytes, but its header promises 122"),
         (dict(idx=good[:9] + struct.pack("<Q", 2) + good[17:]), r"bad.idx: version 2 at byte 9 is not supported"),
         (dict(idx=good[:17] + b"\x09" + good[18:]), r"bad.idx: dtype code 9 at byte 17 is unknown"),
-        (dict(bin_=TINY.with_suffix(".bin").read_bytes()[:15]),
-         r"bad.bin: 15 bytes, shorter than its index says \(20 bytes, to the end of sequence 3\)"),
+        (dict(bin_=TINY.with_suffix(".bin").read_bytes()[:14]),
+         r"bad.bin: 14 bytes, shorter than its index says \(20 bytes, to the end of sequence 3\)"),
+        (dict(bin_=TINY.with_suffix(".bin").read_bytes()[:15]), r"bad.bin: 15 bytes is not a whole number of uint16"),
     ]
     for kwargs, message in cases:
         with pytest.raises(DataError, match=message):

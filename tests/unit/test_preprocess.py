@@ -95,3 +95,18 @@ def test_a_late_error_leaves_nothing_behind(tmp_path, tokenizer):
     with pytest.raises(DataError, match=r"late.jsonl:701: no key 'text'"):
         preprocess([path], str(tmp_path / "out"), tokenizer, workers=2, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["late.jsonl"]
+
+
+def test_skipping_keeps_several_keys_aligned_and_surrogates_are_refused(tmp_path, tokenizer):
+    records = [{"q": "question 0", "a": "answer 0"}, {"q": "question 1", "a": ""}, {"q": "question 2", "a": "answer 2"}]
+    path = write_jsonl(tmp_path / "qa.jsonl", records)
+    result = preprocess([path], str(tmp_path / "out"), tokenizer, json_keys=["q", "a"], skip_bad_lines=True,
+                        progress=False)
+    q, a = (IndexedDataset(p) for p in result.prefixes)
+    assert (result.documents, result.skipped, len(q), len(a)) == (2, 1, 2, 2)
+    assert tokenizer.decode(q[1]) == "question 2" and tokenizer.decode(a[1]) == "answer 2"
+    (tmp_path / "s.jsonl").write_text('{"text": "ok"}\n{"text": "bad \\ud800 half"}\n')
+    with pytest.raises(DataError, match=r"s.jsonl:2: character 4 is a lone surrogate"):
+        preprocess([tmp_path / "s.jsonl"], str(tmp_path / "o"), tokenizer, progress=False)
+    with pytest.raises(DataError, match="a key is named twice"):
+        preprocess([path], str(tmp_path / "o"), tokenizer, json_keys=["q", "q"], progress=False)

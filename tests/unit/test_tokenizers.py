@@ -38,10 +38,13 @@ def test_tokenizer_json_and_its_folder(bpe, tmp_path):
 def test_gpt2_vocab_and_merge_files(bpe, tmp_path):
     vocab, merges = bpe.hf.model.save(str(tmp_path))  # GPT-2's vocab.json + merges.txt layout
     gpt2 = load_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-    for text in HARD:
+    for text in HARD[:-1]:
         assert gpt2.encode(text) == bpe.encode(text)
         assert gpt2.decode(gpt2.encode(text)) == text
     assert gpt2.eod_id == bpe.eod_id
+    # as in Megatron's GPT-2 tokenizer, the literal text is ordinary characters, not the EOD id
+    literal = gpt2.encode("<|endoftext|>")
+    assert gpt2.eod_id not in literal and len(literal) > 1 and gpt2.decode(literal) == "<|endoftext|>"
     with pytest.raises(DataError, match="GPT2BPETokenizer needs --vocab-file and --merge-file"):
         load_tokenizer("GPT2BPETokenizer", vocab_file=vocab)
 

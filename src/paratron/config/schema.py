@@ -189,6 +189,12 @@ class DataConfig:
     data_cache_path: Optional[str] = None
     """Where trained tokenizers, preprocessed corpora and sample indices are cached (default: $PARATRON_CACHE or ~/.cache/paratron)."""
 
+    def blend_flags(self) -> list[tuple[list[str], str]]:
+        """The data-path settings that are set, with their flag names."""
+        return [(values, flag) for values, flag in (
+            (self.data_path, "--data-path"), (self.train_data_path, "--train-data-path"),
+            (self.valid_data_path, "--valid-data-path"), (self.test_data_path, "--test-data-path")) if values]
+
 
 @dataclass
 class TrainingConfig:

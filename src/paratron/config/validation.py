@@ -154,16 +154,16 @@ def _validate_data(config: Config) -> None:
         raise ConfigError("--valid-data-path and --test-data-path need --train-data-path too")
     if per_split and t.eval_iters > 0 and not d.valid_data_path:
         raise ConfigError(f"--eval-iters {t.eval_iters} needs --valid-data-path; give it or set --eval-iters 0")
-    raw = bool(d.corpus)
-    for values, flag in ((d.data_path, "--data-path"), (d.train_data_path, "--train-data-path"),
-                         (d.valid_data_path, "--valid-data-path"), (d.test_data_path, "--test-data-path")):
-        for _, path in parse_blend(values, flag):
+    raw, preprocessed = bool(d.corpus), False
+    for values, flag in d.blend_flags():
+        for path in parse_blend(values, flag).paths:
             if dataset_exists(path):
-                continue
-            if not Path(path).expanduser().exists():
+                preprocessed = True
+            elif Path(path).exists():
+                raw = True
+            else:
                 raise ConfigError(f"{flag} {path}: neither a dataset prefix ({path}.bin/.idx) nor a file or "
                                   "directory; check the path")
-            raw = True
     kind = d.tokenizer_type
     if kind == "HuggingFaceTokenizer":
         if not d.tokenizer_model:
@@ -179,9 +179,9 @@ def _validate_data(config: Config) -> None:
     elif kind == "NullTokenizer":
         if not config.model.vocab_size:
             raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
-    elif not raw and not d.mock_data:
-        raise ConfigError("--tokenizer-type ByteLevelBPE trains on text, but the data is preprocessed already; "
-                          "name its tokenizer: HuggingFaceTokenizer --tokenizer-model, GPT2BPETokenizer "
+    elif preprocessed or (not raw and not d.mock_data):
+        raise ConfigError("--tokenizer-type ByteLevelBPE trains on text, but (some of) the data is preprocessed "
+                          "already; name its tokenizer: HuggingFaceTokenizer --tokenizer-model, GPT2BPETokenizer "
                           "--vocab-file/--merge-file, or NullTokenizer --vocab-size")
     _, valid_share, _ = parse_split(d.split)
     if t.eval_iters > 0 and valid_share == 0 and (d.data_path or d.corpus):

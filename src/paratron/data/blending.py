@@ -2,8 +2,11 @@
 
 Sample k of the blend goes to the dataset whose drawn count lags its weight the most
 (weight x k - drawn so far, ties to the first), so at every prefix of training each
-dataset's share is within one sample of its weight. Each component is asked for
-ceil(ceil(size x weight) x 1.005) samples, Megatron's margin.
+dataset's share is within one sample of its weight. With weights, a blend for `size`
+samples holds sum(ceil(size x weight)) and asks each component for
+ceil(ceil(size x weight) x 1.005), Megatron's margin. Without weights each component is
+built for one epoch and weighted by its length (Megatron-LM's "weights inferred from the
+lengths of the datasets").
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -22,11 +27,18 @@ from paratron.errors import ConfigError
 SURPLUS = 0.005
 
 
-def parse_blend(values: Sequence[str], flag: str = "--data-path") -> list[tuple[float, str]]:
-    """['0.3', 'A', '0.7', 'B'] -> [(0.3, 'A'), (0.7, 'B')]; ['A', 'B'] -> equal weights."""
+@dataclass(frozen=True)
+class Blend:
+    """Dataset prefixes and, when given, their normalized weights."""
+
+    paths: list[str]
+    weights: list[float] | None
+
+
+def parse_blend(values: Sequence[str], flag: str = "--data-path") -> Blend:
+    """['0.3', 'A', '0.7', 'B'] -> weights [0.3, 0.7]; ['A', 'B'] -> no weights (Megatron then
+    weighs the datasets by their sizes). Paths have `~` expanded."""
     values = list(values)
-    if not values:
-        return []
 
     def number(text: str) -> float | None:
         try:
@@ -34,19 +46,20 @@ def parse_blend(values: Sequence[str], flag: str = "--data-path") -> list[tuple[
         except ValueError:
             return None
 
-    weights = [number(v) for v in values[0::2]]
-    if len(values) % 2 == 0 and all(w is not None for w in weights) and \
+    if values and len(values) % 2 == 0 and all(number(v) is not None for v in values[0::2]) and \
             all(number(v) is None for v in values[1::2]):
-        pairs = [(float(w), p) for w, p in zip(values[0::2], values[1::2])]  # type: ignore[arg-type]
+        weights: list[float] | None = [float(w) for w in values[0::2]]
+        paths = values[1::2]
     elif all(number(v) is None for v in values):
-        pairs = [(1.0, p) for p in values]
+        weights, paths = None, values
     else:
         raise ConfigError(f"{flag} {' '.join(values)}: expected PREFIX..., or WEIGHT PREFIX pairs such as "
                           "0.3 A 0.7 B")
-    if any(w <= 0 for w, _ in pairs):
-        raise ConfigError(f"{flag}: weights must be positive")
-    total = sum(w for w, _ in pairs)
-    return [(w / total, p) for w, p in pairs]
+    if weights is not None:
+        if any(w <= 0 for w in weights):
+            raise ConfigError(f"{flag}: weights must be positive")
+        weights = (np.asarray(weights, dtype=np.float64) / np.sum(weights)).tolist()  # as Megatron does
+    return Blend([os.path.expanduser(p) for p in paths], weights)
 
 
 def component_sizes(weights: Sequence[float], size: int) -> list[int]:

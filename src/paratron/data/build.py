@@ -17,6 +17,7 @@ import hashlib
 import math
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -29,15 +30,15 @@ import torch.distributed as dist
 
 from paratron.config.schema import Config
 from paratron.config.validation import parse_split
-from paratron.data.blending import BlendedDataset, component_sizes, parse_blend
+from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend
 from paratron.data.corpus import files_signature, stdlib_files
 from paratron.data.datasets import MockTokens, SampleSource
 from paratron.data.gpt_dataset import GPTDataset
 from paratron.data.indexed import IndexedDataset, dataset_exists
 from paratron.data.preprocess import PreprocessResult, input_files, preprocess, read_documents
-from paratron.data.tokenizer import AnyTokenizer, Tokenizer, load_tokenizer, train_byte_level_bpe
+from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, load_tokenizer, train_byte_level_bpe
 from paratron.distributed.init import collective_device
-from paratron.errors import DataError, PeerFailure, UserError
+from paratron.errors import DataError, PeerFailure
 
 DEFAULT_BPE_VOCAB = 8192
 MOCK_VOCAB = 4096
@@ -60,13 +61,14 @@ def cache_root(config: Config) -> Path:
 def build_once(path: Path, build: Callable[[Path], None], local_rank: int, log: Log) -> None:
     """Make `path` exist: local rank 0 builds it (into a temp path, then renames); all ranks wait.
 
-    If the build fails on a user error, every rank learns it (instead of waiting forever): the
-    builder raises the error, the others raise PeerFailure.
+    If the build fails, every rank learns it (instead of waiting for a timeout): the builder
+    raises its error, the others raise PeerFailure. With a cache shared between machines the
+    local rank 0 of each builds, into a temporary name of its own; the first rename wins.
     """
-    failure: UserError | None = None
+    failure: BaseException | None = None
     if local_rank == 0 and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
         start = time.perf_counter()
         try:
             build(tmp)
@@ -76,7 +78,7 @@ def build_once(path: Path, build: Callable[[Path], None], local_rank: int, log: 
                 if not path.exists():
                     raise  # otherwise another job built the same thing first: keep theirs
             log(f"built {path} in {time.perf_counter() - start:.1f}s")
-        except UserError as exc:
+        except Exception as exc:
             failure = exc
         finally:  # nothing half-built stays behind
             if tmp.is_dir():
@@ -119,17 +121,11 @@ class _Builder:
         if d.corpus == "stdlib":
             return [(stdlib_files(), False)]
         out = []
-        for values, flag in self.blend_flags():
-            for _, path in parse_blend(values, flag):
+        for values, flag in d.blend_flags():
+            for path in parse_blend(values, flag).paths:
                 if not dataset_exists(path):
                     out.append((input_files([path], flag), True))
         return out
-
-    def blend_flags(self) -> list[tuple[list[str], str]]:
-        d = self.config.data
-        return [(v, f) for v, f in ((d.data_path, "--data-path"), (d.train_data_path, "--train-data-path"),
-                                    (d.valid_data_path, "--valid-data-path"), (d.test_data_path, "--test-data-path"))
-                if v]
 
     def tokenizer(self) -> tuple[AnyTokenizer, str]:
         """The run's tokenizer and an identity string for cache keys."""
@@ -156,7 +152,7 @@ class _Builder:
 
     def preprocessed(self, files: list[Path], strict: bool, tokenizer: AnyTokenizer, tokenizer_id: str) -> str:
         """Prefix of the cached indexed dataset of these files (preprocessed on first use)."""
-        folder = self.cache / f"corpus-{_digest(files_signature(files), tokenizer_id)}"
+        folder = self.cache / f"corpus-{_digest(files_signature(files), tokenizer_id, strict)}"
 
         def build(tmp: Path) -> None:
             tmp.mkdir(parents=True)
@@ -168,29 +164,40 @@ class _Builder:
 
     # -- datasets -------------------------------------------------------------------------
 
-    def gpt_dataset(self, prefix: str, documents: np.ndarray, num_samples: int) -> GPTDataset:
+    def gpt_dataset(self, prefix: str, documents: np.ndarray, num_samples: int | None) -> GPTDataset:
         return GPTDataset(IndexedDataset(prefix), documents, self.config.data.seq_length, num_samples,
                           self.config.training.seed, self.cache / "indices",
                           lambda path, build: self.once(path, build))
 
-    def blend(self, parts: list[tuple[float, str, np.ndarray]], size: int, what: str) -> SampleSource:
-        """One dataset, or several blended by weight; `parts` are (weight, prefix, documents)."""
-        parts = [p for p in parts if len(p[2]) > 0]
-        if not parts:
-            raise DataError(f"the {what} split holds no documents; change --split or give more data")
-        if len(parts) == 1:
-            _, prefix, documents = parts[0]
-            return self.gpt_dataset(prefix, documents, size)
-        weights = [w / sum(p[0] for p in parts) for w, _, _ in parts]
-        datasets = [self.gpt_dataset(prefix, documents, n)
-                    for (_, prefix, documents), n in zip(parts, component_sizes(weights, size))]
-        names = [f"{prefix}[{documents[0]}:{documents[-1] + 1}]" for _, prefix, documents in parts]
-        return BlendedDataset(datasets, weights, size, self.cache / "indices",
+    def blend(self, prefixes: list[str], ranges: list[np.ndarray], weights: list[float] | None, size: int,
+              what: str) -> SampleSource:
+        """Megatron-LM's blend of one split: a single dataset as is; weighted datasets for
+        sum(ceil(size x w)) samples; unweighted ones for one epoch each, weighted by length."""
+        for prefix, documents in zip(prefixes, ranges):
+            if len(documents) == 0:
+                raise DataError(f"{prefix}: no documents fall in the {what} split; change --split or give "
+                                "that split its own data")
+        if len(prefixes) == 1 and weights is None:
+            return self.gpt_dataset(prefixes[0], ranges[0], size)
+        if weights is None:
+            datasets = [self.gpt_dataset(p, r, None) for p, r in zip(prefixes, ranges)]
+            lengths = [len(ds) for ds in datasets]
+            if sum(lengths) < size:
+                raise DataError(f"the {what} data holds {sum(lengths)} samples in one epoch but {size} are needed; "
+                                "give --data-path weights (WEIGHT PREFIX ...) to repeat it")
+            weights, total = (np.asarray(lengths, np.float64) / sum(lengths)).tolist(), size
+        else:
+            targets = [math.ceil(size * w) for w in weights]
+            datasets = [self.gpt_dataset(p, r, n) for p, r, n in zip(prefixes, ranges, component_sizes(weights, size))]
+            total = sum(targets)
+        names = [f"{prefix}[{documents[0]}:{documents[-1] + 1}]" for prefix, documents in zip(prefixes, ranges)]
+        return BlendedDataset(datasets, weights, total, self.cache / "indices",
                               lambda path, build: self.once(path, build), names)
 
 
 def _split_documents(num_documents: int, split: str) -> list[np.ndarray]:
-    """Megatron's --split: contiguous document ranges, boundaries rounded from the cumulative fractions."""
+    """Megatron's --split: contiguous ranges of sequences (documents, one sequence each, as paratron
+    writes them), boundaries rounded from the cumulative fractions."""
     fractions = parse_split(split)
     bounds = [0.0]
     for f in fractions:
@@ -210,7 +217,10 @@ def build_data(config: Config, global_batch_size: int, local_rank: int = 0, log:
 
     builder = _Builder(config, local_rank, log)
     tokenizer, tokenizer_id = builder.tokenizer()
-    vocab = config.model.vocab_size or tokenizer.vocab_size
+    if isinstance(tokenizer, NullTokenizer):
+        vocab = tokenizer.vocab_size  # --vocab-size ids plus the end-of-document id, as in Megatron
+    else:
+        vocab = config.model.vocab_size or tokenizer.vocab_size
     if vocab < tokenizer.vocab_size:
         raise DataError(f"--vocab-size {vocab} is smaller than the tokenizer's {tokenizer.vocab_size}; raise it")
 
@@ -221,25 +231,27 @@ def build_data(config: Config, global_batch_size: int, local_rank: int = 0, log:
         return builder.preprocessed(input_files([path], flag), True, tokenizer, tokenizer_id)
 
     if d.corpus == "stdlib":
-        blends = {"--data-path": [(1.0, builder.preprocessed(stdlib_files(), False, tokenizer, tokenizer_id))]}
+        blends = {"--data-path": Blend([builder.preprocessed(stdlib_files(), False, tokenizer, tokenizer_id)], None)}
     else:
-        blends = {flag: [(w, resolve(p, flag)) for w, p in parse_blend(values, flag)]
-                  for values, flag in builder.blend_flags()}
+        blends = {}
+        for values, flag in d.blend_flags():
+            blend = parse_blend(values, flag)
+            blends[flag] = Blend([resolve(p, flag) for p in blend.paths], blend.weights)
 
-    if "--data-path" in blends:
-        parts = blends["--data-path"]
-        splits: dict[str, list] = {name: [] for name in ("train", "valid")}
-        for weight, prefix in parts:
-            train_docs, valid_docs, _ = _split_documents(IndexedDataset(prefix).num_documents, d.split)
-            splits["train"].append((weight, prefix, train_docs))
-            splits["valid"].append((weight, prefix, valid_docs))
-    else:
-        def whole(flag: str) -> list:
-            return [(w, p, np.arange(IndexedDataset(p).num_documents, dtype=np.int32)) for w, p in blends.get(flag, [])]
-        splits = {"train": whole("--train-data-path"), "valid": whole("--valid-data-path")}
+    def sequences(prefix: str) -> int:
+        return len(IndexedDataset(prefix))
 
-    train = builder.blend(splits["train"], train_samples, "train")
-    valid = None
-    if config.training.eval_iters > 0:
-        valid = builder.blend(splits["valid"], valid_samples, "validation")
+    if "--data-path" in blends:  # one blend, each dataset cut by --split
+        blend = blends["--data-path"]
+        cuts = [_split_documents(sequences(p), d.split) for p in blend.paths]
+        train_parts = (blend.paths, [c[0] for c in cuts], blend.weights)
+        valid_parts = (blend.paths, [c[1] for c in cuts], blend.weights)
+    else:  # a blend per split, used whole
+        def whole(flag: str) -> tuple:
+            blend = blends.get(flag, Blend([], None))
+            return blend.paths, [np.arange(sequences(p), dtype=np.int32) for p in blend.paths], blend.weights
+        train_parts, valid_parts = whole("--train-data-path"), whole("--valid-data-path")
+
+    train = builder.blend(*train_parts, train_samples, "train")
+    valid = builder.blend(*valid_parts, valid_samples, "validation") if config.training.eval_iters > 0 else None
     return DataBundle(train, valid, tokenizer, vocab)

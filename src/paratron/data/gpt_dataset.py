@@ -27,12 +27,16 @@ from typing import Callable
 import numpy as np
 
 from paratron.data.indexed import IndexedDataset
+from paratron.errors import DataError
 
 ADD_EXTRA_TOKEN = 1
 FINAL_EPOCH_THRESHOLD = 0.80
+SAMPLE_CHUNK = 1 << 22
 
 
-def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) -> int:
+def num_epochs_needed(tokens_per_epoch: int, num_samples: int | None, seq_length: int) -> int:
+    if num_samples is None:  # one epoch
+        return 1
     requested = num_samples * seq_length + ADD_EXTRA_TOKEN
     return max(1, -(-requested // tokens_per_epoch))
 
@@ -51,16 +55,16 @@ def _shuffled_range(start: int, stop: int, rng: np.random.RandomState) -> np.nda
 
 
 def build_sample_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int,
-                         num_samples: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(document_index, sample_index, shuffle_index) for drawing `num_samples` samples of
-    `seq_length` + 1 tokens from `documents` (indices into `sequence_lengths`)."""
+                         num_samples: int | None, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(document_index, sample_index, shuffle_index) for drawing `num_samples` samples (None: one
+    epoch's worth) of `seq_length` + 1 tokens from `documents` (indices into `sequence_lengths`)."""
     lengths = np.asarray(sequence_lengths)
     tokens_per_epoch = int(lengths[documents].sum(dtype=np.int64))
     if tokens_per_epoch <= ADD_EXTRA_TOKEN:
-        raise ValueError("the split holds no tokens")
+        raise DataError(f"the split holds {tokens_per_epoch} tokens, too few for a sample; give it more data")
     epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
     separate_final_epoch = False
-    if epochs > 1:
+    if epochs > 1 and num_samples is not None:
         samples_before_final = ((epochs - 1) * tokens_per_epoch - ADD_EXTRA_TOKEN) // seq_length
         samples_per_epoch = (tokens_per_epoch - ADD_EXTRA_TOKEN) // seq_length
         separate_final_epoch = num_samples - samples_before_final < int(FINAL_EPOCH_THRESHOLD * samples_per_epoch)
@@ -72,15 +76,18 @@ def build_sample_indices(sequence_lengths: np.ndarray, documents: np.ndarray, se
     else:
         document_index = _shuffled_documents(documents, epochs, rng)
 
-    # Sample i starts at stream position i * seq_length; find its document and offset.
+    # Sample i starts at stream position i * seq_length; find its document and offset, in chunks
+    # so that temporaries stay small next to the result.
     total_samples = (epochs * tokens_per_epoch - ADD_EXTRA_TOKEN) // seq_length
     ends = np.cumsum(lengths[document_index], dtype=np.int64)
-    starts = np.arange(total_samples + 1, dtype=np.int64) * seq_length
-    position = np.searchsorted(ends, starts, side="right")
-    offset = starts - (ends[position] - lengths[document_index[position]])
     index_dtype = np.int32 if len(document_index) < np.iinfo(np.int32).max and lengths.max() < np.iinfo(np.int32).max \
         else np.int64
-    sample_index = np.stack([position, offset], axis=1).astype(index_dtype)
+    sample_index = np.empty((total_samples + 1, 2), dtype=index_dtype)
+    for first in range(0, total_samples + 1, SAMPLE_CHUNK):
+        starts = np.arange(first, min(first + SAMPLE_CHUNK, total_samples + 1), dtype=np.int64) * seq_length
+        position = np.searchsorted(ends, starts, side="right")
+        sample_index[first : first + len(starts), 0] = position
+        sample_index[first : first + len(starts), 1] = starts - (ends[position] - lengths[document_index[position]])
     sample_index[0] = 0  # the stream starts at the first document, even an empty one
 
     if separate_final_epoch:
@@ -94,11 +101,13 @@ def build_sample_indices(sequence_lengths: np.ndarray, documents: np.ndarray, se
 class GPTDataset:
     """Samples of seq_length + 1 tokens (inputs and shifted labels) from one split of an indexed dataset."""
 
-    def __init__(self, dataset: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int,
+    def __init__(self, dataset: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int | None,
                  seed: int, cache_dir: Path, build_once: Callable[[Path, Callable[[Path], None]], None]) -> None:
         self.dataset, self.seq_length = dataset, seq_length
+        index_file = Path(f"{dataset.prefix}.idx").stat()
         description = {
             "class": "GPTDataset", "dataset": str(Path(dataset.prefix).resolve()),
+            "index_file": [index_file.st_size, index_file.st_mtime_ns],
             "sequences": len(dataset), "tokens": dataset.num_tokens,
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
             "seq_length": seq_length, "num_samples": num_samples, "seed": seed,

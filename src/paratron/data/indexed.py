@@ -65,14 +65,20 @@ class IndexedDatasetWriter:
         self.lengths = array("i")  # int32, like Megatron
 
     def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
-        arr = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(arr.tobytes(order="C"))
-        self.lengths.append(len(arr))
+        tokens = np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens)
+        self.add_documents(tokens, np.array([len(tokens)]))
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Many documents at once: their tokens concatenated, and each one's length."""
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+        if tokens.size and np.issubdtype(self.dtype, np.integer):
+            limits = np.iinfo(self.dtype)
+            if tokens.min() < limits.min or tokens.max() > limits.max:
+                raise ValueError(f"token ids {tokens.min()}..{tokens.max()} do not fit {self.dtype}")
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError("a document longer than 2**31 - 1 tokens does not fit the index")
         self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
-        self.lengths.extend(np.asarray(lengths, dtype=np.int32).tolist())
+        self.lengths.extend(lengths.astype(np.int32).tolist())
 
     @property
     def num_documents(self) -> int:
@@ -95,6 +101,8 @@ class IndexedDatasetWriter:
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(documents.astype("<i8").tobytes())
+        # An old index never sits beside the new tokens: drop it before the new .bin lands.
+        Path(f"{self.prefix}.idx").unlink(missing_ok=True)
         os.replace(f"{self.prefix}.bin{self._tmp}", f"{self.prefix}.bin")
         os.replace(idx_tmp, f"{self.prefix}.idx")
 
@@ -128,6 +136,9 @@ class IndexedDataset:
         needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize \
             if len(self.sequence_lengths) else 0
         size = bin_path.stat().st_size
+        if size % self.dtype.itemsize:
+            raise DataError(f"{bin_path}: {size} bytes is not a whole number of {self.dtype} tokens; "
+                            "the file is damaged")
         if size < needed:
             last = len(self.sequence_lengths) - 1
             raise DataError(f"{bin_path}: {size} bytes, shorter than its index says ({needed} bytes, to the end "
@@ -185,12 +196,15 @@ class IndexedDataset:
         size = int(self.sequence_lengths[index])
         if length is None:
             length = size - offset
-        if offset < 0 or offset + length > size:
+        if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"tokens [{offset}, {offset + length}) are outside sequence {index} of length {size}")
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
         return np.asarray(self.bin[start : start + length])
 
-    def __getitem__(self, index: int) -> np.ndarray:
+    def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
+        """Sequence `index`, or a list of them for a slice (as Megatron's reader)."""
+        if isinstance(index, slice):
+            return [self.get(i) for i in range(*index.indices(len(self)))]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):

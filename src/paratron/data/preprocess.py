@@ -83,8 +83,16 @@ def _decode(data: bytes, where: str, base_offset: int) -> str:
         raise _BadInput(f"{where}: byte {base_offset + exc.start} of the file is not valid UTF-8") from None
 
 
+def _check_text(text: str, where: str) -> None:
+    """JSON can smuggle in lone surrogates (\\ud800), which are not text any tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _BadInput(f"{where}: character {exc.start} is a lone surrogate, not valid Unicode text") from None
+
+
 def _documents_of(path: Path, json_keys: Sequence[str]) -> Iterator[Document | _BadInput]:
-    if path.suffix.lower() not in JSON_SUFFIXES:
+    if path.suffix.lower() not in JSON_SUFFIXES:  # a whole file is one document (use jsonl for huge ones)
         data = path.read_bytes()
         try:
             text = _decode(data, str(path), 0)
@@ -112,6 +120,7 @@ def _documents_of(path: Path, json_keys: Sequence[str]) -> Iterator[Document | _
                         raise _BadInput(f"{where}: the value of {key!r} is not a string")
                     if not record[key]:
                         raise _BadInput(f"{where}: empty document under {key!r}")
+                    _check_text(record[key], where)
                     texts.append(record[key])
                 yield Document(texts, where, len(line))
             except _BadInput as bad:
@@ -158,12 +167,12 @@ def _encode(texts_per_key: list[list[str]], tokenizer: AnyTokenizer | None = Non
         errors: list[tuple[int, str]] = []
         try:
             encoded = tokenizer.encode_batch(texts)
-        except ValueError:  # find the offending document(s)
+        except (ValueError, TypeError):  # find the offending document(s)
             encoded = []
             for i, text in enumerate(texts):
                 try:
                     encoded.append(tokenizer.encode(text))
-                except ValueError as exc:
+                except (ValueError, TypeError) as exc:
                     errors.append((i, str(exc)))
                     encoded.append([])
         lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
@@ -185,43 +194,43 @@ def preprocess(files: Sequence[Path], output_prefix: str, tokenizer: AnyTokenize
                json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
                skip_bad_lines: bool = False, progress: bool = True,
                log: Callable[[str], None] = print) -> PreprocessResult:
-    """Write OUTPUT_PREFIX_{key}_document.bin/.idx for each json key; returns the counts."""
+    """Write OUTPUT_PREFIX_{key}_document.bin/.idx for each json key; returns the counts.
+
+    A document that is bad under any key is skipped under all of them (with --skip-bad-lines),
+    so the datasets of several keys stay aligned document by document."""
+    if len(set(json_keys)) != len(json_keys):
+        raise DataError(f"--json-keys {' '.join(json_keys)}: a key is named twice")
     start = time.perf_counter()
     prefixes = [f"{output_prefix}_{key}_document" for key in json_keys]
     result = PreprocessResult(prefixes)
     total_bytes = sum(p.stat().st_size for p in files)
     dtype = optimal_dtype(tokenizer.vocab_size)
-    writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess",
-                   dynamic_ncols=True)
-    pool = None
-    if workers > 1:
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
-                                                         initargs=(tokenizer.spec(),))
+    writers: list[IndexedDatasetWriter] = []
+    bar = pool = None
     in_flight: deque = deque()
 
     def write(batch: list[Document], encoded: list) -> None:
-        for writer, (tokens, lengths, errors) in zip(writers, encoded):
-            bad = {i for i, _ in errors} | {int(i) for i in np.flatnonzero(lengths == 0)}
-            for i in sorted(bad):
-                message = dict(errors).get(i, "the document has no tokens")
-                _reject(f"{batch[i].where}: {message}", result, skip_bad_lines)
+        bad: dict[int, str] = {}
+        for tokens, lengths, errors in encoded:
+            bad.update(errors)
+            bad.update({int(i): "the document has no tokens" for i in np.flatnonzero(lengths == 0) if int(i) not in bad})
+        for i in sorted(bad):
+            _reject(f"{batch[i].where}: {bad[i]}", result, skip_bad_lines)
+        keep = np.ones(len(batch), dtype=bool)
+        keep[list(bad)] = False
+        for writer, (tokens, lengths, _) in zip(writers, encoded):
             if bad:
-                keep = np.ones(len(lengths), dtype=bool)
-                keep[list(bad)] = False
-                tokens = np.concatenate([t for t, k in zip(np.split(tokens, np.cumsum(lengths)[:-1]), keep) if k]) \
-                    if keep.any() else tokens[:0]
+                pieces = np.split(tokens, np.cumsum(lengths)[:-1])
+                tokens = np.concatenate([t for t, k in zip(pieces, keep) if k]) if keep.any() else tokens[:0]
                 lengths = lengths[keep]
             if append_eod:
                 tokens, lengths = _with_eod(tokens, lengths, tokenizer.eod_id)
-            writer.add_documents(tokens, lengths)
-            if writer is writers[0]:
-                result.documents += len(lengths)
+            try:
+                writer.add_documents(tokens, lengths)
+            except ValueError as exc:  # ids beyond what the tokenizer's vocabulary size promised
+                raise DataError(f"{writer.prefix}: {exc}; the tokenizer's vocabulary size is {tokenizer.vocab_size}")
             result.tokens += int(lengths.sum())
+        result.documents += int(keep.sum())
         nbytes = sum(d.nbytes for d in batch)
         result.input_bytes += nbytes
         if bar is not None:
@@ -240,6 +249,15 @@ def preprocess(files: Sequence[Path], output_prefix: str, tokenizer: AnyTokenize
             write(done, job.get())
 
     try:
+        writers.extend(IndexedDatasetWriter(p, dtype) for p in prefixes)
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess",
+                       dynamic_ncols=True)
+        if workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
+                                                             initargs=(tokenizer.spec(),))
         batch: list[Document] = []
         batch_bytes = 0
         for document in read_documents(files, json_keys, result, skip_bad_lines):

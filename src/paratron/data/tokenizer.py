@@ -69,21 +69,24 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
-        path = Path(path)
+        path = Path(path).expanduser()
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
             raise DataError(f"{path}: no such file; give a tokenizer.json or a folder holding one")
         try:
             return cls(HFTokenizer.from_file(str(path)), str(path))
+        except DataError:
+            raise
         except Exception as exc:  # tokenizers raises a bare Exception for malformed files
             raise DataError(f"{path}: not a readable tokenizer.json ({str(exc).splitlines()[0]})") from None
 
     @classmethod
     def from_gpt2_files(cls, vocab_file: str | Path, merge_file: str | Path) -> "Tokenizer":
         """GPT-2's byte-level BPE from its vocab.json and merges.txt."""
+        vocab_file, merge_file = Path(vocab_file).expanduser(), Path(merge_file).expanduser()
         for path in (vocab_file, merge_file):
-            if not Path(path).is_file():
+            if not path.is_file():
                 raise DataError(f"{path}: no such file; GPT2BPETokenizer needs --vocab-file and --merge-file")
         try:
             hf = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
@@ -92,8 +95,8 @@ class Tokenizer:
                             f"({str(exc).splitlines()[0]})") from None
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
-        if hf.token_to_id(EOD_TOKEN) is not None:
-            hf.add_special_tokens([EOD_TOKEN])  # as GPT-2's own tokenizer: never split, never merged
+        # As Megatron's GPT-2 tokenizer: the text "<|endoftext|>" in a document is ordinary
+        # characters; only appended end-of-document tokens carry its id.
         return cls(hf, str(vocab_file))
 
 

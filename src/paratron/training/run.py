@@ -45,10 +45,8 @@ def _duration(seconds: float) -> str:
 
 def check_inputs(config: Config) -> None:
     """Cheap checks of the files a run will read, made before any worker starts."""
-    d = config.data
-    for values, flag in ((d.data_path, "--data-path"), (d.train_data_path, "--train-data-path"),
-                         (d.valid_data_path, "--valid-data-path"), (d.test_data_path, "--test-data-path")):
-        for _, path in parse_blend(values, flag):
+    for values, flag in config.data.blend_flags():
+        for path in parse_blend(values, flag).paths:
             if dataset_exists(path):
                 IndexedDataset(path)  # reads and checks the index
             else:
