@@ -59,17 +59,18 @@ def test_help_shows_field_docs():
     assert top.returncode == 0 and "train" in top.stdout and "generate" in top.stdout
 
 
-def test_two_process_training_then_generate(tmp_path):
+def test_tensor_parallel_training_then_generate(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(30):
         (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" * 40)
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    result = paratron("train", "--config", "debug", "--nproc", "2", "--no-mock-data", "--data-path", str(corpus),
+    result = paratron("train", "--config", "debug", "--nproc", "2", "--tensor-model-parallel-size", "2",
+                      "--sequence-parallel", "--no-mock-data", "--data-path", str(corpus),
                       "--vocab-size", "300", "--train-iters", "8", "--log-interval", "4", "--eval-interval", "8",
                       "--run-dir", str(run), "--save", str(ckpt), "--sample-prompt", "def f3(x):", *QUIET)
     assert result.returncode == 0, result.stderr
-    assert "world 2 = TP 1 x CP 1 x DP 2" in result.stdout
+    assert "world 2 = TP 2 x CP 1 x DP 1" in result.stdout
     assert "sample (temperature 0.7, top-k 40) continuing the prompt:" in result.stdout
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [4, 8]
