@@ -17,7 +17,7 @@ They run on gloo and NCCL alike (all_gather_single and reduce_scatter_single wor
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -109,48 +109,27 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return split(x, dim, group)
+def _dual(forward_op: Callable, backward_op: Callable, name: str) -> type:
+    """An autograd function applying `forward_op(x, dim, group)` forward and its dual backward."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+    class Dual(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, group):
+            ctx.dim, ctx.group = dim, group
+            return forward_op(x, dim, group)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward_op(grad, ctx.dim, ctx.group), None, None
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.dim, ctx.group), None, None
+    Dual.__name__ = Dual.__qualname__ = name
+    return Dual
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+_ScatterToRegion = _dual(split, all_gather, "_ScatterToRegion")
+_GatherFromRegion = _dual(all_gather, split, "_GatherFromRegion")
+_GatherFromSequence = _dual(all_gather, reduce_scatter, "_GatherFromSequence")
+_ReduceScatterToSequence = _dual(reduce_scatter, all_gather, "_ReduceScatterToSequence")
 
 
 def _single(group: Any) -> bool:
