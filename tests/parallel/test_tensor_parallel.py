@@ -209,3 +209,20 @@ def test_tensor_parallel_training_with_dropout_is_reproducible_and_consistent(tm
     first = run_ranks(train_curve, 2, str(tmp_path / "a"), overrides)
     second = run_ranks(train_curve, 2, str(tmp_path / "b"), overrides)
     assert first[0] == first[1] == second[0]  # ranks agree on the loss; the run repeats exactly
+
+
+def test_tensor_parallel_resume_is_exact_and_reshards_weights(tmp_path):
+    common = dict(tensor_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1, lr_decay_iters=10)
+    straight = run_ranks(train_curve, 2, str(tmp_path / "straight"), dict(common, train_iters=10))[0]
+    save = str(tmp_path / "ckpt")
+    first = run_ranks(train_curve, 2, str(tmp_path / "a"), dict(common, train_iters=5, save=save))[0]
+    second = run_ranks(train_curve, 2, str(tmp_path / "b"), dict(common, train_iters=10, load=save, save=save))[0]
+    assert first + second == straight  # per-rank optimizer and dropout streams came back exactly
+
+    from paratron.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"saved at tensor-parallel size 2; its optimizer state resumes only"):
+        train_curve(str(tmp_path / "c"), dict(train_iters=12, load=save))
+    # the weights load at TP 1: from step 10 with a fresh optimizer, or from step 0 as a fine-tuning start
+    assert len(train_curve(str(tmp_path / "d"), dict(train_iters=12, load=save, no_load_optim=True))) == 2
+    assert len(train_curve(str(tmp_path / "e"), dict(train_iters=3, load=save, finetune=True))) == 3

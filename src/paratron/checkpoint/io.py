@@ -4,7 +4,8 @@ Layout (Megatron-LM's tracker file and iteration folders):
 
     SAVE/latest_checkpointed_iteration.txt      newest complete checkpoint
     SAVE/iter_0000200/model.safetensors         weights under their single-device names
-    SAVE/iter_0000200/training_state.pt         optimizer, RNG and loss-scaler state (tensors and numbers only)
+    SAVE/iter_0000200/training_state_tp000.pt   per tensor-parallel rank: optimizer, RNG and loss-scaler
+                                                state (tensors and numbers only)
     SAVE/iter_0000200/tokenizer.json            the run's tokenizer, if it has one
     SAVE/iter_0000200/meta.json                 iteration, consumed samples, config, checksums
 
@@ -64,43 +65,36 @@ def full_state(model: nn.Module, tp_group: Any = None) -> dict[str, torch.Tensor
     return {name: gather_full(param, tp_group) for name, param in model.named_parameters()}
 
 
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """Generator states of the CPU and, on an accelerator, of this process's device."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type != "cpu":
-        state["device"] = torch.get_device_module(device.type).get_rng_state(device)
-    return state
+def rank_state_file(tp_rank: int) -> str:
+    return f"training_state_tp{tp_rank:03d}.pt"
 
 
-def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "device" in state and device.type != "cpu":
-        torch.get_device_module(device.type).set_rng_state(state["device"], device)
+def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn.Module, config: Config,
+                    tokenizer: Any = None, rank_state: dict[str, Any] | None = None, tp_rank: int = 0,
+                    writer: bool = True, tp_group: Any = None) -> Path:
+    """Write iteration `iteration` under `root`; every rank takes part.
 
-
-def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None, config: Config, tokenizer: Any = None,
-                    extra_state: dict[str, Any] | None = None, writer: bool = True, tp_group: Any = None) -> Path:
-    """Write iteration `iteration` under `root` (by the writer rank; all ranks take part and wait).
-
-    Weights are stored whole, under their single-device names. `extra_state` (numbers,
-    tensors, dicts of them) is stored with the optimizer state and returned by
-    `load_training_state`. The optimizer state is the writer's own (whole under data
-    parallelism; sharded layouts keep theirs in sharded checkpoints)."""
+    Weights are stored whole, under their single-device names (gathered from the
+    tensor-parallel ranks). `rank_state` is what one tensor-parallel rank needs to resume
+    (optimizer state, RNG states, loss scaler...: tensors, numbers and dicts of them); the
+    ranks that hold one (the first data-parallel replica) write it as
+    training_state_tp{tp_rank}.pt. The writer rank assembles the folder and publishes it."""
     final = root / f"iter_{iteration:07d}"
+    tmp = root / f".tmp-{final.name}"
     state_tensors = full_state(model, tp_group)
     if writer:
         root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+    _barrier()
+    if rank_state is not None:
+        partial = tmp / (rank_state_file(tp_rank) + ".partial")
+        torch.save(rank_state, partial)
+        partial.replace(tmp / rank_state_file(tp_rank))
+    _barrier()
+    if writer:
         tensors = {name: t.contiguous().cpu() for name, t in state_tensors.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        device = next(model.parameters()).device
-        state: dict[str, Any] = {"rng": rng_state(device), "extra": extra_state or {}}
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
-        torch.save(state, tmp / "training_state.pt")
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
@@ -115,9 +109,13 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
         else:
             tmp.replace(final)
         _write_text_atomic(root / TRACKER, f"{iteration}\n")
+    _barrier()
+    return final
+
+
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-    return final
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -179,13 +177,13 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module) -> None:
             param.copy_(take_slice(tensors[name], param))
 
 
-def load_training_state(info: CheckpointInfo, optimizer: torch.optim.Optimizer | None,
-                        device: torch.device) -> dict[str, Any]:
-    """Restore the optimizer and the RNG states; return the `extra_state` saved with them."""
-    state = torch.load(info.path / "training_state.pt", map_location="cpu", weights_only=True)
-    if optimizer is not None:
-        if "optimizer" not in state:
-            raise CheckpointError(f"{info.path}: holds no optimizer state to resume from")
-        optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"], device)
-    return state.get("extra", {})
+def load_training_state(info: CheckpointInfo, tp_rank: int, tp_size: int) -> dict[str, Any]:
+    """This tensor-parallel rank's saved state (optimizer, RNG, ...), as `save_checkpoint` got it.
+
+    Weights load at any layout; this state belongs to one tensor-parallel degree."""
+    saved_tp = info.config.parallel.tensor_model_parallel_size
+    if saved_tp != tp_size:
+        raise CheckpointError(f"{info.path}: saved at tensor-parallel size {saved_tp}; its optimizer state resumes "
+                              f"only at that size (the weights load at any): resume at TP {saved_tp}, or start "
+                              "from the weights with --finetune or --no-load-optim")
+    return torch.load(info.path / rank_state_file(tp_rank), map_location="cpu", weights_only=True)

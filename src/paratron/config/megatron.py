@@ -41,7 +41,7 @@ UNSUPPORTED: frozenset[str] = frozenset(
     recompute-activations distribute-saved-activations loss-scale initial-loss-scale min-loss-scale
     loss-scale-window hysteresis fp8-format fp8 use-flash-attn transformer-impl attention-backend
     exit-signal-handler exit-duration-in-mins exit-interval async-save ckpt-format use-dist-ckpt
-    no-load-optim no-load-rng finetune auto-detect-ckpt-format tensorboard-dir wandb-project
+    no-load-rng auto-detect-ckpt-format tensorboard-dir wandb-project
     lr-warmup-fraction lr-warmup-samples lr-decay-samples train-samples rampup-batch-size
     rotary-percent rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
     tp-comm-overlap no-masked-softmax-fusion no-bias-gelu-fusion no-bias-dropout-fusion

@@ -235,6 +235,12 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     """Save every this many steps (a final checkpoint is always written when --save is set)."""
 
+    finetune: bool = False
+    """Load only the weights from --load and start at step 0 with a fresh optimizer and data order."""
+
+    no_load_optim: bool = False
+    """Resume from --load at its step, but with a fresh optimizer state (e.g. at another tensor-parallel size)."""
+
 
 @dataclass
 class LoggingConfig:

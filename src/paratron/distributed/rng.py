@@ -32,6 +32,20 @@ def _set_state(state: torch.Tensor, device: torch.device) -> None:
         torch.get_device_module(device.type).set_rng_state(state, device)
 
 
+def capture(device: torch.device) -> dict[str, torch.Tensor]:
+    """The default generators' states: the CPU's and, on an accelerator, this device's."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        state["device"] = _get_state(device)
+    return state
+
+
+def restore(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "device" in state and device.type != "cpu":
+        _set_state(state["device"], device)
+
+
 class RNGStates:
     """Generator states by name, swapped in and out of the default generator of `device`."""
 

@@ -25,17 +25,18 @@ class DataParallel(nn.Module):
     """Wraps this rank's model part; `finish_grad_sync()` completes and averages its gradients.
 
     It also carries what the training step needs to know about the layout: the loss
-    function (vocabulary-parallel under tensor parallelism) and the tensor-parallel group
-    for gradient norms."""
+    function (vocabulary-parallel under tensor parallelism), the tensor-parallel group for
+    gradient norms, and the random streams of tensor-parallel regions."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, size: int,
                  loss_function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = language_model_loss,
-                 tp_group: Any = None, tp_size: int = 1) -> None:
+                 tp_group: Any = None, tp_size: int = 1, rng_states: Any = None) -> None:
         super().__init__()
         self.module = module
         self.group, self.size = group, size
         self.loss_function = loss_function
         self.tp_group, self.tp_size = tp_group, tp_size
+        self.rng_states = rng_states  # named generators of tensor-parallel regions (checkpointed)
         params = [p for p in module.parameters() if p.requires_grad]
         self._params = params  # a plain list: not registered twice
         total = sum(p.numel() for p in params)

@@ -31,7 +31,7 @@ def parallelize(model: GPT, config: Config, topology: Topology, device: torch.de
     seed = config.training.seed
     tp = TPContext(topology.size("tp"), topology.local_rank("tp"), topology.group("tp"),
                    config.parallel.sequence_parallel)
-    loss_function = language_model_loss
+    loss_function, rng = language_model_loss, None
     if tp.size > 1:
         rng = RNGStates(device)
         rng.add(TENSOR_PARALLEL, seed + TENSOR_PARALLEL_SEED_OFFSET + tp.rank)
@@ -41,7 +41,7 @@ def parallelize(model: GPT, config: Config, topology: Topology, device: torch.de
         vocab_start = shard_of(model.output.weight).start
         loss_function = partial(_vocab_parallel_loss, vocab_start=vocab_start, group=tp.group)
     materialize(model, device, seed)
-    return DataParallel(model, topology.group("dp"), topology.size("dp"), loss_function, tp.group, tp.size)
+    return DataParallel(model, topology.group("dp"), topology.size("dp"), loss_function, tp.group, tp.size, rng)
 
 
 def _allocate(model: nn.Module, device: torch.device | str) -> None:

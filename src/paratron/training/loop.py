@@ -16,6 +16,7 @@ import torch.distributed as dist
 from paratron.checkpoint.io import save_checkpoint
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
+from paratron.distributed import rng
 from paratron.data.loader import BatchPlan, micro_batches
 from paratron.distributed.init import DistributedContext, peak_memory_bytes
 from paratron.distributed.topology import Topology
@@ -133,18 +134,27 @@ class Trainer:
         return self._dp_mean(total / iters)
 
     def save(self, root: Path) -> Path:
+        rank_state = self.rank_state() if self.topology.dp_rank == 0 else None  # DP replicas hold the same
         return save_checkpoint(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
-                               self.optimizer, self.config, self.data.tokenizer, self.extra_state(),
+                               self.config, self.data.tokenizer, rank_state, self.topology.tp_rank,
                                writer=self.ctx.is_main, tp_group=self.model.tp_group)
 
-    def extra_state(self) -> dict[str, Any]:
-        """What a checkpoint needs beyond model and optimizer to resume exactly."""
-        extra: dict[str, Any] = {"skipped_iterations": self.state.skipped_iterations}
+    def rank_state(self) -> dict[str, Any]:
+        """What this rank needs beyond the weights to resume exactly."""
+        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "rng": rng.capture(self.ctx.device),
+                                 "skipped_iterations": self.state.skipped_iterations}
         if self.precision.scaler is not None:
-            extra["grad_scaler"] = self.precision.scaler.state_dict()
-        return extra
+            state["grad_scaler"] = self.precision.scaler.state_dict()
+        if self.model.rng_states is not None:
+            state["tensor_parallel_rng"] = dict(self.model.rng_states.states)
+        return state
 
-    def restore_extra_state(self, extra: dict[str, Any]) -> None:
-        self.state.skipped_iterations = int(extra.get("skipped_iterations", 0))
-        if self.precision.scaler is not None and "grad_scaler" in extra:
-            self.precision.scaler.load_state_dict(extra["grad_scaler"])
+    def restore_rank_state(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+        if load_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+        rng.restore(state["rng"], self.ctx.device)
+        self.state.skipped_iterations = int(state.get("skipped_iterations", 0))
+        if self.precision.scaler is not None and "grad_scaler" in state:
+            self.precision.scaler.load_state_dict(state["grad_scaler"])
+        if self.model.rng_states is not None and "tensor_parallel_rng" in state:
+            self.model.rng_states.states.update(state["tensor_parallel_rng"])

@@ -86,9 +86,9 @@ def _run(config: Config, ctx) -> TrainState:
     optimizer = build_optimizer(model, config.optimizer)
     state = TrainState()
     seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
-    extra: dict = {}
-    if resume is not None:
-        extra = load_training_state(resume, optimizer, ctx.device)
+    c = config.checkpoint
+    continuing = resume is not None and not c.finetune
+    if continuing:
         state = TrainState(resume.iteration, resume.consumed_samples)
 
     peak, peak_source = peak_flops(ctx.device, config.logging.peak_tflops)
@@ -97,7 +97,10 @@ def _run(config: Config, ctx) -> TrainState:
                            progress_bar=config.logging.progress_bar, tensorboard=config.logging.tensorboard)
     trainer = Trainer(config, ctx, topology, model, optimizer, data, writer,
                       training_flops_per_token(config.model, config.data.seq_length), peak, state)
-    trainer.restore_extra_state(extra)
+    same_tp = resume is not None and resume.config.parallel.tensor_model_parallel_size == topology.size("tp")
+    if continuing and (same_tp or not c.no_load_optim):  # (at another TP size the per-rank state has no use)
+        trainer.restore_rank_state(load_training_state(resume, topology.tp_rank, topology.size("tp")),
+                                   load_optimizer=not c.no_load_optim)
     m = config.model
     say(f"paratron: {topology.describe()} on {ctx.backend}/{ctx.device.type}, {t.precision}")
     say(f"model: {n_params / 1e6:.2f}M parameters ({m.num_layers} layers, hidden {m.hidden_size}, "
@@ -105,7 +108,9 @@ def _run(config: Config, ctx) -> TrainState:
         f"{config.data.seq_length} tokens = {trainer.plan.num_micro_batches} micro-batch(es) of "
         f"{t.micro_batch_size} per rank; peak {peak / 1e12:.3f} TFLOP/s/device ({peak_source})")
     if resume is not None:
-        say(f"resumed from {resume.path} at step {resume.iteration}")
+        how = "its weights only (--finetune)" if c.finetune else f"step {resume.iteration}" + (
+            ", fresh optimizer state (--no-load-optim)" if c.no_load_optim else "")
+        say(f"loaded {resume.path}: {how}")
 
     with writer:
         state = trainer.fit()
