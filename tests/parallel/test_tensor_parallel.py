@@ -226,3 +226,54 @@ def test_tensor_parallel_resume_is_exact_and_reshards_weights(tmp_path):
     # the weights load at TP 1: from step 10 with a fresh optimizer, or from step 0 as a fine-tuning start
     assert len(train_curve(str(tmp_path / "d"), dict(train_iters=12, load=save, no_load_optim=True))) == 2
     assert len(train_curve(str(tmp_path / "e"), dict(train_iters=3, load=save, finetune=True))) == 3
+
+
+def test_tensor_and_data_parallel_together_equal_single_device(tmp_path):
+    common = dict(FLAVOURS["llama"], model_name=None, num_query_groups=1, train_iters=10, micro_batch_size=2,
+                  global_batch_size=8, seq_length=16)  # one key/value head, replicated on both TP ranks
+    reference = train_curve(str(tmp_path / "single"), common)
+    per_rank = run_ranks(train_curve, 4, str(tmp_path / "tp2dp2"),
+                         dict(common, tensor_model_parallel_size=2, sequence_parallel=True))
+    for step, (ours, ref) in enumerate(zip(per_rank[0], reference), start=1):
+        assert abs(ours - ref) <= 1e-5 * abs(ref), f"TP 2 x DP 2, step {step}: {ours} vs {ref}"
+
+
+def test_mixed_precision_under_tensor_parallelism(tmp_path):
+    overrides = dict(train_iters=4, precision="bf16", seq_length=16, micro_batch_size=4)
+    single = train_curve(str(tmp_path / "single"), overrides)
+    tp = run_ranks(train_curve, 2, str(tmp_path / "tp"), dict(overrides, tensor_model_parallel_size=2,
+                                                              sequence_parallel=True))[0]
+    assert tp == pytest.approx(single, rel=2e-2)  # bf16 rounding differs with the split, not the result
+
+
+def fp16_overflow_on_one_rank(world: int) -> dict:
+    """An overflow in rank 0's shard only must skip the step and back the scale off on every rank."""
+    from paratron.config import build_config
+    from paratron.model.gpt import GPT
+    from paratron.optim.build import build_optimizer
+    from paratron.parallel.parallelize import parallelize
+    from paratron.training.step import Precision, train_step
+
+    dist, topology = _init(world)
+    config = build_config(dict(GPT_FLAVOUR, tensor_model_parallel_size=world, mock_data=True, seq_length=16))
+    with torch.device("meta"):
+        meta = GPT(config.model)
+    model = parallelize(meta, config, topology, torch.device("cpu"))
+    optimizer = build_optimizer(model, config.optimizer)
+    precision = Precision("fp16", torch.device("cpu"), model.tp_group)
+    weight = model.module.layers[0].mlp.in_proj.up.weight
+    if topology.rank == 0:
+        weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    before = model.module.final_norm.weight.detach().clone()
+    ids = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(0))
+    result = train_step(model, optimizer, [(ids[:, :-1], ids[:, 1:])], precision, clip_grad=1.0)
+    report = {"skipped": result.skipped, "scale": precision.scaler.get_scale(),
+              "unchanged": torch.equal(before, model.module.final_norm.weight.detach())}
+    dist.destroy_process_group()
+    return report
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_all():
+    reports = run_ranks(fp16_overflow_on_one_rank, 2, 2)
+    assert all(r["skipped"] and r["unchanged"] for r in reports), reports
+    assert reports[0]["scale"] == reports[1]["scale"] == 32768.0  # backed off from 65536 everywhere

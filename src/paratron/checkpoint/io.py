@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from paratron.config.loading import config_from_dict, config_to_dict
 from paratron.config.schema import Config
 from paratron.errors import CheckpointError, UserError
-from paratron.parallel.sharding import full_shape, gather_full, take_slice
+from paratron.parallel.sharding import full_shape, gather_full, shard_of
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -59,10 +60,16 @@ def _write_text_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def full_state(model: nn.Module, tp_group: Any = None) -> dict[str, torch.Tensor]:
-    """Every parameter once (a tied output weight appears as the embedding), whole: tensor-parallel
-    slices are gathered from the other ranks (collective over `tp_group`)."""
-    return {name: gather_full(param, tp_group) for name, param in model.named_parameters()}
+def full_state(model: nn.Module, tp_group: Any = None, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Every parameter once (a tied output weight appears as the embedding), whole and on the CPU:
+    tensor-parallel slices are gathered from the other ranks one tensor at a time (collective over
+    `tp_group`; ranks with keep=False take part and keep nothing)."""
+    out = {}
+    for name, param in model.named_parameters():
+        full = gather_full(param, tp_group)
+        if keep:
+            out[name] = full.cpu()
+    return out
 
 
 def rank_state_file(tp_rank: int) -> str:
@@ -81,7 +88,7 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
     training_state_tp{tp_rank}.pt. The writer rank assembles the folder and publishes it."""
     final = root / f"iter_{iteration:07d}"
     tmp = root / f".tmp-{final.name}"
-    state_tensors = full_state(model, tp_group)
+    state_tensors = full_state(model, tp_group, keep=writer)
     if writer:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -93,8 +100,8 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
         partial.replace(tmp / rank_state_file(tp_rank))
     _barrier()
     if writer:
-        tensors = {name: t.contiguous().cpu() for name, t in state_tensors.items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file({name: t.contiguous() for name, t in state_tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
@@ -135,8 +142,8 @@ def resolve_checkpoint(path: Path) -> Path:
     return folder
 
 
-def read_checkpoint(path: Path) -> CheckpointInfo:
-    """Locate and verify a checkpoint (checksums of every file) without loading tensors."""
+def read_checkpoint(path: Path, verify: bool = True) -> CheckpointInfo:
+    """Locate a checkpoint and (unless verify=False) check every file's checksum; loads no tensors."""
     folder = resolve_checkpoint(path)
     try:
         meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
@@ -147,7 +154,7 @@ def read_checkpoint(path: Path) -> CheckpointInfo:
         file = folder / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing; the checkpoint is incomplete")
-        if _sha256(file) != digest:
+        if verify and _sha256(file) != digest:
             raise CheckpointError(f"{file}: checksum mismatch; the file is corrupted")
     try:
         config = config_from_dict(meta["config"])
@@ -157,24 +164,38 @@ def read_checkpoint(path: Path) -> CheckpointInfo:
 
 
 def load_model_weights(info: CheckpointInfo, model: nn.Module) -> None:
-    """Copy the checkpoint's (whole) weights into `model`, each rank taking its slice; refuses a
-    checkpoint of another shape."""
-    device = next(model.parameters()).device
-    tensors = load_file(str(info.path / "model.safetensors"), device=str(device))
+    """Copy the checkpoint's weights into `model`, each rank reading only its slice of each tensor
+    from the file; refuses a checkpoint of another shape."""
     expected = dict(model.named_parameters())
-    for name, param in expected.items():
-        if name not in tensors:
-            raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
-        if tuple(tensors[name].shape) != full_shape(param):
-            raise CheckpointError(f"{info.path}: {name} has shape {list(tensors[name].shape)} there but "
-                                  f"{list(full_shape(param))} in this model; use the same model settings")
-    extra = set(tensors) - set(expected)
-    if extra:
-        raise CheckpointError(f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); "
-                              "it belongs to a different model")
-    with torch.no_grad():
+    with safe_open(str(info.path / "model.safetensors"), framework="pt", device="cpu") as f:
+        stored = set(f.keys())
         for name, param in expected.items():
-            param.copy_(take_slice(tensors[name], param))
+            if name not in stored:
+                raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
+            shape = tuple(f.get_slice(name).get_shape())
+            if shape != full_shape(param):
+                raise CheckpointError(f"{info.path}: {name} has shape {list(shape)} there but "
+                                      f"{list(full_shape(param))} in this model; use the same model settings")
+        extra = stored - set(expected)
+        if extra:
+            raise CheckpointError(f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); "
+                                  "it belongs to a different model")
+        with torch.no_grad():
+            for name, param in expected.items():
+                param.copy_(_read_slice(f, name, param))
+
+
+def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of tensor `name` (padding zeroed), read without loading the rest."""
+    shard = shard_of(param)
+    if shard is None:
+        return f.get_tensor(name)
+    local = torch.zeros(param.shape, dtype=param.dtype)
+    if shard.length:
+        index = [slice(None)] * param.dim()
+        index[shard.dim] = slice(shard.start, shard.start + shard.length)
+        local.narrow(shard.dim, 0, shard.length).copy_(f.get_slice(name)[tuple(index)])
+    return local
 
 
 def load_training_state(info: CheckpointInfo, tp_rank: int, tp_size: int) -> dict[str, Any]:

@@ -44,16 +44,17 @@ def all_reduce(x: torch.Tensor, group: Any, async_op: bool = False, op: Any = di
     return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
-def all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim`."""
+def all_gather(x: torch.Tensor, dim: int, group: Any, async_op: bool = False) -> Any:
+    """Concatenate every rank's `x` along `dim`; with async_op, (output, work)."""
     size = group_size(group)
     if size == 1:
-        return x
+        return (x, None) if async_op else x
     COUNTS["all_gather"] += 1
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.size(0), *moved.shape[1:]))
-    dist.all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    work = dist.all_gather_single(out, moved, group=group, async_op=async_op)
+    result = out.movedim(0, dim)
+    return (result, work) if async_op else result
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: Any, async_op: bool = False) -> Any:

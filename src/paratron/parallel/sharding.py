@@ -16,7 +16,7 @@ every layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -36,8 +36,10 @@ class Shard:
     duplicates: int = 1
 
 
-def set_shard(param: torch.Tensor, shard: Shard) -> None:
-    param.shard = shard  # type: ignore[attr-defined]
+def set_shard(param: torch.Tensor, layout: Sequence[Shard], rank: int) -> None:
+    """Tag `param` with every tensor-parallel rank's slice (`layout`) and its own."""
+    param.shard_layout = tuple(layout)  # type: ignore[attr-defined]
+    param.shard = layout[rank]  # type: ignore[attr-defined]
 
 
 def shard_of(param: torch.Tensor) -> Shard | None:
@@ -73,12 +75,9 @@ def gather_full(param: torch.Tensor, group: Any, tensor: torch.Tensor | None = N
         return tensor
     size = comm.group_size(group)
     pieces = [torch.empty_like(tensor) for _ in range(size)]
-    shards: list[Shard | None] = [None] * size
     torch.distributed.all_gather(pieces, tensor.contiguous(), group=group)
-    torch.distributed.all_gather_object(shards, shard, group=group)
     full = tensor.new_empty(full_shape(param))
-    for piece, s in zip(pieces, shards):
-        assert s is not None
+    for piece, s in zip(pieces, param.shard_layout):  # type: ignore[attr-defined]
         if s.length:
             full.narrow(s.dim, s.start, s.length).copy_(piece.narrow(s.dim, 0, s.length))
     return full

@@ -54,7 +54,7 @@ class Trainer:
         t = self.config.training
         self.plan = BatchPlan(self.global_batch_size, t.micro_batch_size, self.topology.size("dp"),
                               self.topology.dp_rank)
-        self.precision = Precision(t.precision, self.ctx.device)
+        self.precision = Precision(t.precision, self.ctx.device, self.model.tp_group)
 
     @property
     def global_batch_size(self) -> int:

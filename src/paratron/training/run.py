@@ -17,7 +17,6 @@ from paratron.checkpoint.io import (
     load_model_weights,
     load_training_state,
     read_checkpoint,
-    resolve_checkpoint,
 )
 from paratron.config.schema import Config
 from paratron.data.blending import parse_blend
@@ -28,6 +27,7 @@ from paratron.distributed.init import initialize, seed_everything, shutdown
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.inference.generate import generate
 from paratron.data.tokenizer import Tokenizer
+from paratron.errors import CheckpointError
 from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
 from paratron.parallel.data import unwrap
@@ -51,8 +51,14 @@ def check_inputs(config: Config) -> None:
                 IndexedDataset(path)  # reads and checks the index
             else:
                 input_files([path], flag)
-    if config.checkpoint.load:
-        resolve_checkpoint(Path(config.checkpoint.load))
+    c = config.checkpoint
+    if c.load:
+        saved = read_checkpoint(Path(c.load), verify=False).config.parallel.tensor_model_parallel_size
+        now = config.parallel.tensor_model_parallel_size
+        if saved != now and not (c.finetune or c.no_load_optim):
+            raise CheckpointError(f"--load {c.load}: saved at tensor-parallel size {saved}, and its optimizer "
+                                  f"state resumes only at that size; use --tensor-model-parallel-size {saved}, or "
+                                  f"--no-load-optim or --finetune to start from its weights at TP {now}")
 
 
 def run_training(config: Config) -> TrainState:
@@ -119,7 +125,7 @@ def _run(config: Config, ctx) -> TrainState:
         title = f"{n_params / 1e6:.2f}M-parameter model on {source}; {topology.describe()}"
         _report(config, state, run_dir, time.perf_counter() - started, title, say)
     if config.logging.sample_prompt and isinstance(data.tokenizer, Tokenizer):
-        weights = full_state(unwrap(model), model.tp_group)  # collective: every rank takes part
+        weights = full_state(unwrap(model), model.tp_group, keep=ctx.is_main)  # collective: all take part
         if ctx.is_main:
             single = build_model(config.model, ctx.device, seed=t.seed)
             single.load_state_dict(weights, strict=False)  # strict=False: the tied output weight

@@ -9,18 +9,25 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from paratron.distributed import comm
 
 from paratron.optim.build import clip_grad_norm
 from paratron.parallel.data import DataParallel
 
 
 class Precision:
-    """Autocast for bf16/fp16 compute over fp32 weights; dynamic loss scaling for fp16."""
+    """Autocast for bf16/fp16 compute over fp32 weights; dynamic loss scaling for fp16.
 
-    def __init__(self, precision: str, device: torch.device) -> None:
-        self.device = device
+    `group` is the model-parallel group: an overflow in any rank's part of the gradients
+    must skip the step (and back the scale off) on all of them."""
+
+    def __init__(self, precision: str, device: torch.device, group: Any = None) -> None:
+        self.device, self.group = device, group
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
@@ -35,6 +42,9 @@ class Precision:
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+            # GradScaler checks only this rank's gradients; agree on the verdict across the group.
+            for found_inf in self.scaler._found_inf_per_device(optimizer).values():
+                comm.all_reduce(found_inf, self.group, op=dist.ReduceOp.MAX)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Apply the update; False when fp16 gradients overflowed and the step was skipped."""

@@ -16,7 +16,7 @@ Parameters keep the names of the layers they replace and carry a `Shard` tag (se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,18 +47,21 @@ class _ColumnParallelMatmuls(torch.autograd.Function):
     """y_i = x W_i^T + b_i for this rank's rows of one or more weights sharing the input x
     (queries, keys and values; gate and up). x is replicated, or sequence-sharded and gathered
     here. In backward, one all-reduce (or reduce-scatter) of the summed input gradient is
-    launched asynchronously and overlaps the weight-gradient matmuls."""
+    launched asynchronously and overlaps the weight-gradient matmuls. Under sequence
+    parallelism only the local shard of x is kept for backward, where it is gathered again
+    while the input gradient is computed (Megatron-LM's trade of one all-gather for 1/TP of
+    the activation memory)."""
 
     @staticmethod
     def forward(ctx, x, group, sequence_parallel, *weights_and_biases):
         dtype = _compute_dtype(x)
-        total = comm.all_gather(x, 1, group) if sequence_parallel else x
-        total = total.to(dtype)
+        local = x.to(dtype)
+        total = comm.all_gather(local, 1, group) if sequence_parallel else local
         weights = [w.to(dtype) for w in weights_and_biases[0::2]]
         biases = [b.to(dtype) if b is not None else None for b in weights_and_biases[1::2]]
         with torch.autocast(x.device.type, enabled=False):
             outputs = tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
-        ctx.save_for_backward(total, *weights)
+        ctx.save_for_backward(local, *weights)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.has_bias = [b is not None for b in biases]
         ctx.input_dtype = x.dtype
@@ -67,10 +70,15 @@ class _ColumnParallelMatmuls(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        total, *weights = ctx.saved_tensors
-        grads = [torch.zeros(total.shape[:-1] + (w.size(0),), dtype=total.dtype, device=total.device)
-                 if g is None else g.contiguous() for g, w in zip(grad_outputs, weights)]
+        local, *weights = ctx.saved_tensors
+        total, gather = comm.all_gather(local, 1, ctx.group, async_op=True) if ctx.sequence_parallel \
+            else (local, None)
+        reference = next(g for g in grad_outputs if g is not None)
+        grads = [torch.zeros_like(reference[..., :1]).expand(*reference.shape[:-1], w.size(0)) if g is None
+                 else g.contiguous() for g, w in zip(grad_outputs, weights)]
         grad_input = sum(g.matmul(w) for g, w in zip(grads, weights))
+        if gather is not None:
+            gather.wait()
         if ctx.sequence_parallel:
             grad_input, work = comm.reduce_scatter(grad_input, 1, ctx.group, async_op=True)
         else:
@@ -98,22 +106,28 @@ def _column_shard(out_features: int, tp: TPContext, rows_per_unit: int, units: i
     return Shard(0, (tp.rank // replicas) * rows_per_unit, rows_per_unit, out_features, duplicates=replicas)
 
 
+def _layout(tp: TPContext, shard_of_rank: Callable[[TPContext], Shard]) -> tuple[Shard, ...]:
+    """Every tensor-parallel rank's slice, computed alike on every rank."""
+    return tuple(shard_of_rank(TPContext(tp.size, rank)) for rank in range(tp.size))
+
+
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, rows: int, bias: bool, tp: TPContext, shard: Shard,
+    def __init__(self, in_features: int, rows: int, bias: bool, tp: TPContext, layout: tuple[Shard, ...],
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(rows, in_features, device=device))
         self.bias = nn.Parameter(torch.empty(rows, device=device)) if bias else None
-        set_shard(self.weight, shard)
+        set_shard(self.weight, layout, tp.rank)
         if self.bias is not None:
-            set_shard(self.bias, Shard(0, shard.start, shard.length, shard.full_size, shard.duplicates))
+            set_shard(self.bias, layout, tp.rank)  # dimension 0 of both
 
     @classmethod
     def split(cls, linear: nn.Linear, tp: TPContext, rows_per_unit: int = 1, units: int | None = None
               ) -> "ColumnParallelLinear":
-        shard = _column_shard(linear.out_features, tp, rows_per_unit, units)
-        return cls(linear.in_features, shard.length, linear.bias is not None, tp, shard, linear.weight.device)
+        layout = _layout(tp, lambda t: _column_shard(linear.out_features, t, rows_per_unit, units))
+        return cls(linear.in_features, layout[tp.rank].length, linear.bias is not None, tp, layout,
+                   linear.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.group is None:
@@ -147,7 +161,8 @@ class RowParallelLinear(nn.Module):
         device = linear.weight.device
         self.weight = nn.Parameter(torch.empty(linear.out_features, per_rank, device=device))
         self.bias = nn.Parameter(torch.empty(linear.out_features, device=device)) if linear.bias is not None else None
-        set_shard(self.weight, Shard(1, tp.rank * per_rank, per_rank, linear.in_features))
+        set_shard(self.weight, _layout(tp, lambda t: Shard(1, t.rank * per_rank, per_rank, linear.in_features)),
+                  tp.rank)
         if self.bias is not None and tp.sequence_parallel:
             set_partial_grad(self.bias, tp.group)  # added on a sequence shard: each rank sees part
 
@@ -179,11 +194,10 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = embedding.num_embeddings
-        shard = vocab_shard(self.vocab_size, tp, divisible_by)
         self.rows = padded_vocab_size(self.vocab_size, tp.size, divisible_by) // tp.size
         self.start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, embedding.embedding_dim, device=embedding.weight.device))
-        set_shard(self.weight, shard)
+        set_shard(self.weight, _layout(tp, lambda t: vocab_shard(self.vocab_size, t, divisible_by)), tp.rank)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.start + self.rows)
@@ -199,10 +213,10 @@ class VocabParallelOutput(ColumnParallelLinear):
     real vocabulary) are -inf, so they are never predicted and get no gradient."""
 
     def __init__(self, output: nn.Linear, tp: TPContext, divisible_by: int) -> None:
-        shard = vocab_shard(output.out_features, tp, divisible_by)
+        layout = _layout(tp, lambda t: vocab_shard(output.out_features, t, divisible_by))
         rows = padded_vocab_size(output.out_features, tp.size, divisible_by) // tp.size
-        super().__init__(output.in_features, rows, False, tp, shard, output.weight.device)
-        self.valid_rows = shard.length
+        super().__init__(output.in_features, rows, False, tp, layout, output.weight.device)
+        self.valid_rows = layout[tp.rank].length
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
