@@ -26,7 +26,7 @@ from paratron.config import build_config
 from paratron.data.build import build_data
 from paratron.distributed.init import initialize
 from paratron.distributed.topology import ParallelDims, Topology
-from paratron.model.gpt import build_model
+from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer, parameter_groups
 from paratron.optim.lr_schedule import learning_rate
 from paratron.parallel.parallelize import parallelize
@@ -37,7 +37,9 @@ from paratron.training.metrics import MetricsWriter
 
 def paratron_round(config, ctx, warmup: int, steps: int) -> float:
     topology = Topology(ParallelDims(1))
-    model = parallelize(build_model(config.model, ctx.device, seed=config.training.seed), config, topology)
+    with torch.device("meta"):
+        meta = GPT(config.model)
+    model = parallelize(meta, config, topology, ctx.device)
     optimizer = build_optimizer(model, config.optimizer)
     data = build_data(config, config.training.micro_batch_size)
     trainer = Trainer(config, ctx, topology, model, optimizer, data, MetricsWriter.disabled(),
