@@ -34,8 +34,7 @@ RENAMES: dict[str, str] = {
 UNSUPPORTED: frozenset[str] = frozenset(
     """
     context-parallel-size expert-model-parallel-size num-experts
-    num-layers-per-virtual-pipeline-stage virtual-pipeline-model-parallel-size
-    pipeline-model-parallel-split-rank decoder-first-pipeline-num-layers decoder-last-pipeline-num-layers
+    pipeline-model-parallel-split-rank
     use-distributed-optimizer overlap-grad-reduce overlap-param-gather ddp-bucket-size
     accumulate-allreduce-grads-in-fp32 recompute-granularity recompute-method recompute-num-layers
     recompute-activations distribute-saved-activations loss-scale initial-loss-scale min-loss-scale

@@ -88,7 +88,25 @@ class ParallelConfig:
     """Tensor-parallel degree: ranks that split each layer's matrices."""
 
     pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel degree: stages the layers are cut into."""
+    """Pipeline-parallel degree: ranks the layers are cut across."""
+
+    pipeline_schedule: Optional[Literal["1f1b", "gpipe", "interleaved", "zb-h1"]] = None
+    """Pipeline schedule: 1f1b (the default), gpipe (all forwards, then all backwards), interleaved (1F1B over virtual stages; the default when they are set) or zb-h1 (zero-bubble: weight gradients deferred into the bubble)."""
+
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per virtual stage: each pipeline rank runs several non-adjacent chunks of this many layers (interleaved schedule)."""
+
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks (virtual stages) per pipeline rank; an alternative to --num-layers-per-virtual-pipeline-stage."""
+
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Layers on the first pipeline stage (it also holds the embeddings); the others share the rest evenly."""
+
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Layers on the last pipeline stage (it also holds the output layer and loss); the others share the rest evenly."""
+
+    variable_seq_lengths: bool = False
+    """Send each pipeline message's shape ahead of it, for micro-batches whose sequence length varies."""
 
     sequence_parallel: bool = False
     """Split activations along the sequence between tensor-parallel layers (norms and dropout run on shards; needs TP > 1)."""
@@ -260,6 +278,9 @@ class LoggingConfig:
 
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for MFU (default: a table for known GPUs, a quick matmul probe on CPU)."""
+
+    profile_pipeline: bool = False
+    """Time every pipeline operation of the last step: per-rank Chrome traces (Perfetto) and a PNG timeline in the run directory."""
 
     sample_prompt: Optional[str] = None
     """After training, print a continuation of this prompt."""

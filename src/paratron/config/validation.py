@@ -9,6 +9,7 @@ from pathlib import Path
 
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
+from paratron.parallel.pipeline.stage import plan_pipeline
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
@@ -58,6 +59,10 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
         (m.init_method_std, "--init-method-std"), (m.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by"),
         (p.nproc_per_node, "--nproc"), (p.tensor_model_parallel_size, "--tensor-model-parallel-size"),
         (p.pipeline_model_parallel_size, "--pipeline-model-parallel-size"),
+        (p.num_layers_per_virtual_pipeline_stage, "--num-layers-per-virtual-pipeline-stage"),
+        (p.virtual_pipeline_model_parallel_size, "--virtual-pipeline-model-parallel-size"),
+        (p.decoder_first_pipeline_num_layers, "--decoder-first-pipeline-num-layers"),
+        (p.decoder_last_pipeline_num_layers, "--decoder-last-pipeline-num-layers"),
         (d.seq_length, "--seq-length"), (t.micro_batch_size, "--micro-batch-size"),
         (t.global_batch_size, "--global-batch-size"), (t.train_iters, "--train-iters"),
         (t.eval_interval, "--eval-interval"), (lg.log_interval, "--log-interval"),
@@ -111,15 +116,11 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
     if p.sequence_parallel and d.seq_length % tp:
         raise ConfigError(f"--seq-length {d.seq_length} is not divisible by --tensor-model-parallel-size {tp}, "
                           "which --sequence-parallel needs; choose a multiple")
-    if m.num_layers % pp:
-        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-                          "choose a pipeline size that divides the layer count")
     dp = data_parallel_size(config, world_size)
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                           f"{t.micro_batch_size} x data-parallel size {dp}; use a multiple of {t.micro_batch_size * dp}")
-    if pp > 1:
-        raise ConfigError("--pipeline-model-parallel-size above 1 is not supported yet; use 1")
+    plan_pipeline(config, dp)
 
     # Schedule.
     decay_iters = s.lr_decay_iters or t.train_iters

@@ -75,6 +75,12 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (for honest timings); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

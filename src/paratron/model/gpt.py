@@ -219,21 +219,40 @@ class GPT(nn.Module):
             self.output.weight = self.embedding.weight
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        T = input_ids.size(1)
         start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + T, device=input_ids.device)
-        x = self.embedding(input_ids)
-        rotary = None
-        if self.position_embedding is not None:
-            x = x + self.position_embedding(positions)
-        else:
-            head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
-            rotary = rotary_cos_sin(positions, head_dim, self.config.rotary_base)
-        x = self.embedding_dropout(x)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rotary, cache.layers[i] if cache is not None else None, start)
+        x = self.embed(input_ids, start)
+        rotary = self.rotary_tables(input_ids.size(1), start, input_ids.device)
+        x = self.run_layers(x, range(len(self.layers)), rotary, cache, start)
         if cache is not None:
-            cache.length += T
+            cache.length += input_ids.size(1)
+        return self.head(x)
+
+    # The pieces of forward, in order; a pipeline stage runs some of them on its own layers.
+
+    def embed(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token (+ learned position) embeddings of positions start, start + 1, ..."""
+        x = self.embedding(input_ids)
+        if self.position_embedding is not None:
+            positions = torch.arange(start, start + input_ids.size(1), device=input_ids.device)
+            x = x + self.position_embedding(positions)
+        return self.embedding_dropout(x)
+
+    def rotary_tables(self, length: int, start: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary cos/sin tables for `length` positions from `start` (None with learned positions)."""
+        if self.config.position_embedding_type != "rope":
+            return None
+        head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
+        return rotary_cos_sin(torch.arange(start, start + length, device=device), head_dim, self.config.rotary_base)
+
+    def run_layers(self, x: torch.Tensor, indices: range, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        """Blocks `indices` (a contiguous range of layer numbers) applied in order."""
+        for i in indices:
+            x = self.layers[i](x, rotary, cache.layers[i] if cache is not None else None, start)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output layer: logits."""
         return self.output(self.final_norm(x))
 
 

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from paratron.distributed import comm
-from paratron.parallel.sharding import grad_norm_weight
 
 from paratron.config.schema import OptimizerConfig
 
@@ -34,22 +33,23 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_group: Any = None,
-                   tp_size: int = 1) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any = None,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
     """Global L2 norm of the gradients of the whole model; scales them down to `max_norm` when
     larger (max_norm 0: measure only). Returns the norm before clipping.
 
-    With tensor parallelism the squared norms of the ranks' parts are summed over the TP group,
-    each tensor weighted so that one held by several ranks counts once."""
-    params = [p for p in params if p.grad is not None]
+    When the model is split over a model-parallel `group` (tensor x pipeline ranks), the
+    squared norms of the ranks' gradients are summed over it, each tensor scaled by its entry
+    of `weights` (one per parameter, see `sharding.grad_norm_weight`) so that a tensor held by
+    several ranks counts once."""
+    params = list(params)
     grads = [p.grad for p in params]
-    if tp_size == 1:
+    if weights is None:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     else:
         norms = torch.stack(torch._foreach_norm(grads))
-        weights = torch.tensor([grad_norm_weight(p, tp_size) for p in params], device=norms.device)
         squared = (weights * norms.float().pow(2)).sum()
-        comm.all_reduce(squared, tp_group)
+        comm.all_reduce(squared, group)
         norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)

@@ -19,26 +19,36 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from paratron.distributed import comm
 from paratron.model.loss import language_model_loss
+from paratron.parallel.sharding import grad_norm_weight
 
 
 class DataParallel(nn.Module):
     """Wraps this rank's model part; `finish_grad_sync()` completes and averages its gradients.
 
     It also carries what the training step needs to know about the layout: the loss
-    function (vocabulary-parallel under tensor parallelism), the tensor-parallel group for
-    gradient norms, and the random streams of tensor-parallel regions."""
+    function (vocabulary-parallel under tensor parallelism), the model-parallel group (tensor x
+    pipeline) over which gradient norms and overflow checks are summed, the random streams of
+    tensor-parallel regions, and the pipeline runtime when the model is cut into stages."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, size: int,
                  loss_function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = language_model_loss,
-                 tp_group: Any = None, tp_size: int = 1, rng_states: Any = None) -> None:
+                 tp_group: Any = None, tp_size: int = 1, rng_states: Any = None, model_group: Any = None,
+                 pipeline: Any = None) -> None:
         super().__init__()
         self.module = module
         self.group, self.size = group, size
         self.loss_function = loss_function
         self.tp_group, self.tp_size = tp_group, tp_size
+        self.model_group = model_group if model_group is not None else tp_group
         self.rng_states = rng_states  # named generators of tensor-parallel regions (checkpointed)
+        self.pipeline = pipeline  # parallel/pipeline/runtime.PipelineRuntime, or None
         params = [p for p in module.parameters() if p.requires_grad]
         self._params = params  # a plain list: not registered twice
+        # Each gradient's weight in a norm summed over the model-parallel group (see clip_grad_norm).
+        self.grad_norm_weights = None
+        if comm.group_size(self.model_group) > 1:
+            self.grad_norm_weights = torch.tensor([grad_norm_weight(p, tp_size) for p in params],
+                                                  device=params[0].device)
         total = sum(p.numel() for p in params)
         self.grad_buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         offset = 0
@@ -51,6 +61,11 @@ class DataParallel(nn.Module):
             if group_of_p is not None:
                 partial.setdefault(id(group_of_p), (group_of_p, []))[1].append(p)
         self._partial = list(partial.values())
+
+    @property
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """The parameters with gradients, in buffer order (that of `grad_norm_weights`)."""
+        return self._params
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

@@ -1,7 +1,7 @@
 """The one ordered transform from a plain model on the meta device to this rank's parallel model.
 
 Order (as in torchtitan): tensor/sequence parallelism -> (activation recomputation) ->
-(pipeline stage split) -> weights materialized and initialized -> data parallelism.
+pipeline stage split -> weights materialized and initialized -> data parallelism.
 Weights are created only after the layout is known, each rank initializing just its slice
 of every single-device tensor, from the seed and the tensor's name: every layout starts
 from the same model.
@@ -18,7 +18,13 @@ from paratron.config.schema import Config
 from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSET, RNGStates
 from paratron.distributed.topology import Topology
 from paratron.model.gpt import GPT, init_parameter
+from paratron.distributed.init import synchronize
 from paratron.parallel.data import DataParallel
+from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
+from paratron.parallel.pipeline.runtime import PipelineRuntime
+from paratron.parallel.pipeline.schedules import build_schedule
+from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stage, plan_pipeline, stage_ranges
+from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
 from paratron.parallel.sharding import full_shape, shard_of, take_slice
 from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
@@ -40,8 +46,32 @@ def parallelize(model: GPT, config: Config, topology: Topology, device: torch.de
         apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
         vocab_start = shard_of(model.output.weight).start
         loss_function = partial(_vocab_parallel_loss, vocab_start=vocab_start, group=tp.group)
+    pipeline = None
+    if topology.size("pp") > 1:
+        pipeline = _split_pipeline(model, config, topology, device, loss_function)
     materialize(model, device, seed)
-    return DataParallel(model, topology.group("dp"), topology.size("dp"), loss_function, tp.group, tp.size, rng)
+    return DataParallel(model, topology.group("dp"), topology.size("dp"), loss_function, tp.group, tp.size, rng,
+                        model_group=topology.group("model"), pipeline=pipeline)
+
+
+def _split_pipeline(model: GPT, config: Config, topology: Topology, device: torch.device,
+                    loss_function) -> PipelineRuntime:
+    """Keep this rank's stages of `model` (still on meta) and build the runtime that runs them."""
+    plan = plan_pipeline(config, topology.size("dp"))
+    pp = topology.size("pp")
+    layout = StageLayout(pp, plan.chunks, topology.local_rank("pp"), stage_ranges(plan.counts))
+    keep_stage(model, layout, topology.group("embedding"))
+    schedule = build_schedule(plan.schedule, pp, plan.microbatches, plan.chunks)
+    store = None
+    if schedule.split_backward:
+        store = WeightGradStore()
+        defer_weight_gradients([model.layers[i] for i in sorted(layout.my_layers())], store)
+    # gradients travel in a group of their own, so each kind keeps its order between two ranks
+    groups = {ACTIVATION: topology.group("pp"), GRADIENT: topology.create_subgroups("pp", pp)}
+    comm = StageComm(groups, next(model.parameters()).dtype, device, config.parallel.variable_seq_lengths)
+    divisor = topology.size("tp") if config.parallel.sequence_parallel else 1
+    return PipelineRuntime(StageRunner(model, layout), schedule, comm, topology.ranks("pp"), loss_function,
+                           config.model.hidden_size, divisor, store, synchronize=partial(synchronize, device))
 
 
 def _allocate(model: nn.Module, device: torch.device | str) -> None:

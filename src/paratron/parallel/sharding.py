@@ -84,11 +84,18 @@ def gather_full(param: torch.Tensor, group: Any, tensor: torch.Tensor | None = N
 
 
 def set_partial_grad(param: torch.Tensor, group: Any) -> None:
+    existing = getattr(param, "partial_grad_group", None)
+    if existing is not None and existing is not group:
+        raise ValueError("a parameter's gradient can be completed over one group only")
     param.partial_grad_group = group  # type: ignore[attr-defined]
 
 
 def grad_norm_weight(param: torch.Tensor, tp_size: int) -> float:
-    """Weight of this parameter's squared gradient norm in a sum over tensor-parallel ranks,
-    so that a tensor held by several ranks counts once."""
+    """Weight of this parameter's squared gradient norm in a sum over the model-parallel ranks
+    (tensor x pipeline), so that a tensor held by several ranks counts once: replicas over the
+    tensor-parallel group share the weight, and the last pipeline stage's copy of a tied
+    embedding (`pipeline_duplicate`) counts zero."""
+    if getattr(param, "pipeline_duplicate", False):
+        return 0.0
     shard = shard_of(param)
     return 1.0 / (shard.duplicates if shard is not None else tp_size)

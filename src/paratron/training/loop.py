@@ -54,7 +54,7 @@ class Trainer:
         t = self.config.training
         self.plan = BatchPlan(self.global_batch_size, t.micro_batch_size, self.topology.size("dp"),
                               self.topology.dp_rank)
-        self.precision = Precision(t.precision, self.ctx.device, self.model.tp_group)
+        self.precision = Precision(t.precision, self.ctx.device, self.model.model_group)
 
     @property
     def global_batch_size(self) -> int:
@@ -62,7 +62,11 @@ class Trainer:
         return t.global_batch_size or t.micro_batch_size * self.topology.size("dp")
 
     def _dp_mean(self, value: torch.Tensor) -> float:
-        """Average a per-rank scalar over data-parallel ranks (a host sync)."""
+        """Average a per-rank scalar over data-parallel ranks (a host sync). Under pipeline
+        parallelism the last stage holds the value and the others zero: summed over the stages."""
+        if self.topology.size("pp") > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.topology.group("pp"))
         if self.topology.size("dp") > 1:
             value = value.clone()
             dist.all_reduce(value, group=self.topology.group("dp"))

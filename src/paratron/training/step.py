@@ -60,7 +60,8 @@ class Precision:
 @dataclass
 class StepResult:
     loss: torch.Tensor
-    """Mean loss of this rank's micro-batches (detached; not yet averaged over ranks)."""
+    """Mean loss of this rank's micro-batches (detached; not yet averaged over ranks). Under
+    pipeline parallelism only the last stage knows it; the other stages hold zero."""
     grad_norm: torch.Tensor
     skipped: bool
 
@@ -69,29 +70,38 @@ def train_step(model: DataParallel, optimizer: torch.optim.Optimizer,
                batches: list[tuple[torch.Tensor, torch.Tensor]], precision: Precision,
                clip_grad: float) -> StepResult:
     model.zero_grad_buffer()
-    total = torch.zeros((), device=batches[0][0].device)
-    for inputs, labels in batches:
-        with precision.autocast():
-            logits = model(inputs)
-        loss = model.loss_function(logits, labels)
-        precision.backward(loss / len(batches))
-        total += loss.detach()
+    if model.pipeline is not None:
+        loss = model.pipeline.train_step(batches, precision.backward, precision.autocast)
+    else:
+        total = torch.zeros((), device=batches[0][0].device)
+        for inputs, labels in batches:
+            with precision.autocast():
+                logits = model(inputs)
+            micro_loss = model.loss_function(logits, labels)
+            precision.backward(micro_loss / len(batches))
+            total += micro_loss.detach()
+        loss = total / len(batches)
     model.finish_grad_sync()
     precision.unscale(optimizer)
-    grad_norm = clip_grad_norm(model.parameters(), clip_grad, model.tp_group, model.tp_size)
+    grad_norm = clip_grad_norm(model.trained_parameters, clip_grad, model.model_group, model.grad_norm_weights)
     stepped = precision.step(optimizer)
-    return StepResult(total / len(batches), grad_norm, skipped=not stepped)
+    return StepResult(loss, grad_norm, skipped=not stepped)
 
 
 @torch.no_grad()
 def evaluate_batches(model: DataParallel, batches: list[tuple[torch.Tensor, torch.Tensor]],
                      precision: Precision) -> torch.Tensor:
-    """Mean loss over the given micro-batches (this rank's share of the evaluation)."""
+    """Mean loss over the given micro-batches (this rank's share of the evaluation; zero on
+    pipeline stages other than the last)."""
     was_training = model.training
     model.eval()
-    total = torch.zeros((), device=batches[0][0].device)
-    for inputs, labels in batches:
-        with precision.autocast():
-            total += model.loss_function(model(inputs), labels)
+    if model.pipeline is not None:
+        mean = model.pipeline.evaluate(batches, precision.autocast)
+    else:
+        total = torch.zeros((), device=batches[0][0].device)
+        for inputs, labels in batches:
+            with precision.autocast():
+                total += model.loss_function(model(inputs), labels)
+        mean = total / len(batches)
     model.train(was_training)
-    return total / len(batches)
+    return mean

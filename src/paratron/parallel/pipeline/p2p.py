@@ -1,0 +1,81 @@
+"""Point-to-point traffic between pipeline stages: activations forward, gradients backward.
+
+Sends are posted without waiting, together with the receive the next operation needs, as
+one `batch_isend_irecv` per process group (NCCL runs a batch as one group, so two
+neighbours that each send to and receive from the other cannot block each other). A receive is waited for only when
+its tensor is needed. Activations and gradients travel in separate process groups, so the
+messages of each kind between two ranks arrive in the order they were sent, whatever the
+schedule interleaves (with two ranks and virtual stages both kinds flow both ways).
+
+Shapes are known ahead (micro-batch x sequence (shard) x hidden); with variable sequence
+lengths each message is preceded by its shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ACTIVATION, GRADIENT = "activation", "gradient"
+_HEADER = 9  # a shape message: number of dimensions (at most 8), then the sizes
+
+
+class StageComm:
+    def __init__(self, groups: dict[str, Any], dtype: torch.dtype, device: torch.device,
+                 variable_shapes: bool = False) -> None:
+        self.groups = groups  # kind -> process group over this rank's pipeline ranks
+        self.dtype, self.device = dtype, device
+        self.variable_shapes = variable_shapes
+        self._queued: list[dist.P2POp] = []
+        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, tensor: torch.Tensor, peer: int, kind: str) -> None:
+        """Queue `tensor` for `peer` (a global rank); it leaves with the next exchange."""
+        tensor = tensor.detach().contiguous()
+        if self.variable_shapes:
+            shape = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            shape[: 1 + tensor.dim()] = torch.tensor([tensor.dim(), *tensor.shape])
+            self._queued.append(dist.P2POp(dist.isend, shape, peer, self.groups[kind]))
+        self._queued.append(dist.P2POp(dist.isend, tensor, peer, self.groups[kind]))
+
+    def receive(self, shape: tuple[int, ...], peer: int, kind: str) -> torch.Tensor:
+        """Post the queued sends with this receive; wait for the receive only."""
+        if self.variable_shapes:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            self._exchange(dist.P2POp(dist.irecv, header, peer, self.groups[kind])).wait()
+            shape = tuple(int(v) for v in header[1 : 1 + int(header[0])])
+        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._exchange(dist.P2POp(dist.irecv, buffer, peer, self.groups[kind])).wait()
+        return buffer
+
+    def flush(self) -> None:
+        """Post the queued sends now (nothing to receive before the next computation)."""
+        if self._queued:
+            self._exchange(None)
+
+    def wait_sends(self) -> None:
+        """Wait until every posted send has left (end of a step)."""
+        self.flush()
+        for work, _ in self._in_flight:
+            work.wait()
+        self._in_flight.clear()
+
+    def _exchange(self, receive: dist.P2POp | None) -> dist.Work:
+        """Post the queued sends and `receive`; ops of one group go as one batch (batches cannot
+        mix groups; each group has its own communicator, so separate batches cannot block each other)."""
+        ops = self._queued + ([receive] if receive is not None else [])
+        self._queued = []
+        batches: dict[int, list[dist.P2POp]] = {}
+        for op in ops:
+            batches.setdefault(id(op.group), []).append(op)
+        last: dist.Work | None = None
+        for batch in batches.values():
+            works = dist.batch_isend_irecv(batch)
+            # keep each sent tensor alive until its send completes
+            self._in_flight += [(w, op.tensor) for w, op in zip(works, batch) if op is not receive]
+            last = works[-1]
+        self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
+        assert last is not None
+        return last

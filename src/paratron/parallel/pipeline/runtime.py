@@ -1,0 +1,158 @@
+"""Executing a pipeline schedule: this rank walks its list of operations for one step.
+
+    F(m, c)  receive the stage input (or take the tokens), run the chunk, then send the output
+             on (or compute the loss); the output's values are freed once sent, keeping only
+             its autograd graph, which is all backward needs (Megatron-LM does the same)
+    B(m, c)  receive the output gradient (or start from the loss), run backward, send the input
+             gradient back
+    W(m, c)  run the weight gradients that B deferred (zero-bubble schedules)
+
+Every micro-batch's loss is divided by the number of micro-batches, so the gradients that
+accumulate in the parameters' buffers are those of the mean loss, as without pipelining.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+from torch.autograd import Variable
+
+from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
+from paratron.parallel.pipeline.schedules import Action, Schedule
+from paratron.parallel.pipeline.stage import StageRunner
+from paratron.parallel.pipeline.zero_bubble import WeightGradStore
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Span = tuple[Action, float, float]
+
+
+class PipelineRuntime:
+    def __init__(self, runner: StageRunner, schedule: Schedule, comm: StageComm, pp_ranks: list[int],
+                 loss_function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 hidden_size: int, sequence_divisor: int = 1, store: WeightGradStore | None = None,
+                 synchronize: Callable[[], None] = lambda: None) -> None:
+        self.runner, self.schedule, self.comm = runner, schedule, comm
+        self.pp_ranks = pp_ranks  # global rank of every pipeline rank
+        self.rank = runner.layout.rank
+        self.loss_function = loss_function
+        self.hidden_size = hidden_size
+        self.sequence_divisor = sequence_divisor  # tensor-parallel size under sequence parallelism
+        self.store = store
+        self.synchronize = synchronize  # device sync, for honest operation times when profiling
+        self.record = False
+        self.spans: list[Span] = []
+        """Operation times (ms from the step's start) of the last step run with `record` set."""
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.runner.layout.holds_last
+
+    def _peer(self, chunk: int, offset: int) -> int:
+        rank, _ = self.schedule.place(self.runner.layout.stage(chunk) + offset)
+        return self.pp_ranks[rank]
+
+    def _shape(self, inputs: torch.Tensor) -> tuple[int, ...]:
+        batch, length = inputs.shape
+        return (batch, length // self.sequence_divisor, self.hidden_size)
+
+    def train_step(self, batches: list[Batch], backward: Callable[[torch.Tensor], None],
+                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+        """Run the schedule over `batches` (every rank is given all of them); gradients accumulate
+        in the parameters. Returns the mean loss on the last stage's rank, zero elsewhere.
+        `backward(loss)` starts backward from a loss (it may scale it first); forwards run
+        under `autocast()`."""
+        count = len(batches)
+        if count != self.schedule.microbatches:
+            raise ValueError(f"the schedule is for {self.schedule.microbatches} micro-batches, got {count}")
+        inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        total = torch.zeros((), device=batches[0][0].device)
+        self.spans = []
+        self.synchronize()
+        origin = time.perf_counter()
+        for action in self.schedule.ranks[self.rank]:
+            key = (action.microbatch, action.chunk)
+            tokens, labels = batches[action.microbatch]
+            first, last = self.runner.is_first(action.chunk), self.runner.is_last(action.chunk)
+            if (action.kind == "F" and first) or (action.kind == "B" and last) or action.kind == "W":
+                self.comm.flush()  # no receive to travel with: post the queued sends now
+            if action.kind == "F":
+                x = tokens if first else self.comm.receive(self._shape(tokens), self._peer(action.chunk, -1),
+                                                           ACTIVATION).requires_grad_()
+                begin = self._now(origin)
+                with autocast():
+                    out = self.runner.forward(action.chunk, x, tokens.size(1))
+                if last:
+                    loss = self.loss_function(out, labels) / count
+                    total += loss.detach()
+                    outputs[key] = loss
+                else:
+                    self.comm.send(out, self._peer(action.chunk, +1), ACTIVATION)
+                    _free_values(out)
+                    outputs[key] = out
+                inputs[key] = None if first else x
+            elif action.kind == "B":
+                out = outputs.pop(key)
+                grad = None if last else self.comm.receive(self._shape(tokens), self._peer(action.chunk, +1),
+                                                           GRADIENT)
+                begin = self._now(origin)
+                with self.store.capture(key) if self.store is not None else contextlib.nullcontext():
+                    if last:
+                        backward(out)
+                    else:
+                        _backward_through(out, grad)
+                x = inputs.pop(key)
+                if x is not None:
+                    self.comm.send(x.grad, self._peer(action.chunk, -1), GRADIENT)
+            else:
+                begin = self._now(origin)
+                assert self.store is not None, "W operations need a weight-gradient store"
+                self.store.run(key)
+            if self.record:
+                self.spans.append((action, begin, self._now(origin)))
+        self.comm.wait_sends()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch],
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+        """Forward only, in the schedule's forward order; the mean loss on the last stage's rank."""
+        total = torch.zeros((), device=batches[0][0].device)
+        for action in self.schedule.ranks[self.rank]:
+            if action.kind != "F":
+                continue
+            tokens, labels = batches[action.microbatch]
+            first, last = self.runner.is_first(action.chunk), self.runner.is_last(action.chunk)
+            if first:
+                self.comm.flush()
+            x = tokens if first else self.comm.receive(self._shape(tokens), self._peer(action.chunk, -1), ACTIVATION)
+            with autocast():
+                out = self.runner.forward(action.chunk, x, tokens.size(1))
+            if last:
+                total += self.loss_function(out, labels)
+            else:
+                self.comm.send(out, self._peer(action.chunk, +1), ACTIVATION)
+        self.comm.wait_sends()
+        return total / len(batches)
+
+    def _now(self, origin: float) -> float:
+        if self.record:
+            self.synchronize()
+        return (time.perf_counter() - origin) * 1e3
+
+
+def _free_values(output: torch.Tensor) -> None:
+    """Drop an output's values once sent; its graph (all that backward needs) stays."""
+    if output.grad_fn is not None and output._base is None:
+        output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
+
+
+def _backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from an output whose values were freed: the engine is called directly, since
+    `Tensor.backward` would compare the gradient's shape with the emptied tensor's."""
+    Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+        (output,), (grad,), keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
+        accumulate_grad=True)

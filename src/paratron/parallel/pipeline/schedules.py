@@ -1,0 +1,275 @@
+"""Pipeline schedules as data: for every pipeline rank, the ordered list of operations it runs.
+
+A schedule is generated first and executed afterwards (`runtime.py`), so it can be printed,
+checked for deadlocks, simulated and drawn (`paratron schedule`) without any process.
+
+Operations, per micro-batch `m` and model chunk `c` of this rank:
+
+    F(m, c)   forward of chunk c on micro-batch m
+    B(m, c)   backward; the whole backward, or only the input gradients when the schedule
+              splits the weight gradients out (zero-bubble schedules)
+    W(m, c)   the weight gradients of B(m, c), deferred to fill the bubble
+
+Chunk c on rank r is model stage `c * pp + r` (Megatron's interleaved layout; one chunk per
+rank unless virtual stages are asked for). Communication follows from the data dependencies:
+the runtime receives a stage's input before F and its output gradient before B, and sends as
+soon as they are produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+Kind = Literal["F", "B", "W"]
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+@dataclass
+class Schedule:
+    name: str
+    pp: int
+    microbatches: int
+    chunks: int = 1
+    """Model chunks (virtual stages) per rank."""
+    split_backward: bool = False
+    """B computes input gradients only and W the weight gradients."""
+    ranks: list[list[Action]] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return chunk * self.pp + rank
+
+    def place(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) holding model stage `stage`."""
+        return stage % self.pp, stage // self.pp
+
+    def __str__(self) -> str:
+        width = max(len(str(a)) for actions in self.ranks for a in actions)
+        return "\n".join(f"rank {r}: " + " ".join(f"{str(a):<{width}}" for a in actions)
+                         for r, actions in enumerate(self.ranks))
+
+
+def build_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The operation lists of every rank for `name` (one of SCHEDULES)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if pp < 1 or microbatches < 1 or chunks < 1:
+        raise ValueError("pipeline size, micro-batches and chunks must be positive")
+    if name != "interleaved" and chunks != 1:
+        raise ValueError(f"the {name} schedule runs one model chunk per rank; virtual stages need 'interleaved'")
+    if name == "interleaved" and microbatches % pp:
+        raise ValueError(f"the interleaved schedule needs a number of micro-batches ({microbatches}) "
+                         f"divisible by the pipeline size ({pp})")
+    schedule = Schedule(name, pp, microbatches, chunks, split_backward=name == "zb-h1")
+    if name == "zb-h1":
+        schedule.ranks = _zero_bubble_h1(pp, microbatches)
+    else:
+        maker = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[name]
+        schedule.ranks = [maker(pp, microbatches, chunks, rank) for rank in range(pp)]
+    return schedule
+
+
+def _gpipe(pp: int, m: int, chunks: int, rank: int) -> list[Action]:
+    """All forwards, then all backwards: m micro-batches of activations alive at once."""
+    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+
+
+def _one_f_one_b(pp: int, m: int, chunks: int, rank: int) -> list[Action]:
+    """Warm up with pp - rank - 1 forwards, then alternate one forward and one backward."""
+    warmup = min(pp - rank - 1, m)
+    actions = [Action("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [Action("F", warmup + i), Action("B", i)]
+    return actions + [Action("B", i) for i in range(m - warmup, m)]
+
+
+def _interleaved(pp: int, m: int, chunks: int, rank: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B: micro-batches go through the chunks in groups of pp, so
+    the bubble shrinks by the number of chunks for the price of more point-to-point traffic."""
+    total = m * chunks
+
+    def forward(k: int) -> Action:
+        return Action("F", (k // (pp * chunks)) * pp + k % pp, (k // pp) % chunks)
+
+    def backward(k: int) -> Action:
+        return Action("B", (k // (pp * chunks)) * pp + k % pp, chunks - 1 - (k // pp) % chunks)
+
+    warmup = total if m == pp else min((pp - rank - 1) * 2 + (chunks - 1) * pp, total)
+    actions = [forward(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        actions += [forward(warmup + i), backward(i)]
+    return actions + [backward(k) for k in range(total - warmup, total)]
+
+
+def _zero_bubble_h1(pp: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., 2023): 1F1B with the backward split into input gradients (B) and weight
+    gradients (W). Forwards come first whenever no more than pp - rank micro-batches await
+    their B (1F1B's activation memory); rank r holds back up to r weight gradients (one runs
+    as soon as more wait), so that the input gradients race down the pipeline in the cool-down
+    while the held-back W fill the time each rank would otherwise wait. Generated by
+    simulating the pipeline with equal F, B and W costs; the bubble is a third of 1F1B's
+    when micro-batches >= stages."""
+    done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, stage) -> finish time
+    lists: list[list[Action]] = [[] for _ in range(pp)]
+    counts = [{"F": 0, "B": 0, "W": 0} for _ in range(pp)]
+    free = [0.0] * pp
+
+    def ready(rank: int, kind: str, mb: int) -> float | None:
+        """When the operation's inputs are available (None: not yet known)."""
+        if kind == "F":
+            return 0.0 if rank == 0 else done.get(("F", mb, rank - 1))
+        if kind == "B":
+            own = done.get(("F", mb, rank))
+            after = own if rank == pp - 1 else done.get(("B", mb, rank + 1))
+            return None if own is None or after is None else max(own, after)
+        return done.get(("B", mb, rank))
+
+    while any(c["W"] < m for c in counts):
+        best: tuple[float, int, int, str] | None = None  # (start, priority, rank, kind)
+        for rank in range(pp):
+            c = counts[rank]
+            deferred = c["B"] - c["W"]
+            if deferred > rank:  # as many weight gradients waiting as allowed: run one now
+                options = [("W", c["W"], 0)]
+            else:
+                options = [("W", c["W"], 2)] if deferred and c["F"] == m else []  # keep them for the cool-down
+                if c["B"] < c["F"]:
+                    options.append(("B", c["B"], 1))
+                if c["F"] < m and c["F"] - c["B"] < pp - rank:
+                    options.append(("F", c["F"], 0))
+            for kind, mb, priority in options:
+                at = ready(rank, kind, mb)
+                if at is None:
+                    continue
+                start = max(at, free[rank])
+                if best is None or (start, priority, rank) < best[:3]:
+                    best = (start, priority, rank, kind)
+        assert best is not None, "zero-bubble generation stalled"
+        start, _, rank, kind = best
+        mb = counts[rank][kind]
+        counts[rank][kind] += 1
+        free[rank] = start + 1.0
+        done[(kind, mb, rank)] = free[rank]
+        lists[rank].append(Action(kind, mb))  # type: ignore[arg-type]
+    return lists
+
+
+# ---------------------------------------------------------------- checking and simulating
+
+
+@dataclass
+class Timeline:
+    """Start and end time of every operation of every rank, under a cost model."""
+
+    spans: list[list[tuple[Action, float, float]]]
+    makespan: float
+
+    def busy(self, rank: int) -> float:
+        return sum(end - start for _, start, end in self.spans[rank])
+
+    def bubble_fraction(self) -> float:
+        """Share of the ranks' time spent waiting, averaged over ranks."""
+        ranks = len(self.spans)
+        return 1.0 - sum(self.busy(r) for r in range(ranks)) / (ranks * self.makespan)
+
+
+def default_costs(schedule: Schedule) -> dict[str, float]:
+    """Forward 1, backward 2 (split: input and weight gradients 1 each), per whole stage; a chunk
+    of an interleaved schedule costs 1/chunks of that."""
+    scale = 1.0 / schedule.chunks
+    if schedule.split_backward:
+        return {"F": scale, "B": scale, "W": scale}
+    return {"F": scale, "B": 2 * scale, "W": 0.0}
+
+
+def simulate(schedule: Schedule, costs: dict[str, float] | None = None,
+             p2p_latency: float = 0.0) -> Timeline:
+    """Run every rank's list in order, each operation as early as its inputs allow (sends never
+    block, receives wait). Raises ValueError if the lists deadlock or miss an operation."""
+    costs = costs or default_costs(schedule)
+    _check_complete(schedule)
+    last_stage = schedule.num_stages - 1
+    finish: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, stage)
+    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(schedule.pp)]
+    position = [0] * schedule.pp
+    clock = [0.0] * schedule.pp
+    remaining = sum(len(a) for a in schedule.ranks)
+    while remaining:
+        progressed = False
+        for rank, actions in enumerate(schedule.ranks):
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                stage = schedule.stage(rank, action.chunk)
+                needs: list[tuple[tuple[str, int, int], float]] = []
+                if action.kind == "F" and stage > 0:
+                    needs.append((("F", action.microbatch, stage - 1), p2p_latency))
+                if action.kind == "B":
+                    needs.append((("F", action.microbatch, stage), 0.0))
+                    if stage < last_stage:
+                        needs.append((("B", action.microbatch, stage + 1), p2p_latency))
+                if action.kind == "W":
+                    needs.append((("B", action.microbatch, stage), 0.0))
+                if any(key not in finish for key, _ in needs):
+                    break
+                start = max([clock[rank]] + [finish[key] + lag for key, lag in needs])
+                clock[rank] = start + costs[action.kind]
+                finish[(action.kind, action.microbatch, stage)] = clock[rank]
+                spans[rank].append((action, start, clock[rank]))
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(f"rank {r} at {schedule.ranks[r][position[r]]}"
+                              for r in range(schedule.pp) if position[r] < len(schedule.ranks[r]))
+            raise ValueError(f"schedule {schedule.name} deadlocks: {stuck}")
+    return Timeline(spans, max(clock))
+
+
+def _check_complete(schedule: Schedule) -> None:
+    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+    for rank, actions in enumerate(schedule.ranks):
+        expected = sorted((k, m, c) for k in kinds for m in range(schedule.microbatches)
+                          for c in range(schedule.chunks))
+        got = sorted((a.kind, a.microbatch, a.chunk) for a in actions)
+        if got != expected:
+            raise ValueError(f"schedule {schedule.name}: rank {rank} does not run every operation exactly once")
+
+
+def peak_live_activations(schedule: Schedule) -> list[int]:
+    """Per rank, the most micro-batch chunks whose forward has run and whose backward has not
+    (their activations are held)."""
+    peaks = []
+    for actions in schedule.ranks:
+        live = peak = 0
+        for action in actions:
+            live += {"F": 1, "B": -1, "W": 0}[action.kind]
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int = 1) -> float:
+    """Bubble share of the step time with forward 1 and backward 2: (p-1)/(m+p-1) for GPipe and
+    1F1B; (p-1)/v over m + (p-1)/v for interleaved; ZB-H1's (p-1)/3 of one forward-backward,
+    (p-1)/(3m+p-1)."""
+    p, m, v = pp, microbatches, chunks
+    if name == "interleaved":
+        return ((p - 1) / v) / (m + (p - 1) / v)
+    if name == "zb-h1":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
