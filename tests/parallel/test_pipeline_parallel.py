@@ -105,3 +105,42 @@ def test_every_schedule_gives_the_single_device_gradients(pp):
 def test_pipeline_with_tensor_parallelism_gives_the_single_device_gradients():
     worst = run_ranks(gradient_parity, 4, 4, 2, 2)
     assert len(worst[0]) == 2 * len(_layouts(2))
+
+
+def train_curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
+    """20-step training runs, one after another in one process group: loss of every step."""
+    from paratron.distributed.init import initialize
+
+    initialize("gloo")
+    return {name: run_training(tiny_config(f"{run_dir}/{name}", **overrides)).losses
+            for name, overrides in runs.items()}
+
+
+def _curve_settings(flavour: str) -> dict:
+    return dict(FLAVOURS[flavour], model_name=None, train_iters=20, micro_batch_size=2,
+                global_batch_size=2 * MICRO_BATCHES, seq_length=16)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_twenty_step_loss_curves_equal_single_device(tmp_path, pp):
+    reference = {f: train_curves(str(tmp_path / "single"), {f: _curve_settings(f)})[f] for f in FLAVOURS}
+    runs = {f"{flavour}-{case}": dict(_curve_settings(flavour), **settings, pipeline_model_parallel_size=pp)
+            for flavour in FLAVOURS for case, settings in _layouts(pp)}
+    curves = run_ranks(train_curves, pp, str(tmp_path / f"pp{pp}"), runs)[0]
+    for name, curve in curves.items():
+        expected = reference[name.split("-")[0]]
+        assert len(curve) == 20
+        for step, (ours, ref) in enumerate(zip(curve, expected), start=1):
+            assert abs(ours - ref) <= 1e-5 * abs(ref), f"{name} PP={pp}: step {step}: {ours} vs {ref}"
+
+
+def test_pipeline_with_tensor_parallelism_twenty_step_curve(tmp_path):
+    reference = train_curves(str(tmp_path / "single"), {"llama": _curve_settings("llama")})["llama"]
+    runs = {name: dict(_curve_settings("llama"), pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                       sequence_parallel=True, **settings)
+            for name, settings in _layouts(2) if name in ("zb-h1", "interleaved")}
+    curves = run_ranks(train_curves, 4, str(tmp_path / "pp2-tp2"), runs)[0]
+    for name, curve in curves.items():
+        assert len(curve) == 20
+        for step, (ours, ref) in enumerate(zip(curve, reference), start=1):
+            assert abs(ours - ref) <= 1e-5 * abs(ref), f"{name} PP2 x TP2: step {step}: {ours} vs {ref}"

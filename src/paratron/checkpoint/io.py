@@ -6,6 +6,10 @@ Layout (Megatron-LM's tracker file and iteration folders):
     SAVE/iter_0000200/model.safetensors         weights under their single-device names
     SAVE/iter_0000200/training_state_tp000.pt   per tensor-parallel rank: optimizer, RNG and loss-scaler
                                                 state (tensors and numbers only)
+
+With pipeline parallelism each stage writes its own weights file, in Hugging Face's sharded
+layout (model-00001-of-00002.safetensors, ... and model.safetensors.index.json naming the
+file of every tensor), and the rank states are training_state_tp000_pp001.pt, ...
     SAVE/iter_0000200/tokenizer.json            the run's tokenizer, if it has one
     SAVE/iter_0000200/meta.json                 iteration, consumed samples, config, checksums
 
@@ -36,6 +40,7 @@ from paratron.errors import CheckpointError, UserError
 from paratron.parallel.sharding import full_shape, gather_full, shard_of
 
 TRACKER = "latest_checkpointed_iteration.txt"
+WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 @dataclass
@@ -61,47 +66,81 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def full_state(model: nn.Module, tp_group: Any = None, keep: bool = True) -> dict[str, torch.Tensor]:
-    """Every parameter once (a tied output weight appears as the embedding), whole and on the CPU:
+    """Every parameter this rank's stage holds, once (a tied output weight appears as the
+    embedding; the last pipeline stage's copy of it is left to the first), whole and on the CPU:
     tensor-parallel slices are gathered from the other ranks one tensor at a time (collective over
     `tp_group`; ranks with keep=False take part and keep nothing)."""
     out = {}
     for name, param in model.named_parameters():
+        if getattr(param, "pipeline_duplicate", False):
+            continue
         full = gather_full(param, tp_group)
         if keep:
             out[name] = full.cpu()
     return out
 
 
-def rank_state_file(tp_rank: int) -> str:
-    return f"training_state_tp{tp_rank:03d}.pt"
+def whole_model_state(model: nn.Module, tp_group: Any, pp_group: Any, stage_writer: bool,
+                      main: bool) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the main rank (empty elsewhere): each pipeline stage's, gathered
+    over tensor parallelism, sent to it. Collective over the tensor-parallel group; the stage
+    writers (first tensor- and data-parallel rank of each stage) also take part over `pp_group`."""
+    state = full_state(model, tp_group, keep=stage_writer)
+    if pp_group is None or not stage_writer:
+        return state if main else {}
+    stages: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.gather_object(state, stages if main else None, dst=0, group=pp_group)
+    return {name: t for part in stages for name, t in part.items()} if main else {}
+
+
+def weights_file(pp_rank: int, pp_size: int) -> str:
+    return WEIGHTS if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+
+
+def rank_state_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    return f"training_state_tp{tp_rank:03d}.pt" if pp_size == 1 else f"training_state_tp{tp_rank:03d}_pp{pp_rank:03d}.pt"
 
 
 def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn.Module, config: Config,
                     tokenizer: Any = None, rank_state: dict[str, Any] | None = None, tp_rank: int = 0,
-                    writer: bool = True, tp_group: Any = None) -> Path:
+                    writer: bool = True, tp_group: Any = None, pp_rank: int = 0, pp_size: int = 1,
+                    stage_writer: bool | None = None) -> Path:
     """Write iteration `iteration` under `root`; every rank takes part.
 
     Weights are stored whole, under their single-device names (gathered from the
-    tensor-parallel ranks). `rank_state` is what one tensor-parallel rank needs to resume
-    (optimizer state, RNG states, loss scaler...: tensors, numbers and dicts of them); the
-    ranks that hold one (the first data-parallel replica) write it as
-    training_state_tp{tp_rank}.pt. The writer rank assembles the folder and publishes it."""
+    tensor-parallel ranks), one file per pipeline stage written by that stage's
+    `stage_writer`. `rank_state` is what one rank needs to resume (optimizer state, RNG
+    states, loss scaler...: tensors, numbers and dicts of them); the ranks that hold one (the
+    first data-parallel replica) write it as training_state_tp{tp_rank}[_pp{pp_rank}].pt. The
+    `writer` rank (global rank 0) assembles the folder and publishes it."""
+    stage_writer = writer if stage_writer is None else stage_writer
     final = root / f"iter_{iteration:07d}"
     tmp = root / f".tmp-{final.name}"
-    state_tensors = full_state(model, tp_group, keep=writer)
+    state_tensors = full_state(model, tp_group, keep=stage_writer)
     if writer:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
     if rank_state is not None:
-        partial = tmp / (rank_state_file(tp_rank) + ".partial")
+        name = rank_state_file(tp_rank, pp_rank, pp_size)
+        partial = tmp / (name + ".partial")
         torch.save(rank_state, partial)
-        partial.replace(tmp / rank_state_file(tp_rank))
+        partial.replace(tmp / name)
+    if stage_writer:
+        name = weights_file(pp_rank, pp_size)
+        save_file({n: t.contiguous() for n, t in state_tensors.items()}, str(tmp / (name + ".partial")),
+                  metadata={"format": "pt"})
+        (tmp / (name + ".partial")).replace(tmp / name)
     _barrier()
     if writer:
-        save_file({name: t.contiguous() for name, t in state_tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        if pp_size > 1:
+            weight_map = {}
+            for stage in range(pp_size):
+                with safe_open(str(tmp / weights_file(stage, pp_size)), framework="pt") as f:
+                    weight_map.update({key: weights_file(stage, pp_size) for key in f.keys()})
+            (tmp / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2),
+                                             encoding="utf-8")
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
@@ -163,26 +202,44 @@ def read_checkpoint(path: Path, verify: bool = True) -> CheckpointInfo:
     return CheckpointInfo(folder, int(meta["iteration"]), int(meta["consumed_samples"]), config)
 
 
-def load_model_weights(info: CheckpointInfo, model: nn.Module) -> None:
-    """Copy the checkpoint's weights into `model`, each rank reading only its slice of each tensor
-    from the file; refuses a checkpoint of another shape."""
+def _weight_files(info: CheckpointInfo) -> dict[str, str]:
+    """Tensor name -> weights file, for one file or the sharded layout."""
+    index = info.path / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        except (ValueError, KeyError):
+            raise CheckpointError(f"{index}: unreadable; the checkpoint is damaged") from None
+    with safe_open(str(info.path / WEIGHTS), framework="pt", device="cpu") as f:
+        return {key: WEIGHTS for key in f.keys()}
+
+
+def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = True) -> None:
+    """Copy the checkpoint's weights into `model` (or, whole=False, this rank's pipeline stage of
+    it), each rank reading only its slice of each tensor from the files; refuses a checkpoint of
+    another shape."""
     expected = dict(model.named_parameters())
-    with safe_open(str(info.path / "model.safetensors"), framework="pt", device="cpu") as f:
-        stored = set(f.keys())
-        for name, param in expected.items():
-            if name not in stored:
-                raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
-            shape = tuple(f.get_slice(name).get_shape())
-            if shape != full_shape(param):
-                raise CheckpointError(f"{info.path}: {name} has shape {list(shape)} there but "
-                                      f"{list(full_shape(param))} in this model; use the same model settings")
-        extra = stored - set(expected)
-        if extra:
-            raise CheckpointError(f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); "
-                                  "it belongs to a different model")
-        with torch.no_grad():
-            for name, param in expected.items():
-                param.copy_(_read_slice(f, name, param))
+    files = _weight_files(info)
+    for name in expected:
+        if name not in files:
+            raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
+    extra = set(files) - set(expected)
+    if whole and extra:
+        raise CheckpointError(f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); "
+                              "it belongs to a different model")
+    by_file: dict[str, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for file, names in sorted(by_file.items()):
+            with safe_open(str(info.path / file), framework="pt", device="cpu") as f:
+                for name in names:
+                    param = expected[name]
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != full_shape(param):
+                        raise CheckpointError(f"{info.path}: {name} has shape {list(shape)} there but "
+                                              f"{list(full_shape(param))} in this model; use the same model settings")
+                    param.copy_(_read_slice(f, name, param))
 
 
 def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
@@ -198,13 +255,15 @@ def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def load_training_state(info: CheckpointInfo, tp_rank: int, tp_size: int) -> dict[str, Any]:
-    """This tensor-parallel rank's saved state (optimizer, RNG, ...), as `save_checkpoint` got it.
+def load_training_state(info: CheckpointInfo, tp_rank: int, tp_size: int, pp_rank: int = 0,
+                        pp_size: int = 1) -> dict[str, Any]:
+    """This rank's saved state (optimizer, RNG, ...), as `save_checkpoint` got it.
 
-    Weights load at any layout; this state belongs to one tensor-parallel degree."""
-    saved_tp = info.config.parallel.tensor_model_parallel_size
-    if saved_tp != tp_size:
-        raise CheckpointError(f"{info.path}: saved at tensor-parallel size {saved_tp}; its optimizer state resumes "
-                              f"only at that size (the weights load at any): resume at TP {saved_tp}, or start "
-                              "from the weights with --finetune or --no-load-optim")
-    return torch.load(info.path / rank_state_file(tp_rank), map_location="cpu", weights_only=True)
+    Weights load at any layout; this state belongs to one tensor- and pipeline-parallel layout."""
+    saved = info.config.parallel
+    if (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) != (tp_size, pp_size):
+        raise CheckpointError(f"{info.path}: saved at tensor-parallel size {saved.tensor_model_parallel_size} and "
+                              f"pipeline size {saved.pipeline_model_parallel_size}; its optimizer state resumes only "
+                              "at that layout (the weights load at any): resume at it, or start from the weights "
+                              "with --finetune or --no-load-optim")
+    return torch.load(info.path / rank_state_file(tp_rank, pp_rank, pp_size), map_location="cpu", weights_only=True)

@@ -138,10 +138,13 @@ class Trainer:
         return self._dp_mean(total / iters)
 
     def save(self, root: Path) -> Path:
-        rank_state = self.rank_state() if self.topology.dp_rank == 0 else None  # DP replicas hold the same
+        first_replica = self.topology.dp_rank == 0
+        rank_state = self.rank_state() if first_replica else None  # DP replicas hold the same
         return save_checkpoint(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
                                self.config, self.data.tokenizer, rank_state, self.topology.tp_rank,
-                               writer=self.ctx.is_main, tp_group=self.model.tp_group)
+                               writer=self.ctx.is_main, tp_group=self.model.tp_group, pp_rank=self.topology.pp_rank,
+                               pp_size=self.topology.size("pp"),
+                               stage_writer=first_replica and self.topology.tp_rank == 0)
 
     def rank_state(self) -> dict[str, Any]:
         """What this rank needs beyond the weights to resume exactly."""

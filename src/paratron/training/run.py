@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint.io import (
-    full_state,
+    whole_model_state,
     load_model_weights,
     load_training_state,
     read_checkpoint,
@@ -53,21 +53,33 @@ def check_inputs(config: Config) -> None:
                 input_files([path], flag)
     c = config.checkpoint
     if c.load:
-        saved = read_checkpoint(Path(c.load), verify=False).config.parallel.tensor_model_parallel_size
-        now = config.parallel.tensor_model_parallel_size
-        if saved != now and not (c.finetune or c.no_load_optim):
-            raise CheckpointError(f"--load {c.load}: saved at tensor-parallel size {saved}, and its optimizer "
-                                  f"state resumes only at that size; use --tensor-model-parallel-size {saved}, or "
-                                  f"--no-load-optim or --finetune to start from its weights at TP {now}")
+        saved = read_checkpoint(Path(c.load), verify=False).config.parallel
+        now = config.parallel
+        if not (_same_layout(saved, now) or c.finetune or c.no_load_optim):
+            raise CheckpointError(f"--load {c.load}: saved at tensor-parallel size {saved.tensor_model_parallel_size}"
+                                  f" and pipeline size {saved.pipeline_model_parallel_size}, and its optimizer state "
+                                  "resumes only at that layout; use --tensor-model-parallel-size "
+                                  f"{saved.tensor_model_parallel_size} --pipeline-model-parallel-size "
+                                  f"{saved.pipeline_model_parallel_size}, or --no-load-optim or --finetune to start "
+                                  "from its weights at this layout")
+
+
+def _same_layout(saved, now) -> bool:
+    """Whether per-rank training state saved at `saved` (ParallelConfig) fits layout `now`."""
+    return (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) == \
+        (now.tensor_model_parallel_size, now.pipeline_model_parallel_size)
 
 
 def run_training(config: Config) -> TrainState:
-    """Train as configured on this process's rank; returns the final state (all ranks)."""
+    """Train as configured on this process's rank; returns the final state (all ranks). A process
+    group the caller started is used and left running; one started here is shut down."""
+    owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
         return _run(config, ctx)
     finally:
-        shutdown()
+        if owned:
+            shutdown()
 
 
 def _run(config: Config, ctx) -> TrainState:
@@ -88,7 +100,7 @@ def _run(config: Config, ctx) -> TrainState:
     n_params = sum(q.numel() for q in model.parameters())
     model = parallelize(model, config, topology, ctx.device)
     if resume is not None:
-        load_model_weights(resume, model.module)
+        load_model_weights(resume, model.module, whole=topology.size("pp") == 1)
     optimizer = build_optimizer(model, config.optimizer)
     state = TrainState()
     seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
@@ -103,9 +115,10 @@ def _run(config: Config, ctx) -> TrainState:
                            progress_bar=config.logging.progress_bar, tensorboard=config.logging.tensorboard)
     trainer = Trainer(config, ctx, topology, model, optimizer, data, writer,
                       training_flops_per_token(config.model, config.data.seq_length), peak, state)
-    same_tp = resume is not None and resume.config.parallel.tensor_model_parallel_size == topology.size("tp")
-    if continuing and (same_tp or not c.no_load_optim):  # (at another TP size the per-rank state has no use)
-        trainer.restore_rank_state(load_training_state(resume, topology.tp_rank, topology.size("tp")),
+    same_layout = resume is not None and _same_layout(resume.config.parallel, config.parallel)
+    if continuing and (same_layout or not c.no_load_optim):  # (at another layout the per-rank state has no use)
+        trainer.restore_rank_state(load_training_state(resume, topology.tp_rank, topology.size("tp"),
+                                                       topology.pp_rank, topology.size("pp")),
                                    load_optimizer=not c.no_load_optim)
     m = config.model
     say(f"paratron: {topology.describe()} on {ctx.backend}/{ctx.device.type}, {t.precision}")
@@ -125,7 +138,9 @@ def _run(config: Config, ctx) -> TrainState:
         title = f"{n_params / 1e6:.2f}M-parameter model on {source}; {topology.describe()}"
         _report(config, state, run_dir, time.perf_counter() - started, title, say)
     if config.logging.sample_prompt and isinstance(data.tokenizer, Tokenizer):
-        weights = full_state(unwrap(model), model.tp_group, keep=ctx.is_main)  # collective: all take part
+        stage_writer = topology.dp_rank == 0 and topology.tp_rank == 0
+        weights = whole_model_state(unwrap(model), model.tp_group, topology.group("pp") if stage_writer else None,
+                                    stage_writer, ctx.is_main)  # collective: all take part
         if ctx.is_main:
             single = build_model(config.model, ctx.device, seed=t.seed)
             single.load_state_dict(weights, strict=False)  # strict=False: the tied output weight
