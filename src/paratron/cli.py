@@ -1,4 +1,4 @@
-"""`paratron train | generate`: the command line.
+"""`paratron train | preprocess | generate | schedule`: the command line.
 
 User mistakes (UserError) print one line and exit 2; internal failures keep their
 traceback and exit 1.
@@ -164,6 +164,53 @@ def cmd_generate(argv: list[str]) -> int:
     ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
                    eos_id=tokenizer.eod_id, seed=args.seed)
     print(args.prompt + tokenizer.decode(i for i in ids if i != tokenizer.eod_id))
+    return 0
+
+
+@command("schedule", "simulate a pipeline schedule, report its bubble and draw its timeline")
+def cmd_schedule(argv: list[str]) -> int:
+    from paratron.config.arguments import ArgumentParser
+    from paratron.errors import ConfigError
+    from paratron.parallel.pipeline.draw import draw_timeline
+    from paratron.parallel.pipeline.schedules import (SCHEDULES, build_schedule, peak_live_activations, simulate,
+                                                      theoretical_bubble)
+
+    parser = ArgumentParser(
+        prog="paratron schedule", allow_abbrev=False,
+        description="Build a pipeline schedule, simulate it with forward 1 and backward 2 time units "
+                    "(input and weight gradients 1 each for zb-h1), and "
+                    "draw which operation every rank runs when; no model or process is started.")
+    parser.add_argument("--pp", type=int, required=True, metavar="N", help="Pipeline-parallel size (ranks).")
+    parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="Micro-batches per step.")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="Schedule (default: 1f1b).")
+    parser.add_argument("--vpp", type=int, default=1, metavar="V",
+                        help="Model chunks (virtual stages) per rank; only for interleaved (default: 1).")
+    parser.add_argument("--output", type=Path, metavar="PATH",
+                        help="PNG to write (default: schedule-NAME-ppN-mM[-vV].png here).")
+    parser.add_argument("--print", action="store_true", dest="show", help="Also print every rank's operations.")
+    args = parser.parse_args(argv)
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--vpp", args.vpp)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
+    name, pp, m, v = args.schedule, args.pp, args.microbatches, args.vpp
+    try:
+        schedule = build_schedule(name, pp, m, v)
+    except ValueError as exc:
+        raise ConfigError(f"--schedule {name} --pp {pp} --microbatches {m} --vpp {v}: {exc}") from None
+    timeline = simulate(schedule)
+    theory = theoretical_bubble(name, pp, m, v)
+    formula = {"interleaved": "((p-1)/v)/(m+(p-1)/v)", "zb-h1": "(p-1)/(3m+p-1)"}.get(name, "(p-1)/(m+p-1)")
+    caveat = ", which assumes m >= p" if name == "zb-h1" and m < pp else ""
+    chunks = f", {v} chunks per rank" if v > 1 else ""
+    held = "micro-batch activations" if v == 1 else f"micro-batch chunk activations (1/{v} of a stage's each)"
+    if args.show:
+        print(schedule)
+    print(f"{name}: pp {pp}, {m} micro-batches{chunks}: bubble {timeline.bubble_fraction():.1%} of the step "
+          f"(theory {formula} = {theory:.1%}{caveat}); peak live {held} per rank: "
+          + " ".join(map(str, peak_live_activations(schedule))))
+    output = args.output or Path(f"schedule-{name}-pp{pp}-m{m}" + (f"-v{v}" if v > 1 else "") + ".png")
+    title = f"{name} schedule: pp {pp}, {m} micro-batches{chunks}; bubble {timeline.bubble_fraction():.1%}"
+    print(f"timeline: {draw_timeline(timeline.spans, output, title, '(forward = 1)')}")
     return 0
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
-from paratron.parallel.pipeline.stage import plan_pipeline
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
@@ -120,6 +119,8 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                           f"{t.micro_batch_size} x data-parallel size {dp}; use a multiple of {t.micro_batch_size * dp}")
+    from paratron.parallel.pipeline.stage import plan_pipeline  # (here: parallel/ imports config/)
+
     plan_pipeline(config, dp)
 
     # Schedule.

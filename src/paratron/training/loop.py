@@ -23,6 +23,8 @@ from paratron.distributed.topology import Topology
 from paratron.optim.build import set_learning_rate
 from paratron.optim.lr_schedule import learning_rate
 from paratron.parallel.data import DataParallel, unwrap
+from paratron.parallel.pipeline.profile import save_profile
+from paratron.parallel.pipeline.schedules import theoretical_bubble
 from paratron.training.metrics import MetricsWriter
 from paratron.training.step import Precision, evaluate_batches, train_step
 
@@ -83,7 +85,16 @@ class Trainer:
             lr = learning_rate(iteration, self.config.optimizer.lr, self.config.lr_schedule, t.train_iters)
             set_learning_rate(self.optimizer, lr)
             batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device)
+            profiling = lg.profile_pipeline and self.model.pipeline is not None and iteration == t.train_iters
+            if profiling:
+                dist.barrier()  # the ranks' clocks start together
+                self.model.pipeline.record = True
             result = train_step(self.model, self.optimizer, batches, self.precision, self.config.optimizer.clip_grad)
+            if profiling:
+                self.model.pipeline.record = False
+                saving = time.perf_counter()
+                self._save_pipeline_profile(iteration)
+                window_start += time.perf_counter() - saving  # not part of the step's speed
             state.iteration = iteration
             state.consumed_samples += self.global_batch_size
             window_loss += result.loss
@@ -122,6 +133,21 @@ class Trainer:
                 self.writer.info(f"saved checkpoint {path}")
                 window_start = time.perf_counter()
         return state
+
+    def _save_pipeline_profile(self, iteration: int) -> None:
+        if self.topology.dp_rank != 0 or self.topology.tp_rank != 0:
+            return
+        pipeline = self.model.pipeline
+        schedule = pipeline.schedule
+        title = (f"step {iteration}: {schedule.name}, {schedule.pp} stages x {schedule.chunks} chunk(s), "
+                 f"{schedule.microbatches} micro-batches (measured)")
+        result = save_profile(pipeline.spans, Path(self.config.logging.run_dir), self.topology.pp_rank,
+                              self.topology.group("pp"), self.ctx.is_main, title)
+        if result is not None:
+            bubble, files = result
+            theory = theoretical_bubble(schedule.name, schedule.pp, schedule.microbatches, schedule.chunks)
+            self.writer.info(f"pipeline profile of step {iteration}: bubble {bubble:.1%} of the step measured "
+                             f"({theory:.1%} in theory); {', '.join(str(f) for f in files)}")
 
     def evaluate(self, number: int) -> float:
         """Mean loss over the `number`-th run of eval_iters global batches of the validation split.

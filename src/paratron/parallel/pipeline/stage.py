@@ -38,10 +38,11 @@ def layer_counts(num_layers: int, stages: int, first: int | None = None, last: i
     fixed = sum(c for c in counts if c is not None)
     free = [i for i, c in enumerate(counts) if c is None]
     rest = num_layers - fixed
-    if rest < 0 or (free and rest % len(free)) or (not free and rest):
-        raise ValueError(f"{num_layers} layers cannot be cut into {stages} stages with "
-                         f"{first if first is not None else 'an even share'} on the first and "
-                         f"{last if last is not None else 'an even share'} on the last")
+    if rest < 0 or (not free and rest):
+        raise ValueError(f"the first and last stage take {fixed} layers, not {num_layers}")
+    if free and rest % len(free):
+        what = f"{num_layers} layers" if not fixed else f"the {rest} layers left by the end stages"
+        raise ValueError(f"{what} do not split evenly into {len(free)} stages")
     for i in free:
         counts[i] = rest // len(free)
     if min(c for c in counts if c is not None) < 1:
@@ -100,8 +101,10 @@ def plan_pipeline(config: Config, dp: int) -> PipelinePlan:
     try:
         counts = layer_counts(m.num_layers, pp * chunks, first if pp > 1 else None, last if pp > 1 else None)
     except ValueError as exc:
-        raise ConfigError(f"--num-layers {m.num_layers} and --pipeline-model-parallel-size {pp}: {exc}; change "
-                          "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers or the sizes") from None
+        virtual = f" x {chunks} virtual stages" if chunks > 1 else ""
+        raise ConfigError(f"--num-layers {m.num_layers} with --pipeline-model-parallel-size {pp}{virtual}: {exc}; "
+                          "choose sizes that divide the layer count, or set --decoder-first-pipeline-num-layers / "
+                          "--decoder-last-pipeline-num-layers") from None
     global_batch = t.global_batch_size or t.micro_batch_size * dp
     microbatches = global_batch // (t.micro_batch_size * dp)
     if pp > 1:
