@@ -32,7 +32,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     (["--config", "debug", "--nproc", "3", "--tensor-model-parallel-size", "2"],
      "world size 3 is not divisible by --tensor-model-parallel-size 2"),
     (["--config", "debug", "--num-layers", "3", "--pipeline-model-parallel-size", "2", "--nproc", "2"],
-     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+     "--num-layers 3 with --pipeline-model-parallel-size 2: 3 layers do not split evenly into 2 stages"),
     (["--config", "debug", "--nproc", "2", "--global-batch-size", "12"],
      "--global-batch-size 12 is not divisible by --micro-batch-size 8 x data-parallel size 2"),
     (["--config", "nosuchrecipe"], "--config nosuchrecipe: no such file or recipe"),
