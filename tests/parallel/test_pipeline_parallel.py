@@ -49,6 +49,7 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model.gpt import GPT, build_model
     from paratron.parallel.parallelize import parallelize
+    from paratron.parallel.pipeline.schedules import peak_live_activations
     from paratron.parallel.sharding import gather_full
 
     ctx = initialize("gloo")
@@ -77,6 +78,11 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
             model.zero_grad_buffer()
             loss = model.pipeline.train_step(batches, lambda loss: loss.backward())
             model.finish_grad_sync()
+            expected_live = peak_live_activations(model.pipeline.schedule)[topology.local_rank("pp")]
+            assert model.pipeline.peak_live == expected_live, f"{key}: activations held"
+            if case in ("gpipe", "1f1b"):
+                rank = topology.local_rank("pp")
+                assert expected_live == (MICRO_BATCHES if case == "gpipe" else min(pp - rank, MICRO_BATCHES))
             summed = loss.clone()
             dist.all_reduce(summed, group=topology.group("pp"))  # only the last stage holds the loss
             errors = {"loss": _rel(summed, ref_loss)}

@@ -63,7 +63,7 @@ def _split_pipeline(model: GPT, config: Config, topology: Topology, device: torc
     keep_stage(model, layout, topology.group("embedding"))
     schedule = build_schedule(plan.schedule, pp, plan.microbatches, plan.chunks)
     store = None
-    if schedule.split_backward:
+    if schedule.split_backward and layout.rank > 0:  # (the first stage sends no input gradient: nothing to hurry)
         store = WeightGradStore()
         defer_weight_gradients([model.layers[i] for i in sorted(layout.my_layers())], store)
     # gradients travel in a group of their own, so each kind keeps its order between two ranks

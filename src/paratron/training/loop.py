@@ -147,7 +147,8 @@ class Trainer:
             bubble, files = result
             theory = theoretical_bubble(schedule.name, schedule.pp, schedule.microbatches, schedule.chunks)
             self.writer.info(f"pipeline profile of step {iteration}: bubble {bubble:.1%} of the step measured "
-                             f"({theory:.1%} in theory); {', '.join(str(f) for f in files)}")
+                             f"({theory:.1%} in theory); rank 0 held at most {pipeline.peak_live} micro-batch "
+                             f"activations at once; {', '.join(str(f) for f in files)}")
 
     def evaluate(self, number: int) -> float:
         """Mean loss over the `number`-th run of eval_iters global batches of the validation split.

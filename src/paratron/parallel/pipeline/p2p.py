@@ -1,7 +1,8 @@
 """Point-to-point traffic between pipeline stages: activations forward, gradients backward.
 
 Sends are posted without waiting, together with the receive the next operation needs, as
-one `batch_isend_irecv` per process group (NCCL runs a batch as one group, so two
+one `batch_isend_irecv` per process group, as soon as the current operation has produced
+them; the receive is posted then too, so its transfer overlaps the current work (NCCL runs a batch as one group, so two
 neighbours that each send to and receive from the other cannot block each other). A receive is waited for only when
 its tensor is needed. Activations and gradients travel in separate process groups, so the
 messages of each kind between two ranks arrive in the order they were sent, whatever the
@@ -42,13 +43,18 @@ class StageComm:
 
     def receive(self, shape: tuple[int, ...], peer: int, kind: str) -> torch.Tensor:
         """Post the queued sends with this receive; wait for the receive only."""
+        return self.post_receive(shape, peer, kind).wait()
+
+    def post_receive(self, shape: tuple[int, ...], peer: int, kind: str) -> "PendingReceive":
+        """Post the queued sends and a receive without waiting for it, so the transfer overlaps
+        whatever this rank computes before it needs the tensor. (With variable shapes the shape
+        message is waited for first.)"""
         if self.variable_shapes:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             self._exchange(dist.P2POp(dist.irecv, header, peer, self.groups[kind])).wait()
             shape = tuple(int(v) for v in header[1 : 1 + int(header[0])])
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self._exchange(dist.P2POp(dist.irecv, buffer, peer, self.groups[kind])).wait()
-        return buffer
+        return PendingReceive(self._exchange(dist.P2POp(dist.irecv, buffer, peer, self.groups[kind])), buffer)
 
     def flush(self) -> None:
         """Post the queued sends now (nothing to receive before the next computation)."""
@@ -79,3 +85,12 @@ class StageComm:
         self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
         assert last is not None
         return last
+
+
+class PendingReceive:
+    def __init__(self, work: dist.Work, buffer: torch.Tensor) -> None:
+        self.work, self.buffer = work, buffer
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.buffer

@@ -1,11 +1,14 @@
 """Executing a pipeline schedule: this rank walks its list of operations for one step.
 
-    F(m, c)  receive the stage input (or take the tokens), run the chunk, then send the output
+    F(m, c)  take the stage input (or the tokens), run the chunk, then send the output
              on (or compute the loss); the output's values are freed once sent, keeping only
              its autograd graph, which is all backward needs (Megatron-LM does the same)
-    B(m, c)  receive the output gradient (or start from the loss), run backward, send the input
+    B(m, c)  take the output gradient (or start from the loss), run backward, send the input
              gradient back
     W(m, c)  run the weight gradients that B deferred (zero-bubble schedules)
+
+The receive an operation needs is posted when the previous operation ends, together with
+that operation's sends, and waited for only when the tensor is needed.
 
 Every micro-batch's loss is divided by the number of micro-batches, so the gradients that
 accumulate in the parameters' buffers are those of the mean loss, as without pipelining.
@@ -20,7 +23,7 @@ from typing import Callable
 import torch
 from torch.autograd import Variable
 
-from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
+from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, PendingReceive, StageComm
 from paratron.parallel.pipeline.schedules import Action, Schedule
 from paratron.parallel.pipeline.stage import StageRunner
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore
@@ -45,6 +48,8 @@ class PipelineRuntime:
         self.record = False
         self.spans: list[Span] = []
         """Operation times (ms from the step's start) of the last step run with `record` set."""
+        self.peak_live = 0
+        """The most micro-batch chunks whose activations this rank held at once in the last step."""
 
     @property
     def is_last_rank(self) -> bool:
@@ -73,15 +78,15 @@ class PipelineRuntime:
         self.spans = []
         self.synchronize()
         origin = time.perf_counter()
-        for action in self.schedule.ranks[self.rank]:
+        actions = self.schedule.ranks[self.rank]
+        self.peak_live = 0
+        incoming = self._post_receive(actions[0], batches)
+        for position, action in enumerate(actions):
             key = (action.microbatch, action.chunk)
             tokens, labels = batches[action.microbatch]
             first, last = self.runner.is_first(action.chunk), self.runner.is_last(action.chunk)
-            if (action.kind == "F" and first) or (action.kind == "B" and last) or action.kind == "W":
-                self.comm.flush()  # no receive to travel with: post the queued sends now
             if action.kind == "F":
-                x = tokens if first else self.comm.receive(self._shape(tokens), self._peer(action.chunk, -1),
-                                                           ACTIVATION).requires_grad_()
+                x = tokens if incoming is None else incoming.wait().requires_grad_()
                 begin = self._now(origin)
                 with autocast():
                     out = self.runner.forward(action.chunk, x, tokens.size(1))
@@ -94,10 +99,10 @@ class PipelineRuntime:
                     _free_values(out)
                     outputs[key] = out
                 inputs[key] = None if first else x
+                self.peak_live = max(self.peak_live, len(outputs))
             elif action.kind == "B":
                 out = outputs.pop(key)
-                grad = None if last else self.comm.receive(self._shape(tokens), self._peer(action.chunk, +1),
-                                                           GRADIENT)
+                grad = None if incoming is None else incoming.wait()
                 begin = self._now(origin)
                 with self.store.capture(key) if self.store is not None else contextlib.nullcontext():
                     if last:
@@ -109,10 +114,13 @@ class PipelineRuntime:
                     self.comm.send(x.grad, self._peer(action.chunk, -1), GRADIENT)
             else:
                 begin = self._now(origin)
-                assert self.store is not None, "W operations need a weight-gradient store"
-                self.store.run(key)
+                if self.store is not None:  # (without one, B computed the weight gradients)
+                    self.store.run(key)
             if self.record:
                 self.spans.append((action, begin, self._now(origin)))
+            # this operation's sends leave now, with the next operation's receive
+            following = actions[position + 1] if position + 1 < len(actions) else None
+            incoming = self._post_receive(following, batches) if following is not None else None
         self.comm.wait_sends()
         return total
 
@@ -137,6 +145,18 @@ class PipelineRuntime:
                 self.comm.send(out, self._peer(action.chunk, +1), ACTIVATION)
         self.comm.wait_sends()
         return total / len(batches)
+
+    def _post_receive(self, action: Action, batches: list[Batch]) -> PendingReceive | None:
+        """Post the queued sends and the receive `action` needs (None if it needs none: then the
+        sends leave alone)."""
+        stage = self.runner.layout.stage(action.chunk)
+        tokens = batches[action.microbatch][0]
+        if action.kind == "F" and stage > 0:
+            return self.comm.post_receive(self._shape(tokens), self._peer(action.chunk, -1), ACTIVATION)
+        if action.kind == "B" and stage < self.runner.layout.num_stages - 1:
+            return self.comm.post_receive(self._shape(tokens), self._peer(action.chunk, +1), GRADIENT)
+        self.comm.flush()
+        return None
 
     def _now(self, origin: float) -> float:
         if self.record:
