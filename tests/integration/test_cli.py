@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["--no-progress-bar", "--no-tensorboard"]
@@ -43,6 +44,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     (["--config", "debug", "--hiden-size", "8"], "unknown flag --hiden-size; did you mean --hidden-size?"),
     (["--config", "debug", "--fp16", "--bf16"], "--fp16 and --bf16 were both given; choose one"),
     (["--config", "debug", "--nproc", "2", "--load", "."], ".: no checkpoint here"),
+    (["--config", "debug", "--num-layers", "4", "--nproc", "2", "--pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "24", "--micro-batch-size", "8"],
+     "--global-batch-size 24: the interleaved schedule needs a number of micro-batches (3) divisible by the pipeline size (2)"),
 ])
 def test_bad_settings_exit_2_with_one_line(args, expected):
     assert_one_line_error(paratron("train", *args), expected)
@@ -78,6 +82,32 @@ def test_tensor_parallel_training_then_generate(tmp_path):
     generated = paratron("generate", "--load", str(ckpt), "--prompt", "def f1", "--max-new-tokens", "5")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("def f1") and len(generated.stdout) > len("def f1")
+
+
+def test_pipeline_training_with_profile_then_generate(tmp_path):
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    result = paratron("train", "--config", "debug", "--nproc", "2", "--pipeline-model-parallel-size", "2",
+                      "--pipeline-schedule", "zb-h1", "--micro-batch-size", "2", "--global-batch-size", "8",
+                      "--train-iters", "4", "--lr-warmup-iters", "1", "--log-interval", "2", "--eval-interval", "4", "--profile-pipeline",
+                      "--run-dir", str(run), "--save", str(ckpt), *QUIET)
+    assert result.returncode == 0, result.stderr
+    assert "world 2 = TP 1 x CP 1 x DP 1 (EP 1) x PP 2" in result.stdout
+    assert "pipeline profile of step 4: bubble" in result.stdout
+    assert "rank 0 held at most 2 micro-batch activations at once" in result.stdout
+    for rank in (0, 1):
+        events = json.loads((run / f"pipeline-trace-rank{rank}.json").read_text())["traceEvents"]
+        names = {e["name"] for e in events if e.get("ph") == "X"}
+        assert names == {f"{kind}{m}" for kind in "FBW" for m in range(4)}  # 4 micro-batches: F, B and W each
+    assert (run / "pipeline-timeline.png").stat().st_size > 0
+    index = json.loads((ckpt / "iter_0000004" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["layers.0.attention.out_proj.weight"] == "model-00001-of-00002.safetensors"
+    assert index["final_norm.weight"] == "model-00002-of-00002.safetensors"
+    assert index["embedding.weight"] == "model-00001-of-00002.safetensors" and "output.weight" not in index  # tied
+
+    from paratron import load_pretrained
+
+    model = load_pretrained(ckpt)  # one device, from the two stages' files
+    assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 512)
 
 
 def test_runs_when_started_by_torchrun(tmp_path):
