@@ -24,9 +24,16 @@ MICRO_BATCHES = 4
 
 
 def _layouts(pp: int) -> list[tuple[str, dict]]:
-    """(name, parallel settings) of every schedule at this pipeline size, plus an uneven cut."""
-    cases = [(s, dict(pipeline_schedule=s)) for s in ("gpipe", "1f1b", "zb-h1")]
-    cases.append(("interleaved", dict(pipeline_schedule="interleaved", num_layers_per_virtual_pipeline_stage=8 // (2 * pp))))
+    """(name, settings) of every schedule at this pipeline size (each with activation
+    recomputation), plus 1F1B without it: with shapes sent ahead, and cut unevenly."""
+    # each schedule also recomputes activations, in one of the ways
+    cases = [("gpipe", dict(pipeline_schedule="gpipe", recompute_granularity="full", recompute_method="uniform",
+                            recompute_num_layers=2)),
+             ("1f1b", dict(pipeline_schedule="1f1b", recompute_granularity="selective")),
+             ("zb-h1", dict(pipeline_schedule="zb-h1", recompute_granularity="full", recompute_method="block",
+                            recompute_num_layers=1)),
+             ("interleaved", dict(pipeline_schedule="interleaved", num_layers_per_virtual_pipeline_stage=8 // (2 * pp),
+                                  recompute_granularity="full", recompute_method="uniform"))]
     cases.append(("1f1b-shapes-sent", dict(pipeline_schedule="1f1b", variable_seq_lengths=True)))
     # uneven: 3 + 5 layers at PP 2; 1 + 3 + 3 + 1 at PP 4
     cases.append(("1f1b-uneven", dict(decoder_first_pipeline_num_layers=3) if pp == 2 else

@@ -54,9 +54,10 @@ def test_megatron_flag_names_map_onto_the_config():
     assert m.untie_embeddings_and_output_weights and not m.add_bias_linear
     assert (m.position_embedding_type, m.normalization, m.activation) == ("rope", "RMSNorm", "swiglu")
     assert parse(["--fp16"]).training.precision == "fp16"
+    assert parse(["--recompute-activations"]).training.recompute_granularity == "selective"
 
 
-@pytest.mark.parametrize("flag", ["--context-parallel-size", "--use-distributed-optimizer", "--recompute-granularity"])
+@pytest.mark.parametrize("flag", ["--context-parallel-size", "--use-distributed-optimizer", "--overlap-grad-reduce"])
 def test_unsupported_megatron_flags_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
         parse([flag, "full"])
@@ -126,6 +127,10 @@ def base(**overrides):
     (dict(num_layers=8, virtual_pipeline_model_parallel_size=2), 1, "virtual pipeline stages need --pipeline-model-parallel-size above 1"),
     (dict(num_layers=8, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, global_batch_size=6, micro_batch_size=1), 4, "--global-batch-size 6: the interleaved schedule needs a number of micro-batches (6) divisible by the pipeline size (4)"),
     (dict(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2), 2, "cannot be combined with virtual pipeline stages"),
+    (dict(recompute_granularity="full"), 1, "--recompute-granularity full needs --recompute-method uniform or block"),
+    (dict(recompute_method="uniform"), 1, "--recompute-method and --recompute-num-layers apply to --recompute-granularity full"),
+    (dict(recompute_granularity="full", recompute_method="block"), 1, "--recompute-method block needs --recompute-num-layers"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0), 1, "--recompute-num-layers 0: must be at least 1"),
     (dict(global_batch_size=12, micro_batch_size=4), 2, "--global-batch-size 12 is not divisible by --micro-batch-size 4 x data-parallel size 2; use a multiple of 8"),
     (dict(seq_length=2048, max_position_embeddings=1024), 1, "--seq-length 2048 exceeds --max-position-embeddings 1024"),
     (dict(hidden_size=0), 1, "--hidden-size 0: must be at least 1"),

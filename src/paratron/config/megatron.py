@@ -17,6 +17,8 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
     "bf16": ("precision", "bf16", "Train in bf16 mixed precision (sets --precision bf16)."),
     "swiglu": ("activation", "swiglu", "Use the SwiGLU MLP (sets --activation swiglu)."),
     "disable_bias_linear": ("add_bias_linear", False, "Linear layers without biases (sets --no-add-bias-linear)."),
+    "recompute_activations": ("recompute_granularity", "selective",
+                             "Recompute the attention core in backward (sets --recompute-granularity selective)."),
     "group_query_attention": (
         "num_query_groups",
         None,
@@ -36,8 +38,8 @@ UNSUPPORTED: frozenset[str] = frozenset(
     context-parallel-size expert-model-parallel-size num-experts
     pipeline-model-parallel-split-rank
     use-distributed-optimizer overlap-grad-reduce overlap-param-gather ddp-bucket-size
-    accumulate-allreduce-grads-in-fp32 recompute-granularity recompute-method recompute-num-layers
-    recompute-activations distribute-saved-activations loss-scale initial-loss-scale min-loss-scale
+    accumulate-allreduce-grads-in-fp32
+    distribute-saved-activations loss-scale initial-loss-scale min-loss-scale
     loss-scale-window hysteresis fp8-format fp8 use-flash-attn transformer-impl attention-backend
     exit-signal-handler exit-duration-in-mins exit-interval async-save ckpt-format use-dist-ckpt
     no-load-rng auto-detect-ckpt-format tensorboard-dir wandb-project

@@ -239,6 +239,15 @@ class TrainingConfig:
     eval_iters: int = 10
     """Global batches per evaluation."""
 
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Recompute activations in backward instead of keeping them: full (whole layers, see --recompute-method) or selective (the attention core only)."""
+
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With full recomputation: uniform (layers in groups of --recompute-num-layers, only each group's input kept) or block (only the first --recompute-num-layers layers of each pipeline chunk recomputed)."""
+
+    recompute_num_layers: Optional[int] = None
+    """Layers per recomputed group (uniform) or recomputed layers per pipeline chunk (block); default 1 for uniform."""
+
 
 @dataclass
 class CheckpointConfig:

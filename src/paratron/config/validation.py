@@ -62,6 +62,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
         (p.virtual_pipeline_model_parallel_size, "--virtual-pipeline-model-parallel-size"),
         (p.decoder_first_pipeline_num_layers, "--decoder-first-pipeline-num-layers"),
         (p.decoder_last_pipeline_num_layers, "--decoder-last-pipeline-num-layers"),
+        (t.recompute_num_layers, "--recompute-num-layers"),
         (d.seq_length, "--seq-length"), (t.micro_batch_size, "--micro-batch-size"),
         (t.global_batch_size, "--global-batch-size"), (t.train_iters, "--train-iters"),
         (t.eval_interval, "--eval-interval"), (lg.log_interval, "--log-interval"),
@@ -119,6 +120,13 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                           f"{t.micro_batch_size} x data-parallel size {dp}; use a multiple of {t.micro_batch_size * dp}")
+    if t.recompute_granularity == "full" and t.recompute_method is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
+    if t.recompute_granularity != "full" and (t.recompute_method is not None or t.recompute_num_layers is not None):
+        raise ConfigError("--recompute-method and --recompute-num-layers apply to --recompute-granularity full; "
+                          "add it or drop them")
+    if t.recompute_method == "block" and t.recompute_num_layers is None:
+        raise ConfigError("--recompute-method block needs --recompute-num-layers (layers per pipeline chunk)")
     from paratron.parallel.pipeline.stage import plan_pipeline  # (here: parallel/ imports config/)
 
     plan_pipeline(config, dp)

@@ -1,6 +1,6 @@
 """The one ordered transform from a plain model on the meta device to this rank's parallel model.
 
-Order (as in torchtitan): tensor/sequence parallelism -> (activation recomputation) ->
+Order (as in torchtitan): tensor/sequence parallelism -> activation recomputation ->
 pipeline stage split -> weights materialized and initialized -> data parallelism.
 Weights are created only after the layout is known, each rank initializing just its slice
 of every single-device tensor, from the seed and the tensor's name: every layout starts
@@ -25,6 +25,7 @@ from paratron.parallel.pipeline.runtime import PipelineRuntime
 from paratron.parallel.pipeline.schedules import build_schedule
 from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stage, plan_pipeline, stage_ranges
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
+from paratron.parallel.recompute import apply_recompute
 from paratron.parallel.sharding import full_shape, shard_of, take_slice
 from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
@@ -46,6 +47,9 @@ def parallelize(model: GPT, config: Config, topology: Topology, device: torch.de
         apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
         vocab_start = shard_of(model.output.weight).start
         loss_function = partial(_vocab_parallel_loss, vocab_start=vocab_start, group=tp.group)
+    t = config.training
+    if t.recompute_granularity is not None:
+        apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     pipeline = None
     if topology.size("pp") > 1:
         pipeline = _split_pipeline(model, config, topology, device, loss_function)
