@@ -201,12 +201,14 @@ def cmd_schedule(argv: list[str]) -> int:
     theory = theoretical_bubble(name, pp, m, v)
     formula = {"interleaved": "((p-1)/v)/(m+(p-1)/v)", "zb-h1": "(p-1)/(3m+p-1)"}.get(name, "(p-1)/(m+p-1)")
     caveat = ", which assumes m >= p" if name == "zb-h1" and m < pp else ""
+    v = schedule.chunks
     chunks = f", {v} chunks per rank" if v > 1 else ""
     held = "micro-batch activations" if v == 1 else f"micro-batch chunk activations (1/{v} of a stage's each)"
     if args.show:
         print(schedule)
+    against = "no closed form" if name == "zb-v" else f"theory {formula} = {theory:.1%}{caveat}"
     print(f"{name}: pp {pp}, {m} micro-batches{chunks}: bubble {timeline.bubble_fraction():.1%} of the step "
-          f"(theory {formula} = {theory:.1%}{caveat}); peak live {held} per rank: "
+          f"({against}); peak live {held} per rank: "
           + " ".join(map(str, peak_live_activations(schedule))))
     output = args.output or Path(f"schedule-{name}-pp{pp}-m{m}" + (f"-v{v}" if v > 1 else "") + ".png")
     title = f"{name} schedule: pp {pp}, {m} micro-batches{chunks}; bubble {timeline.bubble_fraction():.1%}"

@@ -33,7 +33,8 @@ def _layouts(pp: int) -> list[tuple[str, dict]]:
              ("zb-h1", dict(pipeline_schedule="zb-h1", recompute_granularity="full", recompute_method="block",
                             recompute_num_layers=1)),
              ("interleaved", dict(pipeline_schedule="interleaved", num_layers_per_virtual_pipeline_stage=8 // (2 * pp),
-                                  recompute_granularity="full", recompute_method="uniform"))]
+                                  recompute_granularity="full", recompute_method="uniform")),
+             ("zb-v", dict(pipeline_schedule="zb-v", recompute_granularity="selective"))]
     cases.append(("1f1b-shapes-sent", dict(pipeline_schedule="1f1b", variable_seq_lengths=True)))
     # uneven: 3 + 5 layers at PP 2; 1 + 3 + 3 + 1 at PP 4
     cases.append(("1f1b-uneven", dict(decoder_first_pipeline_num_layers=3) if pp == 2 else

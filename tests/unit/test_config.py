@@ -127,6 +127,8 @@ def base(**overrides):
     (dict(num_layers=8, virtual_pipeline_model_parallel_size=2), 1, "virtual pipeline stages need --pipeline-model-parallel-size above 1"),
     (dict(num_layers=8, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, global_batch_size=6, micro_batch_size=1), 4, "--global-batch-size 6: the interleaved schedule needs a number of micro-batches (6) divisible by the pipeline size (4)"),
     (dict(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2), 2, "cannot be combined with virtual pipeline stages"),
+    (dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_schedule="zb-v", num_layers_per_virtual_pipeline_stage=1), 2, "--pipeline-schedule zb-v places two chunks per rank itself"),
+    (dict(num_layers=6, pipeline_model_parallel_size=2, pipeline_schedule="zb-v"), 2, "--num-layers 6 with --pipeline-model-parallel-size 2 x 2 virtual stages: 6 layers do not split evenly into 4 stages"),
     (dict(recompute_granularity="full"), 1, "--recompute-granularity full needs --recompute-method uniform or block"),
     (dict(recompute_method="uniform"), 1, "--recompute-method and --recompute-num-layers apply to --recompute-granularity full"),
     (dict(recompute_granularity="full", recompute_method="block"), 1, "--recompute-method block needs --recompute-num-layers"),

@@ -20,6 +20,8 @@ def grid(name: str, pp: int) -> list[tuple[int, int]]:
     """(micro-batches, chunks) the schedule accepts at this pipeline size."""
     if name == "interleaved":
         return [(m, v) for m in MICROBATCHES if m % pp == 0 for v in (1, 2, 3)]
+    if name == "zb-v":
+        return [(m, 2) for m in MICROBATCHES]  # always two chunks per rank, in a V
     return [(m, 1) for m in MICROBATCHES]
 
 
@@ -30,7 +32,7 @@ def bubble(name: str, pp: int, m: int, v: int = 1) -> float:
 @pytest.mark.parametrize("pp", PIPELINE_SIZES)
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_every_rank_runs_every_operation_once_without_deadlock(name, pp):
-    kinds = "FBW" if name == "zb-h1" else "FB"
+    kinds = "FBW" if name.startswith("zb-") else "FB"
     for m, v in grid(name, pp):
         schedule = build_schedule(name, pp, m, v)
         timeline = simulate(schedule)
@@ -66,6 +68,25 @@ def test_closed_forms_at_known_points():
 def test_zero_bubble_beats_1f1b(pp):
     for m in range(pp, 17):
         assert bubble("zb-h1", pp, m) < bubble("1f1b", pp, m), (pp, m)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_zb_v_beats_zb_h1_with_1f1b_memory(pp):
+    """ZB-V's V of two chunks per rank leaves less bubble than ZB-H1 once micro-batches reach
+    twice the stages (as little at an odd pipeline size), and holds at most 2 pp half-stage
+    chunks on every rank (1F1B's first rank)."""
+    for m in range(2 * pp, 17):
+        if pp % 2:
+            assert bubble("zb-v", pp, m) <= bubble("zb-h1", pp, m) + 1e-12, (pp, m)
+        else:
+            assert bubble("zb-v", pp, m) < bubble("zb-h1", pp, m), (pp, m)
+        assert max(peak_live_activations(build_schedule("zb-v", pp, m))) <= 2 * pp
+
+
+def test_zb_v_places_chunks_as_a_v():
+    schedule = build_schedule("zb-v", 4, 8)
+    assert [schedule.stage(r, c) for r in range(4) for c in (0, 1)] == [0, 7, 1, 6, 2, 5, 3, 4]
+    assert all(schedule.place(schedule.stage(r, c)) == (r, c) for r in range(4) for c in (0, 1))
 
 
 @pytest.mark.parametrize("pp", PIPELINE_SIZES)

@@ -90,8 +90,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel degree: ranks the layers are cut across."""
 
-    pipeline_schedule: Optional[Literal["1f1b", "gpipe", "interleaved", "zb-h1"]] = None
-    """Pipeline schedule: 1f1b (the default), gpipe (all forwards, then all backwards), interleaved (1F1B over virtual stages; the default when they are set) or zb-h1 (zero-bubble: weight gradients deferred into the bubble)."""
+    pipeline_schedule: Optional[Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"]] = None
+    """Pipeline schedule: 1f1b (the default), gpipe (all forwards, then all backwards), interleaved (1F1B over virtual stages; the default when they are set), zb-h1 (zero bubble: weight gradients deferred into the bubble) or zb-v (zero bubble over two chunks per rank placed as a V)."""
 
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Layers per virtual stage: each pipeline rank runs several non-adjacent chunks of this many layers (interleaved schedule)."""

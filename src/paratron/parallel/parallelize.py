@@ -63,11 +63,12 @@ def _split_pipeline(model: GPT, config: Config, topology: Topology, device: torc
     """Keep this rank's stages of `model` (still on meta) and build the runtime that runs them."""
     plan = plan_pipeline(config, topology.size("dp"))
     pp = topology.size("pp")
-    layout = StageLayout(pp, plan.chunks, topology.local_rank("pp"), stage_ranges(plan.counts))
-    keep_stage(model, layout, topology.group("embedding"))
     schedule = build_schedule(plan.schedule, pp, plan.microbatches, plan.chunks)
+    layout = StageLayout(pp, plan.chunks, topology.local_rank("pp"), stage_ranges(plan.counts), schedule.v_shape)
+    keep_stage(model, layout, topology.group("embedding"))
     store = None
-    if schedule.split_backward and layout.rank > 0:  # (the first stage sends no input gradient: nothing to hurry)
+    # (a rank that runs only the first stage sends no input gradient: nothing to hurry)
+    if schedule.split_backward and (layout.rank > 0 or layout.chunks > 1):
         store = WeightGradStore()
         defer_weight_gradients([model.layers[i] for i in sorted(layout.my_layers())], store)
     # gradients travel in a group of their own, so each kind keeps its order between two ranks

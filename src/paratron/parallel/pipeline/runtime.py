@@ -50,6 +50,7 @@ class PipelineRuntime:
         """Operation times (ms from the step's start) of the last step run with `record` set."""
         self.peak_live = 0
         """The most micro-batch chunks whose activations this rank held at once in the last step."""
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}  # tensors for this rank's own next stage
 
     @property
     def is_last_rank(self) -> bool:
@@ -95,7 +96,7 @@ class PipelineRuntime:
                     total += loss.detach()
                     outputs[key] = loss
                 else:
-                    self.comm.send(out, self._peer(action.chunk, +1), ACTIVATION)
+                    self._send(out, action, +1, ACTIVATION)
                     _free_values(out)
                     outputs[key] = out
                 inputs[key] = None if first else x
@@ -111,7 +112,7 @@ class PipelineRuntime:
                         _backward_through(out, grad)
                 x = inputs.pop(key)
                 if x is not None:
-                    self.comm.send(x.grad, self._peer(action.chunk, -1), GRADIENT)
+                    self._send(x.grad, action, -1, GRADIENT)
             else:
                 begin = self._now(origin)
                 if self.store is not None:  # (without one, B computed the weight gradients)
@@ -136,13 +137,13 @@ class PipelineRuntime:
             first, last = self.runner.is_first(action.chunk), self.runner.is_last(action.chunk)
             if first:
                 self.comm.flush()
-            x = tokens if first else self.comm.receive(self._shape(tokens), self._peer(action.chunk, -1), ACTIVATION)
+            x = tokens if first else self._post_receive(action, batches).wait()
             with autocast():
                 out = self.runner.forward(action.chunk, x, tokens.size(1))
             if last:
                 total += self.loss_function(out, labels)
             else:
-                self.comm.send(out, self._peer(action.chunk, +1), ACTIVATION)
+                self._send(out, action, +1, ACTIVATION)
         self.comm.wait_sends()
         return total / len(batches)
 
@@ -151,12 +152,25 @@ class PipelineRuntime:
         sends leave alone)."""
         stage = self.runner.layout.stage(action.chunk)
         tokens = batches[action.microbatch][0]
+        need = None
         if action.kind == "F" and stage > 0:
-            return self.comm.post_receive(self._shape(tokens), self._peer(action.chunk, -1), ACTIVATION)
-        if action.kind == "B" and stage < self.runner.layout.num_stages - 1:
-            return self.comm.post_receive(self._shape(tokens), self._peer(action.chunk, +1), GRADIENT)
-        self.comm.flush()
-        return None
+            need = (-1, ACTIVATION)
+        elif action.kind == "B" and stage < self.runner.layout.num_stages - 1:
+            need = (+1, GRADIENT)
+        if need is None or self._peer(action.chunk, need[0]) == self.pp_ranks[self.rank]:
+            self.comm.flush()
+            return None if need is None else _Handed(self._local, (need[1], action.microbatch, stage))
+        return self.comm.post_receive(self._shape(tokens), self._peer(action.chunk, need[0]), need[1])
+
+    def _send(self, tensor: torch.Tensor, action: Action, offset: int, kind: str) -> None:
+        """To the neighbouring stage: through the network, or by hand when this rank runs it too
+        (the bend of ZB-V's V)."""
+        peer = self._peer(action.chunk, offset)
+        if peer == self.pp_ranks[self.rank]:
+            stage = self.runner.layout.stage(action.chunk) + offset
+            self._local[(kind, action.microbatch, stage)] = tensor.detach()
+        else:
+            self.comm.send(tensor, peer, kind)
 
     def _now(self, origin: float) -> float:
         if self.record:
@@ -176,3 +190,13 @@ def _backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
     Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
         (output,), (grad,), keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
         accumulate_grad=True)
+
+
+class _Handed:
+    """A 'receive' from this rank's own other chunk: the tensor is already here when needed."""
+
+    def __init__(self, mailbox: dict, key: tuple[str, int, int]) -> None:
+        self.mailbox, self.key = mailbox, key
+
+    def wait(self) -> torch.Tensor:
+        return self.mailbox.pop(self.key)

@@ -11,7 +11,9 @@ Operations, per micro-batch `m` and model chunk `c` of this rank:
     W(m, c)   the weight gradients of B(m, c), deferred to fill the bubble
 
 Chunk c on rank r is model stage `c * pp + r` (Megatron's interleaved layout; one chunk per
-rank unless virtual stages are asked for). Communication follows from the data dependencies:
+rank unless virtual stages are asked for), except under ZB-V, whose two chunks per rank form
+a V: rank r holds stages r and 2 pp - 1 - r, so the first rank holds the first and the last
+stage and the middle two stages sit on the last rank. Communication follows from the data dependencies:
 the runtime receives a stage's input before F and its output gradient before B, and sends as
 soon as they are produced.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 Kind = Literal["F", "B", "W"]
 
@@ -46,16 +48,20 @@ class Schedule:
     split_backward: bool = False
     """B computes input gradients only and W the weight gradients."""
     ranks: list[list[Action]] = field(default_factory=list)
+    v_shape: bool = False
+    """Two chunks per rank placed as a V (ZB-V) rather than interleaved."""
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.chunks
 
     def stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.pp + rank
+        return stage_of(rank, chunk, self.pp, self.v_shape)
 
     def place(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) holding model stage `stage`."""
+        if self.v_shape:
+            return (stage, 0) if stage < self.pp else (2 * self.pp - 1 - stage, 1)
         return stage % self.pp, stage // self.pp
 
     def __str__(self) -> str:
@@ -64,12 +70,25 @@ class Schedule:
                          for r, actions in enumerate(self.ranks))
 
 
+def stage_of(rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
+    """Model stage of chunk `chunk` on pipeline rank `rank`."""
+    if v_shape:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
 def build_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """The operation lists of every rank for `name` (one of SCHEDULES)."""
+    """The operation lists of every rank for `name` (one of SCHEDULES). ZB-V always runs two
+    chunks per rank (`chunks` 1 is taken to mean that)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if pp < 1 or microbatches < 1 or chunks < 1:
         raise ValueError("pipeline size, micro-batches and chunks must be positive")
+    if name == "zb-v":
+        if chunks not in (1, 2):
+            raise ValueError("the zb-v schedule runs exactly two chunks per rank")
+        return Schedule(name, pp, microbatches, 2, split_backward=True, ranks=_zero_bubble_v(pp, microbatches),
+                        v_shape=True)
     if name != "interleaved" and chunks != 1:
         raise ValueError(f"the {name} schedule runs one model chunk per rank; virtual stages need 'interleaved'")
     if name == "interleaved" and microbatches % pp:
@@ -166,6 +185,51 @@ def _zero_bubble_h1(pp: int, m: int) -> list[list[Action]]:
         free[rank] = start + 1.0
         done[(kind, mb, rank)] = free[rank]
         lists[rank].append(Action(kind, mb))  # type: ignore[arg-type]
+    return lists
+
+
+def _zero_bubble_v(pp: int, m: int) -> list[list[Action]]:
+    """ZB-V (Qi et al., 2024): two chunks per rank in a V, backward split into B and W.
+    Generated like ZB-H1 by simulating equal F, B and W costs (half a stage's each): B first
+    whenever ready (the later chunk first), then forwards while the rank holds fewer than
+    2 x pp chunk activations (1F1B's first-rank memory, now on every rank), W when nothing
+    else can run or when more than pp weight gradients wait."""
+    stages = 2 * pp
+    done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, stage) -> finish time
+    lists: list[list[Action]] = [[] for _ in range(pp)]
+    counts = [{(kind, chunk): 0 for kind in "FBW" for chunk in (0, 1)} for _ in range(pp)]
+    free = [0.0] * pp
+
+    def ready(rank: int, kind: str, mb: int, chunk: int) -> float | None:
+        stage = stage_of(rank, chunk, pp, v_shape=True)
+        if kind == "F":
+            return 0.0 if stage == 0 else done.get(("F", mb, stage - 1))
+        if kind == "B":
+            own = done.get(("F", mb, stage))
+            after = own if stage == stages - 1 else done.get(("B", mb, stage + 1))
+            return None if own is None or after is None else max(own, after)
+        return done.get(("B", mb, stage))
+
+    while any(c[("W", chunk)] < m for c in counts for chunk in (0, 1)):
+        best: tuple[tuple[float, int, int], str, int, int] | None = None
+        for rank in range(pp):
+            c = counts[rank]
+            held = sum(c[("F", chunk)] - c[("W", chunk)] for chunk in (0, 1))
+            deferred = sum(c[("B", chunk)] - c[("W", chunk)] for chunk in (0, 1))
+            options = [("B", c[("B", chunk)], chunk, 0) for chunk in (1, 0) if c[("B", chunk)] < c[("F", chunk)]]
+            options += [("F", c[("F", chunk)], chunk, 1) for chunk in (1, 0) if c[("F", chunk)] < m and held < 2 * pp]
+            options += [("W", c[("W", chunk)], chunk, 2 if deferred <= pp else -1)
+                        for chunk in (1, 0) if c[("W", chunk)] < c[("B", chunk)]]
+            for kind, mb, chunk, priority in options:
+                at = ready(rank, kind, mb, chunk)
+                if at is not None and (best is None or (max(at, free[rank]), priority, rank) < best[0]):
+                    best = ((max(at, free[rank]), priority, rank), kind, mb, chunk)
+        assert best is not None, "zero-bubble generation stalled"
+        (start, _, rank), kind, mb, chunk = best
+        counts[rank][(kind, chunk)] += 1
+        free[rank] = start + 0.5
+        done[(kind, mb, stage_of(rank, chunk, pp, v_shape=True))] = free[rank]
+        lists[rank].append(Action(kind, mb, chunk))  # type: ignore[arg-type]
     return lists
 
 
@@ -266,8 +330,10 @@ def peak_live_activations(schedule: Schedule) -> list[int]:
 def theoretical_bubble(name: str, pp: int, microbatches: int, chunks: int = 1) -> float:
     """Bubble share of the step time with forward 1 and backward 2: (p-1)/(m+p-1) for GPipe and
     1F1B; (p-1)/v over m + (p-1)/v for interleaved; ZB-H1's (p-1)/3 of one forward-backward,
-    (p-1)/(3m+p-1)."""
+    (p-1)/(3m+p-1); none (NaN) for ZB-V."""
     p, m, v = pp, microbatches, chunks
+    if name == "zb-v":
+        return float("nan")  # no closed form: near zero once micro-batches fill the V
     if name == "interleaved":
         return ((p - 1) / v) / (m + (p - 1) / v)
     if name == "zb-h1":

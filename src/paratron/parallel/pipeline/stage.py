@@ -1,7 +1,7 @@
 """Cutting the model into pipeline stages, and running this rank's chunks of it.
 
 The model is cut into pp x chunks consecutive stages of whole layers; chunk c of pipeline
-rank r is stage c x pp + r. The first stage also holds the embeddings; the last holds the
+rank r is stage c x pp + r (under ZB-V: stage r, then stage 2 pp - 1 - r). The first stage also holds the embeddings; the last holds the
 final norm, the output layer and the loss. This rank keeps the single-device `GPT` object
 with every piece it does not hold set to None, so its parameters keep their single-device
 names (initialization, checkpoints and gradient norms read names).
@@ -21,7 +21,7 @@ import torch
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
 from paratron.model.gpt import GPT
-from paratron.parallel.pipeline.schedules import build_schedule
+from paratron.parallel.pipeline.schedules import build_schedule, stage_of
 from paratron.parallel.sharding import set_partial_grad
 
 
@@ -86,9 +86,14 @@ def plan_pipeline(config: Config, dp: int) -> PipelinePlan:
     if chunks < 1:
         raise ConfigError(f"--virtual-pipeline-model-parallel-size {chunks}: must be at least 1")
     schedule = p.pipeline_schedule or ("interleaved" if chunks > 1 else "1f1b")
+    if schedule == "zb-v" and pp > 1:
+        if per_chunk is not None or virtual not in (None, 2):
+            raise ConfigError("--pipeline-schedule zb-v places two chunks per rank itself; drop "
+                              "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
+        chunks = 2
     if chunks > 1 and pp == 1:
         raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size above 1")
-    if chunks > 1 and schedule != "interleaved":
+    if chunks > 1 and schedule not in ("interleaved", "zb-v"):
         raise ConfigError(f"--pipeline-schedule {schedule} runs one chunk per rank; use --pipeline-schedule "
                           "interleaved with virtual pipeline stages, or drop them")
     if schedule == "interleaved" and chunks == 1 and pp > 1:
@@ -97,7 +102,7 @@ def plan_pipeline(config: Config, dp: int) -> PipelinePlan:
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if chunks > 1 and (first is not None or last is not None):
         raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be combined with virtual pipeline "
-                          "stages; drop one")
+                          "stages or zb-v; drop one")
     try:
         counts = layer_counts(m.num_layers, pp * chunks, first if pp > 1 else None, last if pp > 1 else None)
     except ValueError as exc:
@@ -124,13 +129,15 @@ class StageLayout:
     rank: int
     ranges: list[range]
     """Layer numbers of every model stage."""
+    v_shape: bool = False
+    """Chunks placed as a V (ZB-V): rank r runs stages r and 2 pp - 1 - r."""
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.chunks
 
     def stage(self, chunk: int) -> int:
-        return chunk * self.pp + self.rank
+        return stage_of(self.rank, chunk, self.pp, self.v_shape)
 
     def my_layers(self) -> set[int]:
         return {i for c in range(self.chunks) for i in self.ranges[self.stage(c)]}
@@ -161,7 +168,7 @@ def keep_stage(model: GPT, layout: StageLayout, embedding_group=None) -> GPT:
     if not layout.holds_last:
         model.final_norm = None  # type: ignore[assignment]
         model.output = None  # type: ignore[assignment]
-    if model.tied and layout.pp > 1 and (layout.holds_first or layout.holds_last):
+    if model.tied and (layout.holds_first != layout.holds_last):  # the two ends on different ranks
         weight = model.embedding.weight
         set_partial_grad(weight, embedding_group)
         if not layout.holds_first:
