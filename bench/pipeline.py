@@ -13,6 +13,7 @@ three pairings:
     paratron 1f1b                      vs  torch Schedule1F1B
     paratron interleaved, 2 chunks     vs  torch ScheduleInterleaved1F1B, 2 stages per rank
     paratron zb-h1                     vs  torch ScheduleInterleavedZeroBubble, 1 stage per rank
+    paratron zb-v, 2 chunks in a V     vs  torch ScheduleZBVZeroBubble, 2 stages per rank in a V
 
 Chunk c of rank r is model stage c * pp + r on both sides. PyTorch has no schedule named
 ZB-H1; its `ScheduleInterleavedZeroBubble` (the paper's ZB1P) accepts a single stage per rank,
@@ -28,7 +29,7 @@ median round is reported), records one paratron step with `pipeline.record` set 
 bubble (beside the schedule's theoretical and simulated bubble and its peak of live activations
 per rank), and finally runs one more torch step and compares the two sides' loss and every
 gradient, gathered by parameter name (relative to torch's largest magnitude).
-Results merge into `--output` under the key `pp<N>`.
+Results merge into `--output` under the key `pp<N>`, pairing by pairing.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ PAIRINGS = (
     ("1f1b", "Schedule1F1B"),
     ("interleaved", "ScheduleInterleaved1F1B"),
     ("zb-h1", "ScheduleInterleavedZeroBubble"),
+    ("zb-v", "ScheduleZBVZeroBubble"),
 )
 
 
@@ -116,6 +118,8 @@ def _torch_pipeline(config: Config, reference: nn.Module, schedule_class: str, s
     modules, stages = [], []
     for c in range(stages_per_rank):
         index = c * pp + rank
+        if schedule_class == "ScheduleZBVZeroBubble":  # rank r holds stages r and 2 pp - 1 - r
+            index = rank if c == 0 else 2 * pp - 1 - rank
         module = TorchStage(reference, ranges[index], index == 0, index == num_stages - 1)
         modules.append(module)
         stages.append(pipelining.PipelineStage(module, index, num_stages, torch.device("cpu")))
@@ -236,9 +240,9 @@ def _pairing(args: dict, topology: Any, name: str, schedule_class: str,
     ours = parallelize(meta, config, topology, torch.device("cpu"))
     chunks = ours.pipeline.schedule.chunks
     reference = build_model(config.model, seed=config.training.seed)
-    torch_stages = 2 if name == "interleaved" else (args["torch_zb_stages"] if name == "zb-h1" else 1)
+    torch_stages = 2 if name in ("interleaved", "zb-v") else (args["torch_zb_stages"] if name == "zb-h1" else 1)
     theirs, modules = _torch_pipeline(config, reference, schedule_class, torch_stages, rank, pp, m)
-    holds_first, holds_last = rank == 0, rank == pp - 1
+    holds_first, holds_last = rank == 0, rank == (0 if name == "zb-v" else pp - 1)
     torch_losses: list[torch.Tensor] = []
 
     def paratron_step() -> torch.Tensor:
@@ -412,7 +416,7 @@ def main() -> None:
     print(table(args.pp, results), flush=True)
     if args.output:
         merged = json.loads(args.output.read_text()) if args.output.exists() else {}
-        merged[f"pp{args.pp}"] = results
+        merged[f"pp{args.pp}"] = {**merged.get(f"pp{args.pp}", {}), **results}  # (--only keeps the other pairings)
         args.output.write_text(json.dumps(merged, indent=2))
 
 

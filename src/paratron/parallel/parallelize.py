@@ -67,10 +67,12 @@ def _split_pipeline(model: GPT, config: Config, topology: Topology, device: torc
     layout = StageLayout(pp, plan.chunks, topology.local_rank("pp"), stage_ranges(plan.counts), schedule.v_shape)
     keep_stage(model, layout, topology.group("embedding"))
     store = None
-    # (a rank that runs only the first stage sends no input gradient: nothing to hurry)
-    if schedule.split_backward and (layout.rank > 0 or layout.chunks > 1):
-        store = WeightGradStore()
-        defer_weight_gradients([model.layers[i] for i in sorted(layout.my_layers())], store)
+    if schedule.split_backward:
+        # the first stage sends no input gradient back: nothing to hurry, so it keeps a whole backward
+        deferred = [i for c in range(layout.chunks) if layout.stage(c) > 0 for i in layout.ranges[layout.stage(c)]]
+        if deferred:
+            store = WeightGradStore()
+            defer_weight_gradients([model.layers[i] for i in deferred], store)
     # gradients travel in a group of their own, so each kind keeps its order between two ranks
     groups = {ACTIVATION: topology.group("pp"), GRADIENT: topology.create_subgroups("pp", pp)}
     comm = StageComm(groups, next(model.parameters()).dtype, device, config.parallel.variable_seq_lengths)
