@@ -39,7 +39,7 @@ class DataParallel(nn.Module):
         self.group, self.size = group, size
         self.loss_function = loss_function
         self.tp_group, self.tp_size = tp_group, tp_size
-        self.model_group = model_group if model_group is not None else tp_group
+        self.model_group = model_group
         self.rng_states = rng_states  # named generators of tensor-parallel regions (checkpointed)
         self.pipeline = pipeline  # parallel/pipeline/runtime.PipelineRuntime, or None
         params = [p for p in module.parameters() if p.requires_grad]

@@ -22,7 +22,6 @@ from paratron.distributed.init import synchronize
 from paratron.parallel.data import DataParallel
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
 from paratron.parallel.pipeline.runtime import PipelineRuntime
-from paratron.parallel.pipeline.schedules import build_schedule
 from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stage, plan_pipeline, stage_ranges
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
 from paratron.parallel.recompute import apply_recompute
@@ -62,9 +61,10 @@ def _split_pipeline(model: GPT, config: Config, topology: Topology, device: torc
                     loss_function) -> PipelineRuntime:
     """Keep this rank's stages of `model` (still on meta) and build the runtime that runs them."""
     plan = plan_pipeline(config, topology.size("dp"))
-    pp = topology.size("pp")
-    schedule = build_schedule(plan.schedule, pp, plan.microbatches, plan.chunks)
-    layout = StageLayout(pp, plan.chunks, topology.local_rank("pp"), stage_ranges(plan.counts), schedule.v_shape)
+    schedule = plan.schedule
+    assert schedule is not None
+    pp = schedule.pp
+    layout = StageLayout(pp, schedule.chunks, topology.local_rank("pp"), stage_ranges(plan.counts), schedule.v_shape)
     keep_stage(model, layout, topology.group("embedding"))
     store = None
     if schedule.split_backward:

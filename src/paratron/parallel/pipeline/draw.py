@@ -12,9 +12,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from paratron.parallel.pipeline.schedules import Action
-
-Span = tuple[Action, float, float]
+from paratron.parallel.pipeline.schedules import Span
 
 _COLOURS = {"F": "#3b75af", "B": "#e1812c", "W": "#3a923a"}
 _NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}

@@ -41,10 +41,6 @@ class StageComm:
             self._queued.append(dist.P2POp(dist.isend, shape, peer, self.groups[kind]))
         self._queued.append(dist.P2POp(dist.isend, tensor, peer, self.groups[kind]))
 
-    def receive(self, shape: tuple[int, ...], peer: int, kind: str) -> torch.Tensor:
-        """Post the queued sends with this receive; wait for the receive only."""
-        return self.post_receive(shape, peer, kind).wait()
-
     def post_receive(self, shape: tuple[int, ...], peer: int, kind: str) -> "PendingReceive":
         """Post the queued sends and a receive without waiting for it, so the transfer overlaps
         whatever this rank computes before it needs the tensor. (With variable shapes the shape

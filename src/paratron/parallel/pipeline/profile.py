@@ -13,7 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from paratron.parallel.pipeline.draw import Span, draw_timeline, write_chrome_trace
+from paratron.parallel.pipeline.draw import draw_timeline, write_chrome_trace
+from paratron.parallel.pipeline.schedules import Span
 
 
 def measured_bubble(spans: list[list[Span]]) -> float:

@@ -24,12 +24,11 @@ import torch
 from torch.autograd import Variable
 
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, PendingReceive, StageComm
-from paratron.parallel.pipeline.schedules import Action, Schedule
+from paratron.parallel.pipeline.schedules import Action, Schedule, Span
 from paratron.parallel.pipeline.stage import StageRunner
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-Span = tuple[Action, float, float]
 
 
 class PipelineRuntime:
@@ -52,10 +51,6 @@ class PipelineRuntime:
         """The most micro-batch chunks whose activations this rank held at once in the last step."""
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}  # tensors for this rank's own next stage
 
-    @property
-    def is_last_rank(self) -> bool:
-        return self.runner.layout.holds_last
-
     def _peer(self, chunk: int, offset: int) -> int:
         rank, _ = self.schedule.place(self.runner.layout.stage(chunk) + offset)
         return self.pp_ranks[rank]
@@ -77,7 +72,8 @@ class PipelineRuntime:
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         total = torch.zeros((), device=batches[0][0].device)
         self.spans = []
-        self.synchronize()
+        if self.record:
+            self.synchronize()  # (only then: a device sync in every step would cost time)
         origin = time.perf_counter()
         actions = self.schedule.ranks[self.rank]
         self.peak_live = 0
@@ -134,13 +130,11 @@ class PipelineRuntime:
             if action.kind != "F":
                 continue
             tokens, labels = batches[action.microbatch]
-            first, last = self.runner.is_first(action.chunk), self.runner.is_last(action.chunk)
-            if first:
-                self.comm.flush()
-            x = tokens if first else self._post_receive(action, batches).wait()
+            incoming = self._post_receive(action, batches)
+            x = tokens if incoming is None else incoming.wait()
             with autocast():
                 out = self.runner.forward(action.chunk, x, tokens.size(1))
-            if last:
+            if self.runner.is_last(action.chunk):
                 total += self.loss_function(out, labels)
             else:
                 self._send(out, action, +1, ACTIVATION)
@@ -157,10 +151,11 @@ class PipelineRuntime:
             need = (-1, ACTIVATION)
         elif action.kind == "B" and stage < self.runner.layout.num_stages - 1:
             need = (+1, GRADIENT)
-        if need is None or self._peer(action.chunk, need[0]) == self.pp_ranks[self.rank]:
+        peer = None if need is None else self._peer(action.chunk, need[0])
+        if need is None or peer == self.pp_ranks[self.rank]:
             self.comm.flush()
             return None if need is None else _Handed(self._local, (need[1], action.microbatch, stage))
-        return self.comm.post_receive(self._shape(tokens), self._peer(action.chunk, need[0]), need[1])
+        return self.comm.post_receive(self._shape(tokens), peer, need[1])
 
     def _send(self, tensor: torch.Tensor, action: Action, offset: int, kind: str) -> None:
         """To the neighbouring stage: through the network, or by hand when this rank runs it too

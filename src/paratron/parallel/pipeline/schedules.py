@@ -221,11 +221,15 @@ def _simulated_order(pp: int, m: int, chunks: int, v_shape: bool, cost: float,
 # ---------------------------------------------------------------- checking and simulating
 
 
+Span = tuple[Action, float, float]
+"""An operation with its start and end time."""
+
+
 @dataclass
 class Timeline:
     """Start and end time of every operation of every rank, under a cost model."""
 
-    spans: list[list[tuple[Action, float, float]]]
+    spans: list[list[Span]]
     makespan: float
 
     def busy(self, rank: int) -> float:
@@ -254,7 +258,7 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None,
     _check_complete(schedule)
     last_stage = schedule.num_stages - 1
     finish: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, stage)
-    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(schedule.pp)]
+    spans: list[list[Span]] = [[] for _ in range(schedule.pp)]
     position = [0] * schedule.pp
     clock = [0.0] * schedule.pp
     remaining = sum(len(a) for a in schedule.ranks)

@@ -21,7 +21,7 @@ import torch
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
 from paratron.model.gpt import GPT
-from paratron.parallel.pipeline.schedules import build_schedule, stage_of
+from paratron.parallel.pipeline.schedules import Schedule, build_schedule, stage_of
 from paratron.parallel.sharding import set_partial_grad
 
 
@@ -59,12 +59,10 @@ def stage_ranges(counts: list[int]) -> list[range]:
 class PipelinePlan:
     """The pipeline layout a config asks for, resolved and checked."""
 
-    schedule: str
-    chunks: int
-    """Model chunks (virtual stages) per pipeline rank."""
     counts: list[int]
     """Layers of each model stage."""
-    microbatches: int
+    schedule: Schedule | None
+    """Every pipeline rank's operations (None without pipeline parallelism)."""
 
 
 def plan_pipeline(config: Config, dp: int) -> PipelinePlan:
@@ -112,12 +110,12 @@ def plan_pipeline(config: Config, dp: int) -> PipelinePlan:
                           "--decoder-last-pipeline-num-layers") from None
     global_batch = t.global_batch_size or t.micro_batch_size * dp
     microbatches = global_batch // (t.micro_batch_size * dp)
-    if pp > 1:
-        try:
-            build_schedule(schedule, pp, microbatches, chunks)
-        except ValueError as exc:
-            raise ConfigError(f"--global-batch-size {global_batch}: {exc}; change the batch sizes") from None
-    return PipelinePlan(schedule, chunks, counts, microbatches)
+    if pp == 1:
+        return PipelinePlan(counts, None)
+    try:
+        return PipelinePlan(counts, build_schedule(schedule, pp, microbatches, chunks))
+    except ValueError as exc:
+        raise ConfigError(f"--global-batch-size {global_batch}: {exc}; change the batch sizes") from None
 
 
 @dataclass

@@ -53,9 +53,6 @@ class WeightGradStore:
             if bias is not None:
                 _accumulate(bias, flat_grad.sum(0))
 
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._pending.values())
-
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
     grad = grad.to(param.dtype)
@@ -90,15 +87,12 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
-def defer_weight_gradients(blocks: list[nn.Module], store: WeightGradStore) -> int:
-    """Make the plain `nn.Linear` layers inside `blocks` deferrable; returns how many."""
-    count = 0
+def defer_weight_gradients(blocks: list[nn.Module], store: WeightGradStore) -> None:
+    """Make the plain `nn.Linear` layers inside `blocks` deferrable."""
     for block in blocks:
         for module in block.modules():
             if type(module) is nn.Linear:
                 module.forward = _deferrable_forward(module, store)  # type: ignore[method-assign]
-                count += 1
-    return count
 
 
 def _deferrable_forward(linear: nn.Linear, store: WeightGradStore):
