@@ -128,7 +128,7 @@ def test_clip_grad_norm_matches_torch():
         p.grad = torch.randn_like(p) * 10
     expected = torch.sqrt(sum((p.grad**2).sum() for p in params))
     before = [p.grad.clone() for p in params]
-    norm = clip_grad_norm(params, max_norm=1.0)
+    norm = clip_grad_norm([p.grad for p in params], max_norm=1.0)
     assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
     clipped = torch.sqrt(sum((p.grad**2).sum() for p in params))
     assert clipped.item() == pytest.approx(1.0, rel=1e-5)
@@ -139,7 +139,7 @@ def test_gradient_views_survive_model_zero_grad_and_detaching_them_is_caught():
     model = DataParallel(build_model(tiny_config(".").model, seed=0), None, 1)
     model(torch.randint(0, 512, (2, 8))).sum().backward()
     model.zero_grad()
-    assert model.grad_buffer.abs().sum() == 0 and model.module.embedding.weight.grad is not None
+    assert model.reducer.grad_buffer.abs().sum() == 0 and model.module.embedding.weight.grad is not None
     model.finish_grad_sync()
     optimizer = build_optimizer(model, tiny_config(".").optimizer)
     optimizer.zero_grad()  # sets .grad to None: the views are gone

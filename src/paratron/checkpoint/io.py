@@ -37,6 +37,7 @@ from torch import nn
 from paratron.config.loading import config_from_dict, config_to_dict
 from paratron.config.schema import Config
 from paratron.errors import CheckpointError, UserError
+from paratron.parallel.data.fully_sharded import assign_full, full_parameter
 from paratron.parallel.sharding import full_shape, gather_full, shard_of
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -74,7 +75,7 @@ def full_state(model: nn.Module, tp_group: Any = None, keep: bool = True) -> dic
     for name, param in model.named_parameters():
         if getattr(param, "pipeline_duplicate", False):
             continue
-        full = gather_full(param, tp_group)
+        full = gather_full(param, tp_group, full_parameter(param))
         if keep:
             out[name] = full.cpu()
     return out
@@ -97,21 +98,25 @@ def weights_file(pp_rank: int, pp_size: int) -> str:
     return WEIGHTS if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
 
 
-def rank_state_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
-    return f"training_state_tp{tp_rank:03d}.pt" if pp_size == 1 else f"training_state_tp{tp_rank:03d}_pp{pp_rank:03d}.pt"
+def rank_state_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1, dp_rank: int | None = None) -> str:
+    """training_state_tp000[_pp000][_dp000].pt; the data-parallel rank appears when the optimizer
+    state is sharded over data-parallel ranks."""
+    name = f"training_state_tp{tp_rank:03d}" + (f"_pp{pp_rank:03d}" if pp_size > 1 else "")
+    return name + (f"_dp{dp_rank:03d}" if dp_rank is not None else "") + ".pt"
 
 
 def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn.Module, config: Config,
                     tokenizer: Any = None, rank_state: dict[str, Any] | None = None, tp_rank: int = 0,
                     writer: bool = True, tp_group: Any = None, pp_rank: int = 0, pp_size: int = 1,
-                    stage_writer: bool | None = None) -> Path:
+                    dp_rank: int | None = None, stage_writer: bool | None = None) -> Path:
     """Write iteration `iteration` under `root`; every rank takes part.
 
     Weights are stored whole, under their single-device names (gathered from the
     tensor-parallel ranks), one file per pipeline stage written by that stage's
     `stage_writer`. `rank_state` is what one rank needs to resume (optimizer state, RNG
     states, loss scaler...: tensors, numbers and dicts of them); the ranks that hold one (the
-    first data-parallel replica) write it as training_state_tp{tp_rank}[_pp{pp_rank}].pt. The
+    first data-parallel replica; every rank when the optimizer is sharded over data-parallel ranks)
+    write it as training_state_tp{tp_rank}[_pp{pp_rank}][_dp{dp_rank}].pt. The
     `writer` rank (global rank 0) assembles the folder and publishes it."""
     stage_writer = writer if stage_writer is None else stage_writer
     final = root / f"iter_{iteration:07d}"
@@ -123,7 +128,7 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
         tmp.mkdir()
     _barrier()
     if rank_state is not None:
-        name = rank_state_file(tp_rank, pp_rank, pp_size)
+        name = rank_state_file(tp_rank, pp_rank, pp_size, dp_rank)
         partial = tmp / (name + ".partial")
         torch.save(rank_state, partial)
         partial.replace(tmp / name)
@@ -239,7 +244,7 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = Tru
                     if shape != full_shape(param):
                         raise CheckpointError(f"{info.path}: {name} has shape {list(shape)} there but "
                                               f"{list(full_shape(param))} in this model; use the same model settings")
-                    param.copy_(_read_slice(f, name, param))
+                    assign_full(param, _read_slice(f, name, param))
 
 
 def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
@@ -247,7 +252,7 @@ def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
     shard = shard_of(param)
     if shard is None:
         return f.get_tensor(name)
-    local = torch.zeros(param.shape, dtype=param.dtype)
+    local = torch.zeros(param.shape, dtype=param.dtype)  # (an FSDP-sharded parameter's shape is whole)
     if shard.length:
         index = [slice(None)] * param.dim()
         index[shard.dim] = slice(shard.start, shard.start + shard.length)

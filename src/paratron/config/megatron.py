@@ -37,7 +37,6 @@ UNSUPPORTED: frozenset[str] = frozenset(
     """
     context-parallel-size expert-model-parallel-size num-experts
     pipeline-model-parallel-split-rank
-    use-distributed-optimizer overlap-grad-reduce overlap-param-gather ddp-bucket-size
     accumulate-allreduce-grads-in-fp32
     distribute-saved-activations loss-scale initial-loss-scale min-loss-scale
     loss-scale-window hysteresis fp8-format fp8 use-flash-attn transformer-impl attention-backend

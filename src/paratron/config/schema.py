@@ -111,6 +111,29 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split activations along the sequence between tensor-parallel layers (norms and dropout run on shards; needs TP > 1)."""
 
+    ddp_bucket_size: Optional[int] = None
+    """Gradient elements per data-parallel reduction bucket (default: max(40M, 1M x data-parallel size), as in Megatron-LM)."""
+
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's reduction as soon as backward has filled it, behind the rest of backward."""
+
+    ddp_sync_every_micro_batch: bool = False
+    """Reduce gradients after every micro-batch instead of only after the last one of a step (more traffic; ZeRO-2 always does)."""
+
+    use_distributed_optimizer: bool = False
+    """Shard master weights and optimizer state over the data-parallel ranks (ZeRO stage 1; sets --zero-stage 1 unless given)."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage: 0 replicates everything; 1 shards optimizer state and master weights; 2 also gradients; 3 also parameters (PyTorch FSDP2)."""
+
+    overlap_param_gather: bool = False
+    """With the distributed optimizer, gather each bucket's updated parameters behind the next forward (waited for by the first layer that uses them)."""
+
+    @property
+    def sharding_stage(self) -> int:
+        """The ZeRO stage in effect: --zero-stage, or 1 when only --use-distributed-optimizer is given."""
+        return self.zero_stage or (1 if self.use_distributed_optimizer else 0)
+
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend; auto picks NCCL where CUDA exists and gloo otherwise."""
 

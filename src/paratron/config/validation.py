@@ -68,7 +68,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
         (t.eval_interval, "--eval-interval"), (lg.log_interval, "--log-interval"),
         (c.save_interval, "--save-interval"), (lg.sample_tokens, "--sample-tokens"),
         (s.lr_decay_iters, "--lr-decay-iters"), (lg.peak_tflops, "--peak-tflops"),
-        (p.distributed_timeout_minutes, "--distributed-timeout-minutes"),
+        (p.distributed_timeout_minutes, "--distributed-timeout-minutes"), (p.ddp_bucket_size, "--ddp-bucket-size"),
     ]:
         _positive(value, flag)
     for value, flag in [
@@ -129,7 +129,15 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
         raise ConfigError("--recompute-method block needs --recompute-num-layers (layers per pipeline chunk)")
     from paratron.parallel.pipeline.stage import plan_pipeline  # (here: parallel/ imports config/)
 
-    plan_pipeline(config, dp)
+    plan = plan_pipeline(config, dp)
+    stage = p.sharding_stage
+    if p.overlap_param_gather and stage not in (1, 2):
+        raise ConfigError("--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer "
+                          "(or --zero-stage 1 or 2)")
+    if stage == 3 and plan.schedule is not None and plan.schedule.split_backward:
+        raise ConfigError(f"--zero-stage 3 does not combine with --pipeline-schedule {plan.schedule.name}, whose "
+                          "deferred weight gradients would miss FSDP's reduction; use 1f1b, interleaved or gpipe, "
+                          "or --zero-stage 1 or 2")
 
     # Schedule.
     decay_iters = s.lr_decay_iters or t.train_iters

@@ -22,6 +22,13 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer of a parallel model: the distributed optimizer under ZeRO stage 1 or 2, an
+    ordinary one over the (possibly FSDP-sharded) parameters otherwise."""
+    settings = getattr(model, "settings", None)
+    if settings is not None and settings.zero_stage in (1, 2):
+        from paratron.parallel.data.zero import DistributedOptimizer  # (parallel/ imports optim/)
+
+        return DistributedOptimizer(model, config)  # type: ignore[return-value]
     groups = parameter_groups(model, config.weight_decay)
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
@@ -33,24 +40,26 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, group: Any = None,
+def clip_grad_norm(grads: Iterable[torch.Tensor], max_norm: float, group: Any = None,
                    weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Global L2 norm of the gradients of the whole model; scales them down to `max_norm` when
+    """Global L2 norm of the whole model's gradients; scales `grads` down to `max_norm` when
     larger (max_norm 0: measure only). Returns the norm before clipping.
 
-    When the model is split over a model-parallel `group` (tensor x pipeline ranks), the
-    squared norms of the ranks' gradients are summed over it, each tensor scaled by its entry
-    of `weights` (one per parameter, see `sharding.grad_norm_weight`) so that a tensor held by
+    When this rank holds only part of the gradients (tensor or pipeline shards, or data-parallel
+    shards of the distributed optimizer), the squared norms are summed over `group`, each tensor
+    scaled by its entry of `weights` (see `sharding.grad_norm_weight`) so that a tensor held by
     several ranks counts once."""
-    params = list(params)
-    grads = [p.grad for p in params]
+    grads = list(grads)
     if weights is None:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     else:
-        norms = torch.stack(torch._foreach_norm(grads))
-        squared = (weights * norms.float().pow(2)).sum()
+        squared = torch.zeros((), device=weights.device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads))
+            squared = (weights * norms.float().pow(2)).sum()
         comm.all_reduce(squared, group)
         norm = squared.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    if max_norm > 0 and grads:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
     return norm

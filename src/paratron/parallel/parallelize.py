@@ -1,7 +1,8 @@
 """The one ordered transform from a plain model on the meta device to this rank's parallel model.
 
 Order (as in torchtitan): tensor/sequence parallelism -> activation recomputation ->
-pipeline stage split -> weights materialized and initialized -> data parallelism.
+pipeline stage split -> weights materialized and initialized -> data parallelism (bucketed
+gradient reduction; ZeRO-1/2 flat parameter buffer, or ZeRO-3 FSDP2 units).
 Weights are created only after the layout is known, each rank initializing just its slice
 of every single-device tensor, from the seed and the tensor's name: every layout starts
 from the same model.
@@ -19,7 +20,8 @@ from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSE
 from paratron.distributed.topology import Topology
 from paratron.model.gpt import GPT, init_parameter
 from paratron.distributed.init import synchronize
-from paratron.parallel.data import DataParallel
+from paratron.parallel.data import DataParallel, DataParallelSettings
+from paratron.parallel.data.fully_sharded import shard_fully
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
 from paratron.parallel.pipeline.runtime import PipelineRuntime
 from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stage, plan_pipeline, stage_ranges
@@ -53,8 +55,23 @@ def parallelize(model: GPT, config: Config, topology: Topology, device: torch.de
     if topology.size("pp") > 1:
         pipeline = _split_pipeline(model, config, topology, device, loss_function)
     materialize(model, device, seed)
-    return DataParallel(model, topology.group("dp"), topology.size("dp"), loss_function, tp.group, tp.size, rng,
-                        model_group=topology.group("model"), pipeline=pipeline)
+    p = config.parallel
+    dp = topology.size("dp")
+    settings = DataParallelSettings(bucket_size=p.ddp_bucket_size or max(40_000_000, 1_000_000 * dp),
+                                    overlap_grad_reduce=p.overlap_grad_reduce,
+                                    sync_every_micro_batch=p.ddp_sync_every_micro_batch, zero_stage=p.sharding_stage,
+                                    overlap_param_gather=p.overlap_param_gather)
+    units = None
+    if settings.zero_stage == 3 and dp > 1:
+        units = shard_fully(model, topology.group("dp"), device, pipeline.runner if pipeline is not None else None)
+    wrapped = DataParallel(model, topology.group("dp"), dp, loss_function, tp.group, tp.size, rng,
+                           model_group=topology.group("model"), pipeline=pipeline, settings=settings,
+                           sharded_units=units)
+    if pipeline is not None:
+        pipeline.grad_sync = wrapped.require_grad_sync
+        if pipeline.store is not None and wrapped.reducer is not None:
+            pipeline.store.on_accumulated = wrapped.reducer.grad_ready
+    return wrapped
 
 
 def _split_pipeline(model: GPT, config: Config, topology: Topology, device: torch.device,

@@ -23,6 +23,7 @@ from paratron.distributed.topology import Topology
 from paratron.optim.build import set_learning_rate
 from paratron.optim.lr_schedule import learning_rate
 from paratron.parallel.data import DataParallel, unwrap
+from paratron.parallel.data.fully_sharded import local_state, reshard_state
 from paratron.parallel.pipeline.profile import save_profile
 from paratron.parallel.pipeline.schedules import theoretical_bubble
 from paratron.training.metrics import MetricsWriter
@@ -56,7 +57,7 @@ class Trainer:
         t = self.config.training
         self.plan = BatchPlan(self.global_batch_size, t.micro_batch_size, self.topology.size("dp"),
                               self.topology.dp_rank)
-        self.precision = Precision(t.precision, self.ctx.device, self.model.model_group)
+        self.precision = Precision(t.precision, self.ctx.device, self.model.norm_group)
 
     @property
     def global_batch_size(self) -> int:
@@ -132,6 +133,7 @@ class Trainer:
                 path = self.save(Path(c.save))
                 self.writer.info(f"saved checkpoint {path}")
                 window_start = time.perf_counter()
+        self.model.wait_param_gather()
         return state
 
     def _save_pipeline_profile(self, iteration: int) -> None:
@@ -165,17 +167,20 @@ class Trainer:
         return self._dp_mean(total / iters)
 
     def save(self, root: Path) -> Path:
+        self.model.wait_param_gather()
         first_replica = self.topology.dp_rank == 0
-        rank_state = self.rank_state() if first_replica else None  # DP replicas hold the same
+        sharded = self.config.parallel.sharding_stage > 0 and self.topology.size("dp") > 1
+        # DP replicas hold the same state, unless the optimizer is sharded over them
+        rank_state = self.rank_state() if first_replica or sharded else None
         return save_checkpoint(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
                                self.config, self.data.tokenizer, rank_state, self.topology.tp_rank,
                                writer=self.ctx.is_main, tp_group=self.model.tp_group, pp_rank=self.topology.pp_rank,
-                               pp_size=self.topology.size("pp"),
+                               pp_size=self.topology.size("pp"), dp_rank=self.topology.dp_rank if sharded else None,
                                stage_writer=first_replica and self.topology.tp_rank == 0)
 
     def rank_state(self) -> dict[str, Any]:
         """What this rank needs beyond the weights to resume exactly."""
-        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "rng": rng.capture(self.ctx.device),
+        state: dict[str, Any] = {"optimizer": local_state(self.optimizer.state_dict()), "rng": rng.capture(self.ctx.device),
                                  "skipped_iterations": self.state.skipped_iterations}
         if self.precision.scaler is not None:
             state["grad_scaler"] = self.precision.scaler.state_dict()
@@ -186,6 +191,7 @@ class Trainer:
     def restore_rank_state(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
         if load_optimizer:
             self.optimizer.load_state_dict(state["optimizer"])
+            reshard_state(self.optimizer)
         rng.restore(state["rng"], self.ctx.device)
         self.state.skipped_iterations = int(state.get("skipped_iterations", 0))
         if self.precision.scaler is not None and "grad_scaler" in state:

@@ -23,8 +23,9 @@ from paratron.parallel.data import DataParallel
 class Precision:
     """Autocast for bf16/fp16 compute over fp32 weights; dynamic loss scaling for fp16.
 
-    `group` is the model-parallel group: an overflow in any rank's part of the gradients
-    must skip the step (and back the scale off) on all of them."""
+    `group` is the group gradient norms are summed over (model-parallel ranks, or all ranks
+    when gradients are sharded over data-parallel ranks): an overflow in any rank's part of
+    the gradients must skip the step (and back the scale off) on all of them."""
 
     def __init__(self, precision: str, device: torch.device, group: Any = None) -> None:
         self.device, self.group = device, group
@@ -74,7 +75,8 @@ def train_step(model: DataParallel, optimizer: torch.optim.Optimizer,
         loss = model.pipeline.train_step(batches, precision.backward, precision.autocast)
     else:
         total = torch.zeros((), device=batches[0][0].device)
-        for inputs, labels in batches:
+        for i, (inputs, labels) in enumerate(batches):
+            model.require_grad_sync(i == len(batches) - 1)
             with precision.autocast():
                 logits = model(inputs)
             micro_loss = model.loss_function(logits, labels)
@@ -83,7 +85,10 @@ def train_step(model: DataParallel, optimizer: torch.optim.Optimizer,
         loss = total / len(batches)
     model.finish_grad_sync()
     precision.unscale(optimizer)
-    grad_norm = clip_grad_norm(model.trained_parameters, clip_grad, model.model_group, model.grad_norm_weights)
+    # whole gradients on the model, or this rank's shards on the distributed optimizer
+    holder = optimizer if hasattr(optimizer, "gradients_for_norm") else model
+    grads, weights, group = holder.gradients_for_norm()
+    grad_norm = clip_grad_norm(grads, clip_grad, group, weights)
     stepped = precision.step(optimizer)
     return StepResult(loss, grad_norm, skipped=not stepped)
 

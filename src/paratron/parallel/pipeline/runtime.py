@@ -43,6 +43,8 @@ class PipelineRuntime:
         self.hidden_size = hidden_size
         self.sequence_divisor = sequence_divisor  # tensor-parallel size under sequence parallelism
         self.store = store
+        self.grad_sync: Callable[[bool], None] | None = None
+        """Told before each backward operation whether it is the step's last for its chunk."""
         self.synchronize = synchronize  # device sync, for honest operation times when profiling
         self.record = False
         self.spans: list[Span] = []
@@ -86,7 +88,7 @@ class PipelineRuntime:
                 x = tokens if incoming is None else incoming.wait().requires_grad_()
                 begin = self._now(origin)
                 with autocast():
-                    out = self.runner.forward(action.chunk, x, tokens.size(1))
+                    out = self.runner(action.chunk, x, tokens.size(1))
                 if last:
                     loss = self.loss_function(out, labels) / count
                     total += loss.detach()
@@ -98,6 +100,8 @@ class PipelineRuntime:
                 inputs[key] = None if first else x
                 self.peak_live = max(self.peak_live, len(outputs))
             elif action.kind == "B":
+                if self.grad_sync is not None:
+                    self.grad_sync(action.microbatch == count - 1)
                 out = outputs.pop(key)
                 grad = None if incoming is None else incoming.wait()
                 begin = self._now(origin)
@@ -110,6 +114,8 @@ class PipelineRuntime:
                 if x is not None:
                     self._send(x.grad, action, -1, GRADIENT)
             else:
+                if self.grad_sync is not None:
+                    self.grad_sync(action.microbatch == count - 1)
                 begin = self._now(origin)
                 if self.store is not None:  # (without one, B computed the weight gradients)
                     self.store.run(key)
@@ -133,7 +139,7 @@ class PipelineRuntime:
             incoming = self._post_receive(action, batches)
             x = tokens if incoming is None else incoming.wait()
             with autocast():
-                out = self.runner.forward(action.chunk, x, tokens.size(1))
+                out = self.runner(action.chunk, x, tokens.size(1))
             if self.runner.is_last(action.chunk):
                 total += self.loss_function(out, labels)
             else:

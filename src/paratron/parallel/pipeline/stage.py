@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
@@ -174,11 +175,13 @@ def keep_stage(model: GPT, layout: StageLayout, embedding_group=None) -> GPT:
     return model
 
 
-class StageRunner:
+class StageRunner(nn.Module):
     """Runs one chunk of this rank's stages: the first stage starts from token ids, the last
-    ends in logits; the others map hidden states to hidden states."""
+    ends in logits; the others map hidden states to hidden states. (A module, so that wrappers
+    hooked on forward, such as FSDP's, see each chunk run.)"""
 
     def __init__(self, model: GPT, layout: StageLayout) -> None:
+        super().__init__()
         self.model, self.layout = model, layout
 
     def is_first(self, chunk: int) -> bool:

@@ -26,6 +26,7 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self._capturing: Any = None
+        self.on_accumulated: Any = None  # called with each parameter whose gradient W completed
         self._pending: dict[Any, list[tuple[nn.Parameter, nn.Parameter | None, torch.Tensor, torch.Tensor]]] = {}
 
     @contextlib.contextmanager
@@ -52,6 +53,10 @@ class WeightGradStore:
             _accumulate(weight, flat_grad.t().matmul(x.reshape(-1, x.size(-1))))
             if bias is not None:
                 _accumulate(bias, flat_grad.sum(0))
+            if self.on_accumulated is not None:
+                self.on_accumulated(weight)
+                if bias is not None:
+                    self.on_accumulated(bias)
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -92,6 +97,8 @@ def defer_weight_gradients(blocks: list[nn.Module], store: WeightGradStore) -> N
     for block in blocks:
         for module in block.modules():
             if type(module) is nn.Linear:
+                for param in module.parameters():
+                    param.grad_deferred = True  # type: ignore[attr-defined]  # W, not autograd, completes it
                 module.forward = _deferrable_forward(module, store)  # type: ignore[method-assign]
 
 

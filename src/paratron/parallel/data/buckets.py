@@ -1,0 +1,242 @@
+"""Gradient buckets: where each gradient lives, and its reduction over the data-parallel group.
+
+Layout (`plan_buckets`): parameters are laid out in one flat space in reverse order of
+registration, roughly the order in which backward produces their gradients, and cut into
+buckets of at least `bucket_size` elements. Each bucket is padded to a multiple of the
+data-parallel size, so it splits into equal shards; rank r owns shard r of every bucket (the
+distributed optimizer's partition). Parameters whose gradient is complete only at the end of
+backward (summed over another group first, or used by two pipeline chunks of this rank) sit
+in trailing buckets of their own, so they never hold up the others.
+
+Reduction (`GradientReducer`): a post-accumulate-grad hook marks a parameter ready; when the
+last parameter of a bucket is ready and synchronisation is on, the bucket's reduction starts
+asynchronously (`overlap`) while backward goes on. The bucket is scaled by 1/size first and
+summed, so the result is the data-parallel mean. Three ways to keep gradients:
+
+- `all-reduce`: a persistent full buffer (`param.grad` are views into it); plain DDP.
+- `reduce-scatter`: the same buffer, but only this rank's shard is reduced (ZeRO-1).
+- `reduce-scatter-shard`: no persistent full buffer: a bucket's buffer exists from its first
+  gradient to the end of its reduction, which adds into a persistent shard (ZeRO-2); gradients
+  are reduced after every micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratron.distributed import comm
+
+MODES = ("all-reduce", "reduce-scatter", "reduce-scatter-shard")
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    start: int
+    end: int
+    """[start, end) in the flat space; end - start is a multiple of the data-parallel size."""
+    late: bool = False
+    """Reduced only when backward is over (see the module docstring)."""
+    pending: set[int] = field(default_factory=set)
+    buffer: torch.Tensor | None = None
+    work: Any = None
+    dirty: bool = False
+    """Holds gradients not yet reduced."""
+    shard_out: torch.Tensor | None = None
+
+    def shard(self, rank: int, size: int) -> tuple[int, int]:
+        """This rank's [start, end) of the bucket in the flat space."""
+        length = (self.end - self.start) // size
+        return self.start + rank * length, self.start + (rank + 1) * length
+
+
+def plan_buckets(params: list[nn.Parameter], late: Iterable[nn.Parameter], bucket_size: int,
+                 size: int) -> tuple[dict[int, int], list[Bucket], int]:
+    """Offsets (by `id(param)`), buckets and total padded length for `params` (in registration order)."""
+    late_ids = {id(p) for p in late}
+    ordered = [p for p in reversed(params) if id(p) not in late_ids]
+    trailing = [p for p in reversed(params) if id(p) in late_ids]
+    offsets: dict[int, int] = {}
+    buckets: list[Bucket] = []
+    position = 0
+    for group, is_late in ((ordered, False), (trailing, True)):
+        members: list[nn.Parameter] = []
+        start = position
+        for i, p in enumerate(group):
+            offsets[id(p)] = position
+            position += p.numel()
+            members.append(p)
+            if position - start >= bucket_size or i == len(group) - 1:
+                position = start + _round_up(position - start, size)
+                buckets.append(Bucket(len(buckets), members, start, position, late=is_late))
+                members, start = [], position
+    return offsets, buckets, position
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class GradientReducer:
+    """Owns the gradient storage of `params` and reduces it over `group` (see the module docstring)."""
+
+    def __init__(self, params: list[nn.Parameter], group: Any, bucket_size: int, mode: str = "all-reduce",
+                 overlap: bool = False, late: Iterable[nn.Parameter] = ()) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.params, self.group, self.mode, self.overlap = params, group, mode, overlap
+        self.size, self.rank = comm.group_size(group), comm.group_rank(group)
+        self.offsets, self.buckets, self.total = plan_buckets(params, late, bucket_size, self.size)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        first = params[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.sync_enabled = True
+        self.partial: dict[int, tuple[Any, list[nn.Parameter]]] = {}
+        for p in params:
+            g = getattr(p, "partial_grad_group", None)
+            if g is not None:
+                self.partial.setdefault(id(g), (g, []))[1].append(p)
+        if mode == "reduce-scatter-shard":
+            self.grad_buffer = None
+            self.grad_shard = torch.zeros(self.total // self.size, dtype=self.dtype, device=self.device)
+        else:
+            self.grad_buffer = torch.zeros(self.total, dtype=self.dtype, device=self.device)
+            for b in self.buckets:
+                b.buffer = self.grad_buffer[b.start:b.end]
+            for p in params:
+                p.grad = self.view(self.grad_buffer, p)
+        # (a deferred weight gradient is reported by the pipeline's W operation instead, see
+        # pipeline/zero_bubble.py; autograd's hook would fire in B, before it exists)
+        self._hooks = [p.register_post_accumulate_grad_hook(self.grad_ready) for p in params
+                       if not getattr(p, "grad_deferred", False)]
+        self.reset()
+
+    # ---------------------------------------------------------------- layout helpers
+
+    def view(self, flat: torch.Tensor, param: nn.Parameter, base: int = 0) -> torch.Tensor:
+        """`param`'s place in a tensor that covers the flat space from `base`."""
+        offset = self.offsets[id(param)] - base
+        return flat[offset:offset + param.numel()].view_as(param)
+
+    def local_pieces(self) -> list[tuple[nn.Parameter, int, int, int]]:
+        """(param, first element, last element + 1 within the param, position in the flat space) of
+        every piece of a parameter that lies in this rank's shards."""
+        pieces = []
+        for b in self.buckets:
+            lo, hi = b.shard(self.rank, self.size)
+            for p in b.params:
+                start = self.offsets[id(p)]
+                a, z = max(lo, start), min(hi, start + p.numel())
+                if a < z:
+                    pieces.append((p, a - start, z - start, a))
+        return pieces
+
+    def shard_position(self, flat_position: int) -> int:
+        """Where a flat-space position of this rank's shards lies in the concatenated shards."""
+        for i, b in enumerate(self.buckets):
+            lo, hi = b.shard(self.rank, self.size)
+            if lo <= flat_position < hi:
+                return sum((bb.end - bb.start) // self.size for bb in self.buckets[:i]) + flat_position - lo
+        raise ValueError(f"position {flat_position} is not in this rank's shards")
+
+    # ---------------------------------------------------------------- reduction
+
+    def reset(self) -> None:
+        """Ready for a new step: zero the gradients (and the shard), nothing in flight."""
+        for b in self.buckets:
+            b.pending = {id(p) for p in b.params}
+            b.work, b.shard_out, b.dirty = None, None, False
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+        else:
+            self.grad_shard.zero_()
+            for b in self.buckets:
+                b.buffer = None
+
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """Called when `param`'s gradient of a backward pass has been accumulated."""
+        bucket = self.bucket_of[id(param)]
+        if self.mode == "reduce-scatter-shard":
+            self._wait(bucket)  # its previous micro-batch's reduction frees the buffer
+            if bucket.buffer is None:
+                bucket.buffer = torch.zeros(bucket.end - bucket.start, dtype=self.dtype, device=self.device)
+            self.view(bucket.buffer, param, bucket.start).add_(param.grad)
+            param.grad = None
+        bucket.dirty = True
+        if not self.sync_enabled or bucket.late:
+            return
+        bucket.pending.discard(id(param))
+        if not bucket.pending:
+            self._launch(bucket)
+            if not self.overlap:
+                self._wait(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.pending = {id(p) for p in bucket.params}
+        bucket.dirty = False
+        if self.size == 1:
+            bucket.work = None
+            self._finish_bucket(bucket)
+            return
+        bucket.buffer.mul_(1.0 / self.size)
+        if self.mode == "all-reduce":
+            comm.COUNTS["all_reduce"] += 1
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        else:
+            lo, hi = bucket.shard(self.rank, self.size)
+            if self.mode == "reduce-scatter":  # in place: the result lands in this rank's shard
+                bucket.shard_out = bucket.buffer[lo - bucket.start:hi - bucket.start]
+            else:
+                bucket.shard_out = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
+            comm.COUNTS["reduce_scatter"] += 1
+            bucket.work = dist.reduce_scatter_single(bucket.shard_out, bucket.buffer, group=self.group,
+                                                     async_op=True)
+
+    def _wait(self, bucket: Bucket) -> None:
+        if bucket.work is None:
+            return
+        bucket.work.wait()
+        bucket.work = None
+        self._finish_bucket(bucket)
+
+    def _finish_bucket(self, bucket: Bucket) -> None:
+        if self.mode == "all-reduce" or bucket.buffer is None:
+            return
+        lo, hi = bucket.shard(self.rank, self.size)
+        if self.mode == "reduce-scatter":
+            # the other shards still hold this rank's own sums; clear them so that a later
+            # micro-batch's reduction adds only new gradients
+            local = bucket.buffer[lo - bucket.start:hi - bucket.start]
+            if self.size > 1:
+                kept = local.clone()
+                bucket.buffer.zero_()
+                local.copy_(kept)
+        else:
+            out = bucket.shard_out if bucket.shard_out is not None else bucket.buffer[lo - bucket.start:hi - bucket.start]
+            position = self.shard_position(lo)
+            self.grad_shard[position:position + hi - lo].add_(out)
+            bucket.buffer, bucket.shard_out = None, None
+
+    def finish(self) -> None:
+        """End of a step's backward: complete partial gradients, reduce what is left, wait for all."""
+        for group, params in self.partial.values():
+            views = [self.view(self.bucket_of[id(p)].buffer, p, self.bucket_of[id(p)].start) for p in params
+                     if self.bucket_of[id(p)].buffer is not None]
+            if views:
+                flat = torch.cat([v.reshape(-1) for v in views])
+                comm.all_reduce(flat, group)
+                position = 0
+                for v in views:
+                    v.copy_(flat[position:position + v.numel()].view_as(v))
+                    position += v.numel()
+        for b in self.buckets:
+            if b.dirty and b.work is None:
+                self._launch(b)
+        for b in self.buckets:
+            self._wait(b)

@@ -1,0 +1,102 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all sharded over the data-parallel
+group, with PyTorch FSDP2 (`fully_shard`).
+
+Each transformer block is one unit (its parameters are gathered just before it runs and freed
+after); the root unit holds the rest (embedding, final norm, output layer), so a tied
+embedding stays in a single unit. Under pipeline parallelism the root is the stage runner,
+whose forward runs one chunk of this rank's stages.
+
+FSDP2 averages gradients over the data-parallel group; gradients that are partial sums over
+another group (tensor- or pipeline-parallel copies) are completed afterwards on the local
+shards (`DataParallel._finish_sharded`), which line up because every member of such a group
+shards a tensor of the same shape the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratron.model.gpt import GPT
+
+
+def shard_fully(model: GPT, group: Any, device: torch.device, root: nn.Module | None = None) -> list[nn.Module]:
+    """Apply FSDP2 over `group` to this rank's part of `model` (materialized); returns the units.
+    `root` is the module whose forward runs the model (default `model`; a pipeline stage's runner)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    root = model if root is None else root
+    mesh = DeviceMesh.from_group(group, device.type)
+    tags = {id(p): {k: v for k, v in p.__dict__.items() if k in _TAGS} for p in model.parameters()}
+    before = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
+    units: list[Any] = []
+    for block in model.layers:
+        if block is not None:
+            fully_shard(block, mesh=mesh)
+            units.append(block)
+    fully_shard(root, mesh=mesh)
+    units.append(root)
+    keep_tags(list(model.modules()), tags, before)
+    return units
+
+
+_TAGS = ("shard", "shard_layout", "partial_grad_group", "pipeline_duplicate")
+"""The attributes parallel layers tag parameters with (see `parallel/sharding.py`)."""
+
+
+def _is_sharded(tensor: Any) -> bool:
+    return hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh")
+
+
+def keep_tags(units: list[nn.Module], tags: dict[int, dict[str, Any]], before: dict[int, list[nn.Parameter]]) -> None:
+    """FSDP2 replaces each parameter with a sharded one; give it the old one's tags (`shard`, ...)."""
+    for unit in units:
+        for new, old in zip(unit.parameters(recurse=False), before[id(unit)]):
+            new.__dict__.update(tags[id(old)])
+
+
+def full_parameter(param: torch.Tensor) -> torch.Tensor:
+    """The whole (tensor-parallel-local) tensor of a parameter; collective over the data-parallel
+    group when the parameter is FSDP-sharded."""
+    return param.full_tensor() if _is_sharded(param) else param  # type: ignore[attr-defined]
+
+
+@torch.no_grad()
+def assign_full(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set a parameter from its whole (tensor-parallel-local) value; an FSDP-sharded one keeps
+    its chunk of dim 0 (FSDP2 shards as `torch.chunk` does)."""
+    if not _is_sharded(param):
+        param.copy_(value)
+        return
+    local = param.to_local()  # type: ignore[attr-defined]
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    chunks = value.chunk(mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    if rank < len(chunks) and local.numel():
+        local.copy_(chunks[rank])
+
+
+def local_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with FSDP-sharded tensors replaced by this rank's pieces (saved
+    and loaded as plain tensors)."""
+    return {**state, "state": {k: {name: v.to_local() if _is_sharded(v) else v for name, v in s.items()}
+                               for k, s in state["state"].items()}}
+
+
+def reshard_state(optimizer: Any) -> None:
+    """After loading a `local_state`: wrap each plain state tensor of an FSDP-sharded parameter
+    back into a sharded one laid out like the parameter."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not _is_sharded(param):
+                continue
+            for name, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and not _is_sharded(value) and value.dim() > 0:
+                    optimizer.state[param][name] = DTensor.from_local(
+                        value.to(param.to_local().device), param.device_mesh, param.placements,
+                        shape=param.shape, stride=param.stride())
