@@ -57,7 +57,18 @@ def test_megatron_flag_names_map_onto_the_config():
     assert parse(["--recompute-activations"]).training.recompute_granularity == "selective"
 
 
-@pytest.mark.parametrize("flag", ["--context-parallel-size", "--use-distributed-optimizer", "--overlap-grad-reduce"])
+def test_data_parallel_flags():
+    p = parse(["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+               "--ddp-bucket-size", "1000"]).parallel
+    assert (p.sharding_stage, p.overlap_grad_reduce, p.overlap_param_gather, p.ddp_bucket_size) == (1, True, True, 1000)
+    assert parse(["--zero-stage", "3"]).parallel.sharding_stage == 3
+    assert parse(["--use-distributed-optimizer", "--zero-stage", "2"]).parallel.sharding_stage == 2
+    assert parse([]).parallel.sharding_stage == 0
+    with pytest.raises(ConfigError, match=r"--zero-stage: 4 is not one of: 0, 1, 2, 3"):
+        parse(["--zero-stage", "4"])
+
+
+@pytest.mark.parametrize("flag", ["--context-parallel-size", "--num-experts", "--exit-signal-handler"])
 def test_unsupported_megatron_flags_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
         parse([flag, "full"])
@@ -147,6 +158,10 @@ def base(**overrides):
     (dict(load="/no/such/ckpt"), 1, "--load /no/such/ckpt: no such checkpoint directory"),
     (dict(lr_warmup_iters=200, train_iters=100), 1, "--lr-warmup-iters 200 exceeds the decay length 100"),
     (dict(min_lr=0.1, lr=0.01), 1, "--min-lr 0.1 exceeds --lr 0.01"),
+    (dict(overlap_param_gather=True), 2, "--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer"),
+    (dict(overlap_param_gather=True, zero_stage=3), 2, "--overlap-param-gather needs the distributed optimizer"),
+    (dict(ddp_bucket_size=0), 2, "--ddp-bucket-size 0: must be at least 1"),
+    (dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", zero_stage=3), 4, "--zero-stage 3 does not combine with --pipeline-schedule zb-h1"),
     (dict(split="a,b"), 1, "--split 'a,b': expected up to three non-negative numbers"),
 ])
 def test_validation_messages(overrides, world, message):
@@ -174,8 +189,10 @@ def test_megatron_dict_form_and_get_args():
     assert args.num_layers == 3 and args.fp16 and not args.bf16
     assert args.data_parallel_size == 1 and args.tensor_model_parallel_size == 1
     assert args.config.training.precision == "fp16"
-    with pytest.raises(ConfigError, match="overlap_grad_reduce: a Megatron-LM setting that paratron does not support yet"):
-        from_megatron_dict({"overlap_grad_reduce": True})
+    with pytest.raises(ConfigError, match="context_parallel_size: a Megatron-LM setting that paratron does not support yet"):
+        from_megatron_dict({"context_parallel_size": 2})
+    assert from_megatron_dict({"use_distributed_optimizer": True, "overlap_grad_reduce": True}) == {
+        "use_distributed_optimizer": True, "overlap_grad_reduce": True}
     with pytest.raises(ConfigError, match="hidden_sise: unknown setting"):
         from_megatron_dict({"hidden_sise": 3})
 

@@ -223,6 +223,12 @@ class GradientReducer:
             self.grad_shard[position:position + hi - lo].add_(out)
             bucket.buffer, bucket.shard_out = None, None
 
+    def wait_in_flight(self) -> None:
+        """Wait for every reduction started so far (before gradients accumulate into a persistent
+        buffer again, which would race with a reduction still reading it)."""
+        for b in self.buckets:
+            self._wait(b)
+
     def finish(self) -> None:
         """End of a step's backward: complete partial gradients, reduce what is left, wait for all."""
         for group, params in self.partial.values():

@@ -117,6 +117,8 @@ class DataParallel(nn.Module):
     def require_grad_sync(self, enabled: bool) -> None:
         """Whether the coming backward passes finish the step's gradients (the last micro-batch)."""
         enabled = enabled or self.settings.sync_every_micro_batch
+        if self.reducer is not None and self.settings.sync_every_micro_batch and self.reducer.grad_buffer is not None:
+            self.reducer.wait_in_flight()  # the last micro-batch's reductions read the buffer we add to
         if self.reducer is not None:
             self.reducer.sync_enabled = enabled or self.settings.zero_stage == 2
         for unit in self.sharded_units:
