@@ -159,6 +159,11 @@ def reading(entries: list[dict], worst: float) -> str:
     during = (f" During backward its gradient storage peaked at {peaks}: the shard plus the one bucket being "
               f"filled (buckets close once they reach 4M elements; the largest, which takes in the embedding, "
               f"is {largest / psi:.3f} psi)." if peaks else "")
+    single = [e for e in entries if e["stage"] == 2 and e["dp"] == 1 and e["backward_peak_gradient_bytes"]]
+    if single:
+        during += (f" At N=1 stage 2 shards nothing, yet it still fills a bucket buffer and adds it into a "
+                   f"full-size shard: {single[0]['backward_peak_gradient_bytes'] / 4 / psi:.3f} psi of gradients "
+                   "during backward, against 1 psi for stages 0 and 1.")
     after = ("stage 2 also keeps only this rank's gradient shard (a bucket's full buffer lives only while it is "
              "filled and reduced; none is alive after the step)." if freed else
              "stage 2 should keep only this rank's gradient shard, but more gradient storage was alive after "

@@ -59,8 +59,9 @@ def cmd_train(argv: list[str]) -> int:
     recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
     config = build_config(overrides, recipe)
     nproc = config.parallel.nproc_per_node
-    validate(config, env_world_size() if launched_by_torchrun() else nproc)
-    check_inputs(config)
+    world = env_world_size() if launched_by_torchrun() else nproc
+    validate(config, world)
+    check_inputs(config, world)
     if nproc > 1 and not launched_by_torchrun():
         from paratron.distributed.launch import run_under_torchrun
 

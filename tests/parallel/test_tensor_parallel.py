@@ -223,7 +223,7 @@ def test_tensor_parallel_resume_is_exact_and_reshards_weights(tmp_path):
 
     from paratron.errors import CheckpointError
 
-    with pytest.raises(CheckpointError, match=r"saved at tensor-parallel size 2 and pipeline size 1; its optimizer state resumes only"):
+    with pytest.raises(CheckpointError, match=r"optimizer state was saved at tensor-parallel size 2, pipeline size 1 and resumes only there"):
         train_curve(str(tmp_path / "c"), dict(train_iters=12, load=save))
     # the weights load at TP 1: from step 10 with a fresh optimizer, or from step 0 as a fine-tuning start
     assert len(train_curve(str(tmp_path / "d"), dict(train_iters=12, load=save, no_load_optim=True))) == 2

@@ -50,6 +50,8 @@ class CheckpointInfo:
     iteration: int
     consumed_samples: int
     config: Config
+    optimizer_shards: int = 1
+    """Data-parallel ranks the optimizer state was sharded over (1: replicated)."""
 
 
 def _sha256(path: Path) -> str:
@@ -149,7 +151,9 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples,
+        prefix = rank_state_file(0, 0, pp_size, 0).removesuffix("000.pt")
+        shards = sum(1 for name in files if name.startswith(prefix))
+        meta = {"iteration": iteration, "consumed_samples": consumed_samples, "optimizer_shards": max(shards, 1),
                 "config": config_to_dict(config), "files": files}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
         if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
@@ -204,7 +208,8 @@ def read_checkpoint(path: Path, verify: bool = True) -> CheckpointInfo:
         config = config_from_dict(meta["config"])
     except UserError as exc:
         raise CheckpointError(f"{folder / 'meta.json'}: its config does not load ({exc})") from None
-    return CheckpointInfo(folder, int(meta["iteration"]), int(meta["consumed_samples"]), config)
+    return CheckpointInfo(folder, int(meta["iteration"]), int(meta["consumed_samples"]), config,
+                          int(meta.get("optimizer_shards", 1)))
 
 
 def _weight_files(info: CheckpointInfo) -> dict[str, str]:
@@ -261,14 +266,16 @@ def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
 
 
 def load_training_state(info: CheckpointInfo, tp_rank: int, tp_size: int, pp_rank: int = 0,
-                        pp_size: int = 1) -> dict[str, Any]:
-    """This rank's saved state (optimizer, RNG, ...), as `save_checkpoint` got it.
+                        pp_size: int = 1, dp_rank: int | None = None) -> dict[str, Any]:
+    """This rank's saved state (optimizer, RNG, ...), as `save_checkpoint` got it; `dp_rank` when
+    the optimizer state is sharded over data-parallel ranks.
 
-    Weights load at any layout; this state belongs to one tensor- and pipeline-parallel layout."""
+    Weights load at any layout; this state belongs to one layout (see `same_optimizer_layout`)."""
     saved = info.config.parallel
     if (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) != (tp_size, pp_size):
         raise CheckpointError(f"{info.path}: saved at tensor-parallel size {saved.tensor_model_parallel_size} and "
                               f"pipeline size {saved.pipeline_model_parallel_size}; its optimizer state resumes only "
                               "at that layout (the weights load at any): resume at it, or start from the weights "
                               "with --finetune or --no-load-optim")
-    return torch.load(info.path / rank_state_file(tp_rank, pp_rank, pp_size), map_location="cpu", weights_only=True)
+    return torch.load(info.path / rank_state_file(tp_rank, pp_rank, pp_size, dp_rank), map_location="cpu",
+                      weights_only=True)

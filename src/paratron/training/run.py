@@ -19,6 +19,7 @@ from paratron.checkpoint.io import (
     read_checkpoint,
 )
 from paratron.config.schema import Config
+from paratron.config.validation import data_parallel_size
 from paratron.data.blending import parse_blend
 from paratron.data.build import build_data
 from paratron.data.indexed import IndexedDataset, dataset_exists
@@ -43,8 +44,9 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
-def check_inputs(config: Config) -> None:
-    """Cheap checks of the files a run will read, made before any worker starts."""
+def check_inputs(config: Config, world_size: int | None = None) -> None:
+    """Cheap checks of the files a run will read, made before any worker starts (`world_size`:
+    the run's process count, default --nproc)."""
     for values, flag in config.data.blend_flags():
         for path in parse_blend(values, flag).paths:
             if dataset_exists(path):
@@ -52,22 +54,37 @@ def check_inputs(config: Config) -> None:
             else:
                 input_files([path], flag)
     c = config.checkpoint
-    if c.load:
-        saved = read_checkpoint(Path(c.load), verify=False).config.parallel
-        now = config.parallel
-        if not (_same_layout(saved, now) or c.finetune or c.no_load_optim):
-            raise CheckpointError(f"--load {c.load}: saved at tensor-parallel size {saved.tensor_model_parallel_size}"
-                                  f" and pipeline size {saved.pipeline_model_parallel_size}, and its optimizer state "
-                                  "resumes only at that layout; use --tensor-model-parallel-size "
-                                  f"{saved.tensor_model_parallel_size} --pipeline-model-parallel-size "
-                                  f"{saved.pipeline_model_parallel_size}, or --no-load-optim or --finetune to start "
-                                  "from its weights at this layout")
+    if c.load and not (c.finetune or c.no_load_optim):
+        info = read_checkpoint(Path(c.load), verify=False)
+        world = world_size or config.parallel.nproc_per_node
+        problem = optimizer_layout_mismatch(info, config, data_parallel_size(config, world))
+        if problem:
+            raise CheckpointError(f"--load {c.load}: {problem}; resume at that layout, or use --no-load-optim or "
+                                  "--finetune to start from its weights at this one")
 
 
-def _same_layout(saved, now) -> bool:
-    """Whether per-rank training state saved at `saved` (ParallelConfig) fits layout `now`."""
-    return (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) == \
-        (now.tensor_model_parallel_size, now.pipeline_model_parallel_size)
+def _optimizer_layout(parallel, shards: int) -> tuple:
+    """What a layout's per-rank optimizer state depends on: TP and PP, and when it is sharded over
+    data-parallel ranks, their number, the stage and the bucket size (shards follow buckets)."""
+    layout: tuple = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    if shards > 1:
+        layout += (shards, parallel.sharding_stage, parallel.ddp_bucket_size)
+    return layout
+
+
+def optimizer_layout_mismatch(info, config: Config, dp: int) -> str | None:
+    """Why checkpoint `info`'s optimizer state does not fit `config` at data-parallel size `dp`
+    (None when it does)."""
+    saved, now = info.config.parallel, config.parallel
+    shards_now = dp if now.sharding_stage > 0 and dp > 1 else 1
+    if _optimizer_layout(saved, info.optimizer_shards) == _optimizer_layout(now, shards_now):
+        return None
+    where = (f"tensor-parallel size {saved.tensor_model_parallel_size}, pipeline size "
+             f"{saved.pipeline_model_parallel_size}")
+    if info.optimizer_shards > 1:
+        where += (f", ZeRO stage {saved.sharding_stage} over {info.optimizer_shards} data-parallel ranks"
+                  + (f" with --ddp-bucket-size {saved.ddp_bucket_size}" if saved.ddp_bucket_size else ""))
+    return f"its optimizer state was saved at {where} and resumes only there"
 
 
 def run_training(config: Config) -> TrainState:
@@ -115,11 +132,16 @@ def _run(config: Config, ctx) -> TrainState:
                            progress_bar=config.logging.progress_bar, tensorboard=config.logging.tensorboard)
     trainer = Trainer(config, ctx, topology, model, optimizer, data, writer,
                       training_flops_per_token(config.model, config.data.seq_length), peak, state)
-    same_layout = resume is not None and _same_layout(resume.config.parallel, config.parallel)
-    if continuing and (same_layout or not c.no_load_optim):  # (at another layout the per-rank state has no use)
-        trainer.restore_rank_state(load_training_state(resume, topology.tp_rank, topology.size("tp"),
-                                                       topology.pp_rank, topology.size("pp")),
-                                   load_optimizer=not c.no_load_optim)
+    if continuing:
+        problem = optimizer_layout_mismatch(resume, config, topology.size("dp"))
+        if problem is None:
+            sharded = resume.optimizer_shards > 1
+            trainer.restore_rank_state(load_training_state(resume, topology.tp_rank, topology.size("tp"),
+                                                           topology.pp_rank, topology.size("pp"),
+                                                           topology.dp_rank if sharded else None),
+                                       load_optimizer=not c.no_load_optim)
+        elif not c.no_load_optim:  # (at another layout the per-rank state has no use)
+            raise CheckpointError(f"{resume.path}: {problem}; resume at that layout, or use --no-load-optim")
     m = config.model
     say(f"paratron: {topology.describe()} on {ctx.backend}/{ctx.device.type}, {t.precision}")
     say(f"model: {n_params / 1e6:.2f}M parameters ({m.num_layers} layers, hidden {m.hidden_size}, "
