@@ -44,6 +44,18 @@ def all_reduce(x: torch.Tensor, group: Any, async_op: bool = False, op: Any = di
     return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum each tensor over `group` in place, with one collective for all of them."""
+    if group_size(group) == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, group)
+    position = 0
+    for t in tensors:
+        t.copy_(flat[position:position + t.numel()].view_as(t))
+        position += t.numel()
+
+
 def all_gather(x: torch.Tensor, dim: int, group: Any, async_op: bool = False) -> Any:
     """Concatenate every rank's `x` along `dim`; with async_op, (output, work)."""
     size = group_size(group)

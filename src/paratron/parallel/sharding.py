@@ -90,6 +90,16 @@ def set_partial_grad(param: torch.Tensor, group: Any) -> None:
     param.partial_grad_group = group  # type: ignore[attr-defined]
 
 
+def partial_grad_groups(params: Sequence[torch.Tensor]) -> list[tuple[Any, list[torch.Tensor]]]:
+    """The parameters tagged with `partial_grad_group`, by group: (group, its parameters)."""
+    groups: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for p in params:
+        group = getattr(p, "partial_grad_group", None)
+        if group is not None:
+            groups.setdefault(id(group), (group, []))[1].append(p)
+    return list(groups.values())
+
+
 def grad_norm_weight(param: torch.Tensor, tp_size: int) -> float:
     """Weight of this parameter's squared gradient norm in a sum over the model-parallel ranks
     (tensor x pipeline), so that a tensor held by several ranks counts once: replicas over the

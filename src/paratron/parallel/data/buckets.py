@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratron.distributed import comm
+from paratron.parallel.sharding import partial_grad_groups
 
 MODES = ("all-reduce", "reduce-scatter", "reduce-scatter-shard")
 
@@ -97,11 +98,7 @@ class GradientReducer:
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
         self.sync_enabled = True
-        self.partial: dict[int, tuple[Any, list[nn.Parameter]]] = {}
-        for p in params:
-            g = getattr(p, "partial_grad_group", None)
-            if g is not None:
-                self.partial.setdefault(id(g), (g, []))[1].append(p)
+        self.partial = partial_grad_groups(params)
         if mode == "reduce-scatter-shard":
             self.grad_buffer = None
             self.grad_shard = torch.zeros(self.total // self.size, dtype=self.dtype, device=self.device)
@@ -231,16 +228,10 @@ class GradientReducer:
 
     def finish(self) -> None:
         """End of a step's backward: complete partial gradients, reduce what is left, wait for all."""
-        for group, params in self.partial.values():
-            views = [self.view(self.bucket_of[id(p)].buffer, p, self.bucket_of[id(p)].start) for p in params
-                     if self.bucket_of[id(p)].buffer is not None]
-            if views:
-                flat = torch.cat([v.reshape(-1) for v in views])
-                comm.all_reduce(flat, group)
-                position = 0
-                for v in views:
-                    v.copy_(flat[position:position + v.numel()].view_as(v))
-                    position += v.numel()
+        for group, params in self.partial:
+            buckets = [self.bucket_of[id(p)] for p in params]
+            comm.all_reduce_coalesced([self.view(b.buffer, p, b.start) for p, b in zip(params, buckets)
+                                       if b.buffer is not None], group)
         for b in self.buckets:
             if b.dirty and b.work is None:
                 self._launch(b)

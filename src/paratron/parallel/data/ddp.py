@@ -26,7 +26,7 @@ from torch import nn
 from paratron.distributed import comm
 from paratron.model.loss import language_model_loss
 from paratron.parallel.data.buckets import GradientReducer
-from paratron.parallel.sharding import grad_norm_weight
+from paratron.parallel.sharding import grad_norm_weight, partial_grad_groups
 
 REDUCTION_MODES = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter-shard"}
 
@@ -79,7 +79,7 @@ class DataParallel(nn.Module):
         self.param_buffer: torch.Tensor | None = None
         self._gathers: dict[int, Any] = {}
         if settings.zero_stage == 3:
-            self._partial = _partial_groups(params)
+            self._partial = partial_grad_groups(params)
             return
         self.reducer = GradientReducer(params, group, settings.bucket_size, REDUCTION_MODES[settings.zero_stage],
                                        settings.overlap_grad_reduce, late=_late_parameters(module, params))
@@ -152,14 +152,7 @@ class DataParallel(nn.Module):
         """Stage 3: FSDP2 has reduce-scattered the gradients; sum partial ones (local shards line up
         over the partial group, whose members shard tensors of the same shape alike)."""
         for group, params in self._partial:
-            grads = [_local(p.grad) for p in params if p.grad is not None]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                comm.all_reduce(flat, group)
-                position = 0
-                for g in grads:
-                    g.copy_(flat[position:position + g.numel()].view_as(g))
-                    position += g.numel()
+            comm.all_reduce_coalesced([_local(p.grad) for p in params if p.grad is not None], group)
 
     def gradients_for_norm(self) -> tuple[list[torch.Tensor], torch.Tensor | None, Any]:
         """(gradients, their norm weights, the group to sum squared norms over) for clipping, when the
@@ -205,15 +198,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _device_of(param: torch.Tensor) -> torch.device:
     return _local(param).device
-
-
-def _partial_groups(params: list[nn.Parameter]) -> list[tuple[Any, list[nn.Parameter]]]:
-    groups: dict[int, tuple[Any, list[nn.Parameter]]] = {}
-    for p in params:
-        g = getattr(p, "partial_grad_group", None)
-        if g is not None:
-            groups.setdefault(id(g), (g, []))[1].append(p)
-    return list(groups.values())
 
 
 def _late_parameters(module: nn.Module, params: list[nn.Parameter]) -> list[nn.Parameter]:

@@ -37,8 +37,8 @@ class DistributedOptimizer:
         decay, no_decay = [], []
         for param, a, z, position in self.pieces:
             view = model.param_buffer[position:position + z - a]
-            master = view if view.dtype == torch.float32 else view.detach().float()
-            master = nn.Parameter(master, requires_grad=True) if master is view else nn.Parameter(master)
+            # (nn.Parameter aliases the view's storage: an fp32 master is the parameter shard itself)
+            master = nn.Parameter(view if view.dtype == torch.float32 else view.detach().float())
             self.masters.append(master)
             (decay if param.dim() >= 2 else no_decay).append(master)
         groups = [{"params": decay, "weight_decay": config.weight_decay},
