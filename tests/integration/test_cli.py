@@ -44,6 +44,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     (["--config", "debug", "--hiden-size", "8"], "unknown flag --hiden-size; did you mean --hidden-size?"),
     (["--config", "debug", "--fp16", "--bf16"], "--fp16 and --bf16 were both given; choose one"),
     (["--config", "debug", "--nproc", "2", "--load", "."], ".: no checkpoint here"),
+    (["--config", "debug", "--nproc", "2", "--overlap-param-gather"],
+     "--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer"),
+    (["--config", "debug", "--nproc", "2", "--zero-stage", "5"], "--zero-stage: 5 is not one of: 0, 1, 2, 3"),
     (["--config", "debug", "--num-layers", "4", "--nproc", "2", "--pipeline-model-parallel-size", "2",
       "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "24", "--micro-batch-size", "8"],
      "--global-batch-size 24: the interleaved schedule needs a number of micro-batches (3) divisible by the pipeline size (2)"),
@@ -82,6 +85,23 @@ def test_tensor_parallel_training_then_generate(tmp_path):
     generated = paratron("generate", "--load", str(ckpt), "--prompt", "def f1", "--max-new-tokens", "5")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("def f1") and len(generated.stdout) > len("def f1")
+
+
+def test_distributed_optimizer_run_saves_each_shard_and_refuses_another_layout(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = paratron("train", "--config", "debug", "--nproc", "2", "--use-distributed-optimizer",
+                      "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000",
+                      "--train-iters", "3", "--lr-warmup-iters", "1", "--eval-iters", "0", "--run-dir", str(tmp_path / "run"),
+                      "--save", str(ckpt),
+                      *QUIET)
+    assert result.returncode == 0, result.stderr
+    files = sorted(p.name for p in (ckpt / "iter_0000003").glob("training_state_*"))
+    assert files == ["training_state_tp000_dp000.pt", "training_state_tp000_dp001.pt"]
+    # before any worker starts: the shards do not fit one process, nor DP 2 without ZeRO
+    for args in (["--nproc", "1", "--use-distributed-optimizer"], ["--nproc", "2"]):
+        assert_one_line_error(paratron("train", "--config", "debug", "--train-iters", "9", "--load", str(ckpt), *args),
+                              "optimizer state was saved at tensor-parallel size 1, pipeline size 1, ZeRO stage 1 "
+                              "over 2 data-parallel ranks with --ddp-bucket-size 20000 and resumes only there")
 
 
 def test_pipeline_training_with_profile_then_generate(tmp_path):

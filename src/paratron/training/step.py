@@ -84,6 +84,8 @@ def train_step(model: DataParallel, optimizer: torch.optim.Optimizer,
             total += micro_loss.detach()
         loss = total / len(batches)
     model.finish_grad_sync()
+    if hasattr(optimizer, "prepare_grads"):  # the distributed optimizer takes its shard of the result
+        optimizer.prepare_grads()
     precision.unscale(optimizer)
     # whole gradients on the model, or this rank's shards on the distributed optimizer
     holder = optimizer if hasattr(optimizer, "gradients_for_norm") else model

@@ -81,7 +81,9 @@ class DataParallel(nn.Module):
         if settings.zero_stage == 3:
             self._partial = partial_grad_groups(params)
             return
-        self.reducer = GradientReducer(params, group, settings.bucket_size, REDUCTION_MODES[settings.zero_stage],
+        # (on one rank, stage 2's per-micro-batch reduction would only add a copy: keep stage 1's buffer)
+        mode = REDUCTION_MODES[1 if settings.zero_stage == 2 and size == 1 else settings.zero_stage]
+        self.reducer = GradientReducer(params, group, settings.bucket_size, mode,
                                        settings.overlap_grad_reduce, late=_late_parameters(module, params))
         if settings.zero_stage > 0:
             self._flatten_parameters()

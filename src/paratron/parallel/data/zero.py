@@ -51,10 +51,12 @@ class DistributedOptimizer:
                                                eps=config.adam_eps)
         weights = [grad_norm_weight(param, model.tp_size) for param, *_ in self.pieces]
         self.norm_weights = torch.tensor(weights, device=reducer.device) if weights else None
-        self._attach_grads()
+        self.prepare_grads()
 
-    def _attach_grads(self) -> None:
-        """Point each master's gradient at its piece of the reduced shard."""
+    def prepare_grads(self) -> None:
+        """Give each master its piece of the reduced gradient shard: a view when the dtypes agree,
+        an fp32 copy otherwise. Call once per step, after the reduction and before unscaling and
+        clipping (which then act on what `step` uses)."""
         reducer = self.reducer
         for master, (param, a, z, position) in zip(self.masters, self.pieces):
             if reducer.grad_buffer is not None:
@@ -79,12 +81,10 @@ class DistributedOptimizer:
 
     def gradients_for_norm(self) -> tuple[list[torch.Tensor], torch.Tensor | None, Any]:
         """This rank's shard pieces (disjoint over data-parallel ranks), weights, and the group of all ranks."""
-        self._attach_grads()
         return [m.grad for m in self.masters], self.norm_weights, self.model.norm_group
 
     @torch.no_grad()
     def step(self) -> None:
-        self._attach_grads()
         self.optimizer.step()
         buffer = self.model.param_buffer
         for master, (param, a, z, position) in zip(self.masters, self.pieces):
