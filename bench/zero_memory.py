@@ -67,7 +67,7 @@ def measure(stages: list[int]) -> list[dict]:
         # taken in (stage 2 must hold its shard plus the buckets being filled, never the full buffer)
         peak = {"bytes": 0}
 
-        def probe(_: torch.Tensor) -> None:
+        def probe(_: torch.Tensor, model: torch.nn.Module = model) -> None:
             peak["bytes"] = max(peak["bytes"], training_state_elements(model)["gradients"]["bytes"])
 
         hooks = [p.register_post_accumulate_grad_hook(probe) for p in model.trained_parameters] \
