@@ -92,10 +92,13 @@ class GradientReducer:
 
     def __init__(self, params: list[nn.Parameter], group: Any, bucket_size: int, mode: str = "all-reduce",
                  overlap: bool = False, late: Iterable[nn.Parameter] = (),
-                 scatter_by_all_reduce: bool | None = None) -> None:
+                 scatter_by_all_reduce: bool | None = None, every_micro_batch: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.params, self.group, self.mode, self.overlap = params, group, mode, overlap
+        # Without overlap, buckets are reduced in backward only when every micro-batch needs it
+        # (a reduction waited for in a hook stalls backward); otherwise all at once in finish().
+        self.every_micro_batch = every_micro_batch or mode == "reduce-scatter-shard"
         self.size, self.rank = comm.group_size(group), comm.group_rank(group)
         self.offsets, self.buckets, self.total = plan_buckets(params, late, bucket_size, self.size)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -176,7 +179,7 @@ class GradientReducer:
             self.view(bucket.buffer, param, bucket.start).add_(param.grad)
             param.grad = None
         bucket.dirty = True
-        if not self.sync_enabled or bucket.late:
+        if not self.sync_enabled or bucket.late or not (self.overlap or self.every_micro_batch):
             return
         bucket.pending.discard(id(param))
         if not bucket.pending:
@@ -221,10 +224,10 @@ class GradientReducer:
             return
         lo, hi = bucket.shard(self.rank, self.size)
         if self.mode == "reduce-scatter":
-            # the other shards still hold this rank's own sums; clear them so that a later
-            # micro-batch's reduction adds only new gradients
+            # the other shards still hold this rank's own sums; clear them when a later
+            # micro-batch's reduction of this step would add them again
             local = bucket.buffer[lo - bucket.start:hi - bucket.start]
-            if self.size > 1:
+            if self.size > 1 and self.every_micro_batch and not self.scatter_by_all_reduce:
                 kept = local.clone()
                 bucket.buffer.zero_()
                 local.copy_(kept)

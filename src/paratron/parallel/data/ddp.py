@@ -83,8 +83,9 @@ class DataParallel(nn.Module):
             return
         # (on one rank, stage 2's per-micro-batch reduction would only add a copy: keep stage 1's buffer)
         mode = REDUCTION_MODES[1 if settings.zero_stage == 2 and size == 1 else settings.zero_stage]
-        self.reducer = GradientReducer(params, group, settings.bucket_size, mode,
-                                       settings.overlap_grad_reduce, late=_late_parameters(module, params))
+        self.reducer = GradientReducer(params, group, settings.bucket_size, mode, settings.overlap_grad_reduce,
+                                       late=_late_parameters(module, params),
+                                       every_micro_batch=settings.sync_every_micro_batch)
         if settings.zero_stage > 0:
             self._flatten_parameters()
 
