@@ -1,38 +1,39 @@
-"""Data parallelism and ZeRO benchmark: paratron against PyTorch's own DDP, ZeroRedundancyOptimizer and FSDP2.
+"""Data parallelism and ZeRO: paratron against PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.
 
-    python bench/data_parallel.py step --output bench/results/data_parallel.json     # everything (~6 min, 2 cores)
+    python bench/data_parallel.py step --output bench/results/data_parallel.json  # all (~4 min, 2 idle cores)
     python bench/data_parallel.py step --only zero3 --rounds 4 --output bench/results/data_parallel.json
-    python bench/data_parallel.py step --layers 2 --hidden 64 --vocab 512 --seq 32 --rounds 1 --steps 1  # smoke
-    python bench/data_parallel.py markdown --output bench/results/data_parallel.json  # redo the .md from the JSON
+    python bench/data_parallel.py step --layers 2 --hidden 64 --vocab 512 --seq 32 --rounds 1  # smoke
+    python bench/data_parallel.py markdown --output bench/results/data_parallel.json  # the .md again, from the JSON
 
-`step` trains the same GPT (paratron's model code, same seed, untied embeddings, fp32, no dropout)
-on two gloo processes (data-parallel size 2) in several ways side by side, every side from the
-same initial weights and on the same batches: each step is `--microbatches` micro-batches per
-rank (gradients accumulate; only the last micro-batch synchronises), a global-norm clip at 1.0
-and an AdamW step (same hyper-parameters, weight decay on matrices only). Pairings (`--only`):
+`step` trains one GPT (paratron's model code, same seed, untied embeddings, fp32, no dropout) on two
+gloo processes (DP 2) in several ways, all from the same weights on the same batches: per step,
+`--microbatches` micro-batches per rank (gradients accumulate; only the last synchronises), a
+global-norm clip at 1.0 and AdamW (same settings, decay on matrices only). Pairings (`--only`):
 
-    ddp    paratron stage 0, with and without --overlap-grad-reduce, vs torch DistributedDataParallel
-           (default buckets: 25 MiB, first one 1 MiB; and bucket_cap_mb matched to paratron's
-           --bucket-size), `no_sync()` on the first micro-batch, torch AdamW, clip_grad_norm_
-    zero1  paratron --zero-stage 1, with and without --overlap-grad-reduce, vs torch
+    ddp    paratron stage 0, with and without overlap_grad_reduce, vs torch DistributedDataParallel
+           with its default buckets (25 MiB, the first 1 MiB) and with bucket_cap_mb matched to
+           --bucket-size; no_sync() on all but the last micro-batch, torch AdamW, clip_grad_norm_
+    zero1  paratron zero_stage 1, with and without overlap_grad_reduce, vs
            ZeroRedundancyOptimizer(optimizer_class=AdamW) over DDP (default buckets)
-    zero3  paratron --zero-stage 3, vs FSDP2 fully_shard applied by hand to each transformer block
-           and then the root, set_requires_gradient_sync(False) on all but the last micro-batch
+    zero3  paratron zero_stage 3 vs FSDP2 fully_shard applied by hand to each transformer block,
+           then the root; set_requires_gradient_sync(False) on all but the last micro-batch
 
-Every side of a pairing makes one warm-up step, then `--rounds` rounds of `--steps` timed steps
-(barriers around each round; the order of the sides rotates every round). Reported: the median
-round of each side, the ratio of medians and the median of per-round ratios paratron / peer
-(below 1: paratron faster). Every side takes the same number of steps on the same batches, so
-the two sides' rank-averaged losses are compared step by step (relative difference).
+Each side makes a warm-up step, then `--rounds` rounds of `--steps` timed steps (barriers around
+each round, the order of the sides rotating; one step per round, so that the rounds paired for a
+ratio are seconds apart on a shared machine). Reported: each side's median round; paratron / peer
+as the ratio of medians and the median of per-round ratios (below 1: paratron faster), in wall
+time and in the CPU time a process spends per step (all threads; waiting is not counted, so it
+misses exposed communication, but sharing the cores with other processes hardly moves it); the
+rank-averaged losses of both sides, step by step (same batches, same number of steps). Also: the
+share of the cores other processes used meanwhile (/proc/stat), as a warning sign.
 
-Communication overlap (`ddp` and `zero1` pairings, paratron sides): on one micro-batch, with
-the forward pass never timed, (a) backward with gradient sync disabled: compute only; (b) then,
-after a barrier, `finish_grad_sync()`, which reduces every bucket at once: the communication
-when nothing hides it; (c) backward + `finish_grad_sync()` with sync enabled. The share of
-communication hidden behind backward is (a + b - c) / b, clipped to [0, 1]: 0 when the
-reduction adds its whole time, 1 when it adds nothing. Medians of `--overlap-repeats` tries,
-averaged over the two ranks. Results merge into `--output` by pairing; the Markdown summary
-(`--markdown`, default: the output's name with .md) is written from the merged results.
+Overlap (paratron sides of `ddp` and `zero1`), on one micro-batch, forward never timed: (a)
+backward with gradient sync disabled (compute only); (b) then, after a barrier, finish_grad_sync(),
+which reduces every bucket at once (the communication when nothing hides it); (c) backward +
+finish_grad_sync() with sync enabled. Share of the communication hidden behind backward:
+(a + b - c) / b clipped to [0, 1] (0: it adds its whole time; 1: nothing). Medians of
+`--overlap-repeats` tries, mean of the ranks. Results merge into `--output` by pairing; the
+Markdown section (`--markdown`, default: the output with .md) is written from the merged results.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 PAIRINGS = ("ddp", "zero1", "zero3")
@@ -108,18 +108,40 @@ def _paratron(args: dict, topology: Any, **parallel: Any) -> Side:
     return Side(lambda batches: train_step(model, optimizer, batches, precision, 1.0).loss, model)
 
 
-def _adamw_groups(model: nn.Module, args: dict) -> tuple[list[dict], dict]:
-    """What a PyTorch user writes: decay on matrices only; paratron's defaults for the rest."""
-    o = _config(args).optimizer
+def _torch(args: dict, kind: str, bucket_cap_mb: float | None = None) -> Side:
+    """The plain model the way a PyTorch user parallelizes it: `kind` is ddp, zero1 (ZeroRedundancyOptimizer
+    over DDP) or fsdp2; AdamW with decay on matrices only, clip_grad_norm_, paratron's optimizer defaults."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from paratron.model.gpt import build_model
+    from paratron.model.loss import language_model_loss
+
+    config = _config(args)
+    model = build_model(config.model, seed=args["seed"])
+    if kind == "fsdp2":
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    o = config.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return groups, dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    settings = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    if kind == "zero1":
+        optimizer: Any = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **settings)
+    else:
+        optimizer = torch.optim.AdamW(groups, **settings)
 
-
-def _torch_step(model: nn.Module, optimizer: Any, sync: Callable[[bool], Any]) -> Callable[[Batch], torch.Tensor]:
-    """The plain training step: `sync(last)` is the context a micro-batch's forward and backward run in."""
-    from paratron.model.loss import language_model_loss
+    def sync(last: bool) -> contextlib.AbstractContextManager:
+        if kind == "fsdp2":
+            model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext() if last or kind == "fsdp2" else model.no_sync()
 
     def step(batches: Batch) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -133,67 +155,34 @@ def _torch_step(model: nn.Module, optimizer: Any, sync: Callable[[bool], Any]) -
         optimizer.step()
         return total / len(batches)
 
-    return step
-
-
-def _torch_ddp(args: dict, bucket_cap_mb: float | None = None, zero: bool = False) -> Side:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    from paratron.model.gpt import build_model
-
-    ddp = DistributedDataParallel(build_model(_config(args).model, seed=args["seed"]), bucket_cap_mb=bucket_cap_mb)
-    groups, settings = _adamw_groups(ddp, args)
-    if zero:
-        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **settings)
-    else:
-        optimizer = torch.optim.AdamW(groups, **settings)
-    return Side(_torch_step(ddp, optimizer, lambda last: contextlib.nullcontext() if last else ddp.no_sync()), ddp)
-
-
-def _torch_fsdp2(args: dict) -> Side:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from paratron.model.gpt import build_model
-
-    model = build_model(_config(args).model, seed=args["seed"])
-    mesh = init_device_mesh("cpu", (2,))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    groups, settings = _adamw_groups(model, args)
-    optimizer = torch.optim.AdamW(groups, **settings)
-
-    def sync(last: bool) -> contextlib.AbstractContextManager:
-        model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-
-    return Side(_torch_step(model, optimizer, sync), model)
+    return Side(step, model)
 
 
 def _sides(name: str, args: dict, topology: Any) -> dict[str, Side]:
     if name == "ddp":
-        matched = args["bucket_size"] * 4 / 2**20  # fp32 elements -> MiB
-        return {"paratron": _paratron(args, topology), "paratron-overlap": _paratron(args, topology, overlap_grad_reduce=True),
-                "torch-ddp": _torch_ddp(args), "torch-ddp-matched": _torch_ddp(args, bucket_cap_mb=matched)}
+        return {"paratron": _paratron(args, topology),
+                "paratron-overlap": _paratron(args, topology, overlap_grad_reduce=True),
+                "torch-ddp": _torch(args, "ddp"),
+                "torch-ddp-matched": _torch(args, "ddp", bucket_cap_mb=args["bucket_size"] * 4 / 2**20)}  # MiB
     if name == "zero1":
         return {"paratron-zero1": _paratron(args, topology, zero_stage=1),
                 "paratron-zero1-overlap": _paratron(args, topology, zero_stage=1, overlap_grad_reduce=True),
-                "torch-zero1": _torch_ddp(args, zero=True)}
-    return {"paratron-zero3": _paratron(args, topology, zero_stage=3), "torch-fsdp2": _torch_fsdp2(args)}
+                "torch-zero1": _torch(args, "zero1")}
+    return {"paratron-zero3": _paratron(args, topology, zero_stage=3), "torch-fsdp2": _torch(args, "fsdp2")}
 
 
-def _timed_round(side: Side, pool: list[Batch], steps: int) -> float:
-    """ms per step, between barriers, so that both ranks' last operation is inside the time."""
+def _timed_round(side: Side, pool: list[Batch], steps: int) -> tuple[float, float]:
+    """Wall-clock ms per step, between barriers (both ranks' last operation is inside the time), and
+    this process's CPU ms per step (all its threads; waiting does not count)."""
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         side.run(pool)
+    cpu = time.process_time() - cpu
     dist.barrier()
-    return (time.perf_counter() - start) / steps * 1e3
+    return (time.perf_counter() - start) / steps * 1e3, cpu / steps * 1e3
 
 
 def _rank_mean(values: list[float]) -> list[float]:
@@ -238,33 +227,55 @@ def _overlap(models: dict[str, Any], batch: tuple[torch.Tensor, torch.Tensor], r
         model.zero_grad_buffer()
         a, b, c = _rank_mean([statistics.median(x) * 1e3 for x in tries[key]])
         raw = (a + b - c) / b
-        out[key] = {"buckets": len(model.reducer.buckets), "overlap_grad_reduce": model.reducer.overlap,
-                    "mode": model.reducer.mode, "compute_ms": a, "exposed_comm_ms": b, "backward_and_sync_ms": c,
+        reducer = model.reducer
+        out[key] = {"buckets": len(reducer.buckets), "overlap_grad_reduce": reducer.overlap, "mode": reducer.mode,
+                    "scatter_by_all_reduce": getattr(reducer, "scatter_by_all_reduce", False), "compute_ms": a,
+                    "exposed_comm_ms": b, "backward_and_sync_ms": c,
                     "hidden_share": min(1.0, max(0.0, raw)), "hidden_share_raw": raw}
     return out
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy: all processes, all cores (Linux; NaN elsewhere)."""
+    stat = Path("/proc/stat")
+    fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]] if stat.exists() else []
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK") if fields else float("nan")
 
 
 def _pairing(name: str, args: dict, topology: Any, pool: list[Batch]) -> dict:
     import torch.distributed as dist
 
     sides = _sides(name, args, topology)
+    dist.barrier()
+    started, busy, our_cpu = time.perf_counter(), _busy_seconds(), time.process_time()
     for side in sides.values():
         side.run(pool)  # warm-up (DDP rebuilds its buckets after its first step)
     keys = list(sides)
     times: dict[str, list[float]] = {k: [] for k in keys}
+    cpu: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(args["rounds"]):
         for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            times[key].append(_timed_round(sides[key], pool, args["steps"]))
+            wall, used = _timed_round(sides[key], pool, args["steps"])
+            times[key].append(wall)
+            cpu[key].append(used)
+    # the share of the cores that other processes used while the sides were timed
+    our_cpu = _rank_mean([time.process_time() - our_cpu])[0] * dist.get_world_size()
+    other = (_busy_seconds() - busy - our_cpu) / ((time.perf_counter() - started) * (os.cpu_count() or 1))
+    cpu = {k: _rank_mean(v) for k, v in cpu.items()}
     losses = {k: _rank_mean([float(x) for x in side.losses]) for k, side in sides.items()}
-    result: dict[str, Any] = {"sides": {}, "comparisons": []}
+    result: dict[str, Any] = {"sides": {}, "comparisons": [], "other_load": max(0.0, other)}
     for key in keys:
         result["sides"][key] = {"label": LABELS[key], "median_ms": statistics.median(times[key]),
-                                "rounds_ms": times[key], "losses": losses[key]}
+                                "median_cpu_ms": statistics.median(cpu[key]), "rounds_ms": times[key],
+                                "rounds_cpu_ms": cpu[key], "losses": losses[key]}
     for ours, peer in COMPARISONS[name]:
         rel = [abs(a - b) / abs(b) for a, b in zip(losses[ours], losses[peer])]
+        a, b = result["sides"][ours], result["sides"][peer]
         result["comparisons"].append({
-            "paratron": ours, "peer": peer, "ratio": result["sides"][ours]["median_ms"] / result["sides"][peer]["median_ms"],
-            "ratio_paired_median": statistics.median(a / b for a, b in zip(times[ours], times[peer])),
+            "paratron": ours, "peer": peer, "ratio": a["median_ms"] / b["median_ms"],
+            "ratio_paired_median": statistics.median(x / y for x, y in zip(times[ours], times[peer])),
+            "cpu_ratio": a["median_cpu_ms"] / b["median_cpu_ms"],
+            "cpu_ratio_paired_median": statistics.median(x / y for x, y in zip(cpu[ours], cpu[peer])),
             "steps_compared": len(rel), "loss_first": losses[ours][0], "loss_last": losses[ours][-1],
             "loss_rel_diff_last": rel[-1], "loss_rel_diff_max": max(rel)})
     if name in ("ddp", "zero1") and args["overlap_repeats"] > 0:
@@ -322,42 +333,59 @@ def step(args: dict) -> dict:
         return json.loads(Path(out.name).read_text())
 
 
+def _commit() -> str:
+    """The checked-out commit, marked when src/ has uncommitted changes."""
+    import subprocess
+
+    def git(*words: str) -> str:
+        return subprocess.run(["git", *words], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                              text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + (" + src changes" if git("status", "--porcelain", "src") else "")
+
+
 def markdown(results: dict) -> str:
     """The summary section for BENCHMARKS.md, from the merged results."""
     m, t = results["model"], results["timing"]
-    lines = ["## Data parallelism and ZeRO against PyTorch", "",
-             f"Two gloo processes on a {t['cores']}-core CPU ({t['threads_per_process']} thread(s) each), fp32, "
-             f"torch {t['torch']}. Model: paratron's GPT, {m['num_layers']} layers, hidden {m['hidden_size']}, "
-             f"{m['num_attention_heads']} heads, FFN {m['ffn_hidden_size']}, vocab {m['vocab_size']} (untied), "
-             f"{m['parameters'] / 1e6:.1f} M parameters; sequence {m['seq_length']}, micro-batch "
-             f"{m['micro_batch_size']}, {m['microbatches']} micro-batches per rank and step (sync on the last only), "
-             f"clip 1.0, AdamW. Step = forward + backward of every micro-batch + clip + optimizer step. "
-             f"paratron buckets: {m['bucket_size']:,} elements; DDP matched: bucket_cap_mb "
-             f"{m['bucket_size'] * 4 / 2**20:.2f}. {t['rounds']} rounds of {t['steps']} steps after one warm-up step, "
-             f"side order rotating every round.", "", "```"]
-    lines += list(dict.fromkeys(results["commands"][name] for name in PAIRINGS if name in results["commands"]))
-    lines += ["```", "", "| paratron | PyTorch peer | paratron ms | peer ms | ratio | paired ratio | loss rel. diff (last / max) |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["## Data parallelism and ZeRO against PyTorch", "", (
+        f"Two gloo processes on a {t['cores']}-core CPU ({t['threads_per_process']} thread each), fp32, torch "
+        f"{t['torch']}. paratron's GPT: {m['num_layers']} layers, hidden "
+        f"{m['hidden_size']}, {m['num_attention_heads']} heads, FFN {m['ffn_hidden_size']}, vocab {m['vocab_size']} "
+        f"(untied), {m['parameters'] / 1e6:.1f} M parameters; sequence {m['seq_length']}, micro-batch "
+        f"{m['micro_batch_size']}, {m['microbatches']} micro-batches per rank and step (gradients synchronised on the "
+        "last). Step = forward + backward of every micro-batch + clip at 1.0 + AdamW step. paratron buckets: "
+        f"{m['bucket_size']:,} elements (DDP matched: bucket_cap_mb {m['bucket_size'] * 4 / 2**20:.2f}). "
+        "Each side: a warm-up step, then rounds of timed steps, the order of the sides rotating."),
+        "", "```"]
+    runs = [results[name]["run"] for name in PAIRINGS if name in results]
+    lines += list(dict.fromkeys(f"{r['command']}  # {r['rounds']} rounds x {r['steps']} step, paratron "
+                                f"{r['commit']}, {r['date']}" for r in runs))
+    lines += ["```", "", "| paratron | PyTorch peer | paratron ms | peer ms | ratio | paired | CPU ratio | CPU paired "
+              "| loss rel. diff (last / max) | other load |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in PAIRINGS:
         if name not in results:
             continue
-        sides = results[name]["sides"]
+        sides, load = results[name]["sides"], results[name]["other_load"]
         for c in results[name]["comparisons"]:
             ours, peer = sides[c["paratron"]], sides[c["peer"]]
             lines.append(f"| {ours['label']} | {peer['label']} | {ours['median_ms']:.0f} | {peer['median_ms']:.0f} | "
-                         f"{c['ratio']:.3f} | {c['ratio_paired_median']:.3f} | "
-                         f"{c['loss_rel_diff_last']:.1e} / {c['loss_rel_diff_max']:.1e} |")
-    lines += ["", "Ratio: paratron's median round over the peer's (below 1: paratron faster); paired: median of the "
-              "per-round ratios. Loss: rank-averaged loss of the same step on both sides, "
-              "relative difference at the last step and the largest over all steps (the same batches cycle, so "
-              "the loss falls fast: " + ", ".join(f"{name} {c['loss_first']:.3f} -> {c['loss_last']:.3f}" for name in PAIRINGS
-                                                 if name in results for c in results[name]["comparisons"][:1]) + ").",
-              "", "Gradient communication hidden behind backward (one micro-batch, forward not timed; ms, mean of the ranks):",
-              "", "| paratron | reduction | buckets | (a) backward, no sync | (b) sync alone | (c) backward + sync | hidden (a+b-c)/b |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+                         f"{c['ratio']:.3f} | {c['ratio_paired_median']:.3f} | {c['cpu_ratio']:.3f} | "
+                         f"{c['cpu_ratio_paired_median']:.3f} | {c['loss_rel_diff_last']:.1e} / "
+                         f"{c['loss_rel_diff_max']:.1e} | {load:.0%} |")
+    first = next(results[n]["comparisons"][0] for n in PAIRINGS if n in results)
+    lines += ["", "ms: median round, wall time per step. Ratio: paratron's median over the peer's (below 1: paratron "
+              "faster); paired: median of the per-round ratios; CPU: the same in CPU time per process and step (all "
+              "threads, mean of the ranks; waiting not counted). Loss: relative difference of the two sides' "
+              f"rank-averaged loss at the last of {first['steps_compared']} steps and the largest over them (loss "
+              f"{first['loss_first']:.3f} -> {first['loss_last']:.3f}). Other load: share of the machine's cores used "
+              "by other processes meanwhile (/proc/stat).", "",
+              "Gradient communication hidden behind backward (one micro-batch, forward not timed; ms, median of the "
+              "tries, mean of the ranks):", "", "| paratron | reduction | buckets | (a) backward, no sync | "
+              "(b) sync alone | (c) backward + sync | hidden (a+b-c)/b |", "|---|---|---:|---:|---:|---:|---:|"]
     for name in ("ddp", "zero1"):
         for key, o in results.get(name, {}).get("overlap", {}).items():
-            lines.append(f"| {LABELS[key]} | {o['mode']} | {o['buckets']} | {o['compute_ms']:.0f} | "
+            mode = "all-reduce, keeps its shard" if o.get("scatter_by_all_reduce") else o["mode"]
+            lines.append(f"| {LABELS[key]} | {mode} | {o['buckets']} | {o['compute_ms']:.0f} | "
                          f"{o['exposed_comm_ms']:.0f} | {o['backward_and_sync_ms']:.0f} | "
                          f"{o['hidden_share']:.2f} (raw {o['hidden_share_raw']:+.2f}) |")
     return "\n".join(lines) + "\n"
@@ -367,17 +395,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["step", "markdown"])
     parser.add_argument("--only", nargs="+", default=list(PAIRINGS), choices=PAIRINGS)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--overlap-repeats", type=int, default=5, help="tries per overlap measurement (0: skip)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--ffn", type=int, default=1536)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=2)
+    for flag, default in (("layers", 4), ("hidden", 384), ("heads", 6), ("ffn", 1536), ("vocab", 8192), ("seq", 128),
+                          ("micro-batch-size", 4), ("microbatches", 2)):
+        parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--bucket-size", type=int, default=1_000_000, help="paratron's ddp_bucket_size (elements)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--cores", type=int, default=2, help="CPU cores shared by the two processes")
@@ -398,14 +421,15 @@ def main() -> None:
     results["model"] = {**_config(settings).model.__dict__, "parameters": n, "seq_length": args.seq,
                         "micro_batch_size": args.micro_batch_size, "microbatches": args.microbatches,
                         "bucket_size": args.bucket_size, "precision": "fp32"}
-    results["timing"] = {"rounds": args.rounds, "steps": args.steps, "cores": args.cores, "backend": "gloo",
-                         "threads_per_process": results.pop("threads_per_process"), "torch": torch.__version__}
-    command = "python bench/data_parallel.py " + " ".join(sys.argv[1:])
-    results["commands"] = {name: command for name in args.only}
+    results["timing"] = {"cores": args.cores, "backend": "gloo", "torch": torch.__version__,
+                         "threads_per_process": results.pop("threads_per_process")}
+    run = {"command": "python bench/data_parallel.py " + " ".join(sys.argv[1:]), "commit": _commit(),
+           "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds, "steps": args.steps}
+    for name in args.only:
+        results[name]["run"] = run
     if args.output:
         merged = json.loads(args.output.read_text()) if args.output.exists() else {}
-        merged.update({k: v for k, v in results.items() if k != "commands"})
-        merged["commands"] = {**merged.get("commands", {}), **results["commands"]}
+        merged.update(results)
         args.output.write_text(json.dumps(merged, indent=2, default=str))
         results = merged
     text = markdown(results)
