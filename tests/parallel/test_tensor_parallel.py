@@ -254,22 +254,24 @@ def fp16_overflow_on_one_rank(world: int) -> dict:
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.parallel.parallelize import parallelize
-    from paratron.training.step import Precision, train_step
+    from paratron.optim.mixed_precision import LossScaler, Precision
+    from paratron.training.step import train_step
 
     dist, topology = _init(world)
-    config = build_config(dict(GPT_FLAVOUR, tensor_model_parallel_size=world, mock_data=True, seq_length=16))
+    config = build_config(dict(GPT_FLAVOUR, tensor_model_parallel_size=world, mock_data=True, seq_length=16,
+                               precision="fp16"))
     with torch.device("meta"):
         meta = GPT(config.model)
     model = parallelize(meta, config, topology, torch.device("cpu"))
     optimizer = build_optimizer(model, config.optimizer)
-    precision = Precision("fp16", torch.device("cpu"), model.tp_group)
+    precision = Precision("fp16", LossScaler(65536.0, hysteresis=1))
     weight = model.module.layers[0].mlp.in_proj.up.weight
     if topology.rank == 0:
         weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
     before = model.module.final_norm.weight.detach().clone()
     ids = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(0))
     result = train_step(model, optimizer, [(ids[:, :-1], ids[:, 1:])], precision, clip_grad=1.0)
-    report = {"skipped": result.skipped, "scale": precision.scaler.get_scale(),
+    report = {"skipped": result.skipped, "scale": precision.scaler.scale, "dtype": str(weight.dtype),
               "unchanged": torch.equal(before, model.module.final_norm.weight.detach())}
     dist.destroy_process_group()
     return report
@@ -277,5 +279,5 @@ def fp16_overflow_on_one_rank(world: int) -> dict:
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_all():
     reports = run_ranks(fp16_overflow_on_one_rank, 2, 2)
-    assert all(r["skipped"] and r["unchanged"] for r in reports), reports
+    assert all(r["skipped"] and r["unchanged"] and r["dtype"] == "torch.float16" for r in reports), reports
     assert reports[0]["scale"] == reports[1]["scale"] == 32768.0  # backed off from 65536 everywhere

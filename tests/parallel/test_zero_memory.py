@@ -32,7 +32,8 @@ def measure_stages(run_dir: str) -> list[dict]:
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.parallel.parallelize import parallelize
-    from paratron.training.step import Precision, train_step
+    from paratron.optim.mixed_precision import Precision
+    from paratron.training.step import train_step
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -48,7 +49,7 @@ def measure_stages(run_dir: str) -> list[dict]:
         model = parallelize(meta, config, topology, torch.device("cpu"))
         optimizer = build_optimizer(model, config.optimizer)
         train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])],
-                   Precision("fp32", torch.device("cpu"), model.norm_group), 1.0)
+                   Precision("fp32"), 1.0)
         entry = {"stage": stage, "shapes": shapes, "report": training_state_elements(model, optimizer)}
         reducer = model.reducer
         if reducer is not None:

@@ -54,6 +54,11 @@ def test_megatron_flag_names_map_onto_the_config():
     assert m.untie_embeddings_and_output_weights and not m.add_bias_linear
     assert (m.position_embedding_type, m.normalization, m.activation) == ("rope", "RMSNorm", "swiglu")
     assert parse(["--fp16"]).training.precision == "fp16"
+    t = parse(["--fp16", "--initial-loss-scale", "65536", "--min-loss-scale", "2", "--loss-scale-window", "10",
+               "--hysteresis", "1", "--log-memory"])
+    assert (t.training.initial_loss_scale, t.training.min_loss_scale, t.training.loss_scale_window,
+            t.training.hysteresis, t.logging.log_memory) == (65536.0, 2.0, 10, 1, True)
+    assert parse(["--fp16", "--loss-scale", "4096"]).training.loss_scale == 4096.0
     assert parse(["--recompute-activations"]).training.recompute_granularity == "selective"
 
 
@@ -127,6 +132,10 @@ def base(**overrides):
     (dict(hidden_size=48, num_attention_heads=6, num_query_groups=3, tensor_model_parallel_size=2), 2, "--num-query-groups 3 and --tensor-model-parallel-size 2: one must divide the other"),
     (dict(ffn_hidden_size=30, tensor_model_parallel_size=4), 4, "--ffn-hidden-size 30 is not divisible by --tensor-model-parallel-size 4"),
     (dict(sequence_parallel=True), 1, "--sequence-parallel needs --tensor-model-parallel-size above 1"),
+    (dict(loss_scale=1024.0), 1, "--loss-scale applies to fp16 training only (this run is fp32); add --fp16 or drop it"),
+    (dict(precision="fp16", min_loss_scale=8.0, initial_loss_scale=4.0), 1, "--min-loss-scale 8 exceeds --initial-loss-scale 4"),
+    (dict(precision="fp16", loss_scale_window=0), 1, "--loss-scale-window 0: must be at least 1"),
+    (dict(precision="fp16", hysteresis=0), 1, "--hysteresis 0: must be at least 1"),
     (dict(sequence_parallel=True, tensor_model_parallel_size=4, seq_length=30), 4, "--seq-length 30 is not divisible by --tensor-model-parallel-size 4, which --sequence-parallel needs"),
     (dict(num_layers=3, pipeline_model_parallel_size=2), 2, "--num-layers 3 with --pipeline-model-parallel-size 2: 3 layers do not split evenly into 2 stages"),
     (dict(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=3), 4, "the 5 layers left by the end stages do not split evenly into 3 stages"),

@@ -14,7 +14,8 @@ from paratron.errors import CheckpointError
 from paratron.model import build_model
 from paratron.optim.build import build_optimizer, clip_grad_norm
 from paratron.parallel.data import DataParallel
-from paratron.training.step import Precision, train_step
+from paratron.optim.mixed_precision import Precision
+from paratron.training.step import train_step
 from paratron.training.run import run_training
 from tiny import tiny_config
 
@@ -116,7 +117,7 @@ def test_optimizers_fit_one_batch(tmp_path, name):
     assert type(optimizer).__name__ == {"adam": "AdamW", "sgd": "SGD"}[name]
     batch = torch.randint(0, 512, (8, 33), generator=torch.Generator().manual_seed(0))
     batches = [(batch[:, :-1], batch[:, 1:])]
-    losses = [train_step(model, optimizer, batches, Precision("fp32", torch.device("cpu")), 0.0).loss.item()
+    losses = [train_step(model, optimizer, batches, Precision("fp32"), 0.0).loss.item()
               for _ in range(25)]
     assert losses[-1] < losses[0] - 1.0, losses
 

@@ -38,8 +38,7 @@ UNSUPPORTED: frozenset[str] = frozenset(
     context-parallel-size expert-model-parallel-size num-experts
     pipeline-model-parallel-split-rank
     accumulate-allreduce-grads-in-fp32
-    distribute-saved-activations loss-scale initial-loss-scale min-loss-scale
-    loss-scale-window hysteresis fp8-format fp8 use-flash-attn transformer-impl attention-backend
+    distribute-saved-activations fp8-format fp8 use-flash-attn transformer-impl attention-backend
     exit-signal-handler exit-duration-in-mins exit-interval async-save ckpt-format use-dist-ckpt
     no-load-rng auto-detect-ckpt-format tensorboard-dir wandb-project
     lr-warmup-fraction lr-warmup-samples lr-decay-samples train-samples rampup-batch-size

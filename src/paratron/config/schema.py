@@ -251,7 +251,22 @@ class TrainingConfig:
     """Optimizer steps to train for."""
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision; --bf16 and --fp16 select the mixed-precision modes (weights stay fp32)."""
+    """Compute precision. --bf16 and --fp16 keep the model's weights in 16 bits with fp32 master weights, fp32 gradients and fp32 optimizer state; fp16 adds loss scaling."""
+
+    loss_scale: Optional[float] = None
+    """With --fp16: a static loss scale (a power of two); unset, the scale is dynamic (see --initial-loss-scale)."""
+
+    initial_loss_scale: float = 2.0**32
+    """With --fp16: the dynamic loss scale to start from; it halves on overflows and doubles after --loss-scale-window clean steps."""
+
+    min_loss_scale: float = 1.0
+    """With --fp16: the dynamic loss scale never goes below this."""
+
+    loss_scale_window: int = 1000
+    """With --fp16: steps without overflow after which the dynamic loss scale doubles."""
+
+    hysteresis: int = 2
+    """With --fp16: overflows tolerated (steps skipped without lowering the scale) before the dynamic loss scale halves; refilled when the scale grows."""
 
     seed: int = 1234
     """Seed of weights, data order and dropout; the same seed gives the same run at every layout."""
@@ -310,6 +325,9 @@ class LoggingConfig:
 
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device for MFU (default: a table for known GPUs, a quick matmul probe on CPU)."""
+
+    log_memory: bool = False
+    """Measure each rank's memory on the first step (parameters, gradients, master weights, optimizer state, activations saved for backward) and write memory.json in the run directory."""
 
     profile_pipeline: bool = False
     """Time every pipeline operation of the last step: per-rank Chrome traces (Perfetto) and a PNG timeline in the run directory."""

@@ -69,6 +69,9 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
         (c.save_interval, "--save-interval"), (lg.sample_tokens, "--sample-tokens"),
         (s.lr_decay_iters, "--lr-decay-iters"), (lg.peak_tflops, "--peak-tflops"),
         (p.distributed_timeout_minutes, "--distributed-timeout-minutes"), (p.ddp_bucket_size, "--ddp-bucket-size"),
+        (t.loss_scale, "--loss-scale"), (t.initial_loss_scale, "--initial-loss-scale"),
+        (t.min_loss_scale, "--min-loss-scale"), (t.loss_scale_window, "--loss-scale-window"),
+        (t.hysteresis, "--hysteresis"),
     ]:
         _positive(value, flag)
     for value, flag in [
@@ -80,6 +83,12 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
     for value, flag in [(m.hidden_dropout, "--hidden-dropout"), (m.attention_dropout, "--attention-dropout"),
                         (o.adam_beta1, "--adam-beta1"), (o.adam_beta2, "--adam-beta2")]:
         _fraction(value, flag)
+
+    if t.loss_scale is not None and t.precision != "fp16":
+        raise ConfigError(f"--loss-scale applies to fp16 training only (this run is {t.precision}); add --fp16 or drop it")
+    if t.min_loss_scale > t.initial_loss_scale:
+        raise ConfigError(f"--min-loss-scale {t.min_loss_scale:g} exceeds --initial-loss-scale {t.initial_loss_scale:g}; "
+                          "lower the first or raise the second")
 
     # Model shape.
     heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads

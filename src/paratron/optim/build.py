@@ -10,6 +10,7 @@ from torch import nn
 from paratron.distributed import comm
 
 from paratron.config.schema import OptimizerConfig
+from paratron.optim.mixed_precision import MixedPrecisionOptimizer, make_inner_optimizer
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -22,17 +23,17 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer of a parallel model: the distributed optimizer under ZeRO stage 1 or 2, an
-    ordinary one over the (possibly FSDP-sharded) parameters otherwise."""
+    """The optimizer of a parallel model: the distributed optimizer under ZeRO stage 1 or 2; fp32
+    master weights over 16-bit parameters (bf16/fp16 at stage 0); an ordinary one over fp32
+    parameters otherwise (including FSDP's sharded fp32 parameters at stage 3)."""
     settings = getattr(model, "settings", None)
     if settings is not None and settings.zero_stage in (1, 2):
         from paratron.parallel.data.zero import DistributedOptimizer  # (parallel/ imports optim/)
 
         return DistributedOptimizer(model, config)  # type: ignore[return-value]
-    groups = parameter_groups(model, config.weight_decay)
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    if any(p.dtype != torch.float32 for p in model.parameters() if not hasattr(p, "to_local")):
+        return MixedPrecisionOptimizer(model, config)  # type: ignore[return-value]
+    return make_inner_optimizer(parameter_groups(model, config.weight_decay), config)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

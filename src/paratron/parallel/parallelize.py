@@ -1,8 +1,9 @@
 """The one ordered transform from a plain model on the meta device to this rank's parallel model.
 
 Order (as in torchtitan): tensor/sequence parallelism -> activation recomputation ->
-pipeline stage split -> weights materialized and initialized -> data parallelism (bucketed
-gradient reduction; ZeRO-1/2 flat parameter buffer, or ZeRO-3 FSDP2 units).
+pipeline stage split -> weights materialized and initialized (in fp32, then cast to bf16/fp16
+for mixed precision) -> data parallelism (bucketed fp32 gradient reduction; ZeRO-1/2 flat
+parameter buffer, or ZeRO-3 FSDP2 units over fp32 shards computing in 16 bits).
 Weights are created only after the layout is known, each rank initializing just its slice
 of every single-device tensor, from the seed and the tensor's name: every layout starts
 from the same model.
@@ -32,6 +33,7 @@ from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratron.parallel.tensor.layers import TPContext
 from paratron.model.loss import language_model_loss
+from paratron.optim.mixed_precision import DTYPES
 
 
 def parallelize(model: GPT, config: Config, topology: Topology, device: torch.device) -> DataParallel:
@@ -49,11 +51,12 @@ def parallelize(model: GPT, config: Config, topology: Topology, device: torch.de
         vocab_start = shard_of(model.output.weight).start
         loss_function = partial(_vocab_parallel_loss, vocab_start=vocab_start, group=tp.group)
     t = config.training
+    compute_dtype = DTYPES[t.precision]
     if t.recompute_granularity is not None:
         apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     pipeline = None
     if topology.size("pp") > 1:
-        pipeline = _split_pipeline(model, config, topology, device, loss_function)
+        pipeline = _split_pipeline(model, config, topology, device, loss_function, compute_dtype)
     materialize(model, device, seed)
     p = config.parallel
     dp = topology.size("dp")
@@ -63,7 +66,10 @@ def parallelize(model: GPT, config: Config, topology: Topology, device: torch.de
                                     overlap_param_gather=p.overlap_param_gather)
     units = None
     if settings.zero_stage == 3 and dp > 1:
-        units = shard_fully(model, topology.group("dp"), device, pipeline.runner if pipeline is not None else None)
+        units = shard_fully(model, topology.group("dp"), device, pipeline.runner if pipeline is not None else None,
+                            compute_dtype)
+    else:
+        model.to(compute_dtype)  # (in place: parameters keep their identity, ties and tags)
     wrapped = DataParallel(model, topology.group("dp"), dp, loss_function, tp.group, tp.size, rng,
                            model_group=topology.group("model"), pipeline=pipeline, settings=settings,
                            sharded_units=units)
@@ -75,7 +81,7 @@ def parallelize(model: GPT, config: Config, topology: Topology, device: torch.de
 
 
 def _split_pipeline(model: GPT, config: Config, topology: Topology, device: torch.device,
-                    loss_function) -> PipelineRuntime:
+                    loss_function, compute_dtype: torch.dtype) -> PipelineRuntime:
     """Keep this rank's stages of `model` (still on meta) and build the runtime that runs them."""
     plan = plan_pipeline(config, topology.size("dp"))
     schedule = plan.schedule
@@ -92,7 +98,7 @@ def _split_pipeline(model: GPT, config: Config, topology: Topology, device: torc
             defer_weight_gradients([model.layers[i] for i in deferred], store)
     # gradients travel in a group of their own, so each kind keeps its order between two ranks
     groups = {ACTIVATION: topology.group("pp"), GRADIENT: topology.create_subgroups("pp", pp)}
-    comm = StageComm(groups, next(model.parameters()).dtype, device, config.parallel.variable_seq_lengths)
+    comm = StageComm(groups, compute_dtype, device, config.parallel.variable_seq_lengths)
     divisor = topology.size("tp") if config.parallel.sequence_parallel else 1
     return PipelineRuntime(StageRunner(model, layout), schedule, comm, topology.ranks("pp"), loss_function,
                            config.model.hidden_size, divisor, store, synchronize=partial(synchronize, device))

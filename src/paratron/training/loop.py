@@ -5,6 +5,9 @@ Everything it needs is built beforehand (`training/run.py`); this file only runs
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +29,10 @@ from paratron.parallel.data import DataParallel, unwrap
 from paratron.parallel.data.fully_sharded import local_state, reshard_state
 from paratron.parallel.pipeline.profile import save_profile
 from paratron.parallel.pipeline.schedules import theoretical_bubble
+from paratron.training.memory import SavedActivations, format_memory, gather_memory, rank_memory
 from paratron.training.metrics import MetricsWriter
-from paratron.training.step import Precision, evaluate_batches, train_step
+from paratron.optim.mixed_precision import Precision, build_loss_scaler
+from paratron.training.step import evaluate_batches, train_step
 
 
 @dataclass
@@ -57,7 +62,7 @@ class Trainer:
         t = self.config.training
         self.plan = BatchPlan(self.global_batch_size, t.micro_batch_size, self.topology.size("dp"),
                               self.topology.dp_rank)
-        self.precision = Precision(t.precision, self.ctx.device, self.model.norm_group)
+        self.precision = Precision(t.precision, build_loss_scaler(t), self.ctx.device)
 
     @property
     def global_batch_size(self) -> int:
@@ -82,7 +87,8 @@ class Trainer:
         window_loss = torch.zeros((), device=self.ctx.device)
         window_steps, window_start = 0, time.perf_counter()
         tokens_per_step = self.global_batch_size * self.config.data.seq_length
-        for iteration in range(state.iteration + 1, t.train_iters + 1):
+        first = state.iteration + 1
+        for iteration in range(first, t.train_iters + 1):
             lr = learning_rate(iteration, self.config.optimizer.lr, self.config.lr_schedule, t.train_iters)
             set_learning_rate(self.optimizer, lr)
             batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device)
@@ -90,7 +96,13 @@ class Trainer:
             if profiling:
                 dist.barrier()  # the ranks' clocks start together
                 self.model.pipeline.record = True
-            result = train_step(self.model, self.optimizer, batches, self.precision, self.config.optimizer.clip_grad)
+            measuring = iteration == first and lg.log_memory
+            with SavedActivations(unwrap(self.model)) if measuring else contextlib.nullcontext() as activations:
+                result = train_step(self.model, self.optimizer, batches, self.precision,
+                                    self.config.optimizer.clip_grad)
+            if iteration == first:
+                self._report_memory(activations)
+                window_start = time.perf_counter()
             if profiling:
                 self.model.pipeline.record = False
                 saving = time.perf_counter()
@@ -103,7 +115,7 @@ class Trainer:
             if result.skipped:
                 state.skipped_iterations += 1
                 self.writer.info(f"step {iteration}: fp16 gradients overflowed; step skipped, loss scale now "
-                                 f"{self.precision.scaler.get_scale():g} ({state.skipped_iterations} skipped so far)")
+                                 f"{self.precision.scaler.scale:g} ({state.skipped_iterations} skipped so far)")
             self.writer.advance()
 
             if iteration % lg.log_interval == 0 or iteration == t.train_iters:
@@ -112,13 +124,18 @@ class Trainer:
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 flops_per_device = self.flops_per_token * tokens_per_s / self.ctx.world_size
                 record = {
-                    "step": iteration, "loss": loss, "lr": lr, "grad_norm": float(result.grad_norm),
+                    "step": iteration, "loss": loss, "lr": lr,
+                    "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
                     "tokens_per_s": tokens_per_s, "tflops_per_device": flops_per_device / 1e12,
                     "mfu": flops_per_device / self.peak_flops, "mem_gb": peak_memory_bytes(self.ctx.device) / 1e9,
                     "consumed_samples": state.consumed_samples, "skipped_iterations": state.skipped_iterations,
                 }
+                if self.precision.scaler is not None:
+                    record["loss_scale"] = self.precision.scaler.scale
                 state.losses.append(loss)
                 self.writer.log_step(record)
+                if not math.isfinite(loss):
+                    self.writer.info(f"step {iteration}: the loss is {loss}; see docs/troubleshooting.md (NaN)")
                 window_loss.zero_()
                 window_steps = 0
                 window_start = time.perf_counter()
@@ -135,6 +152,31 @@ class Trainer:
                 window_start = time.perf_counter()
         self.model.wait_param_gather()
         return state
+
+    def _report_memory(self, activations: SavedActivations | None) -> None:
+        """After the first step (when the optimizer state exists): rank 0's training state in one
+        line; with --log-memory every rank's, with the activations saved for backward, in a table
+        and in memory.json."""
+        report = rank_memory(self.model, self.optimizer, activations, self.ctx.device)
+        mib = {k: (v or 0) / 2**20 for k, v in report.items()}
+        self.writer.info(f"memory of rank 0 after the first step: parameters {mib['parameters']:,.1f} MiB, gradients "
+                         f"{mib['gradients']:,.1f}, master weights {mib['master']:,.1f}, optimizer state "
+                         f"{mib['optimizer_state']:,.1f}" + (f", activations (peak) {mib['activations_peak']:,.1f}"
+                                                             if activations is not None else ""))
+        if activations is None:
+            return
+        report["coordinates"] = (f"tp{self.topology.tp_rank} pp{self.topology.pp_rank} dp{self.topology.dp_rank}")
+        reports = gather_memory(report)
+        if self.ctx.is_main:
+            path = Path(self.config.logging.run_dir) / "memory.json"
+            tmp = path.with_name(".memory.json.tmp")
+            tmp.write_text(json.dumps({"unit": "bytes", "ranks": reports}, indent=1) + "\n", encoding="utf-8")
+            tmp.replace(path)
+            lines = format_memory(reports)
+            self.writer.info("memory per rank after the first step (MiB; activations: peak bytes saved for backward):")
+            for line in lines:
+                self.writer.info("  " + line)
+            self.writer.info(f"memory report: {path}")
 
     def _save_pipeline_profile(self, iteration: int) -> None:
         if self.topology.dp_rank != 0 or self.topology.tp_rank != 0:
@@ -183,7 +225,7 @@ class Trainer:
         state: dict[str, Any] = {"optimizer": local_state(self.optimizer.state_dict()), "rng": rng.capture(self.ctx.device),
                                  "skipped_iterations": self.state.skipped_iterations}
         if self.precision.scaler is not None:
-            state["grad_scaler"] = self.precision.scaler.state_dict()
+            state["loss_scaler"] = self.precision.scaler.state_dict()
         if self.model.rng_states is not None:
             state["tensor_parallel_rng"] = dict(self.model.rng_states.states)
         return state
@@ -194,7 +236,7 @@ class Trainer:
             reshard_state(self.optimizer)
         rng.restore(state["rng"], self.ctx.device)
         self.state.skipped_iterations = int(state.get("skipped_iterations", 0))
-        if self.precision.scaler is not None and "grad_scaler" in state:
-            self.precision.scaler.load_state_dict(state["grad_scaler"])
+        if self.precision.scaler is not None and "loss_scaler" in state:
+            self.precision.scaler.load_state_dict(state["loss_scaler"])
         if self.model.rng_states is not None and "tensor_parallel_rng" in state:
             self.model.rng_states.states.update(state["tensor_parallel_rng"])

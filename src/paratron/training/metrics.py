@@ -14,10 +14,14 @@ from tqdm import tqdm
 
 
 def format_step_line(record: dict[str, Any], total_iters: int) -> str:
-    return (f"step {record['step']:>{len(str(total_iters))}}/{total_iters} | loss {record['loss']:.4f} | "
-            f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
+    norm = "skipped" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"
+    line = (f"step {record['step']:>{len(str(total_iters))}}/{total_iters} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.3e} | grad norm {norm} | "
             f"{record['tokens_per_s']:,.0f} tok/s | {record['tflops_per_device']:.3f} TFLOP/s/dev | "
             f"MFU {100 * record['mfu']:.1f}% | mem {record['mem_gb']:.2f} GB")
+    if "loss_scale" in record:
+        line += f" | loss scale {record['loss_scale']:g} | skipped {record['skipped_iterations']}"
+    return line
 
 
 def _open_log(path: Path, start_iter: int) -> TextIO:
@@ -81,7 +85,7 @@ class MetricsWriter:
         self.train_file.flush()
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step":
+                if key != "step" and value is not None:
                     self.tb.add_scalar(f"train/{key}", value, record["step"])
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)

@@ -13,11 +13,16 @@ last parameter of a bucket is ready and synchronisation is on, the bucket's redu
 asynchronously (`overlap`) while backward goes on. The bucket is scaled by 1/size first and
 summed, so the result is the data-parallel mean. Three ways to keep gradients:
 
-- `all-reduce`: a persistent full buffer (`param.grad` are views into it); plain DDP.
+- `all-reduce`: a persistent full buffer (`param.main_grad` are views into it); plain DDP.
 - `reduce-scatter`: the same buffer, but only this rank's shard is reduced (ZeRO-1).
 - `reduce-scatter-shard`: no persistent full buffer: a bucket's buffer exists from its first
   gradient to the end of its reduction, which adds into a persistent shard (ZeRO-2); gradients
   are reduced after every micro-batch.
+
+Gradients are kept in `grad_dtype` (fp32 by default), whatever the parameters' type. When the
+two agree, `param.grad` is the parameter's view of the buffer and autograd accumulates into it
+directly; when the parameters are 16-bit, autograd leaves a 16-bit `param.grad` that the hook
+adds into the fp32 buffer and drops (Megatron-LM's "main gradients").
 
 On gloo the two reduce-scatter modes all-reduce the bucket and keep their shard of the
 result, because gloo's reduce-scatter is slower than its all-reduce.
@@ -92,7 +97,8 @@ class GradientReducer:
 
     def __init__(self, params: list[nn.Parameter], group: Any, bucket_size: int, mode: str = "all-reduce",
                  overlap: bool = False, late: Iterable[nn.Parameter] = (),
-                 scatter_by_all_reduce: bool | None = None, every_micro_batch: bool = False) -> None:
+                 scatter_by_all_reduce: bool | None = None, every_micro_batch: bool = False,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.params, self.group, self.mode, self.overlap = params, group, mode, overlap
@@ -103,7 +109,9 @@ class GradientReducer:
         self.offsets, self.buckets, self.total = plan_buckets(params, late, bucket_size, self.size)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         first = params[0]
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype, self.device = grad_dtype, first.device
+        # 16-bit parameters: their autograd gradients are added into the fp32 buffer, then dropped
+        self.separate = any(p.dtype != grad_dtype for p in params)
         self.sync_enabled = True
         # gloo's reduce-scatter takes 2-2.5x the time of its all-reduce of the same buffer (4M fp32
         # on 2 ranks: 30 vs 12 ms), where NCCL's moves half an all-reduce's bytes: on gloo a
@@ -120,7 +128,8 @@ class GradientReducer:
             for b in self.buckets:
                 b.buffer = self.grad_buffer[b.start:b.end]
             for p in params:
-                p.grad = self.view(self.grad_buffer, p)
+                p.main_grad = self.view(self.grad_buffer, p)
+                p.grad = None if self.separate else p.main_grad
         # (a deferred weight gradient is reported by the pipeline's W operation instead, see
         # pipeline/zero_bubble.py; autograd's hook would fire in B, before it exists)
         self._hooks = [p.register_post_accumulate_grad_hook(self.grad_ready) for p in params
@@ -177,6 +186,9 @@ class GradientReducer:
             if bucket.buffer is None:
                 bucket.buffer = torch.zeros(bucket.end - bucket.start, dtype=self.dtype, device=self.device)
             self.view(bucket.buffer, param, bucket.start).add_(param.grad)
+            param.grad = None
+        elif self.separate and param.grad is not None:
+            param.main_grad.add_(param.grad)
             param.grad = None
         bucket.dirty = True
         if not self.sync_enabled or bucket.late or not (self.overlap or self.every_micro_batch):

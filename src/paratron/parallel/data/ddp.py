@@ -8,7 +8,8 @@ gradients, so that after each rank has stepped its shard a bucket's parameters a
 by one all-gather, which can run behind the next forward (`overlap_param_gather`). Stage 3
 shards the parameters themselves with PyTorch FSDP2 (`fully_sharded.py`).
 
-Gradients are synchronised on the last micro-batch of a step only (unless
+Gradients are fp32 whatever the parameters' type (`param.main_grad`; also `param.grad` when
+the parameters are fp32). They are synchronised on the last micro-batch of a step only (unless
 `sync_every_micro_batch`, or at stage 2, which keeps no full gradient between micro-batches).
 Zero them with `zero_grad_buffer` (or `model.zero_grad()`), never with
 `optimizer.zero_grad()`, which would detach them from the buffer.
@@ -93,7 +94,7 @@ class DataParallel(nn.Module):
         """Move the parameters into one buffer laid out like the gradients."""
         reducer = self.reducer
         assert reducer is not None
-        self.param_buffer = torch.zeros(reducer.total, dtype=reducer.dtype, device=reducer.device)
+        self.param_buffer = torch.zeros(reducer.total, dtype=self._params[0].dtype, device=reducer.device)
         for p in self._params:
             view = reducer.view(self.param_buffer, p)
             view.copy_(p.data)
@@ -143,7 +144,7 @@ class DataParallel(nn.Module):
         if self.reducer is None:
             self._finish_sharded()
             return
-        if self.reducer.grad_buffer is not None:
+        if self.reducer.grad_buffer is not None and not self.reducer.separate:
             first = self._params[0]
             if first.grad is None or first.grad.data_ptr() != self.reducer.view(self.reducer.grad_buffer,
                                                                                 first).data_ptr():
@@ -160,6 +161,8 @@ class DataParallel(nn.Module):
     def gradients_for_norm(self) -> tuple[list[torch.Tensor], torch.Tensor | None, Any]:
         """(gradients, their norm weights, the group to sum squared norms over) for clipping, when the
         gradients are whole on this rank (plain data parallelism) or FSDP shards (stage 3)."""
+        if self.reducer is not None and self.reducer.grad_buffer is not None:
+            return [p.main_grad for p in self._params], self.grad_norm_weights, self.norm_group
         grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self._params]
         return grads, self.grad_norm_weights, self.norm_group
 

@@ -22,22 +22,26 @@ from torch import nn
 from paratron.model.gpt import GPT
 
 
-def shard_fully(model: GPT, group: Any, device: torch.device, root: nn.Module | None = None) -> list[nn.Module]:
-    """Apply FSDP2 over `group` to this rank's part of `model` (materialized); returns the units.
-    `root` is the module whose forward runs the model (default `model`; a pipeline stage's runner)."""
+def shard_fully(model: GPT, group: Any, device: torch.device, root: nn.Module | None = None,
+                compute_dtype: torch.dtype = torch.float32) -> list[nn.Module]:
+    """Apply FSDP2 over `group` to this rank's part of `model` (materialized, fp32); returns the units.
+    `root` is the module whose forward runs the model (default `model`; a pipeline stage's runner).
+    With a 16-bit `compute_dtype` the fp32 shards are the master weights: FSDP2 gathers them in
+    that type for compute and reduces gradients in fp32."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     root = model if root is None else root
     mesh = DeviceMesh.from_group(group, device.type)
     tags = {id(p): {k: v for k, v in p.__dict__.items() if k in _TAGS} for p in model.parameters()}
     before = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     units: list[Any] = []
     for block in model.layers:
         if block is not None:
-            fully_shard(block, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
             units.append(block)
-    fully_shard(root, mesh=mesh)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
     units.append(root)
     keep_tags(list(model.modules()), tags, before)
     return units

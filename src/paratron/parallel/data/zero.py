@@ -9,7 +9,7 @@ of every element is the one the single-device optimizer makes: AdamW works eleme
 and weight decay follows the parameter a piece belongs to.
 
 Master weights are views into the parameter buffer when the parameters are fp32 (no copy, as
-in Megatron-LM), and fp32 copies otherwise.
+in Megatron-LM), and fp32 copies otherwise (bf16/fp16 training); gradients are fp32 either way.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import torch
 from torch import nn
 
 from paratron.config.schema import OptimizerConfig
+from paratron.optim.mixed_precision import MasterWeightsOptimizer, make_inner_optimizer
 from paratron.parallel.data.ddp import DataParallel
 from paratron.parallel.sharding import grad_norm_weight
 
 
-class DistributedOptimizer:
-    """Optimizer-shaped (param_groups, step, state_dict, load_state_dict) over this rank's shards."""
+class DistributedOptimizer(MasterWeightsOptimizer):
+    """Optimizer-shaped (param_groups, step, state_dict, load_state_dict) over this rank's shards;
+    its state dict holds this rank's shard only (it resumes at the same data-parallel layout)."""
 
     def __init__(self, model: DataParallel, config: OptimizerConfig) -> None:
         reducer = model.reducer
@@ -33,22 +35,19 @@ class DistributedOptimizer:
             raise ValueError("the distributed optimizer needs a model wrapped with zero_stage 1 or 2")
         self.model, self.reducer = model, reducer
         self.pieces: list[tuple[nn.Parameter, int, int, int]] = reducer.local_pieces()
-        self.masters: list[torch.Tensor] = []
+        self.masters, self.targets = [], []
         decay, no_decay = [], []
         for param, a, z, position in self.pieces:
             view = model.param_buffer[position:position + z - a]
             # (nn.Parameter aliases the view's storage: an fp32 master is the parameter shard itself)
             master = nn.Parameter(view if view.dtype == torch.float32 else view.detach().float())
             self.masters.append(master)
+            self.targets.append(view)
             (decay if param.dim() >= 2 else no_decay).append(master)
         groups = [{"params": decay, "weight_decay": config.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]] or [{"params": [], "weight_decay": 0.0}]
-        if config.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
-        else:
-            self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                               eps=config.adam_eps)
+        self.optimizer = make_inner_optimizer(groups, config)
         weights = [grad_norm_weight(param, model.tp_size) for param, *_ in self.pieces]
         self.norm_weights = torch.tensor(weights, device=reducer.device) if weights else None
         self.prepare_grads()
@@ -66,16 +65,6 @@ class DistributedOptimizer:
                 grad = reducer.grad_shard[start:start + z - a]
             master.grad = grad if grad.dtype == master.dtype else grad.float()
 
-    # ------------------------------------------------------------- the torch.optim.Optimizer surface
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad_buffer()
 
@@ -85,17 +74,5 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        self.optimizer.step()
-        buffer = self.model.param_buffer
-        for master, (param, a, z, position) in zip(self.masters, self.pieces):
-            target = buffer[position:position + z - a]
-            if master.data_ptr() != target.data_ptr():
-                target.copy_(master)
+        super().step()
         self.model.start_param_gather()
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (resumes at the same data-parallel layout)."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)

@@ -61,12 +61,10 @@ class PipelineRuntime:
         batch, length = inputs.shape
         return (batch, length // self.sequence_divisor, self.hidden_size)
 
-    def train_step(self, batches: list[Batch], backward: Callable[[torch.Tensor], None],
-                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+    def train_step(self, batches: list[Batch], backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
         """Run the schedule over `batches` (every rank is given all of them); gradients accumulate
         in the parameters. Returns the mean loss on the last stage's rank, zero elsewhere.
-        `backward(loss)` starts backward from a loss (it may scale it first); forwards run
-        under `autocast()`."""
+        `backward(loss)` starts backward from a loss (it may scale it first)."""
         count = len(batches)
         if count != self.schedule.microbatches:
             raise ValueError(f"the schedule is for {self.schedule.microbatches} micro-batches, got {count}")
@@ -87,8 +85,7 @@ class PipelineRuntime:
             if action.kind == "F":
                 x = tokens if incoming is None else incoming.wait().requires_grad_()
                 begin = self._now(origin)
-                with autocast():
-                    out = self.runner(action.chunk, x, tokens.size(1))
+                out = self.runner(action.chunk, x, tokens.size(1))
                 if last:
                     loss = self.loss_function(out, labels) / count
                     total += loss.detach()
@@ -128,8 +125,7 @@ class PipelineRuntime:
         return total
 
     @torch.no_grad()
-    def evaluate(self, batches: list[Batch],
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+    def evaluate(self, batches: list[Batch]) -> torch.Tensor:
         """Forward only, in the schedule's forward order; the mean loss on the last stage's rank."""
         total = torch.zeros((), device=batches[0][0].device)
         for action in self.schedule.ranks[self.rank]:
@@ -138,8 +134,7 @@ class PipelineRuntime:
             tokens, labels = batches[action.microbatch]
             incoming = self._post_receive(action, batches)
             x = tokens if incoming is None else incoming.wait()
-            with autocast():
-                out = self.runner(action.chunk, x, tokens.size(1))
+            out = self.runner(action.chunk, x, tokens.size(1))
             if self.runner.is_last(action.chunk):
                 total += self.loss_function(out, labels)
             else:
