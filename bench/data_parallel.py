@@ -97,14 +97,15 @@ def _paratron(args: dict, topology: Any, **parallel: Any) -> Side:
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.parallel.parallelize import parallelize
-    from paratron.training.step import Precision, train_step
+    from paratron.optim.mixed_precision import Precision
+    from paratron.training.step import train_step
 
     config = _config(args, **parallel)
     with torch.device("meta"):
         meta = GPT(config.model)
     model = parallelize(meta, config, topology, torch.device("cpu"))
     optimizer = build_optimizer(model, config.optimizer)
-    precision = Precision("fp32", torch.device("cpu"), model.norm_group)
+    precision = Precision("fp32")
     return Side(lambda batches: train_step(model, optimizer, batches, precision, 1.0).loss, model)
 
 

@@ -47,7 +47,8 @@ def measure(stages: list[int]) -> list[dict]:
     from paratron.optim.build import build_optimizer
     from paratron.parallel.data.memory import paper_bytes, training_state_elements
     from paratron.parallel.parallelize import parallelize
-    from paratron.training.step import Precision, train_step
+    from paratron.optim.mixed_precision import Precision
+    from paratron.training.step import train_step
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -73,7 +74,7 @@ def measure(stages: list[int]) -> list[dict]:
         hooks = [p.register_post_accumulate_grad_hook(probe) for p in model.trained_parameters] \
             if model.reducer is not None else []
         result = train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])],
-                            Precision("fp32", torch.device("cpu"), model.norm_group), 1.0)
+                            Precision("fp32"), 1.0)
         for hook in hooks:
             hook.remove()
         report = training_state_elements(model, optimizer)
