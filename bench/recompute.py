@@ -60,15 +60,21 @@ def run(args: dict) -> dict:
     batches = [(tokens[:, :-1], tokens[:, 1:])]
     precision = Precision("fp32")
     result = {mode: {"times": [], "losses": []} for mode in MODES}
-    for mode, (model, optimizer) in models.items():
+
+    def step(mode: str) -> None:
+        model, optimizer = models[mode]
+        torch.manual_seed(len(result[mode]["losses"]))  # the k-th step of every mode draws the same dropout
+        result[mode]["losses"].append(float(train_step(model, optimizer, batches, precision, 1.0).loss))
+
+    for mode, (model, _) in models.items():
         with SavedActivations(model.module) as activations:
-            result[mode]["losses"].append(float(train_step(model, optimizer, batches, precision, 1.0).loss))
+            step(mode)
         result[mode]["activations_peak"] = activations.peak
     for _ in range(args["rounds"]):
-        for mode, (model, optimizer) in models.items():
+        for mode in models:
             started = time.perf_counter()
             for _ in range(args["steps"]):
-                result[mode]["losses"].append(float(train_step(model, optimizer, batches, precision, 1.0).loss))
+                step(mode)
             result[mode]["times"].append((time.perf_counter() - started) / args["steps"])
     return result
 

@@ -95,7 +95,7 @@ def rank_memory(model: nn.Module, optimizer: Any, activations: SavedActivations 
     report: dict[str, Any] = {c: state[c]["bytes"] for c in CATEGORIES}
     report["activations_peak"] = activations.peak if activations is not None else None
     report["total"] = state["total_bytes"] + (activations.peak if activations is not None else 0)
-    report["device_peak"] = peak_memory_bytes(device) if device.type == "cuda" else None
+    report["device_peak"] = peak_memory_bytes(device) if device.type != "cpu" else None
     return report
 
 

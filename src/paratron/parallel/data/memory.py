@@ -79,8 +79,8 @@ def training_state_elements(model: nn.Module, optimizer: Any | None = None) -> d
     parameters: the flat parameter buffer under ZeRO 1/2 (padding included), FSDP2's local shards
     under ZeRO 3, the parameters otherwise. gradients: the reducer's full buffer (DDP, ZeRO 1) or
     persistent shard (ZeRO 2) and any bucket buffer still alive; FSDP2's local gradient shards.
-    master: the tensors the optimizer steps (fp32 views of the parameters today: elements, no
-    bytes). optimizer_state: every tensor in `optimizer.state` but the `step` counters."""
+    master: the tensors the optimizer steps (views of fp32 parameters: elements, no bytes; fp32
+    copies of 16-bit ones). optimizer_state: every tensor in `optimizer.state` but the `step` counters."""
     ledger = _Ledger()
     params = list(model.parameters())
     buffer = getattr(model, "param_buffer", None)
@@ -115,7 +115,7 @@ def paper_bytes(report: dict[str, Any]) -> dict[str, int]:
 def zero_formula(stage: int, psi: int, size: int, precision: str = "mixed") -> float:
     """Bytes per rank the model predicts for `psi` parameters over `size` data-parallel ranks with
     Adam: "mixed" is the paper's (16 psi, 4 psi + 12 psi/N, 2 psi + 14 psi/N, 16 psi/N); "fp32" is
-    paratron's today, fp32 parameters whose master weights alias them (16 psi, 8 psi + 8 psi/N,
+    paratron's fp32 training, whose master weights alias the parameters (16 psi, 8 psi + 8 psi/N,
     4 psi + 12 psi/N, 16 psi/N)."""
     whole, shared = {"mixed": ((16, 0), (4, 12), (2, 14), (0, 16)),
                      "fp32": ((16, 0), (8, 8), (4, 12), (0, 16))}[precision][stage]
