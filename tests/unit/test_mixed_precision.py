@@ -102,8 +102,8 @@ def test_fp16_run_forced_to_overflow_recovers(tmp_path):
 
 
 def test_bf16_and_fp16_curves_stay_near_fp32_over_100_steps(tmp_path):
-    """The band: every one of 100 steps within 2% of the fp32 loss (measured: bf16 <= 0.6%, fp16
-    <= 0.1% on this model)."""
+    """The band: every one of 100 steps within 2% of the fp32 loss (measured on this model: bf16
+    1.24% at worst, fp16 0.69%; final losses 3.517 and 3.514 against fp32's 3.513)."""
     curves = {p: run_training(tiny_config(tmp_path / p, train_iters=100, precision=p, initial_loss_scale=2.0**16)).losses
               for p in ("fp32", "bf16", "fp16")}
     for precision in ("bf16", "fp16"):
