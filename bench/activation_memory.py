@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from paratron.checkpoint.io import write_text_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 S, B, H, A = 256, 2, 256, 4  # sequence, micro-batch, hidden, heads
 VARIANTS = {
@@ -191,20 +193,13 @@ def main() -> None:
                   f"adjusted {adjusted(variant, mode, tp, sp):.3f})", flush=True)
     mid, psi = mid_size_table()
     command = "python bench/activation_memory.py"
-    _write(args.output, json.dumps({"command": command, "shape": dict(s=S, b=B, h=H, a=A), "variants": VARIANTS,
-                                    "torch": torch.__version__, "rows": rows, "mid_size": mid, "mid_psi": psi},
-                                   indent=1))
+    payload = {"command": command, "shape": dict(s=S, b=B, h=H, a=A), "variants": VARIANTS,
+               "torch": torch.__version__, "rows": rows, "mid_size": mid, "mid_psi": psi}
+    write_text_atomic(args.output, json.dumps(payload, indent=1))
     text = markdown(rows, mid, psi, command)
-    _write(args.output.with_suffix(".md"), text)
+    write_text_atomic(args.output.with_suffix(".md"), text)
     print(text)
 
-
-def _write(path: Path, text: str) -> None:
-    """Write through a temporary file: a stopped run leaves no half-written result."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    temporary.replace(path)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from paratron.checkpoint.io import write_text_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"none": {}, "selective": dict(recompute_granularity="selective"),
          "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
@@ -119,11 +121,8 @@ def main() -> None:
         lines.append(f"| {r['mode']} | {r['step_s']:.3f} | {r['ratio']:.3f} | {r['activations_peak'] / 2**20:.1f} | "
                      f"{r['activation_ratio']:.3f} | {'yes' if r['same_losses'] else 'no'} |")
     text = "\n".join(lines) + "\n"
-    for path, content in ((args.output, json.dumps(payload, indent=1)), (args.output.with_suffix(".md"), text)):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(content)
-        temporary.replace(path)
+    write_text_atomic(args.output, json.dumps(payload, indent=1))
+    write_text_atomic(args.output.with_suffix(".md"), text)
     print(text)
 
 

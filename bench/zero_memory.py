@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+
+from paratron.checkpoint.io import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1536,
@@ -199,18 +200,10 @@ def main() -> None:
         (("dp", args.dp, [1, 2, 4, 8]), ("stages", args.stages, [0, 1, 2, 3])) if value != default)
     results = {"command": command, "model": MODEL, "run": RUN, "precision": "fp32", "optimizer": "AdamW",
                "torch": torch.__version__, "entries": entries}
-    _write(args.output, json.dumps(results, indent=2))
+    write_text_atomic(args.output, json.dumps(results, indent=2))
     text = markdown(entries, command)
-    _write(args.output.with_suffix(".md"), text)
+    write_text_atomic(args.output.with_suffix(".md"), text)
     print(text)
-
-
-def _write(path: Path, text: str) -> None:
-    """Write through a temporary file, so that a stopped run leaves no half-written result."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
-    temporary.write_text(text)
-    temporary.replace(path)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file renamed into place: a stopped writer leaves no half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
@@ -163,7 +165,7 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.replace(final)
-        _write_text_atomic(root / TRACKER, f"{iteration}\n")
+        write_text_atomic(root / TRACKER, f"{iteration}\n")
     _barrier()
     return final
 

@@ -78,9 +78,7 @@ class Precision:
 
     def __init__(self, precision: str, scaler: LossScaler | None = None,
                  device: torch.device | str = "cpu") -> None:
-        self.name, self.device = precision, torch.device(device)
-        self.dtype = DTYPES[precision]
-        self.scaler = scaler
+        self.device, self.scaler = torch.device(device), scaler
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
@@ -126,9 +124,11 @@ class MasterWeightsOptimizer:
 
     Subclasses fill `masters` (one fp32 tensor each, its `.grad` the fp32 main gradient) and
     `targets` (where each master's value goes after a step: a 16-bit parameter or a piece of one),
-    and build `self.optimizer` over the masters. A master that is the target itself (fp32
+    and build `self.optimizer` over the masters; `model` is the data-parallel wrapper that owns
+    the gradient buffer. A master that is the target itself (fp32
     training) needs no copy. Checkpoints carry master copies, which 16-bit weights cannot restore."""
 
+    model: nn.Module
     masters: list[torch.Tensor]
     targets: list[torch.Tensor]
     optimizer: torch.optim.Optimizer
@@ -140,6 +140,10 @@ class MasterWeightsOptimizer:
     @property
     def state(self) -> Any:
         return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model's gradient buffer, which the masters' gradients are views of."""
+        self.model.zero_grad_buffer()
 
     def _copies(self) -> bool:
         return any(m.data_ptr() != t.data_ptr() for m, t in zip(self.masters, self.targets))
@@ -193,6 +197,3 @@ class MixedPrecisionOptimizer(MasterWeightsOptimizer):
         """Point each master's gradient at its parameter's fp32 main gradient."""
         for master, param in zip(self.masters, self.targets):
             master.grad = param.main_grad
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad_buffer()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import save_checkpoint
+from paratron.checkpoint.io import save_checkpoint, write_text_atomic
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
 from paratron.distributed import rng
@@ -169,9 +169,7 @@ class Trainer:
         reports = gather_memory(report)
         if self.ctx.is_main:
             path = Path(self.config.logging.run_dir) / "memory.json"
-            tmp = path.with_name(".memory.json.tmp")
-            tmp.write_text(json.dumps({"unit": "bytes", "ranks": reports}, indent=1) + "\n", encoding="utf-8")
-            tmp.replace(path)
+            write_text_atomic(path, json.dumps({"unit": "bytes", "ranks": reports}, indent=1) + "\n")
             lines = format_memory(reports)
             self.writer.info("memory per rank after the first step (MiB; activations: peak bytes saved for backward):")
             for line in lines:

@@ -65,9 +65,6 @@ class DistributedOptimizer(MasterWeightsOptimizer):
                 grad = reducer.grad_shard[start:start + z - a]
             master.grad = grad if grad.dtype == master.dtype else grad.float()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad_buffer()
-
     def gradients_for_norm(self) -> tuple[list[torch.Tensor], torch.Tensor | None, Any]:
         """This rank's shard pieces (disjoint over data-parallel ranks), weights, and the group of all ranks."""
         return [m.grad for m in self.masters], self.norm_weights, self.model.norm_group
