@@ -73,7 +73,7 @@ def test_data_parallel_flags():
         parse(["--zero-stage", "4"])
 
 
-@pytest.mark.parametrize("flag", ["--context-parallel-size", "--num-experts", "--exit-signal-handler"])
+@pytest.mark.parametrize("flag", ["--context-parallel-size", "--num-experts", "--async-save"])
 def test_unsupported_megatron_flags_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
         parse([flag, "full"])
@@ -136,6 +136,8 @@ def base(**overrides):
     (dict(precision="fp16", min_loss_scale=8.0, initial_loss_scale=4.0), 1, "--min-loss-scale 8 exceeds --initial-loss-scale 4"),
     (dict(precision="fp16", loss_scale_window=0), 1, "--loss-scale-window 0: must be at least 1"),
     (dict(precision="fp16", hysteresis=0), 1, "--hysteresis 0: must be at least 1"),
+    (dict(keep_last=0), 1, "--keep-last 0: must be at least 1"),
+    (dict(exit_interval=0), 1, "--exit-interval 0: must be at least 1"),
     (dict(sequence_parallel=True, tensor_model_parallel_size=4, seq_length=30), 4, "--seq-length 30 is not divisible by --tensor-model-parallel-size 4, which --sequence-parallel needs"),
     (dict(num_layers=3, pipeline_model_parallel_size=2), 2, "--num-layers 3 with --pipeline-model-parallel-size 2: 3 layers do not split evenly into 2 stages"),
     (dict(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=3), 4, "the 5 layers left by the end stages do not split evenly into 3 stages"),

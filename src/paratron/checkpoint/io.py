@@ -166,8 +166,22 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
         else:
             tmp.replace(final)
         write_text_atomic(root / TRACKER, f"{iteration}\n")
+        if config.checkpoint.keep_last:
+            prune_checkpoints(root, config.checkpoint.keep_last)
     _barrier()
     return final
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints under `root` (each is first renamed
+    out of sight, so no reader meets a half-deleted one); returns what was deleted."""
+    complete = sorted(p for p in root.glob("iter_*") if p.is_dir() and (p / "meta.json").exists())
+    doomed = complete[:-keep] if keep > 0 else []
+    for path in doomed:
+        hidden = root / f".old-{path.name}-{os.getpid()}"
+        path.replace(hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+    return doomed
 
 
 def _barrier() -> None:

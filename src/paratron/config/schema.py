@@ -277,6 +277,15 @@ class TrainingConfig:
     eval_iters: int = 10
     """Global batches per evaluation."""
 
+    exit_signal_handler: bool = False
+    """On SIGTERM or SIGINT, finish the current step, save a checkpoint (with --save) and exit with code 0."""
+
+    exit_duration_in_mins: Optional[float] = None
+    """Stop after the first step that ends this many minutes after training started, saving a checkpoint (with --save)."""
+
+    exit_interval: Optional[int] = None
+    """Stop after a step whose number is a multiple of this, saving a checkpoint (with --save)."""
+
     recompute_granularity: Optional[Literal["full", "selective"]] = None
     """Recompute activations in backward instead of keeping them: full (whole layers, see --recompute-method) or selective (the attention core only)."""
 
@@ -302,6 +311,9 @@ class CheckpointConfig:
 
     finetune: bool = False
     """Load only the weights from --load and start at step 0 with a fresh optimizer and data order."""
+
+    keep_last: Optional[int] = None
+    """Keep only the newest this many checkpoints under --save, deleting older ones after each save (default: keep all)."""
 
     no_load_optim: bool = False
     """Resume from --load at its step, but with a fresh optimizer state (e.g. at another tensor-parallel size)."""

@@ -71,7 +71,8 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> None:
         (p.distributed_timeout_minutes, "--distributed-timeout-minutes"), (p.ddp_bucket_size, "--ddp-bucket-size"),
         (t.loss_scale, "--loss-scale"), (t.initial_loss_scale, "--initial-loss-scale"),
         (t.min_loss_scale, "--min-loss-scale"), (t.loss_scale_window, "--loss-scale-window"),
-        (t.hysteresis, "--hysteresis"),
+        (t.hysteresis, "--hysteresis"), (t.exit_duration_in_mins, "--exit-duration-in-mins"),
+        (t.exit_interval, "--exit-interval"), (c.keep_last, "--keep-last"),
     ]:
         _positive(value, flag)
     for value, flag in [

@@ -29,6 +29,7 @@ from paratron.parallel.data import DataParallel, unwrap
 from paratron.parallel.data.fully_sharded import local_state, reshard_state
 from paratron.parallel.pipeline.profile import save_profile
 from paratron.parallel.pipeline.schedules import theoretical_bubble
+from paratron.training.exit import ExitConditions
 from paratron.training.memory import SavedActivations, format_memory, gather_memory, rank_memory
 from paratron.training.metrics import MetricsWriter
 from paratron.optim.mixed_precision import Precision, build_loss_scaler
@@ -88,68 +89,73 @@ class Trainer:
         window_steps, window_start = 0, time.perf_counter()
         tokens_per_step = self.global_batch_size * self.config.data.seq_length
         first = state.iteration + 1
-        for iteration in range(first, t.train_iters + 1):
-            lr = learning_rate(iteration, self.config.optimizer.lr, self.config.lr_schedule, t.train_iters)
-            set_learning_rate(self.optimizer, lr)
-            batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device)
-            profiling = lg.profile_pipeline and self.model.pipeline is not None and iteration == t.train_iters
-            if profiling:
-                dist.barrier()  # the ranks' clocks start together
-                self.model.pipeline.record = True
-            measuring = iteration == first and lg.log_memory
-            with SavedActivations(unwrap(self.model)) if measuring else contextlib.nullcontext() as activations:
-                result = train_step(self.model, self.optimizer, batches, self.precision,
-                                    self.config.optimizer.clip_grad)
-            if iteration == first:
-                self._report_memory(activations)
-                window_start = time.perf_counter()
-            if profiling:
-                self.model.pipeline.record = False
-                saving = time.perf_counter()
-                self._save_pipeline_profile(iteration)
-                window_start += time.perf_counter() - saving  # not part of the step's speed
-            state.iteration = iteration
-            state.consumed_samples += self.global_batch_size
-            window_loss += result.loss
-            window_steps += 1
-            if result.skipped:
-                state.skipped_iterations += 1
-                self.writer.info(f"step {iteration}: fp16 gradients overflowed; step skipped, loss scale now "
-                                 f"{self.precision.scaler.scale:g} ({state.skipped_iterations} skipped so far)")
-            self.writer.advance()
+        with ExitConditions(t, self.ctx.device) as exits:
+            for iteration in range(first, t.train_iters + 1):
+                lr = learning_rate(iteration, self.config.optimizer.lr, self.config.lr_schedule, t.train_iters)
+                set_learning_rate(self.optimizer, lr)
+                batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device)
+                profiling = lg.profile_pipeline and self.model.pipeline is not None and iteration == t.train_iters
+                if profiling:
+                    dist.barrier()  # the ranks' clocks start together
+                    self.model.pipeline.record = True
+                measuring = iteration == first and lg.log_memory
+                with SavedActivations(unwrap(self.model)) if measuring else contextlib.nullcontext() as activations:
+                    result = train_step(self.model, self.optimizer, batches, self.precision,
+                                        self.config.optimizer.clip_grad)
+                if iteration == first:
+                    self._report_memory(activations)
+                    window_start = time.perf_counter()
+                if profiling:
+                    self.model.pipeline.record = False
+                    saving = time.perf_counter()
+                    self._save_pipeline_profile(iteration)
+                    window_start += time.perf_counter() - saving  # not part of the step's speed
+                state.iteration = iteration
+                state.consumed_samples += self.global_batch_size
+                window_loss += result.loss
+                window_steps += 1
+                if result.skipped:
+                    state.skipped_iterations += 1
+                    self.writer.info(f"step {iteration}: fp16 gradients overflowed; step skipped, loss scale now "
+                                     f"{self.precision.scaler.scale:g} ({state.skipped_iterations} skipped so far)")
+                self.writer.advance()
+                stopping = exits.reason(iteration)
 
-            if iteration % lg.log_interval == 0 or iteration == t.train_iters:
-                loss = self._dp_mean(window_loss / window_steps)
-                elapsed = time.perf_counter() - window_start
-                tokens_per_s = tokens_per_step * window_steps / elapsed
-                flops_per_device = self.flops_per_token * tokens_per_s / self.ctx.world_size
-                record = {
-                    "step": iteration, "loss": loss, "lr": lr,
-                    "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
-                    "tokens_per_s": tokens_per_s, "tflops_per_device": flops_per_device / 1e12,
-                    "mfu": flops_per_device / self.peak_flops, "mem_gb": peak_memory_bytes(self.ctx.device) / 1e9,
-                    "consumed_samples": state.consumed_samples, "skipped_iterations": state.skipped_iterations,
-                }
-                if self.precision.scaler is not None:
-                    record["loss_scale"] = self.precision.scaler.scale
-                state.losses.append(loss)
-                self.writer.log_step(record)
-                if not math.isfinite(loss):
-                    self.writer.info(f"step {iteration}: the loss is {loss}; see docs/troubleshooting.md (NaN)")
-                window_loss.zero_()
-                window_steps = 0
-                window_start = time.perf_counter()
+                if iteration % lg.log_interval == 0 or iteration == t.train_iters or stopping:
+                    loss = self._dp_mean(window_loss / window_steps)
+                    elapsed = time.perf_counter() - window_start
+                    tokens_per_s = tokens_per_step * window_steps / elapsed
+                    flops_per_device = self.flops_per_token * tokens_per_s / self.ctx.world_size
+                    record = {
+                        "step": iteration, "loss": loss, "lr": lr,
+                        "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
+                        "tokens_per_s": tokens_per_s, "tflops_per_device": flops_per_device / 1e12,
+                        "mfu": flops_per_device / self.peak_flops, "mem_gb": peak_memory_bytes(self.ctx.device) / 1e9,
+                        "consumed_samples": state.consumed_samples, "skipped_iterations": state.skipped_iterations,
+                    }
+                    if self.precision.scaler is not None:
+                        record["loss_scale"] = self.precision.scaler.scale
+                    state.losses.append(loss)
+                    self.writer.log_step(record)
+                    if not math.isfinite(loss):
+                        self.writer.info(f"step {iteration}: the loss is {loss}; see docs/troubleshooting.md (NaN)")
+                    window_loss.zero_()
+                    window_steps = 0
+                    window_start = time.perf_counter()
 
-            last = iteration == t.train_iters
-            if t.eval_iters > 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
-                state.val_losses.append(self.evaluate(-(-iteration // t.eval_interval) - 1))
-                self.writer.log_eval(iteration, state.val_losses[-1])
-                window_start = time.perf_counter()
-            c = self.config.checkpoint
-            if c.save and ((c.save_interval and iteration % c.save_interval == 0) or last):
-                path = self.save(Path(c.save))
-                self.writer.info(f"saved checkpoint {path}")
-                window_start = time.perf_counter()
+                last = iteration == t.train_iters
+                if t.eval_iters > 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
+                    state.val_losses.append(self.evaluate(-(-iteration // t.eval_interval) - 1))
+                    self.writer.log_eval(iteration, state.val_losses[-1])
+                    window_start = time.perf_counter()
+                c = self.config.checkpoint
+                if c.save and ((c.save_interval and iteration % c.save_interval == 0) or last or stopping):
+                    path = self.save(Path(c.save))
+                    self.writer.info(f"saved checkpoint {path}")
+                    window_start = time.perf_counter()
+                if stopping and not last:
+                    self.writer.info(f"stopping after step {iteration} of {t.train_iters}: {stopping}")
+                    break
         self.model.wait_param_gather()
         return state
 

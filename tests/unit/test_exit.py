@@ -1,0 +1,75 @@
+"""Leaving before --train-iters: signals, time budgets and intervals finish the step, save and exit
+0; resuming from that checkpoint continues exactly; --keep-last prunes old checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from paratron.config import build_config
+from paratron.training.exit import ExitConditions
+from paratron.training.run import run_training
+from tiny import tiny_config
+
+
+def test_signal_is_caught_and_handlers_restored():
+    config = build_config(dict(exit_signal_handler=True)).training
+    before = signal.getsignal(signal.SIGTERM)
+    with ExitConditions(config, torch.device("cpu")) as exits:
+        assert exits.reason(1) is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits.reason(2) == "SIGTERM received (--exit-signal-handler)"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_duration_and_interval():
+    config = build_config(dict(exit_duration_in_mins=1.0, exit_interval=5)).training
+    exits = ExitConditions(config, torch.device("cpu"), started=time.monotonic())
+    assert exits.reason(4) is None
+    assert exits.reason(10) == "--exit-interval 5"
+    exits.started -= 61
+    assert exits.reason(4) == "--exit-duration-in-mins 1 reached"
+
+
+def test_exit_interval_saves_and_the_resume_continues_exactly(tmp_path):
+    common = dict(hidden_dropout=0.1, train_iters=10)
+    straight = run_training(tiny_config(tmp_path / "straight", **common)).losses
+    save = tmp_path / "ckpt"
+    first = run_training(tiny_config(tmp_path / "run", exit_interval=4, save=str(save), **common)).losses
+    assert len(first) == 4 and (save / "iter_0000004" / "meta.json").exists()
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    rest = run_training(tiny_config(tmp_path / "run", load=str(save), **common)).losses
+    assert first + rest == straight
+
+
+def test_keep_last_prunes_older_checkpoints(tmp_path):
+    save = tmp_path / "ckpt"
+    run_training(tiny_config(tmp_path / "run", train_iters=8, save=str(save), save_interval=2, keep_last=2))
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000006", "iter_0000008",
+                                                       "latest_checkpointed_iteration.txt"]
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
+    save, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    command = [sys.executable, "-m", "paratron", "train", "--config", "debug", "--mock-data", "--train-iters", "100000",
+               "--exit-signal-handler", "--save", str(save), "--run-dir", str(run_dir), "--log-interval", "1",
+               "--no-progress-bar", "--no-tensorboard", "--eval-iters", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = Path(run_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "SIGTERM received (--exit-signal-handler)" in output
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
+    assert (save / f"iter_{last:07d}" / "meta.json").exists() and 2 <= last < 100000
