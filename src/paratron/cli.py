@@ -1,4 +1,4 @@
-"""`paratron train | preprocess | generate | schedule`: the command line.
+"""`paratron train | preprocess | generate | convert | schedule`: the command line.
 
 User mistakes (UserError) print one line and exit 2; internal failures keep their
 traceback and exit 1.
@@ -165,6 +165,35 @@ def cmd_generate(argv: list[str]) -> int:
     ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
                    eos_id=tokenizer.eod_id, seed=args.seed)
     print(args.prompt + tokenizer.decode(i for i in ids if i != tokenizer.eod_id))
+    return 0
+
+
+@command("convert", "convert weights between Hugging Face directories and paratron checkpoints")
+def cmd_convert(argv: list[str]) -> int:
+    from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf
+    from paratron.config.arguments import ArgumentParser
+
+    parser = ArgumentParser(
+        prog="paratron convert", allow_abbrev=False,
+        usage="paratron convert --from hf SRC --to paratron DST  |  --from paratron SRC --to hf DST",
+        description="Convert Llama, Mistral, Qwen2 and GPT-2 weights between a Hugging Face directory "
+                    "(config.json + safetensors) and a paratron checkpoint (weights only, for --load).")
+    parser.add_argument("--from", dest="source", nargs=2, metavar=("FORMAT", "SRC"), required=True,
+                        help="hf or paratron, and the directory to read.")
+    parser.add_argument("--to", dest="target", nargs=2, metavar=("FORMAT", "DST"), required=True,
+                        help="paratron or hf, and a new directory to write.")
+    args = parser.parse_args(argv)
+    formats = (args.source[0], args.target[0])
+    source, target = Path(args.source[1]), Path(args.target[1])
+    if not source.exists():
+        raise UserError(f"--from {args.source[0]} {source}: no such directory")
+    if formats == ("hf", "paratron"):
+        path = hf_to_paratron(source, target)
+        print(f"wrote {path}; train from it with: paratron train --config {target / 'model.yaml'} --load {target} ...")
+    elif formats == ("paratron", "hf"):
+        print(f"wrote {paratron_to_hf(source, target)}")
+    else:
+        raise UserError(f"--from {formats[0]} --to {formats[1]}: convert hf to paratron or paratron to hf")
     return 0
 
 

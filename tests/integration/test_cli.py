@@ -188,3 +188,23 @@ def test_preprocess_bad_input_is_one_line(tmp_path):
     result = paratron("train", "--config", "debug", "--no-mock-data", "--data-path", str(tmp_path / "x"),
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "10")
     assert_one_line_error(result, "x.idx: bytes 0-8 are b'garbage!g', not the MMIDIDX magic")
+
+
+def test_convert_from_hugging_face_and_back(tmp_path):
+    import transformers
+    config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    result = paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron", str(tmp_path / "p"))
+    assert result.returncode == 0, result.stderr
+    assert f"--config {tmp_path / 'p' / 'model.yaml'} --load {tmp_path / 'p'}" in result.stdout
+    result = paratron("convert", "--from", "paratron", str(tmp_path / "p"), "--to", "hf", str(tmp_path / "back"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "back" / "model.safetensors").is_file()
+    assert_one_line_error(paratron("convert", "--from", "hf", str(tmp_path / "nothing"), "--to", "paratron",
+                                   str(tmp_path / "x")), "no such directory")
+    assert_one_line_error(paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "hf",
+                                   str(tmp_path / "x")), "convert hf to paratron or paratron to hf")
+    assert_one_line_error(paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron",
+                                   str(tmp_path / "p")), "already exists and is not empty")
+    assert not (tmp_path / "x").exists()

@@ -52,6 +52,10 @@ class CheckpointInfo:
     config: Config
     optimizer_shards: int = 1
     """Data-parallel ranks the optimizer state was sharded over (1: replicated)."""
+    weights_only: bool = False
+    """Only weights, no training state (converted from Hugging Face): training starts from them at step 0."""
+    hf_model_type: str | None = None
+    """The Hugging Face architecture it was converted from, if any (kept for the way back)."""
 
 
 def _sha256(path: Path) -> str:
@@ -112,7 +116,8 @@ def rank_state_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1, dp_rank: i
 def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn.Module, config: Config,
                     tokenizer: Any = None, rank_state: dict[str, Any] | None = None, tp_rank: int = 0,
                     writer: bool = True, tp_group: Any = None, pp_rank: int = 0, pp_size: int = 1,
-                    dp_rank: int | None = None, stage_writer: bool | None = None) -> Path:
+                    dp_rank: int | None = None, stage_writer: bool | None = None,
+                    extra_meta: dict[str, Any] | None = None) -> Path:
     """Write iteration `iteration` under `root`; every rank takes part.
 
     Weights are stored whole, under their single-device names (gathered from the
@@ -121,7 +126,8 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
     states, loss scaler...: tensors, numbers and dicts of them); the ranks that hold one (the
     first data-parallel replica; every rank when the optimizer is sharded over data-parallel ranks)
     write it as training_state_tp{tp_rank}[_pp{pp_rank}][_dp{dp_rank}].pt. The
-    `writer` rank (global rank 0) assembles the folder and publishes it."""
+    `writer` rank (global rank 0) assembles the folder and publishes it; `extra_meta` goes into
+    meta.json."""
     stage_writer = writer if stage_writer is None else stage_writer
     final = root / f"iter_{iteration:07d}"
     tmp = root / f".tmp-{final.name}"
@@ -156,7 +162,7 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
         prefix = rank_state_file(0, 0, pp_size, 0).removesuffix("000.pt")
         shards = sum(1 for name in files if name.startswith(prefix))
         meta = {"iteration": iteration, "consumed_samples": consumed_samples, "optimizer_shards": max(shards, 1),
-                "config": config_to_dict(config), "files": files}
+                "config": config_to_dict(config), "files": files, **(extra_meta or {})}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
         if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
             old = root / f".old-{final.name}-{os.getpid()}"
@@ -225,7 +231,8 @@ def read_checkpoint(path: Path, verify: bool = True) -> CheckpointInfo:
     except UserError as exc:
         raise CheckpointError(f"{folder / 'meta.json'}: its config does not load ({exc})") from None
     return CheckpointInfo(folder, int(meta["iteration"]), int(meta["consumed_samples"]), config,
-                          int(meta.get("optimizer_shards", 1)))
+                          int(meta.get("optimizer_shards", 1)), bool(meta.get("weights_only", False)),
+                          meta.get("hf_model_type"))
 
 
 def _weight_files(info: CheckpointInfo) -> dict[str, str]:

@@ -24,6 +24,12 @@ def tokenizer_from_checkpoint(info: CheckpointInfo) -> Tokenizer | None:
 
 
 def load_pretrained(path: str | Path, device: torch.device | str = "cpu") -> GPT:
-    """The model of a paratron checkpoint (a save directory or one iteration folder), in eval mode;
-    `model(input_ids)` returns logits."""
-    return model_from_checkpoint(read_checkpoint(Path(path)), device)
+    """The model of a paratron checkpoint (a save directory or one iteration folder) or of a Hugging
+    Face model directory (config.json + safetensors: Llama, Mistral, Qwen2, GPT-2), on one device
+    in eval mode; `model(input_ids)` returns logits."""
+    path = Path(path)
+    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+        from paratron.checkpoint.hf import model_from_hf
+
+        return model_from_hf(path, device)
+    return model_from_checkpoint(read_checkpoint(path), device)

@@ -61,6 +61,9 @@ class ModelConfig:
     add_bias_linear: bool = True
     """Give linear layers a bias (--disable-bias-linear turns it off)."""
 
+    add_qkv_bias: bool = False
+    """Give the query, key and value projections a bias even when other linear layers have none (Qwen2)."""
+
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of sharing the input embedding."""
 

@@ -114,7 +114,7 @@ class Attention(nn.Module):
         self.head_dim = config.kv_channels or config.hidden_size // heads
         bias = config.add_bias_linear
         widths = {"q": heads * self.head_dim, "k": groups * self.head_dim, "v": groups * self.head_dim}
-        self.in_proj = Projections(config.hidden_size, widths, bias)
+        self.in_proj = Projections(config.hidden_size, widths, bias or config.add_qkv_bias)
         self.out_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
         self.core = AttentionCore(config.attention_dropout)
         self.output_dropout = nn.Dropout(config.hidden_dropout)

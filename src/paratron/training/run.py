@@ -57,7 +57,8 @@ def check_inputs(config: Config, world_size: int | None = None) -> None:
     if c.load and not (c.finetune or c.no_load_optim):
         info = read_checkpoint(Path(c.load), verify=False)
         world = world_size or config.parallel.nproc_per_node
-        problem = optimizer_layout_mismatch(info, config, data_parallel_size(config, world))
+        problem = None if info.weights_only else optimizer_layout_mismatch(info, config,
+                                                                            data_parallel_size(config, world))
         if problem:
             raise CheckpointError(f"--load {c.load}: {problem}; resume at that layout, or use --no-load-optim or "
                                   "--finetune to start from its weights at this one")
@@ -122,7 +123,7 @@ def _run(config: Config, ctx) -> TrainState:
     state = TrainState()
     seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
     c = config.checkpoint
-    continuing = resume is not None and not c.finetune
+    continuing = resume is not None and not c.finetune and not resume.weights_only
     if continuing:
         state = TrainState(resume.iteration, resume.consumed_samples)
 
@@ -149,7 +150,8 @@ def _run(config: Config, ctx) -> TrainState:
         f"{config.data.seq_length} tokens = {trainer.plan.num_micro_batches} micro-batch(es) of "
         f"{t.micro_batch_size} per rank; peak {peak / 1e12:.3f} TFLOP/s/device ({peak_source})")
     if resume is not None:
-        how = "its weights only (--finetune)" if c.finetune else f"step {resume.iteration}" + (
+        how = "its weights only (--finetune)" if c.finetune else "its weights (a converted model)" \
+            if resume.weights_only else f"step {resume.iteration}" + (
             ", fresh optimizer state (--no-load-optim)" if c.no_load_optim else "")
         say(f"loaded {resume.path}: {how}")
 

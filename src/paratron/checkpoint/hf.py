@@ -1,0 +1,306 @@
+"""Hugging Face interop: `config.json` + safetensors <-> paratron checkpoints.
+
+Supported: Llama (grouped-query attention, any rotary theta, tied or untied embeddings),
+Mistral (the same layers; full causal attention, which equals its sliding window for sequences
+up to the window), Qwen2 (biases on the query, key and value projections) and GPT-2 (learned
+positions, LayerNorm, tanh GELU, fused QKV stored as Conv1D, i.e. transposed).
+
+A converted checkpoint is an ordinary paratron checkpoint at iteration 0 marked "weights only"
+(no optimizer state): `paratron train --load` starts from its weights at any layout, and
+`paratron.load_pretrained` loads it. The converter also writes `model.yaml`, a recipe with the
+model's shape, for `paratron train --config DST/model.yaml --load DST ...`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from paratron.config.loading import build_config, config_to_dict
+from paratron.config.schema import Config, ModelConfig
+from paratron.errors import CheckpointError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "gpt2": "GPT2LMHeadModel"}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+# paratron name -> Hugging Face name, per family (layer index as {i})
+_LLAMA_NAMES = {
+    "embedding.weight": "model.embed_tokens.weight",
+    "final_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attention.in_proj.{p}.{w}": "model.layers.{i}.self_attn.{p}_proj.{w}",
+    "layers.{i}.attention.out_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.mlp.in_proj.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",
+    "layers.{i}.mlp.out_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_GPT2_NAMES = {
+    "embedding.weight": "transformer.wte.weight",
+    "position_embedding.weight": "transformer.wpe.weight",
+    "final_norm.{w}": "transformer.ln_f.{w}",
+    "layers.{i}.attention_norm.{w}": "transformer.h.{i}.ln_1.{w}",
+    "layers.{i}.attention.out_proj.{w}": "transformer.h.{i}.attn.c_proj.{w}",
+    "layers.{i}.mlp_norm.{w}": "transformer.h.{i}.ln_2.{w}",
+    "layers.{i}.mlp.in_proj.up.{w}": "transformer.h.{i}.mlp.c_fc.{w}",
+    "layers.{i}.mlp.out_proj.{w}": "transformer.h.{i}.mlp.c_proj.{w}",
+}
+_GPT2_CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
+"""GPT-2's linear layers are Conv1D: their weights are stored [in, out], transposed."""
+_GPT2_IGNORED = re.compile(r"\.attn\.(bias|masked_bias)$")
+"""Causal-mask buffers some GPT-2 files carry; not weights."""
+
+
+def _hf_name(name: str, table: dict[str, str]) -> str | None:
+    """The Hugging Face name of paratron tensor `name` under `table` (None: not in the table)."""
+    for pattern, target in table.items():
+        regex = "^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(
+            r"\{p\}", r"(?P<p>\w+)").replace(r"\{w\}", r"(?P<w>weight|bias)") + "$"
+        match = re.match(regex, name)
+        if match:
+            return target.format(**match.groupdict())
+    return None
+
+
+# ---------------------------------------------------------------- configurations
+
+
+def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """paratron model settings for a Hugging Face `config.json` (refused with one line when the
+    model has something paratron's layers do not)."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise CheckpointError(f"{source}: model_type {kind!r} is not supported; convert one of "
+                              f"{', '.join(ARCHITECTURES)}")
+    if kind == "gpt2":
+        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"{source}: activation_function {hf['activation_function']!r} is not supported "
+                                  "(paratron's GPT-2 uses the tanh GELU)")
+        return dict(num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+                    ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"], max_position_embeddings=hf["n_positions"],
+                    vocab_size=hf["vocab_size"], position_embedding_type="learned_absolute",
+                    normalization="LayerNorm", norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation="gelu",
+                    add_bias_linear=True, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+                    hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise CheckpointError(f"{source}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not "
+                              "supported; only plain rotary embeddings are")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU needs silu)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise CheckpointError(f"{source}: attention_bias/mlp_bias are not supported for {kind}")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+                num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+                kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
+                max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
+                position_embedding_type="rope",
+                rotary_base=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+                normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
+                add_bias_linear=False, add_qkv_bias=kind == "qwen2",
+                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0))
+
+
+def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:
+    """The Hugging Face architecture that has exactly paratron model `m`'s layers."""
+    if m.position_embedding_type == "rope" and m.normalization == "RMSNorm" and m.activation == "swiglu" \
+            and not m.add_bias_linear:
+        if m.add_qkv_bias:
+            return "qwen2"
+        return preferred if preferred in ("llama", "mistral") else "llama"
+    if m.position_embedding_type == "learned_absolute" and m.normalization == "LayerNorm" and m.activation == "gelu" \
+            and m.add_bias_linear and not m.untie_embeddings_and_output_weights:
+        return "gpt2"
+    raise CheckpointError("this model has no Hugging Face equivalent (Llama, Mistral and Qwen2 need rotary "
+                          "embeddings, RMSNorm, SwiGLU and no linear biases; GPT-2 needs learned positions, "
+                          "LayerNorm, GELU, biases and tied embeddings)")
+
+
+def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
+    """A Hugging Face `config.json` for paratron model `m` as architecture `kind`."""
+    common = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": m.vocab_size,
+              "torch_dtype": "float32"}
+    if kind == "gpt2":
+        return {**common, "n_layer": m.num_layers, "n_embd": m.hidden_size, "n_head": m.num_attention_heads,
+                "n_inner": m.ffn_hidden_size or 4 * m.hidden_size, "n_positions": m.max_position_embeddings,
+                "layer_norm_epsilon": m.norm_epsilon, "activation_function": "gelu_new",
+                "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
+                "tie_word_embeddings": True}
+    config = {**common, "num_hidden_layers": m.num_layers, "hidden_size": m.hidden_size,
+              "num_attention_heads": m.num_attention_heads,
+              "num_key_value_heads": m.num_query_groups or m.num_attention_heads,
+              "head_dim": m.kv_channels or m.hidden_size // m.num_attention_heads,
+              "intermediate_size": m.ffn_hidden_size or 4 * m.hidden_size,
+              "max_position_embeddings": m.max_position_embeddings, "rms_norm_eps": m.norm_epsilon,
+              "rope_theta": m.rotary_base, "hidden_act": "silu", "attention_dropout": m.attention_dropout,
+              "tie_word_embeddings": not m.untie_embeddings_and_output_weights}
+    if kind == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    return config
+
+
+# ---------------------------------------------------------------- weights
+
+
+def weights_from_hf(tensors: dict[str, torch.Tensor], kind: str, m: ModelConfig,
+                    names: list[str], source: str) -> dict[str, torch.Tensor]:
+    """paratron tensors `names` (a model's parameter names) from Hugging Face `tensors`."""
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for name in names:
+        if kind == "gpt2" and ".attention.in_proj." in name:  # one fused, transposed QKV
+            i, which, part = re.match(r"layers\.(\d+)\.attention\.in_proj\.(\w)\.(weight|bias)", name).groups()
+            fused_name = f"transformer.h.{i}.attn.c_attn.{part}"
+            fused = _take(tensors, fused_name, source)
+            used.add(fused_name)
+            piece = fused.chunk(3, dim=-1)["qkv".index(which)]
+            out[name] = piece.t().contiguous() if part == "weight" else piece.clone()
+            continue
+        hf_name = _hf_name(name, _GPT2_NAMES if kind == "gpt2" else _LLAMA_NAMES)
+        if hf_name is None:
+            raise CheckpointError(f"{source}: no Hugging Face name for {name}")
+        tensor = _take(tensors, hf_name, source)
+        used.add(hf_name)
+        out[name] = tensor.t().contiguous() if kind == "gpt2" and _GPT2_CONV1D.search(hf_name) else tensor
+    tied_head = "lm_head.weight" if not m.untie_embeddings_and_output_weights else None
+    extra = [n for n in tensors if n not in used and n != tied_head and not _GPT2_IGNORED.search(n)]
+    if extra:
+        raise CheckpointError(f"{source}: has tensors the converted model would lack ({extra[0]}, ...)")
+    return out
+
+
+def weights_to_hf(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors from a paratron model's whole `state` (single-device names)."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        if kind == "gpt2" and ".attention.in_proj." in name:
+            i, which, part = re.match(r"layers\.(\d+)\.attention\.in_proj\.(\w)\.(weight|bias)", name).groups()
+            fused.setdefault((i, part), {})[which] = tensor
+            continue
+        hf_name = _hf_name(name, _GPT2_NAMES if kind == "gpt2" else _LLAMA_NAMES)
+        if hf_name is None:
+            raise CheckpointError(f"no Hugging Face name for {name}")
+        out[hf_name] = tensor.t().contiguous() if kind == "gpt2" and _GPT2_CONV1D.search(hf_name) else tensor
+    for (i, part), pieces in fused.items():
+        qkv = [pieces[p].t() if part == "weight" else pieces[p] for p in "qkv"]
+        out[f"transformer.h.{i}.attn.c_attn.{part}"] = torch.cat(qkv, dim=-1).contiguous()
+    return out
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:
+    if name not in tensors:
+        raise CheckpointError(f"{source}: has no tensor {name}; it is not a complete {name.split('.')[0]} model")
+    return tensors[name]
+
+
+# ---------------------------------------------------------------- directories
+
+
+def read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json and every tensor of a Hugging Face model directory (safetensors, sharded or not)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json; give a Hugging Face model directory")
+    try:
+        hf = json.loads(config_file.read_text(encoding="utf-8"))
+    except ValueError:
+        raise CheckpointError(f"{config_file}: not valid JSON") from None
+    model_settings(hf, str(config_file))  # refuse an unsupported model before reading its weights
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no .safetensors weights (pytorch_model.bin is not read: save with "
+                              "safe_serialization=True)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                tensors.update({key: f.get_tensor(key) for key in f.keys()})
+        except Exception as exc:  # safetensors raises its own error types for damaged files
+            raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from None
+    return hf, tensors
+
+
+def config_for_hf(hf: dict[str, Any], source: str) -> Config:
+    return build_config(dict(model_settings(hf, source), mock_data=True))
+
+
+def model_from_hf(path: Path, device: torch.device | str = "cpu"):
+    """A single-device paratron model with a Hugging Face directory's weights, in eval mode."""
+    from paratron.model.gpt import build_model
+
+    hf, tensors = read_hf(path)
+    config = config_for_hf(hf, str(path / "config.json"))
+    model = build_model(config.model, device)
+    names = [n for n, _ in model.named_parameters()]  # (a tied output weight is the embedding's)
+    state = weights_from_hf(tensors, hf["model_type"], config.model, names, str(path))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state[name])
+    return model.eval()
+
+
+def hf_to_paratron(source: Path, destination: Path) -> Path:
+    """Write a weights-only paratron checkpoint (iteration 0) of a Hugging Face model directory."""
+    from paratron.checkpoint.io import save_checkpoint
+
+    _refuse_existing(destination)
+    hf, _ = read_hf(source)
+    model = model_from_hf(source)
+    config = config_for_hf(hf, str(source / "config.json"))
+    tokenizer = _FileCopy(source / "tokenizer.json") if (source / "tokenizer.json").is_file() else None
+    path = save_checkpoint(destination, 0, 0, model, config, tokenizer,
+                           extra_meta={"weights_only": True, "hf_model_type": hf["model_type"]})
+    recipe = {"model": {k: v for k, v in config_to_dict(config)["model"].items() if v is not None}}
+    (destination / "model.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def paratron_to_hf(source: Path, destination: Path) -> Path:
+    """Write a Hugging Face directory (config.json, model.safetensors, tokenizer.json if any) of a
+    paratron checkpoint's weights."""
+    from paratron.checkpoint.io import read_checkpoint
+    from paratron.checkpoint.pretrained import model_from_checkpoint
+
+    _refuse_existing(destination)
+    info = read_checkpoint(source)
+    kind = model_type_of(info.config.model, info.hf_model_type)
+    model = model_from_checkpoint(info)
+    state = {n: p.detach().contiguous() for n, p in model.named_parameters()}  # named_parameters skips ties
+    tensors = weights_to_hf(state, kind)
+    tmp = destination.with_name(f".{destination.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(hf_config(info.config.model, kind), indent=2), encoding="utf-8")
+    if (info.path / "tokenizer.json").is_file():
+        shutil.copy(info.path / "tokenizer.json", tmp / "tokenizer.json")
+    tmp.replace(destination)
+    return destination
+
+
+def _refuse_existing(destination: Path) -> None:
+    if destination.exists() and any(destination.iterdir()):
+        raise CheckpointError(f"{destination}: already exists and is not empty; choose a new directory")
+
+
+class _FileCopy:
+    """A tokenizer stand-in for `save_checkpoint`: saving copies the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def save(self, destination: Path) -> None:
+        shutil.copy(self.path, destination)

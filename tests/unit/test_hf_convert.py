@@ -1,0 +1,73 @@
+"""Hugging Face interop against transformers itself: random-weight models built locally (no
+download) convert to paratron and back, and every direction gives transformers' logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers  # the reference; installed with the test extras
+
+from paratron.checkpoint import load_pretrained
+from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf
+from paratron.errors import CheckpointError
+
+LLAMA = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rope_theta=50000.0, rms_norm_eps=1e-5)
+MODELS = {
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=True)),
+    "llama-untied": ("LlamaConfig", "LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA, sliding_window=None, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(LLAMA, tie_word_embeddings=True)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+}
+TOLERANCE = 1e-4
+
+
+def hf_model(name: str, directory):
+    config_class, model_class, settings = MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings)).eval()
+    with torch.no_grad():  # biases and norms start at 0 and 1: make them count
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_conversion_both_ways_matches_transformers(tmp_path, name):
+    reference = hf_model(name, tmp_path / "hf")
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        direct = load_pretrained(tmp_path / "hf")(ids)  # a Hugging Face directory loads as it is
+        hf_to_paratron(tmp_path / "hf", tmp_path / "paratron")
+        converted = load_pretrained(tmp_path / "paratron")(ids)
+    assert (direct - expected).abs().max() < TOLERANCE
+    assert (converted - expected).abs().max() < TOLERANCE
+    if name == "qwen2":
+        assert load_pretrained(tmp_path / "paratron").layers[0].attention.in_proj.q.bias is not None
+
+    paratron_to_hf(tmp_path / "paratron", tmp_path / "back")
+    saved = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert saved["model_type"] == reference.config.model_type
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert (back(ids).logits - expected).abs().max() < TOLERANCE
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json; give a Hugging Face model directory"):
+        hf_to_paratron(tmp_path, tmp_path / "out")
+    hf_model("llama-tied", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
+    with pytest.raises(CheckpointError, match="model_type 'bert' is not supported"):
+        hf_to_paratron(tmp_path / "bert", tmp_path / "out")
+    hf_to_paratron(tmp_path / "hf", tmp_path / "out")
+    with pytest.raises(CheckpointError, match="already exists and is not empty"):
+        hf_to_paratron(tmp_path / "hf", tmp_path / "out")  # nothing existing is overwritten
