@@ -166,17 +166,8 @@ def test_zero_resume_is_exact_with_each_ranks_optimizer_shard(tmp_path):
     result = run_ranks(zero_resume_runs, 2, str(tmp_path))[0]
     for name, (straight, resumed) in result.items():
         assert resumed == straight[6:], f"{name}: resumed {resumed} vs straight {straight[6:]}"
-        files = sorted(p.name for p in (tmp_path / f"{name}-ckpt" / "iter_0000006").glob("training_state*"))
-        assert files == ["training_state_tp000_dp000.pt", "training_state_tp000_dp001.pt"], files
-    # each rank's shard resumes only at the same sharding; the weights load anywhere
-    from paratron.errors import CheckpointError
-
-    zero1 = str(tmp_path / "zero1-ckpt" / "iter_0000006")
-    with pytest.raises(CheckpointError, match=r"ZeRO stage 1 over 2 data-parallel ranks .* resumes only there"):
-        run_training(tiny_config(tmp_path / "single", train_iters=8, micro_batch_size=4, global_batch_size=16,
-                                 load=zero1))
-    assert len(run_training(tiny_config(tmp_path / "single", train_iters=8, micro_batch_size=4, global_batch_size=16,
-                                        load=zero1, no_load_optim=True)).losses) == 2
+        files = sorted(p.name for p in (tmp_path / f"{name}-ckpt" / "iter_0000006").glob("optimizer_*"))
+        assert files == ["optimizer_tp000_pp000_dp000.safetensors", "optimizer_tp000_pp000_dp001.safetensors"], files
     # the weights are whole, under single-device names, whatever the stage
     single = load_pretrained(str(tmp_path / "zero3-ckpt"))
     assert set(dict(single.named_parameters())) >= {"embedding.weight", "layers.0.attention.out_proj.weight"}

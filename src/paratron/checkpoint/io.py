@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from paratron.config.loading import config_from_dict, config_to_dict
+from paratron.checkpoint.optimizer_state import optimizer_file, save_optimizer
 from paratron.config.schema import Config
 from paratron.errors import CheckpointError, UserError
 from paratron.parallel.data.fully_sharded import assign_full, full_parameter
@@ -50,8 +51,6 @@ class CheckpointInfo:
     iteration: int
     consumed_samples: int
     config: Config
-    optimizer_shards: int = 1
-    """Data-parallel ranks the optimizer state was sharded over (1: replicated)."""
     weights_only: bool = False
     """Only weights, no training state (converted from Hugging Face): training starts from them at step 0."""
     hf_model_type: str | None = None
@@ -106,27 +105,25 @@ def weights_file(pp_rank: int, pp_size: int) -> str:
     return WEIGHTS if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
 
 
-def rank_state_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1, dp_rank: int | None = None) -> str:
-    """training_state_tp000[_pp000][_dp000].pt; the data-parallel rank appears when the optimizer
-    state is sharded over data-parallel ranks."""
-    name = f"training_state_tp{tp_rank:03d}" + (f"_pp{pp_rank:03d}" if pp_size > 1 else "")
-    return name + (f"_dp{dp_rank:03d}" if dp_rank is not None else "") + ".pt"
+def rank_state_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """training_state_tp000[_pp000].pt: random-generator states and loss scaler of one rank."""
+    return f"training_state_tp{tp_rank:03d}" + (f"_pp{pp_rank:03d}" if pp_size > 1 else "") + ".pt"
 
 
 def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn.Module, config: Config,
                     tokenizer: Any = None, rank_state: dict[str, Any] | None = None, tp_rank: int = 0,
                     writer: bool = True, tp_group: Any = None, pp_rank: int = 0, pp_size: int = 1,
-                    dp_rank: int | None = None, stage_writer: bool | None = None,
+                    stage_writer: bool | None = None, optimizer: Any = None, dp_rank: int = 0,
                     extra_meta: dict[str, Any] | None = None) -> Path:
     """Write iteration `iteration` under `root`; every rank takes part.
 
     Weights are stored whole, under their single-device names (gathered from the
     tensor-parallel ranks), one file per pipeline stage written by that stage's
-    `stage_writer`. `rank_state` is what one rank needs to resume (optimizer state, RNG
-    states, loss scaler...: tensors, numbers and dicts of them); the ranks that hold one (the
-    first data-parallel replica; every rank when the optimizer is sharded over data-parallel ranks)
-    write it as training_state_tp{tp_rank}[_pp{pp_rank}][_dp{dp_rank}].pt. The
-    `writer` rank (global rank 0) assembles the folder and publishes it; `extra_meta` goes into
+    `stage_writer`. `rank_state` is what one rank needs beyond that to resume exactly (RNG
+    states, loss scaler...: tensors, numbers and dicts of them); the first data-parallel replica
+    writes it as training_state_tp{tp_rank}[_pp{pp_rank}].pt. The ranks given an `optimizer`
+    write its pieces under single-device names (`optimizer_state.py`), so that it loads at any
+    layout. The `writer` rank (global rank 0) assembles the folder and publishes it; `extra_meta` goes into
     meta.json."""
     stage_writer = writer if stage_writer is None else stage_writer
     final = root / f"iter_{iteration:07d}"
@@ -137,8 +134,10 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
+    if optimizer is not None:
+        save_optimizer(tmp / optimizer_file(tp_rank, pp_rank, dp_rank), optimizer, model, replicated_too=tp_rank == 0)
     if rank_state is not None:
-        name = rank_state_file(tp_rank, pp_rank, pp_size, dp_rank)
+        name = rank_state_file(tp_rank, pp_rank, pp_size)
         partial = tmp / (name + ".partial")
         torch.save(rank_state, partial)
         partial.replace(tmp / name)
@@ -159,10 +158,7 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
-        prefix = rank_state_file(0, 0, pp_size, 0).removesuffix("000.pt")
-        shards = sum(1 for name in files if name.startswith(prefix))
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples, "optimizer_shards": max(shards, 1),
-                "config": config_to_dict(config), "files": files, **(extra_meta or {})}
+        meta = {"iteration": iteration, "consumed_samples": consumed_samples, "config": config_to_dict(config), "files": files, **(extra_meta or {})}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
         if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
             old = root / f".old-{final.name}-{os.getpid()}"
@@ -231,7 +227,7 @@ def read_checkpoint(path: Path, verify: bool = True) -> CheckpointInfo:
     except UserError as exc:
         raise CheckpointError(f"{folder / 'meta.json'}: its config does not load ({exc})") from None
     return CheckpointInfo(folder, int(meta["iteration"]), int(meta["consumed_samples"]), config,
-                          int(meta.get("optimizer_shards", 1)), bool(meta.get("weights_only", False)),
+                          bool(meta.get("weights_only", False)),
                           meta.get("hf_model_type"))
 
 
@@ -289,16 +285,21 @@ def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
 
 
 def load_training_state(info: CheckpointInfo, tp_rank: int, tp_size: int, pp_rank: int = 0,
-                        pp_size: int = 1, dp_rank: int | None = None) -> dict[str, Any]:
-    """This rank's saved state (optimizer, RNG, ...), as `save_checkpoint` got it; `dp_rank` when
-    the optimizer state is sharded over data-parallel ranks.
-
-    Weights load at any layout; this state belongs to one layout (see `same_optimizer_layout`)."""
+                        pp_size: int = 1) -> tuple[dict[str, Any], bool]:
+    """The saved RNG and loss-scaler state for this rank, and whether it is this rank's own (the
+    checkpoint has the same tensor- and pipeline-parallel layout). At another layout it is the
+    first rank's: its loss scaler and counters apply, its random-generator states do not."""
     saved = info.config.parallel
-    if (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) != (tp_size, pp_size):
-        raise CheckpointError(f"{info.path}: saved at tensor-parallel size {saved.tensor_model_parallel_size} and "
-                              f"pipeline size {saved.pipeline_model_parallel_size}; its optimizer state resumes only "
-                              "at that layout (the weights load at any): resume at it, or start from the weights "
-                              "with --finetune or --no-load-optim")
-    return torch.load(info.path / rank_state_file(tp_rank, pp_rank, pp_size, dp_rank), map_location="cpu",
-                      weights_only=True)
+    same = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) == (tp_size, pp_size)
+    name = rank_state_file(tp_rank, pp_rank, pp_size) if same else \
+        rank_state_file(0, 0, saved.pipeline_model_parallel_size)
+    return torch.load(info.path / name, map_location="cpu", weights_only=True), same
+
+
+def read_weight(info: CheckpointInfo, name: str) -> torch.Tensor:
+    """One single-device tensor of the checkpoint's weights."""
+    file = _weight_files(info).get(name)
+    if file is None:
+        raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
+    with safe_open(str(info.path / file), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)

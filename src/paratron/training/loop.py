@@ -26,7 +26,6 @@ from paratron.distributed.topology import Topology
 from paratron.optim.build import set_learning_rate
 from paratron.optim.lr_schedule import learning_rate
 from paratron.parallel.data import DataParallel, unwrap
-from paratron.parallel.data.fully_sharded import local_state, reshard_state
 from paratron.parallel.pipeline.profile import save_profile
 from paratron.parallel.pipeline.schedules import theoretical_bubble
 from paratron.training.exit import ExitConditions
@@ -215,32 +214,32 @@ class Trainer:
     def save(self, root: Path) -> Path:
         self.model.wait_param_gather()
         first_replica = self.topology.dp_rank == 0
+        # data-parallel replicas hold the same state, unless the optimizer is sharded over them
         sharded = self.config.parallel.sharding_stage > 0 and self.topology.size("dp") > 1
-        # DP replicas hold the same state, unless the optimizer is sharded over them
-        rank_state = self.rank_state() if first_replica or sharded else None
         return save_checkpoint(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
-                               self.config, self.data.tokenizer, rank_state, self.topology.tp_rank,
-                               writer=self.ctx.is_main, tp_group=self.model.tp_group, pp_rank=self.topology.pp_rank,
-                               pp_size=self.topology.size("pp"), dp_rank=self.topology.dp_rank if sharded else None,
-                               stage_writer=first_replica and self.topology.tp_rank == 0)
+                               self.config, self.data.tokenizer, self.rank_state() if first_replica else None,
+                               self.topology.tp_rank, writer=self.ctx.is_main, tp_group=self.model.tp_group,
+                               pp_rank=self.topology.pp_rank, pp_size=self.topology.size("pp"),
+                               stage_writer=first_replica and self.topology.tp_rank == 0,
+                               optimizer=self.optimizer if first_replica or sharded else None,
+                               dp_rank=self.topology.dp_rank)
 
     def rank_state(self) -> dict[str, Any]:
-        """What this rank needs beyond the weights to resume exactly."""
-        state: dict[str, Any] = {"optimizer": local_state(self.optimizer.state_dict()), "rng": rng.capture(self.ctx.device),
-                                 "skipped_iterations": self.state.skipped_iterations}
+        """What this rank needs beyond the weights and the optimizer state to resume exactly."""
+        state: dict[str, Any] = {"rng": rng.capture(self.ctx.device), "skipped_iterations": self.state.skipped_iterations}
         if self.precision.scaler is not None:
             state["loss_scaler"] = self.precision.scaler.state_dict()
         if self.model.rng_states is not None:
             state["tensor_parallel_rng"] = dict(self.model.rng_states.states)
         return state
 
-    def restore_rank_state(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
-        if load_optimizer:
-            self.optimizer.load_state_dict(state["optimizer"])
-            reshard_state(self.optimizer)
-        rng.restore(state["rng"], self.ctx.device)
+    def restore_rank_state(self, state: dict[str, Any], own: bool = True) -> None:
+        """Counters and loss scaler from `state`; the random generators too when it is this rank's
+        `own` (saved at the same layout; elsewhere they start from the seed)."""
+        if own:
+            rng.restore(state["rng"], self.ctx.device)
+            if self.model.rng_states is not None and "tensor_parallel_rng" in state:
+                self.model.rng_states.states.update(state["tensor_parallel_rng"])
         self.state.skipped_iterations = int(state.get("skipped_iterations", 0))
         if self.precision.scaler is not None and "loss_scaler" in state:
             self.precision.scaler.load_state_dict(state["loss_scaler"])
-        if self.model.rng_states is not None and "tensor_parallel_rng" in state:
-            self.model.rng_states.states.update(state["tensor_parallel_rng"])

@@ -7,6 +7,7 @@ initialized from the seed) -> parallelize -> optimizer -> resume -> train -> plo
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,9 +18,10 @@ from paratron.checkpoint.io import (
     load_model_weights,
     load_training_state,
     read_checkpoint,
+    read_weight,
 )
+from paratron.checkpoint.optimizer_state import load_optimizer
 from paratron.config.schema import Config
-from paratron.config.validation import data_parallel_size
 from paratron.data.blending import parse_blend
 from paratron.data.build import build_data
 from paratron.data.indexed import IndexedDataset, dataset_exists
@@ -28,7 +30,6 @@ from paratron.distributed.init import initialize, seed_everything, shutdown
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.inference.generate import generate
 from paratron.data.tokenizer import Tokenizer
-from paratron.errors import CheckpointError
 from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
 from paratron.parallel.data import unwrap
@@ -53,39 +54,8 @@ def check_inputs(config: Config, world_size: int | None = None) -> None:
                 IndexedDataset(path)  # reads and checks the index
             else:
                 input_files([path], flag)
-    c = config.checkpoint
-    if c.load and not (c.finetune or c.no_load_optim):
-        info = read_checkpoint(Path(c.load), verify=False)
-        world = world_size or config.parallel.nproc_per_node
-        problem = None if info.weights_only else optimizer_layout_mismatch(info, config,
-                                                                            data_parallel_size(config, world))
-        if problem:
-            raise CheckpointError(f"--load {c.load}: {problem}; resume at that layout, or use --no-load-optim or "
-                                  "--finetune to start from its weights at this one")
-
-
-def _optimizer_layout(parallel, shards: int) -> tuple:
-    """What a layout's per-rank optimizer state depends on: TP and PP, and when it is sharded over
-    data-parallel ranks, their number, the stage and the bucket size (shards follow buckets)."""
-    layout: tuple = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
-    if shards > 1:
-        layout += (shards, parallel.sharding_stage, parallel.ddp_bucket_size)
-    return layout
-
-
-def optimizer_layout_mismatch(info, config: Config, dp: int) -> str | None:
-    """Why checkpoint `info`'s optimizer state does not fit `config` at data-parallel size `dp`
-    (None when it does)."""
-    saved, now = info.config.parallel, config.parallel
-    shards_now = dp if now.sharding_stage > 0 and dp > 1 else 1
-    if _optimizer_layout(saved, info.optimizer_shards) == _optimizer_layout(now, shards_now):
-        return None
-    where = (f"tensor-parallel size {saved.tensor_model_parallel_size}, pipeline size "
-             f"{saved.pipeline_model_parallel_size}")
-    if info.optimizer_shards > 1:
-        where += (f", ZeRO stage {saved.sharding_stage} over {info.optimizer_shards} data-parallel ranks"
-                  + (f" with --ddp-bucket-size {saved.ddp_bucket_size}" if saved.ddp_bucket_size else ""))
-    return f"its optimizer state was saved at {where} and resumes only there"
+    if config.checkpoint.load:
+        read_checkpoint(Path(config.checkpoint.load), verify=False)  # exists and is complete
 
 
 def run_training(config: Config) -> TrainState:
@@ -134,15 +104,11 @@ def _run(config: Config, ctx) -> TrainState:
     trainer = Trainer(config, ctx, topology, model, optimizer, data, writer,
                       training_flops_per_token(config.model, config.data.seq_length), peak, state)
     if continuing:
-        problem = optimizer_layout_mismatch(resume, config, topology.size("dp"))
-        if problem is None:
-            sharded = resume.optimizer_shards > 1
-            trainer.restore_rank_state(load_training_state(resume, topology.tp_rank, topology.size("tp"),
-                                                           topology.pp_rank, topology.size("pp"),
-                                                           topology.dp_rank if sharded else None),
-                                       load_optimizer=not c.no_load_optim)
-        elif not c.no_load_optim:  # (at another layout the per-rank state has no use)
-            raise CheckpointError(f"{resume.path}: {problem}; resume at that layout, or use --no-load-optim")
+        state_of_rank, own = load_training_state(resume, topology.tp_rank, topology.size("tp"), topology.pp_rank,
+                                                 topology.size("pp"))
+        trainer.restore_rank_state(state_of_rank, own)
+        if not c.no_load_optim:  # at any layout: pieces under single-device names
+            load_optimizer(resume.path, optimizer, unwrap(model), partial(read_weight, resume))
     m = config.model
     say(f"paratron: {topology.describe()} on {ctx.backend}/{ctx.device.type}, {t.precision}")
     say(f"model: {n_params / 1e6:.2f}M parameters ({m.num_layers} layers, hidden {m.hidden_size}, "

@@ -81,26 +81,3 @@ def assign_full(param: torch.Tensor, value: torch.Tensor) -> None:
     rank = mesh.get_local_rank()
     if rank < len(chunks) and local.numel():
         local.copy_(chunks[rank])
-
-
-def local_state(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict with FSDP-sharded tensors replaced by this rank's pieces (saved
-    and loaded as plain tensors)."""
-    return {**state, "state": {k: {name: v.to_local() if _is_sharded(v) else v for name, v in s.items()}
-                               for k, s in state["state"].items()}}
-
-
-def reshard_state(optimizer: Any) -> None:
-    """After loading a `local_state`: wrap each plain state tensor of an FSDP-sharded parameter
-    back into a sharded one laid out like the parameter."""
-    from torch.distributed.tensor import DTensor
-
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not _is_sharded(param):
-                continue
-            for name, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor) and not _is_sharded(value) and value.dim() > 0:
-                    optimizer.state[param][name] = DTensor.from_local(
-                        value.to(param.to_local().device), param.device_mesh, param.placements,
-                        shape=param.shape, stride=param.stride())

@@ -1,0 +1,214 @@
+"""Optimizer state in a layout-free form: every rank writes the pieces it holds under the
+parameter's single-device name, with where each piece lies in the single-device tensor, so the
+state loads at any other tensor, pipeline or data-parallel layout and ZeRO stage.
+
+A piece is a flat range [start, end) of this rank's tensor-parallel slice of a parameter (the
+whole slice without ZeRO; a bucket shard's share of it under ZeRO 1/2; FSDP2's rows under ZeRO 3).
+The slice itself is described by the parameter's `Shard` (dimension, offset, length in the
+single-device tensor). Each piece carries the optimizer's per-element state (Adam's two moments,
+SGD's momentum) and, when the weights are 16-bit, the fp32 master weights.
+
+File: optimizer_tpTTT_ppPPP_dpDDD.safetensors per writing rank, its metadata listing the pieces.
+Loading assembles, one parameter at a time, the single-device tensor of every state from the
+pieces of all files, and takes this rank's pieces of it: exact (values are copied, never
+recomputed), so a resume at the same layout continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from paratron.errors import CheckpointError
+from paratron.parallel.sharding import full_shape, shard_of
+
+PREFIX = "optimizer_"
+
+
+def optimizer_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"{PREFIX}tp{tp_rank:03d}_pp{pp_rank:03d}_dp{dp_rank:03d}.safetensors"
+
+
+@dataclass
+class Piece:
+    name: str
+    param: nn.Parameter
+    start: int
+    end: int
+    """[start, end) of the flattened tensor-parallel slice of `param`."""
+    master: torch.Tensor
+    """The tensor the optimizer steps for this piece (its state is keyed by it)."""
+    optimizer: torch.optim.Optimizer
+    """The PyTorch optimizer holding that state."""
+    copy: bool
+    """`master` is an fp32 copy of 16-bit weights (saved too); otherwise the weights themselves."""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _rows_offset(param: torch.Tensor) -> int:
+    """First row of an FSDP2-sharded parameter's local rows within its tensor-parallel slice."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return int(offset[0]) if offset else 0
+
+
+def pieces(optimizer: Any, model: nn.Module, duplicates: bool = False) -> list[Piece]:
+    """What this rank's optimizer steps, piece by piece, with single-device names; the last
+    pipeline stage's copy of a tied embedding only with `duplicates` (the first stage saves it)."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        names.setdefault(id(param), name)
+    out = []
+    if hasattr(optimizer, "pieces"):  # the distributed optimizer (ZeRO 1/2)
+        for master, (param, a, z, _) in zip(optimizer.masters, optimizer.pieces):
+            out.append(Piece(names[id(param)], param, a, z, master, optimizer.optimizer,
+                             param.dtype != master.dtype))
+    elif hasattr(optimizer, "masters"):  # fp32 masters of 16-bit parameters
+        for master, param in zip(optimizer.masters, optimizer.targets):
+            out.append(Piece(names[id(param)], param, 0, param.numel(), master, optimizer.optimizer, True))
+    else:  # a PyTorch optimizer over the parameters (FSDP2's sharded ones at ZeRO 3)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                local = _local(param)
+                first = _rows_offset(param) if hasattr(param, "device_mesh") else 0
+                width = local[0].numel() if local.dim() > 0 and local.size(0) else 0
+                start = first * width if local.dim() > 0 else 0
+                out.append(Piece(names[id(param)], param, start, start + local.numel(), param, optimizer, False))
+    return [p for p in out if duplicates or not getattr(p.param, "pipeline_duplicate", False)]
+
+
+def _shard_record(param: nn.Parameter) -> list[int] | None:
+    shard = shard_of(param)
+    return None if shard is None else [shard.dim, shard.start, shard.length]
+
+
+def save_optimizer(path: Path, optimizer: Any, model: nn.Module, replicated_too: bool = True) -> None:
+    """Write this rank's pieces to `path` (a .safetensors file). `replicated_too=False` leaves out
+    parameters that every tensor-parallel rank holds whole (another rank writes them)."""
+    tensors: dict[str, torch.Tensor] = {}
+    index = []
+    step = None
+    for piece in pieces(optimizer, model):
+        if not replicated_too and shard_of(piece.param) is None:
+            continue
+        state = piece.optimizer.state.get(piece.master, {})
+        entries = {k: v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
+        if "step" in state:
+            step = float(state["step"])
+        if piece.copy:
+            entries["master"] = piece.master.detach()
+        keys = []
+        for key, value in entries.items():
+            tensors[f"{len(index)}/{key}"] = _local(value).detach().reshape(-1).float().cpu().contiguous()
+            keys.append(key)
+        index.append({"name": piece.name, "start": piece.start, "end": piece.end, "keys": keys,
+                      "slice_shape": list(_local_shape(piece.param)), "shard": _shard_record(piece.param),
+                      "shape": list(full_shape(piece.param))})
+    metadata = {"pieces": json.dumps(index), "step": json.dumps(step)}
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata=metadata)
+    partial.replace(path)
+
+
+def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of this rank's tensor-parallel slice (a DTensor's global shape is that slice's)."""
+    return tuple(param.shape)
+
+
+@torch.no_grad()
+def load_optimizer(folder: Path, optimizer: Any, model: nn.Module, weights: Any = None) -> None:
+    """Fill this rank's optimizer state (and fp32 masters) from every optimizer file in `folder`,
+    whatever layout wrote them. `weights(name)` gives a parameter's saved single-device weights,
+    for masters when the checkpoint has none (it was trained in fp32)."""
+    files = sorted(folder.glob(f"{PREFIX}*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: holds no optimizer state; use --no-load-optim to start a fresh one")
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files]
+        by_name: dict[str, list[tuple[Any, int, dict]]] = {}
+        step = None
+        for handle in handles:
+            meta = handle.metadata()
+            step = json.loads(meta["step"]) if json.loads(meta["step"]) is not None else step
+            for i, record in enumerate(json.loads(meta["pieces"])):
+                by_name.setdefault(record["name"], []).append((handle, i, record))
+        mine: dict[str, list[Piece]] = {}
+        for piece in pieces(optimizer, model, duplicates=True):
+            mine.setdefault(piece.name, []).append(piece)
+        for name, targets in mine.items():
+            sources = by_name.get(name)
+            if not sources:
+                raise CheckpointError(f"{folder}: has no optimizer state for {name}; it belongs to a different model")
+            full = _assemble(sources, name, folder)
+            if "master" not in full and any(p.copy for p in targets) and weights is not None:
+                full["master"] = weights(name).float()
+            for piece in targets:
+                _fill(piece, full, step)
+    if hasattr(optimizer, "write_back"):
+        optimizer.write_back()  # the 16-bit weights from the masters just loaded
+
+
+def _assemble(sources: list[tuple[Any, int, dict]], name: str, folder: Path) -> dict[str, torch.Tensor]:
+    """Single-device tensors of every saved state of parameter `name`, from its pieces."""
+    shape = sources[0][2]["shape"]
+    slices: dict[tuple, dict[str, torch.Tensor]] = {}  # one tensor-parallel slice -> its flat tensors
+    for handle, i, record in sources:
+        if record["shape"] != shape:
+            raise CheckpointError(f"{folder}: optimizer state of {name} has two shapes; the checkpoint is damaged")
+        key = (json.dumps(record["shard"]), tuple(record["slice_shape"]))
+        flats = slices.setdefault(key, {})
+        size = 1
+        for n in record["slice_shape"]:
+            size *= n
+        for state_key in record["keys"]:
+            flat = flats.setdefault(state_key, torch.zeros(size))
+            flat[record["start"]:record["end"]] = handle.get_tensor(f"{i}/{state_key}")
+    full: dict[str, torch.Tensor] = {}
+    for (shard_json, slice_shape), flats in slices.items():
+        shard = json.loads(shard_json)
+        for state_key, flat in flats.items():
+            local = flat.view(slice_shape)
+            target = full.setdefault(state_key, torch.zeros(shape))
+            if shard is None:
+                target.copy_(local)
+            elif shard[2]:
+                dim, start, length = shard
+                target.narrow(dim, start, length).copy_(local.narrow(dim, 0, length))
+    return full
+
+
+def _fill(piece: Piece, full: dict[str, torch.Tensor], step: float | None) -> None:
+    """Set `piece`'s optimizer state (and master) from single-device tensors."""
+    shard = shard_of(piece.param)
+    flats = {}
+    for key, tensor in full.items():
+        local = torch.zeros(_local_shape(piece.param))
+        if shard is None:
+            local.copy_(tensor)
+        elif shard.length:
+            local.narrow(shard.dim, 0, shard.length).copy_(tensor.narrow(shard.dim, shard.start, shard.length))
+        flats[key] = local.reshape(-1)[piece.start:piece.end]
+    if "master" in flats and piece.copy:
+        _local(piece.master).view(-1).copy_(flats.pop("master"))
+    flats.pop("master", None)
+    if not flats:
+        return
+    state = piece.optimizer.state[piece.master]
+    for key, values in flats.items():
+        if key not in state:
+            state[key] = torch.zeros_like(piece.master, memory_format=torch.preserve_format)
+        _local(state[key]).view(-1).copy_(values.to(_local(piece.master).device))
+    if step is not None:
+        state["step"] = torch.tensor(step, dtype=torch.float32)
