@@ -73,3 +73,23 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
     assert (save / f"iter_{last:07d}" / "meta.json").exists() and 2 <= last < 100000
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_good_one(tmp_path, capsys):
+    import pytest
+
+    from paratron.checkpoint import read_checkpoint
+    from paratron.errors import CheckpointError
+
+    save = tmp_path / "ckpt"
+    run_training(tiny_config(tmp_path / "run", train_iters=6, save=str(save), save_interval=2))
+    weights = save / "iter_0000006" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    info = read_checkpoint(save)
+    assert info.iteration == 4 and "iter_0000006/model.safetensors: checksum mismatch" in info.passed_over[0]
+    with pytest.raises(CheckpointError, match="checksum mismatch; the file is corrupted"):
+        read_checkpoint(save / "iter_0000006")  # named explicitly: an error, not a fallback
+    (save / "iter_0000004" / "meta.json").unlink()  # half-written
+    state = run_training(tiny_config(tmp_path / "run2", train_iters=4, load=str(save)))
+    assert len(state.losses) == 2  # resumed from step 2
+    assert "passed over a damaged checkpoint" in capsys.readouterr().out

@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ class CheckpointInfo:
     """Only weights, no training state (converted from Hugging Face): training starts from them at step 0."""
     hf_model_type: str | None = None
     """The Hugging Face architecture it was converted from, if any (kept for the way back)."""
+    passed_over: list[str] = field(default_factory=list)
+    """Why newer checkpoints of the same save directory were not used (damaged)."""
 
 
 def _sha256(path: Path) -> str:
@@ -193,24 +195,54 @@ def _barrier() -> None:
 
 def resolve_checkpoint(path: Path) -> Path:
     """A save directory (follow its tracker) or one iteration folder -> the iteration folder."""
+    return _candidates(path)[0]
+
+
+def _candidates(path: Path) -> list[Path]:
+    """Iteration folders to try, best first: the folder itself; or the tracker's, then the other
+    complete ones of a save directory, newest first."""
     if (path / "meta.json").is_file():
-        return path
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory; check --load")
     tracker = path / TRACKER
-    if not tracker.is_file():
+    others = sorted((p for p in path.glob("iter_*") if (p / "meta.json").is_file()), reverse=True)
+    first: list[Path] = []
+    if tracker.is_file():
+        try:
+            first = [path / f"iter_{int(tracker.read_text().strip()):07d}"]
+        except ValueError:
+            pass
+    folders = first + [p for p in others if p not in first]
+    if not folders:
         raise CheckpointError(f"{path}: no checkpoint here (neither {TRACKER} nor meta.json); check --load")
-    try:
-        iteration = int(tracker.read_text().strip())
-    except ValueError:
-        raise CheckpointError(f"{tracker}: does not hold an iteration number; the checkpoint is damaged") from None
-    folder = path / f"iter_{iteration:07d}"
-    if not (folder / "meta.json").is_file():
-        raise CheckpointError(f"{folder}: missing or incomplete; the checkpoint is damaged")
-    return folder
+    return folders
 
 
 def read_checkpoint(path: Path, verify: bool = True) -> CheckpointInfo:
-    """Locate a checkpoint and (unless verify=False) check every file's checksum; loads no tensors."""
-    folder = resolve_checkpoint(path)
+    """Locate a checkpoint and (unless verify=False) check every file's checksum; loads no tensors.
+
+    Given a save directory, a damaged newest checkpoint (missing, truncated or corrupted files) is
+    passed over for the newest good one, and `CheckpointInfo.passed_over` says why; given one
+    iteration folder, damage is an error."""
+    problems: list[str] = []
+    for folder in _candidates(path):
+        try:
+            info = _read_folder(folder, verify)
+        except CheckpointError as exc:
+            if folder == path:
+                raise
+            problems.append(str(exc))
+            continue
+        info.passed_over = problems
+        return info
+    raise CheckpointError(f"{path}: no intact checkpoint ({problems[0]}" + (f", and {len(problems) - 1} more"
+                                                                          if len(problems) > 1 else "") + ")")
+
+
+def _read_folder(folder: Path, verify: bool) -> CheckpointInfo:
+    if not (folder / "meta.json").is_file():
+        raise CheckpointError(f"{folder}: missing or incomplete; the checkpoint is damaged")
     try:
         meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
         files: dict[str, str] = meta["files"]
@@ -227,8 +259,7 @@ def read_checkpoint(path: Path, verify: bool = True) -> CheckpointInfo:
     except UserError as exc:
         raise CheckpointError(f"{folder / 'meta.json'}: its config does not load ({exc})") from None
     return CheckpointInfo(folder, int(meta["iteration"]), int(meta["consumed_samples"]), config,
-                          bool(meta.get("weights_only", False)),
-                          meta.get("hf_model_type"))
+                          bool(meta.get("weights_only", False)), meta.get("hf_model_type"))
 
 
 def _weight_files(info: CheckpointInfo) -> dict[str, str]:

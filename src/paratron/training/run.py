@@ -119,6 +119,8 @@ def _run(config: Config, ctx) -> TrainState:
         how = "its weights only (--finetune)" if c.finetune else "its weights (a converted model)" \
             if resume.weights_only else f"step {resume.iteration}" + (
             ", fresh optimizer state (--no-load-optim)" if c.no_load_optim else "")
+        for problem in resume.passed_over:
+            say(f"warning: passed over a damaged checkpoint: {problem}")
         say(f"loaded {resume.path}: {how}")
 
     with writer:
