@@ -73,7 +73,7 @@ def test_data_parallel_flags():
         parse(["--zero-stage", "4"])
 
 
-@pytest.mark.parametrize("flag", ["--context-parallel-size", "--num-experts", "--async-save"])
+@pytest.mark.parametrize("flag", ["--context-parallel-size", "--num-experts", "--use-dist-ckpt"])
 def test_unsupported_megatron_flags_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
         parse([flag, "full"])

@@ -93,3 +93,25 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_newest_good_one(tmp_
     state = run_training(tiny_config(tmp_path / "run2", train_iters=4, load=str(save)))
     assert len(state.losses) == 2  # resumed from step 2
     assert "passed over a damaged checkpoint" in capsys.readouterr().out
+
+
+def test_async_save_gives_the_same_checkpoints_and_resume(tmp_path):
+    """Written in the background while training goes on: the same files, published in order, and
+    the resume as exact as from a synchronous save."""
+    common = dict(hidden_dropout=0.1, train_iters=8, save_interval=4)
+    sync = run_training(tiny_config(tmp_path / "sync", save=str(tmp_path / "s"), **common)).losses
+    background = run_training(tiny_config(tmp_path / "async", save=str(tmp_path / "a"), async_save=True,
+                                          **common)).losses
+    assert background == sync
+    from safetensors import safe_open
+
+    for name in ("iter_0000004", "iter_0000008"):
+        files = json.loads((tmp_path / "s" / name / "meta.json").read_text())["files"]
+        assert sorted(json.loads((tmp_path / "a" / name / "meta.json").read_text())["files"]) == sorted(files)
+        for file in (f for f in files if f.endswith(".safetensors")):  # the snapshot precedes later steps
+            with safe_open(str(tmp_path / "a" / name / file), "pt") as a, \
+                    safe_open(str(tmp_path / "s" / name / file), "pt") as s:
+                assert a.metadata() == s.metadata() and sorted(a.keys()) == sorted(s.keys())
+                assert all(torch.equal(a.get_tensor(k), s.get_tensor(k)) for k in a.keys()), (name, file)
+    resumed = run_training(tiny_config(tmp_path / "r", load=str(tmp_path / "a" / "iter_0000004"), **common)).losses
+    assert resumed == sync[4:]

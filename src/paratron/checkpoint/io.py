@@ -20,10 +20,12 @@ Loading never unpickles arbitrary objects: safetensors, `torch.load(weights_only
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from paratron.config.loading import config_from_dict, config_to_dict
-from paratron.checkpoint.optimizer_state import optimizer_file, save_optimizer
+from paratron.checkpoint.optimizer_state import optimizer_file, optimizer_snapshot
 from paratron.config.schema import Config
 from paratron.errors import CheckpointError, UserError
 from paratron.parallel.data.fully_sharded import assign_full, full_parameter
@@ -117,63 +119,139 @@ def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn
                     writer: bool = True, tp_group: Any = None, pp_rank: int = 0, pp_size: int = 1,
                     stage_writer: bool | None = None, optimizer: Any = None, dp_rank: int = 0,
                     extra_meta: dict[str, Any] | None = None) -> Path:
-    """Write iteration `iteration` under `root`; every rank takes part.
+    """Write iteration `iteration` under `root` and wait until it is published; every rank takes
+    part (see `PendingSave` for what each rank writes)."""
+    pending = begin_save(root, iteration, consumed_samples, model, config, tokenizer, rank_state, tp_rank, writer,
+                         tp_group, pp_rank, pp_size, stage_writer, optimizer, dp_rank, extra_meta)
+    pending.write()
+    return pending.publish()
 
-    Weights are stored whole, under their single-device names (gathered from the
-    tensor-parallel ranks), one file per pipeline stage written by that stage's
-    `stage_writer`. `rank_state` is what one rank needs beyond that to resume exactly (RNG
-    states, loss scaler...: tensors, numbers and dicts of them); the first data-parallel replica
-    writes it as training_state_tp{tp_rank}[_pp{pp_rank}].pt. The ranks given an `optimizer`
-    write its pieces under single-device names (`optimizer_state.py`), so that it loads at any
-    layout. The `writer` rank (global rank 0) assembles the folder and publishes it; `extra_meta` goes into
-    meta.json."""
+
+def begin_save(root: Path, iteration: int, consumed_samples: int, model: nn.Module, config: Config,
+               tokenizer: Any = None, rank_state: dict[str, Any] | None = None, tp_rank: int = 0,
+               writer: bool = True, tp_group: Any = None, pp_rank: int = 0, pp_size: int = 1,
+               stage_writer: bool | None = None, optimizer: Any = None, dp_rank: int = 0,
+               extra_meta: dict[str, Any] | None = None, snapshot: bool = False) -> "PendingSave":
+    """The collective part of a save: gather the weights, take this rank's optimizer pieces and
+    state, create the temporary folder. With `snapshot`, every value is copied, so that training
+    may go on while `PendingSave.write` runs (asynchronous saving)."""
     stage_writer = writer if stage_writer is None else stage_writer
-    final = root / f"iter_{iteration:07d}"
-    tmp = root / f".tmp-{final.name}"
-    state_tensors = full_state(model, tp_group, keep=stage_writer)
+    weights = full_state(model, tp_group, keep=stage_writer)
+    if snapshot:
+        weights = {n: t.clone() for n, t in weights.items()}
+        rank_state = copy.deepcopy(rank_state)
+    pieces = None
+    if optimizer is not None:
+        pieces = optimizer_snapshot(optimizer, model, replicated_too=tp_rank == 0, copy=snapshot)
+    pending = PendingSave(root, iteration, consumed_samples, config, tokenizer, writer, extra_meta or {},
+                          files={})
+    if stage_writer:
+        pending.files[weights_file(pp_rank, pp_size)] = ("safetensors", weights, {"format": "pt"})
+    if pieces is not None:
+        pending.files[optimizer_file(tp_rank, pp_rank, dp_rank)] = ("safetensors", *pieces)
+    if rank_state is not None:
+        pending.files[rank_state_file(tp_rank, pp_rank, pp_size)] = ("torch", rank_state, None)
+    pending.pp_size = pp_size
     if writer:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        shutil.rmtree(pending.tmp, ignore_errors=True)
+        pending.tmp.mkdir()
     _barrier()
-    if optimizer is not None:
-        save_optimizer(tmp / optimizer_file(tp_rank, pp_rank, dp_rank), optimizer, model, replicated_too=tp_rank == 0)
-    if rank_state is not None:
-        name = rank_state_file(tp_rank, pp_rank, pp_size)
-        partial = tmp / (name + ".partial")
-        torch.save(rank_state, partial)
-        partial.replace(tmp / name)
-    if stage_writer:
-        name = weights_file(pp_rank, pp_size)
-        save_file({n: t.contiguous() for n, t in state_tensors.items()}, str(tmp / (name + ".partial")),
-                  metadata={"format": "pt"})
-        (tmp / (name + ".partial")).replace(tmp / name)
-    _barrier()
-    if writer:
-        if pp_size > 1:
-            weight_map = {}
-            for stage in range(pp_size):
-                with safe_open(str(tmp / weights_file(stage, pp_size)), framework="pt") as f:
-                    weight_map.update({key: weights_file(stage, pp_size) for key in f.keys()})
-            (tmp / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2),
-                                             encoding="utf-8")
-        if tokenizer is not None:
-            tokenizer.save(tmp / "tokenizer.json")
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples, "config": config_to_dict(config), "files": files, **(extra_meta or {})}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
-            old = root / f".old-{final.name}-{os.getpid()}"
-            final.replace(old)
-            tmp.replace(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.replace(final)
-        write_text_atomic(root / TRACKER, f"{iteration}\n")
-        if config.checkpoint.keep_last:
-            prune_checkpoints(root, config.checkpoint.keep_last)
-    _barrier()
-    return final
+    return pending
+
+
+@dataclass
+class PendingSave:
+    """One checkpoint on its way to disk. `write` puts this rank's files in the temporary folder
+    (no communication: it may run in a background thread); `publish` waits for every rank, then
+    the writer rank adds the index, tokenizer and meta.json with checksums, renames the folder into
+    place, moves the tracker and prunes old checkpoints.
+
+    Each rank's files: the weights of its pipeline stage, whole, under single-device names (the
+    stage's first rank); its optimizer pieces (`optimizer_state.py`; ranks of the first
+    data-parallel replica, or all when the optimizer is sharded); its RNG and loss-scaler state
+    (first replica)."""
+
+    root: Path
+    iteration: int
+    consumed_samples: int
+    config: Config
+    tokenizer: Any
+    writer: bool
+    extra_meta: dict[str, Any]
+    files: dict[str, tuple[str, Any, Any]]
+    pp_size: int = 1
+
+    @property
+    def final(self) -> Path:
+        return self.root / f"iter_{self.iteration:07d}"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / f".tmp-{self.final.name}"
+
+    def write(self) -> None:
+        for name, (kind, content, metadata) in self.files.items():
+            partial = self.tmp / (name + ".partial")
+            if kind == "safetensors":
+                save_file({n: t.contiguous() for n, t in content.items()}, str(partial), metadata=metadata)
+            else:
+                torch.save(content, partial)
+            partial.replace(self.tmp / name)
+        self.files = {}  # (the values are no longer needed)
+
+    def publish(self) -> Path:
+        _barrier()
+        tmp, final, root = self.tmp, self.final, self.root
+        if self.writer:
+            if self.pp_size > 1:
+                weight_map = {}
+                for stage in range(self.pp_size):
+                    with safe_open(str(tmp / weights_file(stage, self.pp_size)), framework="pt") as f:
+                        weight_map.update({key: weights_file(stage, self.pp_size) for key in f.keys()})
+                (tmp / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2),
+                                                 encoding="utf-8")
+            if self.tokenizer is not None:
+                self.tokenizer.save(tmp / "tokenizer.json")
+            files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+            meta = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                    "config": config_to_dict(self.config), "files": files, **self.extra_meta}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+            if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
+                old = root / f".old-{final.name}-{os.getpid()}"
+                final.replace(old)
+                tmp.replace(final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.replace(final)
+            write_text_atomic(root / TRACKER, f"{self.iteration}\n")
+            if self.config.checkpoint.keep_last:
+                prune_checkpoints(root, self.config.checkpoint.keep_last)
+        _barrier()
+        return final
+
+
+class BackgroundSave:
+    """A `PendingSave` whose files are written by a thread while training goes on."""
+
+    def __init__(self, pending: PendingSave) -> None:
+        self.pending = pending
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._write, name="paratron-save", daemon=True)
+        self.thread.start()
+
+    def _write(self) -> None:
+        try:
+            self.pending.write()
+        except BaseException as exc:  # handed to the training thread in finish()
+            self.error = exc
+
+    def finish(self) -> Path:
+        """Wait for this rank's files, then publish the checkpoint (collective)."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.pending.publish()
 
 
 def prune_checkpoints(root: Path, keep: int) -> list[Path]:

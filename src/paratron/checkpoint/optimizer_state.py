@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from paratron.errors import CheckpointError
@@ -94,9 +93,11 @@ def _shard_record(param: nn.Parameter) -> list[int] | None:
     return None if shard is None else [shard.dim, shard.start, shard.length]
 
 
-def save_optimizer(path: Path, optimizer: Any, model: nn.Module, replicated_too: bool = True) -> None:
-    """Write this rank's pieces to `path` (a .safetensors file). `replicated_too=False` leaves out
-    parameters that every tensor-parallel rank holds whole (another rank writes them)."""
+def optimizer_snapshot(optimizer: Any, model: nn.Module, replicated_too: bool = True,
+                       copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This rank's pieces as (tensors, metadata) for a .safetensors file. `replicated_too=False`
+    leaves out parameters that every tensor-parallel rank holds whole (another rank writes them);
+    `copy` clones the values, so that training may go on while they are written."""
     tensors: dict[str, torch.Tensor] = {}
     index = []
     step = None
@@ -111,15 +112,13 @@ def save_optimizer(path: Path, optimizer: Any, model: nn.Module, replicated_too:
             entries["master"] = piece.master.detach()
         keys = []
         for key, value in entries.items():
-            tensors[f"{len(index)}/{key}"] = _local(value).detach().reshape(-1).float().cpu().contiguous()
+            flat = _local(value).detach().reshape(-1).float().cpu()
+            tensors[f"{len(index)}/{key}"] = flat.clone() if copy else flat.contiguous()
             keys.append(key)
         index.append({"name": piece.name, "start": piece.start, "end": piece.end, "keys": keys,
                       "slice_shape": list(_local_shape(piece.param)), "shard": _shard_record(piece.param),
                       "shape": list(full_shape(piece.param))})
-    metadata = {"pieces": json.dumps(index), "step": json.dumps(step)}
-    partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata=metadata)
-    partial.replace(path)
+    return tensors, {"pieces": json.dumps(index), "step": json.dumps(step)}
 
 
 def _local_shape(param: torch.Tensor) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ UNSUPPORTED: frozenset[str] = frozenset(
     pipeline-model-parallel-split-rank
     accumulate-allreduce-grads-in-fp32
     distribute-saved-activations fp8-format fp8 use-flash-attn transformer-impl attention-backend
-    async-save ckpt-format use-dist-ckpt
+    ckpt-format use-dist-ckpt
     no-load-rng auto-detect-ckpt-format tensorboard-dir wandb-project
     lr-warmup-fraction lr-warmup-samples lr-decay-samples train-samples rampup-batch-size
     rotary-percent rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32

@@ -315,6 +315,9 @@ class CheckpointConfig:
     finetune: bool = False
     """Load only the weights from --load and start at step 0 with a fresh optimizer and data order."""
 
+    async_save: bool = False
+    """Write checkpoints in a background thread: training goes on after the weights and optimizer state are copied; the checkpoint is published (tracker moved) before the next save and at the end."""
+
     keep_last: Optional[int] = None
     """Keep only the newest this many checkpoints under --save, deleting older ones after each save (default: keep all)."""
 

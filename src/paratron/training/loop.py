@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import save_checkpoint, write_text_atomic
+from paratron.checkpoint.io import BackgroundSave, begin_save, write_text_atomic
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
 from paratron.distributed import rng
@@ -57,6 +57,7 @@ class Trainer:
     flops_per_token: float
     peak_flops: float
     state: TrainState = field(default_factory=TrainState)
+    _background: BackgroundSave | None = None
 
     def __post_init__(self) -> None:
         t = self.config.training
@@ -150,11 +151,12 @@ class Trainer:
                 c = self.config.checkpoint
                 if c.save and ((c.save_interval and iteration % c.save_interval == 0) or last or stopping):
                     path = self.save(Path(c.save))
-                    self.writer.info(f"saved checkpoint {path}")
+                    self.writer.info(f"{'writing' if c.async_save else 'saved'} checkpoint {path}")
                     window_start = time.perf_counter()
                 if stopping and not last:
                     self.writer.info(f"stopping after step {iteration} of {t.train_iters}: {stopping}")
                     break
+        self.finish_save()
         self.model.wait_param_gather()
         return state
 
@@ -212,17 +214,31 @@ class Trainer:
         return self._dp_mean(total / iters)
 
     def save(self, root: Path) -> Path:
+        """Save a checkpoint; with --async-save start writing it and return (see `finish_save`)."""
+        self.finish_save()
         self.model.wait_param_gather()
         first_replica = self.topology.dp_rank == 0
         # data-parallel replicas hold the same state, unless the optimizer is sharded over them
         sharded = self.config.parallel.sharding_stage > 0 and self.topology.size("dp") > 1
-        return save_checkpoint(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
-                               self.config, self.data.tokenizer, self.rank_state() if first_replica else None,
-                               self.topology.tp_rank, writer=self.ctx.is_main, tp_group=self.model.tp_group,
-                               pp_rank=self.topology.pp_rank, pp_size=self.topology.size("pp"),
-                               stage_writer=first_replica and self.topology.tp_rank == 0,
-                               optimizer=self.optimizer if first_replica or sharded else None,
-                               dp_rank=self.topology.dp_rank)
+        pending = begin_save(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
+                             self.config, self.data.tokenizer, self.rank_state() if first_replica else None,
+                             self.topology.tp_rank, writer=self.ctx.is_main, tp_group=self.model.tp_group,
+                             pp_rank=self.topology.pp_rank, pp_size=self.topology.size("pp"),
+                             stage_writer=first_replica and self.topology.tp_rank == 0,
+                             optimizer=self.optimizer if first_replica or sharded else None,
+                             dp_rank=self.topology.dp_rank, snapshot=self.config.checkpoint.async_save)
+        if not self.config.checkpoint.async_save:
+            pending.write()
+            return pending.publish()
+        self._background = BackgroundSave(pending)
+        return pending.final
+
+    def finish_save(self) -> None:
+        """Publish the checkpoint being written in the background, if any (every rank)."""
+        if self._background is not None:
+            path = self._background.finish()
+            self._background = None
+            self.writer.info(f"published checkpoint {path} (written in the background)")
 
     def rank_state(self) -> dict[str, Any]:
         """What this rank needs beyond the weights and the optimizer state to resume exactly."""
