@@ -181,6 +181,8 @@ class PendingSave:
     extra_meta: dict[str, Any]
     files: dict[str, tuple[str, Any, Any]]
     pp_size: int = 1
+    checksums: dict[str, str] = field(default_factory=dict)
+    """SHA-256 of each file this rank wrote (computed by `write`, so off the training thread too)."""
 
     @property
     def final(self) -> Path:
@@ -197,11 +199,15 @@ class PendingSave:
                 save_file({n: t.contiguous() for n, t in content.items()}, str(partial), metadata=metadata)
             else:
                 torch.save(content, partial)
+            self.checksums[name] = _sha256(partial)
             partial.replace(self.tmp / name)
         self.files = {}  # (the values are no longer needed)
 
     def publish(self) -> Path:
-        _barrier()
+        checksums = [self.checksums]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # (also waits for every rank's files)
+            checksums = [None] * dist.get_world_size()
+            dist.all_gather_object(checksums, self.checksums)
         tmp, final, root = self.tmp, self.final, self.root
         if self.writer:
             if self.pp_size > 1:
@@ -213,7 +219,8 @@ class PendingSave:
                                                  encoding="utf-8")
             if self.tokenizer is not None:
                 self.tokenizer.save(tmp / "tokenizer.json")
-            files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+            written = {name: digest for part in checksums for name, digest in part.items()}
+            files = {p.name: written.get(p.name) or _sha256(p) for p in sorted(tmp.iterdir())}
             meta = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                     "config": config_to_dict(self.config), "files": files, **self.extra_meta}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
