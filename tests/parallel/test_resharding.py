@@ -60,3 +60,8 @@ def test_bf16_masters_reshard(tmp_path):
     zero1 = dict(precision="bf16", zero_stage=1, ddp_bucket_size=5_000)
     reshard(tmp_path, "bf16-same", zero1, 2, zero1, 2, tolerance=0.0)
     reshard(tmp_path, "bf16", zero1, 2, dict(precision="bf16"), 2, tolerance=1e-4)
+
+
+def test_virtual_pipeline_resumes_as_one_stage_per_rank(tmp_path):
+    reshard(tmp_path, "vpp", dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1), 2,
+            dict(pipeline_model_parallel_size=2), 2)
