@@ -209,8 +209,8 @@ def _take(tensors: dict[str, torch.Tensor], name: str, source: str) -> torch.Ten
 # ---------------------------------------------------------------- directories
 
 
-def read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """config.json and every tensor of a Hugging Face model directory (safetensors, sharded or not)."""
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face model directory's config.json, refused with one line unless supported."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json; give a Hugging Face model directory")
@@ -218,7 +218,13 @@ def read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         hf = json.loads(config_file.read_text(encoding="utf-8"))
     except ValueError:
         raise CheckpointError(f"{config_file}: not valid JSON") from None
-    model_settings(hf, str(config_file))  # refuse an unsupported model before reading its weights
+    model_settings(hf, str(config_file))
+    return hf
+
+
+def read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json and every tensor of a Hugging Face model directory (safetensors, sharded or not)."""
+    hf = read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no .safetensors weights (pytorch_model.bin is not read: save with "
@@ -257,7 +263,7 @@ def hf_to_paratron(source: Path, destination: Path) -> Path:
     from paratron.checkpoint.io import save_checkpoint
 
     _refuse_existing(destination)
-    hf, _ = read_hf(source)
+    hf = read_hf_config(source)
     model = model_from_hf(source)
     config = config_for_hf(hf, str(source / "config.json"))
     tokenizer = _FileCopy(source / "tokenizer.json") if (source / "tokenizer.json").is_file() else None
