@@ -159,7 +159,7 @@ def test_an_empty_data_directory_is_refused_before_launch(tmp_path):
 
 def test_generate_with_a_missing_checkpoint(tmp_path):
     assert_one_line_error(paratron("generate", "--load", str(tmp_path / "none"), "--prompt", "x"),
-                          "none: no checkpoint here")
+                          "none: no such checkpoint directory; check --load")
 
 
 def test_preprocess_then_train_on_the_prefix(tmp_path):
