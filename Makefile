@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench docs setup clean
+.PHONY: demo test lint format bench docs setup clean
 
 setup: $(STAMP)
 
@@ -19,8 +19,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/paratron train --config demo
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests bench
+	$(VENV)/bin/ruff format src tests bench
 
 bench: $(STAMP)
 	$(PY) bench/step_time.py

@@ -34,14 +34,29 @@ from paratron.checkpoint.io import write_text_atomic
 ROOT = Path(__file__).resolve().parents[1]
 S, B, H, A = 256, 2, 256, 4  # sequence, micro-batch, hidden, heads
 VARIANTS = {
-    "gpt": dict(normalization="LayerNorm", activation="gelu", position_embedding_type="learned_absolute",
-                hidden_dropout=0.1, attention_dropout=0.1),
-    "llama": dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
-                  add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, ffn_hidden_size=512,
-                  num_query_groups=2),
+    "gpt": dict(
+        normalization="LayerNorm",
+        activation="gelu",
+        position_embedding_type="learned_absolute",
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    ),
+    "llama": dict(
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        ffn_hidden_size=512,
+        num_query_groups=2,
+    ),
 }
-MODES = {"none": {}, "selective": dict(recompute_granularity="selective"),
-         "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+MODES = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
 
 
 LAYOUTS = {"TP1": (1, False), "TP2": (2, False), "TP2+SP": (2, True)}
@@ -66,10 +81,22 @@ def measure(tp: int, sequence_parallel: bool) -> dict[str, float]:
         for mode, recompute in MODES.items():
             saved = []
             for layers in (1, 2):
-                config = build_config(dict(shape, **recompute, num_layers=layers, hidden_size=H, num_attention_heads=A,
-                                           seq_length=S, max_position_embeddings=S, vocab_size=512, precision="bf16",
-                                           tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
-                                           mock_data=True))
+                config = build_config(
+                    dict(
+                        shape,
+                        **recompute,
+                        num_layers=layers,
+                        hidden_size=H,
+                        num_attention_heads=A,
+                        seq_length=S,
+                        max_position_embeddings=S,
+                        vocab_size=512,
+                        precision="bf16",
+                        tensor_model_parallel_size=tp,
+                        sequence_parallel=sequence_parallel,
+                        mock_data=True,
+                    )
+                )
                 with torch.device("meta"):
                     meta = GPT(config.model)
                 model = parallelize(meta, config, topology, torch.device("cpu"))
@@ -119,9 +146,14 @@ def adjusted(variant: str, mode: str, t: int, sp: bool, a: int = A, s: int = S, 
 
 MID = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=50304)
 """A mid-size GPT (1.3B parameters, GPT-3 XL shape) at micro-batch 1 on 8 ranks as TP 2 x DP 4."""
-STEPS = [("TP2 x DP4 (baseline)", False, "none", 0), ("+ sequence parallelism", True, "none", 0),
-         ("+ selective recompute", True, "selective", 0), ("+ ZeRO-1 (distributed optimizer)", True, "selective", 1),
-         ("+ ZeRO-2", True, "selective", 2), ("full recompute instead, with SP + ZeRO-2", True, "full", 2)]
+STEPS = [
+    ("TP2 x DP4 (baseline)", False, "none", 0),
+    ("+ sequence parallelism", True, "none", 0),
+    ("+ selective recompute", True, "selective", 0),
+    ("+ ZeRO-1 (distributed optimizer)", True, "selective", 1),
+    ("+ ZeRO-2", True, "selective", 2),
+    ("full recompute instead, with SP + ZeRO-2", True, "full", 2),
+]
 
 
 def state_bytes(psi: float, stage: int, n: int) -> float:
@@ -143,35 +175,54 @@ def mid_size_table() -> tuple[list[dict], float]:
     rows = []
     for name, sp, mode, stage in STEPS:
         state = state_bytes(psi / t, stage, n)
-        rows.append(dict(step=name, state=state, activations_paper=L * sbh * paper(mode, t, sp, a, s, h),
-                         activations_cpu=L * sbh * adjusted("gpt", mode, t, sp, a, s, h)))
+        rows.append(
+            dict(
+                step=name,
+                state=state,
+                activations_paper=L * sbh * paper(mode, t, sp, a, s, h),
+                activations_cpu=L * sbh * adjusted("gpt", mode, t, sp, a, s, h),
+            )
+        )
     return rows, psi
 
 
 def markdown(rows: list[dict], mid: list[dict], psi: float, command: str) -> str:
-    lines = ["## Activation memory per layer, against Korthikanti et al. (2022)", "",
-             f"`{command}` (writes bench/results/activation_memory.json). Bytes one transformer layer saves "
-             f"for backward on rank 0, counted exactly with saved-tensor hooks (`--log-memory` uses the same "
-             f"counter), bf16, s = {S}, b = {B}, h = {H}, a = {A}, in units of sbh bytes. *paper*: the paper's "
-             "formula; *adjusted*: the same accounting redone for this model's layers and the CPU kernels "
-             "(docs/memory.md derives every term).", "",
-             "| model | layout | recompute | measured | paper | measured / paper | adjusted | measured / adjusted |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Activation memory per layer, against Korthikanti et al. (2022)",
+        "",
+        f"`{command}` (writes bench/results/activation_memory.json). Bytes one transformer layer saves "
+        f"for backward on rank 0, counted exactly with saved-tensor hooks (`--log-memory` uses the same "
+        f"counter), bf16, s = {S}, b = {B}, h = {H}, a = {A}, in units of sbh bytes. *paper*: the paper's "
+        "formula; *adjusted*: the same accounting redone for this model's layers and the CPU kernels "
+        "(docs/memory.md derives every term).",
+        "",
+        "| model | layout | recompute | measured | paper | measured / paper | adjusted | measured / adjusted |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['layout']} | {r['mode']} | {r['measured']:.3f} | {r['paper']:.2f} | "
-                     f"{r['measured'] / r['paper']:.3f} | {r['adjusted']:.3f} | {r['measured'] / r['adjusted']:.4f} |")
+        lines.append(
+            f"| {r['variant']} | {r['layout']} | {r['mode']} | {r['measured']:.3f} | {r['paper']:.2f} | "
+            f"{r['measured'] / r['paper']:.3f} | {r['adjusted']:.3f} | {r['measured'] / r['adjusted']:.4f} |"
+        )
     base = mid[0]["state"] + mid[0]["activations_paper"]
     base_cpu = mid[0]["state"] + mid[0]["activations_cpu"]
-    lines += ["", f"Per-rank memory of a {psi / 1e9:.2f}B-parameter GPT (24 layers, hidden 2048, 16 heads, "
-              "sequence 2048, micro-batch 1) on 8 ranks, from the formulas checked above and the training-state "
-              "widths checked in the ZeRO section (GiB; activations of the transformer layers only):", "",
-              "| layout | training state | activations (paper's kernels) | total | saved | "
-              "activations (this CPU's kernels) | total | saved |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Per-rank memory of a {psi / 1e9:.2f}B-parameter GPT (24 layers, hidden 2048, 16 heads, "
+        "sequence 2048, micro-batch 1) on 8 ranks, from the formulas checked above and the training-state "
+        "widths checked in the ZeRO section (GiB; activations of the transformer layers only):",
+        "",
+        "| layout | training state | activations (paper's kernels) | total | saved | "
+        "activations (this CPU's kernels) | total | saved |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in mid:
         total, total_cpu = r["state"] + r["activations_paper"], r["state"] + r["activations_cpu"]
-        lines.append(f"| {r['step']} | {r['state'] / 2**30:.2f} | {r['activations_paper'] / 2**30:.2f} | "
-                     f"{total / 2**30:.2f} | {1 - total / base:.0%} | {r['activations_cpu'] / 2**30:.2f} | "
-                     f"{total_cpu / 2**30:.2f} | {1 - total_cpu / base_cpu:.0%} |")
+        lines.append(
+            f"| {r['step']} | {r['state'] / 2**30:.2f} | {r['activations_paper'] / 2**30:.2f} | "
+            f"{total / 2**30:.2f} | {1 - total / base:.0%} | {r['activations_cpu'] / 2**30:.2f} | "
+            f"{total_cpu / 2**30:.2f} | {1 - total_cpu / base_cpu:.0%} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -187,19 +238,36 @@ def main() -> None:
         measured = run_ranks(measure, tp, tp, sp, timeout=900.0)[0]
         for key, value in measured.items():
             variant, mode = key.split("/")
-            rows.append(dict(variant=variant, mode=mode, layout=layout, measured=value, paper=paper(mode, tp, sp),
-                             adjusted=adjusted(variant, mode, tp, sp)))
-            print(f"{variant:6s} {mode:9s} {layout:7s}: {value:8.3f} sbh (paper {paper(mode, tp, sp):.2f}, "
-                  f"adjusted {adjusted(variant, mode, tp, sp):.3f})", flush=True)
+            rows.append(
+                dict(
+                    variant=variant,
+                    mode=mode,
+                    layout=layout,
+                    measured=value,
+                    paper=paper(mode, tp, sp),
+                    adjusted=adjusted(variant, mode, tp, sp),
+                )
+            )
+            print(
+                f"{variant:6s} {mode:9s} {layout:7s}: {value:8.3f} sbh (paper {paper(mode, tp, sp):.2f}, "
+                f"adjusted {adjusted(variant, mode, tp, sp):.3f})",
+                flush=True,
+            )
     mid, psi = mid_size_table()
     command = "python bench/activation_memory.py"
-    payload = {"command": command, "shape": dict(s=S, b=B, h=H, a=A), "variants": VARIANTS,
-               "torch": torch.__version__, "rows": rows, "mid_size": mid, "mid_psi": psi}
+    payload = {
+        "command": command,
+        "shape": dict(s=S, b=B, h=H, a=A),
+        "variants": VARIANTS,
+        "torch": torch.__version__,
+        "rows": rows,
+        "mid_size": mid,
+        "mid_psi": psi,
+    }
     write_text_atomic(args.output, json.dumps(payload, indent=1))
     text = markdown(rows, mid, psi, command)
     write_text_atomic(args.output.with_suffix(".md"), text)
     print(text)
-
 
 
 if __name__ == "__main__":

@@ -32,14 +32,22 @@ from pathlib import Path
 
 import torch
 
-from paratron.checkpoint.io import (BackgroundSave, begin_save, load_model_weights, read_checkpoint,
-                                    save_checkpoint, write_text_atomic)
+from paratron.checkpoint.io import (
+    BackgroundSave,
+    CheckpointContent,
+    begin_save,
+    load_model_weights,
+    read_checkpoint,
+    save_checkpoint,
+    write_text_atomic,
+)
 from paratron.checkpoint.optimizer_state import load_optimizer
 from paratron.config import build_config
 from paratron.distributed import rng
-from paratron.model.gpt import build_model
+from paratron.distributed.topology import ParallelDims, Topology
+from paratron.model.gpt import GPT
 from paratron.optim.build import build_optimizer
-from paratron.parallel.data import DataParallel
+from paratron.parallel import parallelize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,12 +57,15 @@ def _size(path: Path) -> int:
 
 
 def _trained(config):
-    model = DataParallel(build_model(config.model, seed=1), None, 1)
+    with torch.device("meta"):
+        meta = GPT(config.model)
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
     optimizer = build_optimizer(model, config.optimizer)
     ids = torch.randint(0, config.model.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
-    model.loss_function(model(ids[:, :-1]), ids[:, 1:]).backward()
-    model.finish_grad_sync()
+    model.forward_backward([(ids[:, :-1], ids[:, 1:])])
+    optimizer.prepare_grads()
     optimizer.step()
+    optimizer.after_step()
     return model, optimizer
 
 
@@ -67,21 +78,37 @@ def main() -> None:
     parser.add_argument("--directory", type=Path, default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "checkpoint.json")
     args = parser.parse_args()
-    config = build_config(dict(num_layers=args.layers, hidden_size=args.hidden_size, num_attention_heads=8,
-                               vocab_size=args.vocab_size, seq_length=64, max_position_embeddings=64,
-                               mock_data=True, untie_embeddings_and_output_weights=True))
+    config = build_config(
+        dict(
+            num_layers=args.layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=8,
+            vocab_size=args.vocab_size,
+            seq_length=64,
+            max_position_embeddings=64,
+            mock_data=True,
+            untie_embeddings_and_output_weights=True,
+            seed=1,
+        )
+    )
     model, optimizer = _trained(config)
     params = sum(p.numel() for p in model.parameters())
     work = Path(tempfile.mkdtemp(dir=args.directory))
-    times: dict[str, list[float]] = {k: [] for k in ("paratron_save", "paratron_load", "torch_save", "torch_load",
-                                                     "async_blocking", "async_background")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in ("paratron_save", "paratron_load", "torch_save", "torch_load", "async_blocking", "async_background")
+    }
     sizes = {}
     try:
         for round_ in range(args.rounds):
             target = work / f"p{round_}"
             started = time.perf_counter()
-            save_checkpoint(target, 1, 0, model.module, config, rank_state={"rng": rng.capture(torch.device("cpu"))},
-                            optimizer=optimizer)
+            save_checkpoint(
+                target,
+                CheckpointContent(
+                    1, 0, config, model.module, optimizer, rank_state={"rng": rng.capture(torch.device("cpu"))}
+                ),
+            )
             times["paratron_save"].append(time.perf_counter() - started)
             sizes["paratron"] = _size(target / "iter_0000001")
 
@@ -108,7 +135,7 @@ def main() -> None:
 
             target = work / f"a{round_}"
             started = time.perf_counter()
-            pending = begin_save(target, 1, 0, model.module, config, optimizer=optimizer, snapshot=True)
+            pending = begin_save(target, CheckpointContent(1, 0, config, model.module, optimizer), snapshot=True)
             background = BackgroundSave(pending)
             blocking = time.perf_counter() - started
             background.thread.join()  # (in training, the steps run meanwhile)
@@ -124,27 +151,42 @@ def main() -> None:
     median = {k: statistics.median(v) for k, v in times.items()}
     hidden = 1 - median["async_blocking"] / median["paratron_save"]
     command = "python bench/checkpoint.py" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        if k not in ("output", "directory") and v != parser.get_default(k))
-    payload = {"command": command, "parameters": params, "times": times, "median": median, "bytes": sizes,
-               "async_hidden_share": hidden, "torch": torch.__version__}
-    lines = ["## Checkpoints against torch.save", "",
-             f"`{command}` (writes bench/results/checkpoint.json): one process, a {params / 1e6:.1f}M-parameter GPT "
-             f"({args.layers} layers, hidden {args.hidden_size}, vocabulary {args.vocab_size}, untied) after one AdamW "
-             f"step, fp32; median of {args.rounds} alternating rounds on this machine's disk. paratron's save includes "
-             "SHA-256 checksums of every file and the atomic rename; its load verifies them and assembles the "
-             "optimizer pieces by name (the path that reshards).", "",
-             "| | paratron | torch.save / torch.load | paratron / torch |", "|---|---:|---:|---:|",
-             f"| save (s) | {median['paratron_save']:.3f} | {median['torch_save']:.3f} | "
-             f"{median['paratron_save'] / median['torch_save']:.2f} |",
-             f"| load (s) | {median['paratron_load']:.3f} | {median['torch_load']:.3f} | "
-             f"{median['paratron_load'] / median['torch_load']:.2f} |",
-             f"| size (MB) | {sizes['paratron'] / 1e6:.1f} | {sizes['torch'] / 1e6:.1f} | "
-             f"{sizes['paratron'] / sizes['torch']:.3f} |", "",
-             f"--async-save: the training loop waits {median['async_blocking']:.3f} s (copying the weights and "
-             f"optimizer state, then publishing at the next save) instead of {median['paratron_save']:.3f} s; the "
-             f"files and their checksums take {median['async_background']:.3f} s in the background: {hidden:.0%} of "
-             "the save time is taken off the training loop."]
+        f" --{k.replace('_', '-')} {v}"
+        for k, v in vars(args).items()
+        if k not in ("output", "directory") and v != parser.get_default(k)
+    )
+    payload = {
+        "command": command,
+        "parameters": params,
+        "times": times,
+        "median": median,
+        "bytes": sizes,
+        "async_hidden_share": hidden,
+        "torch": torch.__version__,
+    }
+    lines = [
+        "## Checkpoints against torch.save",
+        "",
+        f"`{command}` (writes bench/results/checkpoint.json): one process, a {params / 1e6:.1f}M-parameter GPT "
+        f"({args.layers} layers, hidden {args.hidden_size}, vocabulary {args.vocab_size}, untied) after one AdamW "
+        f"step, fp32; median of {args.rounds} alternating rounds on this machine's disk. paratron's save includes "
+        "SHA-256 checksums of every file and the atomic rename; its load verifies them and assembles the "
+        "optimizer pieces by name (the path that reshards).",
+        "",
+        "| | paratron | torch.save / torch.load | paratron / torch |",
+        "|---|---:|---:|---:|",
+        f"| save (s) | {median['paratron_save']:.3f} | {median['torch_save']:.3f} | "
+        f"{median['paratron_save'] / median['torch_save']:.2f} |",
+        f"| load (s) | {median['paratron_load']:.3f} | {median['torch_load']:.3f} | "
+        f"{median['paratron_load'] / median['torch_load']:.2f} |",
+        f"| size (MB) | {sizes['paratron'] / 1e6:.1f} | {sizes['torch'] / 1e6:.1f} | "
+        f"{sizes['paratron'] / sizes['torch']:.3f} |",
+        "",
+        f"--async-save: the training loop waits {median['async_blocking']:.3f} s (copying the weights and "
+        f"optimizer state, then publishing at the next save) instead of {median['paratron_save']:.3f} s; the "
+        f"files and their checksums take {median['async_background']:.3f} s in the background: {hidden:.0%} of "
+        "the save time is taken off the training loop.",
+    ]
     text = "\n".join(lines) + "\n"
     write_text_atomic(args.output, json.dumps(payload, indent=1))
     write_text_atomic(args.output.with_suffix(".md"), text)

@@ -46,24 +46,33 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 PAIRINGS = ("ddp", "zero1", "zero3")
 LABELS = {
-    "paratron": "paratron stage 0", "paratron-overlap": "paratron stage 0 + overlap_grad_reduce",
-    "torch-ddp": "torch DDP (default buckets)", "torch-ddp-matched": "torch DDP (bucket_cap_mb matched)",
-    "paratron-zero1": "paratron ZeRO-1", "paratron-zero1-overlap": "paratron ZeRO-1 + overlap_grad_reduce",
+    "paratron": "paratron stage 0",
+    "paratron-overlap": "paratron stage 0 + overlap_grad_reduce",
+    "torch-ddp": "torch DDP (default buckets)",
+    "torch-ddp-matched": "torch DDP (bucket_cap_mb matched)",
+    "paratron-zero1": "paratron ZeRO-1",
+    "paratron-zero1-overlap": "paratron ZeRO-1 + overlap_grad_reduce",
     "torch-zero1": "torch ZeroRedundancyOptimizer + DDP",
-    "paratron-zero3": "paratron ZeRO-3", "torch-fsdp2": "torch FSDP2 fully_shard",
+    "paratron-zero3": "paratron ZeRO-3",
+    "torch-fsdp2": "torch FSDP2 fully_shard",
 }
 COMPARISONS = {
-    "ddp": [("paratron", "torch-ddp"), ("paratron", "torch-ddp-matched"), ("paratron-overlap", "torch-ddp"),
-            ("paratron-overlap", "torch-ddp-matched")],
+    "ddp": [
+        ("paratron", "torch-ddp"),
+        ("paratron", "torch-ddp-matched"),
+        ("paratron-overlap", "torch-ddp"),
+        ("paratron-overlap", "torch-ddp-matched"),
+    ],
     "zero1": [("paratron-zero1", "torch-zero1"), ("paratron-zero1-overlap", "torch-zero1")],
     "zero3": [("paratron-zero3", "torch-fsdp2")],
 }
@@ -72,13 +81,27 @@ COMPARISONS = {
 def _config(args: dict, **parallel: Any) -> Any:
     from paratron.config import build_config
 
-    return build_config(dict(
-        num_layers=args["layers"], hidden_size=args["hidden"], num_attention_heads=args["heads"],
-        ffn_hidden_size=args["ffn"], vocab_size=args["vocab"], max_position_embeddings=args["seq"],
-        make_vocab_size_divisible_by=1, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
-        attention_dropout=0.0, seq_length=args["seq"], micro_batch_size=args["micro_batch_size"],
-        global_batch_size=args["micro_batch_size"] * args["microbatches"] * 2, mock_data=True, seed=args["seed"],
-        ddp_bucket_size=args["bucket_size"], **parallel))
+    return build_config(
+        dict(
+            num_layers=args["layers"],
+            hidden_size=args["hidden"],
+            num_attention_heads=args["heads"],
+            ffn_hidden_size=args["ffn"],
+            vocab_size=args["vocab"],
+            max_position_embeddings=args["seq"],
+            make_vocab_size_divisible_by=1,
+            untie_embeddings_and_output_weights=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            seq_length=args["seq"],
+            micro_batch_size=args["micro_batch_size"],
+            global_batch_size=args["micro_batch_size"] * args["microbatches"] * 2,
+            mock_data=True,
+            seed=args["seed"],
+            ddp_bucket_size=args["bucket_size"],
+            **parallel,
+        )
+    )
 
 
 @dataclass
@@ -86,7 +109,7 @@ class Side:
     """One way of training: a step function over this rank's micro-batches, returning the step's loss."""
 
     step: Callable[[Batch], torch.Tensor]
-    model: Any = None  # paratron's DataParallel wrapper (for the overlap measurement)
+    model: Any = None  # paratron's ParallelModel (for the overlap measurement)
     losses: list[torch.Tensor] = field(default_factory=list)
 
     def run(self, pool: list[Batch]) -> None:
@@ -96,8 +119,8 @@ class Side:
 def _paratron(args: dict, topology: Any, **parallel: Any) -> Side:
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
-    from paratron.parallel.parallelize import parallelize
     from paratron.optim.mixed_precision import Precision
+    from paratron.parallel.parallelize import parallelize
     from paratron.training.step import train_step
 
     config = _config(args, **parallel)
@@ -131,8 +154,10 @@ def _torch(args: dict, kind: str, bucket_cap_mb: float | None = None) -> Side:
         model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     o = config.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     settings = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     if kind == "zero1":
         optimizer: Any = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **settings)
@@ -161,14 +186,18 @@ def _torch(args: dict, kind: str, bucket_cap_mb: float | None = None) -> Side:
 
 def _sides(name: str, args: dict, topology: Any) -> dict[str, Side]:
     if name == "ddp":
-        return {"paratron": _paratron(args, topology),
-                "paratron-overlap": _paratron(args, topology, overlap_grad_reduce=True),
-                "torch-ddp": _torch(args, "ddp"),
-                "torch-ddp-matched": _torch(args, "ddp", bucket_cap_mb=args["bucket_size"] * 4 / 2**20)}  # MiB
+        return {
+            "paratron": _paratron(args, topology),
+            "paratron-overlap": _paratron(args, topology, overlap_grad_reduce=True),
+            "torch-ddp": _torch(args, "ddp"),
+            "torch-ddp-matched": _torch(args, "ddp", bucket_cap_mb=args["bucket_size"] * 4 / 2**20),
+        }  # MiB
     if name == "zero1":
-        return {"paratron-zero1": _paratron(args, topology, zero_stage=1),
-                "paratron-zero1-overlap": _paratron(args, topology, zero_stage=1, overlap_grad_reduce=True),
-                "torch-zero1": _torch(args, "zero1")}
+        return {
+            "paratron-zero1": _paratron(args, topology, zero_stage=1),
+            "paratron-zero1-overlap": _paratron(args, topology, zero_stage=1, overlap_grad_reduce=True),
+            "torch-zero1": _torch(args, "zero1"),
+        }
     return {"paratron-zero3": _paratron(args, topology, zero_stage=3), "torch-fsdp2": _torch(args, "fsdp2")}
 
 
@@ -202,8 +231,8 @@ def _overlap(models: dict[str, Any], batch: tuple[torch.Tensor, torch.Tensor], r
     inputs, labels = batch
 
     def once(model: Any, sync: bool) -> tuple[float, float]:
-        model.zero_grad_buffer()
-        model.require_grad_sync(sync)
+        model.zero_grad()
+        model.gradients.require_sync(sync)
         loss = model.loss_function(model(inputs), labels)
         dist.barrier()
         start = time.perf_counter()
@@ -224,15 +253,22 @@ def _overlap(models: dict[str, Any], batch: tuple[torch.Tensor, torch.Tensor], r
             tries[key][2].append(sum(once(model, True)))
     out = {}
     for key, model in models.items():
-        model.require_grad_sync(True)
-        model.zero_grad_buffer()
+        model.gradients.require_sync(True)
+        model.zero_grad()
         a, b, c = _rank_mean([statistics.median(x) * 1e3 for x in tries[key]])
         raw = (a + b - c) / b
-        reducer = model.reducer
-        out[key] = {"buckets": len(reducer.buckets), "overlap_grad_reduce": reducer.overlap, "mode": reducer.mode,
-                    "scatter_by_all_reduce": getattr(reducer, "scatter_by_all_reduce", False), "compute_ms": a,
-                    "exposed_comm_ms": b, "backward_and_sync_ms": c,
-                    "hidden_share": min(1.0, max(0.0, raw)), "hidden_share_raw": raw}
+        reducer = model.gradients.reducer
+        out[key] = {
+            "buckets": len(reducer.buckets),
+            "overlap_grad_reduce": reducer.overlap,
+            "mode": reducer.mode,
+            "scatter_by_all_reduce": getattr(reducer, "scatter_by_all_reduce", False),
+            "compute_ms": a,
+            "exposed_comm_ms": b,
+            "backward_and_sync_ms": c,
+            "hidden_share": min(1.0, max(0.0, raw)),
+            "hidden_share_raw": raw,
+        }
     return out
 
 
@@ -255,7 +291,7 @@ def _pairing(name: str, args: dict, topology: Any, pool: list[Batch]) -> dict:
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(args["rounds"]):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             wall, used = _timed_round(sides[key], pool, args["steps"])
             times[key].append(wall)
             cpu[key].append(used)
@@ -266,36 +302,63 @@ def _pairing(name: str, args: dict, topology: Any, pool: list[Batch]) -> dict:
     losses = {k: _rank_mean([float(x) for x in side.losses]) for k, side in sides.items()}
     result: dict[str, Any] = {"sides": {}, "comparisons": [], "other_load": max(0.0, other)}
     for key in keys:
-        result["sides"][key] = {"label": LABELS[key], "median_ms": statistics.median(times[key]),
-                                "median_cpu_ms": statistics.median(cpu[key]), "rounds_ms": times[key],
-                                "rounds_cpu_ms": cpu[key], "losses": losses[key]}
+        result["sides"][key] = {
+            "label": LABELS[key],
+            "median_ms": statistics.median(times[key]),
+            "median_cpu_ms": statistics.median(cpu[key]),
+            "rounds_ms": times[key],
+            "rounds_cpu_ms": cpu[key],
+            "losses": losses[key],
+        }
     for ours, peer in COMPARISONS[name]:
         rel = [abs(a - b) / abs(b) for a, b in zip(losses[ours], losses[peer])]
         a, b = result["sides"][ours], result["sides"][peer]
-        result["comparisons"].append({
-            "paratron": ours, "peer": peer, "ratio": a["median_ms"] / b["median_ms"],
-            "ratio_paired_median": statistics.median(x / y for x, y in zip(times[ours], times[peer])),
-            "cpu_ratio": a["median_cpu_ms"] / b["median_cpu_ms"],
-            "cpu_ratio_paired_median": statistics.median(x / y for x, y in zip(cpu[ours], cpu[peer])),
-            "steps_compared": len(rel), "loss_first": losses[ours][0], "loss_last": losses[ours][-1],
-            "loss_rel_diff_last": rel[-1], "loss_rel_diff_max": max(rel)})
+        result["comparisons"].append(
+            {
+                "paratron": ours,
+                "peer": peer,
+                "ratio": a["median_ms"] / b["median_ms"],
+                "ratio_paired_median": statistics.median(x / y for x, y in zip(times[ours], times[peer])),
+                "cpu_ratio": a["median_cpu_ms"] / b["median_cpu_ms"],
+                "cpu_ratio_paired_median": statistics.median(x / y for x, y in zip(cpu[ours], cpu[peer])),
+                "steps_compared": len(rel),
+                "loss_first": losses[ours][0],
+                "loss_last": losses[ours][-1],
+                "loss_rel_diff_last": rel[-1],
+                "loss_rel_diff_max": max(rel),
+            }
+        )
     if name in ("ddp", "zero1") and args["overlap_repeats"] > 0:
-        result["overlap"] = _overlap({k: side.model for k, side in sides.items() if k.startswith("paratron")},
-                                     pool[0][-1], args["overlap_repeats"])
+        result["overlap"] = _overlap(
+            {k: side.model for k, side in sides.items() if k.startswith("paratron")},
+            pool[0][-1],
+            args["overlap_repeats"],
+        )
     model = sides[keys[0]].model
-    if model.reducer is not None:
-        result["paratron_bucket_elements"] = [b.end - b.start for b in model.reducer.buckets]
+    if model.gradients.reducer is not None:
+        result["paratron_bucket_elements"] = [b.end - b.start for b in model.gradients.reducer.buckets]
     if "torch-ddp" in sides:
-        result["torch_ddp_buckets"] = {k: {n: v for n, v in sides[k].model._get_ddp_logging_data().items()
-                                           if n in ("rebuilt_bucket_sizes", "bucket_cap_bytes")}
-                                       for k in ("torch-ddp", "torch-ddp-matched")}
+        result["torch_ddp_buckets"] = {
+            k: {
+                n: v
+                for n, v in sides[k].model._get_ddp_logging_data().items()
+                if n in ("rebuilt_bucket_sizes", "bucket_cap_bytes")
+            }
+            for k in ("torch-ddp", "torch-ddp-matched")
+        }
     dist.barrier()
     return result
 
 
 def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     import torch.distributed as dist
 
     from paratron.distributed.init import initialize
@@ -310,8 +373,10 @@ def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None
     generator = torch.Generator().manual_seed(args["seed"])
     pool = []
     for _ in range(3):
-        ids = torch.randint(0, args["vocab"], (world * mb * m, seq + 1), generator=generator)[rank * mb * m:][:mb * m]
-        pool.append([(ids[i:i + mb, :-1].contiguous(), ids[i:i + mb, 1:].contiguous()) for i in range(0, mb * m, mb)])
+        ids = torch.randint(0, args["vocab"], (world * mb * m, seq + 1), generator=generator)[rank * mb * m :][: mb * m]
+        pool.append(
+            [(ids[i : i + mb, :-1].contiguous(), ids[i : i + mb, 1:].contiguous()) for i in range(0, mb * m, mb)]
+        )
     results: dict[str, Any] = {}
     for name in args["only"]:
         results[name] = _pairing(name, args, topology, pool)
@@ -339,8 +404,9 @@ def _commit() -> str:
     import subprocess
 
     def git(*words: str) -> str:
-        return subprocess.run(["git", *words], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                              text=True).stdout.strip()
+        return subprocess.run(
+            ["git", *words], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True
+        ).stdout.strip()
 
     return git("rev-parse", "--short", "HEAD") + (" + src changes" if git("status", "--porcelain", "src") else "")
 
@@ -348,47 +414,75 @@ def _commit() -> str:
 def markdown(results: dict) -> str:
     """The summary section for BENCHMARKS.md, from the merged results."""
     m, t = results["model"], results["timing"]
-    lines = ["## Data parallelism and ZeRO against PyTorch", "", (
-        f"Two gloo processes on a {t['cores']}-core CPU ({t['threads_per_process']} thread each), fp32, torch "
-        f"{t['torch']}. paratron's GPT: {m['num_layers']} layers, hidden "
-        f"{m['hidden_size']}, {m['num_attention_heads']} heads, FFN {m['ffn_hidden_size']}, vocab {m['vocab_size']} "
-        f"(untied), {m['parameters'] / 1e6:.1f} M parameters; sequence {m['seq_length']}, micro-batch "
-        f"{m['micro_batch_size']}, {m['microbatches']} micro-batches per rank and step (gradients synchronised on the "
-        "last). Step = forward + backward of every micro-batch + clip at 1.0 + AdamW step. paratron buckets: "
-        f"{m['bucket_size']:,} elements (DDP matched: bucket_cap_mb {m['bucket_size'] * 4 / 2**20:.2f}). "
-        "Each side: a warm-up step, then rounds of timed steps, the order of the sides rotating."),
-        "", "```"]
+    lines = [
+        "## Data parallelism and ZeRO against PyTorch",
+        "",
+        (
+            f"Two gloo processes on a {t['cores']}-core CPU ({t['threads_per_process']} thread each), fp32, torch "
+            f"{t['torch']}. paratron's GPT: {m['num_layers']} layers, hidden "
+            f"{m['hidden_size']}, {m['num_attention_heads']} heads, FFN {m['ffn_hidden_size']}, vocab "
+            f"{m['vocab_size']} "
+            f"(untied), {m['parameters'] / 1e6:.1f} M parameters; sequence {m['seq_length']}, micro-batch "
+            f"{m['micro_batch_size']}, {m['microbatches']} micro-batches per rank and step (gradients synchronised on "
+            "the "
+            "last). Step = forward + backward of every micro-batch + clip at 1.0 + AdamW step. paratron buckets: "
+            f"{m['bucket_size']:,} elements (DDP matched: bucket_cap_mb {m['bucket_size'] * 4 / 2**20:.2f}). "
+            "Each side: a warm-up step, then rounds of timed steps, the order of the sides rotating."
+        ),
+        "",
+        "```",
+    ]
     runs = [results[name]["run"] for name in PAIRINGS if name in results]
-    lines += list(dict.fromkeys(f"{r['command']}  # {r['rounds']} rounds x {r['steps']} step, paratron "
-                                f"{r['commit']}, {r['date']}" for r in runs))
-    lines += ["```", "", "| paratron | PyTorch peer | paratron ms | peer ms | ratio | paired | CPU ratio | CPU paired "
-              "| loss rel. diff (last / max) | other load |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += list(
+        dict.fromkeys(
+            f"{r['command']}  # {r['rounds']} rounds x {r['steps']} step, paratron {r['commit']}, {r['date']}"
+            for r in runs
+        )
+    )
+    lines += [
+        "```",
+        "",
+        "| paratron | PyTorch peer | paratron ms | peer ms | ratio | paired | CPU ratio | CPU paired "
+        "| loss rel. diff (last / max) | other load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in PAIRINGS:
         if name not in results:
             continue
         sides, load = results[name]["sides"], results[name]["other_load"]
         for c in results[name]["comparisons"]:
             ours, peer = sides[c["paratron"]], sides[c["peer"]]
-            lines.append(f"| {ours['label']} | {peer['label']} | {ours['median_ms']:.0f} | {peer['median_ms']:.0f} | "
-                         f"{c['ratio']:.3f} | {c['ratio_paired_median']:.3f} | {c['cpu_ratio']:.3f} | "
-                         f"{c['cpu_ratio_paired_median']:.3f} | {c['loss_rel_diff_last']:.1e} / "
-                         f"{c['loss_rel_diff_max']:.1e} | {load:.0%} |")
+            lines.append(
+                f"| {ours['label']} | {peer['label']} | {ours['median_ms']:.0f} | {peer['median_ms']:.0f} | "
+                f"{c['ratio']:.3f} | {c['ratio_paired_median']:.3f} | {c['cpu_ratio']:.3f} | "
+                f"{c['cpu_ratio_paired_median']:.3f} | {c['loss_rel_diff_last']:.1e} / "
+                f"{c['loss_rel_diff_max']:.1e} | {load:.0%} |"
+            )
     first = next(results[n]["comparisons"][0] for n in PAIRINGS if n in results)
-    lines += ["", "ms: median round, wall time per step. Ratio: paratron's median over the peer's (below 1: paratron "
-              "faster); paired: median of the per-round ratios; CPU: the same in CPU time per process and step (all "
-              "threads, mean of the ranks; waiting not counted). Loss: relative difference of the two sides' "
-              f"rank-averaged loss at the last of {first['steps_compared']} steps and the largest over them (loss "
-              f"{first['loss_first']:.3f} -> {first['loss_last']:.3f}). Other load: share of the machine's cores used "
-              "by other processes meanwhile (/proc/stat).", "",
-              "Gradient communication hidden behind backward (one micro-batch, forward not timed; ms, median of the "
-              "tries, mean of the ranks):", "", "| paratron | reduction | buckets | (a) backward, no sync | "
-              "(b) sync alone | (c) backward + sync | hidden (a+b-c)/b |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "ms: median round, wall time per step. Ratio: paratron's median over the peer's (below 1: paratron "
+        "faster); paired: median of the per-round ratios; CPU: the same in CPU time per process and step (all "
+        "threads, mean of the ranks; waiting not counted). Loss: relative difference of the two sides' "
+        f"rank-averaged loss at the last of {first['steps_compared']} steps and the largest over them (loss "
+        f"{first['loss_first']:.3f} -> {first['loss_last']:.3f}). Other load: share of the machine's cores used "
+        "by other processes meanwhile (/proc/stat).",
+        "",
+        "Gradient communication hidden behind backward (one micro-batch, forward not timed; ms, median of the "
+        "tries, mean of the ranks):",
+        "",
+        "| paratron | reduction | buckets | (a) backward, no sync | "
+        "(b) sync alone | (c) backward + sync | hidden (a+b-c)/b |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for name in ("ddp", "zero1"):
         for key, o in results.get(name, {}).get("overlap", {}).items():
             mode = "all-reduce, keeps its shard" if o.get("scatter_by_all_reduce") else o["mode"]
-            lines.append(f"| {LABELS[key]} | {mode} | {o['buckets']} | {o['compute_ms']:.0f} | "
-                         f"{o['exposed_comm_ms']:.0f} | {o['backward_and_sync_ms']:.0f} | "
-                         f"{o['hidden_share']:.2f} (raw {o['hidden_share_raw']:+.2f}) |")
+            lines.append(
+                f"| {LABELS[key]} | {mode} | {o['buckets']} | {o['compute_ms']:.0f} | "
+                f"{o['exposed_comm_ms']:.0f} | {o['backward_and_sync_ms']:.0f} | "
+                f"{o['hidden_share']:.2f} (raw {o['hidden_share_raw']:+.2f}) |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -399,8 +493,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--overlap-repeats", type=int, default=5, help="tries per overlap measurement (0: skip)")
-    for flag, default in (("layers", 4), ("hidden", 384), ("heads", 6), ("ffn", 1536), ("vocab", 8192), ("seq", 128),
-                          ("micro-batch-size", 4), ("microbatches", 2)):
+    for flag, default in (
+        ("layers", 4),
+        ("hidden", 384),
+        ("heads", 6),
+        ("ffn", 1536),
+        ("vocab", 8192),
+        ("seq", 128),
+        ("micro-batch-size", 4),
+        ("microbatches", 2),
+    ):
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--bucket-size", type=int, default=1_000_000, help="paratron's ddp_bucket_size (elements)")
     parser.add_argument("--seed", type=int, default=7)
@@ -419,13 +521,28 @@ def main() -> None:
     from paratron.model.gpt import build_model
 
     n = sum(p.numel() for p in build_model(_config(settings).model, seed=args.seed).parameters())
-    results["model"] = {**_config(settings).model.__dict__, "parameters": n, "seq_length": args.seq,
-                        "micro_batch_size": args.micro_batch_size, "microbatches": args.microbatches,
-                        "bucket_size": args.bucket_size, "precision": "fp32"}
-    results["timing"] = {"cores": args.cores, "backend": "gloo", "torch": torch.__version__,
-                         "threads_per_process": results.pop("threads_per_process")}
-    run = {"command": "python bench/data_parallel.py " + " ".join(sys.argv[1:]), "commit": _commit(),
-           "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds, "steps": args.steps}
+    results["model"] = {
+        **_config(settings).model.__dict__,
+        "parameters": n,
+        "seq_length": args.seq,
+        "micro_batch_size": args.micro_batch_size,
+        "microbatches": args.microbatches,
+        "bucket_size": args.bucket_size,
+        "precision": "fp32",
+    }
+    results["timing"] = {
+        "cores": args.cores,
+        "backend": "gloo",
+        "torch": torch.__version__,
+        "threads_per_process": results.pop("threads_per_process"),
+    }
+    run = {
+        "command": "python bench/data_parallel.py " + " ".join(sys.argv[1:]),
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rounds": args.rounds,
+        "steps": args.steps,
+    }
     for name in args.only:
         results[name]["run"] = run
     if args.output:

@@ -27,8 +27,8 @@ import numpy as np
 from paratron.data.corpus import stdlib_files
 from paratron.data.gpt_dataset import build_sample_indices
 from paratron.data.indexed import IndexedDataset, IndexedDatasetWriter
-from paratron.data.preprocess import input_files, preprocess
-from paratron.data.tokenizer import Tokenizer, train_byte_level_bpe
+from paratron.data.preprocess import preprocess
+from paratron.data.tokenizer import train_byte_level_bpe
 
 
 def stdlib_texts() -> list[str]:
@@ -69,11 +69,15 @@ def throughput(scratch: Path, megabytes: int) -> dict:
     ceiling_s = min(result["hf_encode_batch"]["seconds"], result["hf_encode_batch_fast"]["seconds"])
     del documents
     for workers in (1, 2):
-        run = preprocess([data], str(scratch / f"tp{workers}"), tokenizer, append_eod=True, workers=workers,
-                         progress=False)
+        run = preprocess(
+            [data], str(scratch / f"tp{workers}"), tokenizer, append_eod=True, workers=workers, progress=False
+        )
         result[f"paratron_workers_{workers}"] = {
-            "seconds": run.seconds, "mb_per_s": text_mb / run.seconds, "tokens_per_s": (run.tokens - run.documents) / run.seconds,
-            "ratio_to_ceiling": ceiling_s / run.seconds}
+            "seconds": run.seconds,
+            "mb_per_s": text_mb / run.seconds,
+            "tokens_per_s": (run.tokens - run.documents) / run.seconds,
+            "ratio_to_ceiling": ceiling_s / run.seconds,
+        }
     return result
 
 
@@ -129,17 +133,43 @@ def memory(scratch: Path, sizes_mb: list[int], bpe_sizes_mb: list[int]) -> dict:
     rng = np.random.default_rng(0)
     id_texts = [" ".join(map(str, rng.integers(0, 50000, size=int(rng.integers(50, 2000))))) for _ in range(2000)]
     rows = []
-    for kind, sizes, source in (("NullTokenizer", sizes_mb, id_texts), ("HuggingFaceTokenizer (BPE 8192)", bpe_sizes_mb, texts)):
+    for kind, sizes, source in (
+        ("NullTokenizer", sizes_mb, id_texts),
+        ("HuggingFaceTokenizer (BPE 8192)", bpe_sizes_mb, texts),
+    ):
         for mb in sizes:
             data = scratch / f"mem-{mb}.jsonl"
             write_jsonl(data, source, mb << 20)
-            tokenizer_flags = (["--tokenizer-type", "NullTokenizer", "--vocab-size", "50000"] if kind == "NullTokenizer"
-                               else ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(scratch / "tokenizer.json")])
-            command = [sys.executable, "-m", "paratron", "preprocess", "--input", str(data), "--output-prefix",
-                       str(scratch / f"mem-{mb}"), "--workers", "2", "--append-eod", "--no-progress-bar", *tokenizer_flags]
+            tokenizer_flags = (
+                ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50000"]
+                if kind == "NullTokenizer"
+                else ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(scratch / "tokenizer.json")]
+            )
+            command = [
+                sys.executable,
+                "-m",
+                "paratron",
+                "preprocess",
+                "--input",
+                str(data),
+                "--output-prefix",
+                str(scratch / f"mem-{mb}"),
+                "--workers",
+                "2",
+                "--append-eod",
+                "--no-progress-bar",
+                *tokenizer_flags,
+            ]
             peak, seconds = peak_memory_of(command)
-            rows.append({"tokenizer": kind, "input_mb": data.stat().st_size / 1e6, "peak_rss_mb": peak / 1e6,
-                         "seconds": seconds, "mb_per_s": data.stat().st_size / 1e6 / seconds})
+            rows.append(
+                {
+                    "tokenizer": kind,
+                    "input_mb": data.stat().st_size / 1e6,
+                    "peak_rss_mb": peak / 1e6,
+                    "seconds": seconds,
+                    "mb_per_s": data.stat().st_size / 1e6 / seconds,
+                }
+            )
             print(rows[-1], flush=True)
             data.unlink()
             for suffix in (".bin", ".idx"):
@@ -166,9 +196,17 @@ def index(scratch: Path, documents: int, seq_length: int, repeats: int = 5) -> d
         ours_times.append(time.perf_counter() - start)
         theirs_times.append(_megatron_index_seconds(ds, train, seq_length, ours))
     ours_s, theirs_s = statistics.median(ours_times), statistics.median(theirs_times)
-    return {"documents": documents, "train_documents": len(train), "tokens": int(lengths.sum()), "samples": samples,
-            "seq_length": seq_length, "repeats": repeats, "paratron_seconds": ours_s,
-            "megatron_core_seconds": theirs_s, "ratio": ours_s / theirs_s}
+    return {
+        "documents": documents,
+        "train_documents": len(train),
+        "tokens": int(lengths.sum()),
+        "samples": samples,
+        "seq_length": seq_length,
+        "repeats": repeats,
+        "paratron_seconds": ours_s,
+        "megatron_core_seconds": theirs_s,
+        "ratio": ours_s / theirs_s,
+    }
 
 
 def _megatron_index_seconds(ds: IndexedDataset, train: np.ndarray, seq_length: int, ours: tuple) -> float:
@@ -182,8 +220,9 @@ def _megatron_index_seconds(ds: IndexedDataset, train: np.ndarray, seq_length: i
     start = time.perf_counter()
     state = np.random.RandomState(1234)
     document_index = _build_document_index(train, 1, state, False)
-    sample_index = helpers.build_sample_idx(ds.sequence_lengths, document_index, seq_length, 1,
-                                            int(ds.sequence_lengths[train].sum()), True, 1)
+    sample_index = helpers.build_sample_idx(
+        ds.sequence_lengths, document_index, seq_length, 1, int(ds.sequence_lengths[train].sum()), True, 1
+    )
     shuffle_index = _build_shuffle_index(sample_index.shape[0] - 1, sample_index.shape[0] - 1, state)
     theirs_s = time.perf_counter() - start
     assert np.array_equal(ours[1], sample_index) and np.array_equal(ours[2], shuffle_index)

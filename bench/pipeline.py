@@ -42,8 +42,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -60,10 +61,18 @@ PAIRINGS = (
 
 
 def _model_settings(args: dict) -> dict:
-    return dict(num_layers=args["layers"], hidden_size=args["hidden"], num_attention_heads=args["heads"],
-                ffn_hidden_size=args["ffn"], vocab_size=args["vocab"], max_position_embeddings=args["seq"],
-                make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0,
-                untie_embeddings_and_output_weights=True)  # tied weights would add an all-reduce on one side only
+    return dict(
+        num_layers=args["layers"],
+        hidden_size=args["hidden"],
+        num_attention_heads=args["heads"],
+        ffn_hidden_size=args["ffn"],
+        vocab_size=args["vocab"],
+        max_position_embeddings=args["seq"],
+        make_vocab_size_divisible_by=1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        untie_embeddings_and_output_weights=True,
+    )  # tied weights would add an all-reduce on one side only
 
 
 def _config(args: dict, schedule: str) -> Config:
@@ -73,9 +82,17 @@ def _config(args: dict, schedule: str) -> Config:
     parallel: dict[str, Any] = dict(pipeline_model_parallel_size=pp, pipeline_schedule=schedule)
     if schedule == "interleaved":
         parallel["num_layers_per_virtual_pipeline_stage"] = args["layers"] // (2 * pp)
-    return build_config(dict(_model_settings(args), **parallel, mock_data=True, seq_length=args["seq"],
-                             micro_batch_size=args["micro_batch_size"],
-                             global_batch_size=args["micro_batch_size"] * m, seed=args["seed"]))
+    return build_config(
+        dict(
+            _model_settings(args),
+            **parallel,
+            mock_data=True,
+            seq_length=args["seq"],
+            micro_batch_size=args["micro_batch_size"],
+            global_batch_size=args["micro_batch_size"] * m,
+            seed=args["seed"],
+        )
+    )
 
 
 class TorchStage(nn.Module):
@@ -101,17 +118,24 @@ class TorchStage(nn.Module):
         length = x.size(1)
         if first:
             x = model.embed(x)
-        x = model.run_layers(x, layers, model.rotary_tables(length, 0, x.device))
+        x = model.layers(x, layers, model.rotary_tables(length, 0, x.device))
         return model.head(x) if last else x
 
 
-def _torch_pipeline(config: Config, reference: nn.Module, schedule_class: str, stages_per_rank: int, rank: int,
-                    pp: int, microbatches: int) -> tuple[Any, list[TorchStage]]:
+def _torch_pipeline(
+    config: Config,
+    reference: nn.Module,
+    schedule_class: str,
+    stages_per_rank: int,
+    rank: int,
+    pp: int,
+    microbatches: int,
+) -> tuple[Any, list[TorchStage]]:
     """torch's schedule over stage modules cut from `reference` (this rank's stages rank + c * pp)."""
     import torch.distributed.pipelining as pipelining
 
+    from paratron.config.layout import layer_counts, stage_ranges
     from paratron.model.loss import language_model_loss
-    from paratron.parallel.pipeline.stage import layer_counts, stage_ranges
 
     num_stages = pp * stages_per_rank
     ranges = stage_ranges(layer_counts(config.model.num_layers, num_stages))
@@ -156,8 +180,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def _compare_gradients(ours: nn.Module, reference: nn.Module, modules: list[TorchStage],
-                       losses: tuple[float, float] | None) -> dict:
+def _compare_gradients(
+    ours: nn.Module, reference: nn.Module, modules: list[TorchStage], losses: tuple[float, float] | None
+) -> dict:
     """Gather both sides' gradients by single-device parameter name on rank 0 (the two sides may
     cut the layers differently) and compare them; collective. Returns the worst difference
     relative to torch's largest magnitude, on rank 0 (empty elsewhere)."""
@@ -189,8 +214,13 @@ def _compare_gradients(ours: nn.Module, reference: nn.Module, modules: list[Torc
             worst, worst_name = error, name
     loss = next(rank[2] for rank in everyone if rank[2] is not None)
     # grads_compared counts every parameter, the key biases too (they stay out of the maximum)
-    return {"max_grad_rel_diff": worst, "worst_grad": worst_name, "grads_compared": len(ours_all),
-            "loss": loss, "loss_abs_diff": abs(loss[0] - loss[1])}
+    return {
+        "max_grad_rel_diff": worst,
+        "worst_grad": worst_name,
+        "grads_compared": len(ours_all),
+        "loss": loss,
+        "loss_abs_diff": abs(loss[0] - loss[1]),
+    }
 
 
 def _timed_round(step: Callable[[], None], steps: int, profiler: Any = None) -> float:
@@ -218,8 +248,15 @@ def _write_profile(profiler: Any, path: Path) -> None:
     path.write_text(text.getvalue())
 
 
-def _pairing(args: dict, topology: Any, name: str, schedule_class: str,
-             batches: list[tuple[torch.Tensor, torch.Tensor]], inputs: torch.Tensor, labels: torch.Tensor) -> dict:
+def _pairing(
+    args: dict,
+    topology: Any,
+    name: str,
+    schedule_class: str,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+) -> dict:
     """Build both sides of one pairing, time them, measure paratron's bubble, check the gradients agree."""
     import torch.distributed as dist
 
@@ -246,10 +283,8 @@ def _pairing(args: dict, topology: Any, name: str, schedule_class: str,
     torch_losses: list[torch.Tensor] = []
 
     def paratron_step() -> torch.Tensor:
-        ours.zero_grad_buffer()
-        loss = ours.pipeline.train_step(batches, lambda loss: loss.backward())
-        ours.finish_grad_sync()
-        return loss
+        ours.zero_grad()
+        return ours.forward_backward(batches, lambda loss: loss.backward())
 
     def torch_step() -> None:
         for module in modules:
@@ -270,7 +305,7 @@ def _pairing(args: dict, topology: Any, name: str, schedule_class: str,
 
         profilers = {side: cProfile.Profile() for side in sides}
     for r in range(args["rounds"]):
-        for side in (("paratron", "torch") if r % 2 == 0 else ("torch", "paratron")):
+        for side in ("paratron", "torch") if r % 2 == 0 else ("torch", "paratron"):
             times[side].append(_timed_round(sides[side], args["steps"], profilers.get(side)))
     for side, profiler in profilers.items():
         Path(args["profile"]).mkdir(parents=True, exist_ok=True)
@@ -300,9 +335,13 @@ def _pairing(args: dict, topology: Any, name: str, schedule_class: str,
             for action, start, end in row:
                 op_ms.setdefault(action.kind, []).append(end - start)
         result = {
-            "paratron_schedule": name, "paratron_chunks_per_rank": chunks,
-            "torch_schedule": schedule_class, "torch_stages_per_rank": torch_stages,
-            "paratron_ms": paratron_ms, "torch_ms": torch_ms, "ratio": paratron_ms / torch_ms,
+            "paratron_schedule": name,
+            "paratron_chunks_per_rank": chunks,
+            "torch_schedule": schedule_class,
+            "torch_stages_per_rank": torch_stages,
+            "paratron_ms": paratron_ms,
+            "torch_ms": torch_ms,
+            "ratio": paratron_ms / torch_ms,
             # rounds run back to back, so the median of their ratios is steadier against drift
             "ratio_paired_median": statistics.median(a / b for a, b in zip(times["paratron"], times["torch"])),
             "rounds_ms": times,
@@ -321,8 +360,14 @@ def _pairing(args: dict, topology: Any, name: str, schedule_class: str,
 
 
 def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     import torch.distributed as dist
 
     from paratron.distributed.init import initialize
@@ -357,19 +402,29 @@ def step(args: dict) -> dict:
         mp.spawn(_step_worker, args=(args["pp"], free_port(), args, out.name), nprocs=args["pp"])
         results = json.loads(Path(out.name).read_text())
     results["model"] = _model_settings(args) | {
-        "seq_length": args["seq"], "micro_batch_size": args["micro_batch_size"], "microbatches": args["microbatches"],
-        "precision": "fp32", "seed": args["seed"]}
-    results["timing"] = {"rounds": args["rounds"], "steps_per_round": args["steps"], "cores": args["cores"],
-                         "step": "forward + backward of one global batch, no optimizer step"}
+        "seq_length": args["seq"],
+        "micro_batch_size": args["micro_batch_size"],
+        "microbatches": args["microbatches"],
+        "precision": "fp32",
+        "seed": args["seed"],
+    }
+    results["timing"] = {
+        "rounds": args["rounds"],
+        "steps_per_round": args["steps"],
+        "cores": args["cores"],
+        "step": "forward + backward of one global batch, no optimizer step",
+    }
     return results
 
 
 def table(pp: int, results: dict) -> str:
     """A readable summary of one `step` run."""
-    lines = [f"PP {pp}, {results['model']['microbatches']} micro-batches "
-             f"({results['threads_per_process']} thread(s) per process)",
-             f"{'paratron':<16}{'torch':<32}{'paratron ms':>12}{'torch ms':>10}{'ratio':>7}{'paired':>8}"
-             f"{'grad diff':>11}{'bubble meas/theory/sim':>25}  peak live (paratron | torch)"]
+    lines = [
+        f"PP {pp}, {results['model']['microbatches']} micro-batches "
+        f"({results['threads_per_process']} thread(s) per process)",
+        f"{'paratron':<16}{'torch':<32}{'paratron ms':>12}{'torch ms':>10}{'ratio':>7}{'paired':>8}"
+        f"{'grad diff':>11}{'bubble meas/theory/sim':>25}  peak live (paratron | torch)",
+    ]
     for name, _ in PAIRINGS:
         r = results.get(name)
         if not r:
@@ -377,10 +432,12 @@ def table(pp: int, results: dict) -> str:
         ours = f"{name} x{r['paratron_chunks_per_rank']}"
         theirs = f"{r['torch_schedule']} x{r['torch_stages_per_rank']}"
         bubble = f"{r['bubble_measured']:.3f}/{r['bubble_theoretical']:.3f}/{r['bubble_simulated']:.3f}"
-        lines.append(f"{ours:<16}{theirs:<32}{r['paratron_ms']:>12.1f}{r['torch_ms']:>10.1f}{r['ratio']:>7.2f}"
-                     f"{r['ratio_paired_median']:>8.2f}"
-                     f"{r['max_grad_rel_diff']:>11.1e}{bubble:>25}  {r['peak_live_activations']} | "
-                     f"{r['torch_peak_live_activations']}")
+        lines.append(
+            f"{ours:<16}{theirs:<32}{r['paratron_ms']:>12.1f}{r['torch_ms']:>10.1f}{r['ratio']:>7.2f}"
+            f"{r['ratio_paired_median']:>8.2f}"
+            f"{r['max_grad_rel_diff']:>11.1e}{bubble:>25}  {r['peak_live_activations']} | "
+            f"{r['torch_peak_live_activations']}"
+        )
     return "\n".join(lines)
 
 
@@ -400,12 +457,15 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--cores", type=int, default=2, help="CPU cores shared by the processes")
-    parser.add_argument("--torch-zb-stages", type=int, default=1, choices=[1, 2],
-                        help="stages per rank of torch's zero-bubble schedule")
-    parser.add_argument("--only", nargs="+", default=[name for name, _ in PAIRINGS],
-                        choices=[name for name, _ in PAIRINGS])
-    parser.add_argument("--profile", default=None,
-                        help="a folder: cProfile every rank over the timed steps of each side (slows both)")
+    parser.add_argument(
+        "--torch-zb-stages", type=int, default=1, choices=[1, 2], help="stages per rank of torch's zero-bubble schedule"
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=[name for name, _ in PAIRINGS], choices=[name for name, _ in PAIRINGS]
+    )
+    parser.add_argument(
+        "--profile", default=None, help="a folder: cProfile every rank over the timed steps of each side (slows both)"
+    )
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     if args.layers % (2 * args.pp):

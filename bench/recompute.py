@@ -27,8 +27,11 @@ import torch
 from paratron.checkpoint.io import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {"none": {}, "selective": dict(recompute_granularity="selective"),
-         "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+MODES = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
 
 
 def run(args: dict) -> dict:
@@ -47,9 +50,18 @@ def run(args: dict) -> dict:
     initialize("gloo")
     topology = Topology(ParallelDims(1), 0)
     topology.create_groups()
-    shape = dict(num_layers=args["layers"], hidden_size=args["hidden_size"], num_attention_heads=args["heads"],
-                 seq_length=args["seq_length"], max_position_embeddings=args["seq_length"], vocab_size=8192,
-                 hidden_dropout=0.1, attention_dropout=0.1, mock_data=True, seed=3)
+    shape = dict(
+        num_layers=args["layers"],
+        hidden_size=args["hidden_size"],
+        num_attention_heads=args["heads"],
+        seq_length=args["seq_length"],
+        max_position_embeddings=args["seq_length"],
+        vocab_size=8192,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        mock_data=True,
+        seed=3,
+    )
     models = {}
     for mode, recompute in MODES.items():
         config = build_config(dict(shape, **recompute))
@@ -57,8 +69,9 @@ def run(args: dict) -> dict:
             meta = GPT(config.model)
         model = parallelize(meta, config, topology, torch.device("cpu"))
         models[mode] = (model, build_optimizer(model, config.optimizer))
-    tokens = torch.randint(0, 8192, (args["micro_batch_size"], args["seq_length"] + 1),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, 8192, (args["micro_batch_size"], args["seq_length"] + 1), generator=torch.Generator().manual_seed(0)
+    )
     batches = [(tokens[:, :-1], tokens[:, 1:])]
     precision = Precision("fp32")
     result = {mode: {"times": [], "losses": []} for mode in MODES}
@@ -102,24 +115,41 @@ def main() -> None:
     rows = []
     for mode, r in result.items():
         median = statistics.median(r["times"])
-        rows.append(dict(mode=mode, step_s=median, ratio=median / base, activations_peak=r["activations_peak"],
-                         activation_ratio=r["activations_peak"] / result["none"]["activations_peak"],
-                         same_losses=r["losses"] == result["none"]["losses"]))
-        print(f"{mode:9s} {median:.3f} s/step ({median / base:.3f}x), activations {r['activations_peak'] / 2**20:.1f} "
-              f"MiB, losses equal to none: {rows[-1]['same_losses']}", flush=True)
+        rows.append(
+            dict(
+                mode=mode,
+                step_s=median,
+                ratio=median / base,
+                activations_peak=r["activations_peak"],
+                activation_ratio=r["activations_peak"] / result["none"]["activations_peak"],
+                same_losses=r["losses"] == result["none"]["losses"],
+            )
+        )
+        print(
+            f"{mode:9s} {median:.3f} s/step ({median / base:.3f}x), activations {r['activations_peak'] / 2**20:.1f} "
+            f"MiB, losses equal to none: {rows[-1]['same_losses']}",
+            flush=True,
+        )
     command = "python bench/recompute.py" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in settings.items() if v != parser.get_default(k))
+        f" --{k.replace('_', '-')} {v}" for k, v in settings.items() if v != parser.get_default(k)
+    )
     payload = {"command": command, "settings": settings, "torch": torch.__version__, "rows": rows, "raw": result}
-    lines = ["## Activation recomputation: step time against memory", "",
-             f"`{command}` (writes bench/results/recompute.json): a GPT-2-style model ({args.layers} layers, hidden "
-             f"{args.hidden_size}, {args.heads} heads, sequence {args.seq_length}, micro-batch {args.micro_batch_size}, "
-             f"dropout 0.1), fp32, one process, {args.threads} threads; median over {args.rounds} alternating rounds "
-             f"of {args.steps} steps. Activations: peak bytes saved for backward in one step.", "",
-             "| recompute | step time (s) | vs none | activations (MiB) | vs none | losses equal to none |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "## Activation recomputation: step time against memory",
+        "",
+        f"`{command}` (writes bench/results/recompute.json): a GPT-2-style model ({args.layers} layers, hidden "
+        f"{args.hidden_size}, {args.heads} heads, sequence {args.seq_length}, micro-batch {args.micro_batch_size}, "
+        f"dropout 0.1), fp32, one process, {args.threads} threads; median over {args.rounds} alternating rounds "
+        f"of {args.steps} steps. Activations: peak bytes saved for backward in one step.",
+        "",
+        "| recompute | step time (s) | vs none | activations (MiB) | vs none | losses equal to none |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['step_s']:.3f} | {r['ratio']:.3f} | {r['activations_peak'] / 2**20:.1f} | "
-                     f"{r['activation_ratio']:.3f} | {'yes' if r['same_losses'] else 'no'} |")
+        lines.append(
+            f"| {r['mode']} | {r['step_s']:.3f} | {r['ratio']:.3f} | {r['activations_peak'] / 2**20:.1f} | "
+            f"{r['activation_ratio']:.3f} | {'yes' if r['same_losses'] else 'no'} |"
+        )
     text = "\n".join(lines) + "\n"
     write_text_atomic(args.output, json.dumps(payload, indent=1))
     write_text_atomic(args.output.with_suffix(".md"), text)

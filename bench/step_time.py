@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from paratron.config import build_config
+from paratron.config import build_config, resolve_layout
 from paratron.data.build import build_data
 from paratron.distributed.init import initialize
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.model.gpt import GPT, build_model
-from paratron.optim.build import build_optimizer, parameter_groups
+from paratron.optim import build_optimizer, parameter_groups
 from paratron.optim.lr_schedule import learning_rate
 from paratron.parallel.parallelize import parallelize
 from paratron.training.flops import training_flops_per_token
@@ -39,16 +39,25 @@ def paratron_round(config, ctx, warmup: int, steps: int) -> float:
     topology = Topology(ParallelDims(1))
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, topology, ctx.device)
+    layout = resolve_layout(config, 1)
+    model = parallelize(meta, config, topology, ctx.device, layout)
     optimizer = build_optimizer(model, config.optimizer)
-    data = build_data(config, config.training.micro_batch_size)
-    trainer = Trainer(config, ctx, topology, model, optimizer, data, MetricsWriter.disabled(),
-                      training_flops_per_token(config.model, config.data.seq_length), peak_flops=1.0)
-    config.training.train_iters = warmup
-    trainer.fit()
-    config.training.train_iters = warmup + steps
+    data = build_data(config, layout.global_batch_size)
+    trainer = Trainer(
+        config,
+        ctx,
+        topology,
+        layout,
+        model,
+        optimizer,
+        data,
+        MetricsWriter.disabled(),
+        training_flops_per_token(config.model, config.data.seq_length),
+        peak_flops=1.0,
+    )
+    trainer.fit(stop_after=warmup)
     start = time.perf_counter()
-    trainer.fit()
+    trainer.fit(stop_after=warmup + steps)
     return (time.perf_counter() - start) / steps
 
 
@@ -56,8 +65,9 @@ def plain_round(config, ctx, warmup: int, steps: int) -> float:
     """What a user would write by hand around the same model."""
     t, o = config.training, config.optimizer
     model = build_model(config.model, ctx.device, seed=t.seed)
-    optimizer = torch.optim.AdamW(parameter_groups(model, o.weight_decay), lr=o.lr,
-                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    optimizer = torch.optim.AdamW(
+        parameter_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps
+    )
     batch = t.micro_batch_size
     samples = build_data(config, batch).train
 
@@ -94,12 +104,25 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
 
-    config = build_config(dict(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.hidden_size // 64,
-        vocab_size=args.vocab_size, seq_length=args.seq_length, max_position_embeddings=args.seq_length,
-        micro_batch_size=args.micro_batch_size, mock_data=True, train_iters=1000, lr=3e-4,
-        lr_warmup_iters=10, lr_decay_iters=1000, log_interval=10**9, eval_iters=0))
-    # (the rounds change train_iters; the explicit decay length keeps both loops on one schedule)
+    config = build_config(
+        dict(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.hidden_size // 64,
+            vocab_size=args.vocab_size,
+            seq_length=args.seq_length,
+            max_position_embeddings=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            mock_data=True,
+            train_iters=1000,
+            lr=3e-4,
+            lr_warmup_iters=10,
+            lr_decay_iters=1000,
+            log_interval=10**9,
+            eval_iters=0,
+        )
+    )
+    # (the rounds stop early, after warmup + steps; both loops follow this one schedule)
     ctx = initialize()
     times: dict[str, list[float]] = {"paratron": [], "plain": []}
     for _ in range(args.rounds):
@@ -109,7 +132,7 @@ def main() -> None:
     tokens = args.micro_batch_size * args.seq_length
     result = {
         "model": f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
-                 f"micro-batch {args.micro_batch_size}, vocab {args.vocab_size}, fp32",
+        f"micro-batch {args.micro_batch_size}, vocab {args.vocab_size}, fp32",
         "threads": torch.get_num_threads(),
         "paratron_ms_per_step": 1000 * paratron_s,
         "plain_ms_per_step": 1000 * plain_s,
@@ -120,8 +143,10 @@ def main() -> None:
     print(f"model: {result['model']} on {ctx.device.type} with {result['threads']} threads")
     print(f"paratron   {1000 * paratron_s:8.1f} ms/step  ({tokens / paratron_s:,.0f} tok/s)")
     print(f"plain loop {1000 * plain_s:8.1f} ms/step  ({tokens / plain_s:,.0f} tok/s)")
-    print(f"ratio paratron / plain = {result['ratio']:.3f}  (median of {args.rounds} alternating rounds "
-          f"of {args.steps} steps)")
+    print(
+        f"ratio paratron / plain = {result['ratio']:.3f}  (median of {args.rounds} alternating rounds "
+        f"of {args.steps} steps)"
+    )
     if args.output:
         args.output.write_text(json.dumps(result, indent=2))
 

@@ -23,16 +23,37 @@ from pathlib import Path
 
 import torch
 
-MODEL = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1536,
-             vocab_size=8192, max_position_embeddings=512, position_embedding_type="rope", normalization="RMSNorm",
-             activation="swiglu", add_bias_linear=False, untie_embeddings_and_output_weights=True)
+MODEL = dict(
+    num_layers=4,
+    hidden_size=512,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=1536,
+    vocab_size=8192,
+    max_position_embeddings=512,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+)
 
 
 def _config(sequence_parallel: bool, tp: int, **model):
     from paratron.config import build_config
 
-    return build_config(dict(MODEL, **model, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
-                             mock_data=True, seq_length=256, micro_batch_size=4, seed=7))
+    return build_config(
+        dict(
+            MODEL,
+            **model,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sequence_parallel,
+            mock_data=True,
+            seq_length=256,
+            micro_batch_size=4,
+            seed=7,
+        )
+    )
 
 
 def _paratron_model(config, topology):
@@ -67,19 +88,29 @@ def _dtensor_model(config, mesh, sequence_parallel: bool):
         plan["final_norm"] = SequenceParallel()
     for i in range(len(model.layers)):
         p = f"layers.{i}"
-        plan.update({
-            f"{p}.attention.in_proj.q": ColwiseParallel(), f"{p}.attention.in_proj.k": ColwiseParallel(),
-            f"{p}.attention.in_proj.v": ColwiseParallel(), f"{p}.attention.out_proj": RowwiseParallel(output_layouts=seq),
-            f"{p}.mlp.in_proj.gate": ColwiseParallel(), f"{p}.mlp.in_proj.up": ColwiseParallel(),
-            f"{p}.mlp.out_proj": RowwiseParallel(output_layouts=seq),
-        })
+        plan.update(
+            {
+                f"{p}.attention.in_proj.q": ColwiseParallel(),
+                f"{p}.attention.in_proj.k": ColwiseParallel(),
+                f"{p}.attention.in_proj.v": ColwiseParallel(),
+                f"{p}.attention.out_proj": RowwiseParallel(output_layouts=seq),
+                f"{p}.mlp.in_proj.gate": ColwiseParallel(),
+                f"{p}.mlp.in_proj.up": ColwiseParallel(),
+                f"{p}.mlp.out_proj": RowwiseParallel(output_layouts=seq),
+            }
+        )
         if sequence_parallel:
-            plan.update({
-                f"{p}.attention_norm": SequenceParallel(), f"{p}.mlp_norm": SequenceParallel(),
-                f"{p}.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                                     desired_input_layouts=(Replicate(), None, None, None)),
-                f"{p}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    f"{p}.attention_norm": SequenceParallel(),
+                    f"{p}.mlp_norm": SequenceParallel(),
+                    f"{p}.attention": PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None, None),
+                        desired_input_layouts=(Replicate(), None, None, None),
+                    ),
+                    f"{p}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
     return parallelize_module(model, mesh, plan)
 
 
@@ -91,8 +122,14 @@ def _time_steps(step, steps: int) -> float:
 
 
 def _step_worker(rank: int, world: int, port: int, rounds: int, steps: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -116,15 +153,15 @@ def _step_worker(rank: int, world: int, port: int, rounds: int, steps: int, out:
         theirs = _dtensor_model(config, mesh, sequence_parallel)
         theirs_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
 
-        def paratron_step() -> float:
-            ours.zero_grad_buffer()
+        def paratron_step(ours=ours, ours_opt=ours_opt) -> float:
+            ours.zero_grad()
             loss = ours.loss_function(ours(inputs), labels)
             loss.backward()
             ours.finish_grad_sync()
             ours_opt.step()
             return loss.item()
 
-        def dtensor_step() -> float:
+        def dtensor_step(theirs=theirs, theirs_opt=theirs_opt) -> float:
             theirs_opt.zero_grad(set_to_none=True)
             logits = theirs(inputs)
             with loss_parallel():
@@ -140,22 +177,28 @@ def _step_worker(rank: int, world: int, port: int, rounds: int, steps: int, out:
             times["paratron"].append(_time_steps(paratron_step, steps))
             times["dtensor"].append(_time_steps(dtensor_step, steps))
         key = "tp2_sp" if sequence_parallel else "tp2"
-        results[key] = {"first_loss": first_losses, "paratron_s": statistics.median(times["paratron"]),
-                        "dtensor_s": statistics.median(times["dtensor"]), "rounds": times}
+        results[key] = {
+            "first_loss": first_losses,
+            "paratron_s": statistics.median(times["paratron"]),
+            "dtensor_s": statistics.median(times["dtensor"]),
+            "rounds": times,
+        }
         results[key]["ratio"] = results[key]["paratron_s"] / results[key]["dtensor_s"]
 
         # collectives per layer per step: the difference between 2-layer and 1-layer models
         counts = []
         for layers in (1, 2):
             small = _paratron_model(_config(sequence_parallel, world, num_layers=layers), topology)
-            comm.COUNTS.clear()
-            small.loss_function(small(inputs), labels).backward()
-            small.finish_grad_sync()
-            counts.append(dict(comm.COUNTS))
-        results[key]["collectives_per_layer"] = {k: counts[1].get(k, 0) - counts[0].get(k, 0)
-                                                 for k in set(counts[0]) | set(counts[1])}
-        results[key]["collectives_outside_layers"] = {k: 2 * counts[0].get(k, 0) - counts[1].get(k, 0)
-                                                      for k in counts[0]}
+            with comm.count_collectives() as counted:
+                small.loss_function(small(inputs), labels).backward()
+                small.finish_grad_sync()
+            counts.append(dict(counted))
+        results[key]["collectives_per_layer"] = {
+            k: counts[1].get(k, 0) - counts[0].get(k, 0) for k in set(counts[0]) | set(counts[1])
+        }
+        results[key]["collectives_outside_layers"] = {
+            k: 2 * counts[0].get(k, 0) - counts[1].get(k, 0) for k in counts[0]
+        }
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=2))
     dist.destroy_process_group()
@@ -202,15 +245,20 @@ def memory(device_gb: float) -> dict:
         best = None
         for heads in range(tp, 513, tp):  # every head count the TP degree divides
             h = 128 * heads
-            config = dataclasses.replace(model_config("gpt3-175b"), hidden_size=h, num_attention_heads=heads,
-                                         num_layers=h // 128)
+            config = dataclasses.replace(
+                model_config("gpt3-175b"), hidden_size=h, num_attention_heads=heads, num_layers=h // 128
+            )
             if 16 * per_rank(config, tp) > device_gb * 1e9:
                 break
             with torch.device("meta"):
                 best = {"hidden": h, "layers": h // 128, "params": sum(p.numel() for p in GPT(config).parameters())}
         largest.append({"tp": tp, **(best or {})})
-    return {"llama3-8b": rows, "device_gb": device_gb, "largest_gpt3_shaped": largest,
-            "bytes_per_param": "16 (mixed-precision Adam: bf16 weights and gradients, fp32 master, two moments)"}
+    return {
+        "llama3-8b": rows,
+        "device_gb": device_gb,
+        "largest_gpt3_shaped": largest,
+        "bytes_per_param": "16 (mixed-precision Adam: bf16 weights and gradients, fp32 master, two moments)",
+    }
 
 
 def main() -> None:

@@ -13,7 +13,8 @@ import pickle
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -25,8 +26,14 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         # plain pickle copies tensors by value (the queue's own pickler would share them by file
         # descriptor, which dies with this process)
@@ -39,8 +46,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
@@ -68,7 +77,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0)
     for rank in range(world_size):
         if rank not in outcomes:
             code = procs[rank].exitcode
-            failures.append(f"rank {rank}: no result (exit code {code}; crashed, stopped or timed out after {timeout:.0f}s)")
+            failures.append(
+                f"rank {rank}: no result (exit code {code}; crashed, stopped or timed out after {timeout:.0f}s)"
+            )
         elif not outcomes[rank][0]:
             failures.append(f"rank {rank} raised:\n{outcomes[rank][1]}")
     if failures:

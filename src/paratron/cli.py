@@ -1,15 +1,17 @@
 """`paratron train | preprocess | generate | convert | schedule`: the command line.
 
 User mistakes (UserError) print one line and exit 2; internal failures keep their
-traceback and exit 1.
+traceback and exit 1. Each command imports what it needs when it runs, for start-up speed:
+`paratron --help` and `paratron schedule` do not load torch's distributed machinery or the
+data pipeline.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from paratron.errors import PeerFailure, UserError
 
@@ -24,6 +26,7 @@ def command(name: str, summary: str) -> Callable[[Command], Command]:
     def register(fn: Command) -> Command:
         COMMANDS[name] = (summary, fn)
         return fn
+
     return register
 
 
@@ -41,7 +44,7 @@ def train_parser() -> argparse.ArgumentParser:
         prog="paratron train",
         usage="paratron train [--config RECIPE] [--nproc N] [flags]",
         description="Train a GPT-family model. Settings come from defaults, then --model's registry entry, "
-                    "then the --config recipe, then flags; Megatron-LM flag names are accepted.",
+        "then the --config recipe, then flags; Megatron-LM flag names are accepted.",
         allow_abbrev=False,
     )
     add_config_arguments(parser)
@@ -61,7 +64,7 @@ def cmd_train(argv: list[str]) -> int:
     nproc = config.parallel.nproc_per_node
     world = env_world_size() if launched_by_torchrun() else nproc
     validate(config, world)
-    check_inputs(config, world)
+    check_inputs(config)
     if nproc > 1 and not launched_by_torchrun():
         from paratron.distributed.launch import run_under_torchrun
 
@@ -75,32 +78,50 @@ def cmd_train(argv: list[str]) -> int:
 @command("preprocess", "tokenize text or jsonl into a Megatron-LM indexed dataset (.bin/.idx)")
 def cmd_preprocess(argv: list[str]) -> int:
     from paratron.config.arguments import ArgumentParser
-    from paratron.data.preprocess import input_files, preprocess, read_documents, PreprocessResult
+    from paratron.data.preprocess import PreprocessResult, input_files, preprocess, read_documents
     from paratron.data.tokenizer import load_tokenizer, train_byte_level_bpe
 
     parser = ArgumentParser(
-        prog="paratron preprocess", allow_abbrev=False,
+        prog="paratron preprocess",
+        allow_abbrev=False,
         description="Tokenize jsonl (one JSON object per line) and plain-text files into "
-                    "OUTPUT_PREFIX_{key}_document.bin/.idx, Megatron-LM's indexed format.")
-    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                        help="jsonl/json/ndjson files (one document per line), other files (one document each), "
-                             "or directories of them.")
+        "OUTPUT_PREFIX_{key}_document.bin/.idx, Megatron-LM's indexed format.",
+    )
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="jsonl/json/ndjson files (one document per line), other files (one document each), "
+        "or directories of them.",
+    )
     parser.add_argument("--output-prefix", required=True, help="Output path prefix.")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="Keys to extract from each JSON line "
-                        "(one output dataset per key; default: text).")
-    parser.add_argument("--tokenizer-type", default="ByteLevelBPE",
-                        choices=["ByteLevelBPE", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
-                        help="ByteLevelBPE trains a byte-level BPE on the input and saves it as "
-                             "OUTPUT_PREFIX_tokenizer.json (default: ByteLevelBPE).")
+    parser.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="Keys to extract from each JSON line (one output dataset per key; default: text).",
+    )
+    parser.add_argument(
+        "--tokenizer-type",
+        default="ByteLevelBPE",
+        choices=["ByteLevelBPE", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
+        help="ByteLevelBPE trains a byte-level BPE on the input and saves it as "
+        "OUTPUT_PREFIX_tokenizer.json (default: ByteLevelBPE).",
+    )
     parser.add_argument("--tokenizer-model", help="tokenizer.json (or its folder) for HuggingFaceTokenizer.")
     parser.add_argument("--vocab-file", help="GPT-2 vocab.json for GPT2BPETokenizer.")
     parser.add_argument("--merge-file", help="GPT-2 merges.txt for GPT2BPETokenizer.")
-    parser.add_argument("--vocab-size", type=int, help="Vocabulary size: of the trained BPE (default 8192), "
-                        "or of NullTokenizer's ids.")
+    parser.add_argument(
+        "--vocab-size", type=int, help="Vocabulary size: of the trained BPE (default 8192), or of NullTokenizer's ids."
+    )
     parser.add_argument("--append-eod", action="store_true", help="End every document with the end-of-document token.")
     parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default: 1).")
-    parser.add_argument("--skip-bad-lines", action="store_true",
-                        help="Skip and count bad lines (not JSON, no key, empty, not UTF-8) instead of stopping.")
+    parser.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="Skip and count bad lines (not JSON, no key, empty, not UTF-8) instead of stopping.",
+    )
     parser.add_argument("--no-progress-bar", action="store_true", help="No progress bar.")
     args = parser.parse_args(argv)
     if args.workers < 1:
@@ -109,8 +130,9 @@ def cmd_preprocess(argv: list[str]) -> int:
         raise UserError(f"--vocab-size {args.vocab_size}: must be at least 1")
     files = input_files(args.input)
     if args.tokenizer_type == "ByteLevelBPE":
-        texts = (d.texts[0] for d in read_documents(files, args.json_keys[:1], PreprocessResult([]),
-                                                     args.skip_bad_lines))
+        texts = (
+            d.texts[0] for d in read_documents(files, args.json_keys[:1], PreprocessResult([]), args.skip_bad_lines)
+        )
         tokenizer = train_byte_level_bpe(texts, args.vocab_size or 8192)
         path = Path(f"{args.output_prefix}_tokenizer.json")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,13 +140,24 @@ def cmd_preprocess(argv: list[str]) -> int:
         path.with_name(path.name + ".tmp").replace(path)
         print(f"trained a {tokenizer.vocab_size}-entry byte-level BPE: {path}")
     else:
-        tokenizer = load_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
-                                   args.vocab_size)
-    result = preprocess(files, args.output_prefix, tokenizer, args.json_keys, args.append_eod, args.workers,
-                        args.skip_bad_lines, progress=not args.no_progress_bar)
+        tokenizer = load_tokenizer(
+            args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size
+        )
+    result = preprocess(
+        files,
+        args.output_prefix,
+        tokenizer,
+        args.json_keys,
+        args.append_eod,
+        args.workers,
+        args.skip_bad_lines,
+        progress=not args.no_progress_bar,
+    )
     mb = result.input_bytes / 1e6
-    print(f"{result.documents:,} documents, {result.tokens:,} tokens from {mb:,.1f} MB in {result.seconds:.1f}s "
-          f"({mb / result.seconds:,.2f} MB/s, {result.tokens / result.seconds:,.0f} tokens/s)")
+    print(
+        f"{result.documents:,} documents, {result.tokens:,} tokens from {mb:,.1f} MB in {result.seconds:.1f}s "
+        f"({mb / result.seconds:,.2f} MB/s, {result.tokens / result.seconds:,.0f} tokens/s)"
+    )
     if result.skipped:
         print(f"skipped {result.skipped} bad lines, e.g. {result.skipped_examples[0]}")
     for prefix in result.prefixes:
@@ -141,12 +174,17 @@ def cmd_generate(argv: list[str]) -> int:
     from paratron.errors import CheckpointError
     from paratron.inference.generate import generate
 
-    parser = ArgumentParser(prog="paratron generate", description="Continue a prompt with a saved model.",
-                            allow_abbrev=False)
-    parser.add_argument("--load", required=True, help="Checkpoint directory (as given to --save) or one iteration folder.")
+    parser = ArgumentParser(
+        prog="paratron generate", description="Continue a prompt with a saved model.", allow_abbrev=False
+    )
+    parser.add_argument(
+        "--load", required=True, help="Checkpoint directory (as given to --save) or one iteration folder."
+    )
     parser.add_argument("--prompt", required=True, help="Text to continue.")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate (default: 64).")
-    parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0).")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0)."
+    )
     parser.add_argument("--top-k", type=int, default=None, help="Sample only among the k likeliest tokens.")
     parser.add_argument("--seed", type=int, default=0, help="Seed for sampling (default: 0).")
     args = parser.parse_args(argv)
@@ -162,8 +200,15 @@ def cmd_generate(argv: list[str]) -> int:
         raise CheckpointError(f"{info.path}: holds no tokenizer (trained on mock data), so text cannot be encoded")
     _, device = choose_backend("auto")
     model = model_from_checkpoint(info, device)
-    ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
-                   eos_id=tokenizer.eod_id, seed=args.seed)
+    ids = generate(
+        model,
+        tokenizer.encode(args.prompt),
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        eos_id=tokenizer.eod_id,
+        seed=args.seed,
+    )
     print(args.prompt + tokenizer.decode(i for i in ids if i != tokenizer.eod_id))
     return 0
 
@@ -174,14 +219,28 @@ def cmd_convert(argv: list[str]) -> int:
     from paratron.config.arguments import ArgumentParser
 
     parser = ArgumentParser(
-        prog="paratron convert", allow_abbrev=False,
+        prog="paratron convert",
+        allow_abbrev=False,
         usage="paratron convert --from hf SRC --to paratron DST  |  --from paratron SRC --to hf DST",
         description="Convert Llama, Mistral, Qwen2 and GPT-2 weights between a Hugging Face directory "
-                    "(config.json + safetensors) and a paratron checkpoint (weights only, for --load).")
-    parser.add_argument("--from", dest="source", nargs=2, metavar=("FORMAT", "SRC"), required=True,
-                        help="hf or paratron, and the directory to read.")
-    parser.add_argument("--to", dest="target", nargs=2, metavar=("FORMAT", "DST"), required=True,
-                        help="paratron or hf, and a new directory to write.")
+        "(config.json + safetensors) and a paratron checkpoint (weights only, for --load).",
+    )
+    parser.add_argument(
+        "--from",
+        dest="source",
+        nargs=2,
+        metavar=("FORMAT", "SRC"),
+        required=True,
+        help="hf or paratron, and the directory to read.",
+    )
+    parser.add_argument(
+        "--to",
+        dest="target",
+        nargs=2,
+        metavar=("FORMAT", "DST"),
+        required=True,
+        help="paratron or hf, and a new directory to write.",
+    )
     args = parser.parse_args(argv)
     formats = (args.source[0], args.target[0])
     source, target = Path(args.source[1]), Path(args.target[1])
@@ -202,21 +261,34 @@ def cmd_schedule(argv: list[str]) -> int:
     from paratron.config.arguments import ArgumentParser
     from paratron.errors import ConfigError
     from paratron.parallel.pipeline.draw import draw_timeline
-    from paratron.parallel.pipeline.schedules import (SCHEDULES, build_schedule, peak_live_activations, simulate,
-                                                      theoretical_bubble)
+    from paratron.parallel.pipeline.schedules import (
+        SCHEDULES,
+        build_schedule,
+        peak_live_activations,
+        simulate,
+        theoretical_bubble,
+    )
 
     parser = ArgumentParser(
-        prog="paratron schedule", allow_abbrev=False,
+        prog="paratron schedule",
+        allow_abbrev=False,
         description="Build a pipeline schedule, simulate it with forward 1 and backward 2 time units "
-                    "(input and weight gradients 1 each for zb-h1), and "
-                    "draw which operation every rank runs when; no model or process is started.")
+        "(input and weight gradients 1 each for zb-h1), and "
+        "draw which operation every rank runs when; no model or process is started.",
+    )
     parser.add_argument("--pp", type=int, required=True, metavar="N", help="Pipeline-parallel size (ranks).")
     parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="Micro-batches per step.")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="Schedule (default: 1f1b).")
-    parser.add_argument("--vpp", type=int, default=1, metavar="V",
-                        help="Model chunks (virtual stages) per rank; only for interleaved (default: 1).")
-    parser.add_argument("--output", type=Path, metavar="PATH",
-                        help="PNG to write (default: schedule-NAME-ppN-mM[-vV].png here).")
+    parser.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        metavar="V",
+        help="Model chunks (virtual stages) per rank; only for interleaved (default: 1).",
+    )
+    parser.add_argument(
+        "--output", type=Path, metavar="PATH", help="PNG to write (default: schedule-NAME-ppN-mM[-vV].png here)."
+    )
     parser.add_argument("--print", action="store_true", dest="show", help="Also print every rank's operations.")
     args = parser.parse_args(argv)
     for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--vpp", args.vpp)):
@@ -237,9 +309,10 @@ def cmd_schedule(argv: list[str]) -> int:
     if args.show:
         print(schedule)
     against = "no closed form" if name == "zb-v" else f"theory {formula} = {theory:.1%}{caveat}"
-    print(f"{name}: pp {pp}, {m} micro-batches{chunks}: bubble {timeline.bubble_fraction():.1%} of the step "
-          f"({against}); peak live {held} per rank: "
-          + " ".join(map(str, peak_live_activations(schedule))))
+    print(
+        f"{name}: pp {pp}, {m} micro-batches{chunks}: bubble {timeline.bubble_fraction():.1%} of the step "
+        f"({against}); peak live {held} per rank: " + " ".join(map(str, peak_live_activations(schedule)))
+    )
     output = args.output or Path(f"schedule-{name}-pp{pp}-m{m}" + (f"-v{v}" if v > 1 else "") + ".png")
     title = f"{name} schedule: pp {pp}, {m} micro-batches{chunks}; bubble {timeline.bubble_fraction():.1%}"
     print(f"timeline: {draw_timeline(timeline.spans, output, title, '(forward = 1)')}")

@@ -11,33 +11,33 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from paratron.config.fields import all_fields
 from paratron.config.loading import build_config
 from paratron.config.megatron import from_megatron_dict
-from paratron.config.validation import data_parallel_size, validate
+from paratron.config.validation import validate
+from paratron.distributed.init import env_world_size, initialize, seed_everything
+from paratron.distributed.topology import ParallelDims, Topology
+from paratron.parallel.parallelize import DTYPES
 
 _ARGS: SimpleNamespace | None = None
 
 
-def initialize_megatron(args: dict[str, Any] | None = None, *, args_defaults: dict[str, Any] | None = None,
-                        init_distributed: bool = True) -> SimpleNamespace:
+def initialize_megatron(
+    args: dict[str, Any] | None = None, *, args_defaults: dict[str, Any] | None = None, init_distributed: bool = True
+) -> SimpleNamespace:
     """Build and validate the config from Megatron-style keys, join the process group, seed, and
     make the result available through `get_args()`.
 
     `args_defaults` holds defaults (as in Megatron's signature) that `args` overrides.
     """
     global _ARGS
-    from paratron.distributed.init import env_world_size, initialize, seed_everything
-    from paratron.distributed.topology import ParallelDims, Topology
-
     overrides = from_megatron_dict({**(args_defaults or {}), **(args or {})})
     config = build_config(overrides)
     world = env_world_size()
-    validate(config, world, check_data=False)
-    namespace = SimpleNamespace(**{name: getattr(getattr(config, info.section), name)
-                                   for name, info in all_fields().items()})
+    layout = validate(config, world, check_data=False)
+    namespace = SimpleNamespace(
+        **{name: getattr(getattr(config, info.section), name) for name, info in all_fields().items()}
+    )
     p = config.parallel
     topology = Topology(ParallelDims(world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size))
     if init_distributed:
@@ -48,9 +48,9 @@ def initialize_megatron(args: dict[str, Any] | None = None, *, args_defaults: di
     seed_everything(config.training.seed)
     precision = config.training.precision
     namespace.fp16, namespace.bf16 = precision == "fp16", precision == "bf16"
-    namespace.params_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    namespace.params_dtype = DTYPES[precision]
     namespace.world_size = world
-    namespace.data_parallel_size = data_parallel_size(config, world)
+    namespace.data_parallel_size = layout.dp
     namespace.config, namespace.topology = config, topology
     _ARGS = namespace
     return namespace

@@ -17,8 +17,9 @@ QUIET = ["--no-progress-bar", "--no-tensorboard"]
 
 def paratron(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "paratron", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "paratron", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> None:
@@ -29,28 +30,62 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     assert "Traceback" not in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--config", "debug", "--nproc", "3", "--tensor-model-parallel-size", "2"],
-     "world size 3 is not divisible by --tensor-model-parallel-size 2"),
-    (["--config", "debug", "--num-layers", "3", "--pipeline-model-parallel-size", "2", "--nproc", "2"],
-     "--num-layers 3 with --pipeline-model-parallel-size 2: 3 layers do not split evenly into 2 stages"),
-    (["--config", "debug", "--nproc", "2", "--global-batch-size", "12"],
-     "--global-batch-size 12 is not divisible by --micro-batch-size 8 x data-parallel size 2"),
-    (["--config", "nosuchrecipe"], "--config nosuchrecipe: no such file or recipe"),
-    (["--config", "debug", "--no-mock-data", "--data-path", "/no/such/dir"], "--data-path /no/such/dir: neither a dataset prefix"),
-    (["--config", "debug", "--hidden-size", "0"], "--hidden-size 0: must be at least 1"),
-    (["--config", "debug", "--seq-length", "512"], "--seq-length 512 exceeds --max-position-embeddings 256"),
-    (["--config", "debug", "--context-parallel-size", "2"], "--context-parallel-size is a Megatron-LM flag that paratron does not support yet"),
-    (["--config", "debug", "--hiden-size", "8"], "unknown flag --hiden-size; did you mean --hidden-size?"),
-    (["--config", "debug", "--fp16", "--bf16"], "--fp16 and --bf16 were both given; choose one"),
-    (["--config", "debug", "--nproc", "2", "--load", "."], ".: no checkpoint here"),
-    (["--config", "debug", "--nproc", "2", "--overlap-param-gather"],
-     "--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer"),
-    (["--config", "debug", "--nproc", "2", "--zero-stage", "5"], "--zero-stage: 5 is not one of: 0, 1, 2, 3"),
-    (["--config", "debug", "--num-layers", "4", "--nproc", "2", "--pipeline-model-parallel-size", "2",
-      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "24", "--micro-batch-size", "8"],
-     "--global-batch-size 24: the interleaved schedule needs a number of micro-batches (3) divisible by the pipeline size (2)"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["--config", "debug", "--nproc", "3", "--tensor-model-parallel-size", "2"],
+            "world size 3 is not divisible by --tensor-model-parallel-size 2",
+        ),
+        (
+            ["--config", "debug", "--num-layers", "3", "--pipeline-model-parallel-size", "2", "--nproc", "2"],
+            "--num-layers 3 with --pipeline-model-parallel-size 2: 3 layers do not split evenly into 2 stages",
+        ),
+        (
+            ["--config", "debug", "--nproc", "2", "--global-batch-size", "12"],
+            "--global-batch-size 12 is not divisible by --micro-batch-size 8 x data-parallel size 2",
+        ),
+        (["--config", "nosuchrecipe"], "--config nosuchrecipe: no such file or recipe"),
+        (
+            ["--config", "debug", "--no-mock-data", "--data-path", "/no/such/dir"],
+            "--data-path /no/such/dir: neither a dataset prefix",
+        ),
+        (["--config", "debug", "--hidden-size", "0"], "--hidden-size 0: must be at least 1"),
+        (["--config", "debug", "--seq-length", "512"], "--seq-length 512 exceeds --max-position-embeddings 256"),
+        (
+            ["--config", "debug", "--context-parallel-size", "2"],
+            "--context-parallel-size is a Megatron-LM flag that paratron does not support yet",
+        ),
+        (["--config", "debug", "--hiden-size", "8"], "unknown flag --hiden-size; did you mean --hidden-size?"),
+        (["--config", "debug", "--fp16", "--bf16"], "--fp16 and --bf16 were both given; choose one"),
+        (["--config", "debug", "--nproc", "2", "--load", "."], ".: no checkpoint here"),
+        (
+            ["--config", "debug", "--nproc", "2", "--overlap-param-gather"],
+            "--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer",
+        ),
+        (["--config", "debug", "--nproc", "2", "--zero-stage", "5"], "--zero-stage: 5 is not one of: 0, 1, 2, 3"),
+        (
+            [
+                "--config",
+                "debug",
+                "--num-layers",
+                "4",
+                "--nproc",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--global-batch-size",
+                "24",
+                "--micro-batch-size",
+                "8",
+            ],
+            "--global-batch-size 24: the interleaved schedule needs a number of micro-batches (3) divisible by the "
+            "pipeline size (2)",
+        ),
+    ],
+)
 def test_bad_settings_exit_2_with_one_line(args, expected):
     assert_one_line_error(paratron("train", *args), expected)
 
@@ -72,10 +107,34 @@ def test_tensor_parallel_training_then_generate(tmp_path):
     for i in range(30):
         (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" * 40)
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    result = paratron("train", "--config", "debug", "--nproc", "2", "--tensor-model-parallel-size", "2",
-                      "--sequence-parallel", "--no-mock-data", "--data-path", str(corpus),
-                      "--vocab-size", "300", "--train-iters", "8", "--log-interval", "4", "--eval-interval", "8",
-                      "--run-dir", str(run), "--save", str(ckpt), "--sample-prompt", "def f3(x):", *QUIET)
+    result = paratron(
+        "train",
+        "--config",
+        "debug",
+        "--nproc",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--no-mock-data",
+        "--data-path",
+        str(corpus),
+        "--vocab-size",
+        "300",
+        "--train-iters",
+        "8",
+        "--log-interval",
+        "4",
+        "--eval-interval",
+        "8",
+        "--run-dir",
+        str(run),
+        "--save",
+        str(ckpt),
+        "--sample-prompt",
+        "def f3(x):",
+        *QUIET,
+    )
     assert result.returncode == 0, result.stderr
     assert "world 2 = TP 2 x CP 1 x DP 1" in result.stdout
     assert "sample (temperature 0.7, top-k 40) continuing the prompt:" in result.stdout
@@ -89,29 +148,88 @@ def test_tensor_parallel_training_then_generate(tmp_path):
 
 def test_distributed_optimizer_run_saves_each_shard_and_resumes_at_another_layout(tmp_path):
     ckpt = tmp_path / "ckpt"
-    result = paratron("train", "--config", "debug", "--nproc", "2", "--use-distributed-optimizer",
-                      "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000",
-                      "--train-iters", "3", "--lr-warmup-iters", "1", "--eval-iters", "0", "--run-dir", str(tmp_path / "run"),
-                      "--save", str(ckpt),
-                      *QUIET)
+    result = paratron(
+        "train",
+        "--config",
+        "debug",
+        "--nproc",
+        "2",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "--ddp-bucket-size",
+        "20000",
+        "--train-iters",
+        "3",
+        "--lr-warmup-iters",
+        "1",
+        "--eval-iters",
+        "0",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--save",
+        str(ckpt),
+        *QUIET,
+    )
     assert result.returncode == 0, result.stderr
     files = sorted(p.name for p in (ckpt / "iter_0000003").glob("optimizer_*"))
     assert files == ["optimizer_tp000_pp000_dp000.safetensors", "optimizer_tp000_pp000_dp001.safetensors"]
     # the shards hold single-device names: one process without ZeRO resumes from them
-    result = paratron("train", "--config", "debug", "--train-iters", "5", "--lr-warmup-iters", "1", "--eval-iters",
-                      "0", "--run-dir", str(tmp_path / "one"), "--load", str(ckpt), *QUIET)
+    result = paratron(
+        "train",
+        "--config",
+        "debug",
+        "--train-iters",
+        "5",
+        "--lr-warmup-iters",
+        "1",
+        "--eval-iters",
+        "0",
+        "--run-dir",
+        str(tmp_path / "one"),
+        "--load",
+        str(ckpt),
+        *QUIET,
+    )
     assert result.returncode == 0, result.stderr
     assert "loaded" in result.stdout and "step 3" in result.stdout
-    assert_one_line_error(paratron("train", "--config", "debug", "--load", str(tmp_path / "nothing"), *QUIET),
-                          "no such checkpoint directory; check the path")
+    assert_one_line_error(
+        paratron("train", "--config", "debug", "--load", str(tmp_path / "nothing"), *QUIET),
+        "no such checkpoint directory; check the path",
+    )
 
 
 def test_pipeline_training_with_profile_then_generate(tmp_path):
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    result = paratron("train", "--config", "debug", "--nproc", "2", "--pipeline-model-parallel-size", "2",
-                      "--pipeline-schedule", "zb-h1", "--micro-batch-size", "2", "--global-batch-size", "8",
-                      "--train-iters", "4", "--lr-warmup-iters", "1", "--log-interval", "2", "--eval-interval", "4", "--profile-pipeline",
-                      "--run-dir", str(run), "--save", str(ckpt), *QUIET)
+    result = paratron(
+        "train",
+        "--config",
+        "debug",
+        "--nproc",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--pipeline-schedule",
+        "zb-h1",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "4",
+        "--lr-warmup-iters",
+        "1",
+        "--log-interval",
+        "2",
+        "--eval-interval",
+        "4",
+        "--profile-pipeline",
+        "--run-dir",
+        str(run),
+        "--save",
+        str(ckpt),
+        *QUIET,
+    )
     assert result.returncode == 0, result.stderr
     assert "world 2 = TP 1 x CP 1 x DP 1 (EP 1) x PP 2" in result.stdout
     assert "pipeline profile of step 4: bubble" in result.stdout
@@ -135,9 +253,30 @@ def test_pipeline_training_with_profile_then_generate(tmp_path):
 def test_runs_when_started_by_torchrun(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "paratron",
-         "train", "--config", "debug", "--train-iters", "6", "--run-dir", str(tmp_path), *QUIET],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "paratron",
+            "train",
+            "--config",
+            "debug",
+            "--train-iters",
+            "6",
+            "--run-dir",
+            str(tmp_path),
+            *QUIET,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "world 2 = TP 1 x CP 1 x DP 2" in result.stdout
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -146,8 +285,18 @@ def test_runs_when_started_by_torchrun(tmp_path):
 
 def test_a_data_error_inside_the_workers_exits_2_without_hanging(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9\n")
-    result = paratron("train", "--config", "debug", "--nproc", "2", "--no-mock-data", "--data-path", str(tmp_path),
-                      *QUIET, timeout=120)
+    result = paratron(
+        "train",
+        "--config",
+        "debug",
+        "--nproc",
+        "2",
+        "--no-mock-data",
+        "--data-path",
+        str(tmp_path),
+        *QUIET,
+        timeout=120,
+    )
     assert_one_line_error(result, "bad.txt: byte 3 of the file is not valid UTF-8")
 
 
@@ -158,42 +307,93 @@ def test_an_empty_data_directory_is_refused_before_launch(tmp_path):
 
 
 def test_generate_with_a_missing_checkpoint(tmp_path):
-    assert_one_line_error(paratron("generate", "--load", str(tmp_path / "none"), "--prompt", "x"),
-                          "none: no such checkpoint directory; check --load")
+    assert_one_line_error(
+        paratron("generate", "--load", str(tmp_path / "none"), "--prompt", "x"),
+        "none: no such checkpoint directory; check --load",
+    )
 
 
 def test_preprocess_then_train_on_the_prefix(tmp_path):
     lines = [json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 5}) for i in range(300)]
     (tmp_path / "code.jsonl").write_text("\n".join(lines) + "\n")
     prefix = tmp_path / "out" / "code"
-    result = paratron("preprocess", "--input", str(tmp_path / "code.jsonl"), "--output-prefix", str(prefix),
-                      "--vocab-size", "300", "--append-eod", "--workers", "2", "--no-progress-bar")
+    result = paratron(
+        "preprocess",
+        "--input",
+        str(tmp_path / "code.jsonl"),
+        "--output-prefix",
+        str(prefix),
+        "--vocab-size",
+        "300",
+        "--append-eod",
+        "--workers",
+        "2",
+        "--no-progress-bar",
+    )
     assert result.returncode == 0, result.stderr
     assert "300 documents" in result.stdout and f"wrote {prefix}_text_document.bin" in result.stdout
-    trained = paratron("train", "--config", "debug", "--no-mock-data", "--data-path", f"{prefix}_text_document",
-                       "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", f"{prefix}_tokenizer.json",
-                       "--train-iters", "6", "--eval-interval", "3", "--run-dir", str(tmp_path / "run"),
-                       "--data-cache-path", str(tmp_path / "cache"), *QUIET)
+    trained = paratron(
+        "train",
+        "--config",
+        "debug",
+        "--no-mock-data",
+        "--data-path",
+        f"{prefix}_text_document",
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        f"{prefix}_tokenizer.json",
+        "--train-iters",
+        "6",
+        "--eval-interval",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        *QUIET,
+    )
     assert trained.returncode == 0, trained.stderr
     assert "vocab 512" in trained.stdout and "validation at step 6" in trained.stdout  # the recipe's 512 >= 300
 
 
 def test_preprocess_bad_input_is_one_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "wrong key"}\n')
-    result = paratron("preprocess", "--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "o"),
-                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--no-progress-bar")
+    result = paratron(
+        "preprocess",
+        "--input",
+        str(tmp_path / "bad.jsonl"),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "10",
+        "--no-progress-bar",
+    )
     assert_one_line_error(result, "bad.jsonl:2: no key 'text' (--skip-bad-lines skips such lines)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
     idx = tmp_path / "x.idx"
     idx.write_bytes(b"garbage!" * 8)
     (tmp_path / "x.bin").write_bytes(b"")
-    result = paratron("train", "--config", "debug", "--no-mock-data", "--data-path", str(tmp_path / "x"),
-                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10")
+    result = paratron(
+        "train",
+        "--config",
+        "debug",
+        "--no-mock-data",
+        "--data-path",
+        str(tmp_path / "x"),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "10",
+    )
     assert_one_line_error(result, "x.idx: bytes 0-8 are b'garbage!g', not the MMIDIDX magic")
 
 
 def test_convert_from_hugging_face_and_back(tmp_path):
     import transformers
+
     config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
@@ -203,10 +403,16 @@ def test_convert_from_hugging_face_and_back(tmp_path):
     result = paratron("convert", "--from", "paratron", str(tmp_path / "p"), "--to", "hf", str(tmp_path / "back"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "back" / "model.safetensors").is_file()
-    assert_one_line_error(paratron("convert", "--from", "hf", str(tmp_path / "nothing"), "--to", "paratron",
-                                   str(tmp_path / "x")), "no such directory")
-    assert_one_line_error(paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "hf",
-                                   str(tmp_path / "x")), "convert hf to paratron or paratron to hf")
-    assert_one_line_error(paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron",
-                                   str(tmp_path / "p")), "already exists and is not empty")
+    assert_one_line_error(
+        paratron("convert", "--from", "hf", str(tmp_path / "nothing"), "--to", "paratron", str(tmp_path / "x")),
+        "no such directory",
+    )
+    assert_one_line_error(
+        paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "hf", str(tmp_path / "x")),
+        "convert hf to paratron or paratron to hf",
+    )
+    assert_one_line_error(
+        paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron", str(tmp_path / "p")),
+        "already exists and is not empty",
+    )
     assert not (tmp_path / "x").exists()

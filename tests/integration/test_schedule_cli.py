@@ -19,8 +19,7 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_draws_and_reports_the_bubble(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(capsys, "--pp", "4", "--microbatches", "8", "--schedule", "zb-h1",
-                         "--output", "tmp/x.png")
+    code, out, err = run(capsys, "--pp", "4", "--microbatches", "8", "--schedule", "zb-h1", "--output", "tmp/x.png")
     assert code == 0, err
     png = tmp_path / "tmp" / "x.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -37,8 +36,9 @@ def test_draws_and_reports_the_bubble(tmp_path, monkeypatch, capsys):
 
 def test_default_output_name_and_print(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(capsys, "--pp", "2", "--microbatches", "4", "--schedule", "interleaved", "--vpp", "2",
-                         "--print")
+    code, out, err = run(
+        capsys, "--pp", "2", "--microbatches", "4", "--schedule", "interleaved", "--vpp", "2", "--print"
+    )
     assert code == 0, err
     lines = out.strip().splitlines()
     assert lines[0].startswith("rank 0: F0 ") and lines[1].startswith("rank 1: F0 ")
@@ -47,13 +47,19 @@ def test_default_output_name_and_print(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "schedule-interleaved-pp2-m4-v2.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--schedule", "interleaved", "--pp", "4", "--microbatches", "6", "--vpp", "2"], "divisible by the pipeline size (4)"),
-    (["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--vpp", "2"], "virtual stages need 'interleaved'"),
-    (["--pp", "0", "--microbatches", "8"], "--pp 0: must be at least 1"),
-    (["--pp", "2"], "the following arguments are required: --microbatches"),
-    (["--pp", "2", "--microbatches", "4", "--schedule", "pipedream"], "invalid choice: 'pipedream'"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["--schedule", "interleaved", "--pp", "4", "--microbatches", "6", "--vpp", "2"],
+            "divisible by the pipeline size (4)",
+        ),
+        (["--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--vpp", "2"], "virtual stages need 'interleaved'"),
+        (["--pp", "0", "--microbatches", "8"], "--pp 0: must be at least 1"),
+        (["--pp", "2"], "the following arguments are required: --microbatches"),
+        (["--pp", "2", "--microbatches", "4", "--schedule", "pipedream"], "invalid choice: 'pipedream'"),
+    ],
+)
 def test_mistakes_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, expected):
     monkeypatch.chdir(tmp_path)
     code, out, err = run(capsys, *args)

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from multiprocess import run_ranks
 from paratron.training.run import run_training
+
+from multiprocess import run_ranks
 from tiny import tiny_config
 
 STEPS = 20
@@ -31,10 +32,12 @@ def final_weights(run_dir: str, overrides: dict) -> dict[str, torch.Tensor]:
 LAYOUTS = {
     "ddp": dict(),
     "ddp-overlap": dict(overlap_grad_reduce=True, ddp_bucket_size=20_000),
-    "ddp-sync-every-micro-batch": dict(overlap_grad_reduce=True, ddp_bucket_size=20_000,
-                                       ddp_sync_every_micro_batch=True),
-    "zero1": dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
-                  ddp_bucket_size=20_000),
+    "ddp-sync-every-micro-batch": dict(
+        overlap_grad_reduce=True, ddp_bucket_size=20_000, ddp_sync_every_micro_batch=True
+    ),
+    "zero1": dict(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, ddp_bucket_size=20_000
+    ),
     "zero2": dict(zero_stage=2, overlap_grad_reduce=True, ddp_bucket_size=20_000),
     "zero3": dict(zero_stage=3),
 }
@@ -45,8 +48,9 @@ def train_curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
     from paratron.distributed.init import initialize
 
     initialize("gloo")
-    return {name: run_training(tiny_config(f"{run_dir}/{name}", **overrides)).losses
-            for name, overrides in runs.items()}
+    return {
+        name: run_training(tiny_config(f"{run_dir}/{name}", **overrides)).losses for name, overrides in runs.items()
+    }
 
 
 def grad_norms(run_dir) -> list[float]:
@@ -87,13 +91,20 @@ def reduced_shards(mode: str, scatter_by_all_reduce: bool) -> list[torch.Tensor]
     import torch.distributed as dist
 
     from paratron.distributed.init import initialize
+    from paratron.distributed.topology import RankGroup
     from paratron.parallel.data.buckets import GradientReducer
 
     initialize("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-    reducer = GradientReducer(list(model.parameters()), dist.group.WORLD, bucket_size=10, mode=mode, overlap=True,
-                              scatter_by_all_reduce=scatter_by_all_reduce)
+    reducer = GradientReducer(
+        list(model.parameters()),
+        RankGroup.world(),
+        bucket_size=10,
+        mode=mode,
+        overlap=True,
+        scatter_by_all_reduce=scatter_by_all_reduce,
+    )
     for micro in range(2):
         reducer.sync_enabled = micro == 1 or mode == "reduce-scatter-shard"
         x = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * dist.get_rank() + micro))
@@ -101,9 +112,11 @@ def reduced_shards(mode: str, scatter_by_all_reduce: bool) -> list[torch.Tensor]
     reducer.finish()
     pieces = reducer.local_pieces()
     if reducer.grad_buffer is not None:
-        return [reducer.grad_buffer[pos:pos + z - a].clone() for _, a, z, pos in pieces]
-    return [reducer.grad_shard[reducer.shard_position(pos):reducer.shard_position(pos) + z - a].clone()
-            for _, a, z, pos in pieces]
+        return [reducer.grad_buffer[pos : pos + z - a].clone() for _, a, z, pos in pieces]
+    return [
+        reducer.grad_shard[reducer.shard_position(pos) : reducer.shard_position(pos) + z - a].clone()
+        for _, a, z, pos in pieces
+    ]
 
 
 @pytest.mark.parametrize("mode", ["reduce-scatter", "reduce-scatter-shard"])
@@ -121,27 +134,55 @@ def three_d_runs(run_dir: str) -> dict:
     from paratron.distributed.init import initialize
 
     initialize("gloo")
-    common = dict(LLAMA, train_iters=STEPS, micro_batch_size=2, global_batch_size=8, seq_length=16,
-                  tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)
-    return {name: run_training(tiny_config(f"{run_dir}/{name}", **common, **settings)).losses
-            for name, settings in [("zero1", LAYOUTS["zero1"]), ("zero2-interleaved", dict(
-                LAYOUTS["zero2"], pipeline_schedule="interleaved", num_layers_per_virtual_pipeline_stage=1))]}
+    common = dict(
+        LLAMA,
+        train_iters=STEPS,
+        micro_batch_size=2,
+        global_batch_size=8,
+        seq_length=16,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        pipeline_model_parallel_size=2,
+    )
+    return {
+        name: run_training(tiny_config(f"{run_dir}/{name}", **common, **settings)).losses
+        for name, settings in [
+            ("zero1", LAYOUTS["zero1"]),
+            (
+                "zero2-interleaved",
+                dict(LAYOUTS["zero2"], pipeline_schedule="interleaved", num_layers_per_virtual_pipeline_stage=1),
+            ),
+        ]
+    }
 
 
-LLAMA = dict(num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
-             vocab_size=97, make_vocab_size_divisible_by=4, position_embedding_type="rope", normalization="RMSNorm",
-             activation="swiglu", add_bias_linear=False, model_name=None)
+LLAMA = dict(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=8,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=97,
+    make_vocab_size_divisible_by=4,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    add_bias_linear=False,
+    model_name=None,
+)
 
 
 def test_tp2_pp2_dp2_with_the_distributed_optimizer_gives_the_single_process_curve(tmp_path):
-    reference = train_losses(str(tmp_path / "single"), dict(LLAMA, train_iters=STEPS, micro_batch_size=2,
-                                                             global_batch_size=8, seq_length=16))
+    reference = train_losses(
+        str(tmp_path / "single"), dict(LLAMA, train_iters=STEPS, micro_batch_size=2, global_batch_size=8, seq_length=16)
+    )
     curves = run_ranks(three_d_runs, 8, str(tmp_path / "3d"))[0]
     for name, curve in curves.items():
         assert_same_curve(curve, reference, f"TP2 x PP2 x DP2 {name}")
     for name in curves:
-        assert_same_norms(grad_norms(tmp_path / "3d" / name), grad_norms(tmp_path / "single"),
-                          f"TP2 x PP2 x DP2 {name} gradient norm")
+        assert_same_norms(
+            grad_norms(tmp_path / "3d" / name), grad_norms(tmp_path / "single"), f"TP2 x PP2 x DP2 {name} gradient norm"
+        )
 
 
 def zero_resume_runs(run_dir: str) -> dict:
@@ -152,10 +193,12 @@ def zero_resume_runs(run_dir: str) -> dict:
     out = {}
     for name in ("zero1", "zero3"):
         common = dict(train_iters=12, micro_batch_size=4, global_batch_size=16, hidden_dropout=0.1, **LAYOUTS[name])
-        straight = run_training(tiny_config(f"{run_dir}/{name}", **common, save=f"{run_dir}/{name}-ckpt",
-                                            save_interval=6)).losses
-        resumed = run_training(tiny_config(f"{run_dir}/{name}-second", **common,
-                                           load=f"{run_dir}/{name}-ckpt/iter_0000006")).losses
+        straight = run_training(
+            tiny_config(f"{run_dir}/{name}", **common, save=f"{run_dir}/{name}-ckpt", save_interval=6)
+        ).losses
+        resumed = run_training(
+            tiny_config(f"{run_dir}/{name}-second", **common, load=f"{run_dir}/{name}-ckpt/iter_0000006")
+        ).losses
         out[name] = (straight, resumed)
     return out
 
@@ -182,7 +225,7 @@ def test_data_parallel_final_weights_equal_single_process(tmp_path):
             # Its gradient is exactly zero in theory (softmax ignores a per-row constant), so Adam
             # amplifies rounding noise there and no two summation orders agree.
             continue
-        torch.testing.assert_close(dp[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(dp[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def fail_on_rank_one(message: str) -> int:
@@ -212,8 +255,9 @@ def mixed_precision_runs(run_dir: str) -> dict[str, list[float]]:
     save = f"{run_dir}/ckpt"
     first = dict(common, precision="bf16", zero_stage=1, save=save, save_interval=4, train_iters=4)
     run_training(tiny_config(f"{run_dir}/first", **dict(first, lr_decay_iters=8)))
-    out["bf16-zero1-resumed"] = run_training(tiny_config(f"{run_dir}/resumed", **dict(first, train_iters=8,
-                                                                                      load=save, save=None))).losses
+    out["bf16-zero1-resumed"] = run_training(
+        tiny_config(f"{run_dir}/resumed", **dict(first, train_iters=8, load=save, save=None))
+    ).losses
     return out
 
 
@@ -223,8 +267,10 @@ def test_mixed_precision_with_data_parallelism_and_zero(tmp_path):
     sums are split), and a ZeRO-1 bf16 run resumes exactly from its master-weight shards."""
     result = run_ranks(mixed_precision_runs, 2, str(tmp_path))[0]
     common = dict(train_iters=8, micro_batch_size=4, global_batch_size=8, seq_length=16)
-    single = {p: run_training(tiny_config(tmp_path / f"single-{p}", precision=p, initial_loss_scale=2.0**16,
-                                          **common)).losses for p in ("bf16", "fp16")}
+    single = {
+        p: run_training(tiny_config(tmp_path / f"single-{p}", precision=p, initial_loss_scale=2.0**16, **common)).losses
+        for p in ("bf16", "fp16")
+    }
     for name, losses in result.items():
         if name.endswith("resumed"):
             continue

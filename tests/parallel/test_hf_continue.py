@@ -6,24 +6,48 @@ import pytest
 import torch
 import transformers  # the reference; installed with the test extras
 
-from multiprocess import run_ranks
 from paratron.config import build_config
 from paratron.training.run import run_training
 
+from multiprocess import run_ranks
+
 
 def losses(checkpoint: str, run_dir: str, overrides: dict) -> list[float]:
-    config = build_config(dict(dict(load=checkpoint, run_dir=run_dir, mock_data=True, seq_length=16,
-                                    micro_batch_size=4, train_iters=3, lr=1e-3, progress_bar=False,
-                                    tensorboard=False, log_interval=1, eval_iters=0), **overrides),
-                          recipe=f"{checkpoint}/model.yaml")
+    config = build_config(
+        dict(
+            dict(
+                load=checkpoint,
+                run_dir=run_dir,
+                mock_data=True,
+                seq_length=16,
+                micro_batch_size=4,
+                train_iters=3,
+                lr=1e-3,
+                progress_bar=False,
+                tensorboard=False,
+                log_interval=1,
+                eval_iters=0,
+            ),
+            **overrides,
+        ),
+        recipe=f"{checkpoint}/model.yaml",
+    )
     return run_training(config).losses
 
 
 def test_training_starts_from_converted_weights_at_any_layout(tmp_path):
     from paratron.checkpoint.hf import hf_to_paratron
 
-    settings = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    settings = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).save_pretrained(tmp_path / "hf")
     hf_to_paratron(tmp_path / "hf", tmp_path / "converted")
@@ -32,7 +56,18 @@ def test_training_starts_from_converted_weights_at_any_layout(tmp_path):
     tp2 = run_ranks(losses, 2, checkpoint, str(tmp_path / "tp2"), dict(tensor_model_parallel_size=2))[0]
     pp2 = run_ranks(losses, 2, checkpoint, str(tmp_path / "pp2"), dict(pipeline_model_parallel_size=2))[0]
     assert tp2 == pytest.approx(single, rel=1e-5) and pp2 == pytest.approx(single, rel=1e-5)
-    fresh = build_config(dict(mock_data=True, seq_length=16, micro_batch_size=4, train_iters=3, progress_bar=False,
-                              tensorboard=False, log_interval=1, eval_iters=0, run_dir=str(tmp_path / "fresh")),
-                         recipe=f"{checkpoint}/model.yaml")
+    fresh = build_config(
+        dict(
+            mock_data=True,
+            seq_length=16,
+            micro_batch_size=4,
+            train_iters=3,
+            progress_bar=False,
+            tensorboard=False,
+            log_interval=1,
+            eval_iters=0,
+            run_dir=str(tmp_path / "fresh"),
+        ),
+        recipe=f"{checkpoint}/model.yaml",
+    )
     assert run_training(fresh).losses[0] != pytest.approx(single[0], rel=1e-3)  # the weights were used

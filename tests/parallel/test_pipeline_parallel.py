@@ -8,17 +8,34 @@ import dataclasses
 import pytest
 import torch
 
-from multiprocess import run_ranks
 from paratron.training.run import run_training
+
+from multiprocess import run_ranks
 from tiny import tiny_config
 
 # 8 layers: PP 4 with two virtual stages per rank holds one layer per chunk
-GPT_FLAVOUR = dict(num_layers=8, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=97,
-                   max_position_embeddings=64, make_vocab_size_divisible_by=4, hidden_dropout=0.0,
-                   attention_dropout=0.0)
-LLAMA_FLAVOUR = dict(GPT_FLAVOUR, position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
-                     num_attention_heads=8, num_query_groups=2, add_bias_linear=False, ffn_hidden_size=96,
-                     untie_embeddings_and_output_weights=True)
+GPT_FLAVOUR = dict(
+    num_layers=8,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    vocab_size=97,
+    max_position_embeddings=64,
+    make_vocab_size_divisible_by=4,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+LLAMA_FLAVOUR = dict(
+    GPT_FLAVOUR,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    num_attention_heads=8,
+    num_query_groups=2,
+    add_bias_linear=False,
+    ffn_hidden_size=96,
+    untie_embeddings_and_output_weights=True,
+)
 FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
 MICRO_BATCHES = 4
 
@@ -27,18 +44,47 @@ def _layouts(pp: int) -> list[tuple[str, dict]]:
     """(name, settings) of every schedule at this pipeline size (each with activation
     recomputation), plus 1F1B without it: with shapes sent ahead, and cut unevenly."""
     # each schedule also recomputes activations, in one of the ways
-    cases = [("gpipe", dict(pipeline_schedule="gpipe", recompute_granularity="full", recompute_method="uniform",
-                            recompute_num_layers=2)),
-             ("1f1b", dict(pipeline_schedule="1f1b", recompute_granularity="selective")),
-             ("zb-h1", dict(pipeline_schedule="zb-h1", recompute_granularity="full", recompute_method="block",
-                            recompute_num_layers=1)),
-             ("interleaved", dict(pipeline_schedule="interleaved", num_layers_per_virtual_pipeline_stage=8 // (2 * pp),
-                                  recompute_granularity="full", recompute_method="uniform")),
-             ("zb-v", dict(pipeline_schedule="zb-v", recompute_granularity="selective"))]
+    cases = [
+        (
+            "gpipe",
+            dict(
+                pipeline_schedule="gpipe",
+                recompute_granularity="full",
+                recompute_method="uniform",
+                recompute_num_layers=2,
+            ),
+        ),
+        ("1f1b", dict(pipeline_schedule="1f1b", recompute_granularity="selective")),
+        (
+            "zb-h1",
+            dict(
+                pipeline_schedule="zb-h1",
+                recompute_granularity="full",
+                recompute_method="block",
+                recompute_num_layers=1,
+            ),
+        ),
+        (
+            "interleaved",
+            dict(
+                pipeline_schedule="interleaved",
+                num_layers_per_virtual_pipeline_stage=8 // (2 * pp),
+                recompute_granularity="full",
+                recompute_method="uniform",
+            ),
+        ),
+        ("zb-v", dict(pipeline_schedule="zb-v", recompute_granularity="selective")),
+    ]
     cases.append(("1f1b-shapes-sent", dict(pipeline_schedule="1f1b", variable_seq_lengths=True)))
     # uneven: 3 + 5 layers at PP 2; 1 + 3 + 3 + 1 at PP 4
-    cases.append(("1f1b-uneven", dict(decoder_first_pipeline_num_layers=3) if pp == 2 else
-                  dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1)))
+    cases.append(
+        (
+            "1f1b-uneven",
+            dict(decoder_first_pipeline_num_layers=3)
+            if pp == 2
+            else dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1),
+        )
+    )
     return cases
 
 
@@ -54,7 +100,7 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
 
     from paratron.config import build_config
     from paratron.distributed.init import initialize
-    from paratron.distributed.topology import ParallelDims, Topology
+    from paratron.distributed.topology import Axis, ParallelDims, Topology
     from paratron.model.gpt import GPT, build_model
     from paratron.parallel.parallelize import parallelize
     from paratron.parallel.pipeline.schedules import peak_live_activations
@@ -67,37 +113,50 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
     for flavour, model_settings in FLAVOURS.items():
         for case, settings in _layouts(pp):
             key = f"{flavour}-{case}"
-            config = build_config(dict(model_settings, **settings, pipeline_model_parallel_size=pp,
-                                       tensor_model_parallel_size=tp, sequence_parallel=tp > 1, mock_data=True,
-                                       seq_length=16, micro_batch_size=2, global_batch_size=2 * MICRO_BATCHES,
-                                       seed=7))
+            config = build_config(
+                dict(
+                    model_settings,
+                    **settings,
+                    pipeline_model_parallel_size=pp,
+                    tensor_model_parallel_size=tp,
+                    sequence_parallel=tp > 1,
+                    mock_data=True,
+                    seq_length=16,
+                    micro_batch_size=2,
+                    global_batch_size=2 * MICRO_BATCHES,
+                    seed=7,
+                )
+            )
             reference = build_model(config.model, seed=7)
             ids = torch.randint(0, 97, (2 * MICRO_BATCHES, 17), generator=torch.Generator().manual_seed(3))
             # micro-batches of 16 and 12 tokens: shapes are worked out per micro-batch
-            batches = [(ids[i : i + 2, :length], ids[i : i + 2, 1 : length + 1])
-                       for i, length in zip(range(0, 2 * MICRO_BATCHES, 2), (16, 12) * MICRO_BATCHES)]
-            ref_loss = sum(torch.nn.functional.cross_entropy(reference(x).flatten(0, 1), y.flatten())
-                           for x, y in batches) / MICRO_BATCHES
+            batches = [
+                (ids[i : i + 2, :length], ids[i : i + 2, 1 : length + 1])
+                for i, length in zip(range(0, 2 * MICRO_BATCHES, 2), (16, 12) * MICRO_BATCHES)
+            ]
+            ref_loss = (
+                sum(torch.nn.functional.cross_entropy(reference(x).flatten(0, 1), y.flatten()) for x, y in batches)
+                / MICRO_BATCHES
+            )
             ref_loss.backward()
 
             with torch.device("meta"):
                 meta = GPT(dataclasses.replace(config.model))
             model = parallelize(meta, config, topology, torch.device("cpu"))
-            model.zero_grad_buffer()
-            loss = model.pipeline.train_step(batches, lambda loss: loss.backward())
-            model.finish_grad_sync()
-            expected_live = peak_live_activations(model.pipeline.schedule)[topology.local_rank("pp")]
+            model.zero_grad()
+            loss = model.forward_backward(batches, lambda loss: loss.backward())
+            expected_live = peak_live_activations(model.pipeline.schedule)[topology.local_rank(Axis.PP)]
             assert model.pipeline.peak_live == expected_live, f"{key}: activations held"
             if case in ("gpipe", "1f1b"):
-                rank = topology.local_rank("pp")
+                rank = topology.local_rank(Axis.PP)
                 assert expected_live == (MICRO_BATCHES if case == "gpipe" else min(pp - rank, MICRO_BATCHES))
             summed = loss.clone()
-            dist.all_reduce(summed, group=topology.group("pp"))  # only the last stage holds the loss
+            dist.all_reduce(summed, group=topology.group(Axis.PP).process_group)  # only the last stage holds the loss
             errors = {"loss": _rel(summed, ref_loss)}
             held = dict(model.module.named_parameters())
             ref_params = dict(reference.named_parameters())
             for name, param in held.items():
-                grad = gather_full(param, topology.group("tp"), param.grad)
+                grad = gather_full(param, topology.group(Axis.TP), param.grad)
                 expected = ref_params[name].grad
                 if name.endswith("in_proj.k.bias"):
                     continue  # zero in exact arithmetic (see the tensor-parallel test)
@@ -129,20 +188,31 @@ def train_curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
     from paratron.distributed.init import initialize
 
     initialize("gloo")
-    return {name: run_training(tiny_config(f"{run_dir}/{name}", **overrides)).losses
-            for name, overrides in runs.items()}
+    return {
+        name: run_training(tiny_config(f"{run_dir}/{name}", **overrides)).losses for name, overrides in runs.items()
+    }
 
 
 def _curve_settings(flavour: str) -> dict:
-    return dict(FLAVOURS[flavour], model_name=None, train_iters=20, micro_batch_size=2,
-                global_batch_size=2 * MICRO_BATCHES, seq_length=16)
+    return dict(
+        FLAVOURS[flavour],
+        model_name=None,
+        train_iters=20,
+        micro_batch_size=2,
+        global_batch_size=2 * MICRO_BATCHES,
+        seq_length=16,
+    )
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_twenty_step_loss_curves_equal_single_device(tmp_path, pp):
     reference = {f: train_curves(str(tmp_path / "single"), {f: _curve_settings(f)})[f] for f in FLAVOURS}
-    runs = {f"{flavour}-{case}": dict(_curve_settings(flavour), **settings, pipeline_model_parallel_size=pp)
-            for flavour in FLAVOURS for case, settings in _layouts(pp) if case != "1f1b-shapes-sent"}
+    runs = {
+        f"{flavour}-{case}": dict(_curve_settings(flavour), **settings, pipeline_model_parallel_size=pp)
+        for flavour in FLAVOURS
+        for case, settings in _layouts(pp)
+        if case != "1f1b-shapes-sent"
+    }
     curves = run_ranks(train_curves, pp, str(tmp_path / f"pp{pp}"), runs)[0]
     for name, curve in curves.items():
         expected = reference[name.split("-")[0]]
@@ -153,9 +223,17 @@ def test_twenty_step_loss_curves_equal_single_device(tmp_path, pp):
 
 def test_pipeline_with_tensor_parallelism_twenty_step_curve(tmp_path):
     reference = train_curves(str(tmp_path / "single"), {"llama": _curve_settings("llama")})["llama"]
-    runs = {name: dict(_curve_settings("llama"), pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
-                       sequence_parallel=True, **settings)
-            for name, settings in _layouts(2) if name in ("zb-h1", "interleaved")}
+    runs = {
+        name: dict(
+            _curve_settings("llama"),
+            pipeline_model_parallel_size=2,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            **settings,
+        )
+        for name, settings in _layouts(2)
+        if name in ("zb-h1", "interleaved")
+    }
     curves = run_ranks(train_curves, 4, str(tmp_path / "pp2-tp2"), runs)[0]
     for name, curve in curves.items():
         assert len(curve) == 20
@@ -172,10 +250,17 @@ def resume_runs(run_dir: str) -> dict:
     from paratron.distributed.init import initialize
 
     initialize("gloo")
-    common = dict(_curve_settings("gpt"), hidden_dropout=0.1, attention_dropout=0.1, pipeline_model_parallel_size=2,
-                  pipeline_schedule="zb-h1", train_iters=12)
-    straight = run_training(tiny_config(f"{run_dir}/straight", **common, save=f"{run_dir}/ckpt",
-                                        save_interval=6)).losses
+    common = dict(
+        _curve_settings("gpt"),
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        pipeline_model_parallel_size=2,
+        pipeline_schedule="zb-h1",
+        train_iters=12,
+    )
+    straight = run_training(
+        tiny_config(f"{run_dir}/straight", **common, save=f"{run_dir}/ckpt", save_interval=6)
+    ).losses
     resumed = run_training(tiny_config(f"{run_dir}/second", **common, load=f"{run_dir}/ckpt/iter_0000006")).losses
     dist.barrier()
     names = sorted(dict(load_pretrained(f"{run_dir}/ckpt").named_parameters())) if dist.get_rank() == 0 else None

@@ -10,8 +10,17 @@ import torch
 
 from multiprocess import run_ranks
 
-MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=97,
-             max_position_embeddings=64, make_vocab_size_divisible_by=4, hidden_dropout=0.2, attention_dropout=0.2)
+MODEL = dict(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    vocab_size=97,
+    max_position_embeddings=64,
+    make_vocab_size_divisible_by=4,
+    hidden_dropout=0.2,
+    attention_dropout=0.2,
+)
 MODES = {
     "none": {},
     "selective": dict(recompute_granularity="selective"),
@@ -35,8 +44,17 @@ def one_step_per_mode(world: int) -> dict[str, tuple[float, dict[str, torch.Tens
     ids = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(1))
     out = {}
     for mode, settings in MODES.items():
-        config = build_config(dict(MODEL, **settings, tensor_model_parallel_size=world, sequence_parallel=world > 1,
-                                   mock_data=True, seq_length=16, seed=5))
+        config = build_config(
+            dict(
+                MODEL,
+                **settings,
+                tensor_model_parallel_size=world,
+                sequence_parallel=world > 1,
+                mock_data=True,
+                seq_length=16,
+                seed=5,
+            )
+        )
         with torch.device("meta"):
             meta = GPT(dataclasses.replace(config.model))
         model = parallelize(meta, config, topology, torch.device("cpu"))

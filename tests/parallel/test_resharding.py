@@ -4,15 +4,31 @@ the optimizer state (saved in pieces under single-device names) follows."""
 
 from __future__ import annotations
 
-from multiprocess import run_ranks
 from paratron.training.run import run_training
+
+from multiprocess import run_ranks
 from tiny import tiny_config
 
 # vocabulary 97 pads differently at each TP size; 2 key-value heads are replicated at TP 4
-MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-             vocab_size=97, make_vocab_size_divisible_by=4, position_embedding_type="rope", normalization="RMSNorm",
-             activation="swiglu", add_bias_linear=False, model_name=None, seq_length=16, micro_batch_size=2,
-             global_batch_size=16, train_iters=10, lr_warmup_iters=2)
+MODEL = dict(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=64,
+    vocab_size=97,
+    make_vocab_size_divisible_by=4,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    add_bias_linear=False,
+    model_name=None,
+    seq_length=16,
+    micro_batch_size=2,
+    global_batch_size=16,
+    train_iters=10,
+    lr_warmup_iters=2,
+)
 SAVED_AT = 5
 TOLERANCE = 1e-6
 
@@ -27,19 +43,27 @@ def assert_continues(resumed: list[float], straight: list[float], what: str, tol
         assert abs(a - b) <= tolerance * abs(b), f"{what}, step {step}: {a} vs {b} ({abs(a - b) / b:.2e})"
 
 
-def reshard(tmp_path, name: str, before: dict, world_before: int, after: dict, world_after: int,
-            tolerance: float = TOLERANCE) -> None:
+def reshard(
+    tmp_path, name: str, before: dict, world_before: int, after: dict, world_after: int, tolerance: float = TOLERANCE
+) -> None:
     save = str(tmp_path / f"{name}-ckpt")
-    straight = run_ranks(curve, world_before, str(tmp_path / f"{name}-a"),
-                         dict(before, save=save, save_interval=SAVED_AT))[0]
+    straight = run_ranks(
+        curve, world_before, str(tmp_path / f"{name}-a"), dict(before, save=save, save_interval=SAVED_AT)
+    )[0]
     checkpoint = f"{save}/iter_{SAVED_AT:07d}"
     resumed = run_ranks(curve, world_after, str(tmp_path / f"{name}-b"), dict(after, load=checkpoint))[0]
     assert_continues(resumed, straight, name, tolerance)
 
 
 def test_tp2_pp2_resumes_as_pp4(tmp_path):
-    reshard(tmp_path, "tp2pp2-pp4", dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 4,
-            dict(pipeline_model_parallel_size=4), 4)
+    reshard(
+        tmp_path,
+        "tp2pp2-pp4",
+        dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+        4,
+        dict(pipeline_model_parallel_size=4),
+        4,
+    )
 
 
 def test_tp4_resumes_on_one_process(tmp_path):
@@ -63,5 +87,11 @@ def test_bf16_masters_reshard(tmp_path):
 
 
 def test_virtual_pipeline_resumes_as_one_stage_per_rank(tmp_path):
-    reshard(tmp_path, "vpp", dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1), 2,
-            dict(pipeline_model_parallel_size=2), 2)
+    reshard(
+        tmp_path,
+        "vpp",
+        dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
+        2,
+        dict(pipeline_model_parallel_size=2),
+        2,
+    )

@@ -8,16 +8,32 @@ import dataclasses
 import pytest
 import torch
 
-from multiprocess import run_ranks
-from paratron.config.schema import ModelConfig
 from paratron.training.run import run_training
+
+from multiprocess import run_ranks
 from tiny import tiny_config
 
-GPT_FLAVOUR = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=97,
-                   max_position_embeddings=64, make_vocab_size_divisible_by=128)
-LLAMA_FLAVOUR = dict(GPT_FLAVOUR, position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
-                     num_attention_heads=8, num_query_groups=2, add_bias_linear=False, ffn_hidden_size=96,
-                     untie_embeddings_and_output_weights=True, make_vocab_size_divisible_by=4)
+GPT_FLAVOUR = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    vocab_size=97,
+    max_position_embeddings=64,
+    make_vocab_size_divisible_by=128,
+)
+LLAMA_FLAVOUR = dict(
+    GPT_FLAVOUR,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    num_attention_heads=8,
+    num_query_groups=2,
+    add_bias_linear=False,
+    ffn_hidden_size=96,
+    untie_embeddings_and_output_weights=True,
+    make_vocab_size_divisible_by=4,
+)
 FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
 
 
@@ -36,9 +52,10 @@ def _init(world: int):
 def collectives_by_hand(world: int) -> None:
     """Every autograd collective, forward and backward, against values computed from rank ids."""
     from paratron.distributed import comm
+    from paratron.distributed.topology import Axis
 
     dist, topology = _init(world)
-    group, r = topology.group("tp"), topology.rank
+    group, r = topology.group(Axis.TP), topology.rank
     ranks_sum = sum(range(1, world + 1))
 
     x = torch.full((2, 3), float(r + 1), requires_grad=True)
@@ -64,7 +81,9 @@ def collectives_by_hand(world: int) -> None:
     y = comm.gather_from_region(x, group)
     assert torch.equal(y, torch.cat([torch.full((2, 2), float(q)) for q in range(world)], dim=1))
     y.backward(torch.arange(2 * 2 * world, dtype=torch.float32).reshape(2, 2 * world))
-    assert torch.equal(x.grad, torch.arange(2 * 2 * world, dtype=torch.float32).reshape(2, 2 * world)[:, 2 * r : 2 * r + 2])
+    assert torch.equal(
+        x.grad, torch.arange(2 * 2 * world, dtype=torch.float32).reshape(2, 2 * world)[:, 2 * r : 2 * r + 2]
+    )
 
     # sequence dimension (dim 1 of [batch, seq, hidden])
     x = torch.full((2, 3, 4), float(r + 1), requires_grad=True)
@@ -85,6 +104,16 @@ def collectives_by_hand(world: int) -> None:
     assert y.flatten().tolist() == [2.0 * r, 2.0 * r + 1]
     y.backward(torch.ones_like(y) * (r + 1))
     assert x.grad.flatten().tolist() == [float(q + 1) for q in range(world) for _ in range(2)]
+
+    # counting is opt-in, for the block only: one all-reduce forward, one all-gather and one
+    # reduce-scatter for a sequence gather and its backward
+    with comm.count_collectives() as counts:
+        comm.reduce_from_region(torch.ones(2), group)
+        x = torch.ones(1, 2, 1, requires_grad=True)
+        comm.gather_from_sequence(x, group).sum().backward()
+    assert counts == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1}, counts
+    comm.reduce_from_region(torch.ones(2), group)
+    assert counts == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1}
     dist.destroy_process_group()
 
 
@@ -98,6 +127,7 @@ def model_parity(world: int) -> dict:
     gradient against the single-device model built on this rank. Returns the worst relative errors."""
     from paratron.config import build_config
     from paratron.distributed import comm
+    from paratron.distributed.topology import Axis
     from paratron.model.gpt import GPT, build_model
     from paratron.parallel.parallelize import parallelize
     from paratron.parallel.sharding import gather_full
@@ -107,15 +137,23 @@ def model_parity(world: int) -> dict:
     for flavour, model_settings in FLAVOURS.items():
         for sequence_parallel in (False, True):
             key = f"{flavour}{'-sp' if sequence_parallel else ''}"
-            config = build_config(dict(model_settings, tensor_model_parallel_size=world, mock_data=True,
-                                       seq_length=16, sequence_parallel=sequence_parallel, seed=11))
+            config = build_config(
+                dict(
+                    model_settings,
+                    tensor_model_parallel_size=world,
+                    mock_data=True,
+                    seq_length=16,
+                    sequence_parallel=sequence_parallel,
+                    seed=11,
+                )
+            )
             reference = build_model(config.model, seed=11)
             with torch.device("meta"):
                 meta = GPT(dataclasses.replace(config.model))
             model = parallelize(meta, config, topology, torch.device("cpu"))
             names = dict(model.module.named_parameters())
             for name, param in reference.named_parameters():
-                assert torch.equal(gather_full(names[name], topology.group("tp")), param), f"{key}: init of {name}"
+                assert torch.equal(gather_full(names[name], topology.group(Axis.TP)), param), f"{key}: init of {name}"
 
             ids = torch.randint(0, 97, (3, 17), generator=torch.Generator().manual_seed(5))
             inputs, labels = ids[:, :-1], ids[:, 1:]
@@ -128,10 +166,10 @@ def model_parity(world: int) -> dict:
             model.finish_grad_sync()
 
             # ranks hold consecutive slices of the padded vocabulary; the padding comes last
-            full_logits = comm.all_gather(logits.detach(), 2, topology.group("tp"))[..., :97]
+            full_logits = comm.all_gather(logits.detach(), 2, topology.group(Axis.TP))[..., :97]
             errors = {"logits": _rel(full_logits, ref_logits), "loss": _rel(loss, ref_loss)}
             for name, param in reference.named_parameters():
-                grad = gather_full(names[name], topology.group("tp"), names[name].grad)
+                grad = gather_full(names[name], topology.group(Axis.TP), names[name].grad)
                 if name.endswith("in_proj.k.bias"):
                     # zero in exact arithmetic (softmax ignores a constant added to a row of scores):
                     # both are rounding noise near 1e-11, so compare absolutely
@@ -163,16 +201,22 @@ def train_curve(run_dir: str, overrides: dict) -> list[float]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_twenty_step_loss_curves_equal_single_device(tmp_path, world):
     for flavour in FLAVOURS:
-        common = dict(FLAVOURS[flavour], model_name=None, train_iters=20, micro_batch_size=4, seq_length=16,
-                      hidden_dropout=0.0)
+        common = dict(
+            FLAVOURS[flavour], model_name=None, train_iters=20, micro_batch_size=4, seq_length=16, hidden_dropout=0.0
+        )
         reference = train_curve(str(tmp_path / f"single-{flavour}"), common)
         for sequence_parallel in (False, True):
-            per_rank = run_ranks(train_curve, world, str(tmp_path / f"tp-{flavour}-{sequence_parallel}"),
-                                 dict(common, tensor_model_parallel_size=world, sequence_parallel=sequence_parallel))
+            per_rank = run_ranks(
+                train_curve,
+                world,
+                str(tmp_path / f"tp-{flavour}-{sequence_parallel}"),
+                dict(common, tensor_model_parallel_size=world, sequence_parallel=sequence_parallel),
+            )
             assert len(per_rank[0]) == 20
             for step, (ours, ref) in enumerate(zip(per_rank[0], reference), start=1):
-                assert abs(ours - ref) <= 1e-5 * abs(ref), \
+                assert abs(ours - ref) <= 1e-5 * abs(ref), (
                     f"{flavour} TP={world} SP={sequence_parallel}: step {step}: {ours} vs {ref}"
+                )
 
 
 def dropout_streams(world: int) -> list:
@@ -206,8 +250,9 @@ def test_dropout_inside_tensor_parallel_regions_differs_by_rank_and_outside_agre
 
 
 def test_tensor_parallel_training_with_dropout_is_reproducible_and_consistent(tmp_path):
-    overrides = dict(train_iters=6, tensor_model_parallel_size=2, sequence_parallel=True, hidden_dropout=0.2,
-                     attention_dropout=0.2)
+    overrides = dict(
+        train_iters=6, tensor_model_parallel_size=2, sequence_parallel=True, hidden_dropout=0.2, attention_dropout=0.2
+    )
     first = run_ranks(train_curve, 2, str(tmp_path / "a"), overrides)
     second = run_ranks(train_curve, 2, str(tmp_path / "b"), overrides)
     assert first[0] == first[1] == second[0]  # ranks agree on the loss; the run repeats exactly
@@ -229,11 +274,19 @@ def test_tensor_parallel_resume_is_exact_and_reshards_weights(tmp_path):
 
 
 def test_tensor_and_data_parallel_together_equal_single_device(tmp_path):
-    common = dict(FLAVOURS["llama"], model_name=None, num_query_groups=1, train_iters=10, micro_batch_size=2,
-                  global_batch_size=8, seq_length=16)  # one key/value head, replicated on both TP ranks
+    common = dict(
+        FLAVOURS["llama"],
+        model_name=None,
+        num_query_groups=1,
+        train_iters=10,
+        micro_batch_size=2,
+        global_batch_size=8,
+        seq_length=16,
+    )  # one key/value head, replicated on both TP ranks
     reference = train_curve(str(tmp_path / "single"), common)
-    per_rank = run_ranks(train_curve, 4, str(tmp_path / "tp2dp2"),
-                         dict(common, tensor_model_parallel_size=2, sequence_parallel=True))
+    per_rank = run_ranks(
+        train_curve, 4, str(tmp_path / "tp2dp2"), dict(common, tensor_model_parallel_size=2, sequence_parallel=True)
+    )
     for step, (ours, ref) in enumerate(zip(per_rank[0], reference), start=1):
         assert abs(ours - ref) <= 1e-5 * abs(ref), f"TP 2 x DP 2, step {step}: {ours} vs {ref}"
 
@@ -241,8 +294,9 @@ def test_tensor_and_data_parallel_together_equal_single_device(tmp_path):
 def test_mixed_precision_under_tensor_parallelism(tmp_path):
     overrides = dict(train_iters=4, precision="bf16", seq_length=16, micro_batch_size=4)
     single = train_curve(str(tmp_path / "single"), overrides)
-    tp = run_ranks(train_curve, 2, str(tmp_path / "tp"), dict(overrides, tensor_model_parallel_size=2,
-                                                              sequence_parallel=True))[0]
+    tp = run_ranks(
+        train_curve, 2, str(tmp_path / "tp"), dict(overrides, tensor_model_parallel_size=2, sequence_parallel=True)
+    )[0]
     assert tp == pytest.approx(single, rel=2e-2)  # bf16 rounding differs with the split, not the result
 
 
@@ -251,13 +305,14 @@ def fp16_overflow_on_one_rank(world: int) -> dict:
     from paratron.config import build_config
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
-    from paratron.parallel.parallelize import parallelize
     from paratron.optim.mixed_precision import LossScaler, Precision
+    from paratron.parallel.parallelize import parallelize
     from paratron.training.step import train_step
 
     dist, topology = _init(world)
-    config = build_config(dict(GPT_FLAVOUR, tensor_model_parallel_size=world, mock_data=True, seq_length=16,
-                               precision="fp16"))
+    config = build_config(
+        dict(GPT_FLAVOUR, tensor_model_parallel_size=world, mock_data=True, seq_length=16, precision="fp16")
+    )
     with torch.device("meta"):
         meta = GPT(config.model)
     model = parallelize(meta, config, topology, torch.device("cpu"))
@@ -269,8 +324,12 @@ def fp16_overflow_on_one_rank(world: int) -> dict:
     before = model.module.final_norm.weight.detach().clone()
     ids = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(0))
     result = train_step(model, optimizer, [(ids[:, :-1], ids[:, 1:])], precision, clip_grad=1.0)
-    report = {"skipped": result.skipped, "scale": precision.scaler.scale, "dtype": str(weight.dtype),
-              "unchanged": torch.equal(before, model.module.final_norm.weight.detach())}
+    report = {
+        "skipped": result.skipped,
+        "scale": precision.scaler.scale,
+        "dtype": str(weight.dtype),
+        "unchanged": torch.equal(before, model.module.final_norm.weight.detach()),
+    }
     dist.destroy_process_group()
     return report
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from multiprocess import run_ranks
 from paratron.parallel.data.memory import paper_bytes, training_state_elements, zero_formula
+
+from multiprocess import run_ranks
 from tiny import tiny_config
 
 SIZE = 2
@@ -20,8 +21,9 @@ OVERRIDES = dict(ffn_hidden_size=129, ddp_bucket_size=5000)
 
 
 def _counts(report: dict) -> dict:
-    return {c: (report[c]["elements"], report[c]["bytes"]) for c in ("parameters", "gradients", "master",
-                                                                     "optimizer_state")}
+    return {
+        c: (report[c]["elements"], report[c]["bytes"]) for c in ("parameters", "gradients", "master", "optimizer_state")
+    }
 
 
 def measure_stages(run_dir: str) -> list[dict]:
@@ -31,8 +33,8 @@ def measure_stages(run_dir: str) -> list[dict]:
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
-    from paratron.parallel.parallelize import parallelize
     from paratron.optim.mixed_precision import Precision
+    from paratron.parallel.parallelize import parallelize
     from paratron.training.step import train_step
 
     dist.init_process_group("gloo")
@@ -48,10 +50,9 @@ def measure_stages(run_dir: str) -> list[dict]:
         shapes = [tuple(p.shape) for p in meta.parameters()]
         model = parallelize(meta, config, topology, torch.device("cpu"))
         optimizer = build_optimizer(model, config.optimizer)
-        train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])],
-                   Precision("fp32"), 1.0)
+        train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])], Precision("fp32"), 1.0)
         entry = {"stage": stage, "shapes": shapes, "report": training_state_elements(model, optimizer)}
-        reducer = model.reducer
+        reducer = model.gradients.reducer
         if reducer is not None:
             entry["total"] = reducer.total
             entry["bucket_sums"] = [sum(p.numel() for p in b.params) for b in reducer.buckets]
@@ -84,7 +85,7 @@ def ranks(tmp_path_factory):
 
 
 def test_plain_data_parallel_and_stage_1(ranks):
-    for rank, entries in enumerate(ranks):
+    for entries in ranks:
         zero, one = entries[0], entries[1]
         psi = sum(_numel(s) for s in zero["shapes"])
         padding = sum(-n % SIZE for n in zero["bucket_sums"])
@@ -93,15 +94,23 @@ def test_plain_data_parallel_and_stage_1(ranks):
         assert zero["total"] == one["total"] == total
         # stage 0: whole parameters, the padded gradient buffer (each .grad a view, counted once),
         # master weights that are the parameters, two Adam moments per parameter element
-        assert _counts(zero["report"]) == {"parameters": (psi, 4 * psi), "gradients": (total, 4 * total),
-                                           "master": (psi, 0), "optimizer_state": (2 * psi, 8 * psi)}
+        assert _counts(zero["report"]) == {
+            "parameters": (psi, 4 * psi),
+            "gradients": (total, 4 * total),
+            "master": (psi, 0),
+            "optimizer_state": (2 * psi, 8 * psi),
+        }
         assert zero["report"]["total_bytes"] == 16 * psi + 4 * padding
         assert paper_bytes(zero["report"])["total"] == zero_formula(0, psi, SIZE) + 2 * padding
         # stage 1: flat parameters and full gradients stay; masters (views) and state are this rank's pieces
         mine = one["pieces"]
         assert total // SIZE - padding <= mine <= total // SIZE
-        assert _counts(one["report"]) == {"parameters": (total, 4 * total), "gradients": (total, 4 * total),
-                                          "master": (mine, 0), "optimizer_state": (2 * mine, 8 * mine)}
+        assert _counts(one["report"]) == {
+            "parameters": (total, 4 * total),
+            "gradients": (total, 4 * total),
+            "master": (mine, 0),
+            "optimizer_state": (2 * mine, 8 * mine),
+        }
     assert sum(entries[1]["pieces"] for entries in ranks) == psi  # the pieces partition the model
 
 
@@ -110,8 +119,12 @@ def test_stage_2_keeps_only_the_gradient_shard(ranks):
         two = entries[2]
         psi, total, mine = sum(_numel(s) for s in two["shapes"]), two["total"], two["pieces"]
         shard = total // SIZE
-        assert _counts(two["report"]) == {"parameters": (total, 4 * total), "gradients": (shard, 4 * shard),
-                                          "master": (mine, 0), "optimizer_state": (2 * mine, 8 * mine)}
+        assert _counts(two["report"]) == {
+            "parameters": (total, 4 * total),
+            "gradients": (shard, 4 * shard),
+            "master": (mine, 0),
+            "optimizer_state": (2 * mine, 8 * mine),
+        }
         assert two["report"]["total_bytes"] == 4 * total + 4 * shard + 8 * mine
         assert _counts(two["aliased_bucket"]) == _counts(two["report"])
         size, leaked = two["leaked_bucket"]
@@ -120,8 +133,9 @@ def test_stage_2_keeps_only_the_gradient_shard(ranks):
     # N full padded parameter buffers and one padded gradient buffer in shards
     psi = sum(_numel(s) for s in ranks[0][2]["shapes"])
     padding = ranks[0][2]["total"] - psi
-    assert sum(entries[2]["report"]["total_bytes"] for entries in ranks) == \
-        SIZE * zero_formula(2, psi, SIZE, "fp32") + 4 * padding * (SIZE + 1)
+    assert sum(entries[2]["report"]["total_bytes"] for entries in ranks) == SIZE * zero_formula(
+        2, psi, SIZE, "fp32"
+    ) + 4 * padding * (SIZE + 1)
 
 
 def test_stage_3_shards_everything(ranks):
@@ -143,16 +157,29 @@ def test_a_plain_module_and_optimizer():
     model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3, bias=False))
     optimizer = torch.optim.AdamW(model.parameters())
     before = training_state_elements(model, optimizer)
-    assert _counts(before) == {"parameters": (55, 220), "gradients": (0, 0), "master": (55, 0),
-                               "optimizer_state": (0, 0)}
+    assert _counts(before) == {
+        "parameters": (55, 220),
+        "gradients": (0, 0),
+        "master": (55, 0),
+        "optimizer_state": (0, 0),
+    }
     model(torch.randn(4, 7)).sum().backward()
     optimizer.step()
     report = training_state_elements(model, optimizer)
-    assert _counts(report) == {"parameters": (55, 220), "gradients": (55, 220), "master": (55, 0),
-                               "optimizer_state": (110, 440)}  # the step counters are not state
+    assert _counts(report) == {
+        "parameters": (55, 220),
+        "gradients": (55, 220),
+        "master": (55, 0),
+        "optimizer_state": (110, 440),
+    }  # the step counters are not state
     assert report["total_bytes"] == 16 * 55 == zero_formula(0, 55, 1, "fp32")
-    assert paper_bytes(report) == {"parameters": 110, "gradients": 110, "master": 220, "optimizer_state": 440,
-                                   "total": 880}
+    assert paper_bytes(report) == {
+        "parameters": 110,
+        "gradients": 110,
+        "master": 220,
+        "optimizer_state": 440,
+        "total": 880,
+    }
     # a state tensor that is a view of a parameter's storage costs elements, not bytes
     optimizer.state[model[1].weight]["alias"] = model[1].weight.detach()[0]
     aliased = training_state_elements(model, optimizer)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from paratron.distributed.topology import RankGroup
 from paratron.parallel.data.buckets import GradientReducer, plan_buckets
 
 
@@ -40,7 +41,7 @@ def test_shards_partition_every_bucket(size):
 def test_single_rank_reducer_keeps_gradients_in_one_buffer_and_reports_its_pieces():
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     trained = list(model.parameters())
-    reducer = GradientReducer(trained, group=None, bucket_size=10)
+    reducer = GradientReducer(trained, group=RankGroup.solo(), bucket_size=10)
     model(torch.ones(5, 3)).sum().backward()
     reducer.finish()
     for p in trained:

@@ -11,6 +11,7 @@ from paratron.config.arguments import parse_config_arguments
 from paratron.config.fields import all_fields
 from paratron.config.megatron import from_megatron_dict
 from paratron.errors import ConfigError
+from paratron.training.run import check_inputs
 
 MEGATRON_COMMAND = """
 --num-layers 6 --hidden-size 96 --ffn-hidden-size 256 --num-attention-heads 6 --group-query-attention
@@ -43,7 +44,13 @@ def test_every_field_has_a_doc_shown_by_help(capsys):
 def test_megatron_flag_names_map_onto_the_config():
     c = parse(MEGATRON_COMMAND)
     m, t, o, s, d = c.model, c.training, c.optimizer, c.lr_schedule, c.data
-    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups) == (6, 96, 256, 6, 2)
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups) == (
+        6,
+        96,
+        256,
+        6,
+        2,
+    )
     assert (d.seq_length, m.max_position_embeddings, t.micro_batch_size, t.global_batch_size) == (48, 64, 3, 12)
     assert (o.lr, s.min_lr, s.lr_warmup_iters, s.lr_decay_iters, s.lr_decay_style) == (0.002, 0.0001, 7, 90, "linear")
     assert (t.train_iters, o.weight_decay, o.adam_beta1, o.adam_beta2, o.clip_grad) == (100, 0.05, 0.8, 0.99, 0.5)
@@ -54,17 +61,35 @@ def test_megatron_flag_names_map_onto_the_config():
     assert m.untie_embeddings_and_output_weights and not m.add_bias_linear
     assert (m.position_embedding_type, m.normalization, m.activation) == ("rope", "RMSNorm", "swiglu")
     assert parse(["--fp16"]).training.precision == "fp16"
-    t = parse(["--fp16", "--initial-loss-scale", "65536", "--min-loss-scale", "2", "--loss-scale-window", "10",
-               "--hysteresis", "1", "--log-memory"])
-    assert (t.training.initial_loss_scale, t.training.min_loss_scale, t.training.loss_scale_window,
-            t.training.hysteresis, t.logging.log_memory) == (65536.0, 2.0, 10, 1, True)
+    t = parse(
+        [
+            "--fp16",
+            "--initial-loss-scale",
+            "65536",
+            "--min-loss-scale",
+            "2",
+            "--loss-scale-window",
+            "10",
+            "--hysteresis",
+            "1",
+            "--log-memory",
+        ]
+    )
+    assert (
+        t.training.initial_loss_scale,
+        t.training.min_loss_scale,
+        t.training.loss_scale_window,
+        t.training.hysteresis,
+        t.logging.log_memory,
+    ) == (65536.0, 2.0, 10, 1, True)
     assert parse(["--fp16", "--loss-scale", "4096"]).training.loss_scale == 4096.0
     assert parse(["--recompute-activations"]).training.recompute_granularity == "selective"
 
 
 def test_data_parallel_flags():
-    p = parse(["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-               "--ddp-bucket-size", "1000"]).parallel
+    p = parse(
+        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "1000"]
+    ).parallel
     assert (p.sharding_stage, p.overlap_grad_reduce, p.overlap_param_gather, p.ddp_bucket_size) == (1, True, True, 1000)
     assert parse(["--zero-stage", "3"]).parallel.sharding_stage == 3
     assert parse(["--use-distributed-optimizer", "--zero-stage", "2"]).parallel.sharding_stage == 2
@@ -126,59 +151,222 @@ def base(**overrides):
     return build_config(values)
 
 
-@pytest.mark.parametrize("overrides, world, message", [
-    (dict(tensor_model_parallel_size=2), 3, "world size 3 is not divisible by --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1"),
-    (dict(num_attention_heads=6, hidden_size=48, tensor_model_parallel_size=4), 4, "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
-    (dict(hidden_size=48, num_attention_heads=6, num_query_groups=3, tensor_model_parallel_size=2), 2, "--num-query-groups 3 and --tensor-model-parallel-size 2: one must divide the other"),
-    (dict(ffn_hidden_size=30, tensor_model_parallel_size=4), 4, "--ffn-hidden-size 30 is not divisible by --tensor-model-parallel-size 4"),
-    (dict(sequence_parallel=True), 1, "--sequence-parallel needs --tensor-model-parallel-size above 1"),
-    (dict(loss_scale=1024.0), 1, "--loss-scale applies to fp16 training only (this run is fp32); add --fp16 or drop it"),
-    (dict(precision="fp16", min_loss_scale=8.0, initial_loss_scale=4.0), 1, "--min-loss-scale 8 exceeds --initial-loss-scale 4"),
-    (dict(precision="fp16", loss_scale_window=0), 1, "--loss-scale-window 0: must be at least 1"),
-    (dict(precision="fp16", hysteresis=0), 1, "--hysteresis 0: must be at least 1"),
-    (dict(keep_last=0), 1, "--keep-last 0: must be at least 1"),
-    (dict(exit_interval=0), 1, "--exit-interval 0: must be at least 1"),
-    (dict(sequence_parallel=True, tensor_model_parallel_size=4, seq_length=30), 4, "--seq-length 30 is not divisible by --tensor-model-parallel-size 4, which --sequence-parallel needs"),
-    (dict(num_layers=3, pipeline_model_parallel_size=2), 2, "--num-layers 3 with --pipeline-model-parallel-size 2: 3 layers do not split evenly into 2 stages"),
-    (dict(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=3), 4, "the 5 layers left by the end stages do not split evenly into 3 stages"),
-    (dict(num_layers=4, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3, decoder_last_pipeline_num_layers=3), 2, "the first and last stage take 6 layers, not 4"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3), 2, "--num-layers-per-virtual-pipeline-stage 3 does not divide --num-layers 8"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2, virtual_pipeline_model_parallel_size=3), 2, "disagrees with"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2, pipeline_schedule="zb-h1"), 2, "--pipeline-schedule zb-h1 runs one chunk per rank"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_schedule="interleaved"), 2, "--pipeline-schedule interleaved needs virtual stages"),
-    (dict(num_layers=8, virtual_pipeline_model_parallel_size=2), 1, "virtual pipeline stages need --pipeline-model-parallel-size above 1"),
-    (dict(num_layers=8, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, global_batch_size=6, micro_batch_size=1), 4, "--global-batch-size 6: the interleaved schedule needs a number of micro-batches (6) divisible by the pipeline size (4)"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2), 2, "cannot be combined with virtual pipeline stages"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_schedule="zb-v", num_layers_per_virtual_pipeline_stage=1), 2, "--pipeline-schedule zb-v places two chunks per rank itself"),
-    (dict(num_layers=6, pipeline_model_parallel_size=2, pipeline_schedule="zb-v"), 2, "--num-layers 6 with --pipeline-model-parallel-size 2 x 2 virtual stages: 6 layers do not split evenly into 4 stages"),
-    (dict(recompute_granularity="full"), 1, "--recompute-granularity full needs --recompute-method uniform or block"),
-    (dict(recompute_method="uniform"), 1, "--recompute-method and --recompute-num-layers apply to --recompute-granularity full"),
-    (dict(recompute_granularity="full", recompute_method="block"), 1, "--recompute-method block needs --recompute-num-layers"),
-    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0), 1, "--recompute-num-layers 0: must be at least 1"),
-    (dict(global_batch_size=12, micro_batch_size=4), 2, "--global-batch-size 12 is not divisible by --micro-batch-size 4 x data-parallel size 2; use a multiple of 8"),
-    (dict(seq_length=2048, max_position_embeddings=1024), 1, "--seq-length 2048 exceeds --max-position-embeddings 1024"),
-    (dict(hidden_size=0), 1, "--hidden-size 0: must be at least 1"),
-    (dict(micro_batch_size=-2), 1, "--micro-batch-size -2: must be at least 1"),
-    (dict(lr=-1.0), 1, "--lr -1.0: must be zero or more"),
-    (dict(hidden_dropout=1.5), 1, "--hidden-dropout 1.5: must be in [0, 1)"),
-    (dict(num_attention_heads=4, num_query_groups=3), 1, "--num-attention-heads 4 is not a multiple of --num-query-groups 3"),
-    (dict(hidden_size=50, num_attention_heads=4), 1, "--hidden-size 50 is not divisible by --num-attention-heads 4"),
-    (dict(mock_data=False), 1, "give exactly one of --data-path, --train-data-path (with --valid-data-path), --corpus stdlib or --mock-data (got none)"),
-    (dict(mock_data=True, corpus="stdlib"), 1, "(got --mock-data and --corpus)"),
-    (dict(mock_data=False, data_path=["/no/such/corpus"]), 1, "--data-path /no/such/corpus: neither a dataset prefix"),
-    (dict(load="/no/such/ckpt"), 1, "--load /no/such/ckpt: no such checkpoint directory"),
-    (dict(lr_warmup_iters=200, train_iters=100), 1, "--lr-warmup-iters 200 exceeds the decay length 100"),
-    (dict(min_lr=0.1, lr=0.01), 1, "--min-lr 0.1 exceeds --lr 0.01"),
-    (dict(overlap_param_gather=True), 2, "--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer"),
-    (dict(overlap_param_gather=True, zero_stage=3), 2, "--overlap-param-gather needs the distributed optimizer"),
-    (dict(ddp_bucket_size=0), 2, "--ddp-bucket-size 0: must be at least 1"),
-    (dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", zero_stage=3), 4, "--zero-stage 3 does not combine with --pipeline-schedule zb-h1"),
-    (dict(split="a,b"), 1, "--split 'a,b': expected up to three non-negative numbers"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (
+            dict(tensor_model_parallel_size=2),
+            3,
+            "world size 3 is not divisible by --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1",
+        ),
+        (
+            dict(num_attention_heads=6, hidden_size=48, tensor_model_parallel_size=4),
+            4,
+            "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4",
+        ),
+        (
+            dict(hidden_size=48, num_attention_heads=6, num_query_groups=3, tensor_model_parallel_size=2),
+            2,
+            "--num-query-groups 3 and --tensor-model-parallel-size 2: one must divide the other",
+        ),
+        (
+            dict(ffn_hidden_size=30, tensor_model_parallel_size=4),
+            4,
+            "--ffn-hidden-size 30 is not divisible by --tensor-model-parallel-size 4",
+        ),
+        (dict(sequence_parallel=True), 1, "--sequence-parallel needs --tensor-model-parallel-size above 1"),
+        (
+            dict(loss_scale=1024.0),
+            1,
+            "--loss-scale applies to fp16 training only (this run is fp32); add --fp16 or drop it",
+        ),
+        (
+            dict(precision="fp16", min_loss_scale=8.0, initial_loss_scale=4.0),
+            1,
+            "--min-loss-scale 8 exceeds --initial-loss-scale 4",
+        ),
+        (dict(precision="fp16", loss_scale_window=0), 1, "--loss-scale-window 0: must be at least 1"),
+        (dict(precision="fp16", hysteresis=0), 1, "--hysteresis 0: must be at least 1"),
+        (dict(keep_last=0), 1, "--keep-last 0: must be at least 1"),
+        (dict(exit_interval=0), 1, "--exit-interval 0: must be at least 1"),
+        (
+            dict(sequence_parallel=True, tensor_model_parallel_size=4, seq_length=30),
+            4,
+            "--seq-length 30 is not divisible by --tensor-model-parallel-size 4, which --sequence-parallel needs",
+        ),
+        (
+            dict(num_layers=3, pipeline_model_parallel_size=2),
+            2,
+            "--num-layers 3 with --pipeline-model-parallel-size 2: 3 layers do not split evenly into 2 stages",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=3),
+            4,
+            "the 5 layers left by the end stages do not split evenly into 3 stages",
+        ),
+        (
+            dict(
+                num_layers=4,
+                pipeline_model_parallel_size=2,
+                decoder_first_pipeline_num_layers=3,
+                decoder_last_pipeline_num_layers=3,
+            ),
+            2,
+            "the first and last stage take 6 layers, not 4",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3),
+            2,
+            "--num-layers-per-virtual-pipeline-stage 3 does not divide --num-layers 8",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=2,
+                num_layers_per_virtual_pipeline_stage=2,
+                virtual_pipeline_model_parallel_size=3,
+            ),
+            2,
+            "disagrees with",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=2,
+                num_layers_per_virtual_pipeline_stage=2,
+                pipeline_schedule="zb-h1",
+            ),
+            2,
+            "--pipeline-schedule zb-h1 runs one chunk per rank",
+        ),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_schedule="interleaved"),
+            2,
+            "--pipeline-schedule interleaved needs virtual stages",
+        ),
+        (
+            dict(num_layers=8, virtual_pipeline_model_parallel_size=2),
+            1,
+            "virtual pipeline stages need --pipeline-model-parallel-size above 1",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=4,
+                virtual_pipeline_model_parallel_size=2,
+                global_batch_size=6,
+                micro_batch_size=1,
+            ),
+            4,
+            "--global-batch-size 6: the interleaved schedule needs a number of micro-batches (6) divisible by the "
+            "pipeline size (4)",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2,
+                decoder_first_pipeline_num_layers=2,
+            ),
+            2,
+            "cannot be combined with virtual pipeline stages",
+        ),
+        (
+            dict(
+                num_layers=8,
+                pipeline_model_parallel_size=2,
+                pipeline_schedule="zb-v",
+                num_layers_per_virtual_pipeline_stage=1,
+            ),
+            2,
+            "--pipeline-schedule zb-v places two chunks per rank itself",
+        ),
+        (
+            dict(num_layers=6, pipeline_model_parallel_size=2, pipeline_schedule="zb-v"),
+            2,
+            "--num-layers 6 with --pipeline-model-parallel-size 2 x 2 virtual stages: 6 layers do not split evenly "
+            "into 4 stages",
+        ),
+        (
+            dict(recompute_granularity="full"),
+            1,
+            "--recompute-granularity full needs --recompute-method uniform or block",
+        ),
+        (
+            dict(recompute_method="uniform"),
+            1,
+            "--recompute-method and --recompute-num-layers apply to --recompute-granularity full",
+        ),
+        (
+            dict(recompute_granularity="full", recompute_method="block"),
+            1,
+            "--recompute-method block needs --recompute-num-layers",
+        ),
+        (
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0),
+            1,
+            "--recompute-num-layers 0: must be at least 1",
+        ),
+        (
+            dict(global_batch_size=12, micro_batch_size=4),
+            2,
+            "--global-batch-size 12 is not divisible by --micro-batch-size 4 x data-parallel size 2; use a "
+            "multiple of 8",
+        ),
+        (
+            dict(seq_length=2048, max_position_embeddings=1024),
+            1,
+            "--seq-length 2048 exceeds --max-position-embeddings 1024",
+        ),
+        (dict(hidden_size=0), 1, "--hidden-size 0: must be at least 1"),
+        (dict(micro_batch_size=-2), 1, "--micro-batch-size -2: must be at least 1"),
+        (dict(lr=-1.0), 1, "--lr -1.0: must be zero or more"),
+        (dict(hidden_dropout=1.5), 1, "--hidden-dropout 1.5: must be in [0, 1)"),
+        (
+            dict(num_attention_heads=4, num_query_groups=3),
+            1,
+            "--num-attention-heads 4 is not a multiple of --num-query-groups 3",
+        ),
+        (
+            dict(hidden_size=50, num_attention_heads=4),
+            1,
+            "--hidden-size 50 is not divisible by --num-attention-heads 4",
+        ),
+        (
+            dict(mock_data=False),
+            1,
+            "give exactly one of --data-path, --train-data-path (with --valid-data-path), --corpus stdlib or "
+            "--mock-data (got none)",
+        ),
+        (dict(mock_data=True, corpus="stdlib"), 1, "(got --mock-data and --corpus)"),
+        (
+            dict(mock_data=False, data_path=["/no/such/corpus"]),
+            1,
+            "--data-path /no/such/corpus: neither a dataset prefix",
+        ),
+        (dict(load="/no/such/ckpt"), 1, "--load /no/such/ckpt: no such checkpoint directory"),
+        (dict(lr_warmup_iters=200, train_iters=100), 1, "--lr-warmup-iters 200 exceeds the decay length 100"),
+        (dict(min_lr=0.1, lr=0.01), 1, "--min-lr 0.1 exceeds --lr 0.01"),
+        (
+            dict(overlap_param_gather=True),
+            2,
+            "--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer",
+        ),
+        (dict(overlap_param_gather=True, zero_stage=3), 2, "--overlap-param-gather needs the distributed optimizer"),
+        (dict(ddp_bucket_size=0), 2, "--ddp-bucket-size 0: must be at least 1"),
+        (
+            dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", zero_stage=3),
+            4,
+            "--zero-stage 3 does not combine with --pipeline-schedule zb-h1",
+        ),
+        (dict(split="a,b"), 1, "--split 'a,b': expected up to three non-negative numbers"),
+    ],
+)
 def test_validation_messages(overrides, world, message):
     config = base(**overrides)
     with pytest.raises(ConfigError) as error:
-        validate(config, world)
+        validate(config, world)  # the settings
+        check_inputs(config)  # and the files they name
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 
@@ -188,22 +376,49 @@ def test_a_consistent_config_passes():
 
 
 def test_megatron_dict_form_and_get_args():
-    overrides = from_megatron_dict({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                                    "micro_batch_size": 2, "global_batch_size": 8, "use_fp16": True,
-                                    "optimizer": "sgd", "lr": 0.05, "train_iters": 33})
+    overrides = from_megatron_dict(
+        {
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1,
+            "micro_batch_size": 2,
+            "global_batch_size": 8,
+            "use_fp16": True,
+            "optimizer": "sgd",
+            "lr": 0.05,
+            "train_iters": 33,
+        }
+    )
     assert overrides["precision"] == "fp16"
-    args = paratron.initialize_megatron({"micro_batch_size": 2, "global_batch_size": 8, "use_fp16": True,
-                                         "optimizer": "sgd", "lr": 0.05, "train_iters": 33},
-                                        args_defaults={"lr": 0.1, "num_layers": 3})
+    args = paratron.initialize_megatron(
+        {
+            "micro_batch_size": 2,
+            "global_batch_size": 8,
+            "use_fp16": True,
+            "optimizer": "sgd",
+            "lr": 0.05,
+            "train_iters": 33,
+        },
+        args_defaults={"lr": 0.1, "num_layers": 3},
+    )
     assert paratron.get_args() is args
-    assert (args.micro_batch_size, args.global_batch_size, args.optimizer, args.lr, args.train_iters) == (2, 8, "sgd", 0.05, 33)
+    assert (args.micro_batch_size, args.global_batch_size, args.optimizer, args.lr, args.train_iters) == (
+        2,
+        8,
+        "sgd",
+        0.05,
+        33,
+    )
     assert args.num_layers == 3 and args.fp16 and not args.bf16
     assert args.data_parallel_size == 1 and args.tensor_model_parallel_size == 1
     assert args.config.training.precision == "fp16"
-    with pytest.raises(ConfigError, match="context_parallel_size: a Megatron-LM setting that paratron does not support yet"):
+    with pytest.raises(
+        ConfigError, match="context_parallel_size: a Megatron-LM setting that paratron does not support yet"
+    ):
         from_megatron_dict({"context_parallel_size": 2})
     assert from_megatron_dict({"use_distributed_optimizer": True, "overlap_grad_reduce": True}) == {
-        "use_distributed_optimizer": True, "overlap_grad_reduce": True}
+        "use_distributed_optimizer": True,
+        "overlap_grad_reduce": True,
+    }
     with pytest.raises(ConfigError, match="hidden_sise: unknown setting"):
         from_megatron_dict({"hidden_sise": 3})
 

@@ -8,6 +8,7 @@ import pytest
 from paratron.config import build_config, validate
 from paratron.data.blending import BlendedDataset
 from paratron.data.build import build_data
+from paratron.data.checks import check_data_inputs
 from paratron.data.corpus import stdlib_files
 from paratron.data.datasets import MockTokens
 from paratron.data.gpt_dataset import GPTDataset
@@ -17,6 +18,12 @@ from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.errors import ConfigError, DataError
 
 TEXTS = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "print('héllo wörld')\n", "数据并行与张量并行\n"]
+
+
+def checked(config) -> None:
+    """What runs before any worker starts: the settings, then the files they name."""
+    validate(config, 1)
+    check_data_inputs(config)
 
 
 def test_stdlib_corpus_is_found_and_ordered():
@@ -57,9 +64,18 @@ def make_corpus(path, n_docs=40, repeat=30):
 def test_text_directory_is_preprocessed_split_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("PARATRON_CACHE", str(tmp_path / "cache"))
     corpus = make_corpus(tmp_path / "corpus")
-    config = build_config(dict(data_path=[str(corpus)], vocab_size=320, seq_length=16, split="90,10,0",
-                               train_iters=20, eval_interval=10, eval_iters=2))
-    validate(config, 1)
+    config = build_config(
+        dict(
+            data_path=[str(corpus)],
+            vocab_size=320,
+            seq_length=16,
+            split="90,10,0",
+            train_iters=20,
+            eval_interval=10,
+            eval_iters=2,
+        )
+    )
+    checked(config)
     logs: list[str] = []
     bundle = build_data(config, global_batch_size=4, log=logs.append)
     assert [line.split("/")[-1].split("-")[0] for line in logs] == ["tokenizer", "corpus", "gpt", "gpt"]
@@ -85,30 +101,46 @@ def test_weighted_blend_of_preprocessed_prefixes(tmp_path, monkeypatch):
     for name, n in (("a", 30), ("b", 50)):
         files = input_files([str(make_corpus(tmp_path / name, n_docs=n))])
         prefixes.append(preprocess(files, str(tmp_path / name), tokenizer, append_eod=True, progress=False).prefixes[0])
-    config = build_config(dict(data_path=["0.3", prefixes[0], "0.7", prefixes[1]], seq_length=16, train_iters=1000,
-                               tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tokenizer.json"),
-                               eval_iters=1, eval_interval=500))
-    validate(config, 1)
+    config = build_config(
+        dict(
+            data_path=["0.3", prefixes[0], "0.7", prefixes[1]],
+            seq_length=16,
+            train_iters=1000,
+            tokenizer_type="HuggingFaceTokenizer",
+            tokenizer_model=str(tmp_path / "tokenizer.json"),
+            eval_iters=1,
+            eval_interval=500,
+        )
+    )
+    checked(config)
     bundle = build_data(config, global_batch_size=4, log=lambda _: None)
     assert isinstance(bundle.train, BlendedDataset) and len(bundle.train) == 4000
     shares = np.bincount(np.asarray(bundle.train.dataset_index), minlength=2) / 4000
     assert shares == pytest.approx([0.3, 0.7], abs=0.001)
     assert bundle.vocab_size == tokenizer.vocab_size
 
-    per_split = build_config(dict(train_data_path=[prefixes[1]], valid_data_path=[prefixes[0]], seq_length=16,
-                                  train_iters=10, eval_iters=1, tokenizer_type="HuggingFaceTokenizer",
-                                  tokenizer_model=str(tmp_path / "tokenizer.json")))
-    validate(per_split, 1)
+    per_split = build_config(
+        dict(
+            train_data_path=[prefixes[1]],
+            valid_data_path=[prefixes[0]],
+            seq_length=16,
+            train_iters=10,
+            eval_iters=1,
+            tokenizer_type="HuggingFaceTokenizer",
+            tokenizer_model=str(tmp_path / "tokenizer.json"),
+        )
+    )
+    checked(per_split)
     bundle = build_data(per_split, global_batch_size=4, log=lambda _: None)
     assert set(np.asarray(bundle.train.document_index).tolist()) == set(range(50))  # all of b, no --split
     assert set(np.asarray(bundle.valid.document_index).tolist()) == set(range(30))  # all of a
 
     with pytest.raises(ConfigError, match=r"ByteLevelBPE trains on text, but \(some of\) the data is preprocessed"):
-        validate(build_config(dict(data_path=[prefixes[0]])), 1)
+        checked(build_config(dict(data_path=[prefixes[0]])))
     with pytest.raises(ConfigError, match="--eval-iters 10 needs --valid-data-path"):
-        validate(build_config(dict(train_data_path=[prefixes[0]], tokenizer_type="NullTokenizer", vocab_size=9)), 1)
+        checked(build_config(dict(train_data_path=[prefixes[0]], tokenizer_type="NullTokenizer", vocab_size=9)))
     with pytest.raises(ConfigError, match=r"--data-path /nope: neither a dataset prefix \(/nope.bin/.idx\)"):
-        validate(build_config(dict(data_path=["/nope"])), 1)
+        checked(build_config(dict(data_path=["/nope"])))
 
 
 def test_unweighted_blend_weighs_by_length_and_null_tokenizer_trains(tmp_path, monkeypatch):
@@ -119,26 +151,59 @@ def test_unweighted_blend_weighs_by_length_and_null_tokenizer_trains(tmp_path, m
     prefixes = []
     for name, n in (("a", 20), ("b", 60)):
         files = [tmp_path / f"{name}.jsonl"]
-        files[0].write_text("".join('{"text": "%s"}\n' % " ".join(str((i * 7 + j) % 50) for j in range(40))
-                                    for i in range(n)))
-        prefixes.append(preprocess(files, str(tmp_path / name), NullTokenizer(50), append_eod=True,
-                                   progress=False).prefixes[0])
-    config = build_config(dict(data_path=prefixes, tokenizer_type="NullTokenizer", vocab_size=50, seq_length=8,
-                               train_iters=5, eval_iters=0, micro_batch_size=2, split="1,0,0"))
-    validate(config, 1)
+        files[0].write_text(
+            "".join(f'{{"text": "{" ".join(str((i * 7 + j) % 50) for j in range(40))}"}}\n' for i in range(n))
+        )
+        prefixes.append(
+            preprocess(files, str(tmp_path / name), NullTokenizer(50), append_eod=True, progress=False).prefixes[0]
+        )
+    config = build_config(
+        dict(
+            data_path=prefixes,
+            tokenizer_type="NullTokenizer",
+            vocab_size=50,
+            seq_length=8,
+            train_iters=5,
+            eval_iters=0,
+            micro_batch_size=2,
+            split="1,0,0",
+        )
+    )
+    checked(config)
     bundle = build_data(config, global_batch_size=2, log=lambda _: None)
     assert bundle.vocab_size == 51  # the ids and the end-of-document id
     assert isinstance(bundle.train, BlendedDataset) and len(bundle.train) == 10  # min(needed, one epoch)
     lengths = [len(ds) for ds in bundle.train.datasets]  # one epoch each
     assert bundle.train.weights == pytest.approx([lengths[0] / sum(lengths), lengths[1] / sum(lengths)])
     assert lengths[1] > 2 * lengths[0]  # b holds three times a's documents
-    too_many = build_config(dict(config_dict := dict(data_path=prefixes, tokenizer_type="NullTokenizer",
-                                                      vocab_size=50, seq_length=8, eval_iters=0, split="1,0,0"),
-                                 train_iters=100_000))
+    too_many = build_config(
+        dict(
+            config_dict := dict(
+                data_path=prefixes,
+                tokenizer_type="NullTokenizer",
+                vocab_size=50,
+                seq_length=8,
+                eval_iters=0,
+                split="1,0,0",
+            ),
+            train_iters=100_000,
+        )
+    )
     with pytest.raises(DataError, match=r"holds \d+ samples in one epoch but 200000 are needed"):
         build_data(too_many, global_batch_size=2, log=lambda _: None)
-    losses = run_training(build_config(dict(config_dict, train_iters=5, micro_batch_size=2, run_dir=str(tmp_path / "r"),
-                                            progress_bar=False, tensorboard=False, log_interval=1))).losses
+    losses = run_training(
+        build_config(
+            dict(
+                config_dict,
+                train_iters=5,
+                micro_batch_size=2,
+                run_dir=str(tmp_path / "r"),
+                progress_bar=False,
+                tensorboard=False,
+                log_interval=1,
+            )
+        )
+    ).losses
     assert len(losses) == 5 and all(np.isfinite(losses))
 
 

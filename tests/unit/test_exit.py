@@ -16,6 +16,7 @@ import torch
 from paratron.config import build_config
 from paratron.training.exit import ExitConditions
 from paratron.training.run import run_training
+
 from tiny import tiny_config
 
 
@@ -52,15 +53,37 @@ def test_exit_interval_saves_and_the_resume_continues_exactly(tmp_path):
 def test_keep_last_prunes_older_checkpoints(tmp_path):
     save = tmp_path / "ckpt"
     run_training(tiny_config(tmp_path / "run", train_iters=8, save=str(save), save_interval=2, keep_last=2))
-    assert sorted(p.name for p in save.iterdir()) == ["iter_0000006", "iter_0000008",
-                                                       "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in save.iterdir()) == [
+        "iter_0000006",
+        "iter_0000008",
+        "latest_checkpointed_iteration.txt",
+    ]
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
     save, run_dir = tmp_path / "ckpt", tmp_path / "run"
-    command = [sys.executable, "-m", "paratron", "train", "--config", "debug", "--mock-data", "--train-iters", "100000",
-               "--exit-signal-handler", "--save", str(save), "--run-dir", str(run_dir), "--log-interval", "1",
-               "--no-progress-bar", "--no-tensorboard", "--eval-iters", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "paratron",
+        "train",
+        "--config",
+        "debug",
+        "--mock-data",
+        "--train-iters",
+        "100000",
+        "--exit-signal-handler",
+        "--save",
+        str(save),
+        "--run-dir",
+        str(run_dir),
+        "--log-interval",
+        "1",
+        "--no-progress-bar",
+        "--no-tensorboard",
+        "--eval-iters",
+        "0",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = Path(run_dir) / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -100,8 +123,9 @@ def test_async_save_gives_the_same_checkpoints_and_resume(tmp_path):
     the resume as exact as from a synchronous save."""
     common = dict(hidden_dropout=0.1, train_iters=8, save_interval=4)
     sync = run_training(tiny_config(tmp_path / "sync", save=str(tmp_path / "s"), **common)).losses
-    background = run_training(tiny_config(tmp_path / "async", save=str(tmp_path / "a"), async_save=True,
-                                          **common)).losses
+    background = run_training(
+        tiny_config(tmp_path / "async", save=str(tmp_path / "a"), async_save=True, **common)
+    ).losses
     assert background == sync
     from safetensors import safe_open
 
@@ -109,8 +133,10 @@ def test_async_save_gives_the_same_checkpoints_and_resume(tmp_path):
         files = json.loads((tmp_path / "s" / name / "meta.json").read_text())["files"]
         assert sorted(json.loads((tmp_path / "a" / name / "meta.json").read_text())["files"]) == sorted(files)
         for file in (f for f in files if f.endswith(".safetensors")):  # the snapshot precedes later steps
-            with safe_open(str(tmp_path / "a" / name / file), "pt") as a, \
-                    safe_open(str(tmp_path / "s" / name / file), "pt") as s:
+            with (
+                safe_open(str(tmp_path / "a" / name / file), "pt") as a,
+                safe_open(str(tmp_path / "s" / name / file), "pt") as s,
+            ):
                 assert a.metadata() == s.metadata() and sorted(a.keys()) == sorted(s.keys())
                 assert all(torch.equal(a.get_tensor(k), s.get_tensor(k)) for k in a.keys()), (name, file)
     resumed = run_training(tiny_config(tmp_path / "r", load=str(tmp_path / "a" / "iter_0000004"), **common)).losses

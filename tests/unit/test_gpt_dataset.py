@@ -17,7 +17,7 @@ from paratron.errors import ConfigError
 def write_dataset(prefix: Path, n_docs: int, seed: int = 0, vocab: int = 1000) -> IndexedDataset:
     rng = np.random.default_rng(seed)
     with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for i in range(n_docs):
+        for _ in range(n_docs):
             writer.add_document(rng.integers(1, vocab, size=int(rng.integers(1, 40))))
     return IndexedDataset(prefix)
 
@@ -38,18 +38,29 @@ def megatron_gpt_dataset(prefix: Path, documents: np.ndarray, seq_length: int, n
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexed
     from megatron.core.datasets.utils import Split
 
-    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=([str(prefix)], None),
-                              split="1,0,0", tokenizer=_Tokenizer(), reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False, path_to_cache=None)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=([str(prefix)], None),
+        split="1,0,0",
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=None,
+    )
     return MegatronGPT(MegatronIndexed(str(prefix)), str(prefix), documents, num_samples, Split.train, config)
 
 
-@pytest.mark.parametrize("n_docs, documents, seq_length, num_samples, seed", [
-    (300, (0, 300), 16, 50, 1234),      # under one epoch
-    (300, (0, 290), 32, 900, 7),        # several epochs, the last one mostly used: shuffled with the rest
-    (300, (10, 200), 8, 2000, 3),       # several epochs, a thin last one: shuffled on its own
-    (50, (0, 50), 64, 40, 0),           # samples longer than documents
-])
+@pytest.mark.parametrize(
+    "n_docs, documents, seq_length, num_samples, seed",
+    [
+        (300, (0, 300), 16, 50, 1234),  # under one epoch
+        (300, (0, 290), 32, 900, 7),  # several epochs, the last one mostly used: shuffled with the rest
+        (300, (10, 200), 8, 2000, 3),  # several epochs, a thin last one: shuffled on its own
+        (50, (0, 50), 64, 40, 0),  # samples longer than documents
+    ],
+)
 def test_indices_and_samples_equal_megatron_core(tmp_path, n_docs, documents, seq_length, num_samples, seed):
     prefix = tmp_path / "d"
     ds = write_dataset(prefix, n_docs, seed)
@@ -62,7 +73,9 @@ def test_indices_and_samples_equal_megatron_core(tmp_path, n_docs, documents, se
     dataset = GPTDataset(ds, docs, seq_length, num_samples, seed, tmp_path / "cache", build_once)
     assert len(dataset) == len(theirs) >= num_samples
     for k in list(range(10)) + [len(dataset) - 1]:
-        np.testing.assert_array_equal(dataset[k], theirs[k]["tokens"].numpy().tolist() + [theirs[k]["labels"][-1].item()])
+        np.testing.assert_array_equal(
+            dataset[k], theirs[k]["tokens"].numpy().tolist() + [theirs[k]["labels"][-1].item()]
+        )
 
 
 def test_every_token_of_the_split_is_used_once_per_epoch_and_none_outside(tmp_path):
@@ -100,8 +113,15 @@ def test_index_is_cached_under_a_hash_and_rebuilt_when_inputs_change(tmp_path):
     assert len(built) == 1 and (built[0] / "description.json").is_file()
     for change in (dict(seq_length=8), dict(num_samples=200), dict(seed=2)):
         kwargs = dict(seq_length=16, num_samples=100, seed=1) | change
-        b = GPTDataset(ds, docs, kwargs["seq_length"], kwargs["num_samples"], kwargs["seed"], tmp_path / "cache",
-                       recording_build_once)
+        b = GPTDataset(
+            ds,
+            docs,
+            kwargs["seq_length"],
+            kwargs["num_samples"],
+            kwargs["seed"],
+            tmp_path / "cache",
+            recording_build_once,
+        )
         assert b.cache_folder != a.cache_folder
     assert len(built) == 4
 
@@ -127,8 +147,10 @@ def test_blending_indices_equal_megatron_core_and_hold_the_weights():
 def test_blended_dataset_draws_from_its_parts(tmp_path):
     a, b = write_dataset(tmp_path / "a", 60, seed=1), write_dataset(tmp_path / "b", 60, seed=2)
     docs = np.arange(60, dtype=np.int32)
-    parts = [GPTDataset(ds, docs, 8, n, 0, tmp_path / "c", build_once)
-             for ds, n in zip((a, b), component_sizes([0.25, 0.75], 400))]
+    parts = [
+        GPTDataset(ds, docs, 8, n, 0, tmp_path / "c", build_once)
+        for ds, n in zip((a, b), component_sizes([0.25, 0.75], 400))
+    ]
     blend = BlendedDataset(parts, [0.25, 0.75], 400, tmp_path / "c", build_once, ["a", "b"])
     assert len(blend) == 400
     k = int(np.flatnonzero(np.asarray(blend.dataset_index) == 1)[5])

@@ -13,8 +13,17 @@ from paratron.checkpoint import load_pretrained
 from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf
 from paratron.errors import CheckpointError
 
-LLAMA = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, rope_theta=50000.0, rms_norm_eps=1e-5)
+LLAMA = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rope_theta=50000.0,
+    rms_norm_eps=1e-5,
+)
 MODELS = {
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=True)),
     "llama-untied": ("LlamaConfig", "LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=False)),

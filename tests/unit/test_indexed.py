@@ -41,8 +41,12 @@ def test_reader_reads_megatrons_file():
     assert ds.get(2, offset=1, length=2).tolist() == [7, 8]
     assert ds.get(2, offset=3).tolist() == [9]
     assert [d.tolist() for d in ds[1:3]] == TINY_DOCS[1:3]
-    for bad in (lambda: ds[4], lambda: ds.get(1, offset=1, length=5), lambda: ds.get(2, offset=6),
-                lambda: ds.get(2, offset=1, length=-1)):
+    for bad in (
+        lambda: ds[4],
+        lambda: ds.get(1, offset=1, length=5),
+        lambda: ds.get(2, offset=6),
+        lambda: ds.get(2, offset=1, length=-1),
+    ):
         with pytest.raises(IndexError):
             bad()
 
@@ -114,8 +118,10 @@ def test_bad_files_are_reported_with_file_and_offset(tmp_path):
         (dict(idx=good[:100]), r"bad.idx: truncated: 100 bytes, but its header promises 122"),
         (dict(idx=good[:9] + struct.pack("<Q", 2) + good[17:]), r"bad.idx: version 2 at byte 9 is not supported"),
         (dict(idx=good[:17] + b"\x09" + good[18:]), r"bad.idx: dtype code 9 at byte 17 is unknown"),
-        (dict(bin_=TINY.with_suffix(".bin").read_bytes()[:14]),
-         r"bad.bin: 14 bytes, shorter than its index says \(20 bytes, to the end of sequence 3\)"),
+        (
+            dict(bin_=TINY.with_suffix(".bin").read_bytes()[:14]),
+            r"bad.bin: 14 bytes, shorter than its index says \(20 bytes, to the end of sequence 3\)",
+        ),
         (dict(bin_=TINY.with_suffix(".bin").read_bytes()[:15]), r"bad.bin: 15 bytes is not a whole number of uint16"),
     ]
     for kwargs, message in cases:

@@ -10,12 +10,16 @@ import pytest
 import torch
 
 from paratron.config import build_config
-from paratron.model.gpt import build_model
-from paratron.optim.mixed_precision import LossScaler, MixedPrecisionOptimizer, Precision
-from paratron.parallel.data import DataParallel
+from paratron.distributed.topology import ParallelDims, Topology
+from paratron.model.gpt import GPT, build_model
+from paratron.optim.build import build_optimizer
+from paratron.optim.master_weights import ReplicatedOptimizer
+from paratron.optim.mixed_precision import LossScaler, Precision
+from paratron.parallel import parallelize
 from paratron.parallel.recompute import apply_recompute
 from paratron.training.memory import SavedActivations
 from paratron.training.run import run_training
+
 from tiny import tiny_config
 
 
@@ -62,21 +66,34 @@ def test_unscale_divides_and_detects_overflow():
 
 
 def test_sixteen_bit_weights_have_fp32_master_weights_and_gradients():
-    config = build_config(dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
-                               max_position_embeddings=16))
-    model = DataParallel(build_model(config.model).to(torch.bfloat16), None, 1)
-    optimizer = MixedPrecisionOptimizer(model, config.optimizer)
+    config = build_config(
+        dict(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            vocab_size=64,
+            seq_length=16,
+            max_position_embeddings=16,
+            precision="bf16",
+            mock_data=True,
+        )
+    )
+    with torch.device("meta"):
+        meta = GPT(config.model)
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    optimizer = build_optimizer(model, config.optimizer)
+    assert isinstance(optimizer, ReplicatedOptimizer)
     weight = model.module.layers[0].mlp.out_proj.weight
-    assert weight.dtype == torch.bfloat16 and weight.main_grad.dtype == torch.float32
+    main_grad = model.gradients.reducer.main_grad(weight)
+    assert weight.dtype == torch.bfloat16 and main_grad.dtype == torch.float32
     ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
-    for micro_batch in (ids[:2], ids[2:]):  # two micro-batches accumulate in fp32
-        model.require_grad_sync(micro_batch is not ids[:2])
-        model.loss_function(model(micro_batch[:, :-1]), micro_batch[:, 1:]).backward()
-    model.finish_grad_sync()
-    assert weight.grad is None and weight.main_grad.abs().sum() > 0  # the 16-bit gradient was folded in
+    model.forward_backward([(b[:, :-1], b[:, 1:]) for b in (ids[:2], ids[2:])])  # two micro-batches accumulate in fp32
+    assert weight.grad is None and main_grad.abs().sum() > 0  # the 16-bit gradient was folded in
     master = optimizer.masters[[id(p) for p in optimizer.targets].index(id(weight))]
     before = master.detach().clone()
+    optimizer.prepare_grads()
     optimizer.step()
+    optimizer.after_step()
     assert master.dtype == torch.float32 and not torch.equal(master, before)
     assert torch.equal(weight.detach(), master.detach().to(torch.bfloat16))  # written back, rounded
     state = optimizer.state_dict()
@@ -86,14 +103,17 @@ def test_sixteen_bit_weights_have_fp32_master_weights_and_gradients():
 def test_fp16_run_forced_to_overflow_recovers(tmp_path):
     """A loss scale of 2^30 overflows fp16 gradients: steps are skipped on every rank and the scale
     backs off until they fit; then training goes on, and the scale grows again after clean windows."""
-    state = run_training(tiny_config(tmp_path, train_iters=40, precision="fp16", initial_loss_scale=2.0**30,
-                                     loss_scale_window=5, hysteresis=2))
+    state = run_training(
+        tiny_config(
+            tmp_path, train_iters=40, precision="fp16", initial_loss_scale=2.0**30, loss_scale_window=5, hysteresis=2
+        )
+    )
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     scales = [r["loss_scale"] for r in records]
     skipped = [r["step"] for r in records if r["grad_norm"] is None]
     assert state.skipped_iterations == len(skipped) and records[-1]["skipped_iterations"] == len(skipped)
     first_ok = next(r["step"] for r in records if r["grad_norm"] is not None)
-    assert first_ok > 8 and skipped[:first_ok - 1] == list(range(1, first_ok))  # backed off step by step
+    assert first_ok > 8 and skipped[: first_ok - 1] == list(range(1, first_ok))  # backed off step by step
     assert scales[0] == 2.0**30 and scales[first_ok - 1] < 2.0**22
     lowest = scales.index(min(scales))
     assert max(scales[lowest:]) > min(scales)  # grew again after clean windows
@@ -104,8 +124,10 @@ def test_fp16_run_forced_to_overflow_recovers(tmp_path):
 def test_bf16_and_fp16_curves_stay_near_fp32_over_100_steps(tmp_path):
     """The band: every one of 100 steps within 2% of the fp32 loss (measured on this model: bf16
     1.24% at worst, fp16 0.69%; final losses 3.517 and 3.514 against fp32's 3.513)."""
-    curves = {p: run_training(tiny_config(tmp_path / p, train_iters=100, precision=p, initial_loss_scale=2.0**16)).losses
-              for p in ("fp32", "bf16", "fp16")}
+    curves = {
+        p: run_training(tiny_config(tmp_path / p, train_iters=100, precision=p, initial_loss_scale=2.0**16)).losses
+        for p in ("fp32", "bf16", "fp16")
+    }
     for precision in ("bf16", "fp16"):
         worst = max(abs(a - b) / b for a, b in zip(curves[precision], curves["fp32"]))
         assert worst < 0.02, f"{precision}: {worst:.2%} from fp32"
@@ -131,9 +153,19 @@ def _saved_bytes_per_layer(granularity: str | None, **model) -> float:
     """Bytes saved for backward by one GPT-2-style layer in bf16 (two models' difference), / sbh."""
     saved = []
     for layers in (1, 2):
-        config = build_config(dict(num_layers=layers, hidden_size=H, num_attention_heads=A, seq_length=S,
-                                   max_position_embeddings=S, vocab_size=256, hidden_dropout=0.1,
-                                   attention_dropout=0.1, **model))
+        config = build_config(
+            dict(
+                num_layers=layers,
+                hidden_size=H,
+                num_attention_heads=A,
+                seq_length=S,
+                max_position_embeddings=S,
+                vocab_size=256,
+                hidden_dropout=0.1,
+                attention_dropout=0.1,
+                **model,
+            )
+        )
         gpt = build_model(config.model).to(torch.bfloat16)
         if granularity is not None:
             apply_recompute(gpt, granularity, "uniform" if granularity == "full" else None, None, None)

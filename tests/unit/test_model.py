@@ -11,11 +11,19 @@ from paratron.config.schema import ModelConfig
 from paratron.inference.generate import generate
 from paratron.model.gpt import KVCache, build_model
 
-GPT_FLAVOUR = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97,
-                          max_position_embeddings=64)
-LLAMA_FLAVOUR = dataclasses.replace(GPT_FLAVOUR, position_embedding_type="rope", normalization="RMSNorm",
-                                    activation="swiglu", num_query_groups=2, add_bias_linear=False,
-                                    ffn_hidden_size=80, untie_embeddings_and_output_weights=True)
+GPT_FLAVOUR = ModelConfig(
+    num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, max_position_embeddings=64
+)
+LLAMA_FLAVOUR = dataclasses.replace(
+    GPT_FLAVOUR,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    num_query_groups=2,
+    add_bias_linear=False,
+    ffn_hidden_size=80,
+    untie_embeddings_and_output_weights=True,
+)
 FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
 
 
@@ -81,7 +89,7 @@ def test_greedy_generation_is_the_argmax_chain():
     ids = list(prompt)
     for _ in range(6):
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    assert out == ids[len(prompt):]
+    assert out == ids[len(prompt) :]
     sampled = generate(model, prompt, 6, temperature=1.0, top_k=5, seed=0)
     assert sampled == generate(model, prompt, 6, temperature=1.0, top_k=5, seed=0) and len(sampled) == 6
 

@@ -54,7 +54,10 @@ def test_several_json_keys_make_several_datasets(tmp_path, tokenizer):
 
 
 BAD_LINES = [
-    (b'{"text": "ok"}\n{"text": "unterminated\n', r"bad.jsonl:2: not valid JSON \(Invalid control character at, column 23\)"),
+    (
+        b'{"text": "ok"}\n{"text": "unterminated\n',
+        r"bad.jsonl:2: not valid JSON \(Invalid control character at, column 23\)",
+    ),
     (b'{"text": "ok"}\n{"body": "x"}\n', r"bad.jsonl:2: no key 'text'"),
     (b'{"text": "ok"}\n{"text": 5}\n', r"bad.jsonl:2: the value of 'text' is not a string"),
     (b'{"text": "ok"}\n{"text": ""}\n', r"bad.jsonl:2: empty document under 'text'"),
@@ -69,8 +72,7 @@ def test_bad_jsonl_lines_name_file_and_line(tmp_path, tokenizer, content, messag
     with pytest.raises(DataError, match=message):
         preprocess([tmp_path / "bad.jsonl"], str(tmp_path / "out"), tokenizer, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing half-written
-    result = preprocess([tmp_path / "bad.jsonl"], str(tmp_path / "out"), tokenizer, skip_bad_lines=True,
-                        progress=False)
+    result = preprocess([tmp_path / "bad.jsonl"], str(tmp_path / "out"), tokenizer, skip_bad_lines=True, progress=False)
     assert (result.documents, result.skipped) == (1, 1)
     assert len(IndexedDataset(result.prefixes[0])) == 1
 
@@ -100,8 +102,9 @@ def test_a_late_error_leaves_nothing_behind(tmp_path, tokenizer):
 def test_skipping_keeps_several_keys_aligned_and_surrogates_are_refused(tmp_path, tokenizer):
     records = [{"q": "question 0", "a": "answer 0"}, {"q": "question 1", "a": ""}, {"q": "question 2", "a": "answer 2"}]
     path = write_jsonl(tmp_path / "qa.jsonl", records)
-    result = preprocess([path], str(tmp_path / "out"), tokenizer, json_keys=["q", "a"], skip_bad_lines=True,
-                        progress=False)
+    result = preprocess(
+        [path], str(tmp_path / "out"), tokenizer, json_keys=["q", "a"], skip_bad_lines=True, progress=False
+    )
     q, a = (IndexedDataset(p) for p in result.prefixes)
     assert (result.documents, result.skipped, len(q), len(a)) == (2, 1, 2, 2)
     assert tokenizer.decode(q[1]) == "question 2" and tokenizer.decode(a[1]) == "answer 2"

@@ -9,8 +9,15 @@ from collections import Counter
 import pytest
 
 from paratron.parallel.pipeline.draw import draw_timeline, write_chrome_trace
-from paratron.parallel.pipeline.schedules import (SCHEDULES, Action, Schedule, build_schedule, peak_live_activations,
-                                                  simulate, theoretical_bubble)
+from paratron.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    build_schedule,
+    peak_live_activations,
+    simulate,
+    theoretical_bubble,
+)
 
 PIPELINE_SIZES = (1, 2, 3, 4, 8)
 MICROBATCHES = range(1, 17)
@@ -136,16 +143,20 @@ def test_draw_timeline_writes_png(tmp_path):
     assert path == tmp_path / "sim.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     # Measured spans: milliseconds from some clock, not starting at zero.
-    measured = [[(a, 1000.0 + 3 * s, 1000.0 + 3 * e) for a, s, e in row]
-                for row in simulate(build_schedule("zb-h1", 2, 4)).spans]
+    measured = [
+        [(a, 1000.0 + 3 * s, 1000.0 + 3 * e) for a, s, e in row]
+        for row in simulate(build_schedule("zb-h1", 2, 4)).spans
+    ]
     out = draw_timeline(measured, tmp_path / "deep" / "run.png", "measured", "(ms)")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["run.png", "sim.png"]  # no temp files
 
 
 def test_chrome_trace(tmp_path):
-    spans = {r: [(a, 2.0 * s, 2.0 * e) for a, s, e in row]
-             for r, row in enumerate(simulate(build_schedule("interleaved", 2, 4, 2)).spans)}
+    spans = {
+        r: [(a, 2.0 * s, 2.0 * e) for a, s, e in row]
+        for r, row in enumerate(simulate(build_schedule("interleaved", 2, 4, 2)).spans)
+    }
     path = write_chrome_trace(tmp_path / "trace.json", spans)
     events = json.loads(path.read_text())["traceEvents"]
     ops = [e for e in events if e["ph"] == "X"]

@@ -7,8 +7,12 @@ import pytest
 from paratron.data.tokenizer import NullTokenizer, Tokenizer, load_tokenizer, tokenizer_from_spec, train_byte_level_bpe
 from paratron.errors import DataError
 
-TEXTS = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "print('héllo wörld')\n",
-         "数据并行与张量并行，流水线并行。\n"] * 20
+TEXTS = [
+    "def f(x):\n    return x + 1\n",
+    "class A:\n    pass\n",
+    "print('héllo wörld')\n",
+    "数据并行与张量并行，流水线并行。\n",
+] * 20
 HARD = TEXTS[:4] + ["emoji 🚀, unseen 漢字かな, tabs\t\r\n", "", "   leading spaces", "<|endoftext|> inside"]
 
 
@@ -66,6 +70,7 @@ def test_null_tokenizer_is_megatrons():
 def test_specs_rebuild_the_same_tokenizer_in_another_process(bpe):
     for tokenizer in (bpe, NullTokenizer(50)):
         again = tokenizer_from_spec(tokenizer.spec())
-        assert again.encode(TEXTS[0] if tokenizer is bpe else "1 2 3") == \
-            tokenizer.encode(TEXTS[0] if tokenizer is bpe else "1 2 3")
+        assert again.encode(TEXTS[0] if tokenizer is bpe else "1 2 3") == tokenizer.encode(
+            TEXTS[0] if tokenizer is bpe else "1 2 3"
+        )
         assert again.eod_id == tokenizer.eod_id

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from paratron.distributed.topology import GROUP_AXES, ParallelDims, Topology
+from paratron.distributed.topology import GRID, GROUP_AXES, Axis, ParallelDims, RankGroup, Topology
 
 LAYOUTS = [
     dict(world_size=1),
@@ -22,8 +22,17 @@ LAYOUTS = [
 def test_groups_partition_the_world_and_agree_with_coordinates(layout):
     dims = ParallelDims(**layout)
     assert dims.tp * dims.cp * dims.dp * dims.pp == dims.world_size
-    sizes = {"tp": dims.tp, "cp": dims.cp, "ep": dims.ep, "dp": dims.dp, "expert_dp": dims.edp,
-             "dp_cp": dims.dp * dims.cp, "pp": dims.pp, "model": dims.tp * dims.pp}
+    sizes = {
+        Axis.TP: dims.tp,
+        Axis.CP: dims.cp,
+        Axis.EP: dims.ep,
+        Axis.DP: dims.dp,
+        Axis.EXPERT_DP: dims.edp,
+        Axis.DP_CP: dims.dp * dims.cp,
+        Axis.PP: dims.pp,
+        Axis.MODEL: dims.tp * dims.pp,
+        Axis.WORLD: dims.world_size,
+    }
     coords = [dims.coordinates(r) for r in range(dims.world_size)]
     for kind, varying in GROUP_AXES.items():
         groups = dims.group_ranks(kind)
@@ -33,7 +42,7 @@ def test_groups_partition_the_world_and_agree_with_coordinates(layout):
         for g in groups:
             assert g == sorted(g)
             # members agree on every axis outside the group's varying axes
-            fixed = [a for a in ("tp", "cp", "ep", "edp", "pp") if a not in varying]
+            fixed = [a for a in GRID if a not in varying]
             assert len({tuple(coords[r][a] for a in fixed) for r in g}) == 1
     for r in range(0, dims.world_size, max(1, dims.world_size // 97)):
         assert dims.rank_of(**{a: coords[r][a] for a in ("tp", "cp", "ep", "edp", "pp")}) == r
@@ -42,37 +51,40 @@ def test_groups_partition_the_world_and_agree_with_coordinates(layout):
 
 def test_megatron_rank_order_tp_fastest_then_cp_ep_dp_pp():
     dims = ParallelDims(world_size=16, tp=2, cp=2, pp=2)  # dp = 2
-    assert dims.group_ranks("tp")[:2] == [[0, 1], [2, 3]]
-    assert dims.group_ranks("cp")[:2] == [[0, 2], [1, 3]]
-    assert dims.group_ranks("dp")[:2] == [[0, 4], [1, 5]]
-    assert dims.group_ranks("pp")[:2] == [[0, 8], [1, 9]]
+    assert dims.group_ranks(Axis.TP)[:2] == [[0, 1], [2, 3]]
+    assert dims.group_ranks(Axis.CP)[:2] == [[0, 2], [1, 3]]
+    assert dims.group_ranks(Axis.DP)[:2] == [[0, 4], [1, 5]]
+    assert dims.group_ranks(Axis.PP)[:2] == [[0, 8], [1, 9]]
     assert dims.coordinates(13) == {"tp": 1, "cp": 0, "ep": 0, "edp": 1, "pp": 1, "dp": 1}
     # tensor-parallel peers stay inside an 8-GPU node in the classic 8 x TP layout
     big = ParallelDims(world_size=512, tp=8, pp=8)
-    assert all(g[-1] - g[0] == 7 and g[0] % 8 == 0 for g in big.group_ranks("tp"))
+    assert all(g[-1] - g[0] == 7 and g[0] % 8 == 0 for g in big.group_ranks(Axis.TP))
 
 
 def test_expert_parallel_is_carved_out_of_data_parallel():
     dims = ParallelDims(world_size=16, tp=2, ep=2)  # dp = 8 = ep 2 x edp 4
-    assert dims.group_ranks("ep")[0] == [0, 2]
-    assert dims.group_ranks("expert_dp")[0] == [0, 4, 8, 12]
-    assert dims.group_ranks("dp")[0] == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert dims.group_ranks(Axis.EP)[0] == [0, 2]
+    assert dims.group_ranks(Axis.EXPERT_DP)[0] == [0, 4, 8, 12]
+    assert dims.group_ranks(Axis.DP)[0] == [0, 2, 4, 6, 8, 10, 12, 14]
 
 
 def test_embedding_group_is_first_and_last_stage():
     dims = ParallelDims(world_size=8, tp=2, pp=4)
     assert dims.embedding_group_ranks() == [[0, 6], [1, 7]]
     topo = Topology(dims, rank=7)
-    assert topo.ranks("embedding") == [1, 7] and topo.is_last_stage and not topo.is_first_stage
-    assert topo.ranks("tp") == [6, 7] and topo.local_rank("tp") == 1 and topo.size("dp") == 1
+    assert topo.ranks(Axis.EMBEDDING) == [1, 7] and topo.is_last_stage and not topo.is_first_stage
+    assert topo.ranks(Axis.TP) == [6, 7] and topo.local_rank(Axis.TP) == 1 and topo.size(Axis.DP) == 1
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=6, tp=4), "world size 6 is not divisible by TP x CP x PP = 4"),
-    (dict(world_size=8, tp=2, ep=3), "data-parallel size 4 is not divisible by expert-parallel size 3"),
-    (dict(world_size=0), "world_size must be a positive integer"),
-    (dict(world_size=4, pp=-1), "pp must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(world_size=6, tp=4), "world size 6 is not divisible by TP x CP x PP = 4"),
+        (dict(world_size=8, tp=2, ep=3), "data-parallel size 4 is not divisible by expert-parallel size 3"),
+        (dict(world_size=0), "world_size must be a positive integer"),
+        (dict(world_size=4, pp=-1), "pp must be a positive integer"),
+    ],
+)
 def test_invalid_dims_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ParallelDims(**kwargs)
@@ -85,7 +97,28 @@ def test_rank_out_of_range():
 
 def test_group_kinds_with_equal_ranks_are_listed_once_per_kind_and_cached():
     dims = ParallelDims(world_size=8, tp=2)
-    assert dims.group_ranks("dp") == dims.group_ranks("dp_cp") == dims.group_ranks("expert_dp")
+    assert dims.group_ranks(Axis.DP) == dims.group_ranks(Axis.DP_CP) == dims.group_ranks(Axis.EXPERT_DP)
     topo = Topology(dims, rank=3)
-    assert topo.ranks("dp") is topo.ranks("dp")  # computed once
-    assert topo.ranks("dp") == [1, 3, 5, 7]
+    assert topo.ranks(Axis.DP) is topo.ranks(Axis.DP)  # computed once
+    assert topo.ranks(Axis.DP) == [1, 3, 5, 7]
+
+
+def test_groups_are_asked_for_by_axis_and_never_silently_missing():
+    topo = Topology(ParallelDims(world_size=8, tp=2), rank=3)
+    with pytest.raises(TypeError, match=r"process groups are asked for by Axis \(Axis.TP, .*\), not 'tpp'"):
+        topo.group("tpp")
+    with pytest.raises(TypeError, match="not 'tp'"):
+        topo.ranks("tp")
+    # a kind of several ranks exists only once the groups are created
+    with pytest.raises(
+        RuntimeError,
+        match=r"the tp group of ranks \[2, 3\] does not exist yet; call "
+        r"Topology.create_groups\(\)",
+    ):
+        topo.group(Axis.TP)
+    # a one-rank kind is an explicit group of this rank alone
+    solo = topo.group(Axis.PP)
+    assert isinstance(solo, RankGroup) and solo.ranks == (3,) and solo.size == 1 and solo.rank == 0
+    assert solo.process_group is None
+    with pytest.raises(ValueError, match=r"the dp group of ranks \[1, 3\] has no process group"):
+        RankGroup("dp", (1, 3))

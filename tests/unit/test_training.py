@@ -10,14 +10,23 @@ import pytest
 import torch
 
 from paratron.checkpoint import load_pretrained, read_checkpoint
+from paratron.distributed.topology import ParallelDims, Topology
 from paratron.errors import CheckpointError
-from paratron.model import build_model
+from paratron.model import GPT
 from paratron.optim.build import build_optimizer, clip_grad_norm
-from paratron.parallel.data import DataParallel
 from paratron.optim.mixed_precision import Precision
-from paratron.training.step import train_step
+from paratron.parallel import parallelize
 from paratron.training.run import run_training
+from paratron.training.step import train_step
+
 from tiny import tiny_config
+
+
+def one_process_model(config):
+    """`parallelize` on a single process: the model, its gradient buffer and its step."""
+    with torch.device("meta"):
+        meta = GPT(config.model)
+    return parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
 
 
 def test_loss_falls_by_a_margin(tmp_path):
@@ -55,8 +64,9 @@ def test_resume_continues_exactly(tmp_path, precision, data):
         common.update(text_corpus(tmp_path / "corpus"))
     straight = run_training(tiny_config(tmp_path / "straight", train_iters=12, **common)).losses
     save, run = tmp_path / "ckpt", tmp_path / "run"
-    first = run_training(tiny_config(run, train_iters=8, lr_decay_iters=12, save=str(save), save_interval=6,
-                                     **common)).losses
+    first = run_training(
+        tiny_config(run, train_iters=8, lr_decay_iters=12, save=str(save), save_interval=6, **common)
+    ).losses
     # as if the job died after step 8 but before saving it: resume from the step-6 checkpoint
     shutil.rmtree(save / "iter_0000008")
     (save / "latest_checkpointed_iteration.txt").write_text("6\n")
@@ -68,8 +78,15 @@ def test_resume_continues_exactly(tmp_path, precision, data):
 
 
 def test_run_outputs_metrics_plot_tensorboard_and_checkpoint(tmp_path):
-    config = tiny_config(tmp_path / "run", train_iters=10, log_interval=5, eval_iters=2, eval_interval=5,
-                         tensorboard=True, save=str(tmp_path / "ckpt"))
+    config = tiny_config(
+        tmp_path / "run",
+        train_iters=10,
+        log_interval=5,
+        eval_iters=2,
+        eval_interval=5,
+        tensorboard=True,
+        save=str(tmp_path / "ckpt"),
+    )
     run_training(config)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5, 10]
@@ -111,14 +128,15 @@ def test_mixed_precision_runs_close_to_fp32(tmp_path, precision):
 
 @pytest.mark.parametrize("name", ["adam", "sgd"])
 def test_optimizers_fit_one_batch(tmp_path, name):
-    config = tiny_config(tmp_path, vocab_size=512, optimizer=name, lr=0.5 if name == "sgd" else 0.01, clip_grad=0.0)
-    model = DataParallel(build_model(config.model, seed=0), None, 1)
+    config = tiny_config(
+        tmp_path, vocab_size=512, optimizer=name, lr=0.5 if name == "sgd" else 0.01, clip_grad=0.0, seed=0
+    )
+    model = one_process_model(config)
     optimizer = build_optimizer(model, config.optimizer)
-    assert type(optimizer).__name__ == {"adam": "AdamW", "sgd": "SGD"}[name]
+    assert type(optimizer.optimizer).__name__ == {"adam": "AdamW", "sgd": "SGD"}[name]
     batch = torch.randint(0, 512, (8, 33), generator=torch.Generator().manual_seed(0))
     batches = [(batch[:, :-1], batch[:, 1:])]
-    losses = [train_step(model, optimizer, batches, Precision("fp32"), 0.0).loss.item()
-              for _ in range(25)]
+    losses = [train_step(model, optimizer, batches, Precision("fp32"), 0.0).loss.item() for _ in range(25)]
     assert losses[-1] < losses[0] - 1.0, losses
 
 
@@ -137,10 +155,10 @@ def test_clip_grad_norm_matches_torch():
 
 
 def test_gradient_views_survive_model_zero_grad_and_detaching_them_is_caught():
-    model = DataParallel(build_model(tiny_config(".").model, seed=0), None, 1)
+    model = one_process_model(tiny_config(".", vocab_size=512, seed=0))
     model(torch.randint(0, 512, (2, 8))).sum().backward()
     model.zero_grad()
-    assert model.reducer.grad_buffer.abs().sum() == 0 and model.module.embedding.weight.grad is not None
+    assert model.gradients.reducer.grad_buffer.abs().sum() == 0 and model.module.embedding.weight.grad is not None
     model.finish_grad_sync()
     optimizer = build_optimizer(model, tiny_config(".").optimizer)
     optimizer.zero_grad()  # sets .grad to None: the views are gone

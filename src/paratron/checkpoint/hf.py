@@ -24,12 +24,18 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from paratron.checkpoint.io import CheckpointContent, model_from_checkpoint, read_checkpoint, save_checkpoint
 from paratron.config.loading import build_config, config_to_dict
 from paratron.config.schema import Config, ModelConfig
 from paratron.errors import CheckpointError
+from paratron.model.gpt import build_model
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gpt2": "GPT2LMHeadModel"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 
 # paratron name -> Hugging Face name, per family (layer index as {i})
@@ -63,8 +69,14 @@ _GPT2_IGNORED = re.compile(r"\.attn\.(bias|masked_bias)$")
 def _hf_name(name: str, table: dict[str, str]) -> str | None:
     """The Hugging Face name of paratron tensor `name` under `table` (None: not in the table)."""
     for pattern, target in table.items():
-        regex = "^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(
-            r"\{p\}", r"(?P<p>\w+)").replace(r"\{w\}", r"(?P<w>weight|bias)") + "$"
+        regex = (
+            "^"
+            + re.escape(pattern)
+            .replace(r"\{i\}", r"(?P<i>\d+)")
+            .replace(r"\{p\}", r"(?P<p>\w+)")
+            .replace(r"\{w\}", r"(?P<w>weight|bias)")
+            + "$"
+        )
         match = re.match(regex, name)
         if match:
             return target.format(**match.groupdict())
@@ -79,73 +91,129 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
     model has something paratron's layers do not)."""
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
-        raise CheckpointError(f"{source}: model_type {kind!r} is not supported; convert one of "
-                              f"{', '.join(ARCHITECTURES)}")
+        raise CheckpointError(
+            f"{source}: model_type {kind!r} is not supported; convert one of {', '.join(ARCHITECTURES)}"
+        )
     if kind == "gpt2":
         if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise CheckpointError(f"{source}: activation_function {hf['activation_function']!r} is not supported "
-                                  "(paratron's GPT-2 uses the tanh GELU)")
-        return dict(num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
-                    ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"], max_position_embeddings=hf["n_positions"],
-                    vocab_size=hf["vocab_size"], position_embedding_type="learned_absolute",
-                    normalization="LayerNorm", norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation="gelu",
-                    add_bias_linear=True, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
-                    hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0))
+            raise CheckpointError(
+                f"{source}: activation_function {hf['activation_function']!r} is not supported "
+                "(paratron's GPT-2 uses the tanh GELU)"
+            )
+        return dict(
+            num_layers=hf["n_layer"],
+            hidden_size=hf["n_embd"],
+            num_attention_heads=hf["n_head"],
+            ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
+            max_position_embeddings=hf["n_positions"],
+            vocab_size=hf["vocab_size"],
+            position_embedding_type="learned_absolute",
+            normalization="LayerNorm",
+            norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            activation="gelu",
+            add_bias_linear=True,
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+            hidden_dropout=hf.get("resid_pdrop", 0.0),
+            attention_dropout=hf.get("attn_pdrop", 0.0),
+        )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise CheckpointError(f"{source}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not "
-                              "supported; only plain rotary embeddings are")
+        raise CheckpointError(
+            f"{source}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not "
+            "supported; only plain rotary embeddings are"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU needs silu)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise CheckpointError(f"{source}: attention_bias/mlp_bias are not supported for {kind}")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    return dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-                num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-                kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
-                max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
-                position_embedding_type="rope",
-                rotary_base=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
-                normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
-                add_bias_linear=False, add_qkv_bias=kind == "qwen2",
-                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-                hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0))
+    return dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
+        max_position_embeddings=hf["max_position_embeddings"],
+        vocab_size=hf["vocab_size"],
+        position_embedding_type="rope",
+        rotary_base=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+        normalization="RMSNorm",
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        activation="swiglu",
+        add_bias_linear=False,
+        add_qkv_bias=kind == "qwen2",
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        hidden_dropout=0.0,
+        attention_dropout=hf.get("attention_dropout", 0.0),
+    )
 
 
 def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:
     """The Hugging Face architecture that has exactly paratron model `m`'s layers."""
-    if m.position_embedding_type == "rope" and m.normalization == "RMSNorm" and m.activation == "swiglu" \
-            and not m.add_bias_linear:
+    if (
+        m.position_embedding_type == "rope"
+        and m.normalization == "RMSNorm"
+        and m.activation == "swiglu"
+        and not m.add_bias_linear
+    ):
         if m.add_qkv_bias:
             return "qwen2"
         return preferred if preferred in ("llama", "mistral") else "llama"
-    if m.position_embedding_type == "learned_absolute" and m.normalization == "LayerNorm" and m.activation == "gelu" \
-            and m.add_bias_linear and not m.untie_embeddings_and_output_weights:
+    if (
+        m.position_embedding_type == "learned_absolute"
+        and m.normalization == "LayerNorm"
+        and m.activation == "gelu"
+        and m.add_bias_linear
+        and not m.untie_embeddings_and_output_weights
+    ):
         return "gpt2"
-    raise CheckpointError("this model has no Hugging Face equivalent (Llama, Mistral and Qwen2 need rotary "
-                          "embeddings, RMSNorm, SwiGLU and no linear biases; GPT-2 needs learned positions, "
-                          "LayerNorm, GELU, biases and tied embeddings)")
+    raise CheckpointError(
+        "this model has no Hugging Face equivalent (Llama, Mistral and Qwen2 need rotary "
+        "embeddings, RMSNorm, SwiGLU and no linear biases; GPT-2 needs learned positions, "
+        "LayerNorm, GELU, biases and tied embeddings)"
+    )
 
 
 def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
     """A Hugging Face `config.json` for paratron model `m` as architecture `kind`."""
-    common = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": m.vocab_size,
-              "torch_dtype": "float32"}
+    common = {
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        "vocab_size": m.vocab_size,
+        "torch_dtype": "float32",
+    }
     if kind == "gpt2":
-        return {**common, "n_layer": m.num_layers, "n_embd": m.hidden_size, "n_head": m.num_attention_heads,
-                "n_inner": m.ffn_hidden_size or 4 * m.hidden_size, "n_positions": m.max_position_embeddings,
-                "layer_norm_epsilon": m.norm_epsilon, "activation_function": "gelu_new",
-                "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
-                "tie_word_embeddings": True}
-    config = {**common, "num_hidden_layers": m.num_layers, "hidden_size": m.hidden_size,
-              "num_attention_heads": m.num_attention_heads,
-              "num_key_value_heads": m.num_query_groups or m.num_attention_heads,
-              "head_dim": m.kv_channels or m.hidden_size // m.num_attention_heads,
-              "intermediate_size": m.ffn_hidden_size or 4 * m.hidden_size,
-              "max_position_embeddings": m.max_position_embeddings, "rms_norm_eps": m.norm_epsilon,
-              "rope_theta": m.rotary_base, "hidden_act": "silu", "attention_dropout": m.attention_dropout,
-              "tie_word_embeddings": not m.untie_embeddings_and_output_weights}
+        return {
+            **common,
+            "n_layer": m.num_layers,
+            "n_embd": m.hidden_size,
+            "n_head": m.num_attention_heads,
+            "n_inner": m.ffn_hidden_size or 4 * m.hidden_size,
+            "n_positions": m.max_position_embeddings,
+            "layer_norm_epsilon": m.norm_epsilon,
+            "activation_function": "gelu_new",
+            "resid_pdrop": m.hidden_dropout,
+            "embd_pdrop": m.hidden_dropout,
+            "attn_pdrop": m.attention_dropout,
+            "tie_word_embeddings": True,
+        }
+    config = {
+        **common,
+        "num_hidden_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups or m.num_attention_heads,
+        "head_dim": m.kv_channels or m.hidden_size // m.num_attention_heads,
+        "intermediate_size": m.ffn_hidden_size or 4 * m.hidden_size,
+        "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": m.norm_epsilon,
+        "rope_theta": m.rotary_base,
+        "hidden_act": "silu",
+        "attention_dropout": m.attention_dropout,
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+    }
     if kind == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     return config
@@ -154,8 +222,9 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- weights
 
 
-def weights_from_hf(tensors: dict[str, torch.Tensor], kind: str, m: ModelConfig,
-                    names: list[str], source: str) -> dict[str, torch.Tensor]:
+def weights_from_hf(
+    tensors: dict[str, torch.Tensor], kind: str, m: ModelConfig, names: list[str], source: str
+) -> dict[str, torch.Tensor]:
     """paratron tensors `names` (a model's parameter names) from Hugging Face `tensors`."""
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
@@ -227,8 +296,9 @@ def read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     hf = read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{path}: no .safetensors weights (pytorch_model.bin is not read: save with "
-                              "safe_serialization=True)")
+        raise CheckpointError(
+            f"{path}: no .safetensors weights (pytorch_model.bin is not read: save with safe_serialization=True)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -245,8 +315,6 @@ def config_for_hf(hf: dict[str, Any], source: str) -> Config:
 
 def model_from_hf(path: Path, device: torch.device | str = "cpu"):
     """A single-device paratron model with a Hugging Face directory's weights, in eval mode."""
-    from paratron.model.gpt import build_model
-
     hf, tensors = read_hf(path)
     config = config_for_hf(hf, str(path / "config.json"))
     model = build_model(config.model, device)
@@ -260,15 +328,22 @@ def model_from_hf(path: Path, device: torch.device | str = "cpu"):
 
 def hf_to_paratron(source: Path, destination: Path) -> Path:
     """Write a weights-only paratron checkpoint (iteration 0) of a Hugging Face model directory."""
-    from paratron.checkpoint.io import save_checkpoint
-
     _refuse_existing(destination)
     hf = read_hf_config(source)
     model = model_from_hf(source)
     config = config_for_hf(hf, str(source / "config.json"))
     tokenizer = _FileCopy(source / "tokenizer.json") if (source / "tokenizer.json").is_file() else None
-    path = save_checkpoint(destination, 0, 0, model, config, tokenizer,
-                           extra_meta={"weights_only": True, "hf_model_type": hf["model_type"]})
+    path = save_checkpoint(
+        destination,
+        CheckpointContent(
+            0,
+            0,
+            config,
+            model,
+            tokenizer=tokenizer,
+            extra_meta={"weights_only": True, "hf_model_type": hf["model_type"]},
+        ),
+    )
     recipe = {"model": {k: v for k, v in config_to_dict(config)["model"].items() if v is not None}}
     (destination / "model.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     return path
@@ -277,9 +352,6 @@ def hf_to_paratron(source: Path, destination: Path) -> Path:
 def paratron_to_hf(source: Path, destination: Path) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer.json if any) of a
     paratron checkpoint's weights."""
-    from paratron.checkpoint.io import read_checkpoint
-    from paratron.checkpoint.pretrained import model_from_checkpoint
-
     _refuse_existing(destination)
     info = read_checkpoint(source)
     kind = model_type_of(info.config.model, info.hf_model_type)

@@ -36,12 +36,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from paratron.config.loading import config_from_dict, config_to_dict
 from paratron.checkpoint.optimizer_state import optimizer_file, optimizer_snapshot
+from paratron.config.loading import config_from_dict, config_to_dict
 from paratron.config.schema import Config
+from paratron.distributed.topology import Axis, ParallelDims, RankGroup, Topology
 from paratron.errors import CheckpointError, UserError
+from paratron.model.gpt import GPT, build_model
+from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.data.fully_sharded import assign_full, full_parameter
-from paratron.parallel.sharding import full_shape, gather_full, shard_of
+from paratron.parallel.sharding import full_shape, gather_full, param_info, shard_of
 
 TRACKER = "latest_checkpointed_iteration.txt"
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -77,14 +80,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def full_state(model: nn.Module, tp_group: Any = None, keep: bool = True) -> dict[str, torch.Tensor]:
+def full_state(model: nn.Module, tp_group: RankGroup, keep: bool = True) -> dict[str, torch.Tensor]:
     """Every parameter this rank's stage holds, once (a tied output weight appears as the
     embedding; the last pipeline stage's copy of it is left to the first), whole and on the CPU:
     tensor-parallel slices are gathered from the other ranks one tensor at a time (collective over
     `tp_group`; ranks with keep=False take part and keep nothing)."""
     out = {}
     for name, param in model.named_parameters():
-        if getattr(param, "pipeline_duplicate", False):
+        if param_info(param).pipeline_duplicate:
             continue
         full = gather_full(param, tp_group, full_parameter(param))
         if keep:
@@ -92,16 +95,22 @@ def full_state(model: nn.Module, tp_group: Any = None, keep: bool = True) -> dic
     return out
 
 
-def whole_model_state(model: nn.Module, tp_group: Any, pp_group: Any, stage_writer: bool,
-                      main: bool) -> dict[str, torch.Tensor]:
-    """The whole model's weights on the main rank (empty elsewhere): each pipeline stage's, gathered
-    over tensor parallelism, sent to it. Collective over the tensor-parallel group; the stage
-    writers (first tensor- and data-parallel rank of each stage) also take part over `pp_group`."""
-    state = full_state(model, tp_group, keep=stage_writer)
-    if pp_group is None or not stage_writer:
+def _stage_writer(topology: Topology) -> bool:
+    """The rank that writes its pipeline stage's weights: the stage's first tensor- and data-parallel rank."""
+    return topology.dp_rank == 0 and topology.tp_rank == 0
+
+
+def whole_model_state(model: nn.Module, topology: Topology) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0 (empty elsewhere): each pipeline stage's, gathered over
+    tensor parallelism, sent to it. Collective over the tensor-parallel group; the stage writers
+    also take part over the pipeline-parallel group."""
+    stage_writer, main = _stage_writer(topology), topology.rank == 0
+    state = full_state(model, topology.group(Axis.TP), keep=stage_writer)
+    pp = topology.group(Axis.PP)
+    if pp.size == 1 or not stage_writer:
         return state if main else {}
-    stages: list[Any] = [None] * dist.get_world_size(pp_group)
-    dist.gather_object(state, stages if main else None, dst=0, group=pp_group)
+    stages: list[Any] = [None] * pp.size
+    dist.gather_object(state, stages if main else None, dst=0, group=pp.process_group)
     return {name: t for part in stages for name, t in part.items()} if main else {}
 
 
@@ -114,45 +123,68 @@ def rank_state_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
     return f"training_state_tp{tp_rank:03d}" + (f"_pp{pp_rank:03d}" if pp_size > 1 else "") + ".pt"
 
 
-def save_checkpoint(root: Path, iteration: int, consumed_samples: int, model: nn.Module, config: Config,
-                    tokenizer: Any = None, rank_state: dict[str, Any] | None = None, tp_rank: int = 0,
-                    writer: bool = True, tp_group: Any = None, pp_rank: int = 0, pp_size: int = 1,
-                    stage_writer: bool | None = None, optimizer: Any = None, dp_rank: int = 0,
-                    extra_meta: dict[str, Any] | None = None) -> Path:
-    """Write iteration `iteration` under `root` and wait until it is published; every rank takes
-    part (see `PendingSave` for what each rank writes)."""
-    pending = begin_save(root, iteration, consumed_samples, model, config, tokenizer, rank_state, tp_rank, writer,
-                         tp_group, pp_rank, pp_size, stage_writer, optimizer, dp_rank, extra_meta)
+@dataclass
+class CheckpointContent:
+    """What a checkpoint holds, as one rank sees it."""
+
+    iteration: int
+    consumed_samples: int
+    config: Config
+    model: nn.Module
+    """This rank's plain model part (single-device names)."""
+    optimizer: TrainingOptimizer | None = None
+    tokenizer: Any = None
+    rank_state: dict[str, Any] | None = None
+    """This rank's random-generator and loss-scaler state."""
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+
+
+def save_checkpoint(root: Path, content: CheckpointContent, topology: Topology | None = None) -> Path:
+    """Write `content` under `root` and wait until it is published; every rank takes part (see
+    `begin_save` for what each rank writes). Without a topology, as a single process."""
+    pending = begin_save(root, content, topology)
     pending.write()
     return pending.publish()
 
 
-def begin_save(root: Path, iteration: int, consumed_samples: int, model: nn.Module, config: Config,
-               tokenizer: Any = None, rank_state: dict[str, Any] | None = None, tp_rank: int = 0,
-               writer: bool = True, tp_group: Any = None, pp_rank: int = 0, pp_size: int = 1,
-               stage_writer: bool | None = None, optimizer: Any = None, dp_rank: int = 0,
-               extra_meta: dict[str, Any] | None = None, snapshot: bool = False) -> "PendingSave":
+def begin_save(
+    root: Path, content: CheckpointContent, topology: Topology | None = None, snapshot: bool = False
+) -> PendingSave:
     """The collective part of a save: gather the weights, take this rank's optimizer pieces and
     state, create the temporary folder. With `snapshot`, every value is copied, so that training
-    may go on while `PendingSave.write` runs (asynchronous saving)."""
-    stage_writer = writer if stage_writer is None else stage_writer
-    weights = full_state(model, tp_group, keep=stage_writer)
+    may go on while `PendingSave.write` runs (asynchronous saving).
+
+    Data-parallel replicas hold the same state, unless the optimizer is sharded over them: the
+    first replica writes the weights (one rank per pipeline stage), the rank states and the
+    optimizer pieces; with a sharded optimizer every rank writes its own pieces."""
+    topology = topology or Topology(ParallelDims(1))
+    first_replica, stage_writer = topology.dp_rank == 0, _stage_writer(topology)
+    pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
+    sharded = content.config.parallel.sharding_stage > 0 and topology.size(Axis.DP) > 1
+    weights = full_state(content.model, topology.group(Axis.TP), keep=stage_writer)
+    rank_state = content.rank_state if first_replica else None
     if snapshot:
         weights = {n: t.clone() for n, t in weights.items()}
         rank_state = copy.deepcopy(rank_state)
-    pieces = None
-    if optimizer is not None:
-        pieces = optimizer_snapshot(optimizer, model, replicated_too=tp_rank == 0, copy=snapshot)
-    pending = PendingSave(root, iteration, consumed_samples, config, tokenizer, writer, extra_meta or {},
-                          files={})
+    pending = PendingSave(
+        root,
+        content.iteration,
+        content.consumed_samples,
+        content.config,
+        content.tokenizer,
+        topology.rank == 0,
+        content.extra_meta,
+        files={},
+        pp_size=pp_size,
+    )
     if stage_writer:
         pending.files[weights_file(pp_rank, pp_size)] = ("safetensors", weights, {"format": "pt"})
-    if pieces is not None:
-        pending.files[optimizer_file(tp_rank, pp_rank, dp_rank)] = ("safetensors", *pieces)
+    if content.optimizer is not None and (first_replica or sharded):
+        pieces = optimizer_snapshot(content.optimizer, content.model, replicated_too=tp_rank == 0, copy=snapshot)
+        pending.files[optimizer_file(tp_rank, pp_rank, topology.dp_rank)] = ("safetensors", *pieces)
     if rank_state is not None:
         pending.files[rank_state_file(tp_rank, pp_rank, pp_size)] = ("torch", rank_state, None)
-    pending.pp_size = pp_size
-    if writer:
+    if pending.writer:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(pending.tmp, ignore_errors=True)
         pending.tmp.mkdir()
@@ -215,14 +247,20 @@ class PendingSave:
                 for stage in range(self.pp_size):
                     with safe_open(str(tmp / weights_file(stage, self.pp_size)), framework="pt") as f:
                         weight_map.update({key: weights_file(stage, self.pp_size) for key in f.keys()})
-                (tmp / WEIGHTS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2),
-                                                 encoding="utf-8")
+                (tmp / WEIGHTS_INDEX).write_text(
+                    json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2), encoding="utf-8"
+                )
             if self.tokenizer is not None:
                 self.tokenizer.save(tmp / "tokenizer.json")
             written = {name: digest for part in checksums for name, digest in part.items()}
             files = {p.name: written.get(p.name) or _sha256(p) for p in sorted(tmp.iterdir())}
-            meta = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                    "config": config_to_dict(self.config), "files": files, **self.extra_meta}
+            meta = {
+                "iteration": self.iteration,
+                "consumed_samples": self.consumed_samples,
+                "config": config_to_dict(self.config),
+                "files": files,
+                **self.extra_meta,
+            }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
             if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
                 old = root / f".old-{final.name}-{os.getpid()}"
@@ -321,8 +359,11 @@ def read_checkpoint(path: Path, verify: bool = True) -> CheckpointInfo:
             continue
         info.passed_over = problems
         return info
-    raise CheckpointError(f"{path}: no intact checkpoint ({problems[0]}" + (f", and {len(problems) - 1} more"
-                                                                          if len(problems) > 1 else "") + ")")
+    raise CheckpointError(
+        f"{path}: no intact checkpoint ({problems[0]}"
+        + (f", and {len(problems) - 1} more" if len(problems) > 1 else "")
+        + ")"
+    )
 
 
 def _read_folder(folder: Path, verify: bool) -> CheckpointInfo:
@@ -343,8 +384,14 @@ def _read_folder(folder: Path, verify: bool) -> CheckpointInfo:
         config = config_from_dict(meta["config"])
     except UserError as exc:
         raise CheckpointError(f"{folder / 'meta.json'}: its config does not load ({exc})") from None
-    return CheckpointInfo(folder, int(meta["iteration"]), int(meta["consumed_samples"]), config,
-                          bool(meta.get("weights_only", False)), meta.get("hf_model_type"))
+    return CheckpointInfo(
+        folder,
+        int(meta["iteration"]),
+        int(meta["consumed_samples"]),
+        config,
+        bool(meta.get("weights_only", False)),
+        meta.get("hf_model_type"),
+    )
 
 
 def _weight_files(info: CheckpointInfo) -> dict[str, str]:
@@ -370,8 +417,9 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = Tru
             raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
     extra = set(files) - set(expected)
     if whole and extra:
-        raise CheckpointError(f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); "
-                              "it belongs to a different model")
+        raise CheckpointError(
+            f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); it belongs to a different model"
+        )
     by_file: dict[str, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
@@ -382,8 +430,10 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = Tru
                     param = expected[name]
                     shape = tuple(f.get_slice(name).get_shape())
                     if shape != full_shape(param):
-                        raise CheckpointError(f"{info.path}: {name} has shape {list(shape)} there but "
-                                              f"{list(full_shape(param))} in this model; use the same model settings")
+                        raise CheckpointError(
+                            f"{info.path}: {name} has shape {list(shape)} there but "
+                            f"{list(full_shape(param))} in this model; use the same model settings"
+                        )
                     assign_full(param, _read_slice(f, name, param))
 
 
@@ -400,16 +450,19 @@ def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def load_training_state(info: CheckpointInfo, tp_rank: int, tp_size: int, pp_rank: int = 0,
-                        pp_size: int = 1) -> tuple[dict[str, Any], bool]:
+def load_training_state(checkpoint: CheckpointInfo, topology: Topology) -> tuple[dict[str, Any], bool]:
     """The saved RNG and loss-scaler state for this rank, and whether it is this rank's own (the
     checkpoint has the same tensor- and pipeline-parallel layout). At another layout it is the
     first rank's: its loss scaler and counters apply, its random-generator states do not."""
-    saved = info.config.parallel
-    same = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) == (tp_size, pp_size)
-    name = rank_state_file(tp_rank, pp_rank, pp_size) if same else \
-        rank_state_file(0, 0, saved.pipeline_model_parallel_size)
-    return torch.load(info.path / name, map_location="cpu", weights_only=True), same
+    saved = checkpoint.config.parallel
+    pp_size = topology.size(Axis.PP)
+    same = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) == (topology.size(Axis.TP), pp_size)
+    name = (
+        rank_state_file(topology.tp_rank, topology.pp_rank, pp_size)
+        if same
+        else rank_state_file(0, 0, saved.pipeline_model_parallel_size)
+    )
+    return torch.load(checkpoint.path / name, map_location="cpu", weights_only=True), same
 
 
 def read_weight(info: CheckpointInfo, name: str) -> torch.Tensor:
@@ -419,3 +472,10 @@ def read_weight(info: CheckpointInfo, name: str) -> torch.Tensor:
         raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
     with safe_open(str(info.path / file), framework="pt", device="cpu") as f:
         return f.get_tensor(name)
+
+
+def model_from_checkpoint(checkpoint: CheckpointInfo, device: torch.device | str = "cpu") -> GPT:
+    """The single-device model of a checkpoint, in eval mode."""
+    model = build_model(checkpoint.config.model, device, seed=checkpoint.config.training.seed)
+    load_model_weights(checkpoint, model)
+    return model.eval()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from safetensors import safe_open
 from torch import nn
 
 from paratron.errors import CheckpointError
-from paratron.parallel.sharding import full_shape, shard_of
+from paratron.optim.protocol import OptimizerPiece, TrainingOptimizer
+from paratron.parallel.data.fully_sharded import local_tensor
+from paratron.parallel.sharding import full_shape, param_info, shard_of
 
 PREFIX = "optimizer_"
 
@@ -38,54 +41,25 @@ def optimizer_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 
 @dataclass
 class Piece:
+    """One of the optimizer's pieces (`optim.protocol.OptimizerPiece`) under its parameter's name."""
+
     name: str
-    param: nn.Parameter
-    start: int
-    end: int
-    """[start, end) of the flattened tensor-parallel slice of `param`."""
-    master: torch.Tensor
-    """The tensor the optimizer steps for this piece (its state is keyed by it)."""
+    part: OptimizerPiece
     optimizer: torch.optim.Optimizer
-    """The PyTorch optimizer holding that state."""
-    copy: bool
-    """`master` is an fp32 copy of 16-bit weights (saved too); otherwise the weights themselves."""
+    """The PyTorch optimizer holding the piece's state (keyed by `part.master`)."""
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _rows_offset(param: torch.Tensor) -> int:
-    """First row of an FSDP2-sharded parameter's local rows within its tensor-parallel slice."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return int(offset[0]) if offset else 0
-
-
-def pieces(optimizer: Any, model: nn.Module, duplicates: bool = False) -> list[Piece]:
+def pieces(optimizer: TrainingOptimizer, model: nn.Module, duplicates: bool = False) -> list[Piece]:
     """What this rank's optimizer steps, piece by piece, with single-device names; the last
     pipeline stage's copy of a tied embedding only with `duplicates` (the first stage saves it)."""
     names: dict[int, str] = {}
     for name, param in model.named_parameters():
         names.setdefault(id(param), name)
-    out = []
-    if hasattr(optimizer, "pieces"):  # the distributed optimizer (ZeRO 1/2)
-        for master, (param, a, z, _) in zip(optimizer.masters, optimizer.pieces):
-            out.append(Piece(names[id(param)], param, a, z, master, optimizer.optimizer,
-                             param.dtype != master.dtype))
-    elif hasattr(optimizer, "masters"):  # fp32 masters of 16-bit parameters
-        for master, param in zip(optimizer.masters, optimizer.targets):
-            out.append(Piece(names[id(param)], param, 0, param.numel(), master, optimizer.optimizer, True))
-    else:  # a PyTorch optimizer over the parameters (FSDP2's sharded ones at ZeRO 3)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                local = _local(param)
-                first = _rows_offset(param) if hasattr(param, "device_mesh") else 0
-                width = local[0].numel() if local.dim() > 0 and local.size(0) else 0
-                start = first * width if local.dim() > 0 else 0
-                out.append(Piece(names[id(param)], param, start, start + local.numel(), param, optimizer, False))
-    return [p for p in out if duplicates or not getattr(p.param, "pipeline_duplicate", False)]
+    return [
+        Piece(names[id(part.param)], part, optimizer.optimizer)
+        for part in optimizer.pieces()
+        if duplicates or not param_info(part.param).pipeline_duplicate
+    ]
 
 
 def _shard_record(param: nn.Parameter) -> list[int] | None:
@@ -93,8 +67,9 @@ def _shard_record(param: nn.Parameter) -> list[int] | None:
     return None if shard is None else [shard.dim, shard.start, shard.length]
 
 
-def optimizer_snapshot(optimizer: Any, model: nn.Module, replicated_too: bool = True,
-                       copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def optimizer_snapshot(
+    optimizer: TrainingOptimizer, model: nn.Module, replicated_too: bool = True, copy: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """This rank's pieces as (tensors, metadata) for a .safetensors file. `replicated_too=False`
     leaves out parameters that every tensor-parallel rank holds whole (another rank writes them);
     `copy` clones the values, so that training may go on while they are written."""
@@ -102,32 +77,38 @@ def optimizer_snapshot(optimizer: Any, model: nn.Module, replicated_too: bool = 
     index = []
     step = None
     for piece in pieces(optimizer, model):
-        if not replicated_too and shard_of(piece.param) is None:
+        part = piece.part
+        if not replicated_too and shard_of(part.param) is None:
             continue
-        state = piece.optimizer.state.get(piece.master, {})
+        state = piece.optimizer.state.get(part.master, {})
         entries = {k: v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
         if "step" in state:
             step = float(state["step"])
-        if piece.copy:
-            entries["master"] = piece.master.detach()
+        if part.copy:
+            entries["master"] = part.master.detach()
         keys = []
         for key, value in entries.items():
-            flat = _local(value).detach().reshape(-1).float().cpu()
+            flat = local_tensor(value).detach().reshape(-1).float().cpu()
             tensors[f"{len(index)}/{key}"] = flat.clone() if copy else flat.contiguous()
             keys.append(key)
-        index.append({"name": piece.name, "start": piece.start, "end": piece.end, "keys": keys,
-                      "slice_shape": list(_local_shape(piece.param)), "shard": _shard_record(piece.param),
-                      "shape": list(full_shape(piece.param))})
+        index.append(
+            {
+                "name": piece.name,
+                "start": part.start,
+                "end": part.end,
+                "keys": keys,
+                "slice_shape": list(part.param.shape),
+                "shard": _shard_record(part.param),
+                "shape": list(full_shape(part.param)),
+            }
+        )
     return tensors, {"pieces": json.dumps(index), "step": json.dumps(step)}
 
 
-def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The shape of this rank's tensor-parallel slice (a DTensor's global shape is that slice's)."""
-    return tuple(param.shape)
-
-
 @torch.no_grad()
-def load_optimizer(folder: Path, optimizer: Any, model: nn.Module, weights: Any = None) -> None:
+def load_optimizer(
+    folder: Path, optimizer: TrainingOptimizer, model: nn.Module, weights: Callable[[str], torch.Tensor] | None = None
+) -> None:
     """Fill this rank's optimizer state (and fp32 masters) from every optimizer file in `folder`,
     whatever layout wrote them. `weights(name)` gives a parameter's saved single-device weights,
     for masters when the checkpoint has none (it was trained in fp32)."""
@@ -151,12 +132,11 @@ def load_optimizer(folder: Path, optimizer: Any, model: nn.Module, weights: Any 
             if not sources:
                 raise CheckpointError(f"{folder}: has no optimizer state for {name}; it belongs to a different model")
             full = _assemble(sources, name, folder)
-            if "master" not in full and any(p.copy for p in targets) and weights is not None:
+            if "master" not in full and any(p.part.copy for p in targets) and weights is not None:
                 full["master"] = weights(name).float()
             for piece in targets:
                 _fill(piece, full, step)
-    if hasattr(optimizer, "write_back"):
-        optimizer.write_back()  # the 16-bit weights from the masters just loaded
+    optimizer.write_back()  # the 16-bit weights from the masters just loaded
 
 
 def _assemble(sources: list[tuple[Any, int, dict]], name: str, folder: Path) -> dict[str, torch.Tensor]:
@@ -173,7 +153,7 @@ def _assemble(sources: list[tuple[Any, int, dict]], name: str, folder: Path) -> 
             size *= n
         for state_key in record["keys"]:
             flat = flats.setdefault(state_key, torch.zeros(size))
-            flat[record["start"]:record["end"]] = handle.get_tensor(f"{i}/{state_key}")
+            flat[record["start"] : record["end"]] = handle.get_tensor(f"{i}/{state_key}")
     full: dict[str, torch.Tensor] = {}
     for (shard_json, slice_shape), flats in slices.items():
         shard = json.loads(shard_json)
@@ -190,24 +170,25 @@ def _assemble(sources: list[tuple[Any, int, dict]], name: str, folder: Path) -> 
 
 def _fill(piece: Piece, full: dict[str, torch.Tensor], step: float | None) -> None:
     """Set `piece`'s optimizer state (and master) from single-device tensors."""
-    shard = shard_of(piece.param)
+    part = piece.part
+    shard = shard_of(part.param)
     flats = {}
     for key, tensor in full.items():
-        local = torch.zeros(_local_shape(piece.param))
+        local = torch.zeros(tuple(part.param.shape))  # (a DTensor's shape is its tensor-parallel slice's)
         if shard is None:
             local.copy_(tensor)
         elif shard.length:
             local.narrow(shard.dim, 0, shard.length).copy_(tensor.narrow(shard.dim, shard.start, shard.length))
-        flats[key] = local.reshape(-1)[piece.start:piece.end]
-    if "master" in flats and piece.copy:
-        _local(piece.master).view(-1).copy_(flats.pop("master"))
+        flats[key] = local.reshape(-1)[part.start : part.end]
+    if "master" in flats and part.copy:
+        local_tensor(part.master).view(-1).copy_(flats.pop("master"))
     flats.pop("master", None)
     if not flats:
         return
-    state = piece.optimizer.state[piece.master]
+    state = piece.optimizer.state[part.master]
     for key, values in flats.items():
         if key not in state:
-            state[key] = torch.zeros_like(piece.master, memory_format=torch.preserve_format)
-        _local(state[key]).view(-1).copy_(values.to(_local(piece.master).device))
+            state[key] = torch.zeros_like(part.master, memory_format=torch.preserve_format)
+        local_tensor(state[key]).view(-1).copy_(values.to(local_tensor(part.master).device))
     if step is not None:
         state["step"] = torch.tensor(step, dtype=torch.float32)

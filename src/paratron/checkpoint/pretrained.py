@@ -1,4 +1,5 @@
-"""Single-device models (and their tokenizers) from saved checkpoints, for inference and fine-tuning."""
+"""Single-device models (and their tokenizers) from saved checkpoints or Hugging Face directories,
+for inference and fine-tuning."""
 
 from __future__ import annotations
 
@@ -6,15 +7,10 @@ from pathlib import Path
 
 import torch
 
-from paratron.checkpoint.io import CheckpointInfo, load_model_weights, read_checkpoint
+from paratron.checkpoint.hf import model_from_hf
+from paratron.checkpoint.io import CheckpointInfo, model_from_checkpoint, read_checkpoint
 from paratron.data.tokenizer import Tokenizer
-from paratron.model.gpt import GPT, build_model
-
-
-def model_from_checkpoint(info: CheckpointInfo, device: torch.device | str = "cpu") -> GPT:
-    model = build_model(info.config.model, device, seed=info.config.training.seed)
-    load_model_weights(info, model)
-    return model.eval()
+from paratron.model.gpt import GPT
 
 
 def tokenizer_from_checkpoint(info: CheckpointInfo) -> Tokenizer | None:
@@ -29,7 +25,5 @@ def load_pretrained(path: str | Path, device: torch.device | str = "cpu") -> GPT
     in eval mode; `model(input_ids)` returns logits."""
     path = Path(path)
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
-        from paratron.checkpoint.hf import model_from_hf
-
         return model_from_hf(path, device)
     return model_from_checkpoint(read_checkpoint(path), device)

@@ -1,6 +1,8 @@
-"""Typed configuration: schema (dataclasses), loading (YAML, CLI, Megatron names), validation."""
+"""Typed configuration: schema (frozen dataclasses), loading (YAML, CLI, Megatron names), the
+layout arithmetic, validation."""
 
-from paratron.config.loading import build_config, config_from_dict, config_to_dict
+from paratron.config.layout import Layout, resolve_layout
+from paratron.config.loading import build_config, config_from_dict, config_to_dict, override
 from paratron.config.schema import (
     CheckpointConfig,
     Config,
@@ -15,7 +17,20 @@ from paratron.config.schema import (
 from paratron.config.validation import validate
 
 __all__ = [
-    "Config", "ModelConfig", "ParallelConfig", "OptimizerConfig", "LRScheduleConfig", "DataConfig",
-    "TrainingConfig", "CheckpointConfig", "LoggingConfig", "build_config", "config_from_dict",
-    "config_to_dict", "validate",
+    "Config",
+    "ModelConfig",
+    "ParallelConfig",
+    "OptimizerConfig",
+    "LRScheduleConfig",
+    "DataConfig",
+    "TrainingConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "build_config",
+    "config_from_dict",
+    "config_to_dict",
+    "override",
+    "validate",
+    "Layout",
+    "resolve_layout",
 ]

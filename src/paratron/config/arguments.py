@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from paratron.config import schema
 from paratron.config.fields import FieldInfo, all_fields, section_fields
@@ -34,8 +35,12 @@ def _help(info: FieldInfo) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="RECIPE", default=None,
-                        help="Recipe name in configs/ (debug, demo, ...) or path of a YAML file; flags override it.")
+    parser.add_argument(
+        "--config",
+        metavar="RECIPE",
+        default=None,
+        help="Recipe name in configs/ (debug, demo, ...) or path of a YAML file; flags override it.",
+    )
     renames_of: dict[str, list[str]] = {}
     for alias, name in RENAMES.items():
         renames_of.setdefault(name, []).append("--" + alias.replace("_", "-"))
@@ -45,19 +50,43 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         for info in section_fields(section):
             names = [info.flag, *renames_of.get(info.name, [])]
             if info.base_type is bool:
-                group.add_argument(*names, dest=info.name, action="store_true", default=argparse.SUPPRESS, help=_help(info))
-                group.add_argument("--no-" + info.flag[2:], dest=info.name, action="store_false",
-                                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                group.add_argument(
+                    *names, dest=info.name, action="store_true", default=argparse.SUPPRESS, help=_help(info)
+                )
+                group.add_argument(
+                    "--no-" + info.flag[2:],
+                    dest=info.name,
+                    action="store_false",
+                    default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS,
+                )
             else:
-                metavar = ("{" + ",".join(map(str, info.choices)) + "}" if info.choices
-                           else "PATH" if info.base_type is list else info.base_type.__name__.upper())
-                group.add_argument(*names, dest=info.name, default=argparse.SUPPRESS, metavar=metavar,
-                                   nargs="+" if info.base_type is list else None, help=_help(info))
+                metavar = (
+                    "{" + ",".join(map(str, info.choices)) + "}"
+                    if info.choices
+                    else "PATH"
+                    if info.base_type is list
+                    else info.base_type.__name__.upper()
+                )
+                group.add_argument(
+                    *names,
+                    dest=info.name,
+                    default=argparse.SUPPRESS,
+                    metavar=metavar,
+                    nargs="+" if info.base_type is list else None,
+                    help=_help(info),
+                )
     compat = parser.add_argument_group("Megatron-LM switches")
     for alias, (name, value, text) in SWITCHES.items():
         dest = name if value is not None else _IGNORED
-        compat.add_argument("--" + alias.replace("_", "-"), dest=dest, action="store_const", const=value,
-                            default=argparse.SUPPRESS, help=text)
+        compat.add_argument(
+            "--" + alias.replace("_", "-"),
+            dest=dest,
+            action="store_const",
+            const=value,
+            default=argparse.SUPPRESS,
+            help=text,
+        )
 
 
 def check_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
@@ -78,7 +107,9 @@ def check_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
         raise ConfigError(f"unknown flag {flag}{hint} (`{parser.prog} --help` lists every flag)")
 
 
-def parse_config_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[str | None, dict[str, Any], argparse.Namespace]:
+def parse_config_arguments(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> tuple[str | None, dict[str, Any], argparse.Namespace]:
     """Parse argv into (recipe, field overrides, the full namespace)."""
     check_flags(parser, argv)
     namespace = parser.parse_args(list(argv))
@@ -89,10 +120,15 @@ def parse_config_arguments(parser: argparse.ArgumentParser, argv: Sequence[str])
 
 def markdown_reference() -> str:
     """docs/flags.md: every setting by section, with its flag, type, default and doc."""
-    lines = ["# Flags and settings", "",
-             "Generated from `src/paratron/config/schema.py` by `make docs`; do not edit by hand.", "",
-             "Every setting can be given as a flag (`--hidden-size 256`) or in a recipe's YAML section "
-             "(`model: {hidden_size: 256}`). Flags override the recipe, which overrides the `--model` preset.", ""]
+    lines = [
+        "# Flags and settings",
+        "",
+        "Generated from `src/paratron/config/schema.py` by `make docs`; do not edit by hand.",
+        "",
+        "Every setting can be given as a flag (`--hidden-size 256`) or in a recipe's YAML section "
+        "(`model: {hidden_size: 256}`). Flags override the recipe, which overrides the `--model` preset.",
+        "",
+    ]
     for section in schema.SECTIONS:
         doc = (type(getattr(schema.Config(), section)).__doc__ or "").strip()
         lines += [f"## {section}", "", doc, "", "| flag | type | default | meaning |", "|---|---|---|---|"]
@@ -104,7 +140,13 @@ def markdown_reference() -> str:
         lines.append("")
     lines += ["## Megatron-LM switches", "", "| flag | meaning |", "|---|---|"]
     lines += [f"| `--{alias.replace('_', '-')}` | {text} |" for alias, (_, _, text) in SWITCHES.items()]
-    lines += ["", "Other spellings: " + ", ".join(f"`--{a}` = `--{n.replace('_', '-')}`" for a, n in RENAMES.items()) + ".",
-              "", "Megatron-LM flags that paratron does not support yet are refused by name:", "",
-              ", ".join(f"`--{flag}`" for flag in sorted(UNSUPPORTED)) + ".", ""]
+    lines += [
+        "",
+        "Other spellings: " + ", ".join(f"`--{a}` = `--{n.replace('_', '-')}`" for a, n in RENAMES.items()) + ".",
+        "",
+        "Megatron-LM flags that paratron does not support yet are refused by name:",
+        "",
+        ", ".join(f"`--{flag}`" for flag in sorted(UNSUPPORTED)) + ".",
+        "",
+    ]
     return "\n".join(lines)

@@ -96,6 +96,20 @@ def all_fields() -> dict[str, FieldInfo]:
     return out
 
 
+class _FlagNames:
+    """`flag.hidden_size` is "--hidden-size": a setting's flag, taken from its field, so that
+    messages cannot name a flag that does not exist."""
+
+    def __getattr__(self, name: str) -> str:
+        info = all_fields().get(name)
+        if info is None:
+            raise AttributeError(f"no setting named {name}")
+        return info.flag
+
+
+flag = _FlagNames()
+
+
 def coerce(info: FieldInfo, value: Any, where: str) -> Any:
     """Check and convert a value from YAML, a dict or the command line to the field's type."""
     if value is None:

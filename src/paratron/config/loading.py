@@ -15,6 +15,7 @@ import yaml
 
 from paratron.config import schema
 from paratron.config.fields import all_fields, coerce
+from paratron.config.presets import model_preset
 from paratron.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -78,8 +79,6 @@ def _did_you_mean(word: str, options: Any) -> str:
 
 def build_config(overrides: dict[str, Any] | None = None, recipe: str | None = None) -> schema.Config:
     """Resolve a full Config from an optional recipe and field overrides (name -> value)."""
-    from paratron.model.registry import model_preset
-
     overrides = dict(overrides or {})
     from_yaml = read_yaml(find_recipe(recipe)) if recipe else {}
     model_name = overrides.get("model_name", from_yaml.get("model_name"))
@@ -90,14 +89,24 @@ def build_config(overrides: dict[str, Any] | None = None, recipe: str | None = N
 
 
 def config_from_flat(values: dict[str, Any]) -> schema.Config:
+    """A Config from {setting: value}, each value checked and converted; unset settings keep their defaults."""
     fields = all_fields()
-    config = schema.Config()
+    sections: dict[str, dict[str, Any]] = {section: {} for section in schema.SECTIONS}
     for name, value in values.items():
         info = fields.get(name)
         if info is None:
             raise ConfigError(f"{name}: unknown setting{_did_you_mean(name, fields)}")
-        setattr(getattr(config, info.section), name, coerce(info, value, info.flag))
-    return config
+        sections[info.section][name] = coerce(info, value, info.flag)
+    defaults = schema.Config()
+    return schema.Config(
+        **{section: dataclasses.replace(getattr(defaults, section), **values) for section, values in sections.items()}
+    )
+
+
+def override(config: schema.Config, **values: Any) -> schema.Config:
+    """A copy of `config` with some settings changed (by field name, checked as in build_config)."""
+    flat = {name: value for section in config_to_dict(config).values() for name, value in section.items()}
+    return config_from_flat({**flat, **values})
 
 
 def config_to_dict(config: schema.Config) -> dict[str, dict[str, Any]]:

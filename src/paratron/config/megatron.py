@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from paratron.config.fields import all_fields
 from paratron.errors import ConfigError
 
 SWITCHES: dict[str, tuple[str, Any, str]] = {
@@ -17,8 +18,11 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
     "bf16": ("precision", "bf16", "Train in bf16 mixed precision (sets --precision bf16)."),
     "swiglu": ("activation", "swiglu", "Use the SwiGLU MLP (sets --activation swiglu)."),
     "disable_bias_linear": ("add_bias_linear", False, "Linear layers without biases (sets --no-add-bias-linear)."),
-    "recompute_activations": ("recompute_granularity", "selective",
-                             "Recompute the attention core in backward (sets --recompute-granularity selective)."),
+    "recompute_activations": (
+        "recompute_granularity",
+        "selective",
+        "Recompute the attention core in backward (sets --recompute-granularity selective).",
+    ),
     "group_query_attention": (
         "num_query_groups",
         None,
@@ -62,8 +66,6 @@ def unsupported_flag_message(flag: str) -> str:
 def from_megatron_dict(args: dict[str, Any]) -> dict[str, Any]:
     """Turn the dict form of Megatron tutorials ({'tensor_model_parallel_size': 2, 'use_fp16': True, ...})
     into field overrides."""
-    from paratron.config.fields import all_fields
-
     fields = all_fields()
     out: dict[str, Any] = {}
     for key, value in args.items():

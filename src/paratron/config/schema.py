@@ -4,20 +4,24 @@ Each section is a dataclass; the string under each field is its documentation an
 becomes that flag's `--help` text. Field names are unique across sections and follow
 Megatron-LM's argument names where the setting is shared, so `--hidden-size`,
 `hidden_size:` in YAML and `args.hidden_size` all mean the same thing.
+
+Configs are frozen: once built and validated nothing changes them; a derived value (the
+vocabulary size a tokenizer decides) makes a new config (`config.loading.override`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """Transformer architecture."""
 
-    model_name: Optional[str] = None
-    """Named size from the model registry (debug, gpt2-small, llama3-8b, ...); its values are defaults that the other model settings override."""
+    model_name: str | None = None
+    """Named size from the model registry (debug, gpt2-small, llama3-8b, ...); its values are defaults that the other
+    model settings override."""
 
     num_layers: int = 2
     """Number of Transformer layers."""
@@ -25,23 +29,24 @@ class ModelConfig:
     hidden_size: int = 64
     """Width of the residual stream."""
 
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """Width of the MLP's inner layer (default: 4 x hidden size)."""
 
     num_attention_heads: int = 4
     """Number of attention (query) heads."""
 
-    num_query_groups: Optional[int] = None
+    num_query_groups: int | None = None
     """Number of key/value heads for grouped-query attention (default: one per query head)."""
 
-    kv_channels: Optional[int] = None
+    kv_channels: int | None = None
     """Width of each attention head (default: hidden size / attention heads)."""
 
     max_position_embeddings: int = 1024
     """Longest sequence the model accepts (size of the learned position table)."""
 
-    vocab_size: Optional[int] = None
-    """Vocabulary size; also the size a trained BPE tokenizer aims for (default: the tokenizer's size; a trained BPE aims for 8192; mock data uses 4096)."""
+    vocab_size: int | None = None
+    """Vocabulary size; also the size a trained BPE tokenizer aims for (default: the tokenizer's size; a trained BPE
+    aims for 8192; mock data uses 4096)."""
 
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
     """How positions are encoded: a learned table or rotary embeddings."""
@@ -77,15 +82,17 @@ class ModelConfig:
     """Standard deviation of the normal initial weights (output projections are scaled by 1/sqrt(2 x layers))."""
 
     make_vocab_size_divisible_by: int = 128
-    """Under tensor parallelism the vocabulary is padded to a multiple of this x TP (padding rows are never predicted)."""
+    """Under tensor parallelism the vocabulary is padded to a multiple of this x TP (padding rows are never
+    predicted)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the run is spread over processes."""
 
     nproc_per_node: int = 1
-    """Processes to start on this machine; paratron train launches itself under torchrun when this is above 1 (--nproc)."""
+    """Processes to start on this machine; paratron train launches itself under torchrun when this is above 1
+    (--nproc)."""
 
     tensor_model_parallel_size: int = 1
     """Tensor-parallel degree: ranks that split each layer's matrices."""
@@ -93,44 +100,53 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel degree: ranks the layers are cut across."""
 
-    pipeline_schedule: Optional[Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"]] = None
-    """Pipeline schedule: 1f1b (the default), gpipe (all forwards, then all backwards), interleaved (1F1B over virtual stages; the default when they are set), zb-h1 (zero bubble: weight gradients deferred into the bubble) or zb-v (zero bubble over two chunks per rank placed as a V)."""
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] | None = None
+    """Pipeline schedule: 1f1b (the default), gpipe (all forwards, then all backwards), interleaved (1F1B over virtual
+    stages; the default when they are set), zb-h1 (zero bubble: weight gradients deferred into the bubble) or zb-v
+    (zero bubble over two chunks per rank placed as a V)."""
 
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    """Layers per virtual stage: each pipeline rank runs several non-adjacent chunks of this many layers (interleaved schedule)."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per virtual stage: each pipeline rank runs several non-adjacent chunks of this many layers (interleaved
+    schedule)."""
 
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks (virtual stages) per pipeline rank; an alternative to --num-layers-per-virtual-pipeline-stage."""
 
-    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_first_pipeline_num_layers: int | None = None
     """Layers on the first pipeline stage (it also holds the embeddings); the others share the rest evenly."""
 
-    decoder_last_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: int | None = None
     """Layers on the last pipeline stage (it also holds the output layer and loss); the others share the rest evenly."""
 
     variable_seq_lengths: bool = False
     """Send each pipeline message's shape ahead of it, for micro-batches whose sequence length varies."""
 
     sequence_parallel: bool = False
-    """Split activations along the sequence between tensor-parallel layers (norms and dropout run on shards; needs TP > 1)."""
+    """Split activations along the sequence between tensor-parallel layers (norms and dropout run on shards; needs TP >
+    1)."""
 
-    ddp_bucket_size: Optional[int] = None
-    """Gradient elements per data-parallel reduction bucket (default: max(40M, 1M x data-parallel size), as in Megatron-LM)."""
+    ddp_bucket_size: int | None = None
+    """Gradient elements per data-parallel reduction bucket (default: max(40M, 1M x data-parallel size), as in
+    Megatron-LM)."""
 
     overlap_grad_reduce: bool = False
     """Start each gradient bucket's reduction as soon as backward has filled it, behind the rest of backward."""
 
     ddp_sync_every_micro_batch: bool = False
-    """Reduce gradients after every micro-batch instead of only after the last one of a step (more traffic; ZeRO-2 always does)."""
+    """Reduce gradients after every micro-batch instead of only after the last one of a step (more traffic; ZeRO-2
+    always does)."""
 
     use_distributed_optimizer: bool = False
-    """Shard master weights and optimizer state over the data-parallel ranks (ZeRO stage 1; sets --zero-stage 1 unless given)."""
+    """Shard master weights and optimizer state over the data-parallel ranks (ZeRO stage 1; sets --zero-stage 1 unless
+    given)."""
 
     zero_stage: Literal[0, 1, 2, 3] = 0
-    """ZeRO stage: 0 replicates everything; 1 shards optimizer state and master weights; 2 also gradients; 3 also parameters (PyTorch FSDP2)."""
+    """ZeRO stage: 0 replicates everything; 1 shards optimizer state and master weights; 2 also gradients; 3 also
+    parameters (PyTorch FSDP2)."""
 
     overlap_param_gather: bool = False
-    """With the distributed optimizer, gather each bucket's updated parameters behind the next forward (waited for by the first layer that uses them)."""
+    """With the distributed optimizer, gather each bucket's updated parameters behind the next forward (waited for by
+    the first layer that uses them)."""
 
     @property
     def sharding_stage(self) -> int:
@@ -144,7 +160,7 @@ class ParallelConfig:
     """How long a collective may wait for the other ranks (raise it when rank 0 tokenizes a large corpus first)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer and gradient clipping."""
 
@@ -173,14 +189,14 @@ class OptimizerConfig:
     """Clip gradients to this global L2 norm (0 turns clipping off)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LRScheduleConfig:
     """Learning-rate schedule: linear warmup, then decay to min_lr."""
 
     lr_warmup_iters: int = 0
     """Iterations of linear warmup from 0 to the peak learning rate."""
 
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: int | None = None
     """Iteration at which decay reaches min_lr (default: train_iters)."""
 
     lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
@@ -190,12 +206,14 @@ class LRScheduleConfig:
     """Learning rate at the end of decay."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """What the model trains on."""
 
     data_path: list[str] = field(default_factory=list)
-    """Megatron-LM's form: PREFIX... or WEIGHT PREFIX... (a blend); PREFIX.bin/.idx come from `paratron preprocess`. Text or jsonl files and directories in its place are preprocessed into the cache first. Cut into train/valid/test by --split."""
+    """Megatron-LM's form: PREFIX... or WEIGHT PREFIX... (a blend); PREFIX.bin/.idx come from `paratron preprocess`.
+    Text or jsonl files and directories in its place are preprocessed into the cache first. Cut into
+    train/valid/test by --split."""
 
     train_data_path: list[str] = field(default_factory=list)
     """Training data, as --data-path but used whole (instead of --data-path and --split)."""
@@ -206,8 +224,9 @@ class DataConfig:
     test_data_path: list[str] = field(default_factory=list)
     """Test data, as --data-path but used whole."""
 
-    corpus: Optional[Literal["stdlib"]] = None
-    """Built-in corpus to train on instead of --data-path: stdlib is the Python standard library's own source, present wherever Python is."""
+    corpus: Literal["stdlib"] | None = None
+    """Built-in corpus to train on instead of --data-path: stdlib is the Python standard library's own source, present
+    wherever Python is."""
 
     mock_data: bool = False
     """Train on deterministic synthetic tokens instead of a corpus."""
@@ -218,49 +237,63 @@ class DataConfig:
     seq_length: int = 64
     """Tokens per training sample."""
 
-    tokenizer_type: Literal["ByteLevelBPE", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"] = "ByteLevelBPE"
-    """ByteLevelBPE trains a byte-level BPE on the text (cached); HuggingFaceTokenizer loads --tokenizer-model; GPT2BPETokenizer loads --vocab-file and --merge-file; NullTokenizer reads token ids (--vocab-size)."""
+    tokenizer_type: Literal["ByteLevelBPE", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"] = (
+        "ByteLevelBPE"
+    )
+    """ByteLevelBPE trains a byte-level BPE on the text (cached); HuggingFaceTokenizer loads --tokenizer-model;
+    GPT2BPETokenizer loads --vocab-file and --merge-file; NullTokenizer reads token ids (--vocab-size)."""
 
-    tokenizer_model: Optional[str] = None
+    tokenizer_model: str | None = None
     """A Hugging Face tokenizer.json, or a folder holding one (for HuggingFaceTokenizer)."""
 
-    vocab_file: Optional[str] = None
+    vocab_file: str | None = None
     """GPT-2 vocab.json (for GPT2BPETokenizer)."""
 
-    merge_file: Optional[str] = None
+    merge_file: str | None = None
     """GPT-2 merges.txt (for GPT2BPETokenizer)."""
 
-    data_cache_path: Optional[str] = None
-    """Where trained tokenizers, preprocessed corpora and sample indices are cached (default: $PARATRON_CACHE or ~/.cache/paratron)."""
+    data_cache_path: str | None = None
+    """Where trained tokenizers, preprocessed corpora and sample indices are cached (default: $PARATRON_CACHE or
+    ~/.cache/paratron)."""
 
     def blend_flags(self) -> list[tuple[list[str], str]]:
         """The data-path settings that are set, with their flag names."""
-        return [(values, flag) for values, flag in (
-            (self.data_path, "--data-path"), (self.train_data_path, "--train-data-path"),
-            (self.valid_data_path, "--valid-data-path"), (self.test_data_path, "--test-data-path")) if values]
+        return [
+            (values, flag)
+            for values, flag in (
+                (self.data_path, "--data-path"),
+                (self.train_data_path, "--train-data-path"),
+                (self.valid_data_path, "--valid-data-path"),
+                (self.test_data_path, "--test-data-path"),
+            )
+            if values
+        ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingConfig:
     """The training loop."""
 
     micro_batch_size: int = 4
     """Samples per micro-batch on each data-parallel rank."""
 
-    global_batch_size: Optional[int] = None
-    """Samples per optimizer step over all ranks; micro-batches accumulate up to it (default: micro batch x data-parallel size)."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks; micro-batches accumulate up to it (default: micro batch x
+    data-parallel size)."""
 
     train_iters: int = 100
     """Optimizer steps to train for."""
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute precision. --bf16 and --fp16 keep the model's weights in 16 bits with fp32 master weights, fp32 gradients and fp32 optimizer state; fp16 adds loss scaling."""
+    """Compute precision. --bf16 and --fp16 keep the model's weights in 16 bits with fp32 master weights, fp32
+    gradients and fp32 optimizer state; fp16 adds loss scaling."""
 
-    loss_scale: Optional[float] = None
+    loss_scale: float | None = None
     """With --fp16: a static loss scale (a power of two); unset, the scale is dynamic (see --initial-loss-scale)."""
 
     initial_loss_scale: float = 2.0**32
-    """With --fp16: the dynamic loss scale to start from; it halves on overflows and doubles after --loss-scale-window clean steps."""
+    """With --fp16: the dynamic loss scale to start from; it halves on overflows and doubles after --loss-scale-window
+    clean steps."""
 
     min_loss_scale: float = 1.0
     """With --fp16: the dynamic loss scale never goes below this."""
@@ -269,7 +302,8 @@ class TrainingConfig:
     """With --fp16: steps without overflow after which the dynamic loss scale doubles."""
 
     hysteresis: int = 2
-    """With --fp16: overflows tolerated (steps skipped without lowering the scale) before the dynamic loss scale halves; refilled when the scale grows."""
+    """With --fp16: overflows tolerated (steps skipped without lowering the scale) before the dynamic loss scale
+    halves; refilled when the scale grows."""
 
     seed: int = 1234
     """Seed of weights, data order and dropout; the same seed gives the same run at every layout."""
@@ -283,49 +317,54 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     """On SIGTERM or SIGINT, finish the current step, save a checkpoint (with --save) and exit with code 0."""
 
-    exit_duration_in_mins: Optional[float] = None
-    """Stop after the first step that ends this many minutes after training started, saving a checkpoint (with --save)."""
+    exit_duration_in_mins: float | None = None
+    """Stop after the first step that ends this many minutes after training started, saving a checkpoint (with
+    --save)."""
 
-    exit_interval: Optional[int] = None
+    exit_interval: int | None = None
     """Stop after a step whose number is a multiple of this, saving a checkpoint (with --save)."""
 
-    recompute_granularity: Optional[Literal["full", "selective"]] = None
-    """Recompute activations in backward instead of keeping them: full (whole layers, see --recompute-method) or selective (the attention core only)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Recompute activations in backward instead of keeping them: full (whole layers, see --recompute-method) or
+    selective (the attention core only)."""
 
-    recompute_method: Optional[Literal["uniform", "block"]] = None
-    """With full recomputation: uniform (layers in groups of --recompute-num-layers, only each group's input kept) or block (only the first --recompute-num-layers layers of each pipeline chunk recomputed)."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With full recomputation: uniform (layers in groups of --recompute-num-layers, only each group's input kept) or
+    block (only the first --recompute-num-layers layers of each pipeline chunk recomputed)."""
 
-    recompute_num_layers: Optional[int] = None
+    recompute_num_layers: int | None = None
     """Layers per recomputed group (uniform) or recomputed layers per pipeline chunk (block); default 1 for uniform."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Saving and resuming."""
 
-    save: Optional[str] = None
+    save: str | None = None
     """Directory to save checkpoints into."""
 
-    load: Optional[str] = None
+    load: str | None = None
     """Checkpoint directory to resume from (its newest checkpoint)."""
 
-    save_interval: Optional[int] = None
+    save_interval: int | None = None
     """Save every this many steps (a final checkpoint is always written when --save is set)."""
 
     finetune: bool = False
     """Load only the weights from --load and start at step 0 with a fresh optimizer and data order."""
 
     async_save: bool = False
-    """Write checkpoints in a background thread: training goes on after the weights and optimizer state are copied; the checkpoint is published (tracker moved) before the next save and at the end."""
+    """Write checkpoints in a background thread: training goes on after the weights and optimizer state are copied; the
+    checkpoint is published (tracker moved) before the next save and at the end."""
 
-    keep_last: Optional[int] = None
-    """Keep only the newest this many checkpoints under --save, deleting older ones after each save (default: keep all)."""
+    keep_last: int | None = None
+    """Keep only the newest this many checkpoints under --save, deleting older ones after each save (default: keep
+    all)."""
 
     no_load_optim: bool = False
     """Resume from --load at its step, but with a fresh optimizer state (e.g. at another tensor-parallel size)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     """What the run reports and where."""
 
@@ -341,26 +380,29 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory."""
 
-    peak_tflops: Optional[float] = None
+    peak_tflops: float | None = None
     """Peak TFLOP/s of one device for MFU (default: a table for known GPUs, a quick matmul probe on CPU)."""
 
     log_memory: bool = False
-    """Measure each rank's memory on the first step (parameters, gradients, master weights, optimizer state, activations saved for backward) and write memory.json in the run directory."""
+    """Measure each rank's memory on the first step (parameters, gradients, master weights, optimizer state,
+    activations saved for backward) and write memory.json in the run directory."""
 
     profile_pipeline: bool = False
-    """Time every pipeline operation of the last step: per-rank Chrome traces (Perfetto) and a PNG timeline in the run directory."""
+    """Time every pipeline operation of the last step: per-rank Chrome traces (Perfetto) and a PNG timeline in the run
+    directory."""
 
-    sample_prompt: Optional[str] = None
+    sample_prompt: str | None = None
     """After training, print a continuation of this prompt."""
 
     sample_tokens: int = 48
     """Tokens generated for --sample-prompt."""
 
     sample_temperature: float = 0.7
-    """Sampling temperature for --sample-prompt (0: greedy); sampling draws from the top 40 tokens with the run's seed."""
+    """Sampling temperature for --sample-prompt (0: greedy); sampling draws from the top 40 tokens with the run's
+    seed."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     """A whole run: one dataclass per section."""
 

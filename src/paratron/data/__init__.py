@@ -9,14 +9,22 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BlendedDataset": "blending", "parse_blend": "blending",
-    "DataBundle": "build", "build_data": "build",
-    "MockTokens": "datasets", "SampleSource": "datasets",
-    "GPTDataset": "gpt_dataset", "build_sample_indices": "gpt_dataset",
-    "IndexedDataset": "indexed", "IndexedDatasetWriter": "indexed",
-    "BatchPlan": "loader", "micro_batches": "loader",
+    "BlendedDataset": "blending",
+    "parse_blend": "blending",
+    "DataBundle": "build",
+    "build_data": "build",
+    "MockTokens": "datasets",
+    "SampleSource": "datasets",
+    "GPTDataset": "gpt_dataset",
+    "build_sample_indices": "gpt_dataset",
+    "IndexedDataset": "indexed",
+    "IndexedDatasetWriter": "indexed",
+    "BatchPlan": "loader",
+    "micro_batches": "loader",
     "preprocess": "preprocess",
-    "NullTokenizer": "tokenizer", "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+    "NullTokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
     "train_byte_level_bpe": "tokenizer",
 }
 

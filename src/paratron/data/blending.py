@@ -15,9 +15,9 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -46,15 +46,18 @@ def parse_blend(values: Sequence[str], flag: str = "--data-path") -> Blend:
         except ValueError:
             return None
 
-    if values and len(values) % 2 == 0 and all(number(v) is not None for v in values[0::2]) and \
-            all(number(v) is None for v in values[1::2]):
+    if (
+        values
+        and len(values) % 2 == 0
+        and all(number(v) is not None for v in values[0::2])
+        and all(number(v) is None for v in values[1::2])
+    ):
         weights: list[float] | None = [float(w) for w in values[0::2]]
         paths = values[1::2]
     elif all(number(v) is None for v in values):
         weights, paths = None, values
     else:
-        raise ConfigError(f"{flag} {' '.join(values)}: expected PREFIX..., or WEIGHT PREFIX pairs such as "
-                          "0.3 A 0.7 B")
+        raise ConfigError(f"{flag} {' '.join(values)}: expected PREFIX..., or WEIGHT PREFIX pairs such as 0.3 A 0.7 B")
     if weights is not None:
         if any(w <= 0 for w in weights):
             raise ConfigError(f"{flag}: weights must be positive")
@@ -87,8 +90,15 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
 class BlendedDataset:
     """Samples drawn from several datasets in proportion to their weights."""
 
-    def __init__(self, datasets: Sequence[SampleSource], weights: Sequence[float], size: int, cache_dir: Path,
-                 build_once: Callable[[Path, Callable[[Path], None]], None], names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        datasets: Sequence[SampleSource],
+        weights: Sequence[float],
+        size: int,
+        cache_dir: Path,
+        build_once: Callable[[Path, Callable[[Path], None]], None],
+        names: Sequence[str],
+    ) -> None:
         self.datasets, self.weights, self.size = list(datasets), list(weights), size
         description = {"class": "BlendedDataset", "weights": list(weights), "size": size, "datasets": list(names)}
         digest = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]

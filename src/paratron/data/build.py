@@ -19,10 +19,10 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -101,8 +101,11 @@ def samples_per_split(config: Config, global_batch_size: int) -> tuple[int, int,
     """Megatron-LM's counts: train iters x batch; one evaluation per interval plus the final one; one test."""
     t = config.training
     evaluations = t.train_iters // t.eval_interval + 1
-    return (t.train_iters * global_batch_size, evaluations * t.eval_iters * global_batch_size,
-            t.eval_iters * global_batch_size)
+    return (
+        t.train_iters * global_batch_size,
+        evaluations * t.eval_iters * global_batch_size,
+        t.eval_iters * global_batch_size,
+    )
 
 
 class _Builder:
@@ -135,9 +138,11 @@ class _Builder:
             return tokenizer, _digest(tokenizer.spec())
         sources = self.raw_sources()
         if not sources:
-            raise DataError("--tokenizer-type ByteLevelBPE trains on text, but the data is preprocessed already; "
-                            "name its tokenizer (HuggingFaceTokenizer --tokenizer-model, GPT2BPETokenizer "
-                            "--vocab-file/--merge-file, or NullTokenizer --vocab-size)")
+            raise DataError(
+                "--tokenizer-type ByteLevelBPE trains on text, but the data is preprocessed already; "
+                "name its tokenizer (HuggingFaceTokenizer --tokenizer-model, GPT2BPETokenizer "
+                "--vocab-file/--merge-file, or NullTokenizer --vocab-size)"
+            )
         target = m.vocab_size or DEFAULT_BPE_VOCAB
         signature = _digest(*(files_signature(files) for files, _ in sources))
         path = self.cache / f"tokenizer-bpe{target}-{_digest(signature, target)}.json"
@@ -156,8 +161,7 @@ class _Builder:
 
         def build(tmp: Path) -> None:
             tmp.mkdir(parents=True)
-            preprocess(files, str(tmp / "data"), tokenizer, append_eod=True, skip_bad_lines=not strict,
-                       progress=False)
+            preprocess(files, str(tmp / "data"), tokenizer, append_eod=True, skip_bad_lines=not strict, progress=False)
 
         self.once(folder, build)
         return str(folder / "data_text_document")
@@ -165,34 +169,45 @@ class _Builder:
     # -- datasets -------------------------------------------------------------------------
 
     def gpt_dataset(self, prefix: str, documents: np.ndarray, num_samples: int | None) -> GPTDataset:
-        return GPTDataset(IndexedDataset(prefix), documents, self.config.data.seq_length, num_samples,
-                          self.config.training.seed, self.cache / "indices",
-                          lambda path, build: self.once(path, build))
+        return GPTDataset(
+            IndexedDataset(prefix),
+            documents,
+            self.config.data.seq_length,
+            num_samples,
+            self.config.training.seed,
+            self.cache / "indices",
+            lambda path, build: self.once(path, build),
+        )
 
-    def blend(self, prefixes: list[str], ranges: list[np.ndarray], weights: list[float] | None, size: int,
-              what: str) -> SampleSource:
+    def blend(
+        self, prefixes: list[str], ranges: list[np.ndarray], weights: list[float] | None, size: int, what: str
+    ) -> SampleSource:
         """Megatron-LM's blend of one split: a single dataset as is; weighted datasets for
         sum(ceil(size x w)) samples; unweighted ones for one epoch each, weighted by length."""
         for prefix, documents in zip(prefixes, ranges):
             if len(documents) == 0:
-                raise DataError(f"{prefix}: no documents fall in the {what} split; change --split or give "
-                                "that split its own data")
+                raise DataError(
+                    f"{prefix}: no documents fall in the {what} split; change --split or give that split its own data"
+                )
         if len(prefixes) == 1 and weights is None:
             return self.gpt_dataset(prefixes[0], ranges[0], size)
         if weights is None:
             datasets = [self.gpt_dataset(p, r, None) for p, r in zip(prefixes, ranges)]
             lengths = [len(ds) for ds in datasets]
             if sum(lengths) < size:
-                raise DataError(f"the {what} data holds {sum(lengths)} samples in one epoch but {size} are needed; "
-                                "give --data-path weights (WEIGHT PREFIX ...) to repeat it")
+                raise DataError(
+                    f"the {what} data holds {sum(lengths)} samples in one epoch but {size} are needed; "
+                    "give --data-path weights (WEIGHT PREFIX ...) to repeat it"
+                )
             weights, total = (np.asarray(lengths, np.float64) / sum(lengths)).tolist(), size
         else:
             targets = [math.ceil(size * w) for w in weights]
             datasets = [self.gpt_dataset(p, r, n) for p, r, n in zip(prefixes, ranges, component_sizes(weights, size))]
             total = sum(targets)
         names = [f"{prefix}[{documents[0]}:{documents[-1] + 1}]" for prefix, documents in zip(prefixes, ranges)]
-        return BlendedDataset(datasets, weights, total, self.cache / "indices",
-                              lambda path, build: self.once(path, build), names)
+        return BlendedDataset(
+            datasets, weights, total, self.cache / "indices", lambda path, build: self.once(path, build), names
+        )
 
 
 def _split_documents(num_documents: int, split: str) -> list[np.ndarray]:
@@ -212,8 +227,7 @@ def build_data(config: Config, global_batch_size: int, local_rank: int = 0, log:
     train_samples, valid_samples, _ = samples_per_split(config, global_batch_size)
     if d.mock_data:
         vocab = config.model.vocab_size or MOCK_VOCAB
-        return DataBundle(MockTokens(vocab, d.seq_length, seed), MockTokens(vocab, d.seq_length, seed + 1),
-                          None, vocab)
+        return DataBundle(MockTokens(vocab, d.seq_length, seed), MockTokens(vocab, d.seq_length, seed + 1), None, vocab)
 
     builder = _Builder(config, local_rank, log)
     tokenizer, tokenizer_id = builder.tokenizer()
@@ -247,9 +261,11 @@ def build_data(config: Config, global_batch_size: int, local_rank: int = 0, log:
         train_parts = (blend.paths, [c[0] for c in cuts], blend.weights)
         valid_parts = (blend.paths, [c[1] for c in cuts], blend.weights)
     else:  # a blend per split, used whole
+
         def whole(flag: str) -> tuple:
             blend = blends.get(flag, Blend([], None))
             return blend.paths, [np.arange(sequences(p), dtype=np.int32) for p in blend.paths], blend.weights
+
         train_parts, valid_parts = whole("--train-data-path"), whole("--valid-data-path")
 
     train = builder.blend(*train_parts, train_samples, "train")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
@@ -22,8 +22,10 @@ def stdlib_files() -> list[Path]:
 def shuffled_by_name(files: Iterable[Path], root: Path) -> list[Path]:
     """Order files by a hash of their relative path: fixed on every machine, and mixed, so a
     contiguous validation split samples the whole corpus rather than its last folders."""
+
     def key(p: Path) -> str:
         return hashlib.sha1(p.relative_to(root).as_posix().encode()).hexdigest()
+
     return sorted(files, key=key)
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -54,8 +54,9 @@ def _shuffled_range(start: int, stop: int, rng: np.random.RandomState) -> np.nda
     return index
 
 
-def build_sample_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int,
-                         num_samples: int | None, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def build_sample_indices(
+    sequence_lengths: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int | None, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(document_index, sample_index, shuffle_index) for drawing `num_samples` samples (None: one
     epoch's worth) of `seq_length` + 1 tokens from `documents` (indices into `sequence_lengths`)."""
     lengths = np.asarray(sequence_lengths)
@@ -71,8 +72,9 @@ def build_sample_indices(sequence_lengths: np.ndarray, documents: np.ndarray, se
 
     rng = np.random.RandomState(seed)
     if separate_final_epoch:
-        document_index = np.concatenate([_shuffled_documents(documents, epochs - 1, rng),
-                                         _shuffled_documents(documents, 1, rng)])
+        document_index = np.concatenate(
+            [_shuffled_documents(documents, epochs - 1, rng), _shuffled_documents(documents, 1, rng)]
+        )
     else:
         document_index = _shuffled_documents(documents, epochs, rng)
 
@@ -80,8 +82,11 @@ def build_sample_indices(sequence_lengths: np.ndarray, documents: np.ndarray, se
     # so that temporaries stay small next to the result.
     total_samples = (epochs * tokens_per_epoch - ADD_EXTRA_TOKEN) // seq_length
     ends = np.cumsum(lengths[document_index], dtype=np.int64)
-    index_dtype = np.int32 if len(document_index) < np.iinfo(np.int32).max and lengths.max() < np.iinfo(np.int32).max \
+    index_dtype = (
+        np.int32
+        if len(document_index) < np.iinfo(np.int32).max and lengths.max() < np.iinfo(np.int32).max
         else np.int64
+    )
     sample_index = np.empty((total_samples + 1, 2), dtype=index_dtype)
     for first in range(0, total_samples + 1, SAMPLE_CHUNK):
         starts = np.arange(first, min(first + SAMPLE_CHUNK, total_samples + 1), dtype=np.int64) * seq_length
@@ -91,8 +96,9 @@ def build_sample_indices(sequence_lengths: np.ndarray, documents: np.ndarray, se
     sample_index[0] = 0  # the stream starts at the first document, even an empty one
 
     if separate_final_epoch:
-        shuffle_index = np.concatenate([_shuffled_range(0, samples_before_final, rng),
-                                        _shuffled_range(samples_before_final, total_samples, rng)])
+        shuffle_index = np.concatenate(
+            [_shuffled_range(0, samples_before_final, rng), _shuffled_range(samples_before_final, total_samples, rng)]
+        )
     else:
         shuffle_index = _shuffled_range(0, total_samples, rng)
     return document_index, sample_index, shuffle_index
@@ -101,16 +107,28 @@ def build_sample_indices(sequence_lengths: np.ndarray, documents: np.ndarray, se
 class GPTDataset:
     """Samples of seq_length + 1 tokens (inputs and shifted labels) from one split of an indexed dataset."""
 
-    def __init__(self, dataset: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int | None,
-                 seed: int, cache_dir: Path, build_once: Callable[[Path, Callable[[Path], None]], None]) -> None:
+    def __init__(
+        self,
+        dataset: IndexedDataset,
+        documents: np.ndarray,
+        seq_length: int,
+        num_samples: int | None,
+        seed: int,
+        cache_dir: Path,
+        build_once: Callable[[Path, Callable[[Path], None]], None],
+    ) -> None:
         self.dataset, self.seq_length = dataset, seq_length
         index_file = Path(f"{dataset.prefix}.idx").stat()
         description = {
-            "class": "GPTDataset", "dataset": str(Path(dataset.prefix).resolve()),
+            "class": "GPTDataset",
+            "dataset": str(Path(dataset.prefix).resolve()),
             "index_file": [index_file.st_size, index_file.st_mtime_ns],
-            "sequences": len(dataset), "tokens": dataset.num_tokens,
+            "sequences": len(dataset),
+            "tokens": dataset.num_tokens,
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
-            "seq_length": seq_length, "num_samples": num_samples, "seed": seed,
+            "seq_length": seq_length,
+            "num_samples": num_samples,
+            "seed": seed,
             "add_extra_token": ADD_EXTRA_TOKEN,
         }
         digest = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
@@ -139,8 +157,9 @@ class GPTDataset:
         (first, first_offset), (last, last_offset) = self.sample_index[i], self.sample_index[i + 1]
         first, first_offset, last, last_offset = int(first), int(first_offset), int(last), int(last_offset)
         if first == last:
-            tokens = self.dataset.get(int(self.document_index[first]), first_offset,
-                                      last_offset - first_offset + ADD_EXTRA_TOKEN)
+            tokens = self.dataset.get(
+                int(self.document_index[first]), first_offset, last_offset - first_offset + ADD_EXTRA_TOKEN
+            )
         else:
             pieces = [self.dataset.get(int(self.document_index[first]), first_offset)]
             pieces += [self.dataset.get(int(self.document_index[p])) for p in range(first + 1, last)]

@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 import struct
 from array import array
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -32,8 +32,16 @@ from paratron.errors import DataError
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
-DTYPES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-                           6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPES: dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODES = {np.dtype(t): code for code, t in DTYPES.items()}
 
 
@@ -112,7 +120,7 @@ class IndexedDatasetWriter:
         for path in (f"{self.prefix}.bin{self._tmp}", f"{self.prefix}.idx{self._tmp}"):
             Path(path).unlink(missing_ok=True)
 
-    def __enter__(self) -> "IndexedDatasetWriter":
+    def __enter__(self) -> IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
@@ -133,16 +141,22 @@ class IndexedDataset:
             if not path.is_file():
                 raise DataError(f"{path}: no such file; --data-path takes the prefix of a .bin/.idx pair")
         self._read_index(idx_path)
-        needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize \
-            if len(self.sequence_lengths) else 0
+        needed = (
+            int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            if len(self.sequence_lengths)
+            else 0
+        )
         size = bin_path.stat().st_size
         if size % self.dtype.itemsize:
-            raise DataError(f"{bin_path}: {size} bytes is not a whole number of {self.dtype} tokens; "
-                            "the file is damaged")
+            raise DataError(
+                f"{bin_path}: {size} bytes is not a whole number of {self.dtype} tokens; the file is damaged"
+            )
         if size < needed:
             last = len(self.sequence_lengths) - 1
-            raise DataError(f"{bin_path}: {size} bytes, shorter than its index says ({needed} bytes, to the end "
-                            f"of sequence {last}); the file is truncated")
+            raise DataError(
+                f"{bin_path}: {size} bytes, shorter than its index says ({needed} bytes, to the end "
+                f"of sequence {last}); the file is truncated"
+            )
         self.bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
 
     def _read_index(self, path: Path) -> None:
@@ -150,8 +164,9 @@ class IndexedDataset:
         with open(path, "rb") as f:
             header = f.read(HEADER_BYTES)
         if header[:9] != MAGIC:
-            raise DataError(f"{path}: bytes 0-8 are {header[:9]!r}, not the MMIDIDX magic; "
-                            "not a Megatron indexed dataset index")
+            raise DataError(
+                f"{path}: bytes 0-8 are {header[:9]!r}, not the MMIDIDX magic; not a Megatron indexed dataset index"
+            )
         if len(header) < HEADER_BYTES:
             raise DataError(f"{path}: truncated at byte {len(header)} inside the {HEADER_BYTES}-byte header")
         (version,) = struct.unpack("<Q", header[9:17])
@@ -164,8 +179,10 @@ class IndexedDataset:
         sequences, documents = struct.unpack("<QQ", header[18:34])
         expected = HEADER_BYTES + sequences * 12 + documents * 8
         if size < expected:
-            raise DataError(f"{path}: truncated: {size} bytes, but its header promises {expected} "
-                            f"({sequences} sequences, {documents} document entries)")
+            raise DataError(
+                f"{path}: truncated: {size} bytes, but its header promises {expected} "
+                f"({sequences} sequences, {documents} document entries)"
+            )
         index = np.memmap(path, mode="r", dtype=np.uint8, offset=0)
         start = HEADER_BYTES
         self.sequence_lengths = index[start : start + 4 * sequences].view("<i4")
@@ -177,8 +194,10 @@ class IndexedDataset:
             raise DataError(f"{path}: negative lengths or decreasing pointers; the index is corrupt")
         docs = self.document_indices
         if documents and (docs[0] != 0 or docs[-1] != sequences or np.any(np.diff(docs) < 0)):
-            raise DataError(f"{path}: the document index (from byte {HEADER_BYTES + 12 * sequences}) does not "
-                            f"run from 0 to {sequences} in order; the index is corrupt")
+            raise DataError(
+                f"{path}: the document index (from byte {HEADER_BYTES + 12 * sequences}) does not "
+                f"run from 0 to {sequences} in order; the index is corrupt"
+            )
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paratron.config.layout import micro_batches_per_rank
 from paratron.data.datasets import SampleSource
 
 
@@ -25,7 +26,7 @@ class BatchPlan:
 
     @property
     def num_micro_batches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+        return micro_batches_per_rank(self.global_batch_size, self.micro_batch_size, self.dp_size)
 
     def sample_indices(self, consumed_samples: int) -> list[list[int]]:
         """Global sample indices of this rank's micro-batches in the batch starting at `consumed_samples`."""
@@ -37,8 +38,9 @@ class BatchPlan:
         return out
 
 
-def micro_batches(samples: SampleSource, plan: BatchPlan, consumed_samples: int,
-                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def micro_batches(
+    samples: SampleSource, plan: BatchPlan, consumed_samples: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, labels) pairs of shape [mbs, seq] for this rank, on `device`."""
     batches = []
     for indices in plan.sample_indices(consumed_samples):

@@ -19,9 +19,9 @@ import multiprocessing
 import os
 import time
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -60,8 +60,13 @@ def input_files(paths: Sequence[str], flag: str = "--input") -> list[Path]:
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_dir():
-            out.extend(sorted(p for p in path.rglob("*") if p.is_file()
-                              and not any(part.startswith(".") for part in p.relative_to(path).parts)))
+            out.extend(
+                sorted(
+                    p
+                    for p in path.rglob("*")
+                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                )
+            )
         elif path.is_file():
             out.append(path)
         else:
@@ -128,8 +133,9 @@ def _documents_of(path: Path, json_keys: Sequence[str]) -> Iterator[Document | _
             offset += len(line)
 
 
-def read_documents(files: Sequence[Path], json_keys: Sequence[str], result: PreprocessResult,
-                   skip_bad_lines: bool) -> Iterator[Document]:
+def read_documents(
+    files: Sequence[Path], json_keys: Sequence[str], result: PreprocessResult, skip_bad_lines: bool
+) -> Iterator[Document]:
     for path in files:
         for item in _documents_of(path, json_keys):
             if isinstance(item, _BadInput):
@@ -157,8 +163,9 @@ def _init_worker(spec: dict) -> None:
     _WORKER_TOKENIZER = tokenizer_from_spec(spec)
 
 
-def _encode(texts_per_key: list[list[str]], tokenizer: AnyTokenizer | None = None
-            ) -> list[tuple[np.ndarray, np.ndarray, list[tuple[int, str]]]]:
+def _encode(
+    texts_per_key: list[list[str]], tokenizer: AnyTokenizer | None = None
+) -> list[tuple[np.ndarray, np.ndarray, list[tuple[int, str]]]]:
     """For each key: (tokens of all documents concatenated, each document's length, errors)."""
     tokenizer = tokenizer or _WORKER_TOKENIZER
     assert tokenizer is not None
@@ -176,8 +183,9 @@ def _encode(texts_per_key: list[list[str]], tokenizer: AnyTokenizer | None = Non
                     errors.append((i, str(exc)))
                     encoded.append([])
         lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
-        flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in encoded]) if encoded \
-            else np.zeros(0, np.int64)
+        flat = (
+            np.concatenate([np.asarray(ids, dtype=np.int64) for ids in encoded]) if encoded else np.zeros(0, np.int64)
+        )
         out.append((flat, lengths, errors))
     return out
 
@@ -190,10 +198,17 @@ def _with_eod(tokens: np.ndarray, lengths: np.ndarray, eod: int) -> tuple[np.nda
 # ---------------------------------------------------------------- the pipeline
 
 
-def preprocess(files: Sequence[Path], output_prefix: str, tokenizer: AnyTokenizer,
-               json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
-               skip_bad_lines: bool = False, progress: bool = True,
-               log: Callable[[str], None] = print) -> PreprocessResult:
+def preprocess(
+    files: Sequence[Path],
+    output_prefix: str,
+    tokenizer: AnyTokenizer,
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = False,
+    workers: int = 1,
+    skip_bad_lines: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> PreprocessResult:
     """Write OUTPUT_PREFIX_{key}_document.bin/.idx for each json key; returns the counts.
 
     A document that is bad under any key is skipped under all of them (with --skip-bad-lines),
@@ -211,9 +226,11 @@ def preprocess(files: Sequence[Path], output_prefix: str, tokenizer: AnyTokenize
 
     def write(batch: list[Document], encoded: list) -> None:
         bad: dict[int, str] = {}
-        for tokens, lengths, errors in encoded:
+        for _, lengths, errors in encoded:
             bad.update(errors)
-            bad.update({int(i): "the document has no tokens" for i in np.flatnonzero(lengths == 0) if int(i) not in bad})
+            bad.update(
+                {int(i): "the document has no tokens" for i in np.flatnonzero(lengths == 0) if int(i) not in bad}
+            )
         for i in sorted(bad):
             _reject(f"{batch[i].where}: {bad[i]}", result, skip_bad_lines)
         keep = np.ones(len(batch), dtype=bool)
@@ -228,7 +245,9 @@ def preprocess(files: Sequence[Path], output_prefix: str, tokenizer: AnyTokenize
             try:
                 writer.add_documents(tokens, lengths)
             except ValueError as exc:  # ids beyond what the tokenizer's vocabulary size promised
-                raise DataError(f"{writer.prefix}: {exc}; the tokenizer's vocabulary size is {tokenizer.vocab_size}")
+                raise DataError(
+                    f"{writer.prefix}: {exc}; the tokenizer's vocabulary size is {tokenizer.vocab_size}"
+                ) from None
             result.tokens += int(lengths.sum())
         result.documents += int(keep.sum())
         nbytes = sum(d.nbytes for d in batch)
@@ -251,13 +270,15 @@ def preprocess(files: Sequence[Path], output_prefix: str, tokenizer: AnyTokenize
     try:
         writers.extend(IndexedDatasetWriter(p, dtype) for p in prefixes)
         if progress:
-            from tqdm import tqdm
+            from tqdm import tqdm  # (lazy for start-up speed of the tokenizing workers)
 
-            bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess",
-                       dynamic_ncols=True)
+            bar = tqdm(
+                total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess", dynamic_ncols=True
+            )
         if workers > 1:
-            pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker,
-                                                             initargs=(tokenizer.spec(),))
+            pool = multiprocessing.get_context("spawn").Pool(
+                workers, initializer=_init_worker, initargs=(tokenizer.spec(),)
+            )
         batch: list[Document] = []
         batch_bytes = 0
         for document in read_documents(files, json_keys, result, skip_bad_lines):

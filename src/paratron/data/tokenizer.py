@@ -13,8 +13,8 @@ end-of-document.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, Union
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -41,8 +41,10 @@ class Tokenizer:
             token_id = self.hf.token_to_id(token)
             if token_id is not None:
                 return token_id
-        raise DataError(f"{self.source or 'tokenizer'}: has no end-of-document token "
-                        f"(one of {', '.join(_EOD_CANDIDATES)}); add one to the tokenizer")
+        raise DataError(
+            f"{self.source or 'tokenizer'}: has no end-of-document token "
+            f"(one of {', '.join(_EOD_CANDIDATES)}); add one to the tokenizer"
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +70,7 @@ class Tokenizer:
         return {"type": "hf", "json": self.hf.to_str(), "source": self.source}
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Tokenizer":
+    def from_file(cls, path: str | Path) -> Tokenizer:
         path = Path(path).expanduser()
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -82,7 +84,7 @@ class Tokenizer:
             raise DataError(f"{path}: not a readable tokenizer.json ({str(exc).splitlines()[0]})") from None
 
     @classmethod
-    def from_gpt2_files(cls, vocab_file: str | Path, merge_file: str | Path) -> "Tokenizer":
+    def from_gpt2_files(cls, vocab_file: str | Path, merge_file: str | Path) -> Tokenizer:
         """GPT-2's byte-level BPE from its vocab.json and merges.txt."""
         vocab_file, merge_file = Path(vocab_file).expanduser(), Path(merge_file).expanduser()
         for path in (vocab_file, merge_file):
@@ -91,8 +93,9 @@ class Tokenizer:
         try:
             hf = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
         except Exception as exc:
-            raise DataError(f"{vocab_file}, {merge_file}: not a GPT-2 vocabulary and merge list "
-                            f"({str(exc).splitlines()[0]})") from None
+            raise DataError(
+                f"{vocab_file}, {merge_file}: not a GPT-2 vocabulary and merge list ({str(exc).splitlines()[0]})"
+            ) from None
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
         # As Megatron's GPT-2 tokenizer: the text "<|endoftext|>" in a document is ordinary
@@ -135,7 +138,7 @@ class NullTokenizer:
         return {"type": "null", "vocab_size": self.ids_vocab_size}
 
 
-AnyTokenizer = Union[Tokenizer, NullTokenizer]
+AnyTokenizer = Tokenizer | NullTokenizer
 
 
 def tokenizer_from_spec(spec: dict) -> AnyTokenizer:
@@ -144,8 +147,13 @@ def tokenizer_from_spec(spec: dict) -> AnyTokenizer:
     return Tokenizer(HFTokenizer.from_str(spec["json"]), spec.get("source", ""))
 
 
-def load_tokenizer(kind: str, tokenizer_model: str | None = None, vocab_file: str | None = None,
-                   merge_file: str | None = None, vocab_size: int | None = None) -> AnyTokenizer:
+def load_tokenizer(
+    kind: str,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    vocab_size: int | None = None,
+) -> AnyTokenizer:
     """An existing tokenizer by its Megatron type name (ByteLevelBPE is trained, see `train_byte_level_bpe`)."""
     if kind == "HuggingFaceTokenizer":
         if not tokenizer_model:
@@ -159,8 +167,10 @@ def load_tokenizer(kind: str, tokenizer_model: str | None = None, vocab_file: st
         if not vocab_size:
             raise DataError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    raise DataError(f"--tokenizer-type {kind}: not an existing tokenizer (choose HuggingFaceTokenizer, "
-                    "GPT2BPETokenizer or NullTokenizer)")
+    raise DataError(
+        f"--tokenizer-type {kind}: not an existing tokenizer (choose HuggingFaceTokenizer, "
+        "GPT2BPETokenizer or NullTokenizer)"
+    )
 
 
 def train_byte_level_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:

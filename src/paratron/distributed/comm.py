@@ -1,4 +1,5 @@
-"""Collectives as autograd functions: the communication of tensor and sequence parallelism.
+"""Collectives over a `RankGroup`, and their autograd forms: the communication of tensor and
+sequence parallelism.
 
 Each function is the identity when its group has one rank. Forward and backward are duals:
 
@@ -11,87 +12,108 @@ Each function is the identity when its group has one rank. Forward and backward 
     reduce_scatter_to_sequence  forward: reduce-scatter dim  backward: all-gather dim
 
 They run on gloo and NCCL alike (all_gather_single and reduce_scatter_single work on both).
-`COUNTS` tallies the collectives issued, by kind, for the benchmarks.
+`count_collectives()` counts the collectives a block of code issues, for benchmarks and tests;
+nothing is counted on the training path otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-COUNTS: Counter = Counter()
+from paratron.distributed.topology import RankGroup
+
+_COLLECTIVE_OPS = {
+    "c10d::allreduce_": "all_reduce",
+    "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::_allgather_base_": "all_gather",
+    "c10d::allgather_": "all_gather",
+    "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+    "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::broadcast_": "broadcast",
+    "c10d::send": "send",
+    "c10d::recv_": "recv",
+}
+"""torch.distributed's dispatcher operations, by the collective they are."""
 
 
-def group_size(group: Any) -> int:
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-
-
-def group_rank(group: Any) -> int:
-    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter]:
+    """Count the collectives issued inside the block, by kind (all_reduce, all_gather,
+    reduce_scatter, ...). Opt-in and off the training path: it runs the block under the PyTorch
+    profiler, whose records of torch.distributed's operations it counts when the block ends."""
+    counts: Counter = Counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        yield counts
+    for event in profile.events():
+        kind = _COLLECTIVE_OPS.get(event.name)
+        if kind is not None:
+            counts[kind] += 1
 
 
 # ---------------------------------------------------------------- plain collectives
 
 
-def all_reduce(x: torch.Tensor, group: Any, async_op: bool = False, op: Any = dist.ReduceOp.SUM) -> Any:
+def all_reduce(x: torch.Tensor, group: RankGroup, async_op: bool = False, op: Any = dist.ReduceOp.SUM) -> Any:
     """In place; returns the work handle when async_op (None on a single rank)."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return None
-    COUNTS["all_reduce"] += 1
-    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    return dist.all_reduce(x, op=op, group=group.process_group, async_op=async_op)
 
 
-def all_reduce_coalesced(tensors: list[torch.Tensor], group: Any) -> None:
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: RankGroup) -> None:
     """Sum each tensor over `group` in place, with one collective for all of them."""
-    if group_size(group) == 1 or not tensors:
+    if group.size == 1 or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     all_reduce(flat, group)
     position = 0
     for t in tensors:
-        t.copy_(flat[position:position + t.numel()].view_as(t))
+        t.copy_(flat[position : position + t.numel()].view_as(t))
         position += t.numel()
 
 
-def all_gather(x: torch.Tensor, dim: int, group: Any, async_op: bool = False) -> Any:
+def all_gather(x: torch.Tensor, dim: int, group: RankGroup, async_op: bool = False) -> Any:
     """Concatenate every rank's `x` along `dim`; with async_op, (output, work)."""
-    size = group_size(group)
+    size = group.size
     if size == 1:
         return (x, None) if async_op else x
-    COUNTS["all_gather"] += 1
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.size(0), *moved.shape[1:]))
-    work = dist.all_gather_single(out, moved, group=group, async_op=async_op)
+    work = dist.all_gather_single(out, moved, group=group.process_group, async_op=async_op)
     result = out.movedim(0, dim)
     return (result, work) if async_op else result
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group: Any, async_op: bool = False) -> Any:
+def reduce_scatter(x: torch.Tensor, dim: int, group: RankGroup, async_op: bool = False) -> Any:
     """Sum over ranks, then keep this rank's chunk of `dim`; with async_op, (output, work)."""
-    size = group_size(group)
+    size = group.size
     if size == 1:
         return (x, None) if async_op else x
     if x.size(dim) % size:
         raise ValueError(f"dimension {dim} of size {x.size(dim)} does not split over {size} ranks")
-    COUNTS["reduce_scatter"] += 1
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.size(0) // size, *moved.shape[1:]))
-    work = dist.reduce_scatter_single(out, moved, group=group, async_op=async_op)
+    work = dist.reduce_scatter_single(out, moved, group=group.process_group, async_op=async_op)
     result = out.movedim(0, dim)
     return (result, work) if async_op else result
 
 
-def split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def split(x: torch.Tensor, dim: int, group: RankGroup) -> torch.Tensor:
     """This rank's chunk of `dim` (no communication)."""
-    size = group_size(group)
+    size = group.size
     if size == 1:
         return x
     if x.size(dim) % size:
         raise ValueError(f"dimension {dim} of size {x.size(dim)} does not split over {size} ranks")
-    return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
+    return x.chunk(size, dim=dim)[group.rank].contiguous()
 
 
 # ---------------------------------------------------------------- autograd functions
@@ -145,33 +167,33 @@ _GatherFromSequence = _dual(all_gather, reduce_scatter, "_GatherFromSequence")
 _ReduceScatterToSequence = _dual(reduce_scatter, all_gather, "_ReduceScatterToSequence")
 
 
-def _single(group: Any) -> bool:
-    return group_size(group) == 1
+def _single(group: RankGroup) -> bool:
+    return group.size == 1
 
 
-def copy_to_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+def copy_to_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
     return x if _single(group) else _CopyToRegion.apply(x, group)
 
 
-def reduce_from_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+def reduce_from_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
     return x if _single(group) else _ReduceFromRegion.apply(x, group)
 
 
-def scatter_to_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+def scatter_to_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
     return x if _single(group) else _ScatterToRegion.apply(x, -1, group)
 
 
-def gather_from_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+def gather_from_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
     return x if _single(group) else _GatherFromRegion.apply(x, -1, group)
 
 
-def scatter_to_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+def scatter_to_sequence(x: torch.Tensor, group: RankGroup, dim: int = 1) -> torch.Tensor:
     return x if _single(group) else _ScatterToRegion.apply(x, dim, group)
 
 
-def gather_from_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+def gather_from_sequence(x: torch.Tensor, group: RankGroup, dim: int = 1) -> torch.Tensor:
     return x if _single(group) else _GatherFromSequence.apply(x, dim, group)
 
 
-def reduce_scatter_to_sequence(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+def reduce_scatter_to_sequence(x: torch.Tensor, group: RankGroup, dim: int = 1) -> torch.Tensor:
     return x if _single(group) else _ReduceScatterToSequence.apply(x, dim, group)

@@ -63,8 +63,13 @@ def initialize(backend: str = "auto", timeout_minutes: float = 10.0) -> Distribu
         # Share the cores among the processes on this machine instead of oversubscribing them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(name, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            name,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(minutes=timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
     return DistributedContext(rank, world, local_rank, local_world, device, name)
 
 
@@ -94,8 +99,18 @@ def seed_everything(seed: int) -> None:
 
 
 # Peak dense bf16/fp16 tensor-core throughput (FLOP/s) of known accelerators, for MFU.
-_PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
-                    "L40S": 362e12, "A10G": 125e12, "V100": 125e12, "B200": 2250e12, "GH200": 989e12}
+_PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "V100": 125e12,
+    "B200": 2250e12,
+    "GH200": 989e12,
+}
 
 
 def accelerator_peak_flops(device: torch.device) -> float | None:
@@ -114,8 +129,8 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type != "cpu" and torch.accelerator.is_available():
         return int(torch.accelerator.max_memory_allocated(device))
     try:
-        import resource
-    except ImportError:  # Windows
+        import resource  # (here, as it is not on Windows)
+    except ImportError:
         return 0
     peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux

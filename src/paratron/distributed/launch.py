@@ -12,9 +12,8 @@ import os
 import sys
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
-
 
 ERROR_DIR_ENV = "PARATRON_ERROR_DIR"
 """Where workers other than rank 0 leave their one-line error message for the launcher."""
@@ -34,6 +33,7 @@ def report_worker_error(message: str) -> None:
 
 def run_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
     """Run `python -m paratron ARGV` on `nproc` local processes; return the job's exit code."""
+    # (torch's launcher is imported lazily, for start-up speed: workers never need it)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -10,7 +10,8 @@ a generator seeded with seed + 2718 + tp_rank (Megatron-LM's offset). Works on a
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn

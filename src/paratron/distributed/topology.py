@@ -8,6 +8,11 @@ so tensor-parallel peers are neighbours (inside one node) and pipeline stages ar
 farthest apart. Expert parallelism is carved out of data parallelism: the DP ranks
 of a dense layer are the (ep, edp) pairs, DP = EP x EDP.
 
+Groups are asked for by `Axis`, an enum: a misspelt kind cannot silently become a one-rank
+group. Every group is a `RankGroup`, which knows its members; one whose only member is this
+rank is explicit (`RankGroup.solo`) and every collective on it is a no-op by its size, not by
+a missing handle.
+
 `ParallelDims` and the rank-list arithmetic are pure (unit-tested without processes);
 `Topology.create_groups` turns the lists into torch.distributed process groups.
 """
@@ -16,23 +21,96 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property
-from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
-# Grid axes, slowest first (the layout of numpy's C order), and the kinds of group.
-AXES = ("pp", "edp", "ep", "cp", "tp")
-GROUP_AXES: dict[str, tuple[str, ...]] = {
-    "tp": ("tp",),
-    "cp": ("cp",),
-    "ep": ("ep",),
-    "dp": ("edp", "ep"),          # data parallel for dense parameters
-    "expert_dp": ("edp",),        # data parallel for expert parameters
-    "dp_cp": ("edp", "ep", "cp"),  # where gradients are reduced when context parallelism is on
-    "pp": ("pp",),
-    "model": ("pp", "tp"),        # one replica of the model
+GRID = ("pp", "edp", "ep", "cp", "tp")
+"""The axes of the rank grid, slowest first (the layout of numpy's C order)."""
+
+
+class Axis(Enum):
+    """A kind of process group: the grid axes its members differ along."""
+
+    TP = "tp"
+    """tensor parallel: ranks that split each layer's matrices"""
+    CP = "cp"
+    """context parallel: ranks that split each sequence"""
+    EP = "ep"
+    """expert parallel: ranks that hold different experts"""
+    DP = "dp"
+    """data parallel for dense parameters (ep x edp)"""
+    EXPERT_DP = "expert_dp"
+    """data parallel for expert parameters (edp)"""
+    DP_CP = "dp_cp"
+    """where dense gradients are reduced when context parallelism is on (edp x ep x cp)"""
+    PP = "pp"
+    """pipeline parallel: the stages of one pipeline"""
+    MODEL = "model"
+    """one replica of the model (pp x tp): gradient norms and overflow checks are summed over it"""
+    EMBEDDING = "embedding"
+    """the first and the last pipeline stage, which share tied embeddings"""
+    WORLD = "world"
+    """every rank"""
+
+
+GROUP_AXES: dict[Axis, tuple[str, ...]] = {
+    Axis.TP: ("tp",),
+    Axis.CP: ("cp",),
+    Axis.EP: ("ep",),
+    Axis.DP: ("edp", "ep"),
+    Axis.EXPERT_DP: ("edp",),
+    Axis.DP_CP: ("edp", "ep", "cp"),
+    Axis.PP: ("pp",),
+    Axis.MODEL: ("pp", "tp"),
+    Axis.WORLD: GRID,
 }
+"""The grid axes each kind of group spans (the embedding group is not a product of axes)."""
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """One process group this rank belongs to: its members (global ranks, in group order) and
+    the torch.distributed group that connects them, which is None only for this rank alone."""
+
+    name: str
+    ranks: tuple[int, ...]
+    process_group: dist.ProcessGroup | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) > 1 and self.process_group is None:
+            raise ValueError(
+                f"the {self.name} group of ranks {list(self.ranks)} has no process group; "
+                "create the groups first (Topology.create_groups)"
+            )
+
+    @classmethod
+    def solo(cls, name: str = "solo", rank: int = 0) -> RankGroup:
+        """A group of this rank alone: every collective over it is the identity."""
+        return cls(name, (rank,))
+
+    @classmethod
+    def world(cls) -> RankGroup:
+        """Every rank of the running job (this rank alone when there is no process group)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return cls.solo("world", dist.get_rank() if dist.is_initialized() else 0)
+        return cls("world", tuple(range(dist.get_world_size())), dist.group.WORLD)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's index in the group."""
+        if len(self.ranks) == 1:
+            return 0
+        return dist.get_rank(self.process_group)
+
+    def __repr__(self) -> str:
+        return f"RankGroup({self.name}, ranks={list(self.ranks)})"
 
 
 @dataclass(frozen=True)
@@ -68,12 +146,12 @@ class ParallelDims:
         return {"pp": self.pp, "edp": self.edp, "ep": self.ep, "cp": self.cp, "tp": self.tp}
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Position of `rank` on every axis (and its dp rank, which spans ep and edp)."""
+        """Position of `rank` on every grid axis (and its dp rank, which spans ep and edp)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
         coords: dict[str, int] = {}
         rest = rank
-        for axis in reversed(AXES):  # fastest first
+        for axis in reversed(GRID):  # fastest first
             size = self.shape()[axis]
             coords[axis] = rest % size
             rest //= size
@@ -87,65 +165,86 @@ class ParallelDims:
             coords.setdefault("ep", dp % self.ep)
             coords.setdefault("edp", dp // self.ep)
         rank = 0
-        for axis in AXES:  # slowest first
+        for axis in GRID:  # slowest first
             rank = rank * self.shape()[axis] + coords.get(axis, 0)
         return rank
 
-    def group_ranks(self, kind: str) -> list[list[int]]:
+    def group_ranks(self, axis: Axis) -> list[list[int]]:
         """All groups of one kind, each a sorted rank list, every rank in exactly one."""
-        return [list(g) for g in _group_ranks(self, kind)]
+        return [list(g) for g in _group_ranks(self, _checked(axis))]
 
-    def _compute_group_ranks(self, kind: str) -> list[list[int]]:
-        varying = GROUP_AXES[kind]
+    def _compute_group_ranks(self, axis: Axis) -> list[list[int]]:
+        if axis is Axis.EMBEDDING:  # first and last stage of every pipeline
+            return [sorted({g[0], g[-1]}) for g in _group_ranks(self, Axis.PP)]
+        varying = GROUP_AXES[axis]
         shape = self.shape()
-        grid = np.arange(self.world_size).reshape([shape[a] for a in AXES])
-        fixed_axes = [i for i, a in enumerate(AXES) if a not in varying]
-        varying_axes = [i for i, a in enumerate(AXES) if a in varying]
+        grid = np.arange(self.world_size).reshape([shape[a] for a in GRID])
+        fixed_axes = [i for i, a in enumerate(GRID) if a not in varying]
+        varying_axes = [i for i, a in enumerate(GRID) if a in varying]
         size = int(np.prod([shape[a] for a in varying]))
         return grid.transpose(fixed_axes + varying_axes).reshape(-1, size).tolist()
 
     def embedding_group_ranks(self) -> list[list[int]]:
         """First and last pipeline stage of every pipeline: they share tied embeddings."""
-        return [sorted({g[0], g[-1]}) for g in _group_ranks(self, "pp")]
+        return self.group_ranks(Axis.EMBEDDING)
+
+
+def _checked(axis: Axis) -> Axis:
+    if not isinstance(axis, Axis):
+        known = ", ".join(f"Axis.{a.name}" for a in Axis)
+        raise TypeError(f"process groups are asked for by Axis ({known}), not {axis!r}")
+    return axis
 
 
 @functools.lru_cache(maxsize=256)
-def _group_ranks(dims: ParallelDims, kind: str) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(g) for g in dims._compute_group_ranks(kind))
+def _group_ranks(dims: ParallelDims, axis: Axis) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(g) for g in dims._compute_group_ranks(axis))
 
 
 @dataclass
 class Topology:
     """This rank's place in the grid and the process groups it belongs to.
 
-    Groups are None until `create_groups` runs (and stay None for size-1 groups, where
-    every collective is a no-op): code asks `size(kind)` before communicating.
+    `group(axis)` returns this rank's `RankGroup` of that kind. A kind whose groups have one
+    rank needs no process group and is always available; the others exist once
+    `create_groups` has run (asking earlier raises).
     """
 
     dims: ParallelDims
     rank: int = 0
-    groups: dict[str, Any] = field(default_factory=dict)
-    _ranks: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _groups: dict[Axis, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    _ranks: dict[Axis, list[int]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def coords(self) -> dict[str, int]:
         return self.dims.coordinates(self.rank)
 
-    def size(self, kind: str) -> int:
-        return len(self.ranks(kind))
+    def size(self, axis: Axis) -> int:
+        return len(self.ranks(axis))
 
-    def local_rank(self, kind: str) -> int:
-        return self.ranks(kind).index(self.rank)
+    def local_rank(self, axis: Axis) -> int:
+        return self.ranks(axis).index(self.rank)
 
-    def ranks(self, kind: str) -> list[int]:
-        """The ranks of this rank's group of `kind`."""
-        if kind not in self._ranks:
-            lists = self.dims.embedding_group_ranks() if kind == "embedding" else self.dims.group_ranks(kind)
-            self._ranks[kind] = next((r for r in lists if self.rank in r), [self.rank])
-        return self._ranks[kind]
+    def ranks(self, axis: Axis) -> list[int]:
+        """The ranks of this rank's group of kind `axis`. A rank outside every group of its kind (a
+        middle pipeline stage, which holds no embedding) is a group of its own."""
+        if _checked(axis) not in self._ranks:
+            lists = self.dims.group_ranks(axis)
+            self._ranks[axis] = next((r for r in lists if self.rank in r), [self.rank])
+        return self._ranks[axis]
 
-    def group(self, kind: str) -> Any:
-        return self.groups.get(kind)
+    def group(self, axis: Axis) -> RankGroup:
+        """This rank's group of kind `axis` (raises for an unknown kind, or before `create_groups`
+        for one of several ranks)."""
+        ranks = tuple(self.ranks(axis))
+        if len(ranks) == 1:
+            return RankGroup(axis.value, ranks)
+        if axis not in self._groups:
+            raise RuntimeError(
+                f"the {axis.value} group of ranks {list(ranks)} does not exist yet; "
+                "call Topology.create_groups() on every rank first"
+            )
+        return RankGroup(axis.value, ranks, self._groups[axis])
 
     @property
     def dp_rank(self) -> int:
@@ -168,30 +267,27 @@ class Topology:
         return self.pp_rank == self.dims.pp - 1
 
     def create_groups(self) -> None:
-        """Create every process group of size > 1. Collective: all ranks call it in the same order."""
-        import torch.distributed as dist
-
-        kinds: list[tuple[str, list[list[int]]]] = [(k, self.dims.group_ranks(k)) for k in GROUP_AXES]
-        kinds.append(("embedding", self.dims.embedding_group_ranks()))
-        made: dict[tuple[tuple[int, ...], ...], Any] = {}  # kinds with the same rank lists share groups
-        for kind, lists in kinds:
+        """Create every process group of more than one rank. Collective: all ranks call it in the same order."""
+        made: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}  # kinds with the same rank lists share groups
+        for axis in Axis:
+            lists = self.dims.group_ranks(axis)
             if max(len(r) for r in lists) == 1:
                 continue
             key = tuple(tuple(r) for r in lists)
             if key not in made:
                 made[key], _ = dist.new_subgroups_by_enumeration(lists)
-            self.groups[kind] = made[key]
+            self._groups[axis] = made[key]
 
-    def create_subgroups(self, kind: str, chunk: int) -> Any:
-        """Cut every group of `kind` into consecutive pieces of `chunk` ranks, create them
-        (collective) and return this rank's piece (e.g. the TP ranks sharing a key/value head)."""
-        import torch.distributed as dist
-
-        lists = [g[i : i + chunk] for g in self.dims.group_ranks(kind) for i in range(0, len(g), chunk)]
-        if chunk == 1 or not dist.is_initialized():
-            return None
-        mine, _ = dist.new_subgroups_by_enumeration(lists)
-        return mine
+    def create_subgroups(self, axis: Axis, chunk: int, name: str) -> RankGroup:
+        """Cut every group of kind `axis` into consecutive pieces of `chunk` ranks, create them
+        (collective over all ranks) and return this rank's piece, e.g. the tensor-parallel ranks
+        that share a key/value head."""
+        lists = [g[i : i + chunk] for g in self.dims.group_ranks(axis) for i in range(0, len(g), chunk)]
+        mine = next(r for r in lists if self.rank in r)
+        if chunk == 1:
+            return RankGroup(name, tuple(mine))
+        group, _ = dist.new_subgroups_by_enumeration(lists)
+        return RankGroup(name, tuple(mine), group)
 
     def describe(self) -> str:
         d = self.dims

@@ -7,8 +7,9 @@ import torch
 from paratron.model.gpt import GPT, KVCache
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Next token ids [B] from last-position logits [B, V]; temperature 0 means greedy."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
@@ -21,8 +22,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, eos_id: int | None = None, seed: int | None = None) -> list[int]:
+def generate(
+    model: GPT,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_id: int | None = None,
+    seed: int | None = None,
+) -> list[int]:
     """Continue `prompt_ids`; returns only the new tokens (stopping early at `eos_id`).
 
     The prompt is cut from the left if prompt + new tokens exceed the model's positions.
@@ -30,7 +38,7 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
     device = next(model.parameters()).device
     limit = model.config.max_position_embeddings
     max_new_tokens = max(0, min(max_new_tokens, limit - 1))
-    prompt_ids = prompt_ids[-(limit - max_new_tokens):] or [eos_id or 0]
+    prompt_ids = prompt_ids[-(limit - max_new_tokens) :] or [eos_id or 0]
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)

@@ -8,6 +8,7 @@ sharded twins without touching this file.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -99,7 +100,12 @@ class AttentionCore(nn.Module):
             if T > 1:
                 mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=k.size(1) != q.size(1),
         )
 
@@ -183,10 +189,33 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: LayerKVCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rotary, cache, start)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class TransformerLayers(nn.ModuleList):
+    """The stack of blocks. `forward` runs a contiguous range of them in order: all of them in
+    the whole model, its own layers in a pipeline stage. (A module of its own, so that
+    recomputation can swap in a stack that recomputes groups of layers.)"""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        indices: range,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        for i in indices:
+            x = self[i](x, rotary, cache.layers[i] if cache is not None else None, start)
+        return x
 
 
 class GPT(nn.Module):
@@ -204,7 +233,7 @@ class GPT(nn.Module):
         learned = config.position_embedding_type == "learned_absolute"
         self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.layers = TransformerLayers(TransformerBlock(config) for _ in range(config.num_layers))
         self.final_norm = make_norm(config)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -222,7 +251,7 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         x = self.embed(input_ids, start)
         rotary = self.rotary_tables(input_ids.size(1), start, input_ids.device)
-        x = self.run_layers(x, range(len(self.layers)), rotary, cache, start)
+        x = self.layers(x, range(len(self.layers)), rotary, cache, start)
         if cache is not None:
             cache.length += input_ids.size(1)
         return self.head(x)
@@ -244,13 +273,6 @@ class GPT(nn.Module):
         head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
         return rotary_cos_sin(torch.arange(start, start + length, device=device), head_dim, self.config.rotary_base)
 
-    def run_layers(self, x: torch.Tensor, indices: range, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        """Blocks `indices` (a contiguous range of layer numbers) applied in order."""
-        for i in indices:
-            x = self.layers[i](x, rotary, cache.layers[i] if cache is not None else None, start)
-        return x
-
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output layer: logits."""
         return self.output(self.final_norm(x))
@@ -260,8 +282,6 @@ class GPT(nn.Module):
 
 
 def _stable_seed(seed: int, name: str) -> int:
-    import hashlib
-
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 

@@ -1,6 +1,7 @@
-"""Named model sizes. Each entry holds only the settings that differ from ModelConfig's defaults.
+"""Named model sizes as models: their configs and exact parameter counts.
 
-Parameter counts (tests/unit/test_registry.py) match the published ones within 0.5%.
+The entries themselves are settings, kept with the configuration (`config/presets.py`);
+parameter counts (tests/unit/test_registry.py) match the published ones within 0.5%.
 """
 
 from __future__ import annotations
@@ -10,45 +11,11 @@ from typing import Any
 
 import torch
 
+from paratron.config.presets import MODELS, PUBLISHED_PARAMETERS, model_preset
 from paratron.config.schema import ModelConfig
-from paratron.errors import ConfigError
+from paratron.model.gpt import GPT
 
-_GPT2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", activation="gelu",
-             add_bias_linear=True, vocab_size=50257, max_position_embeddings=1024)
-_LLAMA3 = dict(position_embedding_type="rope", rotary_base=500000.0, normalization="RMSNorm", activation="swiglu",
-               add_bias_linear=False, vocab_size=128256, num_query_groups=8, max_position_embeddings=8192)
-
-MODELS: dict[str, dict[str, Any]] = {
-    "debug": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
-                  max_position_embeddings=256),
-    "gpt2-small": dict(_GPT2, num_layers=12, hidden_size=768, num_attention_heads=12),
-    "gpt2-medium": dict(_GPT2, num_layers=24, hidden_size=1024, num_attention_heads=16),
-    "gpt2-xl": dict(_GPT2, num_layers=48, hidden_size=1600, num_attention_heads=25),
-    "llama3-1b": dict(_LLAMA3, num_layers=16, hidden_size=2048, num_attention_heads=32, ffn_hidden_size=8192,
-                      max_position_embeddings=131072),
-    "llama3-8b": dict(_LLAMA3, num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=14336,
-                      untie_embeddings_and_output_weights=True),
-    "llama3-70b": dict(_LLAMA3, num_layers=80, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=28672,
-                       untie_embeddings_and_output_weights=True),
-    "gpt3-175b": dict(_GPT2, num_layers=96, hidden_size=12288, num_attention_heads=96, max_position_embeddings=2048),
-}
-
-PUBLISHED_PARAMETERS: dict[str, int] = {
-    "gpt2-small": 124_439_808,     # Hugging Face gpt2
-    "gpt2-medium": 354_823_168,    # Hugging Face gpt2-medium
-    "gpt2-xl": 1_557_611_200,      # Hugging Face gpt2-xl
-    "llama3-1b": 1_235_814_400,    # Llama 3.2 1B
-    "llama3-8b": 8_030_261_248,    # Llama 3 8B
-    "llama3-70b": 70_553_706_496,  # Llama 3 70B
-    "gpt3-175b": 175_000_000_000,  # Brown et al. 2020, "175B"
-}
-
-
-def model_preset(name: str) -> dict[str, Any]:
-    """The registry entry as field overrides, `model_name` included."""
-    if name not in MODELS:
-        raise ConfigError(f"--model {name}: unknown model; choose one of {', '.join(MODELS)}")
-    return {"model_name": name, **MODELS[name]}
+__all__ = ["MODELS", "PUBLISHED_PARAMETERS", "model_config", "count_parameters"]
 
 
 def model_config(name: str, **overrides: Any) -> ModelConfig:
@@ -57,8 +24,6 @@ def model_config(name: str, **overrides: Any) -> ModelConfig:
 
 def count_parameters(config: ModelConfig) -> int:
     """Exact parameter count (shared tensors once), from a model built on the meta device."""
-    from paratron.model.gpt import GPT
-
     with torch.device("meta"):
         model = GPT(config)
     return sum(p.numel() for p in model.parameters())

@@ -1,6 +1,7 @@
-"""Parallelism applied to the plain model: one folder or module per kind, and `parallelize`."""
+"""Parallelism applied to the plain model: one folder or module per kind, `parallelize`, and the
+`ParallelModel` it returns."""
 
-from paratron.parallel.data import DataParallel, unwrap
+from paratron.parallel.model import ParallelModel
 from paratron.parallel.parallelize import parallelize
 
-__all__ = ["DataParallel", "unwrap", "parallelize"]
+__all__ = ["ParallelModel", "parallelize"]

@@ -1,111 +1,178 @@
-"""The one ordered transform from a plain model on the meta device to this rank's parallel model.
+"""The one ordered transform from a plain model on the meta device to this rank's `ParallelModel`.
 
-Order (as in torchtitan): tensor/sequence parallelism -> activation recomputation ->
-pipeline stage split -> weights materialized and initialized (in fp32, then cast to bf16/fp16
-for mixed precision) -> data parallelism (bucketed fp32 gradient reduction; ZeRO-1/2 flat
-parameter buffer, or ZeRO-3 FSDP2 units over fp32 shards computing in 16 bits).
-Weights are created only after the layout is known, each rank initializing just its slice
-of every single-device tensor, from the seed and the tensor's name: every layout starts
-from the same model.
+Order (as in torchtitan), each step a module swap or a cut on the meta device until weights exist:
+
+1. tensor/sequence parallelism: linear layers and embeddings swapped for their parallel twins;
+2. activation recomputation: the stack of blocks (or each attention core) swapped for a
+   recomputing one;
+3. pipeline stage split: what this rank does not run is dropped; under zero-bubble schedules
+   the blocks' linear layers are swapped for ones that can defer their weight gradients;
+4. weights materialized and initialized (in fp32), each rank initializing just its slice of
+   every single-device tensor, from the seed and the tensor's name: every layout starts from
+   the same model; then cast to bf16/fp16 for mixed precision, or sharded by FSDP2 (ZeRO-3)
+   over fp32 shards computing in 16 bits;
+5. data parallelism: the gradients' buckets (ZeRO 0-2) and the flat parameter buffer of the
+   distributed optimizer (ZeRO 1/2);
+6. the pipeline runtime, handed the gradient synchronizer it reports to.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
+from paratron.config.layout import Layout, resolve_layout
 from paratron.config.schema import Config
-from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSET, RNGStates
-from paratron.distributed.topology import Topology
-from paratron.model.gpt import GPT, init_parameter
 from paratron.distributed.init import synchronize
-from paratron.parallel.data import DataParallel, DataParallelSettings
+from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSET, RNGStates
+from paratron.distributed.topology import Axis, RankGroup, Topology
+from paratron.model.gpt import GPT, init_parameter
+from paratron.model.loss import language_model_loss
+from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
 from paratron.parallel.data.fully_sharded import shard_fully
+from paratron.parallel.data.param_gather import FlatParameters
+from paratron.parallel.model import LossFunction, ParallelModel
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
 from paratron.parallel.pipeline.runtime import PipelineRuntime
-from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stage, plan_pipeline, stage_ranges
+from paratron.parallel.pipeline.schedules import Schedule, build_schedule
+from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stage
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
 from paratron.parallel.recompute import apply_recompute
-from paratron.parallel.sharding import full_shape, shard_of, take_slice
+from paratron.parallel.sharding import copy_info, full_shape, shard_of, take_slice
 from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratron.parallel.tensor.layers import TPContext
-from paratron.model.loss import language_model_loss
-from paratron.optim.mixed_precision import DTYPES
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The compute type of each --precision."""
 
 
-def parallelize(model: GPT, config: Config, topology: Topology, device: torch.device) -> DataParallel:
-    """`model` is built on the meta device; returns this rank's part, materialized and wrapped."""
-    seed = config.training.seed
-    tp = TPContext(topology.size("tp"), topology.local_rank("tp"), topology.group("tp"),
-                   config.parallel.sequence_parallel)
-    loss_function, rng = language_model_loss, None
-    if tp.size > 1:
-        rng = RNGStates(device)
-        rng.add(TENSOR_PARALLEL, seed + TENSOR_PARALLEL_SEED_OFFSET + tp.rank)
-        groups = config.model.num_query_groups or config.model.num_attention_heads
-        kv_replicas = topology.create_subgroups("tp", tp.size // groups) if groups < tp.size else None
-        apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
-        vocab_start = shard_of(model.output.weight).start
-        loss_function = partial(_vocab_parallel_loss, vocab_start=vocab_start, group=tp.group)
+def parallelize(
+    model: GPT, config: Config, topology: Topology, device: torch.device, layout: Layout | None = None
+) -> ParallelModel:
+    """`model` is built on the meta device; returns this rank's part, materialized, with what
+    trains it. `layout` is the one validation returned (worked out from `config` if not given)."""
+    layout = layout or resolve_layout(config, topology.dims.world_size)
     t = config.training
-    compute_dtype = DTYPES[t.precision]
+    loss_function, rng = _tensor_parallel(model, config, topology, device)
     if t.recompute_granularity is not None:
         apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
+    stage = _cut_stage(model, layout, topology) if topology.size(Axis.PP) > 1 else None
+    materialize(model, device, t.seed)
+    gradients, flat = _data_parallel(model, config, topology, device, stage.runner if stage else None)
     pipeline = None
-    if topology.size("pp") > 1:
-        pipeline = _split_pipeline(model, config, topology, device, loss_function, compute_dtype)
-    materialize(model, device, seed)
-    p = config.parallel
-    dp = topology.size("dp")
-    settings = DataParallelSettings(bucket_size=p.ddp_bucket_size or max(40_000_000, 1_000_000 * dp),
-                                    overlap_grad_reduce=p.overlap_grad_reduce,
-                                    sync_every_micro_batch=p.ddp_sync_every_micro_batch, zero_stage=p.sharding_stage,
-                                    overlap_param_gather=p.overlap_param_gather)
-    units = None
-    if settings.zero_stage == 3 and dp > 1:
-        units = shard_fully(model, topology.group("dp"), device, pipeline.runner if pipeline is not None else None,
-                            compute_dtype)
-    else:
-        model.to(compute_dtype)  # (in place: parameters keep their identity, ties and tags)
-    wrapped = DataParallel(model, topology.group("dp"), dp, loss_function, tp.group, tp.size, rng,
-                           model_group=topology.group("model"), pipeline=pipeline, settings=settings,
-                           sharded_units=units)
-    if pipeline is not None:
-        pipeline.grad_sync = wrapped.require_grad_sync
-        if pipeline.store is not None and wrapped.reducer is not None:
-            pipeline.store.on_accumulated = wrapped.reducer.grad_ready
-    return wrapped
+    if stage is not None:
+        pipeline = _pipeline_runtime(stage, config, topology, device, loss_function, gradients)
+    return ParallelModel(model, topology, loss_function, gradients, pipeline, flat, rng)
 
 
-def _split_pipeline(model: GPT, config: Config, topology: Topology, device: torch.device,
-                    loss_function, compute_dtype: torch.dtype) -> PipelineRuntime:
-    """Keep this rank's stages of `model` (still on meta) and build the runtime that runs them."""
-    plan = plan_pipeline(config, topology.size("dp"))
-    schedule = plan.schedule
-    assert schedule is not None
-    pp = schedule.pp
-    layout = StageLayout(pp, schedule.chunks, topology.local_rank("pp"), stage_ranges(plan.counts), schedule.v_shape)
-    keep_stage(model, layout, topology.group("embedding"))
+def _tensor_parallel(
+    model: GPT, config: Config, topology: Topology, device: torch.device
+) -> tuple[LossFunction, RNGStates | None]:
+    """Step 1: swap in the tensor-parallel layers (when TP > 1); returns the loss function (over
+    vocabulary-parallel logits) and the random streams of tensor-parallel regions."""
+    tp = TPContext(
+        topology.size(Axis.TP), topology.local_rank(Axis.TP), topology.group(Axis.TP), config.parallel.sequence_parallel
+    )
+    if tp.size == 1:
+        return language_model_loss, None
+    rng = RNGStates(device)
+    rng.add(TENSOR_PARALLEL, config.training.seed + TENSOR_PARALLEL_SEED_OFFSET + tp.rank)
+    groups = config.model.num_query_groups or config.model.num_attention_heads
+    kv_replicas = topology.create_subgroups(Axis.TP, tp.size // groups, "tp-kv-replicas") if groups < tp.size else None
+    apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
+    vocab_start = shard_of(model.output.weight).start
+    return partial(_vocab_parallel_loss, vocab_start=vocab_start, group=tp.group), rng
+
+
+@dataclass
+class _Stage:
+    """This rank's cut of a pipeline: what runs its chunks, the schedule, the deferred weight gradients."""
+
+    runner: StageRunner
+    schedule: Schedule
+    store: WeightGradStore | None
+
+
+def _cut_stage(model: GPT, layout: Layout, topology: Topology) -> _Stage:
+    """Step 3: keep this rank's stages of `model` (still on meta); under zero-bubble schedules
+    make the blocks' weight gradients deferrable."""
+    plan = layout.pipeline
+    assert plan.schedule is not None
+    schedule = build_schedule(plan.schedule, layout.pp, layout.num_micro_batches, plan.chunks)
+    stages = StageLayout(schedule.pp, schedule.chunks, topology.local_rank(Axis.PP), plan.ranges, schedule.v_shape)
+    keep_stage(model, stages, topology.group(Axis.EMBEDDING))
     store = None
     if schedule.split_backward:
         # the first stage sends no input gradient back: nothing to hurry, so it keeps a whole backward
-        deferred = [i for c in range(layout.chunks) if layout.stage(c) > 0 for i in layout.ranges[layout.stage(c)]]
+        deferred = [i for c in range(stages.chunks) if stages.stage(c) > 0 for i in stages.ranges[stages.stage(c)]]
         if deferred:
             store = WeightGradStore()
             defer_weight_gradients([model.layers[i] for i in deferred], store)
+    return _Stage(StageRunner(model, stages), schedule, store)
+
+
+def _data_parallel(
+    model: GPT, config: Config, topology: Topology, device: torch.device, root: nn.Module | None
+) -> tuple[DataParallelGradients, FlatParameters | None]:
+    """Steps 4b and 5: the weights in their compute type (or FSDP2-sharded at ZeRO-3, `root`
+    being the module whose forward runs them), the gradients' synchronisation, and the flat
+    parameter buffer of the distributed optimizer (ZeRO-1/2)."""
+    p, dp = config.parallel, topology.size(Axis.DP)
+    settings = DataParallelSettings(
+        bucket_size=p.ddp_bucket_size or max(40_000_000, 1_000_000 * dp),
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        sync_every_micro_batch=p.ddp_sync_every_micro_batch,
+        zero_stage=p.sharding_stage,
+        overlap_param_gather=p.overlap_param_gather,
+    )
+    compute_dtype = DTYPES[config.training.precision]
+    units = None
+    if settings.zero_stage == 3 and dp > 1:
+        units = shard_fully(model, topology.group(Axis.DP), device, root, compute_dtype)
+    else:
+        model.to(compute_dtype)  # (in place: parameters keep their identity, ties and records)
+    gradients = DataParallelGradients(model, topology.group(Axis.DP), settings, units)
+    flat = None
+    if settings.zero_stage in (1, 2):
+        assert gradients.reducer is not None
+        flat = FlatParameters(model, gradients.reducer, topology.group(Axis.DP), settings.overlap_param_gather)
+    return gradients, flat
+
+
+def _pipeline_runtime(
+    stage: _Stage,
+    config: Config,
+    topology: Topology,
+    device: torch.device,
+    loss_function: LossFunction,
+    gradients: DataParallelGradients,
+) -> PipelineRuntime:
+    """Step 6: the runtime of this rank's chunks, reporting to the gradients' synchronisation."""
     # gradients travel in a group of their own, so each kind keeps its order between two ranks
-    groups = {ACTIVATION: topology.group("pp"), GRADIENT: topology.create_subgroups("pp", pp)}
-    comm = StageComm(groups, compute_dtype, device, config.parallel.variable_seq_lengths)
-    divisor = topology.size("tp") if config.parallel.sequence_parallel else 1
-    return PipelineRuntime(StageRunner(model, layout), schedule, comm, topology.ranks("pp"), loss_function,
-                           config.model.hidden_size, divisor, store, synchronize=partial(synchronize, device))
+    groups = {
+        ACTIVATION: topology.group(Axis.PP),
+        GRADIENT: topology.create_subgroups(Axis.PP, stage.schedule.pp, "pp-gradients"),
+    }
+    divisor = topology.size(Axis.TP) if config.parallel.sequence_parallel else 1
+    comm = StageComm(
+        groups,
+        DTYPES[config.training.precision],
+        device,
+        config.model.hidden_size,
+        divisor,
+        config.parallel.variable_seq_lengths,
+    )
+    return PipelineRuntime(
+        stage.runner, stage.schedule, comm, loss_function, gradients, stage.store, partial(synchronize, device)
+    )
 
 
 def _allocate(model: nn.Module, device: torch.device | str) -> None:
-    """Like `Module.to_empty`, but keeping shared parameters shared and their tags (`shard`, ...)."""
+    """Like `Module.to_empty`, but keeping shared parameters shared and their records."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, param in list(module._parameters.items()):
@@ -113,7 +180,7 @@ def _allocate(model: nn.Module, device: torch.device | str) -> None:
                 continue
             if id(param) not in made:
                 new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), param.requires_grad)
-                new.__dict__.update(param.__dict__)
+                copy_info(param, new)
                 made[id(param)] = new
             module._parameters[key] = made[id(param)]
         for key, buffer in list(module._buffers.items()):
@@ -121,7 +188,9 @@ def _allocate(model: nn.Module, device: torch.device | str) -> None:
                 module._buffers[key] = torch.empty_like(buffer, device=device)
 
 
-def _vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+def _vocab_parallel_loss(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: RankGroup
+) -> torch.Tensor:
     return vocab_parallel_cross_entropy(logits, labels, vocab_start, group).mean()
 
 

@@ -7,6 +7,10 @@
     selective       only the attention core (softmax(q k^T) v and its dropout): the part
                     whose saved activations grow with the square of the sequence length
 
+Applied as module swaps, the way tensor parallelism swaps layers: the model's stack of blocks
+is replaced by a `RecomputedLayers` holding the same blocks (so every parameter keeps its
+single-device name), and each attention core is wrapped in a `Recomputed` module.
+
 Built on `torch.utils.checkpoint` (non-reentrant). Dropout draws the same masks in the
 recomputation: the default generators are restored by torch, and the named generators of
 tensor-parallel regions are set back to their states at the first forward for the
@@ -16,15 +20,16 @@ recomputation, then returned to where they were.
 from __future__ import annotations
 
 import contextlib
-import types
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paratron.distributed.rng import RNGStates
-from paratron.model.gpt import GPT
+from paratron.model.gpt import GPT, KVCache, TransformerLayers
 
 
 def _rng_contexts(rng: RNGStates | None) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -45,39 +50,58 @@ def _rng_contexts(rng: RNGStates | None) -> tuple[contextlib.AbstractContextMana
     return contextlib.nullcontext(), replay()
 
 
-def recomputed(fn: Callable[..., Any], rng: RNGStates | None) -> Callable[..., Any]:
-    """`fn` whose activations are recomputed in backward (plain when no gradient is being recorded)."""
-    def run(*args: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return fn(*args)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=partial(_rng_contexts, rng))
-    return run
+def _recomputed_call(fn: Callable[..., Any], rng: RNGStates | None, *args: Any) -> Any:
+    """`fn(*args)` with its activations recomputed in backward (plain when no gradient is recorded)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=partial(_rng_contexts, rng))
 
 
-def apply_recompute(model: GPT, granularity: str, method: str | None, num_layers: int | None,
-                    rng: RNGStates | None) -> None:
+class Recomputed(nn.Module):
+    """Runs the wrapped module keeping only its inputs for backward (used for parameter-free
+    modules, such as the attention core, so that names do not change)."""
+
+    def __init__(self, module: nn.Module, rng: RNGStates | None) -> None:
+        super().__init__()
+        self.module, self.rng = module, rng
+
+    def forward(self, *args: Any) -> Any:
+        return _recomputed_call(self.module, self.rng, *args)
+
+
+class RecomputedLayers(TransformerLayers):
+    """The model's stack of blocks (the same block objects, under the same names) run with full
+    recomputation: `method` uniform recomputes groups of `group` layers, block the first
+    `group` layers of each range it is asked to run (a pipeline chunk)."""
+
+    def __init__(self, layers: TransformerLayers, method: str, group: int, rng: RNGStates | None) -> None:
+        super().__init__(layers)
+        self.method, self.group, self.rng = method, group, rng
+
+    def forward(
+        self, x: torch.Tensor, indices: range, rotary: Any = None, cache: KVCache | None = None, start: int = 0
+    ) -> torch.Tensor:
+        if cache is not None or not torch.is_grad_enabled():
+            return super().forward(x, indices, rotary, cache, start)
+        run = super().forward
+        if self.method == "block":
+            recompute = range(indices.start, min(indices.start + self.group, indices.stop))
+            for i in indices:
+                layer = partial(run, indices=range(i, i + 1), rotary=rotary)
+                x = _recomputed_call(layer, self.rng, x) if i in recompute else layer(x)
+            return x
+        for first in range(indices.start, indices.stop, self.group):
+            layers = range(first, min(first + self.group, indices.stop))
+            x = _recomputed_call(partial(run, indices=layers, rotary=rotary), self.rng, x)
+        return x
+
+
+def apply_recompute(
+    model: GPT, granularity: str, method: str | None, num_layers: int | None, rng: RNGStates | None
+) -> None:
     """Switch recomputation on in `model` (in place, on the meta device or not)."""
     if granularity == "selective":
         for block in model.layers:
-            block.attention.core.forward = recomputed(block.attention.core.forward, rng)  # type: ignore[method-assign]
+            block.attention.core = Recomputed(block.attention.core, rng)
         return
-    group = num_layers or 1
-    plain = model.run_layers
-
-    def run_layers(self: GPT, x: torch.Tensor, indices: range, rotary: Any = None, cache: Any = None,
-                   start: int = 0) -> torch.Tensor:
-        if cache is not None or not torch.is_grad_enabled():
-            return plain(x, indices, rotary, cache, start)
-        if method == "block":
-            recompute = range(indices.start, min(indices.start + group, indices.stop))
-            for i in indices:
-                layer = partial(plain, indices=range(i, i + 1), rotary=rotary)
-                x = recomputed(layer, rng)(x) if i in recompute else layer(x)
-            return x
-        for first in range(indices.start, indices.stop, group):
-            layers = range(first, min(first + group, indices.stop))
-            x = recomputed(partial(plain, indices=layers, rotary=rotary), rng)(x)
-        return x
-
-    model.run_layers = types.MethodType(run_layers, model)  # type: ignore[method-assign]
+    model.layers = RecomputedLayers(model.layers, method or "uniform", num_layers or 1, rng)

@@ -35,7 +35,7 @@ class ExitConditions:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
 
-    def __enter__(self) -> "ExitConditions":
+    def __enter__(self) -> ExitConditions:
         if self.config.exit_signal_handler:
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -54,7 +54,9 @@ class ExitConditions:
             local = 0
             if self.received is not None:
                 local = 2
-            elif t.exit_duration_in_mins is not None and time.monotonic() - self.started >= 60 * t.exit_duration_in_mins:
+            elif (
+                t.exit_duration_in_mins is not None and time.monotonic() - self.started >= 60 * t.exit_duration_in_mins
+            ):
                 local = 1
             flag = torch.tensor([local], device=self.device)
             if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,4 +1,4 @@
-"""The training loop: steps, periodic logging, evaluation and checkpoints.
+"""The training loop: a short loop over named steps (train, log, evaluate, save, profile).
 
 Everything it needs is built beforehand (`training/run.py`); this file only runs it.
 """
@@ -16,23 +16,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import BackgroundSave, begin_save, write_text_atomic
+from paratron.checkpoint.io import BackgroundSave, CheckpointContent, begin_save, write_text_atomic
+from paratron.config.layout import Layout
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
-from paratron.distributed import rng
 from paratron.data.loader import BatchPlan, micro_batches
+from paratron.distributed import rng
 from paratron.distributed.init import DistributedContext, peak_memory_bytes
-from paratron.distributed.topology import Topology
+from paratron.distributed.topology import Axis, Topology
 from paratron.optim.build import set_learning_rate
 from paratron.optim.lr_schedule import learning_rate
-from paratron.parallel.data import DataParallel, unwrap
+from paratron.optim.mixed_precision import Precision, build_loss_scaler
+from paratron.optim.protocol import TrainingOptimizer
+from paratron.parallel.model import ParallelModel
 from paratron.parallel.pipeline.profile import save_profile
 from paratron.parallel.pipeline.schedules import theoretical_bubble
 from paratron.training.exit import ExitConditions
 from paratron.training.memory import SavedActivations, format_memory, gather_memory, rank_memory
 from paratron.training.metrics import MetricsWriter
-from paratron.optim.mixed_precision import Precision, build_loss_scaler
-from paratron.training.step import evaluate_batches, train_step
+from paratron.training.step import StepResult, train_step
 
 
 @dataclass
@@ -46,12 +48,32 @@ class TrainState:
 
 
 @dataclass
+class _Window:
+    """The steps since the last log line: their summed loss and when they started. Time spent
+    evaluating, saving or writing profiles is not part of the steps' speed: `start` moves past it."""
+
+    loss: torch.Tensor
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, result: StepResult) -> None:
+        self.loss += result.loss
+        self.steps += 1
+
+    def restart(self) -> None:
+        self.loss.zero_()
+        self.steps = 0
+        self.start = time.perf_counter()
+
+
+@dataclass
 class Trainer:
     config: Config
     ctx: DistributedContext
     topology: Topology
-    model: DataParallel
-    optimizer: torch.optim.Optimizer
+    layout: Layout
+    model: ParallelModel
+    optimizer: TrainingOptimizer
     data: DataBundle
     writer: MetricsWriter
     flops_per_token: float
@@ -60,105 +82,129 @@ class Trainer:
     _background: BackgroundSave | None = None
 
     def __post_init__(self) -> None:
-        t = self.config.training
-        self.plan = BatchPlan(self.global_batch_size, t.micro_batch_size, self.topology.size("dp"),
-                              self.topology.dp_rank)
+        t, layout = self.config.training, self.layout
+        self.plan = BatchPlan(layout.global_batch_size, layout.micro_batch_size, layout.dp, self.topology.dp_rank)
         self.precision = Precision(t.precision, build_loss_scaler(t), self.ctx.device)
 
     @property
     def global_batch_size(self) -> int:
+        return self.layout.global_batch_size
+
+    def fit(self, stop_after: int | None = None) -> TrainState:
+        """Train from the state's iteration to --train-iters (or only to `stop_after`; the
+        learning-rate schedule still spans --train-iters)."""
+        end = stop_after or self.config.training.train_iters
+        first = self.state.iteration + 1
+        window = _Window(torch.zeros((), device=self.ctx.device))
+        with ExitConditions(self.config.training, self.ctx.device) as exits:
+            for iteration in range(first, end + 1):
+                lr, result = self._train(iteration, first, window)
+                stopping = exits.reason(iteration)
+                last = iteration == end
+                if iteration % self.config.logging.log_interval == 0 or last or stopping:
+                    self._log(iteration, lr, result, window)
+                self._evaluate(iteration, last, window)
+                self._save(iteration, last or bool(stopping), window)
+                if stopping and not last:
+                    self.writer.info(
+                        f"stopping after step {iteration} of {self.config.training.train_iters}: {stopping}"
+                    )
+                    break
+        self.finish_save()
+        self.model.wait_param_gather()
+        return self.state
+
+    # ---------------------------------------------------------------- the named steps
+
+    def _train(self, iteration: int, first: int, window: _Window) -> tuple[float, StepResult]:
+        """One optimizer step (measuring memory on the first with --log-memory, profiling the
+        pipeline on the last with --profile-pipeline)."""
+        t, lg, state = self.config.training, self.config.logging, self.state
+        lr = learning_rate(iteration, self.config.optimizer.lr, self.config.lr_schedule, t.train_iters)
+        set_learning_rate(self.optimizer, lr)
+        batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device)
+        pipeline = self.model.pipeline
+        profiling = lg.profile_pipeline and pipeline is not None and iteration == t.train_iters
+        if profiling:
+            dist.barrier()  # the ranks' clocks start together
+            pipeline.record = True
+        measuring = iteration == first and lg.log_memory
+        with SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations:
+            result = train_step(self.model, self.optimizer, batches, self.precision, self.config.optimizer.clip_grad)
+        if iteration == first:
+            self._report_memory(activations)
+            window.restart()
+        if profiling:
+            pipeline.record = False
+            saving = time.perf_counter()
+            self._save_pipeline_profile(iteration)
+            window.start += time.perf_counter() - saving  # not part of the steps' speed
+        state.iteration = iteration
+        state.consumed_samples += self.global_batch_size
+        window.add(result)
+        if result.skipped:
+            state.skipped_iterations += 1
+            self.writer.info(
+                f"step {iteration}: fp16 gradients overflowed; step skipped, loss scale now "
+                f"{self.precision.scaler.scale:g} ({state.skipped_iterations} skipped so far)"
+            )
+        self.writer.advance()
+        return lr, result
+
+    def _log(self, iteration: int, lr: float, result: StepResult, window: _Window) -> None:
+        loss = self._dp_mean(window.loss / window.steps)
+        tokens_per_s = (
+            self.global_batch_size * self.config.data.seq_length * window.steps / (time.perf_counter() - window.start)
+        )
+        flops_per_device = self.flops_per_token * tokens_per_s / self.ctx.world_size
+        record = {
+            "step": iteration,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": flops_per_device / 1e12,
+            "mfu": flops_per_device / self.peak_flops,
+            "mem_gb": peak_memory_bytes(self.ctx.device) / 1e9,
+            "consumed_samples": self.state.consumed_samples,
+            "skipped_iterations": self.state.skipped_iterations,
+        }
+        if self.precision.scaler is not None:
+            record["loss_scale"] = self.precision.scaler.scale
+        self.state.losses.append(loss)
+        self.writer.log_step(record)
+        if not math.isfinite(loss):
+            self.writer.info(f"step {iteration}: the loss is {loss}; see docs/troubleshooting.md (NaN)")
+        window.restart()
+
+    def _evaluate(self, iteration: int, last: bool, window: _Window) -> None:
         t = self.config.training
-        return t.global_batch_size or t.micro_batch_size * self.topology.size("dp")
+        if t.eval_iters > 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
+            self.state.val_losses.append(self.evaluate(-(-iteration // t.eval_interval) - 1))
+            self.writer.log_eval(iteration, self.state.val_losses[-1])
+            window.start = time.perf_counter()
+
+    def _save(self, iteration: int, final: bool, window: _Window) -> None:
+        c = self.config.checkpoint
+        if c.save and ((c.save_interval and iteration % c.save_interval == 0) or final):
+            path = self.save(Path(c.save))
+            self.writer.info(f"{'writing' if c.async_save else 'saved'} checkpoint {path}")
+            window.start = time.perf_counter()
+
+    # ---------------------------------------------------------------- their parts
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         """Average a per-rank scalar over data-parallel ranks (a host sync). Under pipeline
         parallelism the last stage holds the value and the others zero: summed over the stages."""
-        if self.topology.size("pp") > 1:
+        pp, dp = self.topology.group(Axis.PP), self.topology.group(Axis.DP)
+        if pp.size > 1:
             value = value.clone()
-            dist.all_reduce(value, group=self.topology.group("pp"))
-        if self.topology.size("dp") > 1:
+            dist.all_reduce(value, group=pp.process_group)
+        if dp.size > 1:
             value = value.clone()
-            dist.all_reduce(value, group=self.topology.group("dp"))
-            value /= self.topology.size("dp")
+            dist.all_reduce(value, group=dp.process_group)
+            value /= dp.size
         return float(value.item())
-
-    def fit(self) -> TrainState:
-        t, lg = self.config.training, self.config.logging
-        state = self.state
-        window_loss = torch.zeros((), device=self.ctx.device)
-        window_steps, window_start = 0, time.perf_counter()
-        tokens_per_step = self.global_batch_size * self.config.data.seq_length
-        first = state.iteration + 1
-        with ExitConditions(t, self.ctx.device) as exits:
-            for iteration in range(first, t.train_iters + 1):
-                lr = learning_rate(iteration, self.config.optimizer.lr, self.config.lr_schedule, t.train_iters)
-                set_learning_rate(self.optimizer, lr)
-                batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device)
-                profiling = lg.profile_pipeline and self.model.pipeline is not None and iteration == t.train_iters
-                if profiling:
-                    dist.barrier()  # the ranks' clocks start together
-                    self.model.pipeline.record = True
-                measuring = iteration == first and lg.log_memory
-                with SavedActivations(unwrap(self.model)) if measuring else contextlib.nullcontext() as activations:
-                    result = train_step(self.model, self.optimizer, batches, self.precision,
-                                        self.config.optimizer.clip_grad)
-                if iteration == first:
-                    self._report_memory(activations)
-                    window_start = time.perf_counter()
-                if profiling:
-                    self.model.pipeline.record = False
-                    saving = time.perf_counter()
-                    self._save_pipeline_profile(iteration)
-                    window_start += time.perf_counter() - saving  # not part of the step's speed
-                state.iteration = iteration
-                state.consumed_samples += self.global_batch_size
-                window_loss += result.loss
-                window_steps += 1
-                if result.skipped:
-                    state.skipped_iterations += 1
-                    self.writer.info(f"step {iteration}: fp16 gradients overflowed; step skipped, loss scale now "
-                                     f"{self.precision.scaler.scale:g} ({state.skipped_iterations} skipped so far)")
-                self.writer.advance()
-                stopping = exits.reason(iteration)
-
-                if iteration % lg.log_interval == 0 or iteration == t.train_iters or stopping:
-                    loss = self._dp_mean(window_loss / window_steps)
-                    elapsed = time.perf_counter() - window_start
-                    tokens_per_s = tokens_per_step * window_steps / elapsed
-                    flops_per_device = self.flops_per_token * tokens_per_s / self.ctx.world_size
-                    record = {
-                        "step": iteration, "loss": loss, "lr": lr,
-                        "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
-                        "tokens_per_s": tokens_per_s, "tflops_per_device": flops_per_device / 1e12,
-                        "mfu": flops_per_device / self.peak_flops, "mem_gb": peak_memory_bytes(self.ctx.device) / 1e9,
-                        "consumed_samples": state.consumed_samples, "skipped_iterations": state.skipped_iterations,
-                    }
-                    if self.precision.scaler is not None:
-                        record["loss_scale"] = self.precision.scaler.scale
-                    state.losses.append(loss)
-                    self.writer.log_step(record)
-                    if not math.isfinite(loss):
-                        self.writer.info(f"step {iteration}: the loss is {loss}; see docs/troubleshooting.md (NaN)")
-                    window_loss.zero_()
-                    window_steps = 0
-                    window_start = time.perf_counter()
-
-                last = iteration == t.train_iters
-                if t.eval_iters > 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
-                    state.val_losses.append(self.evaluate(-(-iteration // t.eval_interval) - 1))
-                    self.writer.log_eval(iteration, state.val_losses[-1])
-                    window_start = time.perf_counter()
-                c = self.config.checkpoint
-                if c.save and ((c.save_interval and iteration % c.save_interval == 0) or last or stopping):
-                    path = self.save(Path(c.save))
-                    self.writer.info(f"{'writing' if c.async_save else 'saved'} checkpoint {path}")
-                    window_start = time.perf_counter()
-                if stopping and not last:
-                    self.writer.info(f"stopping after step {iteration} of {t.train_iters}: {stopping}")
-                    break
-        self.finish_save()
-        self.model.wait_param_gather()
-        return state
 
     def _report_memory(self, activations: SavedActivations | None) -> None:
         """After the first step (when the optimizer state exists): rank 0's training state in one
@@ -166,20 +212,21 @@ class Trainer:
         and in memory.json."""
         report = rank_memory(self.model, self.optimizer, activations, self.ctx.device)
         mib = {k: (v or 0) / 2**20 for k, v in report.items()}
-        self.writer.info(f"memory of rank 0 after the first step: parameters {mib['parameters']:,.1f} MiB, gradients "
-                         f"{mib['gradients']:,.1f}, master weights {mib['master']:,.1f}, optimizer state "
-                         f"{mib['optimizer_state']:,.1f}" + (f", activations (peak) {mib['activations_peak']:,.1f}"
-                                                             if activations is not None else ""))
+        self.writer.info(
+            f"memory of rank 0 after the first step: parameters {mib['parameters']:,.1f} MiB, gradients "
+            f"{mib['gradients']:,.1f}, master weights {mib['master']:,.1f}, optimizer state "
+            f"{mib['optimizer_state']:,.1f}"
+            + (f", activations (peak) {mib['activations_peak']:,.1f}" if activations is not None else "")
+        )
         if activations is None:
             return
-        report["coordinates"] = (f"tp{self.topology.tp_rank} pp{self.topology.pp_rank} dp{self.topology.dp_rank}")
+        report["coordinates"] = f"tp{self.topology.tp_rank} pp{self.topology.pp_rank} dp{self.topology.dp_rank}"
         reports = gather_memory(report)
         if self.ctx.is_main:
             path = Path(self.config.logging.run_dir) / "memory.json"
             write_text_atomic(path, json.dumps({"unit": "bytes", "ranks": reports}, indent=1) + "\n")
-            lines = format_memory(reports)
             self.writer.info("memory per rank after the first step (MiB; activations: peak bytes saved for backward):")
-            for line in lines:
+            for line in format_memory(reports):
                 self.writer.info("  " + line)
             self.writer.info(f"memory report: {path}")
 
@@ -187,17 +234,28 @@ class Trainer:
         if self.topology.dp_rank != 0 or self.topology.tp_rank != 0:
             return
         pipeline = self.model.pipeline
+        assert pipeline is not None
         schedule = pipeline.schedule
-        title = (f"step {iteration}: {schedule.name}, {schedule.pp} stages x {schedule.chunks} chunk(s), "
-                 f"{schedule.microbatches} micro-batches (measured)")
-        result = save_profile(pipeline.spans, Path(self.config.logging.run_dir), self.topology.pp_rank,
-                              self.topology.group("pp"), self.ctx.is_main, title)
+        title = (
+            f"step {iteration}: {schedule.name}, {schedule.pp} stages x {schedule.chunks} chunk(s), "
+            f"{schedule.microbatches} micro-batches (measured)"
+        )
+        result = save_profile(
+            pipeline.spans,
+            Path(self.config.logging.run_dir),
+            self.topology.pp_rank,
+            self.topology.group(Axis.PP),
+            self.ctx.is_main,
+            title,
+        )
         if result is not None:
             bubble, files = result
             theory = theoretical_bubble(schedule.name, schedule.pp, schedule.microbatches, schedule.chunks)
-            self.writer.info(f"pipeline profile of step {iteration}: bubble {bubble:.1%} of the step measured "
-                             f"({theory:.1%} in theory); rank 0 held at most {pipeline.peak_live} micro-batch "
-                             f"activations at once; {', '.join(str(f) for f in files)}")
+            self.writer.info(
+                f"pipeline profile of step {iteration}: bubble {bubble:.1%} of the step measured "
+                f"({theory:.1%} in theory); rank 0 held at most {pipeline.peak_live} micro-batch "
+                f"activations at once; {', '.join(str(f) for f in files)}"
+            )
 
     def evaluate(self, number: int) -> float:
         """Mean loss over the `number`-th run of eval_iters global batches of the validation split.
@@ -210,23 +268,23 @@ class Trainer:
         first = number * iters * self.global_batch_size
         for i in range(iters):
             batches = micro_batches(self.data.valid, self.plan, first + i * self.global_batch_size, self.ctx.device)
-            total += evaluate_batches(self.model, batches, self.precision)
+            total += self.model.evaluate(batches)
         return self._dp_mean(total / iters)
 
     def save(self, root: Path) -> Path:
         """Save a checkpoint; with --async-save start writing it and return (see `finish_save`)."""
         self.finish_save()
         self.model.wait_param_gather()
-        first_replica = self.topology.dp_rank == 0
-        # data-parallel replicas hold the same state, unless the optimizer is sharded over them
-        sharded = self.config.parallel.sharding_stage > 0 and self.topology.size("dp") > 1
-        pending = begin_save(root, self.state.iteration, self.state.consumed_samples, unwrap(self.model),
-                             self.config, self.data.tokenizer, self.rank_state() if first_replica else None,
-                             self.topology.tp_rank, writer=self.ctx.is_main, tp_group=self.model.tp_group,
-                             pp_rank=self.topology.pp_rank, pp_size=self.topology.size("pp"),
-                             stage_writer=first_replica and self.topology.tp_rank == 0,
-                             optimizer=self.optimizer if first_replica or sharded else None,
-                             dp_rank=self.topology.dp_rank, snapshot=self.config.checkpoint.async_save)
+        content = CheckpointContent(
+            self.state.iteration,
+            self.state.consumed_samples,
+            self.config,
+            self.model.module,
+            self.optimizer,
+            self.data.tokenizer,
+            self.rank_state(),
+        )
+        pending = begin_save(root, content, self.topology, snapshot=self.config.checkpoint.async_save)
         if not self.config.checkpoint.async_save:
             pending.write()
             return pending.publish()
@@ -242,7 +300,10 @@ class Trainer:
 
     def rank_state(self) -> dict[str, Any]:
         """What this rank needs beyond the weights and the optimizer state to resume exactly."""
-        state: dict[str, Any] = {"rng": rng.capture(self.ctx.device), "skipped_iterations": self.state.skipped_iterations}
+        state: dict[str, Any] = {
+            "rng": rng.capture(self.ctx.device),
+            "skipped_iterations": self.state.skipped_iterations,
+        }
         if self.precision.scaler is not None:
             state["loss_scaler"] = self.precision.scaler.state_dict()
         if self.model.rng_states is not None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratron.distributed.init import peak_memory_bytes
+from paratron.parallel.data.fully_sharded import is_sharded
 from paratron.parallel.data.memory import CATEGORIES, training_state_elements
 
 
@@ -30,7 +31,7 @@ class _Saved:
 
     __slots__ = ("tensor", "owner", "key")
 
-    def __init__(self, tensor: torch.Tensor, owner: "SavedActivations", key: int) -> None:
+    def __init__(self, tensor: torch.Tensor, owner: SavedActivations, key: int) -> None:
         self.tensor, self.owner, self.key = tensor, owner, key
 
     def __del__(self) -> None:
@@ -46,8 +47,12 @@ class SavedActivations:
         self.live = 0
         self.peak = 0
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
-        self._params = {p.untyped_storage().data_ptr() for m in exclude for p in m.parameters()
-                        if not hasattr(p, "to_local") and p.device.type != "meta"}
+        self._params = {
+            p.untyped_storage().data_ptr()
+            for m in exclude
+            for p in m.parameters()
+            if not is_sharded(p) and p.device.type != "meta"
+        }
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -79,7 +84,7 @@ class SavedActivations:
             self.live -= entry[1]
             del self._refs[key]
 
-    def __enter__(self) -> "SavedActivations":
+    def __enter__(self) -> SavedActivations:
         self._hooks.__enter__()
         return self
 
@@ -87,8 +92,9 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
-def rank_memory(model: nn.Module, optimizer: Any, activations: SavedActivations | None,
-                device: torch.device) -> dict[str, Any]:
+def rank_memory(
+    model: nn.Module, optimizer: Any, activations: SavedActivations | None, device: torch.device
+) -> dict[str, Any]:
     """This rank's memory in bytes: each training-state category, the peak of saved activations
     (when measured), their sum, and the allocator's peak on CUDA (None elsewhere)."""
     state = training_state_elements(model, optimizer)
@@ -116,6 +122,8 @@ def format_memory(reports: list[dict[str, Any]]) -> list[str]:
     """A table, one line per rank, in MiB (`coordinates` of each report: where the rank sits)."""
     columns = ("parameters", "gradients", "master", "optimizer_state", "activations_peak", "total", "device_peak")
     header = ["rank", "coordinates", "params", "grads", "master", "optim", "activations", "total", "device peak"]
-    rows = [[str(r), report.get("coordinates", "")] + [_mib(report[c]) for c in columns] for r, report in enumerate(reports)]
+    rows = [
+        [str(r), report.get("coordinates", "")] + [_mib(report[c]) for c in columns] for r, report in enumerate(reports)
+    ]
     widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
     return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in [header] + rows]

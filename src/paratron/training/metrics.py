@@ -6,6 +6,7 @@ Only rank 0 writes; other ranks get a writer that does nothing.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -15,10 +16,12 @@ from tqdm import tqdm
 
 def format_step_line(record: dict[str, Any], total_iters: int) -> str:
     norm = "skipped" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"
-    line = (f"step {record['step']:>{len(str(total_iters))}}/{total_iters} | loss {record['loss']:.4f} | "
-            f"lr {record['lr']:.3e} | grad norm {norm} | "
-            f"{record['tokens_per_s']:,.0f} tok/s | {record['tflops_per_device']:.3f} TFLOP/s/dev | "
-            f"MFU {100 * record['mfu']:.1f}% | mem {record['mem_gb']:.2f} GB")
+    line = (
+        f"step {record['step']:>{len(str(total_iters))}}/{total_iters} | loss {record['loss']:.4f} | "
+        f"lr {record['lr']:.3e} | grad norm {norm} | "
+        f"{record['tokens_per_s']:,.0f} tok/s | {record['tflops_per_device']:.3f} TFLOP/s/dev | "
+        f"MFU {100 * record['mfu']:.1f}% | mem {record['mem_gb']:.2f} GB"
+    )
     if "loss_scale" in record:
         line += f" | loss scale {record['loss_scale']:g} | skipped {record['skipped_iterations']}"
     return line
@@ -28,8 +31,11 @@ def _open_log(path: Path, start_iter: int) -> TextIO:
     """Open a JSON-lines log for appending after step `start_iter`: a fresh run starts it anew; a resumed
     run keeps the records up to its checkpoint and drops later ones (written after the last save)."""
     if start_iter > 0 and path.exists():
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line)["step"] <= start_iter]
+        kept = [
+            line
+            for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line)["step"] <= start_iter
+        ]
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         tmp.replace(path)
@@ -40,8 +46,9 @@ def _open_log(path: Path, start_iter: int) -> TextIO:
 class MetricsWriter:
     """Rank 0's sinks. Use as a context manager so files are flushed and closed."""
 
-    def __init__(self, run_dir: Path, total_iters: int, start_iter: int, enabled: bool,
-                 progress_bar: bool, tensorboard: bool) -> None:
+    def __init__(
+        self, run_dir: Path, total_iters: int, start_iter: int, enabled: bool, progress_bar: bool, tensorboard: bool
+    ) -> None:
         self.enabled = enabled
         self.total_iters, self.start_iter = total_iters, start_iter
         self.show_bar = progress_bar
@@ -53,12 +60,12 @@ class MetricsWriter:
         self.train_file = _open_log(run_dir / "metrics.jsonl", start_iter)
         self.eval_file = _open_log(run_dir / "eval.jsonl", start_iter)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # (lazy for start-up speed: TensorBoard is heavy)
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     @classmethod
-    def disabled(cls) -> "MetricsWriter":
+    def disabled(cls) -> MetricsWriter:
         """A writer that writes nothing (ranks other than 0, benchmarks)."""
         return cls(Path("."), 0, 0, enabled=False, progress_bar=False, tensorboard=False)
 
@@ -73,8 +80,15 @@ class MetricsWriter:
     def advance(self) -> None:
         """One step done; the bar appears with the first step, below whatever was printed before."""
         if self.enabled and self.show_bar and self.bar is None:
-            self.bar = tqdm(total=self.total_iters, initial=self.start_iter, desc="train", unit="step",
-                            dynamic_ncols=True, file=sys.stderr, smoothing=0.1)
+            self.bar = tqdm(
+                total=self.total_iters,
+                initial=self.start_iter,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                smoothing=0.1,
+            )
         if self.bar is not None:
             self.bar.update(1)
 
@@ -94,8 +108,6 @@ class MetricsWriter:
     def log_eval(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
-        import math
-
         record = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         self.eval_file.write(json.dumps(record) + "\n")
         self.eval_file.flush()
@@ -114,7 +126,7 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.close()
 
-    def __enter__(self) -> "MetricsWriter":
+    def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

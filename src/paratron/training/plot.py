@@ -14,7 +14,7 @@ def _read(path: Path) -> list[dict]:
 
 def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
     """Write RUN_DIR/loss.png (train loss per logged step, validation loss per evaluation)."""
-    import matplotlib
+    import matplotlib  # (lazy for start-up speed, as matplotlib is only needed at the end)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -25,7 +25,9 @@ def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
     if train:
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", color="tab:blue")
     if valid:
-        ax.plot([r["step"] for r in valid], [r["val_loss"] for r in valid], "o-", label="validation", color="tab:orange")
+        ax.plot(
+            [r["step"] for r in valid], [r["val_loss"] for r in valid], "o-", label="validation", color="tab:orange"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss")
     ax.set_title(title or f"loss: {run_dir}")

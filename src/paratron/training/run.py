@@ -1,12 +1,14 @@
 """Assemble a training run from a validated Config, run it, and report.
 
-Order: process group -> topology -> data (tokenizer, samples) -> model (meta, then
-initialized from the seed) -> parallelize -> optimizer -> resume -> train -> plot, sample.
+Order: process group -> topology -> the layout -> data (tokenizer, samples; the tokenizer
+completes the config with its vocabulary, the one value a config leaves open) -> model (meta)
+-> parallelize (initialized from the seed) -> optimizer -> resume -> train -> plot, sample.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -14,25 +16,27 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint.io import (
-    whole_model_state,
+    CheckpointInfo,
     load_model_weights,
     load_training_state,
     read_checkpoint,
     read_weight,
+    whole_model_state,
 )
 from paratron.checkpoint.optimizer_state import load_optimizer
+from paratron.config.fields import flag
+from paratron.config.layout import resolve_layout
+from paratron.config.loading import override
 from paratron.config.schema import Config
-from paratron.data.blending import parse_blend
 from paratron.data.build import build_data
-from paratron.data.indexed import IndexedDataset, dataset_exists
-from paratron.data.preprocess import input_files
-from paratron.distributed.init import initialize, seed_everything, shutdown
-from paratron.distributed.topology import ParallelDims, Topology
-from paratron.inference.generate import generate
+from paratron.data.checks import check_data_inputs
 from paratron.data.tokenizer import Tokenizer
+from paratron.distributed.init import DistributedContext, initialize, seed_everything, shutdown
+from paratron.distributed.topology import Axis, ParallelDims, Topology
+from paratron.errors import ConfigError
+from paratron.inference.generate import generate
 from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
-from paratron.parallel.data import unwrap
 from paratron.parallel.parallelize import parallelize
 from paratron.training.flops import peak_flops, training_flops_per_token
 from paratron.training.loop import Trainer, TrainState
@@ -45,17 +49,15 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
-def check_inputs(config: Config, world_size: int | None = None) -> None:
-    """Cheap checks of the files a run will read, made before any worker starts (`world_size`:
-    the run's process count, default --nproc)."""
-    for values, flag in config.data.blend_flags():
-        for path in parse_blend(values, flag).paths:
-            if dataset_exists(path):
-                IndexedDataset(path)  # reads and checks the index
-            else:
-                input_files([path], flag)
-    if config.checkpoint.load:
-        read_checkpoint(Path(config.checkpoint.load), verify=False)  # exists and is complete
+def check_inputs(config: Config) -> None:
+    """Cheap checks of the files a run will read, made before any worker starts: the data and
+    tokenizer files, and the checkpoint to load (it exists and is complete)."""
+    check_data_inputs(config)
+    load = config.checkpoint.load
+    if load is not None:
+        if not Path(load).expanduser().is_dir():
+            raise ConfigError(f"{flag.load} {load}: no such checkpoint directory; check the path")
+        read_checkpoint(Path(load), verify=False)
 
 
 def run_training(config: Config) -> TrainState:
@@ -70,76 +72,108 @@ def run_training(config: Config) -> TrainState:
             shutdown()
 
 
-def _run(config: Config, ctx) -> TrainState:
+def _run(config: Config, ctx: DistributedContext) -> TrainState:
     started = time.perf_counter()
-    p, t = config.parallel, config.training
-    topology = Topology(ParallelDims(ctx.world_size, tp=p.tensor_model_parallel_size,
-                                     pp=p.pipeline_model_parallel_size), ctx.rank)
+    p = config.parallel
+    topology = Topology(
+        ParallelDims(ctx.world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size), ctx.rank
+    )
     topology.create_groups()
     say = print if ctx.is_main else (lambda *a, **k: None)
-
-    global_batch = t.global_batch_size or t.micro_batch_size * topology.size("dp")
-    data = build_data(config, global_batch, ctx.local_rank, log=say)
-    config.model.vocab_size = data.vocab_size
-
-    resume = read_checkpoint(Path(config.checkpoint.load)) if config.checkpoint.load else None
-    with torch.device("meta"):
-        model = GPT(config.model)
-    n_params = sum(q.numel() for q in model.parameters())
-    model = parallelize(model, config, topology, ctx.device)
-    if resume is not None:
-        load_model_weights(resume, model.module, whole=topology.size("pp") == 1)
-    optimizer = build_optimizer(model, config.optimizer)
-    state = TrainState()
-    seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
-    c = config.checkpoint
-    continuing = resume is not None and not c.finetune and not resume.weights_only
-    if continuing:
-        state = TrainState(resume.iteration, resume.consumed_samples)
-
     peak, peak_source = peak_flops(ctx.device, config.logging.peak_tflops)
-    run_dir = Path(config.logging.run_dir)
-    writer = MetricsWriter(run_dir, t.train_iters, state.iteration, enabled=ctx.is_main,
-                           progress_bar=config.logging.progress_bar, tensorboard=config.logging.tensorboard)
-    trainer = Trainer(config, ctx, topology, model, optimizer, data, writer,
-                      training_flops_per_token(config.model, config.data.seq_length), peak, state)
-    if continuing:
-        state_of_rank, own = load_training_state(resume, topology.tp_rank, topology.size("tp"), topology.pp_rank,
-                                                 topology.size("pp"))
-        trainer.restore_rank_state(state_of_rank, own)
-        if not c.no_load_optim:  # at any layout: pieces under single-device names
-            load_optimizer(resume.path, optimizer, unwrap(model), partial(read_weight, resume))
-    m = config.model
-    say(f"paratron: {topology.describe()} on {ctx.backend}/{ctx.device.type}, {t.precision}")
-    say(f"model: {n_params / 1e6:.2f}M parameters ({m.num_layers} layers, hidden {m.hidden_size}, "
-        f"{m.num_attention_heads} heads, vocab {m.vocab_size}); global batch {trainer.global_batch_size} x "
-        f"{config.data.seq_length} tokens = {trainer.plan.num_micro_batches} micro-batch(es) of "
-        f"{t.micro_batch_size} per rank; peak {peak / 1e12:.3f} TFLOP/s/device ({peak_source})")
-    if resume is not None:
-        how = "its weights only (--finetune)" if c.finetune else "its weights (a converted model)" \
-            if resume.weights_only else f"step {resume.iteration}" + (
-            ", fresh optimizer state (--no-load-optim)" if c.no_load_optim else "")
-        for problem in resume.passed_over:
-            say(f"warning: passed over a damaged checkpoint: {problem}")
-        say(f"loaded {resume.path}: {how}")
-
-    with writer:
+    trainer, resume, n_params = _assemble(config, ctx, topology, peak, say)
+    config = trainer.config  # (completed with the tokenizer's vocabulary)
+    _describe(trainer, resume, n_params, peak_source, say)
+    with trainer.writer:
         state = trainer.fit()
     if ctx.is_main:
         source = config.data.corpus or ("mock data" if config.data.mock_data else "--data-path")
         title = f"{n_params / 1e6:.2f}M-parameter model on {source}; {topology.describe()}"
-        _report(config, state, run_dir, time.perf_counter() - started, title, say)
-    if config.logging.sample_prompt and isinstance(data.tokenizer, Tokenizer):
-        stage_writer = topology.dp_rank == 0 and topology.tp_rank == 0
-        weights = whole_model_state(unwrap(model), model.tp_group, topology.group("pp") if stage_writer else None,
-                                    stage_writer, ctx.is_main)  # collective: all take part
+        _report(config, state, Path(config.logging.run_dir), time.perf_counter() - started, title, say)
+    tokenizer = trainer.data.tokenizer
+    if config.logging.sample_prompt and isinstance(tokenizer, Tokenizer):
+        weights = whole_model_state(trainer.model.module, topology)  # collective: all take part
         if ctx.is_main:
-            single = build_model(config.model, ctx.device, seed=t.seed)
+            single = build_model(config.model, ctx.device, seed=config.training.seed)
             single.load_state_dict(weights, strict=False)  # strict=False: the tied output weight
-            _print_sample(config, single, data.tokenizer, say)
+            _print_sample(config, single, tokenizer, say)
     if dist.is_initialized():
         dist.barrier()
     return state
+
+
+def _assemble(
+    config: Config, ctx: DistributedContext, topology: Topology, peak: float, say: Callable[[str], None]
+) -> tuple[Trainer, CheckpointInfo | None, int]:
+    """Data, model, optimizer and trainer, resumed from --load when asked; also the checkpoint
+    loaded and the single-device parameter count."""
+    t, c = config.training, config.checkpoint
+    layout = resolve_layout(config, ctx.world_size)  # (the settings were validated before the workers started)
+    data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say)
+    config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
+    resume = read_checkpoint(Path(c.load)) if c.load else None
+    with torch.device("meta"):
+        meta = GPT(config.model)
+    n_params = sum(q.numel() for q in meta.parameters())
+    model = parallelize(meta, config, topology, ctx.device, layout)
+    if resume is not None:
+        load_model_weights(resume, model.module, whole=topology.size(Axis.PP) == 1)
+    optimizer = build_optimizer(model, config.optimizer)
+    seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
+    continuing = resume is not None and not c.finetune and not resume.weights_only
+    state = TrainState(resume.iteration, resume.consumed_samples) if continuing and resume else TrainState()
+    writer = MetricsWriter(
+        Path(config.logging.run_dir),
+        t.train_iters,
+        state.iteration,
+        enabled=ctx.is_main,
+        progress_bar=config.logging.progress_bar,
+        tensorboard=config.logging.tensorboard,
+    )
+    trainer = Trainer(
+        config,
+        ctx,
+        topology,
+        layout,
+        model,
+        optimizer,
+        data,
+        writer,
+        training_flops_per_token(config.model, config.data.seq_length),
+        peak,
+        state,
+    )
+    if continuing and resume is not None:
+        state_of_rank, own = load_training_state(resume, topology)
+        trainer.restore_rank_state(state_of_rank, own)
+        if not c.no_load_optim:  # at any layout: pieces under single-device names
+            load_optimizer(resume.path, optimizer, model.module, partial(read_weight, resume))
+    return trainer, resume, n_params
+
+
+def _describe(
+    trainer: Trainer, resume: CheckpointInfo | None, n_params: int, peak_source: str, say: Callable[[str], None]
+) -> None:
+    config, ctx, peak = trainer.config, trainer.ctx, trainer.peak_flops
+    t, m, c = config.training, config.model, config.checkpoint
+    say(f"paratron: {trainer.topology.describe()} on {ctx.backend}/{ctx.device.type}, {t.precision}")
+    say(
+        f"model: {n_params / 1e6:.2f}M parameters ({m.num_layers} layers, hidden {m.hidden_size}, "
+        f"{m.num_attention_heads} heads, vocab {m.vocab_size}); global batch {trainer.global_batch_size} x "
+        f"{config.data.seq_length} tokens = {trainer.plan.num_micro_batches} micro-batch(es) of "
+        f"{t.micro_batch_size} per rank; peak {peak / 1e12:.3f} TFLOP/s/device ({peak_source})"
+    )
+    if resume is not None:
+        how = (
+            "its weights only (--finetune)"
+            if c.finetune
+            else "its weights (a converted model)"
+            if resume.weights_only
+            else f"step {resume.iteration}" + (", fresh optimizer state (--no-load-optim)" if c.no_load_optim else "")
+        )
+        for problem in resume.passed_over:
+            say(f"warning: passed over a damaged checkpoint: {problem}")
+        say(f"loaded {resume.path}: {how}")
 
 
 def _report(config: Config, state: TrainState, run_dir: Path, elapsed: float, title: str, say) -> None:
@@ -158,8 +192,15 @@ def _report(config: Config, state: TrainState, run_dir: Path, elapsed: float, ti
 def _print_sample(config: Config, model, tokenizer, say) -> None:
     prompt = config.logging.sample_prompt or ""
     temperature = config.logging.sample_temperature
-    ids = generate(model, tokenizer.encode(prompt), config.logging.sample_tokens, temperature=temperature,
-                   top_k=40, eos_id=tokenizer.eod_id, seed=config.training.seed)
+    ids = generate(
+        model,
+        tokenizer.encode(prompt),
+        config.logging.sample_tokens,
+        temperature=temperature,
+        top_k=40,
+        eos_id=tokenizer.eod_id,
+        seed=config.training.seed,
+    )
     how = "greedy" if temperature <= 0 else f"temperature {temperature:g}, top-k 40"
     say(f"sample ({how}) continuing the prompt:")
     say("-" * 60)

@@ -1,6 +1,8 @@
-"""Data parallelism and the distributed optimizer: bucketed, overlapped gradient reduction
-(`buckets`, `ddp`), ZeRO stages 1 and 2 (`zero`) and stage 3 over FSDP2 (`fully_sharded`)."""
+"""Data parallelism and the distributed optimizer's storage: bucketed, overlapped gradient
+reduction (`buckets`, `ddp`), the flat parameter buffer of ZeRO stages 1 and 2
+(`param_gather`) and stage 3 over FSDP2 (`fully_sharded`)."""
 
-from paratron.parallel.data.ddp import DataParallel, DataParallelSettings, unwrap
+from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
+from paratron.parallel.data.param_gather import FlatParameters
 
-__all__ = ["DataParallel", "DataParallelSettings", "unwrap"]
+__all__ = ["DataParallelGradients", "DataParallelSettings", "FlatParameters"]

@@ -13,7 +13,7 @@ last parameter of a bucket is ready and synchronisation is on, the bucket's redu
 asynchronously (`overlap`) while backward goes on. The bucket is scaled by 1/size first and
 summed, so the result is the data-parallel mean. Three ways to keep gradients:
 
-- `all-reduce`: a persistent full buffer (`param.main_grad` are views into it); plain DDP.
+- `all-reduce`: a persistent full buffer (`main_grad(param)` are views into it); plain DDP.
 - `reduce-scatter`: the same buffer, but only this rank's shard is reduced (ZeRO-1).
 - `reduce-scatter-shard`: no persistent full buffer: a bucket's buffer exists from its first
   gradient to the end of its reduction, which adds into a persistent shard (ZeRO-2); gradients
@@ -30,15 +30,17 @@ result, because gloo's reduce-scatter is slower than its all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from paratron.distributed import comm
-from paratron.parallel.sharding import partial_grad_groups
+from paratron.distributed.topology import RankGroup
+from paratron.parallel.sharding import param_info, partial_grad_groups
 
 MODES = ("all-reduce", "reduce-scatter", "reduce-scatter-shard")
 
@@ -65,8 +67,9 @@ class Bucket:
         return self.start + rank * length, self.start + (rank + 1) * length
 
 
-def plan_buckets(params: list[nn.Parameter], late: Iterable[nn.Parameter], bucket_size: int,
-                 size: int) -> tuple[dict[int, int], list[Bucket], int]:
+def plan_buckets(
+    params: list[nn.Parameter], late: Iterable[nn.Parameter], bucket_size: int, size: int
+) -> tuple[dict[int, int], list[Bucket], int]:
     """Offsets (by `id(param)`), buckets and total padded length for `params` (in registration order)."""
     late_ids = {id(p) for p in late}
     ordered = [p for p in reversed(params) if id(p) not in late_ids]
@@ -95,17 +98,25 @@ def _round_up(n: int, multiple: int) -> int:
 class GradientReducer:
     """Owns the gradient storage of `params` and reduces it over `group` (see the module docstring)."""
 
-    def __init__(self, params: list[nn.Parameter], group: Any, bucket_size: int, mode: str = "all-reduce",
-                 overlap: bool = False, late: Iterable[nn.Parameter] = (),
-                 scatter_by_all_reduce: bool | None = None, every_micro_batch: bool = False,
-                 grad_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group: RankGroup,
+        bucket_size: int,
+        mode: str = "all-reduce",
+        overlap: bool = False,
+        late: Iterable[nn.Parameter] = (),
+        scatter_by_all_reduce: bool | None = None,
+        every_micro_batch: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.params, self.group, self.mode, self.overlap = params, group, mode, overlap
         # Without overlap, buckets are reduced in backward only when every micro-batch needs it
         # (a reduction waited for in a hook stalls backward); otherwise all at once in finish().
         self.every_micro_batch = every_micro_batch or mode == "reduce-scatter-shard"
-        self.size, self.rank = comm.group_size(group), comm.group_rank(group)
+        self.size, self.rank = group.size, group.rank
         self.offsets, self.buckets, self.total = plan_buckets(params, late, bucket_size, self.size)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         first = params[0]
@@ -117,31 +128,37 @@ class GradientReducer:
         # on 2 ranks: 30 vs 12 ms), where NCCL's moves half an all-reduce's bytes: on gloo a
         # bucket is all-reduced and this rank keeps its shard of the result
         if scatter_by_all_reduce is None:
-            scatter_by_all_reduce = self.size > 1 and dist.get_backend(group) == "gloo"
+            scatter_by_all_reduce = self.size > 1 and dist.get_backend(group.process_group) == "gloo"
         self.scatter_by_all_reduce = scatter_by_all_reduce and mode != "all-reduce"
         self.partial = partial_grad_groups(params)
+        self._main_grads: dict[int, torch.Tensor] = {}
         if mode == "reduce-scatter-shard":
             self.grad_buffer = None
             self.grad_shard = torch.zeros(self.total // self.size, dtype=self.dtype, device=self.device)
         else:
             self.grad_buffer = torch.zeros(self.total, dtype=self.dtype, device=self.device)
             for b in self.buckets:
-                b.buffer = self.grad_buffer[b.start:b.end]
+                b.buffer = self.grad_buffer[b.start : b.end]
             for p in params:
-                p.main_grad = self.view(self.grad_buffer, p)
-                p.grad = None if self.separate else p.main_grad
+                self._main_grads[id(p)] = self.view(self.grad_buffer, p)
+                p.grad = None if self.separate else self._main_grads[id(p)]
         # (a deferred weight gradient is reported by the pipeline's W operation instead, see
         # pipeline/zero_bubble.py; autograd's hook would fire in B, before it exists)
-        self._hooks = [p.register_post_accumulate_grad_hook(self.grad_ready) for p in params
-                       if not getattr(p, "grad_deferred", False)]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self.grad_ready) for p in params if not param_info(p).deferred_grad
+        ]
         self.reset()
 
     # ---------------------------------------------------------------- layout helpers
 
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s fp32 gradient: its view of the persistent buffer (not at ZeRO stage 2)."""
+        return self._main_grads[id(param)]
+
     def view(self, flat: torch.Tensor, param: nn.Parameter, base: int = 0) -> torch.Tensor:
         """`param`'s place in a tensor that covers the flat space from `base`."""
         offset = self.offsets[id(param)] - base
-        return flat[offset:offset + param.numel()].view_as(param)
+        return flat[offset : offset + param.numel()].view_as(param)
 
     def local_pieces(self) -> list[tuple[nn.Parameter, int, int, int]]:
         """(param, first element, last element + 1 within the param, position in the flat space) of
@@ -188,7 +205,7 @@ class GradientReducer:
             self.view(bucket.buffer, param, bucket.start).add_(param.grad)
             param.grad = None
         elif self.separate and param.grad is not None:
-            param.main_grad.add_(param.grad)
+            self._main_grads[id(param)].add_(param.grad)
             param.grad = None
         bucket.dirty = True
         if not self.sync_enabled or bucket.late or not (self.overlap or self.every_micro_batch):
@@ -208,21 +225,19 @@ class GradientReducer:
             return
         bucket.buffer.mul_(1.0 / self.size)
         if self.mode == "all-reduce":
-            comm.COUNTS["all_reduce"] += 1
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            bucket.work = comm.all_reduce(bucket.buffer, self.group, async_op=True)
         elif self.scatter_by_all_reduce:  # this rank's shard is then read from the whole result
-            comm.COUNTS["all_reduce"] += 1
             bucket.shard_out = None
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            bucket.work = comm.all_reduce(bucket.buffer, self.group, async_op=True)
         else:
             lo, hi = bucket.shard(self.rank, self.size)
             if self.mode == "reduce-scatter":  # in place: the result lands in this rank's shard
-                bucket.shard_out = bucket.buffer[lo - bucket.start:hi - bucket.start]
+                bucket.shard_out = bucket.buffer[lo - bucket.start : hi - bucket.start]
             else:
                 bucket.shard_out = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
-            comm.COUNTS["reduce_scatter"] += 1
-            bucket.work = dist.reduce_scatter_single(bucket.shard_out, bucket.buffer, group=self.group,
-                                                     async_op=True)
+            bucket.work = dist.reduce_scatter_single(
+                bucket.shard_out, bucket.buffer, group=self.group.process_group, async_op=True
+            )
 
     def _wait(self, bucket: Bucket) -> None:
         if bucket.work is None:
@@ -238,15 +253,19 @@ class GradientReducer:
         if self.mode == "reduce-scatter":
             # the other shards still hold this rank's own sums; clear them when a later
             # micro-batch's reduction of this step would add them again
-            local = bucket.buffer[lo - bucket.start:hi - bucket.start]
+            local = bucket.buffer[lo - bucket.start : hi - bucket.start]
             if self.size > 1 and self.every_micro_batch and not self.scatter_by_all_reduce:
                 kept = local.clone()
                 bucket.buffer.zero_()
                 local.copy_(kept)
         else:
-            out = bucket.shard_out if bucket.shard_out is not None else bucket.buffer[lo - bucket.start:hi - bucket.start]
+            out = (
+                bucket.shard_out
+                if bucket.shard_out is not None
+                else bucket.buffer[lo - bucket.start : hi - bucket.start]
+            )
             position = self.shard_position(lo)
-            self.grad_shard[position:position + hi - lo].add_(out)
+            self.grad_shard[position : position + hi - lo].add_(out)
             bucket.buffer, bucket.shard_out = None, None
 
     def wait_in_flight(self) -> None:
@@ -259,8 +278,9 @@ class GradientReducer:
         """End of a step's backward: complete partial gradients, reduce what is left, wait for all."""
         for group, params in self.partial:
             buckets = [self.bucket_of[id(p)] for p in params]
-            comm.all_reduce_coalesced([self.view(b.buffer, p, b.start) for p, b in zip(params, buckets)
-                                       if b.buffer is not None], group)
+            comm.all_reduce_coalesced(
+                [self.view(b.buffer, p, b.start) for p, b in zip(params, buckets) if b.buffer is not None], group
+            )
         for b in self.buckets:
             if b.dirty and b.work is None:
                 self._launch(b)

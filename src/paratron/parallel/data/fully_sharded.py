@@ -8,71 +8,72 @@ whose forward runs one chunk of this rank's stages.
 
 FSDP2 averages gradients over the data-parallel group; gradients that are partial sums over
 another group (tensor- or pipeline-parallel copies) are completed afterwards on the local
-shards (`DataParallel._finish_sharded`), which line up because every member of such a group
+shards (`DataParallelGradients.finish`), which line up because every member of such a group
 shards a tensor of the same shape the same way.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
+from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
+from paratron.parallel.sharding import copy_info
 
 
-def shard_fully(model: GPT, group: Any, device: torch.device, root: nn.Module | None = None,
-                compute_dtype: torch.dtype = torch.float32) -> list[nn.Module]:
+def shard_fully(
+    model: GPT,
+    group: RankGroup,
+    device: torch.device,
+    root: nn.Module | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> list[nn.Module]:
     """Apply FSDP2 over `group` to this rank's part of `model` (materialized, fp32); returns the units.
     `root` is the module whose forward runs the model (default `model`; a pipeline stage's runner).
     With a 16-bit `compute_dtype` the fp32 shards are the master weights: FSDP2 gathers them in
     that type for compute and reduces gradients in fp32."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     root = model if root is None else root
-    mesh = DeviceMesh.from_group(group, device.type)
-    tags = {id(p): {k: v for k, v in p.__dict__.items() if k in _TAGS} for p in model.parameters()}
+    mesh = DeviceMesh.from_group(group.process_group, device.type)
     before = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    units: list[Any] = []
+    units: list[nn.Module] = []
     for block in model.layers:
         if block is not None:
             fully_shard(block, mesh=mesh, mp_policy=policy)
             units.append(block)
     fully_shard(root, mesh=mesh, mp_policy=policy)
     units.append(root)
-    keep_tags(list(model.modules()), tags, before)
+    for unit in model.modules():  # FSDP2 replaced each parameter with a sharded one: give it the record
+        for new, old in zip(unit.parameters(recurse=False), before[id(unit)]):
+            copy_info(old, new)
     return units
 
 
-_TAGS = ("shard", "shard_layout", "partial_grad_group", "pipeline_duplicate")
-"""The attributes parallel layers tag parameters with (see `parallel/sharding.py`)."""
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is FSDP2's sharded form (a DTensor) of a parameter, gradient or state."""
+    return isinstance(tensor, DTensor)
 
 
-def _is_sharded(tensor: Any) -> bool:
-    return hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh")
-
-
-def keep_tags(units: list[nn.Module], tags: dict[int, dict[str, Any]], before: dict[int, list[nn.Parameter]]) -> None:
-    """FSDP2 replaces each parameter with a sharded one; give it the old one's tags (`shard`, ...)."""
-    for unit in units:
-        for new, old in zip(unit.parameters(recurse=False), before[id(unit)]):
-            new.__dict__.update(tags[id(old)])
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2's sharded tensors), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def full_parameter(param: torch.Tensor) -> torch.Tensor:
     """The whole (tensor-parallel-local) tensor of a parameter; collective over the data-parallel
     group when the parameter is FSDP-sharded."""
-    return param.full_tensor() if _is_sharded(param) else param  # type: ignore[attr-defined]
+    return param.full_tensor() if is_sharded(param) else param  # type: ignore[attr-defined]
 
 
 @torch.no_grad()
 def assign_full(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set a parameter from its whole (tensor-parallel-local) value; an FSDP-sharded one keeps
     its chunk of dim 0 (FSDP2 shards as `torch.chunk` does)."""
-    if not _is_sharded(param):
+    if not is_sharded(param):
         param.copy_(value)
         return
     local = param.to_local()  # type: ignore[attr-defined]

@@ -27,21 +27,20 @@ optimizer state), no collectives, no allocation, safe to call at any point of a 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
+
+from paratron.parallel.data.fully_sharded import local_tensor
+from paratron.parallel.model import ParallelModel
 
 CATEGORIES = ("parameters", "gradients", "master", "optimizer_state")
 
 PAPER_WIDTHS = {"parameters": 2, "gradients": 2, "master": 4, "optimizer_state": 4}
 """Bytes per element in the ZeRO paper's mixed-precision Adam: fp16 parameters and gradients, fp32
 master weights, and two fp32 moments per parameter (8 bytes per parameter = 2 state elements x 4)."""
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP2's sharded parameters, gradients and state), or the tensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class _Ledger:
@@ -55,7 +54,7 @@ class _Ledger:
         for tensor in tensors:
             if tensor is None:
                 continue
-            local = _local(tensor.detach())
+            local = local_tensor(tensor.detach())
             storage = local.untyped_storage()
             new = storage.nbytes() > 0 and storage.data_ptr() not in self._seen
             if new:
@@ -73,8 +72,9 @@ def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
 @torch.no_grad()
 def training_state_elements(model: nn.Module, optimizer: Any | None = None) -> dict[str, Any]:
     """This rank's training state: {category: {"elements", "bytes"}} for `CATEGORIES`, and
-    "total_bytes". `model` is a `DataParallel` (or any module); `optimizer` the one built for it
-    (`paratron.optim.build.build_optimizer`), or None before it exists.
+    "total_bytes". `model` is what `parallelize` returned (or any module); `optimizer` the one
+    built for it (`paratron.optim.build.build_optimizer`, or any torch optimizer), or None before
+    it exists.
 
     parameters: the flat parameter buffer under ZeRO 1/2 (padding included), FSDP2's local shards
     under ZeRO 3, the parameters otherwise. gradients: the reducer's full buffer (DDP, ZeRO 1) or
@@ -83,11 +83,13 @@ def training_state_elements(model: nn.Module, optimizer: Any | None = None) -> d
     copies of 16-bit ones). optimizer_state: every tensor in `optimizer.state` but the `step` counters."""
     ledger = _Ledger()
     params = list(model.parameters())
-    buffer = getattr(model, "param_buffer", None)
+    parallel = model if isinstance(model, ParallelModel) else None
+    flat = parallel.flat_parameters if parallel is not None else None
+    buffer = flat.buffer if flat is not None else None
     ledger.add("parameters", [buffer])
     ledger.add("parameters", params, primary=buffer is None)
 
-    reducer = getattr(model, "reducer", None)
+    reducer = parallel.gradients.reducer if parallel is not None else None
     if reducer is not None:
         ledger.add("gradients", [reducer.grad_buffer if reducer.grad_buffer is not None else reducer.grad_shard])
         ledger.add("gradients", [t for b in reducer.buckets for t in (b.buffer, b.shard_out)], primary=False)
@@ -97,8 +99,15 @@ def training_state_elements(model: nn.Module, optimizer: Any | None = None) -> d
         masters = _optimizer_params(optimizer)
         ledger.add("master", masters)
         ledger.add("gradients", [m.grad for m in masters], primary=False)
-        ledger.add("optimizer_state", [value for state in optimizer.state.values() for name, value in state.items()
-                                       if name != "step" and isinstance(value, torch.Tensor)])
+        ledger.add(
+            "optimizer_state",
+            [
+                value
+                for state in optimizer.state.values()
+                for name, value in state.items()
+                if name != "step" and isinstance(value, torch.Tensor)
+            ],
+        )
     report: dict[str, Any] = dict(ledger.counts)
     report["total_bytes"] = sum(c["bytes"] for c in ledger.counts.values())
     return report
@@ -117,6 +126,7 @@ def zero_formula(stage: int, psi: int, size: int, precision: str = "mixed") -> f
     Adam: "mixed" is the paper's (16 psi, 4 psi + 12 psi/N, 2 psi + 14 psi/N, 16 psi/N); "fp32" is
     paratron's fp32 training, whose master weights alias the parameters (16 psi, 8 psi + 8 psi/N,
     4 psi + 12 psi/N, 16 psi/N)."""
-    whole, shared = {"mixed": ((16, 0), (4, 12), (2, 14), (0, 16)),
-                     "fp32": ((16, 0), (8, 8), (4, 12), (0, 16))}[precision][stage]
+    whole, shared = {"mixed": ((16, 0), (4, 12), (2, 14), (0, 16)), "fp32": ((16, 0), (8, 8), (4, 12), (0, 16))}[
+        precision
+    ][stage]
     return whole * psi + shared * psi / size

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from paratron.parallel.pipeline.schedules import Span
 
@@ -22,7 +22,7 @@ _LABEL_PX_PER_CHAR = 6.0  # a box narrower than its label's characters times thi
 def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
     """Chunk 0 in the full colour, later chunks mixed with more white, so chunks stay apart
     while the kind stays recognisable."""
-    from matplotlib.colors import to_rgb
+    from matplotlib.colors import to_rgb  # (lazy for start-up speed, as in draw_timeline)
 
     if chunks <= 1:
         return to_rgb(colour)
@@ -44,6 +44,7 @@ def _replace_atomically(path: Path, write: Callable[[Path], object]) -> Path:
 
 def draw_timeline(spans: list[list[Span]], path: Path, title: str, unit: str = "") -> Path:
     """Draw one row per rank (rank 0 on top) with a box per operation; write a PNG to `path`."""
+    # (matplotlib is imported lazily, for start-up speed: most runs never draw)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -70,11 +71,23 @@ def draw_timeline(spans: list[list[Span]], path: Path, title: str, unit: str = "
             groups.setdefault((action.kind, action.chunk), []).append((start, end - start))
             label = str(action.microbatch)
             if (end - start) * px_per_unit >= _LABEL_PX_PER_CHAR * len(label) + 2:
-                ax.text((start + end) / 2, rank, label, ha="center", va="center", fontsize=7,
-                        color="white" if action.chunk == 0 or chunks == 1 else "black")
+                ax.text(
+                    (start + end) / 2,
+                    rank,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if action.chunk == 0 or chunks == 1 else "black",
+                )
         for (kind, chunk), boxes in groups.items():
-            ax.broken_barh(boxes, (rank - 0.4, 0.8), facecolors=_shade(_COLOURS.get(kind, "grey"), chunk, chunks),
-                           edgecolors="white", linewidth=0.5)
+            ax.broken_barh(
+                boxes,
+                (rank - 0.4, 0.8),
+                facecolors=_shade(_COLOURS.get(kind, "grey"), chunk, chunks),
+                edgecolors="white",
+                linewidth=0.5,
+            )
             present.add((kind, chunk))
 
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
@@ -97,11 +110,21 @@ def write_chrome_trace(path: Path, spans_per_rank: dict[int, list[Span]]) -> Pat
     for Perfetto or chrome://tracing."""
     events: list[dict] = []
     for rank in sorted(spans_per_rank):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
-                       "args": {"name": f"pipeline rank {rank}"}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"pipeline rank {rank}"}}
+        )
         for action, start, end in spans_per_rank[rank]:
-            events.append({"name": str(action), "cat": action.kind, "ph": "X", "pid": 0, "tid": rank,
-                           "ts": start * 1000.0, "dur": (end - start) * 1000.0,
-                           "args": {"microbatch": action.microbatch, "chunk": action.chunk}})
+            events.append(
+                {
+                    "name": str(action),
+                    "cat": action.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": start * 1000.0,
+                    "dur": (end - start) * 1000.0,
+                    "args": {"microbatch": action.microbatch, "chunk": action.chunk},
+                }
+            )
     text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
     return _replace_atomically(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))

@@ -8,29 +8,47 @@ its tensor is needed. Activations and gradients travel in separate process group
 messages of each kind between two ranks arrive in the order they were sent, whatever the
 schedule interleaves (with two ranks and virtual stages both kinds flow both ways).
 
-Shapes are known ahead (micro-batch x sequence (shard) x hidden); with variable sequence
-lengths each message is preceded by its shape.
+Shapes are known ahead (micro-batch x sequence (shard) x hidden, `message_shape`); with
+variable sequence lengths each message is preceded by its shape.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
+
+from paratron.distributed.topology import RankGroup
 
 ACTIVATION, GRADIENT = "activation", "gradient"
 _HEADER = 9  # a shape message: number of dimensions (at most 8), then the sizes
 
 
 class StageComm:
-    def __init__(self, groups: dict[str, Any], dtype: torch.dtype, device: torch.device,
-                 variable_shapes: bool = False) -> None:
-        self.groups = groups  # kind -> process group over this rank's pipeline ranks
+    """Messages between this rank's pipeline stages and their neighbours. `groups` holds a group
+    over this rank's pipeline ranks for each kind of message; `hidden_size` and `sequence_divisor`
+    (the tensor-parallel size under sequence parallelism) give the messages' shape."""
+
+    def __init__(
+        self,
+        groups: dict[str, RankGroup],
+        dtype: torch.dtype,
+        device: torch.device,
+        hidden_size: int,
+        sequence_divisor: int = 1,
+        variable_shapes: bool = False,
+    ) -> None:
+        self.ranks = list(groups[ACTIVATION].ranks)  # global rank of every pipeline rank
+        self.groups = {kind: group.process_group for kind, group in groups.items()}
         self.dtype, self.device = dtype, device
+        self.hidden_size, self.sequence_divisor = hidden_size, sequence_divisor
         self.variable_shapes = variable_shapes
         self._queued: list[dist.P2POp] = []
         self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def message_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
+        """The shape of the activations (and their gradients) of micro-batch `tokens`."""
+        batch, length = tokens.shape
+        return (batch, length // self.sequence_divisor, self.hidden_size)
 
     def send(self, tensor: torch.Tensor, peer: int, kind: str) -> None:
         """Queue `tensor` for `peer` (a global rank); it leaves with the next exchange."""
@@ -41,7 +59,7 @@ class StageComm:
             self._queued.append(dist.P2POp(dist.isend, shape, peer, self.groups[kind]))
         self._queued.append(dist.P2POp(dist.isend, tensor, peer, self.groups[kind]))
 
-    def post_receive(self, shape: tuple[int, ...], peer: int, kind: str) -> "PendingReceive":
+    def post_receive(self, shape: tuple[int, ...], peer: int, kind: str) -> PendingReceive:
         """Post the queued sends and a receive without waiting for it, so the transfer overlaps
         whatever this rank computes before it needs the tensor. (With variable shapes the shape
         message is waited for first.)"""

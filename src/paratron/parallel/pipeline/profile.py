@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from paratron.distributed.topology import RankGroup
 from paratron.parallel.pipeline.draw import draw_timeline, write_chrome_trace
 from paratron.parallel.pipeline.schedules import Span
 
@@ -26,13 +27,14 @@ def measured_bubble(spans: list[list[Span]]) -> float:
     return 1.0 - busy / (len(spans) * (end - start))
 
 
-def save_profile(spans: list[Span], run_dir: Path, pp_rank: int, pp_group: Any, main: bool,
-                 title: str) -> tuple[float, list[Path]] | None:
+def save_profile(
+    spans: list[Span], run_dir: Path, pp_rank: int, pp_group: RankGroup, main: bool, title: str
+) -> tuple[float, list[Path]] | None:
     """Write this rank's trace; on the main rank also the timeline. Collective over `pp_group`
     (the first replica's pipeline ranks). Returns (measured bubble, files) on the main rank."""
     trace = write_chrome_trace(run_dir / f"pipeline-trace-rank{pp_rank}.json", {pp_rank: spans})
-    everyone: list[Any] = [None] * dist.get_world_size(pp_group)
-    dist.gather_object(spans, everyone if main else None, dst=0, group=pp_group)
+    everyone: list[Any] = [None] * pp_group.size
+    dist.gather_object(spans, everyone if main else None, dst=0, group=pp_group.process_group)
     if not main:
         return None
     png = draw_timeline(everyone, run_dir / "pipeline-timeline.png", title, unit="ms")

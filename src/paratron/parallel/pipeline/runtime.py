@@ -12,15 +12,20 @@ that operation's sends, and waited for only when the tensor is needed.
 
 Every micro-batch's loss is divided by the number of micro-batches, so the gradients that
 accumulate in the parameters' buffers are those of the mean loss, as without pipelining.
+The gradient synchronizer of data parallelism is given at construction: it is told before
+each backward operation whether it is the step's last for its chunk, and of every weight
+gradient a W operation completes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
+from torch import nn
 from torch.autograd import Variable
 
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, PendingReceive, StageComm
@@ -31,20 +36,31 @@ from paratron.parallel.pipeline.zero_bubble import WeightGradStore
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+class GradientSync(Protocol):
+    """What the pipeline tells data parallelism (`parallel.data.DataParallelGradients`)."""
+
+    def require_sync(self, enabled: bool) -> None: ...
+
+    def grad_ready(self, param: nn.Parameter) -> None: ...
+
+
 class PipelineRuntime:
-    def __init__(self, runner: StageRunner, schedule: Schedule, comm: StageComm, pp_ranks: list[int],
-                 loss_function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 hidden_size: int, sequence_divisor: int = 1, store: WeightGradStore | None = None,
-                 synchronize: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        runner: StageRunner,
+        schedule: Schedule,
+        comm: StageComm,
+        loss_function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        gradients: GradientSync,
+        store: WeightGradStore | None = None,
+        synchronize: Callable[[], None] = lambda: None,
+    ) -> None:
         self.runner, self.schedule, self.comm = runner, schedule, comm
-        self.pp_ranks = pp_ranks  # global rank of every pipeline rank
+        self.pp_ranks = comm.ranks  # global rank of every pipeline rank
         self.rank = runner.layout.rank
         self.loss_function = loss_function
-        self.hidden_size = hidden_size
-        self.sequence_divisor = sequence_divisor  # tensor-parallel size under sequence parallelism
+        self.gradients = gradients
         self.store = store
-        self.grad_sync: Callable[[bool], None] | None = None
-        """Told before each backward operation whether it is the step's last for its chunk."""
         self.synchronize = synchronize  # device sync, for honest operation times when profiling
         self.record = False
         self.spans: list[Span] = []
@@ -57,11 +73,7 @@ class PipelineRuntime:
         rank, _ = self.schedule.place(self.runner.layout.stage(chunk) + offset)
         return self.pp_ranks[rank]
 
-    def _shape(self, inputs: torch.Tensor) -> tuple[int, ...]:
-        batch, length = inputs.shape
-        return (batch, length // self.sequence_divisor, self.hidden_size)
-
-    def train_step(self, batches: list[Batch], backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch], backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
         """Run the schedule over `batches` (every rank is given all of them); gradients accumulate
         in the parameters. Returns the mean loss on the last stage's rank, zero elsewhere.
         `backward(loss)` starts backward from a loss (it may scale it first)."""
@@ -97,8 +109,7 @@ class PipelineRuntime:
                 inputs[key] = None if first else x
                 self.peak_live = max(self.peak_live, len(outputs))
             elif action.kind == "B":
-                if self.grad_sync is not None:
-                    self.grad_sync(action.microbatch == count - 1)
+                self.gradients.require_sync(action.microbatch == count - 1)
                 out = outputs.pop(key)
                 grad = None if incoming is None else incoming.wait()
                 begin = self._now(origin)
@@ -111,11 +122,10 @@ class PipelineRuntime:
                 if x is not None:
                     self._send(x.grad, action, -1, GRADIENT)
             else:
-                if self.grad_sync is not None:
-                    self.grad_sync(action.microbatch == count - 1)
+                self.gradients.require_sync(action.microbatch == count - 1)
                 begin = self._now(origin)
                 if self.store is not None:  # (without one, B computed the weight gradients)
-                    self.store.run(key)
+                    self.store.run(key, self.gradients.grad_ready)
             if self.record:
                 self.spans.append((action, begin, self._now(origin)))
             # this operation's sends leave now, with the next operation's receive
@@ -156,7 +166,7 @@ class PipelineRuntime:
         if need is None or peer == self.pp_ranks[self.rank]:
             self.comm.flush()
             return None if need is None else _Handed(self._local, (need[1], action.microbatch, stage))
-        return self.comm.post_receive(self._shape(tokens), peer, need[1])
+        return self.comm.post_receive(self.comm.message_shape(tokens), peer, need[1])
 
     def _send(self, tensor: torch.Tensor, action: Action, offset: int, kind: str) -> None:
         """To the neighbouring stage: through the network, or by hand when this rank runs it too
@@ -184,8 +194,14 @@ def _backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
     """Backward from an output whose values were freed: the engine is called directly, since
     `Tensor.backward` would compare the gradient's shape with the emptied tensor's."""
     Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
-        (output,), (grad,), keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
-        accumulate_grad=True)
+        (output,),
+        (grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 class _Handed:

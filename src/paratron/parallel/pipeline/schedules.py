@@ -20,8 +20,11 @@ soon as they are produced.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
+
+from paratron.config.layout import check_schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
@@ -66,8 +69,9 @@ class Schedule:
 
     def __str__(self) -> str:
         width = max(len(str(a)) for actions in self.ranks for a in actions)
-        return "\n".join(f"rank {r}: " + " ".join(f"{str(a):<{width}}" for a in actions)
-                         for r, actions in enumerate(self.ranks))
+        return "\n".join(
+            f"rank {r}: " + " ".join(f"{str(a):<{width}}" for a in actions) for r, actions in enumerate(self.ranks)
+        )
 
 
 def stage_of(rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
@@ -82,18 +86,11 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Sc
     chunks per rank (`chunks` 1 is taken to mean that)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if pp < 1 or microbatches < 1 or chunks < 1:
-        raise ValueError("pipeline size, micro-batches and chunks must be positive")
+    check_schedule(name, pp, microbatches, chunks)
     if name == "zb-v":
-        if chunks not in (1, 2):
-            raise ValueError("the zb-v schedule runs exactly two chunks per rank")
-        return Schedule(name, pp, microbatches, 2, split_backward=True, ranks=_zero_bubble_v(pp, microbatches),
-                        v_shape=True)
-    if name != "interleaved" and chunks != 1:
-        raise ValueError(f"the {name} schedule runs one model chunk per rank; virtual stages need 'interleaved'")
-    if name == "interleaved" and microbatches % pp:
-        raise ValueError(f"the interleaved schedule needs a number of micro-batches ({microbatches}) "
-                         f"divisible by the pipeline size ({pp})")
+        return Schedule(
+            name, pp, microbatches, 2, split_backward=True, ranks=_zero_bubble_v(pp, microbatches), v_shape=True
+        )
     schedule = Schedule(name, pp, microbatches, chunks, split_backward=name == "zb-h1")
     if name == "zb-h1":
         schedule.ranks = _zero_bubble_h1(pp, microbatches)
@@ -174,15 +171,19 @@ def _zero_bubble_v(pp: int, m: int) -> list[list[Action]]:
         deferred = sum(c[("B", chunk)] - c[("W", chunk)] for chunk in (0, 1))
         found = [("B", c[("B", chunk)], chunk, 0) for chunk in (1, 0) if c[("B", chunk)] < c[("F", chunk)]]
         found += [("F", c[("F", chunk)], chunk, 1) for chunk in (1, 0) if c[("F", chunk)] < m and held < 2 * pp]
-        found += [("W", c[("W", chunk)], chunk, 2 if deferred <= pp else -1)
-                  for chunk in (1, 0) if c[("W", chunk)] < c[("B", chunk)]]
+        found += [
+            ("W", c[("W", chunk)], chunk, 2 if deferred <= pp else -1)
+            for chunk in (1, 0)
+            if c[("W", chunk)] < c[("B", chunk)]
+        ]
         return found
 
     return _simulated_order(pp, m, chunks=2, v_shape=True, cost=0.5, options=options)
 
 
-def _simulated_order(pp: int, m: int, chunks: int, v_shape: bool, cost: float,
-                     options: Callable[[int, Counts], list[Option]]) -> list[list[Action]]:
+def _simulated_order(
+    pp: int, m: int, chunks: int, v_shape: bool, cost: float, options: Callable[[int, Counts], list[Option]]
+) -> list[list[Action]]:
     """Every rank's operation list, built by simulating the pipeline (each operation `cost` long):
     repeatedly, of the operations `options` offers each rank, the one that can start first runs
     (ties: lower priority number, then lower rank)."""
@@ -250,8 +251,7 @@ def default_costs(schedule: Schedule) -> dict[str, float]:
     return {"F": scale, "B": 2 * scale, "W": 0.0}
 
 
-def simulate(schedule: Schedule, costs: dict[str, float] | None = None,
-             p2p_latency: float = 0.0) -> Timeline:
+def simulate(schedule: Schedule, costs: dict[str, float] | None = None, p2p_latency: float = 0.0) -> Timeline:
     """Run every rank's list in order, each operation as early as its inputs allow (sends never
     block, receives wait). Raises ValueError if the lists deadlock or miss an operation."""
     costs = costs or default_costs(schedule)
@@ -287,8 +287,11 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None,
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = ", ".join(f"rank {r} at {schedule.ranks[r][position[r]]}"
-                              for r in range(schedule.pp) if position[r] < len(schedule.ranks[r]))
+            stuck = ", ".join(
+                f"rank {r} at {schedule.ranks[r][position[r]]}"
+                for r in range(schedule.pp)
+                if position[r] < len(schedule.ranks[r])
+            )
             raise ValueError(f"schedule {schedule.name} deadlocks: {stuck}")
     return Timeline(spans, max(clock))
 
@@ -296,8 +299,9 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None,
 def _check_complete(schedule: Schedule) -> None:
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     for rank, actions in enumerate(schedule.ranks):
-        expected = sorted((k, m, c) for k in kinds for m in range(schedule.microbatches)
-                          for c in range(schedule.chunks))
+        expected = sorted(
+            (k, m, c) for k in kinds for m in range(schedule.microbatches) for c in range(schedule.chunks)
+        )
         got = sorted((a.kind, a.microbatch, a.chunk) for a in actions)
         if got != expected:
             raise ValueError(f"schedule {schedule.name}: rank {rank} does not run every operation exactly once")

@@ -1,24 +1,26 @@
 """Splitting a backward pass into input gradients (B) and weight gradients (W).
 
 Zero-bubble schedules run B as soon as possible, because the previous stage waits for its
-result, and W later, where the rank would otherwise idle. The linear layers of the
-transformer blocks (nearly all of a block's weight-gradient work) are switched to a linear
-whose backward returns only the input gradient while a `WeightGradStore` is capturing; it
-stores the layer input and output gradient instead, and W computes grad_W = g^T x from them.
-All other parameters (norms, embeddings, the output layer, tensor-parallel layers) get
-their gradients in B, as usual.
+result, and W later, where the rank would otherwise idle. The plain linear layers of the
+transformer blocks (nearly all of a block's weight-gradient work) are swapped for a
+`DeferringLinear` (same parameters, same names) whose backward returns only the input
+gradient while a `WeightGradStore` is capturing; it stores the layer input and output
+gradient instead, and W computes grad_W = g^T x from them. All other parameters (norms,
+embeddings, the output layer, tensor-parallel layers) get their gradients in B, as usual.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratron.parallel.tensor.layers import _compute_dtype
+from paratron.parallel.sharding import update_info
+from paratron.parallel.tensor.layers import compute_dtype
 
 
 class WeightGradStore:
@@ -26,7 +28,6 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self._capturing: Any = None
-        self.on_accumulated: Any = None  # called with each parameter whose gradient W completed
         self._pending: dict[Any, list[tuple[nn.Parameter, nn.Parameter | None, torch.Tensor, torch.Tensor]]] = {}
 
     @contextlib.contextmanager
@@ -46,17 +47,17 @@ class WeightGradStore:
         return True
 
     @torch.no_grad()
-    def run(self, key: Any) -> None:
-        """Compute and accumulate the weight gradients deferred under `key` (the W operation)."""
+    def run(self, key: Any, accumulated: Callable[[nn.Parameter], None]) -> None:
+        """Compute and accumulate the weight gradients deferred under `key` (the W operation);
+        `accumulated(param)` is told of each gradient completed (autograd's hook fired in B,
+        before it existed)."""
         for weight, bias, x, grad in self._pending.pop(key, []):
             flat_grad = grad.reshape(-1, grad.size(-1))
             _accumulate(weight, flat_grad.t().matmul(x.reshape(-1, x.size(-1))))
+            accumulated(weight)
             if bias is not None:
                 _accumulate(bias, flat_grad.sum(0))
-            if self.on_accumulated is not None:
-                self.on_accumulated(weight)
-                if bias is not None:
-                    self.on_accumulated(bias)
+                accumulated(bias)
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -70,7 +71,7 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, store):
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         x_c, w_c = x.to(dtype), weight.to(dtype)
         b_c = bias.to(dtype) if bias is not None else None
         with torch.autocast(x.device.type, enabled=False):
@@ -92,17 +93,26 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
+class DeferringLinear(nn.Module):
+    """An `nn.Linear`'s parameters (the same objects, under the same names) with a backward whose
+    weight gradients `store` may defer to the W operation."""
+
+    def __init__(self, linear: nn.Linear, store: WeightGradStore) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.store = store
+        for param in (self.weight, self.bias):
+            if param is not None:
+                update_info(param, deferred_grad=True)  # W, not autograd, completes its gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DeferrableLinear.apply(x, self.weight, self.bias, self.store)
+
+
 def defer_weight_gradients(blocks: list[nn.Module], store: WeightGradStore) -> None:
-    """Make the plain `nn.Linear` layers inside `blocks` deferrable."""
+    """Swap the plain `nn.Linear` layers inside `blocks` for `DeferringLinear`s over `store`."""
     for block in blocks:
-        for module in block.modules():
-            if type(module) is nn.Linear:
-                for param in module.parameters():
-                    param.grad_deferred = True  # type: ignore[attr-defined]  # W, not autograd, completes it
-                module.forward = _deferrable_forward(module, store)  # type: ignore[method-assign]
-
-
-def _deferrable_forward(linear: nn.Linear, store: WeightGradStore):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return _DeferrableLinear.apply(x, linear.weight, linear.bias, store)
-    return forward
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, DeferringLinear(child, store))

@@ -13,6 +13,14 @@ from paratron.parallel.tensor.layers import (
     padded_vocab_size,
 )
 
-__all__ = ["apply_tensor_parallel", "vocab_parallel_cross_entropy", "ColumnParallelLinear",
-           "ColumnParallelProjections", "RowParallelLinear",
-           "TPContext", "VocabParallelEmbedding", "VocabParallelOutput", "padded_vocab_size"]
+__all__ = [
+    "apply_tensor_parallel",
+    "vocab_parallel_cross_entropy",
+    "ColumnParallelLinear",
+    "ColumnParallelProjections",
+    "RowParallelLinear",
+    "TPContext",
+    "VocabParallelEmbedding",
+    "VocabParallelOutput",
+    "padded_vocab_size",
+]

@@ -15,11 +15,10 @@ Works on a model on the meta device, before its weights exist.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from paratron.distributed.rng import TENSOR_PARALLEL, Forked, RNGStates
+from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
 from paratron.parallel.sharding import set_partial_grad
 from paratron.parallel.tensor.layers import (
@@ -32,8 +31,9 @@ from paratron.parallel.tensor.layers import (
 )
 
 
-def apply_tensor_parallel(model: GPT, tp: TPContext, rng: RNGStates | None, divisible_by: int,
-                          kv_replica_group: Any = None) -> GPT:
+def apply_tensor_parallel(
+    model: GPT, tp: TPContext, rng: RNGStates | None, divisible_by: int, kv_replica_group: RankGroup | None = None
+) -> GPT:
     """Replace `model`'s layers in place by their tensor-parallel twins; returns the model."""
     config = model.config
     head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads

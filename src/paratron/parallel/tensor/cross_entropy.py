@@ -8,12 +8,11 @@ needs no communication.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from paratron.distributed import comm
+from paratron.distributed.topology import RankGroup
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -46,7 +45,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.unsqueeze(-1), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                                 group: Any) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: RankGroup
+) -> torch.Tensor:
     """Per-token loss [..] from logits [.., vocab slice] whose first column is vocabulary id `vocab_start`."""
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group)

@@ -15,28 +15,31 @@ Parameters keep the names of the layers they replace and carry a `Shard` tag (se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paratron.distributed import comm
+from paratron.distributed.topology import RankGroup
 from paratron.parallel.sharding import Shard, set_partial_grad, set_shard
 
 
 @dataclass(frozen=True)
 class TPContext:
-    """Where this rank sits in its tensor-parallel group (group None: shapes only, no communication)."""
+    """Where this rank sits in its tensor-parallel group. Without a group (None) only shapes and
+    slices are worked out (planning on the meta device): nothing can be communicated."""
 
     size: int
     rank: int
-    group: Any = None
+    group: RankGroup | None = None
     sequence_parallel: bool = False
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The type a matmul of `x` runs in: autocast's when it is on, else x's own."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
@@ -54,7 +57,7 @@ class _ColumnParallelMatmuls(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, sequence_parallel, *weights_and_biases):
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         local = x.to(dtype)
         total = comm.all_gather(local, 1, group) if sequence_parallel else local
         weights = [w.to(dtype) for w in weights_and_biases[0::2]]
@@ -71,11 +74,14 @@ class _ColumnParallelMatmuls(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         local, *weights = ctx.saved_tensors
-        total, gather = comm.all_gather(local, 1, ctx.group, async_op=True) if ctx.sequence_parallel \
-            else (local, None)
+        total, gather = comm.all_gather(local, 1, ctx.group, async_op=True) if ctx.sequence_parallel else (local, None)
         reference = next(g for g in grad_outputs if g is not None)
-        grads = [torch.zeros_like(reference[..., :1]).expand(*reference.shape[:-1], w.size(0)) if g is None
-                 else g.contiguous() for g, w in zip(grad_outputs, weights)]
+        grads = [
+            torch.zeros_like(reference[..., :1]).expand(*reference.shape[:-1], w.size(0))
+            if g is None
+            else g.contiguous()
+            for g, w in zip(grad_outputs, weights)
+        ]
         grad_input = sum(g.matmul(w) for g, w in zip(grads, weights))
         if gather is not None:
             gather.wait()
@@ -112,8 +118,15 @@ def _layout(tp: TPContext, shard_of_rank: Callable[[TPContext], Shard]) -> tuple
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, rows: int, bias: bool, tp: TPContext, layout: tuple[Shard, ...],
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        rows: int,
+        bias: bool,
+        tp: TPContext,
+        layout: tuple[Shard, ...],
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(rows, in_features, device=device))
@@ -123,11 +136,13 @@ class ColumnParallelLinear(nn.Module):
             set_shard(self.bias, layout, tp.rank)  # dimension 0 of both
 
     @classmethod
-    def split(cls, linear: nn.Linear, tp: TPContext, rows_per_unit: int = 1, units: int | None = None
-              ) -> "ColumnParallelLinear":
+    def split(
+        cls, linear: nn.Linear, tp: TPContext, rows_per_unit: int = 1, units: int | None = None
+    ) -> ColumnParallelLinear:
         layout = _layout(tp, lambda t: _column_shard(linear.out_features, t, rows_per_unit, units))
-        return cls(linear.in_features, layout[tp.rank].length, linear.bias is not None, tp, layout,
-                   linear.weight.device)
+        return cls(
+            linear.in_features, layout[tp.rank].length, linear.bias is not None, tp, layout, linear.weight.device
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.group is None:
@@ -142,8 +157,12 @@ class ColumnParallelProjections(nn.ModuleDict):
 
     def __init__(self, projections: nn.ModuleDict, tp: TPContext, units: dict[str, tuple[int, int]]) -> None:
         """`units[name]` = (rows per unit, number of units) for each projection (e.g. heads)."""
-        super().__init__({name: ColumnParallelLinear.split(linear, tp, *units.get(name, (1, None)))
-                          for name, linear in projections.items()})
+        super().__init__(
+            {
+                name: ColumnParallelLinear.split(linear, tp, *units.get(name, (1, None)))
+                for name, linear in projections.items()
+            }
+        )
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -161,8 +180,9 @@ class RowParallelLinear(nn.Module):
         device = linear.weight.device
         self.weight = nn.Parameter(torch.empty(linear.out_features, per_rank, device=device))
         self.bias = nn.Parameter(torch.empty(linear.out_features, device=device)) if linear.bias is not None else None
-        set_shard(self.weight, _layout(tp, lambda t: Shard(1, t.rank * per_rank, per_rank, linear.in_features)),
-                  tp.rank)
+        set_shard(
+            self.weight, _layout(tp, lambda t: Shard(1, t.rank * per_rank, per_rank, linear.in_features)), tp.rank
+        )
         if self.bias is not None and tp.sequence_parallel:
             set_partial_grad(self.bias, tp.group)  # added on a sequence shard: each rank sees part
 

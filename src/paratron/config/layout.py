@@ -1,0 +1,202 @@
+"""The layout arithmetic of a run, in one place with no dependencies: how many data-parallel
+ranks there are, the global batch and the micro-batches each rank runs per step, and the
+pipeline plan (layers per stage, model chunks per rank, the schedule's name).
+
+`resolve_layout(config, world_size)` is called by validation, which returns its result; the
+data loader, `parallelize` and the training loop read that `Layout` instead of working the
+numbers out again. Errors are ConfigErrors that name the setting to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratron.config.fields import flag
+from paratron.config.schema import Config
+from paratron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline layout a config asks for, resolved and checked."""
+
+    counts: tuple[int, ...]
+    """Layers of each model stage (pp x chunks of them)."""
+    chunks: int
+    """Model chunks (virtual stages) per pipeline rank."""
+    schedule: str | None
+    """The schedule's name (None without pipeline parallelism)."""
+
+    @property
+    def ranges(self) -> list[range]:
+        """Layer numbers of every model stage."""
+        return stage_ranges(list(self.counts))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run on `world_size` ranks is laid out."""
+
+    world_size: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    global_batch_size: int
+    pipeline: PipelinePlan
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs per step."""
+        return micro_batches_per_rank(self.global_batch_size, self.micro_batch_size, self.dp)
+
+
+def micro_batches_per_rank(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
+    """A global batch is consumed as this many steps of micro_batch_size x dp samples."""
+    return global_batch_size // (micro_batch_size * dp)
+
+
+def layer_counts(num_layers: int, stages: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers of each stage: `first` and `last` (when given) for the end stages, the rest shared
+    evenly by the stages between. Raises ValueError when that cannot be done."""
+    if stages == 1:
+        return [num_layers]
+    counts: list[int | None] = [None] * stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    fixed = sum(c for c in counts if c is not None)
+    free = [i for i, c in enumerate(counts) if c is None]
+    rest = num_layers - fixed
+    if rest < 0 or (not free and rest):
+        raise ValueError(f"the first and last stage take {fixed} layers, not {num_layers}")
+    if free and rest % len(free):
+        what = f"{num_layers} layers" if not fixed else f"the {rest} layers left by the end stages"
+        raise ValueError(f"{what} do not split evenly into {len(free)} stages")
+    for i in free:
+        counts[i] = rest // len(free)
+    if min(c for c in counts if c is not None) < 1:
+        raise ValueError(f"{num_layers} layers cut into {stages} stages leave a stage without layers")
+    return [int(c) for c in counts]  # type: ignore[arg-type]
+
+
+def stage_ranges(counts: list[int]) -> list[range]:
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [range(s, s + c) for s, c in zip(starts, counts)]
+
+
+def check_schedule(name: str, pp: int, microbatches: int, chunks: int) -> None:
+    """The shape rules of the pipeline schedules; ValueError names the broken one."""
+    if pp < 1 or microbatches < 1 or chunks < 1:
+        raise ValueError("pipeline size, micro-batches and chunks must be positive")
+    if name == "zb-v":
+        if chunks not in (1, 2):
+            raise ValueError("the zb-v schedule runs exactly two chunks per rank")
+        return
+    if name != "interleaved" and chunks != 1:
+        raise ValueError(f"the {name} schedule runs one model chunk per rank; virtual stages need 'interleaved'")
+    if name == "interleaved" and microbatches % pp:
+        raise ValueError(
+            f"the interleaved schedule needs a number of micro-batches ({microbatches}) "
+            f"divisible by the pipeline size ({pp})"
+        )
+
+
+def resolve_layout(config: Config, world_size: int) -> Layout:
+    """The layout of `config` on `world_size` ranks; ConfigError names the setting to change."""
+    p, t = config.parallel, config.training
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by {flag.tensor_model_parallel_size} {tp} x "
+            f"{flag.pipeline_model_parallel_size} {pp}; use a multiple of {tp * pp} processes"
+        )
+    dp = world_size // (tp * pp)
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"{flag.global_batch_size} {t.global_batch_size} is not divisible by "
+            f"{flag.micro_batch_size} {t.micro_batch_size} x data-parallel size {dp}; use a multiple of "
+            f"{t.micro_batch_size * dp}"
+        )
+    global_batch = t.global_batch_size or t.micro_batch_size * dp
+    plan = _plan_pipeline(config, global_batch, micro_batches_per_rank(global_batch, t.micro_batch_size, dp))
+    return Layout(world_size, tp, pp, t.micro_batch_size, global_batch, plan)
+
+
+def _chunks(config: Config) -> tuple[int, str]:
+    """Model chunks per pipeline rank and the schedule's name, checked against each other."""
+    p, m = config.parallel, config.model
+    pp = p.pipeline_model_parallel_size
+    per_chunk, virtual = p.num_layers_per_virtual_pipeline_stage, p.virtual_pipeline_model_parallel_size
+    chunks = virtual or 1
+    if per_chunk is not None:
+        if per_chunk < 1 or m.num_layers % (pp * per_chunk):
+            raise ConfigError(
+                f"{flag.num_layers_per_virtual_pipeline_stage} {per_chunk} does not divide "
+                f"{flag.num_layers} {m.num_layers} into {flag.pipeline_model_parallel_size} {pp} ranks; "
+                "choose a divisor of "
+                f"{m.num_layers // pp if m.num_layers % pp == 0 else m.num_layers}"
+            )
+        chunks = m.num_layers // (pp * per_chunk)
+        if virtual is not None and virtual != chunks:
+            raise ConfigError(
+                f"{flag.virtual_pipeline_model_parallel_size} {virtual} disagrees with "
+                f"{flag.num_layers_per_virtual_pipeline_stage} {per_chunk} ({chunks} chunks); "
+                "give one of them"
+            )
+    if chunks < 1:
+        raise ConfigError(f"{flag.virtual_pipeline_model_parallel_size} {chunks}: must be at least 1")
+    schedule = p.pipeline_schedule or ("interleaved" if chunks > 1 else "1f1b")
+    if schedule == "zb-v" and pp > 1:
+        if per_chunk is not None or virtual not in (None, 2):
+            raise ConfigError(
+                f"{flag.pipeline_schedule} zb-v places two chunks per rank itself; drop "
+                f"{flag.num_layers_per_virtual_pipeline_stage} / {flag.virtual_pipeline_model_parallel_size}"
+            )
+        chunks = 2
+    if chunks > 1 and pp == 1:
+        raise ConfigError(f"virtual pipeline stages need {flag.pipeline_model_parallel_size} above 1")
+    if chunks > 1 and schedule not in ("interleaved", "zb-v"):
+        raise ConfigError(
+            f"{flag.pipeline_schedule} {schedule} runs one chunk per rank; use {flag.pipeline_schedule} "
+            "interleaved with virtual pipeline stages, or drop them"
+        )
+    if schedule == "interleaved" and chunks == 1 and pp > 1:
+        raise ConfigError(
+            f"{flag.pipeline_schedule} interleaved needs virtual stages; set "
+            f"{flag.num_layers_per_virtual_pipeline_stage} or {flag.virtual_pipeline_model_parallel_size}"
+        )
+    return chunks, schedule
+
+
+def _plan_pipeline(config: Config, global_batch: int, microbatches: int) -> PipelinePlan:
+    """Resolve the pipeline settings of `config` for `microbatches` micro-batches per step."""
+    p, m = config.parallel, config.model
+    pp = p.pipeline_model_parallel_size
+    chunks, schedule = _chunks(config)
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if chunks > 1 and (first is not None or last is not None):
+        raise ConfigError(
+            f"{flag.decoder_first_pipeline_num_layers} / {flag.decoder_last_pipeline_num_layers} "
+            "cannot be combined with virtual pipeline stages or zb-v; drop one"
+        )
+    try:
+        counts = layer_counts(m.num_layers, pp * chunks, first if pp > 1 else None, last if pp > 1 else None)
+    except ValueError as exc:
+        virtual = f" x {chunks} virtual stages" if chunks > 1 else ""
+        raise ConfigError(
+            f"{flag.num_layers} {m.num_layers} with {flag.pipeline_model_parallel_size} {pp}{virtual}: "
+            f"{exc}; choose sizes that divide the layer count, or set "
+            f"{flag.decoder_first_pipeline_num_layers} / {flag.decoder_last_pipeline_num_layers}"
+        ) from None
+    if pp == 1:
+        return PipelinePlan(tuple(counts), chunks, None)
+    try:
+        check_schedule(schedule, pp, microbatches, chunks)
+    except ValueError as exc:
+        raise ConfigError(f"{flag.global_batch_size} {global_batch}: {exc}; change the batch sizes") from None
+    return PipelinePlan(tuple(counts), chunks, schedule)

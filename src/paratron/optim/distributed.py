@@ -1,0 +1,71 @@
+"""The distributed optimizer (ZeRO stages 1 and 2): each data-parallel rank keeps the master
+weights and optimizer state of its shard of every gradient bucket, and only those.
+
+After backward the gradients are reduce-scattered (`parallel.data.buckets.GradientReducer`), so
+each rank holds the data-parallel mean of its shard; it steps that shard with an ordinary
+PyTorch optimizer over one tensor per parameter piece, writes the result into the flat
+parameter buffer, and the buckets are all-gathered back (`parallel.data.param_gather`). The
+update of every element is the one the single-device optimizer makes: AdamW works element by
+element, and weight decay follows the parameter a piece belongs to.
+
+Master weights are views into the parameter buffer when the parameters are fp32 (no copy, as
+in Megatron-LM), and fp32 copies otherwise (bf16/fp16 training); gradients are fp32 either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratron.config.schema import OptimizerConfig
+from paratron.distributed.topology import RankGroup
+from paratron.optim.master_weights import MasterWeightsOptimizer, decay_groups, make_inner_optimizer
+from paratron.optim.protocol import OptimizerPiece
+from paratron.parallel.data.param_gather import FlatParameters
+from paratron.parallel.sharding import grad_norm_weight
+
+
+class DistributedOptimizer(MasterWeightsOptimizer):
+    """The protocol over this rank's pieces of the flat parameters; its state dict holds this
+    rank's shard only (checkpoints use `pieces`, which load at any layout)."""
+
+    def __init__(self, flat: FlatParameters, config: OptimizerConfig, norm_group: RankGroup, tp_size: int) -> None:
+        self.flat, self.reducer = flat, flat.reducer
+        self._pieces: list[tuple[nn.Parameter, int, int, int]] = self.reducer.local_pieces()
+        self.masters, self.targets = [], []
+        for _, a, z, position in self._pieces:
+            view = flat.buffer[position : position + z - a]
+            # (nn.Parameter aliases the view's storage: an fp32 master is the parameter shard itself)
+            self.masters.append(nn.Parameter(view if view.dtype == torch.float32 else view.detach().float()))
+            self.targets.append(view)
+        params = [param for param, *_ in self._pieces]
+        groups = [g for g in decay_groups(params, self.masters, config.weight_decay) if g["params"]]
+        self.optimizer = make_inner_optimizer(groups or [{"params": [], "weight_decay": 0.0}], config)
+        weights = [grad_norm_weight(param, tp_size) for param in params]
+        self.norm_group = norm_group
+        self.norm_weights = torch.tensor(weights, device=self.reducer.device) if weights else None
+        self.prepare_grads()
+
+    def prepare_grads(self) -> None:
+        """Give each master its piece of the reduced gradient shard: a view when the dtypes agree,
+        an fp32 copy otherwise. Called once per step, after the reduction and before unscaling and
+        clipping (which then act on what `step` uses)."""
+        reducer = self.reducer
+        for master, (_, a, z, position) in zip(self.masters, self._pieces):
+            if reducer.grad_buffer is not None:
+                grad = reducer.grad_buffer[position : position + z - a]
+            else:
+                start = reducer.shard_position(position)
+                grad = reducer.grad_shard[start : start + z - a]
+            master.grad = grad if grad.dtype == master.dtype else grad.float()
+
+    def after_step(self) -> None:
+        """Write this rank's updated pieces into the flat buffer, then gather every rank's."""
+        self.write_back()
+        self.flat.start_gather()
+
+    def pieces(self) -> list[OptimizerPiece]:
+        return [
+            OptimizerPiece(param, a, z, master, param.dtype != master.dtype)
+            for master, (param, a, z, _) in zip(self.masters, self._pieces)
+        ]

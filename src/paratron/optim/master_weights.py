@@ -1,0 +1,196 @@
+"""Optimizers over fp32 master weights, one per way the weights are held (all follow
+`protocol.TrainingOptimizer`):
+
+- `ReplicatedOptimizer` (ZeRO stage 0): every data-parallel rank steps the whole model part.
+- `FullyShardedOptimizer` (ZeRO stage 3): each rank steps its FSDP2 shards.
+- `DistributedOptimizer` (ZeRO stages 1 and 2, `distributed.py`): each rank steps its pieces of
+  the gradient buckets.
+
+A master is the weight itself when the weights are fp32 (no copy) and an fp32 copy of 16-bit
+weights otherwise; its `.grad` is the fp32 gradient the step uses. Weight decay applies to
+matrices and embeddings, not to biases and norm weights. Checkpoints carry the master copies,
+which 16-bit weights cannot restore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # (FSDP2 shard offsets)
+
+from paratron.config.schema import OptimizerConfig
+from paratron.distributed.topology import RankGroup
+from paratron.optim.protocol import GradsForNorm, OptimizerPiece
+from paratron.parallel.data.fully_sharded import is_sharded, local_tensor
+from paratron.parallel.sharding import grad_norm_weight
+
+
+def make_inner_optimizer(groups: list[dict], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """The PyTorch optimizer that steps fp32 tensors, from parameter groups."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: tensors of two or more dims decay; biases and norm weights do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return decay_groups(params, params, weight_decay)
+
+
+def decay_groups(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], weight_decay: float) -> list[dict]:
+    """Optimizer groups of `masters`, each decaying as its parameter (of the same position) does."""
+    decay = [m for p, m in zip(params, masters) if p.dim() >= 2]
+    no_decay = [m for p, m in zip(params, masters) if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def master_of(param: torch.Tensor) -> torch.Tensor:
+    """The tensor the optimizer steps for `param`: itself when fp32, an fp32 copy otherwise."""
+    return param if param.dtype == torch.float32 else nn.Parameter(local_tensor(param).detach().float().clone())
+
+
+class MasterWeightsOptimizer:
+    """The protocol's common part. Subclasses fill `masters` (one fp32 tensor each) and `targets`
+    (where each master's value goes after a step: a 16-bit parameter or a piece of one), build
+    `optimizer` over the masters, and give `prepare_grads` and `pieces`."""
+
+    masters: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    norm_weights: torch.Tensor | None
+    norm_group: RankGroup
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def prepare_grads(self) -> None:
+        raise NotImplementedError
+
+    def pieces(self) -> list[OptimizerPiece]:
+        raise NotImplementedError
+
+    def grads_for_norm(self) -> GradsForNorm:
+        return GradsForNorm([m.grad for m in self.masters], self.norm_weights, self.norm_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the masters' gradients (as torch optimizers do). The model's gradients are zeroed by
+        the model (`ParallelModel.zero_grad`); where the masters are the weights themselves this
+        detaches them from the model's gradient buffer, which the next step reports."""
+        for master in self.masters:
+            master.grad = None
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def after_step(self) -> None:
+        self.write_back()
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Copy the masters into the model's weights (rounding to their type)."""
+        for master, target in zip(self.masters, self.targets):
+            if master.data_ptr() != target.data_ptr():
+                target.copy_(master)
+
+    def _copies(self) -> bool:
+        return any(m.data_ptr() != t.data_ptr() for m, t in zip(self.masters, self.targets))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.optimizer.state_dict()
+        if self._copies():
+            state = {**state, "master_weights": [m.detach().clone() for m in self.masters]}
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        saved = state.pop("master_weights", None)
+        self.optimizer.load_state_dict(state)
+        if saved is not None and self._copies():
+            for master, value in zip(self.masters, saved):
+                master.copy_(value)
+            self.write_back()
+
+
+def norm_weights(params: Sequence[torch.Tensor], norm_group: RankGroup, tp_size: int) -> torch.Tensor | None:
+    """Each parameter's weight in the global norm, when the norm is summed over several ranks."""
+    if norm_group.size == 1 or not params:
+        return None
+    return torch.tensor([grad_norm_weight(p, tp_size) for p in params], device=local_tensor(params[0]).device)
+
+
+class ReplicatedOptimizer(MasterWeightsOptimizer):
+    """ZeRO stage 0: the whole model part; gradients are the fp32 main gradients of data
+    parallelism (`main_grad(param)`)."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        main_grad: Callable[[nn.Parameter], torch.Tensor],
+        config: OptimizerConfig,
+        norm_group: RankGroup,
+        tp_size: int,
+    ) -> None:
+        self.targets, self._main_grad = params, main_grad
+        self.masters = [master_of(p) for p in params]
+        self.optimizer = make_inner_optimizer(decay_groups(params, self.masters, config.weight_decay), config)
+        self.norm_group, self.norm_weights = norm_group, norm_weights(params, norm_group, tp_size)
+        self.prepare_grads()
+
+    def prepare_grads(self) -> None:
+        """Point each master's gradient at its parameter's fp32 main gradient."""
+        for master, param in zip(self.masters, self.targets):
+            master.grad = self._main_grad(param)
+
+    def pieces(self) -> list[OptimizerPiece]:
+        return [OptimizerPiece(p, 0, p.numel(), m, m is not p) for p, m in zip(self.targets, self.masters)]
+
+
+class FullyShardedOptimizer(MasterWeightsOptimizer):
+    """ZeRO stage 3: FSDP2's fp32 shards are the masters and hold their reduce-scattered fp32
+    gradients. (On one data-parallel rank there is nothing to shard: 16-bit weights get fp32
+    masters whose gradients are fp32 copies of autograd's.)"""
+
+    def __init__(
+        self, params: list[nn.Parameter], config: OptimizerConfig, norm_group: RankGroup, tp_size: int
+    ) -> None:
+        self.targets = params
+        self.masters = [master_of(p) for p in params]
+        self.optimizer = make_inner_optimizer(decay_groups(params, self.masters, config.weight_decay), config)
+        self.norm_group, self.norm_weights = norm_group, norm_weights(params, norm_group, tp_size)
+
+    def prepare_grads(self) -> None:
+        for master, param in zip(self.masters, self.targets):
+            if master is not param:
+                master.grad = param.grad.float() if param.grad is not None else None
+
+    def grads_for_norm(self) -> GradsForNorm:
+        grads = [
+            local_tensor(m.grad) if m.grad is not None else torch.zeros_like(local_tensor(m)) for m in self.masters
+        ]
+        return GradsForNorm(grads, self.norm_weights, self.norm_group)
+
+    def pieces(self) -> list[OptimizerPiece]:
+        out = []
+        for param, master in zip(self.targets, self.masters):
+            local = local_tensor(param)
+            first = _rows_offset(param) if is_sharded(param) else 0
+            width = local[0].numel() if local.dim() > 0 and local.size(0) else 0
+            start = first * width if local.dim() > 0 else 0
+            out.append(OptimizerPiece(param, start, start + local.numel(), master, master is not param))
+        return out
+
+
+def _rows_offset(param: torch.Tensor) -> int:
+    """First row of an FSDP2-sharded parameter's local rows within its tensor-parallel slice."""
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return int(offset[0]) if offset else 0
