@@ -98,7 +98,7 @@ def _config(args: dict, schedule: str) -> Config:
 class TorchStage(nn.Module):
     """One model stage as `torch.distributed.pipelining` wants it: token ids (first stage) or hidden
     states in, hidden states or logits (last stage) out. It runs the single-device GPT's own
-    `embed` / `rotary_tables` / `run_layers` / `head`, the code paratron's stages run, and registers
+    `embed` / `rotary_tables` / `layers` / `head`, the code paratron's stages run, and registers
     just the pieces it uses so that its `parameters()` are exactly the stage's (torch scales
     and splits the gradients of those)."""
 
