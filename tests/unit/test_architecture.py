@@ -24,11 +24,13 @@ LAYERS = [
 """Top-level modules and subpackages, each allowed to import only from itself and earlier ones."""
 
 
-def _modules() -> dict[str, ast.Module]:
+def _modules() -> dict[str, tuple[ast.Module, list[str]]]:
+    """Every module of the package by name: its syntax tree and its lines."""
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         name = ".".join(("paratron", *path.relative_to(PACKAGE).with_suffix("").parts))
-        out[name.removesuffix(".__init__")] = ast.parse(path.read_text(encoding="utf-8"))
+        source = path.read_text(encoding="utf-8")
+        out[name.removesuffix(".__init__")] = (ast.parse(source), source.splitlines())
     return out
 
 
@@ -47,7 +49,7 @@ def _imported(node: ast.AST) -> list[str]:
 
 def test_imports_point_one_way():
     upward = []
-    for module, tree in _modules().items():
+    for module, (tree, _) in _modules().items():
         own = _layer(module)
         for node in ast.walk(tree):
             for target in _imported(node):
@@ -59,11 +61,7 @@ def test_imports_point_one_way():
 
 def test_function_level_imports_are_only_for_start_up_speed():
     hidden = []
-    for module, tree in _modules().items():
-        source_lines = (PACKAGE / Path(*module.split(".")[1:])).with_suffix(".py")
-        if not source_lines.exists():
-            source_lines = PACKAGE / Path(*module.split(".")[1:]) / "__init__.py"
-        lines = source_lines.read_text(encoding="utf-8").splitlines()
+    for module, (tree, lines) in _modules().items():
         says_so = "start-up speed" in (ast.get_docstring(tree) or "")
         for function in ast.walk(tree):
             if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -41,6 +41,7 @@ class DistributedOptimizer(MasterWeightsOptimizer):
         params = [param for param, *_ in self._pieces]
         groups = [g for g in decay_groups(params, self.masters, config.weight_decay) if g["params"]]
         self.optimizer = make_inner_optimizer(groups or [{"params": [], "weight_decay": 0.0}], config)
+        # (always weighted, even over one rank: each piece's share of the norm is summed the same way)
         weights = [grad_norm_weight(param, tp_size) for param in params]
         self.norm_group = norm_group
         self.norm_weights = torch.tensor(weights, device=self.reducer.device) if weights else None

@@ -2,6 +2,7 @@
 `protocol.TrainingOptimizer`):
 
 - `ReplicatedOptimizer` (ZeRO stage 0): every data-parallel rank steps the whole model part.
+  (It and the next share `ParameterOptimizer`: one master per parameter.)
 - `FullyShardedOptimizer` (ZeRO stage 3): each rank steps its FSDP2 shards.
 - `DistributedOptimizer` (ZeRO stages 1 and 2, `distributed.py`): each rank steps its pieces of
   the gradient buckets.
@@ -128,7 +129,30 @@ def norm_weights(params: Sequence[torch.Tensor], norm_group: RankGroup, tp_size:
     return torch.tensor([grad_norm_weight(p, tp_size) for p in params], device=local_tensor(params[0]).device)
 
 
-class ReplicatedOptimizer(MasterWeightsOptimizer):
+class ParameterOptimizer(MasterWeightsOptimizer):
+    """Masters that stand for whole parameters (or for FSDP2's shards of them): one per parameter."""
+
+    def __init__(
+        self, params: list[nn.Parameter], config: OptimizerConfig, norm_group: RankGroup, tp_size: int
+    ) -> None:
+        self.targets = params
+        self.masters = [master_of(p) for p in params]
+        self.optimizer = make_inner_optimizer(decay_groups(params, self.masters, config.weight_decay), config)
+        self.norm_group, self.norm_weights = norm_group, norm_weights(params, norm_group, tp_size)
+
+    def pieces(self) -> list[OptimizerPiece]:
+        """Each parameter whole, or an FSDP2 shard's rows of it."""
+        out = []
+        for param, master in zip(self.targets, self.masters):
+            local = local_tensor(param)
+            first = _rows_offset(param) if is_sharded(param) else 0
+            width = local[0].numel() if local.dim() > 0 and local.size(0) else 0
+            start = first * width if local.dim() > 0 else 0
+            out.append(OptimizerPiece(param, start, start + local.numel(), master, master is not param))
+        return out
+
+
+class ReplicatedOptimizer(ParameterOptimizer):
     """ZeRO stage 0: the whole model part; gradients are the fp32 main gradients of data
     parallelism (`main_grad(param)`)."""
 
@@ -140,10 +164,8 @@ class ReplicatedOptimizer(MasterWeightsOptimizer):
         norm_group: RankGroup,
         tp_size: int,
     ) -> None:
-        self.targets, self._main_grad = params, main_grad
-        self.masters = [master_of(p) for p in params]
-        self.optimizer = make_inner_optimizer(decay_groups(params, self.masters, config.weight_decay), config)
-        self.norm_group, self.norm_weights = norm_group, norm_weights(params, norm_group, tp_size)
+        super().__init__(params, config, norm_group, tp_size)
+        self._main_grad = main_grad
         self.prepare_grads()
 
     def prepare_grads(self) -> None:
@@ -151,22 +173,11 @@ class ReplicatedOptimizer(MasterWeightsOptimizer):
         for master, param in zip(self.masters, self.targets):
             master.grad = self._main_grad(param)
 
-    def pieces(self) -> list[OptimizerPiece]:
-        return [OptimizerPiece(p, 0, p.numel(), m, m is not p) for p, m in zip(self.targets, self.masters)]
 
-
-class FullyShardedOptimizer(MasterWeightsOptimizer):
+class FullyShardedOptimizer(ParameterOptimizer):
     """ZeRO stage 3: FSDP2's fp32 shards are the masters and hold their reduce-scattered fp32
     gradients. (On one data-parallel rank there is nothing to shard: 16-bit weights get fp32
     masters whose gradients are fp32 copies of autograd's.)"""
-
-    def __init__(
-        self, params: list[nn.Parameter], config: OptimizerConfig, norm_group: RankGroup, tp_size: int
-    ) -> None:
-        self.targets = params
-        self.masters = [master_of(p) for p in params]
-        self.optimizer = make_inner_optimizer(decay_groups(params, self.masters, config.weight_decay), config)
-        self.norm_group, self.norm_weights = norm_group, norm_weights(params, norm_group, tp_size)
 
     def prepare_grads(self) -> None:
         for master, param in zip(self.masters, self.targets):
@@ -178,16 +189,6 @@ class FullyShardedOptimizer(MasterWeightsOptimizer):
             local_tensor(m.grad) if m.grad is not None else torch.zeros_like(local_tensor(m)) for m in self.masters
         ]
         return GradsForNorm(grads, self.norm_weights, self.norm_group)
-
-    def pieces(self) -> list[OptimizerPiece]:
-        out = []
-        for param, master in zip(self.targets, self.masters):
-            local = local_tensor(param)
-            first = _rows_offset(param) if is_sharded(param) else 0
-            width = local[0].numel() if local.dim() > 0 and local.size(0) else 0
-            start = first * width if local.dim() > 0 else 0
-            out.append(OptimizerPiece(param, start, start + local.numel(), master, master is not param))
-        return out
 
 
 def _rows_offset(param: torch.Tensor) -> int:
