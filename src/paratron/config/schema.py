@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+"""The layers --lora-targets may name (see ModelConfig.lora_targets)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -84,6 +87,17 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     """Under tensor parallelism the vocabulary is padded to a multiple of this x TP (padding rows are never
     predicted)."""
+
+    lora_rank: int | None = None
+    """Rank of LoRA adapters: freeze the base weights and train low-rank adapters W + (alpha / rank) B A on the layers
+    named by --lora-targets (default: no adapters, every weight trains)."""
+
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's output is multiplied by alpha / rank."""
+
+    lora_targets: str = "qkv,proj,fc1,fc2"
+    """Comma-separated layers that get LoRA adapters: qkv (query, key and value projections), proj (attention output
+    projection), fc1 (MLP up and gate projections), fc2 (MLP down projection)."""
 
 
 @dataclass(frozen=True)
@@ -256,6 +270,30 @@ class DataConfig:
     """Where trained tokenizers, preprocessed corpora and sample indices are cached (default: $PARATRON_CACHE or
     ~/.cache/paratron)."""
 
+    sft: bool = False
+    """Supervised fine-tuning: --data-path names .jsonl conversations (or `paratron preprocess --sft` output), rendered
+    with --chat-template; only assistant turns are trained; per-token loss by default."""
+
+    chat_template: str = "tokenizer"
+    """With --sft: tokenizer (the Hugging Face tokenizer's own chat_template, from tokenizer_config.json or
+    chat_template.jinja beside its tokenizer.json), chatml, llama3, or a path to a jinja file."""
+
+    sft_pack: bool = True
+    """With --sft: pack several conversations into each sequence, each attending only to itself with positions from 0;
+    --no-sft-pack gives one conversation per sequence, padded."""
+
+    sft_truncation: Literal["truncate", "error"] = "truncate"
+    """With --sft: a conversation longer than --seq-length is cut to it (counted in the log), or refused (error)."""
+
+    reset_position_ids: bool = False
+    """Pretraining: restart positions at 0 after each end-of-document token (Megatron-LM's flag)."""
+
+    reset_attention_mask: bool = False
+    """Pretraining: tokens attend only within their own document (Megatron-LM's flag)."""
+
+    eod_mask_loss: bool = False
+    """Pretraining: do not train the prediction made at an end-of-document token (Megatron-LM's flag)."""
+
     def blend_flags(self) -> list[tuple[list[str], str]]:
         """The data-path settings that are set, with their flag names."""
         return [
@@ -313,6 +351,10 @@ class TrainingConfig:
 
     eval_iters: int = 10
     """Global batches per evaluation."""
+
+    calculate_per_token_loss: bool | None = None
+    """A step's loss is the sum of the token losses of the whole global batch divided by its trained tokens (default
+    with --sft); otherwise the mean over micro-batches of each one's mean token loss (Megatron-LM's default)."""
 
     exit_signal_handler: bool = False
     """On SIGTERM or SIGINT, finish the current step, save a checkpoint (with --save) and exit with code 0."""

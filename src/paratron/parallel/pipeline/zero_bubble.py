@@ -114,5 +114,5 @@ def defer_weight_gradients(blocks: list[nn.Module], store: WeightGradStore) -> N
     for block in blocks:
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
+                if type(child) is nn.Linear and child.weight.requires_grad:  # (not a frozen base layer)
                     setattr(parent, name, DeferringLinear(child, store))

@@ -9,6 +9,11 @@
     sequence parallel (optional): between the row- and column-parallel layers the activations
                 are split along the sequence; norms and dropout run on those shards, norm
                 gradients are summed over the TP group
+    LoRA        an adapted layer's twin carries its adapter, split with it (see layers.py):
+                column-parallel  A whole (gradient summed over TP), B by rows like W (a
+                                 replicated k/v head's B summed over its replicas, like W)
+                row-parallel     A by columns like W, B whole (gradient summed over TP)
+                frozen weights stay frozen
 
 Works on a model on the meta device, before its weights exist.
 """
@@ -22,6 +27,7 @@ from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
 from paratron.parallel.sharding import set_partial_grad
 from paratron.parallel.tensor.layers import (
+    ColumnParallelLinear,
     ColumnParallelProjections,
     RowParallelLinear,
     SequenceShardedEmbedding,
@@ -29,6 +35,12 @@ from paratron.parallel.tensor.layers import (
     VocabParallelEmbedding,
     VocabParallelOutput,
 )
+
+
+def _replicated_rows(linear: ColumnParallelLinear) -> list[nn.Parameter]:
+    """The parameters holding a column-parallel layer's rows (not a LoRA A, which is whole and
+    summed over the whole tensor-parallel group)."""
+    return [p for p in (linear.weight, linear.bias, linear.lora_b) if p is not None]
 
 
 def apply_tensor_parallel(
@@ -48,7 +60,7 @@ def apply_tensor_parallel(
         attention.in_proj = ColumnParallelProjections(attention.in_proj, tp, heads)
         if groups < tp.size:  # a replicated key/value head: its gradient is split over the replicas
             for name in ("k", "v"):
-                for param in attention.in_proj[name].parameters():
+                for param in _replicated_rows(attention.in_proj[name]):
                     set_partial_grad(param, kv_replica_group)
         attention.out_proj = RowParallelLinear(attention.out_proj, tp)
         attention.core = forked(attention.core)

@@ -9,13 +9,25 @@
 - `VocabParallelEmbedding`: the vocabulary rows are split; each rank looks up the ids it
   owns and zeros the rest, and the ranks' results are summed.
 
-Parameters keep the names of the layers they replace and carry a `Shard` tag (see
-`parallel/sharding.py`). Communication comes from `distributed/comm.py`.
+Parameters keep the names of the layers they replace, carry a `Shard` tag (see
+`parallel/sharding.py`) and stay frozen when the replaced ones were (`requires_grad`);
+gradients of frozen weights are never computed. Communication comes from `distributed/comm.py`.
+
+LoRA adapters (`model/lora.py`: y = x W^T + s (x A^T) B^T) are split with their base layer and
+add no collective:
+
+    layer            A [rank, in]                     B [out, rank]
+    column-parallel  whole; gradient partial over TP  rows split like W (replicated k/v heads alike)
+    row-parallel     columns split like W             whole; gradient partial over TP
+
+Column-parallel: h = x A^T is one more output of the base layer's matmuls, so their one input
+gather and one input-gradient reduction cover it; each rank's gradient of h sees only its rows
+of B. Row-parallel: the local s (x_i A_i^T) B^T joins the partial output before the layer's sum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +36,7 @@ from torch import nn
 
 from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
+from paratron.model.lora import LoRALinear
 from paratron.parallel.sharding import Shard, set_partial_grad, set_shard
 
 
@@ -48,12 +61,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class _ColumnParallelMatmuls(torch.autograd.Function):
     """y_i = x W_i^T + b_i for this rank's rows of one or more weights sharing the input x
-    (queries, keys and values; gate and up). x is replicated, or sequence-sharded and gathered
-    here. In backward, one all-reduce (or reduce-scatter) of the summed input gradient is
-    launched asynchronously and overlaps the weight-gradient matmuls. Under sequence
-    parallelism only the local shard of x is kept for backward, where it is gathered again
-    while the input gradient is computed (Megatron-LM's trade of one all-gather for 1/TP of
-    the activation memory)."""
+    (queries, keys and values; gate and up; LoRA A matrices, without bias). x is replicated, or
+    sequence-sharded and gathered here. In backward, one all-reduce (or reduce-scatter) of the
+    summed input gradient is launched asynchronously and overlaps the weight-gradient matmuls.
+    Under sequence parallelism only the local shard of x is kept for backward, where it is
+    gathered again while the input gradient is computed (Megatron-LM's trade of one all-gather
+    for 1/TP of the activation memory). Gradients autograd does not ask for (frozen weights, an
+    input that needs none) are neither computed nor communicated: every tensor-parallel rank
+    asks for the same ones, so the ranks skip the same collectives."""
 
     @staticmethod
     def forward(ctx, x, group, sequence_parallel, *weights_and_biases):
@@ -74,7 +89,11 @@ class _ColumnParallelMatmuls(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         local, *weights = ctx.saved_tensors
-        total, gather = comm.all_gather(local, 1, ctx.group, async_op=True) if ctx.sequence_parallel else (local, None)
+        wanted = ctx.needs_input_grad[3:]  # (weight, bias) pairs
+        gather = None
+        total = local
+        if ctx.sequence_parallel and any(wanted):
+            total, gather = comm.all_gather(local, 1, ctx.group, async_op=True)
         reference = next(g for g in grad_outputs if g is not None)
         grads = [
             torch.zeros_like(reference[..., :1]).expand(*reference.shape[:-1], w.size(0))
@@ -82,22 +101,42 @@ class _ColumnParallelMatmuls(torch.autograd.Function):
             else g.contiguous()
             for g, w in zip(grad_outputs, weights)
         ]
-        grad_input = sum(g.matmul(w) for g, w in zip(grads, weights))
+        grad_input = sum(g.matmul(w) for g, w in zip(grads, weights)) if ctx.needs_input_grad[0] else None
         if gather is not None:
             gather.wait()
-        if ctx.sequence_parallel:
-            grad_input, work = comm.reduce_scatter(grad_input, 1, ctx.group, async_op=True)
-        else:
-            work = comm.all_reduce(grad_input, ctx.group, async_op=True)
-        flat_input = total.reshape(-1, total.size(-1))
-        param_grads: list[torch.Tensor | None] = []
-        for g, has_bias, dtype in zip(grads, ctx.has_bias, ctx.param_dtypes):
-            flat = g.reshape(-1, g.size(-1))
-            param_grads.append(flat.t().matmul(flat_input).to(dtype))
-            param_grads.append(flat.sum(0).to(dtype) if has_bias else None)
+        work = None
+        if grad_input is not None:
+            grad_input, work = _reduce_input_grad(grad_input, ctx.group, ctx.sequence_parallel)
+        param_grads = _param_grads(grads, total, wanted, ctx.has_bias, ctx.param_dtypes)
         if work is not None:
             work.wait()
-        return (grad_input.to(ctx.input_dtype), None, None, *param_grads)
+        grad_input = grad_input.to(ctx.input_dtype) if grad_input is not None else None
+        return (grad_input, None, None, *param_grads)
+
+
+def _reduce_input_grad(grad_input: torch.Tensor, group: RankGroup, sequence_parallel: bool) -> tuple:
+    """Launch the sum of the ranks' input gradients (into sequence shards under sequence
+    parallelism): (the result, its work handle)."""
+    if sequence_parallel:
+        return comm.reduce_scatter(grad_input, 1, group, async_op=True)
+    return grad_input, comm.all_reduce(grad_input, group, async_op=True)
+
+
+def _param_grads(
+    grads: list[torch.Tensor],
+    total: torch.Tensor,
+    wanted: tuple[bool, ...],
+    has_bias: list[bool],
+    dtypes: list[torch.dtype],
+) -> list[torch.Tensor | None]:
+    """(weight, bias) gradients of each output, None where autograd wants none (frozen weights)."""
+    flat_input = total.reshape(-1, total.size(-1))
+    out: list[torch.Tensor | None] = []
+    for i, (g, bias, dtype) in enumerate(zip(grads, has_bias, dtypes)):
+        flat = g.reshape(-1, g.size(-1))
+        out.append(flat.t().matmul(flat_input).to(dtype) if wanted[2 * i] else None)
+        out.append(flat.sum(0).to(dtype) if bias and wanted[2 * i + 1] else None)
+    return out
 
 
 def _column_shard(out_features: int, tp: TPContext, rows_per_unit: int, units: int | None) -> Shard:
@@ -117,7 +156,18 @@ def _layout(tp: TPContext, shard_of_rank: Callable[[TPContext], Shard]) -> tuple
     return tuple(shard_of_rank(TPContext(tp.size, rank)) for rank in range(tp.size))
 
 
+def _copy_trainable(source: nn.Module, target: nn.Module) -> None:
+    """Keep frozen what was frozen: each of `target`'s own parameters takes `requires_grad` from
+    the parameter of the same name in `source` (the layer it replaces)."""
+    for name, param in target.named_parameters(recurse=False):
+        original = getattr(source, name, None)
+        if isinstance(original, torch.Tensor):
+            param.requires_grad_(original.requires_grad)
+
+
 class ColumnParallelLinear(nn.Module):
+    """This rank's output rows of a linear layer (and of its LoRA adapter's B, with A whole)."""
+
     def __init__(
         self,
         in_features: int,
@@ -126,7 +176,9 @@ class ColumnParallelLinear(nn.Module):
         tp: TPContext,
         layout: tuple[Shard, ...],
         device: torch.device | str | None = None,
+        adapter: tuple[int, float] | None = None,
     ) -> None:
+        """`adapter` = (rank, scaling) of a LoRA adapter to split with the weight (None: none)."""
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(rows, in_features, device=device))
@@ -134,21 +186,56 @@ class ColumnParallelLinear(nn.Module):
         set_shard(self.weight, layout, tp.rank)
         if self.bias is not None:
             set_shard(self.bias, layout, tp.rank)  # dimension 0 of both
+        self.register_parameter("lora_a", None)
+        self.register_parameter("lora_b", None)
+        self.scaling = 0.0
+        if adapter is not None:
+            rank, self.scaling = adapter
+            self.lora_a = nn.Parameter(torch.empty(rank, in_features, device=device))
+            self.lora_b = nn.Parameter(torch.empty(rows, rank, device=device))
+            set_shard(self.lora_b, layout, tp.rank)
+            # each rank's gradient of h = x A^T sees only its rows of B
+            set_partial_grad(self.lora_a, tp.group)
 
     @classmethod
     def split(
         cls, linear: nn.Linear, tp: TPContext, rows_per_unit: int = 1, units: int | None = None
     ) -> ColumnParallelLinear:
         layout = _layout(tp, lambda t: _column_shard(linear.out_features, t, rows_per_unit, units))
-        return cls(
-            linear.in_features, layout[tp.rank].length, linear.bias is not None, tp, layout, linear.weight.device
+        adapter = (linear.rank, linear.scaling) if isinstance(linear, LoRALinear) else None
+        twin = cls(
+            linear.in_features,
+            layout[tp.rank].length,
+            linear.bias is not None,
+            tp,
+            layout,
+            linear.weight.device,
+            adapter,
         )
+        _copy_trainable(linear, twin)
+        return twin
+
+    def matmul_inputs(self) -> list[torch.Tensor | None]:
+        """This layer's (weight, bias) pairs for `_ColumnParallelMatmuls`: W and b, then A (no bias)."""
+        if self.lora_a is None:
+            return [self.weight, self.bias]
+        return [self.weight, self.bias, self.lora_a, None]
+
+    def combine(self, outputs: Iterator[torch.Tensor]) -> torch.Tensor:
+        """This layer's output from the next of `_ColumnParallelMatmuls`' outputs: x W^T + b,
+        plus s h B^T from h = x A^T when it has an adapter."""
+        out = next(outputs)
+        if self.lora_a is None:
+            return out
+        return out + self.scaling * F.linear(next(outputs), self.lora_b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.group is None:
-            return F.linear(x, self.weight, self.bias)
-        (out,) = _ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, self.weight, self.bias)
-        return out
+            inputs = self.matmul_inputs()
+            outputs = [F.linear(x, w, b) for w, b in zip(inputs[0::2], inputs[1::2])]
+        else:
+            outputs = _ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, *self.matmul_inputs())
+        return self.combine(iter(outputs))
 
 
 class ColumnParallelProjections(nn.ModuleDict):
@@ -168,11 +255,14 @@ class ColumnParallelProjections(nn.ModuleDict):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.tp.group is None:
             return tuple(linear(x) for linear in self.values())
-        params = [p for linear in self.values() for p in (linear.weight, linear.bias)]
-        return _ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, *params)
+        params = [p for linear in self.values() for p in linear.matmul_inputs()]
+        outputs = iter(_ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, *params))
+        return tuple(linear.combine(outputs) for linear in self.values())
 
 
 class RowParallelLinear(nn.Module):
+    """This rank's input columns of a linear layer (and of its LoRA adapter's A, with B whole)."""
+
     def __init__(self, linear: nn.Linear, tp: TPContext) -> None:
         super().__init__()
         self.tp = tp
@@ -180,14 +270,25 @@ class RowParallelLinear(nn.Module):
         device = linear.weight.device
         self.weight = nn.Parameter(torch.empty(linear.out_features, per_rank, device=device))
         self.bias = nn.Parameter(torch.empty(linear.out_features, device=device)) if linear.bias is not None else None
-        set_shard(
-            self.weight, _layout(tp, lambda t: Shard(1, t.rank * per_rank, per_rank, linear.in_features)), tp.rank
-        )
+        layout = _layout(tp, lambda t: Shard(1, t.rank * per_rank, per_rank, linear.in_features))
+        set_shard(self.weight, layout, tp.rank)
         if self.bias is not None and tp.sequence_parallel:
             set_partial_grad(self.bias, tp.group)  # added on a sequence shard: each rank sees part
+        self.register_parameter("lora_a", None)
+        self.register_parameter("lora_b", None)
+        self.scaling = 0.0
+        if isinstance(linear, LoRALinear):
+            self.scaling = linear.scaling
+            self.lora_a = nn.Parameter(torch.empty(linear.rank, per_rank, device=device))
+            self.lora_b = nn.Parameter(torch.empty(linear.out_features, linear.rank, device=device))
+            set_shard(self.lora_a, layout, tp.rank)  # dimension 1 of both
+            set_partial_grad(self.lora_b, tp.group)  # each rank's h = x_i A_i^T is a partial sum
+        _copy_trainable(linear, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
+        if self.lora_a is not None:  # (summed with the base layer's partial output: one collective)
+            partial = partial + self.scaling * F.linear(F.linear(x, self.lora_a), self.lora_b)
         if self.tp.sequence_parallel:
             out = comm.reduce_scatter_to_sequence(partial, self.tp.group)
         else:
@@ -218,6 +319,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, embedding.embedding_dim, device=embedding.weight.device))
         set_shard(self.weight, _layout(tp, lambda t: vocab_shard(self.vocab_size, t, divisible_by)), tp.rank)
+        _copy_trainable(embedding, self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.start + self.rows)
@@ -237,6 +339,7 @@ class VocabParallelOutput(ColumnParallelLinear):
         rows = padded_vocab_size(output.out_features, tp.size, divisible_by) // tp.size
         super().__init__(output.in_features, rows, False, tp, layout, output.weight.device)
         self.valid_rows = layout[tp.rank].length
+        _copy_trainable(output, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
@@ -252,6 +355,8 @@ class SequenceShardedEmbedding(nn.Embedding):
     def __init__(self, embedding: nn.Embedding, tp: TPContext) -> None:
         super().__init__(embedding.num_embeddings, embedding.embedding_dim, device=embedding.weight.device)
         self.tp = tp
+        _copy_trainable(embedding, self)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return comm.scatter_to_sequence(super().forward(positions), self.tp.group, dim=0)
+        """`positions` [T] (shared by every row) or [B, T] (packed sequences); the sequence is the last dimension."""
+        return comm.scatter_to_sequence(super().forward(positions), self.tp.group, dim=positions.dim() - 1)
