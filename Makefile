@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint format bench docs setup clean
+.PHONY: demo finetune-demo test lint format bench docs setup clean
 
 setup: $(STAMP)
 
@@ -19,16 +19,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/paratron train --config demo
 
+finetune-demo: $(STAMP)
+	$(PY) scripts/finetune_demo.py
+
 test: lint
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench scripts
+	$(VENV)/bin/ruff format --check src tests bench scripts
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix src tests bench
-	$(VENV)/bin/ruff format src tests bench
+	$(VENV)/bin/ruff check --fix src tests bench scripts
+	$(VENV)/bin/ruff format src tests bench scripts
 
 bench: $(STAMP)
 	$(PY) bench/step_time.py

@@ -45,6 +45,7 @@ from paratron.checkpoint.optimizer_state import load_optimizer
 from paratron.config import build_config
 from paratron.distributed import rng
 from paratron.distributed.topology import ParallelDims, Topology
+from paratron.model.batch import Batch
 from paratron.model.gpt import GPT
 from paratron.optim.build import build_optimizer
 from paratron.parallel import parallelize
@@ -62,7 +63,7 @@ def _trained(config):
     model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
     optimizer = build_optimizer(model, config.optimizer)
     ids = torch.randint(0, config.model.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
-    model.forward_backward([(ids[:, :-1], ids[:, 1:])])
+    model.forward_backward([Batch(ids[:, :-1], ids[:, 1:])])
     optimizer.prepare_grads()
     optimizer.step()
     optimizer.after_step()

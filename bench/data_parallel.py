@@ -117,6 +117,7 @@ class Side:
 
 
 def _paratron(args: dict, topology: Any, **parallel: Any) -> Side:
+    from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.optim.mixed_precision import Precision
@@ -129,7 +130,7 @@ def _paratron(args: dict, topology: Any, **parallel: Any) -> Side:
     model = parallelize(meta, config, topology, torch.device("cpu"))
     optimizer = build_optimizer(model, config.optimizer)
     precision = Precision("fp32")
-    return Side(lambda batches: train_step(model, optimizer, batches, precision, 1.0).loss, model)
+    return Side(lambda batches: train_step(model, optimizer, [Batch(*b) for b in batches], precision, 1.0).loss, model)
 
 
 def _torch(args: dict, kind: str, bucket_cap_mb: float | None = None) -> Side:

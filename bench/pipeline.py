@@ -253,7 +253,7 @@ def _pairing(
     topology: Any,
     name: str,
     schedule_class: str,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    batches: list,
     inputs: torch.Tensor,
     labels: torch.Tensor,
 ) -> dict:
@@ -372,6 +372,7 @@ def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None
 
     from paratron.distributed.init import initialize
     from paratron.distributed.topology import ParallelDims, Topology
+    from paratron.model.batch import Batch
 
     ctx = initialize("gloo")
     # initialize shares os.cpu_count() among the processes; set it explicitly for this 2-core budget
@@ -381,7 +382,7 @@ def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None
     mb, m, seq = args["micro_batch_size"], args["microbatches"], args["seq"]
     ids = torch.randint(0, args["vocab"], (mb * m, seq + 1), generator=torch.Generator().manual_seed(0))
     inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    batches = [(inputs[i : i + mb], labels[i : i + mb]) for i in range(0, mb * m, mb)]
+    batches = [Batch(inputs[i : i + mb], labels[i : i + mb]) for i in range(0, mb * m, mb)]
     results = {}
     for name, schedule_class in PAIRINGS:
         if name in args["only"]:

@@ -39,6 +39,7 @@ def run(args: dict) -> dict:
     from paratron.config import build_config
     from paratron.distributed.init import initialize
     from paratron.distributed.topology import ParallelDims, Topology
+    from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.optim.mixed_precision import Precision
@@ -72,7 +73,7 @@ def run(args: dict) -> dict:
     tokens = torch.randint(
         0, 8192, (args["micro_batch_size"], args["seq_length"] + 1), generator=torch.Generator().manual_seed(0)
     )
-    batches = [(tokens[:, :-1], tokens[:, 1:])]
+    batches = [Batch(tokens[:, :-1], tokens[:, 1:])]
     precision = Precision("fp32")
     result = {mode: {"times": [], "losses": []} for mode in MODES}
 

@@ -57,6 +57,7 @@ def measure(stages: list[int]) -> list[dict]:
 
     from paratron.config import build_config
     from paratron.distributed.topology import ParallelDims, Topology
+    from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.optim.mixed_precision import Precision
@@ -94,7 +95,7 @@ def measure(stages: list[int]) -> list[dict]:
             if model.gradients.reducer is not None
             else []
         )
-        result = train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])], Precision("fp32"), 1.0)
+        result = train_step(model, optimizer, [Batch(tokens[:, :-1], tokens[:, 1:])], Precision("fp32"), 1.0)
         for hook in hooks:
             hook.remove()
         report = training_state_elements(model, optimizer)

@@ -21,6 +21,9 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
 
 Command = Callable[[list[str]], int]
 
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "</s>", "<|endoftext|>")
+"""Where `generate --chat-template` ends the assistant's answer (ChatML, Llama 3, others)."""
+
 
 def command(name: str, summary: str) -> Callable[[Command], Command]:
     def register(fn: Command) -> Command:
@@ -75,6 +78,45 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+@command("evaluate", "per-token loss and perplexity of a saved model over whole files, per file (task)")
+def cmd_evaluate(argv: list[str]) -> int:
+    from paratron.config.arguments import parse_config_arguments
+    from paratron.config.fields import flag
+    from paratron.config.loading import build_config, override
+    from paratron.config.validation import validate
+    from paratron.distributed.init import env_world_size, launched_by_torchrun
+    from paratron.errors import ConfigError
+    from paratron.training.run import check_inputs
+
+    parser = train_parser()
+    parser.prog = "paratron evaluate"
+    parser.usage = "paratron evaluate --load CKPT --data-path FILE... [--sft ...] [--output FILE.json] [flags]"
+    parser.description = (
+        "The per-token loss (and perplexity) of the --load checkpoint over every sample of each --data-path file, "
+        "per file and overall, at any layout (--nproc, tensor and pipeline parallelism). Takes train's tokenizer, "
+        "template and sequence flags; the model settings come from the checkpoint."
+    )
+    parser.add_argument("--output", type=Path, metavar="FILE.json", help="Write the losses as JSON here.")
+    recipe, overrides, namespace = parse_config_arguments(parser, argv)
+    config = build_config(overrides, recipe)
+    if not config.checkpoint.load:
+        raise ConfigError(f"paratron evaluate needs {flag.load} CKPT (the model to evaluate)")
+    if not config.data.data_path:
+        raise ConfigError(f"paratron evaluate needs {flag.data_path} FILE... (the data to evaluate on)")
+    config = override(config, eval_iters=0, train_iters=1)
+    nproc = config.parallel.nproc_per_node
+    validate(config, env_world_size() if launched_by_torchrun() else nproc)
+    check_inputs(config)
+    if nproc > 1 and not launched_by_torchrun():
+        from paratron.distributed.launch import run_under_torchrun
+
+        return run_under_torchrun(nproc, ["evaluate", *argv])
+    from paratron.training.evaluate import run_evaluation
+
+    run_evaluation(config, namespace.output)
+    return 0
+
+
 @command("preprocess", "tokenize text or jsonl into a Megatron-LM indexed dataset (.bin/.idx)")
 def cmd_preprocess(argv: list[str]) -> int:
     from paratron.config.arguments import ArgumentParser
@@ -123,7 +165,21 @@ def cmd_preprocess(argv: list[str]) -> int:
         help="Skip and count bad lines (not JSON, no key, empty, not UTF-8) instead of stopping.",
     )
     parser.add_argument("--no-progress-bar", action="store_true", help="No progress bar.")
+    parser.add_argument(
+        "--sft",
+        action="store_true",
+        help="The input is .jsonl conversations: render them with --chat-template and write their token ids and "
+        "which tokens are trained (OUTPUT_PREFIX_input_ids_document and OUTPUT_PREFIX_trained_document), for "
+        "`paratron train --sft --data-path OUTPUT_PREFIX`.",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default="tokenizer",
+        help="With --sft: tokenizer (the tokenizer folder's own template), chatml, llama3 or a jinja file.",
+    )
     args = parser.parse_args(argv)
+    if args.sft:
+        return _preprocess_conversations(args)
     if args.workers < 1:
         raise UserError(f"--workers {args.workers}: must be at least 1")
     if args.vocab_size is not None and args.vocab_size < 1:
@@ -165,6 +221,30 @@ def cmd_preprocess(argv: list[str]) -> int:
     return 0
 
 
+def _preprocess_conversations(args) -> int:
+    """`paratron preprocess --sft`: conversations -> token ids and trained-token flags."""
+    import time
+
+    from paratron.data.preprocess import input_files
+    from paratron.data.sft import load_chat_template, preprocess_sft
+    from paratron.data.tokenizer import Tokenizer
+
+    if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
+        raise UserError(
+            "--sft needs --tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH (the model's tokenizer)"
+        )
+    tokenizer = Tokenizer.from_file(args.tokenizer_model)
+    eos = tokenizer.hf.id_to_token(tokenizer.eod_id)
+    template = load_chat_template(args.chat_template, tokenizer.source, None, eos)
+    start = time.perf_counter()
+    conversations, tokens = preprocess_sft(input_files(args.input), args.output_prefix, template, tokenizer)
+    print(
+        f"{conversations:,} conversations, {tokens:,} tokens in {time.perf_counter() - start:.1f}s; "
+        f"train on them with: paratron train --sft --data-path {args.output_prefix} ..."
+    )
+    return 0
+
+
 @command("generate", "continue a prompt with a saved model")
 def cmd_generate(argv: list[str]) -> int:
     from paratron.checkpoint.io import read_checkpoint
@@ -187,6 +267,11 @@ def cmd_generate(argv: list[str]) -> int:
     )
     parser.add_argument("--top-k", type=int, default=None, help="Sample only among the k likeliest tokens.")
     parser.add_argument("--seed", type=int, default=0, help="Seed for sampling (default: 0).")
+    parser.add_argument(
+        "--chat-template",
+        help="Treat the prompt as a user's message: render it with this template (tokenizer, chatml, llama3 or a "
+        "jinja file) and print the assistant's answer, up to its end of turn.",
+    )
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
@@ -198,32 +283,46 @@ def cmd_generate(argv: list[str]) -> int:
     tokenizer = tokenizer_from_checkpoint(info)
     if tokenizer is None:
         raise CheckpointError(f"{info.path}: holds no tokenizer (trained on mock data), so text cannot be encoded")
+    prompt = args.prompt
+    if args.chat_template:
+        from paratron.data.sft import load_chat_template
+
+        eos = tokenizer.hf.id_to_token(tokenizer.eod_id)
+        template = load_chat_template(args.chat_template, tokenizer.source, None, eos)
+        prompt = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     _, device = choose_backend("auto")
     model = model_from_checkpoint(info, device)
     ids = generate(
         model,
-        tokenizer.encode(args.prompt),
+        tokenizer.encode(prompt),
         args.max_new_tokens,
         args.temperature,
         args.top_k,
         eos_id=tokenizer.eod_id,
         seed=args.seed,
     )
-    print(args.prompt + tokenizer.decode(i for i in ids if i != tokenizer.eod_id))
+    text = tokenizer.decode(i for i in ids if i != tokenizer.eod_id)
+    if args.chat_template:  # the answer, up to the end of its turn
+        print(min((text.split(end)[0] for end in END_OF_TURN), key=len))
+    else:
+        print(args.prompt + text)
     return 0
 
 
 @command("convert", "convert weights between Hugging Face directories and paratron checkpoints")
 def cmd_convert(argv: list[str]) -> int:
     from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf
+    from paratron.checkpoint.peft import paratron_to_peft
     from paratron.config.arguments import ArgumentParser
 
     parser = ArgumentParser(
         prog="paratron convert",
         allow_abbrev=False,
-        usage="paratron convert --from hf SRC --to paratron DST  |  --from paratron SRC --to hf DST",
+        usage="paratron convert --from hf SRC --to paratron DST  |  --from paratron SRC --to hf DST [--merge-lora]"
+        "  |  --from paratron SRC --to peft DST",
         description="Convert Llama, Mistral, Qwen2 and GPT-2 weights between a Hugging Face directory "
-        "(config.json + safetensors) and a paratron checkpoint (weights only, for --load).",
+        "(config.json + safetensors) and a paratron checkpoint (weights only, for --load); write a LoRA "
+        "checkpoint's adapters as a peft adapter (Llama family), or merged into the base weights.",
     )
     parser.add_argument(
         "--from",
@@ -239,20 +338,30 @@ def cmd_convert(argv: list[str]) -> int:
         nargs=2,
         metavar=("FORMAT", "DST"),
         required=True,
-        help="paratron or hf, and a new directory to write.",
+        help="paratron, hf or peft, and a new directory to write.",
+    )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="With --to hf: fold a LoRA checkpoint's adapters into the base weights, W + (alpha/rank) B A.",
     )
     args = parser.parse_args(argv)
     formats = (args.source[0], args.target[0])
     source, target = Path(args.source[1]), Path(args.target[1])
+    if args.merge_lora and formats != ("paratron", "hf"):
+        raise UserError("--merge-lora applies to --from paratron SRC --to hf DST only")
     if not source.exists():
         raise UserError(f"--from {args.source[0]} {source}: no such directory")
     if formats == ("hf", "paratron"):
         path = hf_to_paratron(source, target)
         print(f"wrote {path}; train from it with: paratron train --config {target / 'model.yaml'} --load {target} ...")
     elif formats == ("paratron", "hf"):
-        print(f"wrote {paratron_to_hf(source, target)}")
+        print(f"wrote {paratron_to_hf(source, target, merge_lora=args.merge_lora)}")
+    elif formats == ("paratron", "peft"):
+        print(f"wrote {paratron_to_peft(source, target)}; load it with peft.PeftModel.from_pretrained(base, DIR)")
     else:
-        raise UserError(f"--from {formats[0]} --to {formats[1]}: convert hf to paratron or paratron to hf")
+        raise UserError(f"--from {formats[0]} --to {formats[1]}: convert hf to paratron, or paratron to hf or peft")
+
     return 0
 
 

@@ -409,7 +409,7 @@ def test_convert_from_hugging_face_and_back(tmp_path):
     )
     assert_one_line_error(
         paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "hf", str(tmp_path / "x")),
-        "convert hf to paratron or paratron to hf",
+        "convert hf to paratron, or paratron to hf or peft",
     )
     assert_one_line_error(
         paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron", str(tmp_path / "p")),

@@ -101,6 +101,7 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
     from paratron.config import build_config
     from paratron.distributed.init import initialize
     from paratron.distributed.topology import Axis, ParallelDims, Topology
+    from paratron.model.batch import Batch
     from paratron.model.gpt import GPT, build_model
     from paratron.parallel.parallelize import parallelize
     from paratron.parallel.pipeline.schedules import peak_live_activations
@@ -131,11 +132,14 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
             ids = torch.randint(0, 97, (2 * MICRO_BATCHES, 17), generator=torch.Generator().manual_seed(3))
             # micro-batches of 16 and 12 tokens: shapes are worked out per micro-batch
             batches = [
-                (ids[i : i + 2, :length], ids[i : i + 2, 1 : length + 1])
+                Batch(ids[i : i + 2, :length], ids[i : i + 2, 1 : length + 1])
                 for i, length in zip(range(0, 2 * MICRO_BATCHES, 2), (16, 12) * MICRO_BATCHES)
             ]
             ref_loss = (
-                sum(torch.nn.functional.cross_entropy(reference(x).flatten(0, 1), y.flatten()) for x, y in batches)
+                sum(
+                    torch.nn.functional.cross_entropy(reference(b.input_ids).flatten(0, 1), b.labels.flatten())
+                    for b in batches
+                )
                 / MICRO_BATCHES
             )
             ref_loss.backward()

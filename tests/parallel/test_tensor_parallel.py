@@ -303,6 +303,7 @@ def test_mixed_precision_under_tensor_parallelism(tmp_path):
 def fp16_overflow_on_one_rank(world: int) -> dict:
     """An overflow in rank 0's shard only must skip the step and back the scale off on every rank."""
     from paratron.config import build_config
+    from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.optim.mixed_precision import LossScaler, Precision
@@ -323,7 +324,7 @@ def fp16_overflow_on_one_rank(world: int) -> dict:
         weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
     before = model.module.final_norm.weight.detach().clone()
     ids = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(0))
-    result = train_step(model, optimizer, [(ids[:, :-1], ids[:, 1:])], precision, clip_grad=1.0)
+    result = train_step(model, optimizer, [Batch(ids[:, :-1], ids[:, 1:])], precision, clip_grad=1.0)
     report = {
         "skipped": result.skipped,
         "scale": precision.scaler.scale,

@@ -31,6 +31,7 @@ def measure_stages(run_dir: str) -> list[dict]:
     import torch.distributed as dist
 
     from paratron.distributed.topology import ParallelDims, Topology
+    from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.optim.mixed_precision import Precision
@@ -50,7 +51,7 @@ def measure_stages(run_dir: str) -> list[dict]:
         shapes = [tuple(p.shape) for p in meta.parameters()]
         model = parallelize(meta, config, topology, torch.device("cpu"))
         optimizer = build_optimizer(model, config.optimizer)
-        train_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])], Precision("fp32"), 1.0)
+        train_step(model, optimizer, [Batch(tokens[:, :-1], tokens[:, 1:])], Precision("fp32"), 1.0)
         entry = {"stage": stage, "shapes": shapes, "report": training_state_elements(model, optimizer)}
         reducer = model.gradients.reducer
         if reducer is not None:

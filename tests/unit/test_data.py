@@ -213,12 +213,12 @@ def test_split_boundaries_equal_megatron_core():
         parse_and_normalize_split,
     )
 
-    from paratron.data.build import _split_documents
+    from paratron.data.blending import split_ranges
 
     for split in ("969,30,1", "99,1,0", "1,1,1", "80,20", "100", "90,5,5"):
         matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
         for n in (1, 7, 99, 1000, 4097):
-            ours = _split_documents(n, split)
+            ours = split_ranges(n, split)
             for (lo, hi), part in zip([m or (0, 0) for m in matrix], ours):
                 expected = np.arange(int(round(lo * n)), int(round(hi * n)))
                 assert np.array_equal(part, expected), (split, n)

@@ -11,6 +11,7 @@ import torch
 
 from paratron.config import build_config
 from paratron.distributed.topology import ParallelDims, Topology
+from paratron.model.batch import Batch
 from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
 from paratron.optim.master_weights import ReplicatedOptimizer
@@ -87,7 +88,9 @@ def test_sixteen_bit_weights_have_fp32_master_weights_and_gradients():
     main_grad = model.gradients.reducer.main_grad(weight)
     assert weight.dtype == torch.bfloat16 and main_grad.dtype == torch.float32
     ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
-    model.forward_backward([(b[:, :-1], b[:, 1:]) for b in (ids[:2], ids[2:])])  # two micro-batches accumulate in fp32
+    model.forward_backward(
+        [Batch(b[:, :-1], b[:, 1:]) for b in (ids[:2], ids[2:])]
+    )  # two micro-batches accumulate in fp32
     assert weight.grad is None and main_grad.abs().sum() > 0  # the 16-bit gradient was folded in
     master = optimizer.masters[[id(p) for p in optimizer.targets].index(id(weight))]
     before = master.detach().clone()

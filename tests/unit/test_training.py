@@ -13,6 +13,7 @@ from paratron.checkpoint import load_pretrained, read_checkpoint
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.errors import CheckpointError
 from paratron.model import GPT
+from paratron.model.batch import Batch
 from paratron.optim.build import build_optimizer, clip_grad_norm
 from paratron.optim.mixed_precision import Precision
 from paratron.parallel import parallelize
@@ -135,7 +136,7 @@ def test_optimizers_fit_one_batch(tmp_path, name):
     optimizer = build_optimizer(model, config.optimizer)
     assert type(optimizer.optimizer).__name__ == {"adam": "AdamW", "sgd": "SGD"}[name]
     batch = torch.randint(0, 512, (8, 33), generator=torch.Generator().manual_seed(0))
-    batches = [(batch[:, :-1], batch[:, 1:])]
+    batches = [Batch(batch[:, :-1], batch[:, 1:])]
     losses = [train_step(model, optimizer, batches, Precision("fp32"), 0.0).loss.item() for _ in range(25)]
     assert losses[-1] < losses[0] - 1.0, losses
 

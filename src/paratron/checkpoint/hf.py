@@ -27,8 +27,10 @@ from safetensors.torch import save_file
 from paratron.checkpoint.io import CheckpointContent, model_from_checkpoint, read_checkpoint, save_checkpoint
 from paratron.config.loading import build_config, config_to_dict
 from paratron.config.schema import Config, ModelConfig
+from paratron.data.tokenizer import copy_template_files
 from paratron.errors import CheckpointError
 from paratron.model.gpt import build_model
+from paratron.model.lora import merge_adapters
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -349,14 +351,23 @@ def hf_to_paratron(source: Path, destination: Path) -> Path:
     return path
 
 
-def paratron_to_hf(source: Path, destination: Path) -> Path:
+def paratron_to_hf(source: Path, destination: Path, merge_lora: bool = False) -> Path:
     """Write a Hugging Face directory (config.json, model.safetensors, tokenizer.json if any) of a
-    paratron checkpoint's weights."""
+    paratron checkpoint's weights; a LoRA checkpoint's adapters are merged into the base weights
+    when `merge_lora` is set (without it such a checkpoint is refused)."""
     _refuse_existing(destination)
     info = read_checkpoint(source)
-    kind = model_type_of(info.config.model, info.hf_model_type)
+    m = info.config.model
+    if m.lora_rank is not None and not merge_lora:
+        raise CheckpointError(
+            f"{info.path}: holds LoRA adapters; add --merge-lora to write merged weights, or convert with "
+            "--to peft DIR to write the adapters alone"
+        )
+    kind = model_type_of(m, info.hf_model_type)
     model = model_from_checkpoint(info)
     state = {n: p.detach().contiguous() for n, p in model.named_parameters()}  # named_parameters skips ties
+    if m.lora_rank is not None:
+        state = merge_adapters(state, m.lora_alpha, m.lora_rank)
     tensors = weights_to_hf(state, kind)
     tmp = destination.with_name(f".{destination.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -365,6 +376,7 @@ def paratron_to_hf(source: Path, destination: Path) -> Path:
     (tmp / "config.json").write_text(json.dumps(hf_config(info.config.model, kind), indent=2), encoding="utf-8")
     if (info.path / "tokenizer.json").is_file():
         shutil.copy(info.path / "tokenizer.json", tmp / "tokenizer.json")
+        copy_template_files(info.path, tmp)
     tmp.replace(destination)
     return destination
 
@@ -382,3 +394,4 @@ class _FileCopy:
 
     def save(self, destination: Path) -> None:
         shutil.copy(self.path, destination)
+        copy_template_files(self.path.parent, destination.parent)

@@ -42,6 +42,7 @@ from paratron.config.schema import Config
 from paratron.distributed.topology import Axis, ParallelDims, RankGroup, Topology
 from paratron.errors import CheckpointError, UserError
 from paratron.model.gpt import GPT, build_model
+from paratron.model.lora import is_adapter
 from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.data.fully_sharded import assign_full, full_parameter
 from paratron.parallel.sharding import full_shape, gather_full, param_info, shard_of
@@ -412,6 +413,8 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = Tru
     another shape."""
     expected = dict(model.named_parameters())
     files = _weight_files(info)
+    if not any(is_adapter(name) for name in files):  # a base model for LoRA: new adapters keep their init
+        expected = {name: param for name, param in expected.items() if not is_adapter(name)}
     for name in expected:
         if name not in files:
             raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")

@@ -12,7 +12,7 @@ from typing import Any
 
 from paratron.config.fields import all_fields, flag
 from paratron.config.layout import Layout, resolve_layout
-from paratron.config.schema import Config, DataConfig, ModelConfig, TrainingConfig
+from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, TrainingConfig
 from paratron.errors import ConfigError
 
 POSITIVE = (
@@ -158,6 +158,17 @@ def _check_model(m: ModelConfig, d: DataConfig) -> None:
             f"{flag.seq_length} {d.seq_length} exceeds {flag.max_position_embeddings} "
             f"{m.max_position_embeddings}; lower the first or raise the second"
         )
+    if m.lora_rank is not None and m.lora_rank < 1:
+        raise ConfigError(f"{flag.lora_rank} {m.lora_rank}: must be at least 1 (leave it unset to train every weight)")
+    if m.lora_alpha <= 0:
+        raise ConfigError(f"{flag.lora_alpha} {m.lora_alpha:g}: must be positive")
+    targets = [t.strip() for t in m.lora_targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        raise ConfigError(
+            f"{flag.lora_targets} {m.lora_targets}: {'unknown layer ' + unknown[0] if unknown else 'names no layer'}; "
+            f"choose from {','.join(LORA_TARGETS)}"
+        )
 
 
 def _check_tensor_parallel(config: Config, layout: Layout) -> None:
@@ -250,6 +261,16 @@ def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
         raise ConfigError(
             f"give exactly one of {flag.data_path}, {flag.train_data_path} (with "
             f"{flag.valid_data_path}), {flag.corpus} stdlib or {flag.mock_data} (got {what})"
+        )
+    if d.sft and (d.mock_data or d.corpus):
+        raise ConfigError(f"{flag.sft} trains on conversations: give {flag.data_path} FILE.jsonl ... instead")
+    sft_only = [f for f, on in ((flag.sft_truncation, d.sft_truncation != "truncate"),) if on]
+    if sft_only and not d.sft:
+        raise ConfigError(f"{sft_only[0]} applies to fine-tuning data; add {flag.sft}")
+    if d.sft and (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        raise ConfigError(
+            f"{flag.reset_position_ids}, {flag.reset_attention_mask} and {flag.eod_mask_loss} are for pretraining "
+            f"documents; {flag.sft} already gives each conversation its own positions, attention and loss mask"
         )
     if per_split and not d.train_data_path:
         raise ConfigError(f"{flag.valid_data_path} and {flag.test_data_path} need {flag.train_data_path} too")

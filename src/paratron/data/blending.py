@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paratron.config.validation import parse_split
 from paratron.data.datasets import SampleSource
 from paratron.errors import ConfigError
 
@@ -122,3 +123,15 @@ class BlendedDataset:
         if not 0 <= k < self.size:
             raise IndexError(f"sample {k} is outside the blend of {self.size}")
         return self.datasets[int(self.dataset_index[k])][int(self.dataset_sample_index[k])]
+
+
+def split_ranges(num_documents: int, split: str) -> list[np.ndarray]:
+    """Megatron's --split: contiguous ranges of sequences (documents, one sequence each, as paratron
+    writes them; or conversations), boundaries rounded from the cumulative fractions."""
+    fractions = parse_split(split)
+    bounds = [0.0]
+    for f in fractions:
+        bounds.append(bounds[-1] + f)
+    edges = [int(round(b * num_documents)) for b in bounds]
+    edges[-1] = num_documents
+    return [np.arange(edges[i], edges[i + 1], dtype=np.int32) for i in range(3)]

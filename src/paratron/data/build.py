@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 from paratron.config.schema import Config
-from paratron.config.validation import parse_split
-from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend
+from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend, split_ranges
 from paratron.data.corpus import files_signature, stdlib_files
 from paratron.data.datasets import MockTokens, SampleSource
 from paratron.data.gpt_dataset import GPTDataset
 from paratron.data.indexed import IndexedDataset, dataset_exists
 from paratron.data.preprocess import PreprocessResult, input_files, preprocess, read_documents
+from paratron.data.sft.sources import sft_sources, unique_task_names, whole_tasks
 from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, load_tokenizer, train_byte_level_bpe
 from paratron.distributed.init import collective_device
 from paratron.errors import DataError, PeerFailure
@@ -51,6 +51,8 @@ class DataBundle:
     valid: SampleSource | None
     tokenizer: AnyTokenizer | None
     vocab_size: int
+    valid_tasks: dict[str, SampleSource] | None = None
+    """With several fine-tuning files: each one's validation samples, evaluated (and reported) apart."""
 
 
 def cache_root(config: Config) -> Path:
@@ -130,9 +132,18 @@ class _Builder:
                     out.append((input_files([path], flag), True))
         return out
 
-    def tokenizer(self) -> tuple[AnyTokenizer, str]:
-        """The run's tokenizer and an identity string for cache keys."""
+    def tokenizer(self, saved: Path | None = None) -> tuple[AnyTokenizer, str]:
+        """The run's tokenizer and an identity string for cache keys. `saved` is the tokenizer.json
+        of the checkpoint a fine-tuning run starts from, used unless another tokenizer is named."""
         d, m = self.config.data, self.config.model
+        if d.tokenizer_type == "ByteLevelBPE" and saved is not None:
+            tokenizer = Tokenizer.from_file(saved)
+            return tokenizer, _digest(tokenizer.spec())
+        if d.tokenizer_type == "ByteLevelBPE" and d.sft:
+            raise DataError(
+                "--sft needs an existing tokenizer: --load a checkpoint saved with one, or give "
+                "--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH"
+            )
         if d.tokenizer_type != "ByteLevelBPE":
             tokenizer = load_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, m.vocab_size)
             return tokenizer, _digest(tokenizer.spec())
@@ -154,6 +165,24 @@ class _Builder:
 
         self.once(path, lambda tmp: train_byte_level_bpe(texts(), target).save(tmp))
         return Tokenizer.from_file(path), path.stem
+
+    def tokenizer_and_vocabulary(self, saved: Path | None) -> tuple[AnyTokenizer, str, int]:
+        """The tokenizer, its cache identity and the model's vocabulary size (the tokenizer's unless
+        --vocab-size asks for more)."""
+        tokenizer, tokenizer_id = self.tokenizer(saved)
+        if isinstance(tokenizer, NullTokenizer):
+            vocab = tokenizer.vocab_size  # --vocab-size ids plus the end-of-document id, as in Megatron
+        else:
+            vocab = self.config.model.vocab_size or tokenizer.vocab_size
+        if vocab < tokenizer.vocab_size:
+            raise DataError(f"--vocab-size {vocab} is smaller than the tokenizer's {tokenizer.vocab_size}; raise it")
+        return tokenizer, tokenizer_id, vocab
+
+    def resolve(self, path: str, flag: str, tokenizer: AnyTokenizer, tokenizer_id: str) -> str:
+        """A dataset prefix as given, or the cached preprocessed form of text files."""
+        if dataset_exists(path):
+            return path
+        return self.preprocessed(input_files([path], flag), True, tokenizer, tokenizer_id)
 
     def preprocessed(self, files: list[Path], strict: bool, tokenizer: AnyTokenizer, tokenizer_id: str) -> str:
         """Prefix of the cached indexed dataset of these files (preprocessed on first use)."""
@@ -210,19 +239,10 @@ class _Builder:
         )
 
 
-def _split_documents(num_documents: int, split: str) -> list[np.ndarray]:
-    """Megatron's --split: contiguous ranges of sequences (documents, one sequence each, as paratron
-    writes them), boundaries rounded from the cumulative fractions."""
-    fractions = parse_split(split)
-    bounds = [0.0]
-    for f in fractions:
-        bounds.append(bounds[-1] + f)
-    edges = [int(round(b * num_documents)) for b in bounds]
-    edges[-1] = num_documents
-    return [np.arange(edges[i], edges[i + 1], dtype=np.int32) for i in range(3)]
-
-
-def build_data(config: Config, global_batch_size: int, local_rank: int = 0, log: Log = print) -> DataBundle:
+def build_data(
+    config: Config, global_batch_size: int, local_rank: int = 0, log: Log = print, saved_tokenizer: Path | None = None
+) -> DataBundle:
+    """The run's tokenizer, training and validation samples (`saved_tokenizer`: see `_Builder.tokenizer`)."""
     d, seed = config.data, config.training.seed
     train_samples, valid_samples, _ = samples_per_split(config, global_batch_size)
     if d.mock_data:
@@ -230,19 +250,11 @@ def build_data(config: Config, global_batch_size: int, local_rank: int = 0, log:
         return DataBundle(MockTokens(vocab, d.seq_length, seed), MockTokens(vocab, d.seq_length, seed + 1), None, vocab)
 
     builder = _Builder(config, local_rank, log)
-    tokenizer, tokenizer_id = builder.tokenizer()
-    if isinstance(tokenizer, NullTokenizer):
-        vocab = tokenizer.vocab_size  # --vocab-size ids plus the end-of-document id, as in Megatron
-    else:
-        vocab = config.model.vocab_size or tokenizer.vocab_size
-    if vocab < tokenizer.vocab_size:
-        raise DataError(f"--vocab-size {vocab} is smaller than the tokenizer's {tokenizer.vocab_size}; raise it")
+    tokenizer, tokenizer_id, vocab = builder.tokenizer_and_vocabulary(saved_tokenizer)
 
-    def resolve(path: str, flag: str) -> str:
-        """A dataset prefix as given, or the cached preprocessed form of text files."""
-        if dataset_exists(path):
-            return path
-        return builder.preprocessed(input_files([path], flag), True, tokenizer, tokenizer_id)
+    if d.sft:
+        sft = sft_sources(config, tokenizer, train_samples, valid_samples, builder.cache / "indices", builder.once, log)
+        return DataBundle(sft.train, sft.valid, tokenizer, vocab, sft.valid_tasks)
 
     if d.corpus == "stdlib":
         blends = {"--data-path": Blend([builder.preprocessed(stdlib_files(), False, tokenizer, tokenizer_id)], None)}
@@ -250,14 +262,15 @@ def build_data(config: Config, global_batch_size: int, local_rank: int = 0, log:
         blends = {}
         for values, flag in d.blend_flags():
             blend = parse_blend(values, flag)
-            blends[flag] = Blend([resolve(p, flag) for p in blend.paths], blend.weights)
+            prefixes = [builder.resolve(p, flag, tokenizer, tokenizer_id) for p in blend.paths]
+            blends[flag] = Blend(prefixes, blend.weights)
 
     def sequences(prefix: str) -> int:
         return len(IndexedDataset(prefix))
 
     if "--data-path" in blends:  # one blend, each dataset cut by --split
         blend = blends["--data-path"]
-        cuts = [_split_documents(sequences(p), d.split) for p in blend.paths]
+        cuts = [split_ranges(sequences(p), d.split) for p in blend.paths]
         train_parts = (blend.paths, [c[0] for c in cuts], blend.weights)
         valid_parts = (blend.paths, [c[1] for c in cuts], blend.weights)
     else:  # a blend per split, used whole
@@ -271,3 +284,22 @@ def build_data(config: Config, global_batch_size: int, local_rank: int = 0, log:
     train = builder.blend(*train_parts, train_samples, "train")
     valid = builder.blend(*valid_parts, valid_samples, "validation") if config.training.eval_iters > 0 else None
     return DataBundle(train, valid, tokenizer, vocab)
+
+
+def evaluation_sources(
+    config: Config, local_rank: int = 0, log: Log = print, saved_tokenizer: Path | None = None
+) -> tuple[AnyTokenizer, int, dict[str, SampleSource]]:
+    """For `paratron evaluate`: the tokenizer, the vocabulary size and every --data-path file's
+    samples, whole and in order (conversations with --sft; GPT samples otherwise), by task name."""
+    d = config.data
+    builder = _Builder(config, local_rank, log)
+    tokenizer, tokenizer_id, vocab = builder.tokenizer_and_vocabulary(saved_tokenizer)
+    paths = parse_blend(d.data_path).paths
+    names = unique_task_names(paths)
+    if d.sft:
+        return tokenizer, vocab, dict(zip(names, whole_tasks(config, tokenizer, paths, names)))
+    tasks: dict[str, SampleSource] = {}
+    for name, path in zip(names, paths):
+        prefix = builder.resolve(path, "--data-path", tokenizer, tokenizer_id)
+        tasks[name] = builder.gpt_dataset(prefix, np.arange(len(IndexedDataset(prefix)), dtype=np.int32), None)
+    return tokenizer, vocab, tasks

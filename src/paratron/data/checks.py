@@ -11,6 +11,7 @@ from paratron.config.schema import Config
 from paratron.data.blending import parse_blend
 from paratron.data.indexed import IndexedDataset, dataset_exists
 from paratron.data.preprocess import input_files
+from paratron.data.sft.dataset import sft_dataset_exists
 from paratron.errors import ConfigError
 
 
@@ -20,7 +21,13 @@ def check_data_inputs(config: Config) -> None:
     raw, preprocessed = bool(d.corpus), False
     for values, blend_flag in d.blend_flags():
         for path in parse_blend(values, blend_flag).paths:
-            if dataset_exists(path):
+            if d.sft:
+                if not (sft_dataset_exists(path) or Path(path).is_file()):
+                    raise ConfigError(
+                        f"{blend_flag} {path}: neither a .jsonl file of conversations nor a `paratron preprocess "
+                        "--sft` dataset prefix; check the path"
+                    )
+            elif dataset_exists(path):
                 IndexedDataset(path)  # reads and checks the index
                 preprocessed = True
             elif Path(path).exists():
@@ -45,7 +52,12 @@ def check_data_inputs(config: Config) -> None:
                 raise ConfigError(
                     f"{flag.tokenizer_type} GPT2BPETokenizer needs {file_flag} (GPT-2's {name}); got {value}"
                 )
-    elif kind == "ByteLevelBPE" and (preprocessed or (not raw and not d.mock_data)):
+    elif kind == "ByteLevelBPE" and d.sft and not config.checkpoint.load:
+        raise ConfigError(
+            f"{flag.sft} needs an existing tokenizer: {flag.load} a checkpoint saved with one, or give "
+            f"{flag.tokenizer_type} HuggingFaceTokenizer {flag.tokenizer_model} PATH"
+        )
+    elif kind == "ByteLevelBPE" and not d.sft and (preprocessed or (not raw and not d.mock_data)):
         raise ConfigError(
             f"{flag.tokenizer_type} ByteLevelBPE trains on text, but (some of) the data is "
             f"preprocessed already; name its tokenizer: HuggingFaceTokenizer {flag.tokenizer_model}, "

@@ -4,6 +4,11 @@ Megatron-LM's order: a global batch of G samples is consumed as G / (mbs x DP) s
 at each step the next mbs x DP samples are split, data-parallel rank r taking the r-th
 block of mbs. One process (DP = 1) therefore sees the same samples in the same order as
 all DP ranks together, which is what makes every layout comparable to the single run.
+
+A pretraining sample is seq_length + 1 tokens (inputs, and labels shifted by one); with
+Megatron-LM's --reset-position-ids, --reset-attention-mask and --eod-mask-loss its documents
+(ended by the end-of-document token) also get their own positions, attention and loss mask.
+A fine-tuning sample (`data.sft.SFTSample`) arrives with its labels, positions and segments.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 
 from paratron.config.layout import micro_batches_per_rank
 from paratron.data.datasets import SampleSource
+from paratron.model.batch import IGNORE_INDEX, Batch
 
 
 @dataclass(frozen=True)
@@ -38,13 +44,61 @@ class BatchPlan:
         return out
 
 
+@dataclass(frozen=True)
+class DocumentLayout:
+    """How pretraining samples treat the documents inside them (all off: one causal sequence)."""
+
+    eod_id: int | None = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    @property
+    def plain(self) -> bool:
+        return not (self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss)
+
+
+def pretraining_batch(tokens: np.ndarray, documents: DocumentLayout) -> Batch:
+    """A micro-batch from samples [B, seq_length + 1]: a document ends with (and includes) its
+    end-of-document token; the next one starts after it."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if documents.plain:
+        return Batch(torch.from_numpy(inputs), torch.from_numpy(labels))
+    ends = inputs == documents.eod_id
+    segments = np.cumsum(ends, axis=1) - ends  # end-of-document tokens before each position
+    positions = None
+    if documents.reset_position_ids:
+        index = np.arange(inputs.shape[1])
+        starts = np.zeros_like(inputs)
+        starts[:, 1:] = np.where(ends[:, :-1], index[1:], 0)
+        positions = torch.from_numpy(index - np.maximum.accumulate(starts, axis=1))
+    if documents.eod_mask_loss:
+        labels = np.where(ends, IGNORE_INDEX, labels)
+    return Batch(
+        torch.from_numpy(np.ascontiguousarray(inputs)),
+        torch.from_numpy(np.ascontiguousarray(labels)),
+        positions,
+        torch.from_numpy(segments) if documents.reset_attention_mask else None,
+    )
+
+
+def collate(samples: list, documents: DocumentLayout) -> Batch:
+    """One micro-batch of samples: token arrays (pretraining) or `SFTSample`s (fine-tuning)."""
+    if isinstance(samples[0], np.ndarray):
+        return pretraining_batch(np.stack(samples), documents)
+    fields = [torch.from_numpy(np.stack(column)) for column in zip(*samples)]
+    return Batch(*fields)
+
+
 def micro_batches(
-    samples: SampleSource, plan: BatchPlan, consumed_samples: int, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids, labels) pairs of shape [mbs, seq] for this rank, on `device`."""
-    batches = []
-    for indices in plan.sample_indices(consumed_samples):
-        tokens = torch.from_numpy(np.stack([samples[i] for i in indices]))
-        tokens = tokens.to(device, non_blocking=True)
-        batches.append((tokens[:, :-1], tokens[:, 1:]))
-    return batches
+    samples: SampleSource,
+    plan: BatchPlan,
+    consumed_samples: int,
+    device: torch.device,
+    documents: DocumentLayout = DocumentLayout(),
+) -> list[Batch]:
+    """This rank's micro-batches ([mbs, seq] each) of the global batch at `consumed_samples`, on `device`."""
+    return [
+        collate([samples[i] for i in indices], documents).to(device)
+        for indices in plan.sample_indices(consumed_samples)
+    ]

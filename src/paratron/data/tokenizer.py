@@ -13,6 +13,7 @@ end-of-document.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -62,8 +63,11 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=False)
 
     def save(self, path: Path) -> None:
-        """Write tokenizer.json (callers write into temporary paths that they rename)."""
+        """Write tokenizer.json (callers write into temporary paths that they rename); a tokenizer
+        read from a folder brings that folder's chat template files along."""
         self.hf.save(str(path))
+        if self.source and Path(path).name == "tokenizer.json":
+            copy_template_files(Path(self.source).parent, Path(path).parent)
 
     def spec(self) -> dict:
         """Everything needed to rebuild this tokenizer in another process."""
@@ -139,6 +143,16 @@ class NullTokenizer:
 
 
 AnyTokenizer = Tokenizer | NullTokenizer
+
+TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
+"""Hugging Face files beside tokenizer.json that hold its chat template and special tokens."""
+
+
+def copy_template_files(source: Path, destination: Path) -> None:
+    """Copy a tokenizer folder's chat template files (those present) into another folder."""
+    for name in TEMPLATE_FILES:
+        if (source / name).is_file() and (source / name).resolve() != (destination / name).resolve():
+            shutil.copy(source / name, destination / name)
 
 
 def tokenizer_from_spec(spec: dict) -> AnyTokenizer:

@@ -16,15 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
+from paratron.model.batch import segment_attention_mask
+from paratron.model.lora import add_adapters, init_adapter
 
 # ---------------------------------------------------------------- positions
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [T, head_dim] for rotary embeddings, computed in fp32."""
+    """cos and sin tables for rotary embeddings, computed in fp32: [T, head_dim] for positions [T],
+    [B, 1, T, head_dim] (one table per row, broadcast over heads) for positions [B, T]."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(positions.float(), inv_freq)
+    angles = positions.float().unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
+    if positions.dim() == 2:
+        angles = angles.unsqueeze(1)
     return angles.cos(), angles.sin()
 
 
@@ -83,7 +88,9 @@ class Projections(nn.ModuleDict):
 
 
 class AttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(d) + causal mask) v, with dropout on the attention weights.
+    """softmax(q k^T / sqrt(d) + causal mask) v, with dropout on the attention weights. With an
+    explicit `mask` ([B, 1, T, T], True where attending is allowed: packed sequences) that mask
+    replaces the causal one.
 
     A module of its own so that parallelism can run it under its own random stream and
     recomputation can recompute just this part."""
@@ -92,10 +99,12 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         T, S = q.size(2), k.size(2)
-        mask, causal = None, True
-        if S != T:  # decoding with a cache: queries sit at the end of the keys
+        causal = mask is None
+        if mask is None and S != T:  # decoding with a cache: queries sit at the end of the keys
             causal = False
             if T > 1:
                 mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
@@ -131,6 +140,7 @@ class Attention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: LayerKVCache | None = None,
         start: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q, k, v = self.in_proj(x)
         B, T = q.shape[:2]  # (not x's: with sequence parallelism x holds only part of the sequence)
@@ -141,7 +151,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             k, v = cache.update(k, v, start)
-        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
+        y = self.core(q, k, v, mask).transpose(1, 2).reshape(B, T, -1)
         return self.output_dropout(self.out_proj(y))
 
 
@@ -195,8 +205,9 @@ class TransformerBlock(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: LayerKVCache | None = None,
         start: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rotary, cache, start)
+        x = x + self.attention(self.attention_norm(x), rotary, cache, start, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -212,16 +223,19 @@ class TransformerLayers(nn.ModuleList):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: KVCache | None = None,
         start: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         for i in indices:
-            x = self[i](x, rotary, cache.layers[i] if cache is not None else None, start)
+            x = self[i](x, rotary, cache.layers[i] if cache is not None else None, start, mask)
         return x
 
 
 class GPT(nn.Module):
     """Token (+ learned position) embedding, a stack of blocks, a final norm and the output layer.
 
-    `forward(input_ids)` returns logits [B, T, vocab]. `config.vocab_size` must be set.
+    `forward(input_ids)` returns logits [B, T, vocab]; `position_ids` and `segment_ids` ([B, T])
+    lay out several sequences packed in one row (see `model.batch`). `config.vocab_size` must be
+    set. With `config.lora_rank` the chosen linear layers carry LoRA adapters and only those train.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -237,6 +251,8 @@ class GPT(nn.Module):
         self.final_norm = make_norm(config)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        if config.lora_rank is not None:
+            add_adapters(self, config.lora_rank, config.lora_alpha, config.lora_targets)
 
     @property
     def tied(self) -> bool:
@@ -247,31 +263,44 @@ class GPT(nn.Module):
         if self.tied:
             self.output.weight = self.embedding.weight
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         start = cache.length if cache is not None else 0
-        x = self.embed(input_ids, start)
-        rotary = self.rotary_tables(input_ids.size(1), start, input_ids.device)
-        x = self.layers(x, range(len(self.layers)), rotary, cache, start)
+        x = self.embed(input_ids, start, position_ids)
+        rotary = self.rotary_tables(input_ids.size(1), start, input_ids.device, position_ids)
+        mask = segment_attention_mask(segment_ids) if segment_ids is not None else None
+        x = self.layers(x, range(len(self.layers)), rotary, cache, start, mask)
         if cache is not None:
             cache.length += input_ids.size(1)
         return self.head(x)
 
     # The pieces of forward, in order; a pipeline stage runs some of them on its own layers.
 
-    def embed(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Token (+ learned position) embeddings of positions start, start + 1, ..."""
+    def embed(self, input_ids: torch.Tensor, start: int = 0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ learned position) embeddings of positions start, start + 1, ... (or `position_ids`)."""
         x = self.embedding(input_ids)
         if self.position_embedding is not None:
-            positions = torch.arange(start, start + input_ids.size(1), device=input_ids.device)
+            positions = position_ids
+            if positions is None:
+                positions = torch.arange(start, start + input_ids.size(1), device=input_ids.device)
             x = x + self.position_embedding(positions)
         return self.embedding_dropout(x)
 
-    def rotary_tables(self, length: int, start: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rotary cos/sin tables for `length` positions from `start` (None with learned positions)."""
+    def rotary_tables(
+        self, length: int, start: int, device: torch.device, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary cos/sin tables for `length` positions from `start`, or for `position_ids` [B, T]
+        (None with learned positions)."""
         if self.config.position_embedding_type != "rope":
             return None
         head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
-        return rotary_cos_sin(torch.arange(start, start + length, device=device), head_dim, self.config.rotary_base)
+        positions = position_ids if position_ids is not None else torch.arange(start, start + length, device=device)
+        return rotary_cos_sin(positions, head_dim, self.config.rotary_base)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output layer: logits."""
@@ -290,9 +319,14 @@ def init_parameter(name: str, param: torch.Tensor, config: ModelConfig, seed: in
     """Initialize one parameter from (seed, its name) alone, so every layout gets the same weights.
 
     Matrices and embeddings ~ N(0, std); the projections that write into the residual stream
-    use std / sqrt(2 x layers) (GPT-2/Megatron scaled init); norms start at 1, biases at 0.
+    use std / sqrt(2 x layers) (GPT-2/Megatron scaled init); norms start at 1, biases at 0;
+    LoRA adapters as `model.lora.init_adapter` says.
     """
     with torch.no_grad():
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed(_stable_seed(seed, name))
+        if init_adapter(name, param, generator):
+            return
         if name.endswith("bias"):
             param.zero_()
         elif name.endswith("norm.weight"):
@@ -301,8 +335,6 @@ def init_parameter(name: str, param: torch.Tensor, config: ModelConfig, seed: in
             std = config.init_method_std
             if name.endswith("out_proj.weight"):
                 std /= math.sqrt(2.0 * config.num_layers)
-            generator = torch.Generator(device=param.device)
-            generator.manual_seed(_stable_seed(seed, name))
             param.normal_(0.0, std, generator=generator)
 
 

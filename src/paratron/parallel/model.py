@@ -2,7 +2,7 @@
 
 A `ParallelModel` holds the plain model part (`module`: the single-device `GPT` with what this
 rank does not hold removed and its layers swapped for their parallel twins) together with
-what running it takes: the loss function (vocabulary-parallel under tensor parallelism), the
+what running it takes: the per-token loss (vocabulary-parallel under tensor parallelism), the
 gradients and their data-parallel synchronisation, the pipeline runtime when the model is cut
 into stages, the flat parameter buffer of the distributed optimizer, and the random streams
 of tensor-parallel regions. Its one training entry point, `forward_backward`, hides whether a
@@ -17,28 +17,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratron.distributed import comm
 from paratron.distributed.rng import RNGStates
 from paratron.distributed.topology import Axis, RankGroup, Topology
+from paratron.model.batch import Batch
+from paratron.model.loss import mean_loss
 from paratron.parallel.data.ddp import DataParallelGradients
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.pipeline.runtime import PipelineRuntime
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(logits, labels) -> the loss of every position [B, T], zero where the label is not trained."""
 
 
 class ParallelModel(nn.Module):
     """This rank's model part and the machinery of its training step (see the module docstring).
 
-    Per step: `zero_grad()`, then `forward_backward(micro_batches, backward)`, after which every
-    gradient is complete and averaged over data-parallel ranks; the optimizer takes it from
+    Per step: `zero_grad()`, then `forward_backward(micro_batches, weights, backward)`, after which
+    every gradient is complete and averaged over data-parallel ranks; the optimizer takes it from
     there (`optim.protocol.TrainingOptimizer`)."""
 
     def __init__(
         self,
         module: nn.Module,
         topology: Topology,
-        loss_function: LossFunction,
+        token_loss: TokenLoss,
         gradients: DataParallelGradients,
         pipeline: PipelineRuntime | None = None,
         flat_parameters: FlatParameters | None = None,
@@ -47,7 +50,7 @@ class ParallelModel(nn.Module):
         super().__init__()
         self.module = module
         self.topology = topology
-        self.loss_function = loss_function
+        self.token_loss = token_loss
         self.gradients = gradients
         self.pipeline = pipeline
         self.flat_parameters = flat_parameters
@@ -72,27 +75,57 @@ class ParallelModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def loss_function(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the trained labels of these logits."""
+        return mean_loss(self.token_loss(logits, labels), labels)
+
+    def _run(self, batch: Batch) -> torch.Tensor:
+        """Summed token loss of one micro-batch through the whole (unpipelined) model."""
+        logits = self.module(batch.input_ids, position_ids=batch.position_ids, segment_ids=batch.segment_ids)
+        return self.token_loss(logits, batch.labels).sum()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; they stay views of their buffers whatever `set_to_none` says."""
         self.gradients.zero()
 
+    def loss_weights(self, batches: list[Batch], per_token: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The weight of each micro-batch's summed token loss, and this rank's trained-token count.
+
+        Per token, the weight is data-parallel size / the global batch's trained tokens (their
+        count summed over the data-parallel ranks by one scalar all-reduce; data parallelism
+        averages gradients, hence the factor); otherwise 1 / (the micro-batch's trained tokens x
+        the number of micro-batches), the mean over micro-batches of their mean token loss."""
+        counts = torch.stack([batch.trained_tokens() for batch in batches])
+        local = counts.sum()
+        if per_token:
+            total = local.to(torch.float32)  # (a new tensor: reduced in place)
+            dp = self.topology.group(Axis.DP)
+            comm.all_reduce(total, dp)
+            return [dp.size / total.clamp(min=1)] * len(batches), local
+        return [1.0 / (count.clamp(min=1).to(torch.float32) * len(batches)) for count in counts], local
+
     def forward_backward(
-        self, batches: list[Batch], backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+        self,
+        batches: list[Batch],
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+        weights: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Forward and backward over this rank's micro-batches, each micro-batch's loss divided by
-        their number, then the gradients' synchronisation. `backward(loss)` starts a backward pass
-        (the loss scaler's multiplies first). Returns the mean loss; under pipeline parallelism only
-        the last stage knows it, the other stages return zero."""
+        """Forward and backward over this rank's micro-batches, micro-batch m's loss being the sum
+        of its token losses times `weights[m]` (default: `loss_weights(batches, per_token=False)`),
+        then the gradients' synchronisation. `backward(loss)` starts a backward pass (the loss
+        scaler's multiplies first). Returns the sum of the weighted losses; under pipeline
+        parallelism only the last stage knows it, the other stages return zero."""
+        if weights is None:
+            weights, _ = self.loss_weights(batches, per_token=False)
         if self.pipeline is not None:
-            loss = self.pipeline.forward_backward(batches, backward)
+            loss = self.pipeline.forward_backward(batches, weights, backward)
         else:
-            total = torch.zeros((), device=batches[0][0].device)
-            for i, (inputs, labels) in enumerate(batches):
+            loss = torch.zeros((), device=batches[0].device)
+            for i, (batch, weight) in enumerate(zip(batches, weights)):
                 self.gradients.require_sync(i == len(batches) - 1)
-                micro_loss = self.loss_function(self.module(inputs), labels)
-                backward(micro_loss / len(batches))
-                total += micro_loss.detach()
-            loss = total / len(batches)
+                micro_loss = self._run(batch) * weight
+                backward(micro_loss)
+                loss += micro_loss.detach()
         self.gradients.finish()
         return loss
 
@@ -102,18 +135,18 @@ class ParallelModel(nn.Module):
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> torch.Tensor:
-        """Mean loss over the micro-batches, forward only (zero on pipeline stages but the last)."""
+        """Summed token loss over the micro-batches, forward only (zero on pipeline stages but the
+        last); divide by their trained tokens for the mean."""
         was_training = self.training
         self.eval()
         if self.pipeline is not None:
-            mean = self.pipeline.evaluate(batches)
+            total = self.pipeline.evaluate(batches)
         else:
-            total = torch.zeros((), device=batches[0][0].device)
-            for inputs, labels in batches:
-                total += self.loss_function(self.module(inputs), labels)
-            mean = total / len(batches)
+            total = torch.zeros((), device=batches[0].device)
+            for batch in batches:
+                total += self._run(batch)
         self.train(was_training)
-        return mean
+        return total
 
     def wait_param_gather(self) -> None:
         """Wait for the distributed optimizer's parameter gathers still in flight (before the

@@ -29,12 +29,13 @@ from paratron.config.schema import Config
 from paratron.distributed.init import synchronize
 from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSET, RNGStates
 from paratron.distributed.topology import Axis, RankGroup, Topology
+from paratron.model.batch import IGNORE_INDEX
 from paratron.model.gpt import GPT, init_parameter
-from paratron.model.loss import language_model_loss
+from paratron.model.loss import token_losses
 from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
 from paratron.parallel.data.fully_sharded import shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
-from paratron.parallel.model import LossFunction, ParallelModel
+from paratron.parallel.model import ParallelModel, TokenLoss
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
 from paratron.parallel.pipeline.runtime import PipelineRuntime
 from paratron.parallel.pipeline.schedules import Schedule, build_schedule
@@ -57,7 +58,7 @@ def parallelize(
     trains it. `layout` is the one validation returned (worked out from `config` if not given)."""
     layout = layout or resolve_layout(config, topology.dims.world_size)
     t = config.training
-    loss_function, rng = _tensor_parallel(model, config, topology, device)
+    token_loss, rng = _tensor_parallel(model, config, topology, device)
     if t.recompute_granularity is not None:
         apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     stage = _cut_stage(model, layout, topology) if topology.size(Axis.PP) > 1 else None
@@ -65,27 +66,27 @@ def parallelize(
     gradients, flat = _data_parallel(model, config, topology, device, stage.runner if stage else None)
     pipeline = None
     if stage is not None:
-        pipeline = _pipeline_runtime(stage, config, topology, device, loss_function, gradients)
-    return ParallelModel(model, topology, loss_function, gradients, pipeline, flat, rng)
+        pipeline = _pipeline_runtime(stage, config, topology, device, token_loss, gradients)
+    return ParallelModel(model, topology, token_loss, gradients, pipeline, flat, rng)
 
 
 def _tensor_parallel(
     model: GPT, config: Config, topology: Topology, device: torch.device
-) -> tuple[LossFunction, RNGStates | None]:
-    """Step 1: swap in the tensor-parallel layers (when TP > 1); returns the loss function (over
+) -> tuple[TokenLoss, RNGStates | None]:
+    """Step 1: swap in the tensor-parallel layers (when TP > 1); returns the per-token loss (over
     vocabulary-parallel logits) and the random streams of tensor-parallel regions."""
     tp = TPContext(
         topology.size(Axis.TP), topology.local_rank(Axis.TP), topology.group(Axis.TP), config.parallel.sequence_parallel
     )
     if tp.size == 1:
-        return language_model_loss, None
+        return token_losses, None
     rng = RNGStates(device)
     rng.add(TENSOR_PARALLEL, config.training.seed + TENSOR_PARALLEL_SEED_OFFSET + tp.rank)
     groups = config.model.num_query_groups or config.model.num_attention_heads
     kv_replicas = topology.create_subgroups(Axis.TP, tp.size // groups, "tp-kv-replicas") if groups < tp.size else None
     apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
     vocab_start = shard_of(model.output.weight).start
-    return partial(_vocab_parallel_loss, vocab_start=vocab_start, group=tp.group), rng
+    return partial(_vocab_parallel_token_losses, vocab_start=vocab_start, group=tp.group), rng
 
 
 @dataclass
@@ -148,7 +149,7 @@ def _pipeline_runtime(
     config: Config,
     topology: Topology,
     device: torch.device,
-    loss_function: LossFunction,
+    token_loss: TokenLoss,
     gradients: DataParallelGradients,
 ) -> PipelineRuntime:
     """Step 6: the runtime of this rank's chunks, reporting to the gradients' synchronisation."""
@@ -167,7 +168,7 @@ def _pipeline_runtime(
         config.parallel.variable_seq_lengths,
     )
     return PipelineRuntime(
-        stage.runner, stage.schedule, comm, loss_function, gradients, stage.store, partial(synchronize, device)
+        stage.runner, stage.schedule, comm, token_loss, gradients, stage.store, partial(synchronize, device)
     )
 
 
@@ -188,10 +189,11 @@ def _allocate(model: nn.Module, device: torch.device | str) -> None:
                 module._buffers[key] = torch.empty_like(buffer, device=device)
 
 
-def _vocab_parallel_loss(
+def _vocab_parallel_token_losses(
     logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: RankGroup
 ) -> torch.Tensor:
-    return vocab_parallel_cross_entropy(logits, labels, vocab_start, group).mean()
+    trained = labels != IGNORE_INDEX
+    return vocab_parallel_cross_entropy(logits, labels.masked_fill(~trained, 0), vocab_start, group) * trained
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> None:

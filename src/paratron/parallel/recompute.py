@@ -79,20 +79,26 @@ class RecomputedLayers(TransformerLayers):
         self.method, self.group, self.rng = method, group, rng
 
     def forward(
-        self, x: torch.Tensor, indices: range, rotary: Any = None, cache: KVCache | None = None, start: int = 0
+        self,
+        x: torch.Tensor,
+        indices: range,
+        rotary: Any = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if cache is not None or not torch.is_grad_enabled():
-            return super().forward(x, indices, rotary, cache, start)
-        run = super().forward
+            return super().forward(x, indices, rotary, cache, start, mask)
+        run = partial(super().forward, rotary=rotary, mask=mask)
         if self.method == "block":
             recompute = range(indices.start, min(indices.start + self.group, indices.stop))
             for i in indices:
-                layer = partial(run, indices=range(i, i + 1), rotary=rotary)
+                layer = partial(run, indices=range(i, i + 1))
                 x = _recomputed_call(layer, self.rng, x) if i in recompute else layer(x)
             return x
         for first in range(indices.start, indices.stop, self.group):
             layers = range(first, min(first + self.group, indices.stop))
-            x = _recomputed_call(partial(run, indices=layers, rotary=rotary), self.rng, x)
+            x = _recomputed_call(partial(run, indices=layers), self.rng, x)
         return x
 
 

@@ -20,8 +20,8 @@ from paratron.checkpoint.io import BackgroundSave, CheckpointContent, begin_save
 from paratron.config.layout import Layout
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
-from paratron.data.loader import BatchPlan, micro_batches
-from paratron.distributed import rng
+from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
+from paratron.distributed import comm, rng
 from paratron.distributed.init import DistributedContext, peak_memory_bytes
 from paratron.distributed.topology import Axis, Topology
 from paratron.optim.build import set_learning_rate
@@ -53,15 +53,18 @@ class _Window:
     evaluating, saving or writing profiles is not part of the steps' speed: `start` moves past it."""
 
     loss: torch.Tensor
+    trained_tokens: torch.Tensor
     steps: int = 0
     start: float = field(default_factory=time.perf_counter)
 
     def add(self, result: StepResult) -> None:
         self.loss += result.loss
+        self.trained_tokens += result.trained_tokens
         self.steps += 1
 
     def restart(self) -> None:
         self.loss.zero_()
+        self.trained_tokens.zero_()
         self.steps = 0
         self.start = time.perf_counter()
 
@@ -85,6 +88,14 @@ class Trainer:
         t, layout = self.config.training, self.layout
         self.plan = BatchPlan(layout.global_batch_size, layout.micro_batch_size, layout.dp, self.topology.dp_rank)
         self.precision = Precision(t.precision, build_loss_scaler(t), self.ctx.device)
+        d, tokenizer = self.config.data, self.data.tokenizer
+        self.documents = DocumentLayout(
+            tokenizer.eod_id if tokenizer is not None else None,
+            d.reset_position_ids,
+            d.reset_attention_mask,
+            d.eod_mask_loss,
+        )
+        self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
 
     @property
     def global_batch_size(self) -> int:
@@ -95,7 +106,7 @@ class Trainer:
         learning-rate schedule still spans --train-iters)."""
         end = stop_after or self.config.training.train_iters
         first = self.state.iteration + 1
-        window = _Window(torch.zeros((), device=self.ctx.device))
+        window = _Window(torch.zeros((), device=self.ctx.device), torch.zeros((), device=self.ctx.device))
         with ExitConditions(self.config.training, self.ctx.device) as exits:
             for iteration in range(first, end + 1):
                 lr, result = self._train(iteration, first, window)
@@ -122,7 +133,7 @@ class Trainer:
         t, lg, state = self.config.training, self.config.logging, self.state
         lr = learning_rate(iteration, self.config.optimizer.lr, self.config.lr_schedule, t.train_iters)
         set_learning_rate(self.optimizer, lr)
-        batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device)
+        batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device, self.documents)
         pipeline = self.model.pipeline
         profiling = lg.profile_pipeline and pipeline is not None and iteration == t.train_iters
         if profiling:
@@ -130,7 +141,14 @@ class Trainer:
             pipeline.record = True
         measuring = iteration == first and lg.log_memory
         with SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations:
-            result = train_step(self.model, self.optimizer, batches, self.precision, self.config.optimizer.clip_grad)
+            result = train_step(
+                self.model,
+                self.optimizer,
+                batches,
+                self.precision,
+                self.config.optimizer.clip_grad,
+                self.per_token_loss,
+            )
         if iteration == first:
             self._report_memory(activations)
             window.restart()
@@ -153,9 +171,10 @@ class Trainer:
 
     def _log(self, iteration: int, lr: float, result: StepResult, window: _Window) -> None:
         loss = self._dp_mean(window.loss / window.steps)
-        tokens_per_s = (
-            self.global_batch_size * self.config.data.seq_length * window.steps / (time.perf_counter() - window.start)
-        )
+        seconds = time.perf_counter() - window.start
+        tokens_per_s = self.global_batch_size * self.config.data.seq_length * window.steps / seconds
+        trained = window.trained_tokens.clone()
+        comm.all_reduce(trained, self.topology.group(Axis.DP))
         flops_per_device = self.flops_per_token * tokens_per_s / self.ctx.world_size
         record = {
             "step": iteration,
@@ -163,6 +182,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
             "tokens_per_s": tokens_per_s,
+            "trained_tokens_per_s": float(trained.item()) / seconds,
             "tflops_per_device": flops_per_device / 1e12,
             "mfu": flops_per_device / self.peak_flops,
             "mem_gb": peak_memory_bytes(self.ctx.device) / 1e9,
@@ -180,8 +200,9 @@ class Trainer:
     def _evaluate(self, iteration: int, last: bool, window: _Window) -> None:
         t = self.config.training
         if t.eval_iters > 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
-            self.state.val_losses.append(self.evaluate(-(-iteration // t.eval_interval) - 1))
-            self.writer.log_eval(iteration, self.state.val_losses[-1])
+            loss, tasks = self.evaluate(-(-iteration // t.eval_interval) - 1)
+            self.state.val_losses.append(loss)
+            self.writer.log_eval(iteration, loss, tasks if len(tasks) > 1 or self.config.data.sft else None)
             window.start = time.perf_counter()
 
     def _save(self, iteration: int, final: bool, window: _Window) -> None:
@@ -257,19 +278,31 @@ class Trainer:
                 f"activations at once; {', '.join(str(f) for f in files)}"
             )
 
-    def evaluate(self, number: int) -> float:
-        """Mean loss over the `number`-th run of eval_iters global batches of the validation split.
+    def evaluate(self, number: int) -> tuple[float, dict[str, dict[str, float]]]:
+        """Per-token mean loss over the `number`-th run of eval_iters global batches of each
+        validation task (one task, unless fine-tuning data names several files): the overall loss
+        and {task: {"loss", "tokens"}}.
 
         As in Megatron-LM, each evaluation reads the next batches (the evaluation at step i is
         number ceil(i / eval_interval) - 1), so the order is a pure function of the step."""
         assert self.data.valid is not None
-        total = torch.zeros((), device=self.ctx.device)
-        iters = self.config.training.eval_iters
+        tasks = self.data.valid_tasks or {"valid": self.data.valid}
+        iters, device = self.config.training.eval_iters, self.ctx.device
         first = number * iters * self.global_batch_size
-        for i in range(iters):
-            batches = micro_batches(self.data.valid, self.plan, first + i * self.global_batch_size, self.ctx.device)
-            total += self.model.evaluate(batches)
-        return self._dp_mean(total / iters)
+        sums = torch.zeros(2, len(tasks), device=device)  # summed token losses; trained tokens
+        for t, source in enumerate(tasks.values()):
+            for i in range(iters):
+                batches = micro_batches(source, self.plan, first + i * self.global_batch_size, device, self.documents)
+                sums[0, t] += self.model.evaluate(batches)
+                sums[1, t] += sum(batch.trained_tokens() for batch in batches)
+        pp, dp = self.topology.group(Axis.PP), self.topology.group(Axis.DP)
+        if pp.size > 1:  # the losses live on the last stage; the token counts on every stage
+            sums[1] *= float(self.topology.pp_rank == pp.size - 1)
+            comm.all_reduce(sums, pp)
+        comm.all_reduce(sums, dp)
+        losses, tokens = sums.tolist()
+        results = {name: {"loss": s / max(n, 1), "tokens": n} for name, s, n in zip(tasks, losses, tokens)}
+        return sum(losses) / max(sum(tokens), 1), results
 
     def save(self, root: Path) -> Path:
         """Save a checkpoint; with --async-save start writing it and return (see `finish_save`)."""

@@ -105,15 +105,23 @@ class MetricsWriter:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
         self.info(format_step_line(record, self.total_iters))
 
-    def log_eval(self, step: int, loss: float) -> None:
+    def log_eval(self, step: int, loss: float, tasks: dict[str, dict[str, float]] | None = None) -> None:
+        """One validation: the overall per-token loss and, with several tasks, each task's
+        {"loss", "tokens"}."""
         if not self.enabled:
             return
-        record = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        record: dict[str, Any] = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        if tasks:
+            record["tasks"] = tasks
         self.eval_file.write(json.dumps(record) + "\n")
         self.eval_file.flush()
         if self.tb is not None:
             self.tb.add_scalar("valid/loss", loss, step)
+            for name, task in (tasks or {}).items():
+                self.tb.add_scalar(f"valid/{name}/loss", task["loss"], step)
         self.info(f"validation at step {step}: loss {loss:.4f} | perplexity {record['val_ppl']:.2f}")
+        for name, task in (tasks or {}).items():
+            self.info(f"  task {name}: loss {task['loss']:.4f} over {task['tokens']:,.0f} tokens")
 
     def close(self) -> None:
         if not self.enabled:

@@ -109,9 +109,12 @@ def _assemble(
     loaded and the single-device parameter count."""
     t, c = config.training, config.checkpoint
     layout = resolve_layout(config, ctx.world_size)  # (the settings were validated before the workers started)
-    data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say)
-    config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
     resume = read_checkpoint(Path(c.load)) if c.load else None
+    saved_tokenizer = resume.path / "tokenizer.json" if resume is not None and config.data.sft else None
+    if saved_tokenizer is not None and not saved_tokenizer.is_file():
+        saved_tokenizer = None
+    data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say, saved_tokenizer=saved_tokenizer)
+    config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
     with torch.device("meta"):
         meta = GPT(config.model)
     n_params = sum(q.numel() for q in meta.parameters())

@@ -1,8 +1,16 @@
 """One optimizer step over this rank's micro-batches.
 
-The loss of a step is the mean over micro-batches of each micro-batch's mean token loss;
-each micro-batch's backward is scaled by 1/num_micro_batches, and gradients are averaged
-over data-parallel ranks, so every layout computes the gradient of the same global mean.
+Each micro-batch's loss is the sum of its token losses times a weight
+(`ParallelModel.loss_weights`), and
+gradients are averaged over data-parallel ranks, so every layout (TP, PP, DP, ZeRO, the number
+of micro-batches) computes the gradient of the same loss:
+
+    default                 the mean over micro-batches of each micro-batch's mean token loss
+                            (Megatron-LM's default; for pretraining without masks every
+                            micro-batch holds as many trained tokens, and both are the same)
+    per-token loss          the sum of the token losses of the whole global batch divided by its
+                            trained tokens (--calculate-per-token-loss, the default with --sft:
+                            a short conversation weighs no more per token than a long one)
 """
 
 from __future__ import annotations
@@ -11,28 +19,37 @@ from dataclasses import dataclass
 
 import torch
 
+from paratron.model.batch import Batch
 from paratron.optim.build import clip_grad_norm
 from paratron.optim.mixed_precision import Precision
 from paratron.optim.protocol import TrainingOptimizer
-from paratron.parallel.model import Batch, ParallelModel
+from paratron.parallel.model import ParallelModel
 
 
 @dataclass
 class StepResult:
     loss: torch.Tensor
-    """Mean loss of this rank's micro-batches (detached; not yet averaged over ranks). Under
-    pipeline parallelism only the last stage knows it; the other stages hold zero."""
+    """This rank's weighted loss (detached); its mean over data-parallel ranks is the step's loss.
+    Under pipeline parallelism only the last stage knows it; the other stages hold zero."""
     grad_norm: torch.Tensor | None
     """Global gradient norm before clipping; None when the step was skipped."""
     skipped: bool
     """fp16 gradients overflowed somewhere: no rank stepped."""
+    trained_tokens: torch.Tensor
+    """Trained (unmasked) labels in this rank's micro-batches."""
 
 
 def train_step(
-    model: ParallelModel, optimizer: TrainingOptimizer, batches: list[Batch], precision: Precision, clip_grad: float
+    model: ParallelModel,
+    optimizer: TrainingOptimizer,
+    batches: list[Batch],
+    precision: Precision,
+    clip_grad: float,
+    per_token_loss: bool = False,
 ) -> StepResult:
+    weights, trained = model.loss_weights(batches, per_token_loss)
     model.zero_grad()
-    loss = model.forward_backward(batches, precision.backward)  # gradients complete and averaged
+    loss = model.forward_backward(batches, precision.backward, weights)  # gradients complete and averaged
     optimizer.prepare_grads()
     grads = optimizer.grads_for_norm()
     overflow = precision.unscale(grads.tensors, grads.group)
@@ -42,4 +59,4 @@ def train_step(
         optimizer.step()
         optimizer.after_step()
     precision.update(overflow)
-    return StepResult(loss, grad_norm, skipped=overflow)
+    return StepResult(loss, grad_norm, overflow, trained)

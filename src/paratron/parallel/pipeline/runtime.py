@@ -10,8 +10,9 @@
 The receive an operation needs is posted when the previous operation ends, together with
 that operation's sends, and waited for only when the tensor is needed.
 
-Every micro-batch's loss is divided by the number of micro-batches, so the gradients that
-accumulate in the parameters' buffers are those of the mean loss, as without pipelining.
+The last stage turns each micro-batch's output into the sum of its token losses times that
+micro-batch's weight (see `training.step.loss_weights`), so the gradients that accumulate in
+the parameters' buffers are those of the step's loss, as without pipelining.
 The gradient synchronizer of data parallelism is given at construction: it is told before
 each backward operation whether it is the step's last for its chunk, and of every weight
 gradient a W operation completes.
@@ -28,12 +29,11 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from paratron.model.batch import Batch
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, PendingReceive, StageComm
 from paratron.parallel.pipeline.schedules import Action, Schedule, Span
 from paratron.parallel.pipeline.stage import StageRunner
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class GradientSync(Protocol):
@@ -50,7 +50,7 @@ class PipelineRuntime:
         runner: StageRunner,
         schedule: Schedule,
         comm: StageComm,
-        loss_function: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         gradients: GradientSync,
         store: WeightGradStore | None = None,
         synchronize: Callable[[], None] = lambda: None,
@@ -58,7 +58,7 @@ class PipelineRuntime:
         self.runner, self.schedule, self.comm = runner, schedule, comm
         self.pp_ranks = comm.ranks  # global rank of every pipeline rank
         self.rank = runner.layout.rank
-        self.loss_function = loss_function
+        self.token_loss = token_loss
         self.gradients = gradients
         self.store = store
         self.synchronize = synchronize  # device sync, for honest operation times when profiling
@@ -73,16 +73,19 @@ class PipelineRuntime:
         rank, _ = self.schedule.place(self.runner.layout.stage(chunk) + offset)
         return self.pp_ranks[rank]
 
-    def forward_backward(self, batches: list[Batch], backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def forward_backward(
+        self, batches: list[Batch], weights: list[torch.Tensor], backward: Callable[[torch.Tensor], None]
+    ) -> torch.Tensor:
         """Run the schedule over `batches` (every rank is given all of them); gradients accumulate
-        in the parameters. Returns the mean loss on the last stage's rank, zero elsewhere.
-        `backward(loss)` starts backward from a loss (it may scale it first)."""
+        in the parameters. Micro-batch m's loss is the sum of its token losses times `weights[m]`;
+        returns their sum on the last stage's rank, zero elsewhere. `backward(loss)` starts
+        backward from a loss (it may scale it first)."""
         count = len(batches)
         if count != self.schedule.microbatches:
             raise ValueError(f"the schedule is for {self.schedule.microbatches} micro-batches, got {count}")
         inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
-        total = torch.zeros((), device=batches[0][0].device)
+        total = torch.zeros((), device=batches[0].device)
         self.spans = []
         if self.record:
             self.synchronize()  # (only then: a device sync in every step would cost time)
@@ -92,14 +95,14 @@ class PipelineRuntime:
         incoming = self._post_receive(actions[0], batches)
         for position, action in enumerate(actions):
             key = (action.microbatch, action.chunk)
-            tokens, labels = batches[action.microbatch]
+            batch = batches[action.microbatch]
             first, last = self.runner.is_first(action.chunk), self.runner.is_last(action.chunk)
             if action.kind == "F":
-                x = tokens if incoming is None else incoming.wait().requires_grad_()
+                x = batch.input_ids if incoming is None else incoming.wait().requires_grad_()
                 begin = self._now(origin)
-                out = self.runner(action.chunk, x, tokens.size(1))
+                out = self.runner(action.chunk, x, batch)
                 if last:
-                    loss = self.loss_function(out, labels) / count
+                    loss = self.token_loss(out, batch.labels).sum() * weights[action.microbatch]
                     total += loss.detach()
                     outputs[key] = loss
                 else:
@@ -136,27 +139,28 @@ class PipelineRuntime:
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> torch.Tensor:
-        """Forward only, in the schedule's forward order; the mean loss on the last stage's rank."""
-        total = torch.zeros((), device=batches[0][0].device)
+        """Forward only, in the schedule's forward order; the summed token loss of all micro-batches
+        on the last stage's rank (zero elsewhere)."""
+        total = torch.zeros((), device=batches[0].device)
         for action in self.schedule.ranks[self.rank]:
             if action.kind != "F":
                 continue
-            tokens, labels = batches[action.microbatch]
+            batch = batches[action.microbatch]
             incoming = self._post_receive(action, batches)
-            x = tokens if incoming is None else incoming.wait()
-            out = self.runner(action.chunk, x, tokens.size(1))
+            x = batch.input_ids if incoming is None else incoming.wait()
+            out = self.runner(action.chunk, x, batch)
             if self.runner.is_last(action.chunk):
-                total += self.loss_function(out, labels)
+                total += self.token_loss(out, batch.labels).sum()
             else:
                 self._send(out, action, +1, ACTIVATION)
         self.comm.wait_sends()
-        return total / len(batches)
+        return total
 
     def _post_receive(self, action: Action, batches: list[Batch]) -> PendingReceive | None:
         """Post the queued sends and the receive `action` needs (None if it needs none: then the
         sends leave alone)."""
         stage = self.runner.layout.stage(action.chunk)
-        tokens = batches[action.microbatch][0]
+        tokens = batches[action.microbatch].input_ids
         need = None
         if action.kind == "F" and stage > 0:
             need = (-1, ACTIVATION)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from paratron.distributed.topology import RankGroup
+from paratron.model.batch import Batch, segment_attention_mask
 from paratron.model.gpt import GPT
 from paratron.parallel.pipeline.schedules import stage_of
 from paratron.parallel.sharding import set_partial_grad, update_info
@@ -97,12 +98,14 @@ class StageRunner(nn.Module):
     def is_last(self, chunk: int) -> bool:
         return self.layout.stage(chunk) == self.layout.num_stages - 1
 
-    def forward(self, chunk: int, x: torch.Tensor, seq_length: int) -> torch.Tensor:
-        """`x` is token ids on the first stage and the previous stage's output elsewhere;
-        `seq_length` is the whole sequence's (x may hold a sequence-parallel shard)."""
+    def forward(self, chunk: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """`x` is the micro-batch's token ids on the first stage and the previous stage's output
+        elsewhere (perhaps a sequence-parallel shard); every stage reads the sequence layout
+        (positions, segments) from `batch`."""
         model = self.model
         if self.is_first(chunk):
-            x = model.embed(x)
-        rotary = model.rotary_tables(seq_length, 0, x.device)
-        x = model.layers(x, self.layout.ranges[self.layout.stage(chunk)], rotary)
+            x = model.embed(x, 0, batch.position_ids)
+        rotary = model.rotary_tables(batch.seq_length, 0, x.device, batch.position_ids)
+        mask = segment_attention_mask(batch.segment_ids) if batch.segment_ids is not None else None
+        x = model.layers(x, self.layout.ranges[self.layout.stage(chunk)], rotary, mask=mask)
         return model.head(x) if self.is_last(chunk) else x

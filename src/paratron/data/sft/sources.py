@@ -1,0 +1,184 @@
+"""The fine-tuning data of a run: the --data-path entries (tasks) turned into samples.
+
+Each entry is a task: a `.jsonl` file of conversations (rendered with --chat-template and
+tokenized on every run; fine for small sets), or the prefix of a `paratron preprocess --sft`
+dataset (tokenized once). As for pretraining, `--data-path A B` cuts each task by --split and
+blends the tasks by their sizes (samples per epoch), `--data-path 0.7 A 0.3 B` by the weights;
+`--train-data-path` / `--valid-data-path` give each split its own tasks, used whole. Every task
+keeps its own validation samples, so evaluation reports a loss per task.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from paratron.config.schema import Config
+from paratron.data.blending import BlendedDataset, component_sizes, parse_blend, split_ranges
+from paratron.data.datasets import SampleSource
+from paratron.data.sft.dataset import ConversationStore, SFTDataset, sft_dataset_exists
+from paratron.data.sft.templates import ChatTemplate, load_chat_template
+from paratron.data.sft.tokenize import TokenizedConversation, tokenize_file
+from paratron.data.tokenizer import AnyTokenizer, Tokenizer
+from paratron.errors import DataError
+
+Log = Callable[[str], None]
+BuildOnce = Callable[[Path, Callable[[Path], None]], None]
+
+
+@dataclass
+class SFTSources:
+    train: SampleSource
+    valid: SampleSource | None
+    valid_tasks: dict[str, SampleSource]
+
+
+class _Subset(Sequence[TokenizedConversation]):
+    """Some of a task's conversations (one split), in order."""
+
+    def __init__(self, conversations: Sequence[TokenizedConversation], indices: np.ndarray) -> None:
+        self.conversations, self.indices = conversations, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> TokenizedConversation:  # type: ignore[override]
+        return self.conversations[int(self.indices[i])]
+
+
+def chat_template(config: Config, tokenizer: AnyTokenizer) -> ChatTemplate:
+    """--chat-template for this tokenizer (whose own files hold the template for `tokenizer`)."""
+    if not isinstance(tokenizer, Tokenizer):
+        raise DataError("--sft needs a Hugging Face tokenizer (its character offsets locate the assistant turns)")
+    eos = tokenizer.hf.id_to_token(tokenizer.eod_id)
+    return load_chat_template(config.data.chat_template, tokenizer.source or None, None, eos)
+
+
+def task_name(path: str) -> str:
+    """A task's name in logs and reports: the file's (or dataset prefix's) last component, sans suffix."""
+    return Path(path).stem if Path(path).suffix in (".jsonl", ".json", ".ndjson") else Path(path).name
+
+
+def load_task(path: str, template: ChatTemplate, tokenizer: Tokenizer) -> Sequence[TokenizedConversation]:
+    if sft_dataset_exists(path):
+        return ConversationStore(path)
+    if Path(path).is_file():
+        return tokenize_file(Path(path), template, tokenizer)
+    raise DataError(
+        f"{path}: neither a .jsonl file of conversations nor a `paratron preprocess --sft` dataset prefix; "
+        "check the path"
+    )
+
+
+def unique_task_names(paths: list[str]) -> list[str]:
+    names = [task_name(p) for p in paths]
+    return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+
+
+def sft_sources(
+    config: Config,
+    tokenizer: AnyTokenizer,
+    train_samples: int,
+    valid_samples: int,
+    cache_dir: Path,
+    build_once: BuildOnce,
+    log: Log,
+) -> SFTSources:
+    d, seed = config.data, config.training.seed
+    template = chat_template(config, tokenizer)
+    assert isinstance(tokenizer, Tokenizer)
+
+    def dataset(conversations: Sequence[TokenizedConversation], samples: int | None, name: str) -> SFTDataset:
+        return SFTDataset(
+            conversations, d.seq_length, tokenizer.pad_id, d.sft_pack, samples, seed, d.sft_truncation, name
+        )
+
+    if d.data_path:
+        blend = parse_blend(d.data_path)
+        tasks = [load_task(p, template, tokenizer) for p in blend.paths]
+        names = unique_task_names(blend.paths)
+        cuts = [split_ranges(len(task), d.split) for task in tasks]
+        train_parts = [_Subset(task, cut[0]) for task, cut in zip(tasks, cuts)]
+        valid_parts = [_Subset(task, cut[1]) for task, cut in zip(tasks, cuts)]
+        weights = blend.weights
+    else:
+        train_blend, valid_blend = parse_blend(d.train_data_path, "--train-data-path"), None
+        train_parts = [load_task(p, template, tokenizer) for p in train_blend.paths]
+        names, weights = unique_task_names(train_blend.paths), train_blend.weights
+        valid_parts, valid_names = [], []
+        if d.valid_data_path:
+            valid_blend = parse_blend(d.valid_data_path, "--valid-data-path")
+            valid_parts = [load_task(p, template, tokenizer) for p in valid_blend.paths]
+            valid_names = unique_task_names(valid_blend.paths)
+    for part, name in zip(train_parts, names):
+        if len(part) == 0:
+            raise DataError(f"{name}: no conversations fall in the train split; change --split")
+    epochs = [dataset(p, None, n) for p, n in zip(train_parts, names)]
+    train = _blend(epochs, weights, train_samples, dataset, names, cache_dir, build_once)
+    train_tasks = train.datasets if isinstance(train, BlendedDataset) else [train]
+    truncated = sum(t.truncated for t in train_tasks)  # type: ignore[attr-defined]
+    if truncated:
+        log(f"{truncated} training conversation(s) longer than --seq-length {d.seq_length} were truncated")
+    if config.training.eval_iters <= 0:
+        return SFTSources(train, None, {})
+    if d.data_path:
+        valid_names = names
+    valid_tasks = {}
+    for part, name in zip(valid_parts, valid_names):
+        if len(part) == 0:
+            raise DataError(
+                f"{name}: no conversations fall in the validation split; change --split, give --valid-data-path, "
+                "or set --eval-iters 0"
+            )
+        valid_tasks[name] = dataset(part, valid_samples, name)
+    valid = next(iter(valid_tasks.values())) if len(valid_tasks) == 1 else None
+    if valid is None and valid_tasks:
+        shares = [1.0 / len(valid_tasks)] * len(valid_tasks)
+        valid = BlendedDataset(list(valid_tasks.values()), shares, valid_samples, cache_dir, build_once, valid_names)
+    return SFTSources(train, valid, valid_tasks)
+
+
+def _blend(
+    epochs: list[SFTDataset],
+    weights: list[float] | None,
+    size: int,
+    dataset: Callable[[Sequence[TokenizedConversation], int | None, str], SFTDataset],
+    names: list[str],
+    cache_dir: Path,
+    build_once: BuildOnce,
+) -> SampleSource:
+    """The training blend of `size` samples: each task reshuffled every epoch, drawn by `weights`
+    (default: each task's samples per epoch, Megatron-LM's weighting by size)."""
+    if len(epochs) == 1:
+        return dataset(epochs[0].conversations, size, names[0])
+    if weights is None:
+        counts = np.asarray([e.samples_per_epoch for e in epochs], np.float64)
+        weights = (counts / counts.sum()).tolist()
+    sizes = component_sizes(weights, size)
+    parts = [dataset(e.conversations, n, name) for e, n, name in zip(epochs, sizes, names)]
+    total = sum(math.ceil(size * w) for w in weights)
+    return BlendedDataset(parts, weights, total, cache_dir, build_once, [f"sft:{name}" for name in names])
+
+
+def whole_tasks(config: Config, tokenizer: AnyTokenizer, paths: list[str], names: list[str]) -> list[SFTDataset]:
+    """Each task's conversations once, in order (for evaluation over whole files)."""
+    d = config.data
+    template = chat_template(config, tokenizer)
+    assert isinstance(tokenizer, Tokenizer)
+    return [
+        SFTDataset(
+            load_task(path, template, tokenizer),
+            d.seq_length,
+            tokenizer.pad_id,
+            d.sft_pack,
+            None,
+            config.training.seed,
+            d.sft_truncation,
+            name,
+        )
+        for path, name in zip(paths, names)
+    ]

@@ -1,0 +1,55 @@
+"""What one micro-batch holds: token ids, the labels to predict, and how sequences are laid out.
+
+A row of a micro-batch may hold several documents or conversations one after another
+(packing). `position_ids` then restart at 0 for each, and `segment_ids` number them, so that a
+token attends only to earlier tokens of its own segment. Labels equal to `IGNORE_INDEX` are not
+trained (user turns of a conversation, padding, the token after an end-of-document with
+--eod-mask-loss); every loss is a sum or mean over the other labels only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+"""A label that is not trained (as in PyTorch's cross-entropy and Hugging Face's labels)."""
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    """[B, T] token ids."""
+    labels: torch.Tensor
+    """[B, T] the next token at each position, or IGNORE_INDEX where nothing is trained."""
+    position_ids: torch.Tensor | None = None
+    """[B, T] position of each token within its segment (None: 0, 1, ..., T - 1 in every row)."""
+    segment_ids: torch.Tensor | None = None
+    """[B, T] which segment of its row each token belongs to (None: one segment per row)."""
+
+    @property
+    def seq_length(self) -> int:
+        return self.input_ids.size(1)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def trained_tokens(self) -> torch.Tensor:
+        """How many labels are trained (a tensor on the batch's device: no host sync)."""
+        return (self.labels != IGNORE_INDEX).sum()
+
+    def to(self, device: torch.device) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.segment_ids))  # type: ignore[arg-type]
+
+
+def segment_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] boolean mask, True where query i may attend to key j: j <= i within one segment."""
+    T = segment_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
+    return (same & causal).unsqueeze(1)

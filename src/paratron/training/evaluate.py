@@ -1,0 +1,122 @@
+"""`paratron evaluate`: the per-token loss of a saved model over whole files, per file and overall.
+
+Every sample of every --data-path file is read once, in order (conversations with --sft,
+packed or not; otherwise the file's GPT samples), at any layout: the global batches are cut
+into micro-batches as in training, and the last one is padded with samples that train nothing.
+The loss of a task is the sum of its token losses over its trained tokens, so it does not depend
+on the layout, the batch size or packing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from paratron.checkpoint.io import load_model_weights, read_checkpoint, write_text_atomic
+from paratron.config.layout import resolve_layout
+from paratron.config.loading import override
+from paratron.config.schema import Config
+from paratron.data.build import evaluation_sources
+from paratron.data.datasets import SampleSource
+from paratron.data.loader import BatchPlan, micro_batches
+from paratron.data.sft.packing import SFTSample
+from paratron.distributed import comm
+from paratron.distributed.init import initialize, shutdown
+from paratron.distributed.topology import Axis, ParallelDims, Topology
+from paratron.model.batch import IGNORE_INDEX
+from paratron.model.gpt import GPT
+from paratron.parallel.model import ParallelModel
+from paratron.parallel.parallelize import parallelize
+
+
+class _Whole:
+    """A task's samples, then padding samples that train nothing up to a whole number of global
+    batches; pretraining samples become the same four arrays as conversations."""
+
+    def __init__(self, source: SampleSource, seq_length: int, global_batch_size: int) -> None:
+        self.source, self.seq_length = source, seq_length
+        self.size = -(-len(source) // global_batch_size) * global_batch_size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, k: int) -> SFTSample:
+        positions = np.arange(self.seq_length, dtype=np.int64)
+        single = np.zeros(self.seq_length, dtype=np.int64)
+        if k >= len(self.source):
+            return SFTSample(single, np.full(self.seq_length, IGNORE_INDEX, dtype=np.int64), positions, single)
+        sample = self.source[k]
+        if isinstance(sample, np.ndarray):
+            return SFTSample(sample[:-1], sample[1:], positions, single)
+        return sample
+
+
+def evaluate_tasks(
+    model: ParallelModel, tasks: dict[str, SampleSource], plan: BatchPlan, seq_length: int, device: torch.device
+) -> dict[str, Any]:
+    """{"loss", "perplexity", "tokens", "tasks": {name: {"loss", "perplexity", "tokens"}}} over whole tasks."""
+    sums = torch.zeros(2, len(tasks), dtype=torch.float64, device=device)  # token-loss sums; trained tokens
+    for t, source in enumerate(tasks.values()):
+        whole = _Whole(source, seq_length, plan.global_batch_size)
+        for first in range(0, len(whole), plan.global_batch_size):
+            batches = micro_batches(whole, plan, first, device)
+            sums[0, t] += model.evaluate(batches).double()
+            sums[1, t] += sum(batch.trained_tokens() for batch in batches)
+    topology = model.topology
+    pp = topology.group(Axis.PP)
+    if pp.size > 1:  # losses live on the last stage, token counts on every stage
+        sums[1] *= float(topology.pp_rank == pp.size - 1)
+        comm.all_reduce(sums, pp)
+    comm.all_reduce(sums, topology.group(Axis.DP))
+    losses, tokens = sums.tolist()
+
+    def summary(loss_sum: float, count: float) -> dict[str, float]:
+        loss = loss_sum / max(count, 1.0)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(count)}
+
+    result: dict[str, Any] = summary(sum(losses), sum(tokens))
+    result["tasks"] = {name: summary(s, n) for name, s, n in zip(tasks, losses, tokens)}
+    return result
+
+
+def run_evaluation(config: Config, output: Path | None) -> dict[str, Any]:
+    """Evaluate the --load checkpoint (its own model settings) on --data-path; print a line per
+    task on rank 0 and write `output` (JSON)."""
+    owned = not dist.is_initialized()
+    ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
+    try:
+        assert config.checkpoint.load is not None
+        info = read_checkpoint(Path(config.checkpoint.load))
+        config = dataclasses.replace(config, model=info.config.model)
+        p = config.parallel
+        topology = Topology(
+            ParallelDims(ctx.world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size), ctx.rank
+        )
+        topology.create_groups()
+        layout = resolve_layout(config, ctx.world_size)
+        say = print if ctx.is_main else (lambda *a, **k: None)
+        saved = info.path / "tokenizer.json"
+        tokenizer, vocab, tasks = evaluation_sources(config, ctx.local_rank, say, saved if saved.is_file() else None)
+        config = override(config, vocab_size=max(vocab, config.model.vocab_size or 0))
+        with torch.device("meta"):
+            meta = GPT(config.model)
+        model = parallelize(meta, config, topology, ctx.device, layout)
+        load_model_weights(info, model.module, whole=topology.size(Axis.PP) == 1)
+        plan = BatchPlan(layout.global_batch_size, layout.micro_batch_size, layout.dp, topology.dp_rank)
+        result = evaluate_tasks(model, tasks, plan, config.data.seq_length, ctx.device)
+        for name, task in [*result["tasks"].items(), ("(overall)", result)]:
+            say(f"{name}: loss {task['loss']:.6f} | perplexity {task['perplexity']:.3f} | {task['tokens']:,} tokens")
+        if output is not None and ctx.is_main:
+            write_text_atomic(output, json.dumps(result, indent=1) + "\n")
+            say(f"wrote {output}")
+        return result
+    finally:
+        if owned:
+            shutdown()
