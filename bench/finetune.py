@@ -18,11 +18,9 @@ LoRA (rank 16 on qkv,proj,fc1,fc2) against full fine-tuning: step time and the t
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import statistics
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from tokenizers import AddedToken
 
 from paratron.checkpoint.hf import hf_to_paratron
 from paratron.config import build_config
-from paratron.data.corpus import stdlib_files
+from paratron.data.corpus import docstring_instructions, stdlib_files
 from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.training.run import run_training
 
@@ -44,19 +42,9 @@ CHATML = (
 
 
 def pairs(limit: int, max_source: int) -> list[dict[str, str]]:
-    out = []
+    out: list[dict[str, str]] = []
     for path in sorted(stdlib_files()):
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and (doc := ast.get_docstring(node)):
-                code = ast.get_source_segment(source, node)
-                if code and len(code) <= max_source:
-                    prompt = f"Write the Python function whose docstring is:\n{doc}"
-                    out.append({"prompt": prompt, "completion": textwrap.dedent(code)})
+        out += docstring_instructions(path, max_source, max_source)
         if len(out) >= limit:
             break
     return out[:limit]

@@ -11,39 +11,17 @@
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-from paratron.data.corpus import stdlib_files
+from paratron.data.corpus import docstring_instructions, stdlib_files
 
 RUN = Path("runs/finetune-demo")
 DATA = RUN / "data"
 MAX_DOCSTRING, MAX_SOURCE = 160, 320  # characters: a pair fits in 128 tokens of the demo's tokenizer
-PROMPT = "Write the Python function whose docstring is:\n{docstring}"
-
-
-def pairs_of(path: Path) -> list[dict[str, str]]:
-    """(instruction, function source) for each short documented top-level or method function of a module."""
-    try:
-        source = path.read_text(encoding="utf-8")
-        tree = ast.parse(source)
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-        return []
-    pairs = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.FunctionDef):
-            continue
-        docstring = ast.get_docstring(node)
-        code = ast.get_source_segment(source, node)
-        if not docstring or not code or len(docstring) > MAX_DOCSTRING or len(code) > MAX_SOURCE:
-            continue
-        pairs.append({"prompt": PROMPT.format(docstring=docstring), "completion": textwrap.dedent(code)})
-    return pairs
 
 
 def write_pairs() -> tuple[int, int]:
@@ -51,7 +29,7 @@ def write_pairs() -> tuple[int, int]:
     train, heldout = [], []
     for path in sorted(stdlib_files()):
         held = int(hashlib.sha256(path.name.encode()).hexdigest(), 16) % 20 == 0
-        (heldout if held else train).extend(pairs_of(path))
+        (heldout if held else train).extend(docstring_instructions(path, MAX_DOCSTRING, MAX_SOURCE))
     for name, pairs in (("train", train), ("heldout", heldout)):
         with open(DATA / f"{name}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(pair) + "\n" for pair in pairs)
@@ -73,6 +51,7 @@ def held_out_loss(checkpoint: str, name: str) -> float:
 
 
 def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)  # (our lines and the commands' stay in order)
     train, heldout = write_pairs()
     print(f"{train:,} training pairs and {heldout:,} held-out pairs in {DATA}")
     base = "runs/demo/checkpoints"
@@ -87,10 +66,10 @@ def main() -> None:
     after = held_out_loss(str(RUN / "checkpoints"), "after")
     example = json.loads((DATA / "heldout.jsonl").read_text(encoding="utf-8").splitlines()[0])
     print(f"\nheld-out loss on the answers: {before:.3f} before fine-tuning, {after:.3f} after")
-    print(f"\na held-out instruction:\n{example['prompt']}\n\nthe fine-tuned model's answer (greedy):")
+    print(f"\na held-out instruction:\n{example['prompt']}\n\nthe fine-tuned model's answer (sampled):")
     paratron(
-        "generate", "--load", str(RUN / "checkpoints"), "--chat-template", "chatml",
-        "--prompt", example["prompt"], "--max-new-tokens", "100",
+        "generate", "--load", str(RUN / "checkpoints"), "--chat-template", "chatml", "--prompt", example["prompt"],
+        "--max-new-tokens", "100", "--temperature", "0.7", "--top-k", "40",
     )  # fmt: skip
     print(f"\nthe function in the library:\n{example['completion']}")
 

@@ -3,8 +3,10 @@ so every machine that runs paratron has it without a download."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import sysconfig
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -36,3 +38,27 @@ def files_signature(files: Iterable[Path]) -> str:
         st = p.stat()
         h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
+
+
+INSTRUCTION = "Write the Python function whose docstring is:\n{docstring}"
+
+
+def docstring_instructions(path: Path, max_docstring: int, max_source: int) -> list[dict[str, str]]:
+    """Instruction pairs from one module of the corpus (the fine-tuning demo's and benchmark's data):
+    {"prompt": "Write the Python function whose docstring is: ...", "completion": its source},
+    for every function whose docstring and source are at most these many characters."""
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    lines = source.splitlines(keepends=True)
+    pairs = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef) or node.end_lineno is None:
+            continue
+        docstring = ast.get_docstring(node)
+        code = textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno])).rstrip("\n")
+        if docstring and len(docstring) <= max_docstring and len(code) <= max_source:
+            pairs.append({"prompt": INSTRUCTION.format(docstring=docstring), "completion": code})
+    return pairs
