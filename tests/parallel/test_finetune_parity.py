@@ -73,6 +73,7 @@ LAYOUTS = {
     "pp2-1f1b": (2, dict(pipeline_model_parallel_size=2)),
     "pp2-zb-h1": (2, dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1")),
     "dp2-zero1": (2, dict(use_distributed_optimizer=True)),
+    "dp2-zero3": (2, dict(zero_stage=3)),
     "tp2xpp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True)),
 }
 

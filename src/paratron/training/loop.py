@@ -140,6 +140,7 @@ class Trainer:
             dist.barrier()  # the ranks' clocks start together
             pipeline.record = True
         measuring = iteration == first and lg.log_memory
+        step_start = time.perf_counter()
         with SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations:
             result = train_step(
                 self.model,
@@ -149,9 +150,11 @@ class Trainer:
                 self.config.optimizer.clip_grad,
                 self.per_token_loss,
             )
-        if iteration == first:
+        if iteration == first:  # its speed is the step's own, without what came before or the report
+            reporting = time.perf_counter()
             self._report_memory(activations)
             window.restart()
+            window.start = step_start + (time.perf_counter() - reporting)
         if profiling:
             pipeline.record = False
             saving = time.perf_counter()
