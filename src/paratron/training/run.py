@@ -166,6 +166,12 @@ def _describe(
         f"{config.data.seq_length} tokens = {trainer.plan.num_micro_batches} micro-batch(es) of "
         f"{t.micro_batch_size} per rank; peak {peak / 1e12:.3f} TFLOP/s/device ({peak_source})"
     )
+    if m.lora_rank is not None:
+        trained = sum(q.numel() for q in trainer.model.trained_parameters)
+        say(
+            f"LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g} on {m.lora_targets}: {trained:,} adapter parameters "
+            "train on this rank; every other weight is frozen"
+        )
     if resume is not None:
         how = (
             "its weights only (--finetune)"
