@@ -1,4 +1,4 @@
-"""`paratron train | preprocess | generate | convert | schedule`: the command line.
+"""`paratron train | evaluate | preprocess | generate | convert | schedule`: the command line.
 
 User mistakes (UserError) print one line and exit 2; internal failures keep their
 traceback and exit 1. Each command imports what it needs when it runs, for start-up speed:
