@@ -442,3 +442,11 @@ def test_worker_errors_are_left_for_the_launcher_except_on_rank_0(tmp_path, monk
     monkeypatch.setenv("RANK", "0")
     report_worker_error("bad file")
     assert capsys.readouterr().err == "error: bad file\n"
+
+
+def test_no_supported_setting_is_listed_as_unsupported():
+    from paratron.config.fields import all_fields
+    from paratron.config.megatron import UNSUPPORTED
+
+    supported = {name.replace("_", "-") for name in all_fields()}
+    assert not supported & UNSUPPORTED, sorted(supported & UNSUPPORTED)
