@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import paratron
@@ -98,7 +100,7 @@ def test_data_parallel_flags():
         parse(["--zero-stage", "4"])
 
 
-@pytest.mark.parametrize("flag", ["--context-parallel-size", "--num-experts", "--use-dist-ckpt"])
+@pytest.mark.parametrize("flag", ["--context-parallel-size", "--expert-model-parallel-size", "--use-dist-ckpt"])
 def test_unsupported_megatron_flags_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
         parse([flag, "full"])
@@ -450,3 +452,20 @@ def test_no_supported_setting_is_listed_as_unsupported():
 
     supported = {name.replace("_", "-") for name in all_fields()}
     assert not supported & UNSUPPORTED, sorted(supported & UNSUPPORTED)
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (dict(num_experts=4, moe_router_topk=5), "--moe-router-topk 5: must be between 1 and --num-experts 4"),
+        (dict(num_experts=4, moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor 0: must be positive"),
+        (dict(moe_router_topk=1), "--moe-router-topk: a mixture-of-experts setting needs --num-experts"),
+        (dict(num_experts=4, moe_layer_freq="[1,0,1]"), "--moe-layer-freq [1,0,1]: give a positive integer or a list"),
+        (dict(num_experts=4, tensor_model_parallel_size=2, nproc_per_node=2), "experts are not split by tensor"),
+        (dict(num_experts=4, moe_pad_expert_input_to_capacity=True), "needs --moe-expert-capacity-factor"),
+    ],
+)
+def test_bad_expert_settings_are_named(settings, expected):
+    config = build_config(dict(mock_data=True, **settings), recipe="debug")
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        validate(config, config.parallel.nproc_per_node)

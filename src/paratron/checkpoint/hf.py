@@ -2,8 +2,12 @@
 
 Supported: Llama (grouped-query attention, any rotary theta, tied or untied embeddings),
 Mistral (the same layers; full causal attention, which equals its sliding window for sequences
-up to the window), Qwen2 (biases on the query, key and value projections) and GPT-2 (learned
-positions, LayerNorm, tanh GELU, fused QKV stored as Conv1D, i.e. transposed).
+up to the window), Qwen2 (biases on the query, key and value projections), GPT-2 (learned
+positions, LayerNorm, tanh GELU, fused QKV stored as Conv1D, i.e. transposed), and the mixtures
+of experts Mixtral (softmax over the top-k router logits) and Qwen2-MoE (softmax before the
+top-k, a shared expert with a sigmoid gate, dense layers where `decoder_sparse_step` and
+`mlp_only_layers` say). Experts are stored one by one on the Hub and stacked in paratron
+(`experts.w_in` = [gate; up] of every expert, `experts.w_out` = their down projections).
 
 A converted checkpoint is an ordinary paratron checkpoint at iteration 0 marked "weights only"
 (no optimizer state): `paratron train --load` starts from its weights at any layout, and
@@ -37,8 +41,11 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+MOE_FAMILY = ("mixtral", "qwen2_moe")
 
 # paratron name -> Hugging Face name, per family (layer index as {i})
 _LLAMA_NAMES = {
@@ -52,6 +59,29 @@ _LLAMA_NAMES = {
     "layers.{i}.mlp.in_proj.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",
     "layers.{i}.mlp.out_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+_MIXTRAL_NAMES = {
+    **{k: v for k, v in _LLAMA_NAMES.items() if ".mlp." not in k},
+    "layers.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+}
+_MIXTRAL_EXPERT = (
+    "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+    "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+    "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+)
+_QWEN2_MOE_NAMES = {
+    **_LLAMA_NAMES,
+    "layers.{i}.mlp.router.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.mlp.shared_expert.in_proj.{p}.weight": "model.layers.{i}.mlp.shared_expert.{p}_proj.weight",
+    "layers.{i}.mlp.shared_expert.out_proj.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    "layers.{i}.mlp.shared_expert_gate.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
+_QWEN2_MOE_EXPERT = (
+    "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+)
+_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(w_in|w_out)$")
+"""paratron's stacked expert weights; the Hub holds (gate, up, down) of each expert apart."""
 _GPT2_NAMES = {
     "embedding.weight": "transformer.wte.weight",
     "position_embedding.weight": "transformer.wpe.weight",
@@ -118,6 +148,8 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
             hidden_dropout=hf.get("resid_pdrop", 0.0),
             attention_dropout=hf.get("attn_pdrop", 0.0),
         )
+    if kind in ("qwen2_moe",) and hf.get("qk_norm"):
+        raise CheckpointError(f"{source}: query/key norms are not supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise CheckpointError(
@@ -131,6 +163,7 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     return dict(
+        **_expert_settings(hf, kind),
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
@@ -145,10 +178,36 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         activation="swiglu",
         add_bias_linear=False,
-        add_qkv_bias=kind == "qwen2",
+        add_qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True)),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         hidden_dropout=0.0,
         attention_dropout=hf.get("attention_dropout", 0.0),
+    )
+
+
+def _expert_settings(hf: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The mixture-of-experts settings of a Mixtral or Qwen2-MoE config.json (none for dense models)."""
+    if kind == "mixtral":
+        return dict(
+            num_experts=hf["num_local_experts"],
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_ffn_hidden_size=hf["intermediate_size"],
+            moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
+        )
+    if kind != "qwen2_moe":
+        return {}
+    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
+    shared = hf.get("shared_expert_intermediate_size") or None
+    return dict(
+        num_experts=hf["num_experts"],
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_layer_freq="[" + ",".join(map(str, pattern)) + "]",
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None,
+        moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
     )
 
 
@@ -160,6 +219,8 @@ def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:
         and m.activation == "swiglu"
         and not m.add_bias_linear
     ):
+        if m.num_experts:
+            return _moe_type_of(m)
         if m.add_qkv_bias:
             return "qwen2"
         return preferred if preferred in ("llama", "mistral") else "llama"
@@ -175,6 +236,40 @@ def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:
         "this model has no Hugging Face equivalent (Llama, Mistral and Qwen2 need rotary "
         "embeddings, RMSNorm, SwiGLU and no linear biases; GPT-2 needs learned positions, "
         "LayerNorm, GELU, biases and tied embeddings)"
+    )
+
+
+def _moe_type_of(m: ModelConfig) -> str:
+    mixtral = not (m.add_qkv_bias or m.moe_shared_expert_intermediate_size or m.moe_router_pre_softmax)
+    if mixtral and all(m.moe_layers()) and m.moe_router_score_function == "softmax":
+        return "mixtral"
+    shared_ok = bool(m.moe_shared_expert_intermediate_size) == m.moe_shared_expert_gate
+    if m.add_qkv_bias and shared_ok and m.moe_router_score_function == "softmax":
+        return "qwen2_moe"
+    raise CheckpointError(
+        "this mixture of experts has no Hugging Face equivalent (Mixtral: softmax over the top-k, every layer MoE, "
+        "no shared expert; Qwen2-MoE: query/key/value biases, a shared expert with its gate or none)"
+    )
+
+
+def _moe_config(m: ModelConfig, kind: str) -> dict[str, Any]:
+    if kind == "mixtral":
+        return dict(
+            num_local_experts=m.num_experts,
+            num_experts_per_tok=m.moe_router_topk,
+            router_aux_loss_coef=m.moe_aux_loss_coeff,
+        )
+    layers = m.moe_layers()
+    return dict(
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.moe_router_topk,
+        norm_topk_prob=not m.moe_router_pre_softmax,
+        moe_intermediate_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or 0,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i, moe in enumerate(layers) if not moe],
+        qkv_bias=True,
+        router_aux_loss_coef=m.moe_aux_loss_coeff,
     )
 
 
@@ -218,6 +313,8 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
     }
     if kind == "llama":
         config.update(attention_bias=False, mlp_bias=False)
+    if kind in MOE_FAMILY:
+        config.update(_moe_config(m, kind))
     return config
 
 
@@ -230,7 +327,19 @@ def weights_from_hf(
     """paratron tensors `names` (a model's parameter names) from Hugging Face `tensors`."""
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
+    table, expert = _tables(kind)
     for name in names:
+        stacked = _EXPERTS.match(name)
+        if stacked:  # one tensor of every expert's weights
+            layer, which = stacked.groups()
+            per_expert = []
+            for e in range(m.num_experts or 0):
+                gate, up, down = (pattern.format(i=layer, e=e) for pattern in expert)
+                parts = [gate, up] if which == "w_in" else [down]
+                per_expert.append(torch.cat([_take(tensors, part, source) for part in parts]))
+                used.update(parts)
+            out[name] = torch.stack(per_expert)
+            continue
         if kind == "gpt2" and ".attention.in_proj." in name:  # one fused, transposed QKV
             i, which, part = re.match(r"layers\.(\d+)\.attention\.in_proj\.(\w)\.(weight|bias)", name).groups()
             fused_name = f"transformer.h.{i}.attn.c_attn.{part}"
@@ -239,7 +348,7 @@ def weights_from_hf(
             piece = fused.chunk(3, dim=-1)["qkv".index(which)]
             out[name] = piece.t().contiguous() if part == "weight" else piece.clone()
             continue
-        hf_name = _hf_name(name, _GPT2_NAMES if kind == "gpt2" else _LLAMA_NAMES)
+        hf_name = _hf_name(name, table)
         if hf_name is None:
             raise CheckpointError(f"{source}: no Hugging Face name for {name}")
         tensor = _take(tensors, hf_name, source)
@@ -256,12 +365,23 @@ def weights_to_hf(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.
     """Hugging Face tensors from a paratron model's whole `state` (single-device names)."""
     out: dict[str, torch.Tensor] = {}
     fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    table, expert = _tables(kind)
     for name, tensor in state.items():
+        stacked = _EXPERTS.match(name)
+        if stacked:
+            layer, which = stacked.groups()
+            for e, weights in enumerate(tensor):
+                gate, up, down = (pattern.format(i=layer, e=e) for pattern in expert)
+                if which == "w_in":
+                    out[gate], out[up] = (half.contiguous() for half in weights.chunk(2))
+                else:
+                    out[down] = weights.contiguous()
+            continue
         if kind == "gpt2" and ".attention.in_proj." in name:
             i, which, part = re.match(r"layers\.(\d+)\.attention\.in_proj\.(\w)\.(weight|bias)", name).groups()
             fused.setdefault((i, part), {})[which] = tensor
             continue
-        hf_name = _hf_name(name, _GPT2_NAMES if kind == "gpt2" else _LLAMA_NAMES)
+        hf_name = _hf_name(name, table)
         if hf_name is None:
             raise CheckpointError(f"no Hugging Face name for {name}")
         out[hf_name] = tensor.t().contiguous() if kind == "gpt2" and _GPT2_CONV1D.search(hf_name) else tensor
@@ -269,6 +389,17 @@ def weights_to_hf(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.
         qkv = [pieces[p].t() if part == "weight" else pieces[p] for p in "qkv"]
         out[f"transformer.h.{i}.attn.c_attn.{part}"] = torch.cat(qkv, dim=-1).contiguous()
     return out
+
+
+def _tables(kind: str) -> tuple[dict[str, str], tuple[str, str, str]]:
+    """The name table of `kind` and the Hub names of one expert's (gate, up, down) weights."""
+    if kind == "gpt2":
+        return _GPT2_NAMES, ("", "", "")
+    if kind == "mixtral":
+        return _MIXTRAL_NAMES, _MIXTRAL_EXPERT
+    if kind == "qwen2_moe":
+        return _QWEN2_MOE_NAMES, _QWEN2_MOE_EXPERT
+    return _LLAMA_NAMES, ("", "", "")
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:

@@ -93,6 +93,18 @@ def full_state(model: nn.Module, tp_group: RankGroup, keep: bool = True) -> dict
         full = gather_full(param, tp_group, full_parameter(param))
         if keep:
             out[name] = full.cpu()
+    if keep:
+        out.update({name: buffer.detach().cpu() for name, buffer in persistent_buffers(model).items()})
+    return out
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """State that is not a parameter but belongs in a checkpoint (a MoE router's expert bias)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buffer
     return out
 
 
@@ -413,12 +425,14 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = Tru
     another shape."""
     expected = dict(model.named_parameters())
     files = _weight_files(info)
+    buffers = persistent_buffers(model)
+    _load_buffers(info, {name: b for name, b in buffers.items() if name in files}, files)
     if not any(is_adapter(name) for name in files):  # a base model for LoRA: new adapters keep their init
         expected = {name: param for name, param in expected.items() if not is_adapter(name)}
     for name in expected:
         if name not in files:
             raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
-    extra = set(files) - set(expected)
+    extra = set(files) - set(expected) - set(buffers)
     if whole and extra:
         raise CheckpointError(
             f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); it belongs to a different model"
@@ -438,6 +452,14 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = Tru
                             f"{list(full_shape(param))} in this model; use the same model settings"
                         )
                     assign_full(param, _read_slice(f, name, param))
+
+
+def _load_buffers(info: CheckpointInfo, buffers: dict[str, torch.Tensor], files: dict[str, str]) -> None:
+    """Copy saved buffers (a checkpoint without them, such as a converted one, leaves them at zero)."""
+    with torch.no_grad():
+        for name, buffer in buffers.items():
+            with safe_open(str(info.path / files[name]), framework="pt", device="cpu") as f:
+                buffer.copy_(f.get_tensor(name))
 
 
 def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:

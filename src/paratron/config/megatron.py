@@ -39,7 +39,7 @@ RENAMES: dict[str, str] = {
 
 UNSUPPORTED: frozenset[str] = frozenset(
     """
-    context-parallel-size expert-model-parallel-size num-experts
+    context-parallel-size expert-model-parallel-size moe-token-dispatcher-type expert-tensor-parallel-size
     pipeline-model-parallel-split-rank
     accumulate-allreduce-grads-in-fp32
     distribute-saved-activations fp8-format fp8 use-flash-attn transformer-impl attention-backend
@@ -48,8 +48,8 @@ UNSUPPORTED: frozenset[str] = frozenset(
     lr-warmup-fraction lr-warmup-samples lr-decay-samples train-samples rampup-batch-size
     rotary-percent rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
     tp-comm-overlap no-masked-softmax-fusion no-bias-gelu-fusion no-bias-dropout-fusion
-    no-gradient-accumulation-fusion cross-entropy-loss-fusion moe-router-topk moe-grouped-gemm
-    moe-aux-loss-coeff num-workers dataloader-type
+    no-gradient-accumulation-fusion cross-entropy-loss-fusion
+    num-workers dataloader-type
     profile qk-layernorm
     overlap-p2p-communication empty-unused-memory-level check-for-nan-in-loss-and-grad manual-gc
     use-cpu-initialization data-parallel-random-init log-params-norm log-num-zeros-in-grad

@@ -58,6 +58,67 @@ MODELS: dict[str, dict[str, Any]] = {
         untie_embeddings_and_output_weights=True,
     ),
     "gpt3-175b": dict(_GPT2, num_layers=96, hidden_size=12288, num_attention_heads=96, max_position_embeddings=2048),
+    "debug-moe": dict(
+        _LLAMA3,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=None,
+        max_position_embeddings=256,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+    ),
+    "mixtral-8x7b": dict(
+        _LLAMA3,
+        rotary_base=1000000.0,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        ffn_hidden_size=14336,
+        untie_embeddings_and_output_weights=True,
+        num_experts=8,
+        moe_router_topk=2,
+    ),
+    "qwen2-moe-a2.7b": dict(  # Qwen1.5-MoE-A2.7B
+        _LLAMA3,
+        rotary_base=1000000.0,
+        norm_epsilon=1e-6,
+        vocab_size=151936,
+        num_query_groups=None,
+        add_qkv_bias=True,
+        max_position_embeddings=8192,
+        num_layers=24,
+        hidden_size=2048,
+        num_attention_heads=16,
+        ffn_hidden_size=5632,
+        untie_embeddings_and_output_weights=True,
+        num_experts=60,
+        moe_router_topk=4,
+        moe_router_pre_softmax=True,
+        moe_ffn_hidden_size=1408,
+        moe_shared_expert_intermediate_size=5632,
+        moe_shared_expert_gate=True,
+    ),
+    "olmoe-1b-7b": dict(  # OLMoE-1B-7B-0924 (without its query/key norms)
+        _LLAMA3,
+        rotary_base=10000.0,
+        vocab_size=50304,
+        num_query_groups=None,
+        max_position_embeddings=4096,
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=16,
+        ffn_hidden_size=1024,
+        untie_embeddings_and_output_weights=True,
+        num_experts=64,
+        moe_router_topk=8,
+        moe_router_pre_softmax=True,
+    ),
 }
 
 PUBLISHED_PARAMETERS: dict[str, int] = {
@@ -68,7 +129,17 @@ PUBLISHED_PARAMETERS: dict[str, int] = {
     "llama3-8b": 8_030_261_248,  # Llama 3 8B
     "llama3-70b": 70_553_706_496,  # Llama 3 70B
     "gpt3-175b": 175_000_000_000,  # Brown et al. 2020, "175B"
+    "mixtral-8x7b": 46_702_792_704,  # Mixtral-8x7B-v0.1, "46.7B"
+    "qwen2-moe-a2.7b": 14_300_000_000,  # Qwen1.5-MoE-A2.7B, "14.3B"
+    "olmoe-1b-7b": 6_919_161_856,  # OLMoE-1B-7B-0924, "6.9B" (its QK norms included)
 }
+
+PUBLISHED_ACTIVE_PARAMETERS: dict[str, int] = {
+    "mixtral-8x7b": 12_900_000_000,  # "12.9B active"
+    "qwen2-moe-a2.7b": 2_700_000_000,  # "2.7B activated"
+    "olmoe-1b-7b": 1_282_017_280,  # "1.3B active": its config, top-8 of 64 experts, QK norms included
+}
+"""Parameters a token uses (embeddings and every dense weight, top-k of the experts), for MoE entries."""
 
 
 def model_preset(name: str) -> dict[str, Any]:

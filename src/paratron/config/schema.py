@@ -88,6 +88,65 @@ class ModelConfig:
     """Under tensor parallelism the vocabulary is padded to a multiple of this x TP (padding rows are never
     predicted)."""
 
+    num_experts: int | None = None
+    """Mixture of experts: replace the dense MLP of the MoE layers (see --moe-layer-freq) by this many experts and a
+    router (default: dense MLPs)."""
+
+    moe_layer_freq: str = "1"
+    """Which layers are MoE layers: an integer N (every N-th layer, counting from the first) or a list such as
+    [0,1,1,1] (1 = MoE) with one entry per layer."""
+
+    moe_ffn_hidden_size: int | None = None
+    """Width of each expert's inner layer (default: --ffn-hidden-size)."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (Mixtral, Qwen-MoE) or a sigmoid per expert (DeepSeek-V3)."""
+
+    moe_router_pre_softmax: bool = False
+    """With softmax scores: the softmax over all experts comes before the top-k (the chosen probabilities are not
+    renormalised; Qwen2-MoE); otherwise over the top-k logits only (Mixtral)."""
+
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiply the chosen experts' weights by this factor (DeepSeek-V3's routed scaling)."""
+
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    """Load-balancing loss: aux_loss (Switch Transformer's, over the micro-batch), seq_aux_loss (per sequence,
+    DeepSeek-V2/V3) or none; weighted by --moe-aux-loss-coeff."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0: none)."""
+
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss, the mean squared log-sum-exp of the router logits (ST-MoE)."""
+
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing experts only, raised
+    for under-loaded experts and lowered for over-loaded ones after every step."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update."""
+
+    moe_expert_capacity_factor: float | None = None
+    """Drop tokens beyond capacity = factor x tokens x top-k / experts per expert (default: dropless)."""
+
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """With a capacity: drop an over-full expert's tokens of lowest probability (probs) or the last ones (position)."""
+
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity: pad every expert's input to the capacity (fixed shapes; the same numbers)."""
+
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of a shared expert that every token goes through beside the routed ones (Qwen-MoE, DeepSeek)."""
+
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by a learned sigmoid gate of the token (Qwen-MoE)."""
+
+    moe_grouped_gemm: bool = False
+    """Run the experts' matmuls as one batched call over experts instead of a loop over them (the same numbers)."""
+
     lora_rank: int | None = None
     """Rank of LoRA adapters: freeze the base weights and train low-rank adapters W + (alpha / rank) B A on the layers
     named by --lora-targets (default: no adapters, every weight trains)."""
@@ -98,6 +157,21 @@ class ModelConfig:
     lora_targets: str = "qkv,proj,fc1,fc2"
     """Comma-separated layers that get LoRA adapters: qkv (query, key and value projections), proj (attention output
     projection), fc1 (MLP up and gate projections), fc2 (MLP down projection)."""
+
+    def moe_layers(self) -> list[bool]:
+        """Which layers are MoE layers (all False without experts), from --moe-layer-freq."""
+        if not self.num_experts:
+            return [False] * self.num_layers
+        text = self.moe_layer_freq.strip()
+        if text.lstrip("-").isdigit() and int(text) >= 1:
+            return [i % int(text) == 0 for i in range(self.num_layers)]
+        entries = [e.strip() for e in text.strip("[]").split(",")] if text.startswith("[") else []
+        if len(entries) != self.num_layers or any(e not in ("0", "1") for e in entries):
+            raise ValueError(
+                f"--moe-layer-freq {self.moe_layer_freq}: give a positive integer or a list of {self.num_layers} "
+                "0s and 1s such as [0,1,1,1] (one per layer)"
+            )
+        return [e == "1" for e in entries]
 
 
 @dataclass(frozen=True)
@@ -428,6 +502,10 @@ class LoggingConfig:
     log_memory: bool = False
     """Measure each rank's memory on the first step (parameters, gradients, master weights, optimizer state,
     activations saved for backward) and write memory.json in the run directory."""
+
+    log_expert_load: bool = False
+    """With experts: keep every logged step's tokens per expert of each MoE layer and draw them as a heatmap
+    (expert_load.png, with expert_load.json) in the run directory."""
 
     profile_pipeline: bool = False
     """Time every pipeline operation of the last step: per-rank Chrome traces (Perfetto) and a PNG timeline in the run

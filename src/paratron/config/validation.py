@@ -8,6 +8,7 @@ are checked by `data.checks` and the training entry point.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from paratron.config.fields import all_fields, flag
@@ -158,8 +159,11 @@ def _check_model(m: ModelConfig, d: DataConfig) -> None:
             f"{flag.seq_length} {d.seq_length} exceeds {flag.max_position_embeddings} "
             f"{m.max_position_embeddings}; lower the first or raise the second"
         )
+    _check_experts(m)
     if m.lora_rank is not None and m.lora_rank < 1:
         raise ConfigError(f"{flag.lora_rank} {m.lora_rank}: must be at least 1 (leave it unset to train every weight)")
+    if m.lora_rank is not None and m.num_experts:
+        raise ConfigError(f"{flag.lora_rank} with {flag.num_experts}: LoRA adapters on experts are not supported yet")
     if m.lora_alpha <= 0:
         raise ConfigError(f"{flag.lora_alpha} {m.lora_alpha:g}: must be positive")
     targets = [t.strip() for t in m.lora_targets.split(",") if t.strip()]
@@ -171,7 +175,49 @@ def _check_model(m: ModelConfig, d: DataConfig) -> None:
         )
 
 
+def _check_experts(m: ModelConfig) -> None:
+    """Mixture-of-experts settings: sizes that fit, and no MoE setting without experts."""
+    if not m.num_experts:
+        defaults = ModelConfig()
+        changed = [
+            f.name
+            for f in dataclasses.fields(m)
+            if f.name.startswith("moe_") and getattr(m, f.name) != getattr(defaults, f.name)
+        ]
+        if m.num_experts is not None or changed:
+            what = f"{flag.num_experts} {m.num_experts}" if m.num_experts is not None else getattr(flag, changed[0])
+            raise ConfigError(f"{what}: a mixture-of-experts setting needs {flag.num_experts} 1 or more")
+        return
+    if not 1 <= m.moe_router_topk <= m.num_experts:
+        raise ConfigError(
+            f"{flag.moe_router_topk} {m.moe_router_topk}: must be between 1 and {flag.num_experts} {m.num_experts}"
+        )
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        raise ConfigError(
+            f"{flag.moe_expert_capacity_factor} {m.moe_expert_capacity_factor:g}: must be positive (leave it unset "
+            "for dropless experts)"
+        )
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise ConfigError(f"{flag.moe_pad_expert_input_to_capacity} needs {flag.moe_expert_capacity_factor}")
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
+        raise ConfigError(f"{flag.moe_router_pre_softmax} applies to {flag.moe_router_score_function} softmax only")
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
+        raise ConfigError(f"{flag.moe_shared_expert_gate} needs {flag.moe_shared_expert_intermediate_size}")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        if (getattr(m, name) or 0) < 0:
+            raise ConfigError(f"{getattr(flag, name)} {getattr(m, name):g}: must not be negative")
+    try:
+        m.moe_layers()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _check_tensor_parallel(config: Config, layout: Layout) -> None:
+    if config.model.num_experts and layout.tp > 1:
+        raise ConfigError(
+            f"{flag.num_experts} with {flag.tensor_model_parallel_size} {layout.tp}: experts are not split by tensor "
+            "parallelism yet; use data or pipeline parallelism for MoE models"
+        )
     m, p = config.model, config.parallel
     tp, heads, groups = layout.tp, m.num_attention_heads, m.num_query_groups or m.num_attention_heads
     if heads % tp:

@@ -18,6 +18,7 @@ from torch import nn
 from paratron.config.schema import ModelConfig
 from paratron.model.batch import segment_attention_mask
 from paratron.model.lora import add_adapters, init_adapter
+from paratron.model.moe import MoELayer
 
 # ---------------------------------------------------------------- positions
 
@@ -190,14 +191,15 @@ def make_norm(config: ModelConfig) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)); in an MoE layer the
+    MLP is a mixture of experts (`model/moe.py`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, moe: bool = False) -> None:
         super().__init__()
         self.attention_norm = make_norm(config)
         self.attention = Attention(config)
         self.mlp_norm = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoELayer(config) if moe else MLP(config)
 
     def forward(
         self,
@@ -247,7 +249,7 @@ class GPT(nn.Module):
         learned = config.position_embedding_type == "learned_absolute"
         self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = TransformerLayers(TransformerBlock(config) for _ in range(config.num_layers))
+        self.layers = TransformerLayers(TransformerBlock(config, moe) for moe in config.moe_layers())
         self.final_norm = make_norm(config)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -319,7 +321,8 @@ def init_parameter(name: str, param: torch.Tensor, config: ModelConfig, seed: in
     """Initialize one parameter from (seed, its name) alone, so every layout gets the same weights.
 
     Matrices and embeddings ~ N(0, std); the projections that write into the residual stream
-    use std / sqrt(2 x layers) (GPT-2/Megatron scaled init); norms start at 1, biases at 0;
+    (and the experts' output projections) use std / sqrt(2 x layers) (GPT-2/Megatron scaled
+    init); norms start at 1, biases at 0;
     LoRA adapters as `model.lora.init_adapter` says.
     """
     with torch.no_grad():
@@ -333,7 +336,7 @@ def init_parameter(name: str, param: torch.Tensor, config: ModelConfig, seed: in
             param.fill_(1.0)
         else:
             std = config.init_method_std
-            if name.endswith("out_proj.weight"):
+            if name.endswith(("out_proj.weight", "experts.w_out")):
                 std /= math.sqrt(2.0 * config.num_layers)
             param.normal_(0.0, std, generator=generator)
 
@@ -346,4 +349,6 @@ def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: i
     model.tie_weights()
     for name, param in model.named_parameters():
         init_parameter(name, param, config, seed)
+    for buffer in model.buffers():  # (the MoE router's expert bias and load counters start at zero)
+        buffer.zero_()
     return model

@@ -78,6 +78,11 @@ class Precision:
     def __init__(self, precision: str, scaler: LossScaler | None = None, device: torch.device | str = "cpu") -> None:
         self.device, self.scaler = torch.device(device), scaler
 
+    @property
+    def loss_scale(self) -> float:
+        """What `backward` multiplies the loss by (1 without a scaler)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
 

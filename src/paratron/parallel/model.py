@@ -12,6 +12,7 @@ pipeline runs the micro-batches.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from paratron.distributed.rng import RNGStates
 from paratron.distributed.topology import Axis, RankGroup, Topology
 from paratron.model.batch import Batch
 from paratron.model.loss import mean_loss
+from paratron.model.moe import MoELayer
 from paratron.parallel.data.ddp import DataParallelGradients
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.pipeline.runtime import PipelineRuntime
@@ -74,6 +76,23 @@ class ParallelModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @cached_property
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """This rank's mixture-of-experts layers by their ordinal among the model's MoE layers."""
+        pattern = self.module.config.moe_layers()
+        layers = {}
+        for name, module in self.module.named_modules():
+            if isinstance(module, MoELayer):
+                index = int(name.split("layers.", 1)[1].split(".", 1)[0])
+                layers[sum(pattern[:index])] = module
+        return layers
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """The factor of the MoE load-balancing losses' gradients in the coming backward passes
+        (the loss scale over the number of micro-batches: their mean, scaled as the main loss is)."""
+        for layer in self.moe_layers.values():
+            layer.aux_loss_scale = scale
 
     def loss_function(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean loss over the trained labels of these logits."""

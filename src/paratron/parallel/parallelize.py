@@ -204,3 +204,5 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int) -> None
             full = torch.empty(full_shape(param), device=param.device, dtype=param.dtype)
             init_parameter(name, full, model.config, seed)
             param.copy_(take_slice(full, param))
+        for buffer in model.buffers():  # (the MoE router's expert bias and load counters start at zero)
+            buffer.zero_()

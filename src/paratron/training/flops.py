@@ -1,8 +1,9 @@
 """Model FLOPs for throughput and MFU (model FLOPs utilization, as in the PaLM paper).
 
 Training FLOPs per token = 6 x P_matmul + 12 x L x s x d_attn, where
-  P_matmul = weights of every matrix multiply (attention and MLP projections, the output
-             layer; embeddings are lookups and do not count),
+  P_matmul = weights of every matrix multiply a token goes through (attention and MLP
+             projections, the output layer; under MoE the router, its top-k experts and the
+             shared expert, the active parameters; embeddings are lookups and do not count),
   L = layers, s = sequence length, d_attn = heads x head width.
 6 = 2 (multiply + add) x 3 (forward, and backward for inputs and for weights). The
 attention term counts QK^T and attention x V over the full s x s square, like Megatron-LM.
@@ -20,14 +21,23 @@ from paratron.distributed.init import accelerator_peak_flops
 
 
 def matmul_parameters(config: ModelConfig) -> int:
+    """Weights of the matrix multiplies one token goes through: under MoE, the router, the top-k
+    routed experts and the shared expert of each MoE layer (active parameters only)."""
     h = config.hidden_size
     heads = config.num_attention_heads
     groups = config.num_query_groups or heads
     head_dim = config.kv_channels or h // heads
-    ffn = config.ffn_hidden_size or 4 * h
+    projections = 3 if config.activation == "swiglu" else 2
     attention = h * heads * head_dim * 2 + h * groups * head_dim * 2
-    mlp = (3 if config.activation == "swiglu" else 2) * h * ffn
-    return config.num_layers * (attention + mlp) + h * (config.vocab_size or 0)
+    dense = projections * h * (config.ffn_hidden_size or 4 * h)
+    moe = 0
+    if config.num_experts:
+        expert = projections * h * (config.moe_ffn_hidden_size or config.ffn_hidden_size or 4 * h)
+        shared = projections * h * (config.moe_shared_expert_intermediate_size or 0)
+        moe = config.num_experts * h + config.moe_router_topk * expert + shared + h * config.moe_shared_expert_gate
+    layers = config.moe_layers()
+    mlps = sum(moe if is_moe else dense for is_moe in layers)
+    return config.num_layers * attention + mlps + h * (config.vocab_size or 0)
 
 
 def training_flops_per_token(config: ModelConfig, seq_length: int) -> float:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -32,8 +33,10 @@ from paratron.parallel.model import ParallelModel
 from paratron.parallel.pipeline.profile import save_profile
 from paratron.parallel.pipeline.schedules import theoretical_bubble
 from paratron.training.exit import ExitConditions
+from paratron.training.expert_load import ExpertStats, reduce_expert_stats
 from paratron.training.memory import SavedActivations, format_memory, gather_memory, rank_memory
 from paratron.training.metrics import MetricsWriter
+from paratron.training.plot import plot_expert_load
 from paratron.training.step import StepResult, train_step
 
 
@@ -56,16 +59,23 @@ class _Window:
     trained_tokens: torch.Tensor
     steps: int = 0
     start: float = field(default_factory=time.perf_counter)
+    experts: ExpertStats | None = None
 
     def add(self, result: StepResult) -> None:
         self.loss += result.loss
         self.trained_tokens += result.trained_tokens
         self.steps += 1
+        if result.experts is not None:
+            if self.experts is None:
+                self.experts = result.experts
+            else:
+                self.experts.add(result.experts)
 
     def restart(self) -> None:
         self.loss.zero_()
         self.trained_tokens.zero_()
         self.steps = 0
+        self.experts = None
         self.start = time.perf_counter()
 
 
@@ -96,6 +106,7 @@ class Trainer:
             d.eod_mask_loss,
         )
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
+        self.expert_load: list[tuple[int, np.ndarray]] = []  # (step, token shares [MoE layers, experts])
 
     @property
     def global_batch_size(self) -> int:
@@ -123,6 +134,8 @@ class Trainer:
                     break
         self.finish_save()
         self.model.wait_param_gather()
+        if self.expert_load and self.ctx.is_main:
+            self.writer.info(f"expert load: {plot_expert_load(self.expert_load, Path(self.config.logging.run_dir))}")
         return self.state
 
     # ---------------------------------------------------------------- the named steps
@@ -194,6 +207,11 @@ class Trainer:
         }
         if self.precision.scaler is not None:
             record["loss_scale"] = self.precision.scaler.scale
+        if window.experts is not None:
+            record.update(reduce_expert_stats(self.model, window.experts))
+            if self.config.logging.log_expert_load:
+                tokens = np.asarray(record["moe_tokens_per_expert"], dtype=np.float64)
+                self.expert_load.append((iteration, tokens / np.maximum(tokens.sum(axis=1, keepdims=True), 1)))
         self.state.losses.append(loss)
         self.writer.log_step(record)
         if not math.isfinite(loss):

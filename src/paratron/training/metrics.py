@@ -24,6 +24,9 @@ def format_step_line(record: dict[str, Any], total_iters: int) -> str:
     )
     if "loss_scale" in record:
         line += f" | loss scale {record['loss_scale']:g} | skipped {record['skipped_iterations']}"
+    if "moe_load_balance" in record:
+        aux, z, load = record["moe_aux_loss"], record["moe_z_loss"], record["moe_load_balance"]
+        line += f" | MoE aux {aux:.4f} z {z:.4f} load {load:.2f}"
     return line
 
 

@@ -1,9 +1,14 @@
-"""The loss-curve PNG of a run, drawn from its metrics.jsonl and eval.jsonl."""
+"""The PNGs of a run: its loss curve (from metrics.jsonl and eval.jsonl) and, with experts, their
+load over the logged steps (`--log-expert-load`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
+
+from paratron.checkpoint.io import write_text_atomic
 
 
 def _read(path: Path) -> list[dict]:
@@ -40,3 +45,34 @@ def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
     plt.close(fig)
     tmp.replace(out)
     return out
+
+
+def plot_expert_load(history: list[tuple[int, np.ndarray]], run_dir: Path) -> Path:
+    """Write expert_load.png and expert_load.json from (step, shares [layers, experts]) records."""
+    import matplotlib  # (lazy for start-up speed, as matplotlib is only needed at the end)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [step for step, _ in history]
+    shares = np.stack([s for _, s in history], axis=1)  # [layers, steps, experts]
+    layers, _, experts = shares.shape
+    figure, axes = plt.subplots(1, layers, figsize=(3 + 2.5 * layers, 3.5), squeeze=False)
+    for layer, axis in enumerate(axes[0]):
+        image = axis.imshow(
+            shares[layer].T, aspect="auto", origin="lower", cmap="viridis", vmin=0.0, vmax=float(shares.max())
+        )
+        axis.set_title(f"MoE layer {layer}")
+        axis.set_xlabel("logged step")
+        axis.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=6, rotation=90)
+        axis.set_yticks(range(experts))
+        if layer == 0:
+            axis.set_ylabel("expert")
+    figure.colorbar(image, ax=list(axes[0]), label="share of the tokens")
+    path, tmp = run_dir / "expert_load.png", run_dir / ".expert_load.png.tmp"
+    figure.savefig(tmp, format="png", dpi=110)
+    plt.close(figure)
+    tmp.replace(path)
+    record = {"steps": steps, "shares": shares.tolist(), "experts": experts}
+    write_text_atomic(run_dir / "expert_load.json", json.dumps(record) + "\n")
+    return path

@@ -1,7 +1,7 @@
 """One optimizer step over this rank's micro-batches.
 
 Each micro-batch's loss is the sum of its token losses times a weight
-(`ParallelModel.loss_weights`), and
+(`ParallelModel.loss_weights`; MoE load-balancing losses are averaged over micro-batches), and
 gradients are averaged over data-parallel ranks, so every layout (TP, PP, DP, ZeRO, the number
 of micro-batches) computes the gradient of the same loss:
 
@@ -24,6 +24,7 @@ from paratron.optim.build import clip_grad_norm
 from paratron.optim.mixed_precision import Precision
 from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.model import ParallelModel
+from paratron.training.expert_load import ExpertStats, take_expert_stats, update_expert_biases
 
 
 @dataclass
@@ -37,6 +38,8 @@ class StepResult:
     """fp16 gradients overflowed somewhere: no rank stepped."""
     trained_tokens: torch.Tensor
     """Trained (unmasked) labels in this rank's micro-batches."""
+    experts: ExpertStats | None = None
+    """What this rank's MoE layers counted in the step (None without experts)."""
 
 
 def train_step(
@@ -48,8 +51,10 @@ def train_step(
     per_token_loss: bool = False,
 ) -> StepResult:
     weights, trained = model.loss_weights(batches, per_token_loss)
+    model.set_aux_loss_scale(precision.loss_scale / len(batches))  # MoE: the mean over micro-batches
     model.zero_grad()
     loss = model.forward_backward(batches, precision.backward, weights)  # gradients complete and averaged
+    experts = take_expert_stats(model)
     optimizer.prepare_grads()
     grads = optimizer.grads_for_norm()
     overflow = precision.unscale(grads.tensors, grads.group)
@@ -58,5 +63,6 @@ def train_step(
         grad_norm = clip_grad_norm(grads.tensors, clip_grad, grads.group, grads.weights)
         optimizer.step()
         optimizer.after_step()
+        update_expert_biases(model, experts)
     precision.update(overflow)
-    return StepResult(loss, grad_norm, overflow, trained)
+    return StepResult(loss, grad_norm, overflow, trained, experts)

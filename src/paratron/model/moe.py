@@ -1,0 +1,424 @@
+"""Mixture of experts on one device, with Megatron-LM's semantics: a drop-in for a block's MLP.
+
+Read top to bottom: which layers are MoE, the router (scores, top-k choice, capacity, the
+load-balancing losses), the experts (stacked weights, a loop or one batched matmul), the shared
+expert, the layer that ties them together, and how the losses reach the backward pass.
+
+    x [B, T, H] -> tokens [N, H] -> router: probs and routing map [N, E] (fp32)
+      -> each expert's tokens, in token order -> expert e -> weighted by the token's prob of e
+      -> summed back per token (+ the shared expert) -> [B, T, H]
+
+Parameter names are a contract with checkpoints and the Hugging Face conversion:
+`router.weight` [E, H], `router.expert_bias` [E] (buffer), `experts.w_in` [E, G*F, H] (G = 2 for
+SwiGLU: gate rows, then up rows), `experts.w_out` [E, H, F], `shared_expert.in_proj.{gate,up}.weight`,
+`shared_expert.out_proj.weight`, `shared_expert_gate.weight`. Nothing here knows about
+parallelism: expert parallelism swaps `experts` for this rank's share and moves the tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratron.config.schema import ModelConfig
+
+# ---------------------------------------------------------------- which layers
+
+
+def moe_layer_pattern(config: ModelConfig) -> list[bool]:
+    """Which of the `num_layers` layers are MoE layers, from --moe-layer-freq: "N" makes every
+    N-th layer (0, N, 2N, ...) one, a list such as "[0,1,1,1]" (one entry per layer) says it
+    per layer; anything else raises ValueError. All False without experts."""
+    return config.moe_layers()  # (the config owns the parsing, so validation reports the same message)
+
+
+# ---------------------------------------------------------------- router
+
+
+@dataclass
+class Routing:
+    """What the router decided for N tokens and E experts."""
+
+    probs: torch.Tensor
+    """[N, E] fp32: the weight of each chosen expert's output (0 for the others and dropped tokens)."""
+    routing_map: torch.Tensor
+    """[N, E] bool: token n goes to expert e (after dropping)."""
+    tokens_per_expert: torch.Tensor
+    """[E] int64: tokens each expert processes (after dropping, padding not counted)."""
+    aux_loss: torch.Tensor
+    """Load-balancing loss times its coefficient (a zero scalar when off)."""
+    z_loss: torch.Tensor
+    """Router z-loss times its coefficient (a zero scalar when off)."""
+    capacity: int | None = None
+    """Tokens each expert takes at most (None: dropless)."""
+
+
+def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Megatron's `get_capacity(tokens x topk, experts, factor)`: the even share of the routed
+    slots times the factor, rounded up (the same float operations, so the same integer)."""
+    return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
+
+
+def _top_indices(ranked: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, k] indices of the k largest entries of each row (torch.topk, as Megatron, so ties
+    break the same way)."""
+    return torch.topk(ranked, k=k, dim=1).indices
+
+
+def _keep_fp32(module: nn.Module, before: dict[str, torch.Tensor | None]) -> None:
+    """After `module._apply` (e.g. `model.to(torch.bfloat16)`): give back the fp32 values of the
+    named buffers on their new device. A bf16 expert bias could not move by 1e-3 steps, and bf16
+    counters stop counting at 256."""
+    for name, old in before.items():
+        new = getattr(module, name)
+        if old is not None and new is not None and new.dtype != torch.float32:
+            setattr(module, name, old.to(device=new.device, dtype=torch.float32))
+
+
+class Router(nn.Module):
+    """Scores each token against every expert and picks its top-k experts, in fp32 whatever the
+    input's precision (Megatron's `topk_routing_with_score_function`, then the capacity and the
+    load-balancing losses of its TopKRouter).
+
+    Expert bias (aux-loss-free balancing) changes which experts are chosen, never their weights:
+    it is added to whatever the top-k ranks (the logits when the softmax comes after the top-k,
+    the scores otherwise). Megatron allows it with sigmoid scores only; with softmax this follows
+    the same rule."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.num_experts, "a Router needs config.num_experts"
+        self.num_experts = config.num_experts
+        self.topk = config.moe_router_topk
+        self.score_function = config.moe_router_score_function
+        self.pre_softmax = config.moe_router_pre_softmax
+        self.scaling_factor = config.moe_router_topk_scaling_factor
+        self.balancing = config.moe_router_load_balancing_type
+        self.aux_loss_coeff = config.moe_aux_loss_coeff
+        self.z_loss_coeff = config.moe_z_loss_coeff
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self.drop_policy = config.moe_token_drop_policy
+        self.bias_update_rate = config.moe_router_bias_update_rate
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        bias = torch.zeros(config.num_experts) if config.moe_router_enable_expert_bias else None
+        self.expert_bias: torch.Tensor | None
+        self.register_buffer("expert_bias", bias)
+        nn.init.normal_(self.weight, 0.0, config.init_method_std)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Router:
+        before = {"expert_bias": self.expert_bias}
+        super()._apply(fn, recurse)
+        _keep_fp32(self, before)
+        return self
+
+    def forward(self, x: torch.Tensor, sequences: int = 1) -> Routing:
+        """Route tokens x [N, H]; `sequences` is how many sequences of equal length x holds, one
+        after the other (the per-sequence load-balancing loss needs them)."""
+        logits = x.float() @ self.weight.float().t()  # [N, E]
+        probs, routing_map = self.choose(logits)
+        capacity = None
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(logits.size(0), self.topk, self.num_experts, self.capacity_factor)
+            probs, routing_map = self.drop(probs, routing_map, capacity)
+        return Routing(
+            probs=probs,
+            routing_map=routing_map,
+            tokens_per_expert=routing_map.sum(dim=0),
+            aux_loss=self.load_balancing_loss(logits, sequences),
+            z_loss=self.z_loss(logits),
+            capacity=capacity,
+        )
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probs [N, E], routing map [N, E]) of the top-k experts of each token, from fp32 logits."""
+        bias = self.expert_bias
+        if self.score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            top = _top_indices(scores if bias is None else scores + bias, self.topk)
+            chosen = scores.gather(1, top)
+            if self.topk > 1:
+                chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
+        elif self.pre_softmax:  # softmax over all experts; the chosen ones keep their probability
+            scores = torch.softmax(logits, dim=-1)
+            top = _top_indices(scores if bias is None else scores + bias, self.topk)
+            chosen = scores.gather(1, top)
+        else:  # softmax over the k chosen logits only
+            top = _top_indices(logits if bias is None else logits + bias, self.topk)
+            chosen = torch.softmax(logits.gather(1, top), dim=-1)
+        if self.scaling_factor:
+            chosen = chosen * self.scaling_factor
+        probs = torch.zeros_like(logits).scatter(1, top, chosen)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+        return probs, routing_map
+
+    def drop(self, probs: torch.Tensor, routing_map: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each expert keeps at most `capacity` of its tokens: those of highest probability
+        ("probs") or the first ones ("position"); the others lose that expert (as Megatron's
+        `apply_router_token_dropping`; padding to capacity happens at dispatch)."""
+        if capacity >= probs.size(0):
+            return probs, routing_map
+        if self.drop_policy == "probs":
+            kept = torch.topk(probs, k=capacity, dim=0, sorted=False).indices
+            keep = torch.zeros_like(routing_map).scatter(0, kept, True)
+        else:  # the first `capacity` tokens routed to each expert, counted in token order
+            keep = routing_map.long().cumsum(dim=0) <= capacity
+        routing_map = routing_map & keep
+        return probs * routing_map, routing_map
+
+    def load_balancing_loss(self, logits: torch.Tensor, sequences: int) -> torch.Tensor:
+        """Switch Transformer's loss, E x sum_e f_e P_e x coeff, over the whole micro-batch
+        ("aux_loss") or per sequence and averaged ("seq_aux_loss"). As Megatron, P uses the
+        scores over all experts (softmax, or sigmoid normalised per token) and f counts the top-k
+        of those scores: no expert bias, no dropping."""
+        if self.balancing == "none" or self.aux_loss_coeff <= 0:
+            return logits.new_zeros(())
+        if self.score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        chosen = torch.zeros_like(scores).scatter(1, _top_indices(scores, self.topk), 1.0)
+        E, k, coeff = self.num_experts, self.topk, self.aux_loss_coeff
+        if self.balancing == "aux_loss":
+            N = logits.size(0)
+            return torch.sum(scores.sum(dim=0) * chosen.sum(dim=0)) * (E * coeff / (k * N * N))
+        T = logits.size(0) // sequences  # per sequence: its own f and P, then the mean over sequences
+        per_sequence = scores.view(sequences, T, E).sum(dim=1) * chosen.view(sequences, T, E).sum(dim=1)
+        return torch.sum(per_sequence) * (E * coeff / (k * T * T)) / sequences
+
+    def z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """ST-MoE's z-loss: mean over tokens of logsumexp(logits)^2, times its coefficient."""
+        if not self.z_loss_coeff:
+            return logits.new_zeros(())
+        return torch.logsumexp(logits, dim=-1).square().mean() * self.z_loss_coeff
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Aux-loss-free balancing step (Megatron's `get_updated_expert_bias`, the all-reduce left
+        to the caller): raise the bias of experts below the mean load, lower it above."""
+        assert self.expert_bias is not None, "update_expert_bias needs --moe-router-enable-expert-bias"
+        tokens = tokens_per_expert.to(self.expert_bias.device, torch.float32)
+        offset = tokens.sum(dim=-1, keepdim=True) / tokens.size(-1) - tokens
+        self.expert_bias += torch.sign(offset) * self.bias_update_rate
+
+
+# ---------------------------------------------------------------- experts
+
+
+def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The dense MLP's activation: silu(gate) * up on [gate | up] (SwiGLU), or GELU (tanh)."""
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh")
+
+
+def _weighted(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Scale each token's activation by its fp32 routing weight, back in the activation's dtype
+    (as Megatron's experts do before their output projection; no bias, so the same as scaling the
+    output)."""
+    return (h * probs.unsqueeze(-1)).to(h.dtype)
+
+
+class Experts(nn.Module):
+    """E MLPs with stacked weights, run on tokens already grouped by expert.
+
+    `forward(tokens [M, H], counts, probs [M])`: the first counts[0] rows go to expert 0, the next
+    counts[1] to expert 1, ...; returns each row's output already multiplied by its prob. The
+    matmuls run in the tokens' dtype: a loop over experts, or with `grouped` one `torch.bmm`
+    over [E, rows, H] with every expert's tokens padded to the same number of rows."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.num_experts, "Experts need config.num_experts"
+        E, H = config.num_experts, config.hidden_size
+        F_ = config.moe_ffn_hidden_size or config.ffn_hidden_size or 4 * H
+        self.gated = config.activation == "swiglu"
+        self.grouped = config.moe_grouped_gemm
+        self.w_in = nn.Parameter(torch.empty(E, (2 if self.gated else 1) * F_, H))
+        self.w_out = nn.Parameter(torch.empty(E, H, F_))
+        nn.init.normal_(self.w_in, 0.0, config.init_method_std)
+        nn.init.normal_(self.w_out, 0.0, config.init_method_std / math.sqrt(2.0 * config.num_layers))
+
+    def forward(
+        self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor, pad_to: int | None = None
+    ) -> torch.Tensor:
+        """`pad_to`: run each expert on at least this many rows (zeros beyond its tokens, then
+        discarded): fixed shapes, the same numbers."""
+        if self.grouped:
+            return self._batched(tokens, counts, probs, pad_to)
+        return self._looped(tokens, counts, probs, pad_to)
+
+    def _looped(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor, pad_to: int | None) -> torch.Tensor:
+        outputs = []
+        for e, (x, p) in enumerate(zip(tokens.split(counts), probs.split(counts), strict=True)):
+            n = x.size(0)
+            if n == 0 and pad_to is None:
+                continue
+            if pad_to is not None and pad_to > n:
+                x, p = F.pad(x, (0, 0, 0, pad_to - n)), F.pad(p, (0, pad_to - n))
+            h = _weighted(_activation(F.linear(x, self.w_in[e]), self.gated), p)
+            outputs.append(F.linear(h, self.w_out[e])[:n])
+        return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.w_out.size(1))
+
+    def _batched(
+        self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor, pad_to: int | None
+    ) -> torch.Tensor:
+        E, device = len(counts), tokens.device
+        rows = max(max(counts, default=0), pad_to or 0)
+        sizes = torch.tensor(counts, device=device)
+        expert = torch.repeat_interleave(torch.arange(E, device=device), sizes)  # expert of each token
+        slot = torch.arange(tokens.size(0), device=device) - (torch.cumsum(sizes, 0) - sizes)[expert]
+        x = tokens.new_zeros(E, rows, tokens.size(1)).index_put((expert, slot), tokens)
+        p = probs.new_zeros(E, rows).index_put((expert, slot), probs)
+        h = _weighted(_activation(torch.bmm(x, self.w_in.transpose(1, 2)), self.gated), p)
+        return torch.bmm(h, self.w_out.transpose(1, 2))[expert, slot]
+
+
+# ---------------------------------------------------------------- shared expert
+
+
+class SharedExpert(nn.Module):
+    """A dense MLP without biases that every token goes through beside the routed experts
+    (Qwen-MoE, DeepSeek); the same shape and names as the block's MLP."""
+
+    def __init__(self, config: ModelConfig, inner: int) -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.gated = config.activation == "swiglu"
+        names = ("gate", "up") if self.gated else ("up",)
+        self.in_proj = nn.ModuleDict({name: nn.Linear(H, inner, bias=False) for name in names})
+        self.out_proj = nn.Linear(inner, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            h = F.silu(self.in_proj["gate"](x)) * self.in_proj["up"](x)
+        else:
+            h = F.gelu(self.in_proj["up"](x), approximate="tanh")
+        return self.out_proj(h)
+
+
+# ---------------------------------------------------------------- the layer
+
+
+class MoELayer(nn.Module):
+    """Router, experts and optional shared expert in place of a block's MLP: [B, T, H] -> [B, T, H].
+
+    Dropless unless --moe-expert-capacity-factor is set. The load-balancing and z losses do not
+    change the output: they are attached to it (`attach_aux_loss`) so that backward adds
+    `aux_loss_scale` x their gradients, and the training step sets that scale (the loss scale
+    over the micro-batches). `last_stats` holds the last forward's losses and tokens per expert;
+    `load` sums the tokens per expert over the forwards that record gradients (not the
+    recomputation in backward), for logging and the expert-bias update."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.num_experts, "an MoE layer needs config.num_experts"
+        self.router = Router(config)
+        self.experts = Experts(config)
+        shared = config.moe_shared_expert_intermediate_size
+        self.shared_expert = SharedExpert(config, shared) if shared else None
+        gated = shared and config.moe_shared_expert_gate
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None
+        self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.aux_loss_scale = 1.0
+        self.last_stats: dict[str, torch.Tensor] = {}
+        self.forwards = 0
+        self.load: torch.Tensor
+        self.loss_sums: torch.Tensor
+        self.register_buffer("load", torch.zeros(config.num_experts), persistent=False)
+        self.register_buffer("loss_sums", torch.zeros(2), persistent=False)  # aux, z summed over `forwards`
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoELayer:
+        before = {"load": self.load, "loss_sums": self.loss_sums}
+        super()._apply(fn, recurse)
+        _keep_fp32(self, before)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        tokens = x.reshape(B * T, H)
+        routing = self.router(tokens, sequences=B)
+        y = self.routed(tokens, routing)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(tokens)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
+            y = y + shared
+        out = self.dropout(y.view(B, T, H))
+        self._record(routing)
+        losses = routing.aux_loss + routing.z_loss
+        if torch.is_grad_enabled() and losses.requires_grad:
+            out = attach_aux_loss(out, losses, self.aux_loss_scale)
+        return out
+
+    def routed(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """sum over chosen e of probs[n, e] x expert_e(tokens[n]) for tokens [N, H]. Each
+        expert's tokens in token order; the weighted outputs are summed in fp32 and cast to the
+        tokens' dtype once (Megatron sums in the tokens' dtype)."""
+        expert, token = routing.routing_map.t().nonzero(as_tuple=True)  # grouped by expert, token order within
+        counts = routing.tokens_per_expert.tolist()
+        pad_to = routing.capacity if self.pad_to_capacity else None
+        y = self.experts(tokens[token], counts, routing.probs[token, expert], pad_to)
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return out.index_add(0, token, y.float()).to(tokens.dtype)
+
+    def _record(self, routing: Routing) -> None:
+        """Keep the stats of this forward; add them to the counters once per trained forward
+        (not in evaluation, not when recomputation runs the forward again inside backward)."""
+        stats = {
+            "aux_loss": routing.aux_loss.detach(),
+            "z_loss": routing.z_loss.detach(),
+            "tokens_per_expert": routing.tokens_per_expert.detach(),
+        }
+        self.last_stats = stats
+        recomputing = torch._C._current_graph_task_id() != -1  # a forward run by the autograd engine
+        if self.training and torch.is_grad_enabled() and not recomputing:
+            with torch.no_grad():
+                self.load += stats["tokens_per_expert"]
+                self.loss_sums += torch.stack((stats["aux_loss"], stats["z_loss"])).float()
+            self.forwards += 1
+
+    def reset_load(self) -> None:
+        """Zero the counters (after the trainer has read them)."""
+        self.load.zero_()
+        self.loss_sums.zero_()
+        self.forwards = 0
+
+    def take_stats(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(tokens per expert [E], [aux, z] loss sums [2], forwards counted) since the last call,
+        then reset."""
+        stats = (self.load.clone(), self.loss_sums.clone(), self.forwards)
+        self.reset_load()
+        return stats
+
+
+# ---------------------------------------------------------------- auxiliary losses in backward
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `output`; in backward also gives `aux_loss` the gradient `scale` (Megatron's
+    MoEAuxLossAutoScaler), so that the losses train the router without entering the output."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss) * ctx.scale, None
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """`output`, unchanged; its backward also runs `aux_loss`'s with gradient `scale`."""
+    return _AttachAuxLoss.apply(output, aux_loss, scale)

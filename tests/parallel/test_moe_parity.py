@@ -1,0 +1,82 @@
+"""A mixture-of-experts model trains the same at every supported layout: 20-step fp32 curves of
+the loss, the load-balancing and z losses and the experts' load (with the aux-loss-free expert
+bias moving after every step), against one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from paratron.config import build_config
+from paratron.training.run import run_training
+
+from multiprocess import run_ranks
+
+
+def settings(run_dir: str, **overrides) -> dict:
+    return dict(
+        dict(
+            model_name="debug-moe",
+            num_layers=4,
+            moe_layer_freq="[1,0,1,1]",
+            num_experts=4,
+            moe_router_topk=2,
+            moe_aux_loss_coeff=1e-2,
+            moe_z_loss_coeff=1e-3,
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=1e-2,
+            moe_shared_expert_intermediate_size=48,
+            moe_shared_expert_gate=True,
+            vocab_size=128,
+            mock_data=True,
+            seq_length=16,
+            micro_batch_size=2,
+            global_batch_size=8,
+            train_iters=20,
+            lr=3e-3,
+            lr_warmup_iters=2,
+            eval_iters=0,
+            seed=3,
+            run_dir=run_dir,
+            progress_bar=False,
+            tensorboard=False,
+            log_interval=1,
+        ),
+        **overrides,
+    )
+
+
+def curves(run_dir: str, layout: dict) -> list[dict]:
+    run_training(build_config(settings(run_dir, **layout)))
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in open(path)] if path.exists() else []
+
+
+LAYOUTS = {
+    "pp2-1f1b": (2, dict(pipeline_model_parallel_size=2)),
+    "pp2-zb-h1-recompute": (
+        2,
+        dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", recompute_granularity="full"),
+    ),
+    "dp2-zero1": (2, dict(use_distributed_optimizer=True)),
+    "dp2-zero3-grouped": (2, dict(zero_stage=3, moe_grouped_gemm=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> list[dict]:
+    return curves(str(tmp_path_factory.mktemp("moe") / "single"), {})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_training_at_every_layout_equals_one_process(tmp_path, single, name):
+    assert len(single) == 20 and single[-1]["loss"] < single[0]["loss"] - 0.3
+    assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in single)
+    world, layout = LAYOUTS[name]
+    ours = run_ranks(curves, world, str(tmp_path / name), layout)[0]
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_balance"):
+        assert [r[key] for r in ours] == pytest.approx([r[key] for r in single], rel=1e-5), key
+    assert [r["moe_tokens_per_expert"] for r in ours] == [r["moe_tokens_per_expert"] for r in single]
