@@ -80,3 +80,52 @@ def test_moe_training_at_every_layout_equals_one_process(tmp_path, single, name)
     for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_balance"):
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in single], rel=1e-5), key
     assert [r["moe_tokens_per_expert"] for r in ours] == [r["moe_tokens_per_expert"] for r in single]
+
+
+def converted_losses(checkpoint: str, run_dir: str, layout: dict) -> list[float]:
+    settings = dict(
+        load=checkpoint,
+        mock_data=True,
+        seq_length=16,
+        micro_batch_size=2,
+        global_batch_size=4,
+        train_iters=3,
+        lr=1e-3,
+        eval_iters=0,
+        run_dir=run_dir,
+        progress_bar=False,
+        tensorboard=False,
+        log_interval=1,
+    )
+    settings.update(layout)
+    return run_training(build_config(settings, recipe=f"{checkpoint}/model.yaml")).losses
+
+
+@pytest.mark.multiprocess
+def test_training_starts_from_a_converted_mixtral_at_any_layout(tmp_path):
+    import torch
+    import transformers
+
+    from paratron.checkpoint.hf import hf_to_paratron
+
+    config = transformers.MixtralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=3,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,  # (far from a fresh model's near-uniform predictions)
+    )
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "hf")
+    hf_to_paratron(tmp_path / "hf", tmp_path / "converted")
+    checkpoint = str(tmp_path / "converted")
+    single = converted_losses(checkpoint, str(tmp_path / "single"), {})
+    pp2 = run_ranks(converted_losses, 2, checkpoint, str(tmp_path / "pp2"), dict(pipeline_model_parallel_size=2))[0]
+    assert pp2 == pytest.approx(single, rel=1e-5)
+    fresh = converted_losses(checkpoint, str(tmp_path / "fresh"), dict(load=None))
+    assert fresh[0] != pytest.approx(single[0], rel=0.05)  # the converted weights were used

@@ -58,11 +58,14 @@ def text_corpus(path):
     return dict(mock_data=False, data_path=[str(path)], vocab_size=300, eval_iters=0)
 
 
-@pytest.mark.parametrize("precision, data", [("fp32", "mock"), ("fp16", "mock"), ("fp32", "text")])
+@pytest.mark.parametrize("precision, data", [("fp32", "mock"), ("fp16", "mock"), ("fp32", "text"), ("fp32", "moe")])
 def test_resume_continues_exactly(tmp_path, precision, data):
     common = dict(hidden_dropout=0.1, precision=precision)
     if data == "text":  # Megatron-ordered samples from a preprocessed corpus
         common.update(text_corpus(tmp_path / "corpus"))
+    if data == "moe":  # experts whose routing biases move every step and are checkpointed
+        common.update(num_experts=4, moe_aux_loss_coeff=1e-2, moe_router_enable_expert_bias=True)
+        common.update(moe_router_bias_update_rate=0.05)
     straight = run_training(tiny_config(tmp_path / "straight", train_iters=12, **common)).losses
     save, run = tmp_path / "ckpt", tmp_path / "run"
     first = run_training(
