@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
 from typing import Any
 
+import torch
 from tokenizers import AddedToken
 
 from paratron.config import Config, build_config
+from paratron.config.schema import ModelConfig
 from paratron.data.tokenizer import train_byte_level_bpe
+
+GPT_FLAVOUR = ModelConfig(
+    num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, max_position_embeddings=64
+)
+LLAMA_FLAVOUR = dataclasses.replace(
+    GPT_FLAVOUR,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    num_query_groups=2,
+    add_bias_linear=False,
+    ffn_hidden_size=80,
+    untie_embeddings_and_output_weights=True,
+)
+FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
+"""Two tiny shapes of the model family: GPT-2-like and Llama-like."""
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 
@@ -50,3 +69,16 @@ def write_conversations(folder: Path, chats: int = 40, pairs: int = 30) -> None:
     with open(folder / "qa.jsonl", "w") as f:
         for _ in range(pairs):
             f.write(json.dumps({"prompt": text(rng.randint(1, 3)), "completion": text(rng.randint(1, 5))}) + "\n")
+
+
+def save_random_hf_model(model_class: type, config: Any, directory: Path) -> torch.nn.Module:
+    """A Hugging Face model with random weights (norms and biases moved off 1 and 0, so that they
+    count), saved as safetensors into `directory`; returned in eval mode."""
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model

@@ -13,6 +13,8 @@ from paratron.checkpoint import load_pretrained
 from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf
 from paratron.errors import CheckpointError
 
+from tiny import save_random_hf_model
+
 LLAMA = dict(
     vocab_size=97,
     hidden_size=32,
@@ -36,14 +38,8 @@ TOLERANCE = 1e-4
 
 def hf_model(name: str, directory):
     config_class, model_class, settings = MODELS[name]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings)).eval()
-    with torch.no_grad():  # biases and norms start at 0 and 1: make them count
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+    config = getattr(transformers, config_class)(**settings)
+    return save_random_hf_model(getattr(transformers, model_class), config, directory)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

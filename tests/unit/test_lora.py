@@ -3,7 +3,6 @@ PEFT export against peft itself (random-weight Hugging Face models built locally
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -18,7 +17,6 @@ from paratron.checkpoint.io import CheckpointContent, read_checkpoint, save_chec
 from paratron.checkpoint.peft import paratron_to_peft
 from paratron.config import build_config
 from paratron.config.loading import override
-from paratron.config.schema import ModelConfig
 from paratron.errors import CheckpointError, ConfigError
 from paratron.model.gpt import build_model
 from paratron.model.lora import (
@@ -31,20 +29,8 @@ from paratron.model.lora import (
     parse_targets,
 )
 
-GPT_FLAVOUR = ModelConfig(
-    num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, max_position_embeddings=64
-)
-LLAMA_FLAVOUR = dataclasses.replace(
-    GPT_FLAVOUR,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    num_query_groups=2,
-    add_bias_linear=False,
-    ffn_hidden_size=80,
-    untie_embeddings_and_output_weights=True,
-)
-FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
+from tiny import FLAVOURS, GPT_FLAVOUR, LLAMA_FLAVOUR, save_random_hf_model
+
 ALL = "qkv,proj,fc1,fc2"
 
 
@@ -183,14 +169,8 @@ HF_SHAPE = dict(
 
 def hf_model(kind: str, directory):
     config_class, model_class = HF_MODELS[kind]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**HF_SHAPE)).eval()
-    with torch.no_grad():  # norms and biases start at 1 and 0: make them count
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+    config = getattr(transformers, config_class)(**HF_SHAPE)
+    return save_random_hf_model(getattr(transformers, model_class), config, directory)
 
 
 def adapter_checkpoint(tmp_path, kind: str):

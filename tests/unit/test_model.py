@@ -7,24 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from paratron.config.schema import ModelConfig
 from paratron.inference.generate import generate
 from paratron.model.gpt import KVCache, build_model
 
-GPT_FLAVOUR = ModelConfig(
-    num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, max_position_embeddings=64
-)
-LLAMA_FLAVOUR = dataclasses.replace(
-    GPT_FLAVOUR,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    num_query_groups=2,
-    add_bias_linear=False,
-    ffn_hidden_size=80,
-    untie_embeddings_and_output_weights=True,
-)
-FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
+from tiny import FLAVOURS, GPT_FLAVOUR, LLAMA_FLAVOUR
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

@@ -16,7 +16,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 from paratron.config.schema import ModelConfig
-from paratron.model.moe import MoELayer, Router, attach_aux_loss, expert_capacity, moe_layer_pattern
+from paratron.model.moe import MoELayer, Router, attach_aux_loss, expert_capacity
 
 H = 32
 
@@ -465,11 +465,11 @@ def test_load_counts_trained_forwards_once():
     assert "load" not in layer.state_dict()
 
 
-def test_moe_layer_pattern():
-    assert moe_layer_pattern(moe_config(num_layers=5, moe_layer_freq="2")) == [True, False, True, False, True]
-    assert moe_layer_pattern(moe_config(num_layers=3, moe_layer_freq="1")) == [True] * 3
-    assert moe_layer_pattern(moe_config(num_layers=4, moe_layer_freq="[0,1,1,1]")) == [False, True, True, True]
+def test_moe_layers_follow_the_layer_frequency():
+    assert moe_config(num_layers=5, moe_layer_freq="2").moe_layers() == [True, False, True, False, True]
+    assert moe_config(num_layers=3, moe_layer_freq="1").moe_layers() == [True] * 3
+    assert moe_config(num_layers=4, moe_layer_freq="[0,1,1,1]").moe_layers() == [False, True, True, True]
     for bad in ("[0,1]", "0", "x", "[0,2,1,1]"):
         with pytest.raises(ValueError, match="moe-layer-freq") as error:
-            moe_layer_pattern(moe_config(num_layers=4, moe_layer_freq=bad))
+            moe_config(num_layers=4, moe_layer_freq=bad).moe_layers()
         assert "\n" not in str(error.value)

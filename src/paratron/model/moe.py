@@ -1,6 +1,6 @@
 """Mixture of experts on one device, with Megatron-LM's semantics: a drop-in for a block's MLP.
 
-Read top to bottom: which layers are MoE, the router (scores, top-k choice, capacity, the
+Read top to bottom: the router (scores, top-k choice, capacity, the
 load-balancing losses), the experts (stacked weights, a loop or one batched matmul), the shared
 expert, the layer that ties them together, and how the losses reach the backward pass.
 
@@ -27,16 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
-
-# ---------------------------------------------------------------- which layers
-
-
-def moe_layer_pattern(config: ModelConfig) -> list[bool]:
-    """Which of the `num_layers` layers are MoE layers, from --moe-layer-freq: "N" makes every
-    N-th layer (0, N, 2N, ...) one, a list such as "[0,1,1,1]" (one entry per layer) says it
-    per layer; anything else raises ValueError. All False without experts."""
-    return config.moe_layers()  # (the config owns the parsing, so validation reports the same message)
-
 
 # ---------------------------------------------------------------- router
 

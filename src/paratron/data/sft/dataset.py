@@ -87,13 +87,11 @@ def write_sft_dataset(
 ) -> tuple[int, int]:
     """Write the two indexed datasets; returns (conversations, tokens). Nothing lands under the
     final names unless every conversation was written (the writer renames temporary files)."""
-    writers: list[IndexedDatasetWriter] = []
     count = tokens = 0
-    try:
-        ids_writer = IndexedDatasetWriter(_ids_prefix(output_prefix), optimal_dtype(vocab_size))
-        writers.append(ids_writer)
-        trained_writer = IndexedDatasetWriter(_trained_prefix(output_prefix), np.uint8)
-        writers.append(trained_writer)
+    with (  # each writer finalizes on success and removes its files on any error
+        IndexedDatasetWriter(_ids_prefix(output_prefix), optimal_dtype(vocab_size)) as ids_writer,
+        IndexedDatasetWriter(_trained_prefix(output_prefix), np.uint8) as trained_writer,
+    ):
         for conversation in conversations:
             ids_writer.add_document(np.asarray(conversation.ids))
             trained_writer.add_document(np.asarray(conversation.trained, dtype=np.uint8))
@@ -101,12 +99,6 @@ def write_sft_dataset(
             tokens += len(conversation.ids)
         if count == 0:
             raise DataError(f"{output_prefix}: no conversations to write")
-        for writer in writers:
-            writer.finalize()
-    except BaseException:
-        for writer in writers:
-            writer.abort()
-        raise
     return count, tokens
 
 
