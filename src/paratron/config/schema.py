@@ -145,7 +145,8 @@ class ModelConfig:
     """Scale the shared expert's output by a learned sigmoid gate of the token (Qwen-MoE)."""
 
     moe_grouped_gemm: bool = False
-    """Run the experts' matmuls as one batched call over experts instead of a loop over them (the same numbers)."""
+    """Run the experts' matmuls as one batched call over experts instead of a loop over them (the same results to
+    rounding)."""
 
     lora_rank: int | None = None
     """Rank of LoRA adapters: freeze the base weights and train low-rank adapters W + (alpha / rank) B A on the layers
