@@ -12,6 +12,7 @@ Also measured with paratron alone: packing against one conversation per row (pad
 LoRA (rank 16 on qkv,proj,fc1,fc2) against full fine-tuning: step time and the training state
 (parameters, gradients, optimizer state) from --log-memory.
 
+    pip install trl==1.16.0   # the peer (not a dependency of paratron)
     python bench/finetune.py --output bench/results/finetune.json
 """
 
