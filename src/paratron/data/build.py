@@ -132,13 +132,12 @@ class _Builder:
                     out.append((input_files([path], flag), True))
         return out
 
-    def tokenizer(self, saved: Path | None = None) -> tuple[AnyTokenizer, str]:
-        """The run's tokenizer and an identity string for cache keys. `saved` is the tokenizer.json
-        of the checkpoint a fine-tuning run starts from, used unless another tokenizer is named."""
+    def tokenizer(self, saved: Tokenizer | None = None) -> tuple[AnyTokenizer, str]:
+        """The run's tokenizer and an identity string for cache keys. `saved` is the tokenizer of
+        the checkpoint a run starts from, used unless another tokenizer is named."""
         d, m = self.config.data, self.config.model
         if d.tokenizer_type == "ByteLevelBPE" and saved is not None:
-            tokenizer = Tokenizer.from_file(saved)
-            return tokenizer, _digest(tokenizer.spec())
+            return saved, _digest(saved.spec())
         if d.tokenizer_type == "ByteLevelBPE" and d.sft:
             raise DataError(
                 "--sft needs an existing tokenizer: --load a checkpoint saved with one, or give "
@@ -166,7 +165,7 @@ class _Builder:
         self.once(path, lambda tmp: train_byte_level_bpe(texts(), target).save(tmp))
         return Tokenizer.from_file(path), path.stem
 
-    def tokenizer_and_vocabulary(self, saved: Path | None) -> tuple[AnyTokenizer, str, int]:
+    def tokenizer_and_vocabulary(self, saved: Tokenizer | None) -> tuple[AnyTokenizer, str, int]:
         """The tokenizer, its cache identity and the model's vocabulary size (the tokenizer's unless
         --vocab-size asks for more)."""
         tokenizer, tokenizer_id = self.tokenizer(saved)
@@ -240,7 +239,11 @@ class _Builder:
 
 
 def build_data(
-    config: Config, global_batch_size: int, local_rank: int = 0, log: Log = print, saved_tokenizer: Path | None = None
+    config: Config,
+    global_batch_size: int,
+    local_rank: int = 0,
+    log: Log = print,
+    saved_tokenizer: Tokenizer | None = None,
 ) -> DataBundle:
     """The run's tokenizer, training and validation samples (`saved_tokenizer`: see `_Builder.tokenizer`)."""
     d, seed = config.data, config.training.seed
@@ -287,7 +290,7 @@ def build_data(
 
 
 def evaluation_sources(
-    config: Config, local_rank: int = 0, log: Log = print, saved_tokenizer: Path | None = None
+    config: Config, local_rank: int = 0, log: Log = print, saved_tokenizer: Tokenizer | None = None
 ) -> tuple[AnyTokenizer, int, dict[str, SampleSource]]:
     """For `paratron evaluate`: the tokenizer, the vocabulary size and every --data-path file's
     samples, whole and in order (conversations with --sft; GPT samples otherwise), by task name."""

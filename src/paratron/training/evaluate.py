@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint.io import load_model_weights, read_checkpoint, write_text_atomic
+from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
 from paratron.config.schema import Config
@@ -102,8 +103,7 @@ def run_evaluation(config: Config, output: Path | None) -> dict[str, Any]:
         topology.create_groups()
         layout = resolve_layout(config, ctx.world_size)
         say = print if ctx.is_main else (lambda *a, **k: None)
-        saved = info.path / "tokenizer.json"
-        tokenizer, vocab, tasks = evaluation_sources(config, ctx.local_rank, say, saved if saved.is_file() else None)
+        _, vocab, tasks = evaluation_sources(config, ctx.local_rank, say, tokenizer_from_checkpoint(info))
         config = override(config, vocab_size=max(vocab, config.model.vocab_size or 0))
         with torch.device("meta"):
             meta = GPT(config.model)

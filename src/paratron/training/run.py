@@ -24,6 +24,7 @@ from paratron.checkpoint.io import (
     whole_model_state,
 )
 from paratron.checkpoint.optimizer_state import load_optimizer
+from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
@@ -110,9 +111,7 @@ def _assemble(
     t, c = config.training, config.checkpoint
     layout = resolve_layout(config, ctx.world_size)  # (the settings were validated before the workers started)
     resume = read_checkpoint(Path(c.load)) if c.load else None
-    saved_tokenizer = resume.path / "tokenizer.json" if resume is not None and config.data.sft else None
-    if saved_tokenizer is not None and not saved_tokenizer.is_file():
-        saved_tokenizer = None
+    saved_tokenizer = tokenizer_from_checkpoint(resume) if resume is not None and config.data.sft else None
     data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say, saved_tokenizer=saved_tokenizer)
     config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
     with torch.device("meta"):
