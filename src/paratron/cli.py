@@ -226,7 +226,7 @@ def _preprocess_conversations(args) -> int:
     import time
 
     from paratron.data.preprocess import input_files
-    from paratron.data.sft import load_chat_template, preprocess_sft
+    from paratron.data.sft import preprocess_sft, tokenizer_chat_template
     from paratron.data.tokenizer import Tokenizer
 
     if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
@@ -234,8 +234,7 @@ def _preprocess_conversations(args) -> int:
             "--sft needs --tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH (the model's tokenizer)"
         )
     tokenizer = Tokenizer.from_file(args.tokenizer_model)
-    eos = tokenizer.hf.id_to_token(tokenizer.eod_id)
-    template = load_chat_template(args.chat_template, tokenizer.source, None, eos)
+    template = tokenizer_chat_template(args.chat_template, tokenizer)
     start = time.perf_counter()
     conversations, tokens = preprocess_sft(input_files(args.input), args.output_prefix, template, tokenizer)
     print(
@@ -285,10 +284,9 @@ def cmd_generate(argv: list[str]) -> int:
         raise CheckpointError(f"{info.path}: holds no tokenizer (trained on mock data), so text cannot be encoded")
     prompt = args.prompt
     if args.chat_template:
-        from paratron.data.sft import load_chat_template
+        from paratron.data.sft import tokenizer_chat_template
 
-        eos = tokenizer.hf.id_to_token(tokenizer.eod_id)
-        template = load_chat_template(args.chat_template, tokenizer.source, None, eos)
+        template = tokenizer_chat_template(args.chat_template, tokenizer)
         prompt = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     _, device = choose_backend("auto")
     model = model_from_checkpoint(info, device)

@@ -19,7 +19,13 @@ from paratron.data.sft.packing import (
     pack_bins,
     positions_of,
 )
-from paratron.data.sft.templates import BUILTIN_TEMPLATES, ChatTemplate, ChatTemplateError, load_chat_template
+from paratron.data.sft.templates import (
+    BUILTIN_TEMPLATES,
+    ChatTemplate,
+    ChatTemplateError,
+    load_chat_template,
+    tokenizer_chat_template,
+)
 from paratron.data.sft.tokenize import (
     TokenizedConversation,
     assistant_spans,
@@ -53,5 +59,6 @@ __all__ = [
     "sft_dataset_exists",
     "tokenize_conversation",
     "tokenize_file",
+    "tokenizer_chat_template",
     "write_sft_dataset",
 ]

@@ -21,7 +21,7 @@ from paratron.config.schema import Config
 from paratron.data.blending import BlendedDataset, component_sizes, parse_blend, split_ranges
 from paratron.data.datasets import SampleSource
 from paratron.data.sft.dataset import ConversationStore, SFTDataset, sft_dataset_exists
-from paratron.data.sft.templates import ChatTemplate, load_chat_template
+from paratron.data.sft.templates import ChatTemplate, tokenizer_chat_template
 from paratron.data.sft.tokenize import TokenizedConversation, tokenize_file
 from paratron.data.tokenizer import AnyTokenizer, Tokenizer
 from paratron.errors import DataError
@@ -48,14 +48,6 @@ class _Subset(Sequence[TokenizedConversation]):
 
     def __getitem__(self, i: int) -> TokenizedConversation:  # type: ignore[override]
         return self.conversations[int(self.indices[i])]
-
-
-def chat_template(config: Config, tokenizer: AnyTokenizer) -> ChatTemplate:
-    """--chat-template for this tokenizer (whose own files hold the template for `tokenizer`)."""
-    if not isinstance(tokenizer, Tokenizer):
-        raise DataError("--sft needs a Hugging Face tokenizer (its character offsets locate the assistant turns)")
-    eos = tokenizer.hf.id_to_token(tokenizer.eod_id)
-    return load_chat_template(config.data.chat_template, tokenizer.source or None, None, eos)
 
 
 def task_name(path: str) -> str:
@@ -89,7 +81,7 @@ def sft_sources(
     log: Log,
 ) -> SFTSources:
     d, seed = config.data, config.training.seed
-    template = chat_template(config, tokenizer)
+    template = tokenizer_chat_template(config.data.chat_template, tokenizer)
     assert isinstance(tokenizer, Tokenizer)
 
     def dataset(conversations: Sequence[TokenizedConversation], samples: int | None, name: str) -> SFTDataset:
@@ -167,7 +159,7 @@ def _blend(
 def whole_tasks(config: Config, tokenizer: AnyTokenizer, paths: list[str], names: list[str]) -> list[SFTDataset]:
     """Each task's conversations once, in order (for evaluation over whole files)."""
     d = config.data
-    template = chat_template(config, tokenizer)
+    template = tokenizer_chat_template(config.data.chat_template, tokenizer)
     assert isinstance(tokenizer, Tokenizer)
     return [
         SFTDataset(

@@ -20,6 +20,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from paratron.data.tokenizer import AnyTokenizer, Tokenizer
 from paratron.errors import DataError
 
 CHATML = (
@@ -212,3 +213,12 @@ def _read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"--chat-template {path}: byte {exc.start} is not valid UTF-8; save it as UTF-8") from None
+
+
+def tokenizer_chat_template(spec: str, tokenizer: AnyTokenizer) -> ChatTemplate:
+    """--chat-template SPEC for this tokenizer: its own files hold the template `tokenizer` names,
+    and its end-of-document token is the template's eos_token."""
+    if not isinstance(tokenizer, Tokenizer):
+        raise DataError("--sft needs a Hugging Face tokenizer (its character offsets locate the assistant turns)")
+    eos = tokenizer.hf.id_to_token(tokenizer.eod_id)
+    return load_chat_template(spec, tokenizer.source or None, None, eos)
