@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from paratron.data.sft.packing import SFTSample
 from paratron.distributed import comm
 from paratron.distributed.init import initialize, shutdown
 from paratron.distributed.topology import Axis, ParallelDims, Topology
-from paratron.model.batch import IGNORE_INDEX
+from paratron.model.batch import IGNORE_INDEX, Batch
 from paratron.model.gpt import GPT
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.parallelize import parallelize
@@ -59,15 +60,15 @@ class _Whole:
         return sample
 
 
-def evaluate_tasks(
-    model: ParallelModel, tasks: dict[str, SampleSource], plan: BatchPlan, seq_length: int, device: torch.device
-) -> dict[str, Any]:
-    """{"loss", "perplexity", "tokens", "tasks": {name: {"loss", "perplexity", "tokens"}}} over whole tasks."""
+def task_loss_sums(
+    model: ParallelModel, tasks: dict[str, Iterable[list[Batch]]], device: torch.device
+) -> tuple[list[float], list[float]]:
+    """Per task, the summed token loss and the trained tokens of its global batches (each this
+    rank's micro-batches), summed over every rank's share: the per-token loss of a task is the
+    first over the second. Every rank takes part."""
     sums = torch.zeros(2, len(tasks), dtype=torch.float64, device=device)  # token-loss sums; trained tokens
-    for t, source in enumerate(tasks.values()):
-        whole = _Whole(source, seq_length, plan.global_batch_size)
-        for first in range(0, len(whole), plan.global_batch_size):
-            batches = micro_batches(whole, plan, first, device)
+    for t, global_batches in enumerate(tasks.values()):
+        for batches in global_batches:
             sums[0, t] += model.evaluate(batches).double()
             sums[1, t] += sum(batch.trained_tokens() for batch in batches)
     topology = model.topology
@@ -77,6 +78,20 @@ def evaluate_tasks(
         comm.all_reduce(sums, pp)
     comm.all_reduce(sums, topology.group(Axis.DP))
     losses, tokens = sums.tolist()
+    return losses, tokens
+
+
+def evaluate_tasks(
+    model: ParallelModel, tasks: dict[str, SampleSource], plan: BatchPlan, seq_length: int, device: torch.device
+) -> dict[str, Any]:
+    """{"loss", "perplexity", "tokens", "tasks": {name: {"loss", "perplexity", "tokens"}}} over whole tasks."""
+
+    def whole(source: SampleSource) -> Iterator[list[Batch]]:
+        padded = _Whole(source, seq_length, plan.global_batch_size)
+        for first in range(0, len(padded), plan.global_batch_size):
+            yield micro_batches(padded, plan, first, device)
+
+    losses, tokens = task_loss_sums(model, {name: whole(source) for name, source in tasks.items()}, device)
 
     def summary(loss_sum: float, count: float) -> dict[str, float]:
         loss = loss_sum / max(count, 1.0)

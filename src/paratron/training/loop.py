@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,12 @@ from paratron.checkpoint.io import BackgroundSave, CheckpointContent, begin_save
 from paratron.config.layout import Layout
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
+from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
 from paratron.distributed import comm, rng
 from paratron.distributed.init import DistributedContext, peak_memory_bytes
 from paratron.distributed.topology import Axis, Topology
+from paratron.model.batch import Batch
 from paratron.optim.build import set_learning_rate
 from paratron.optim.lr_schedule import learning_rate
 from paratron.optim.mixed_precision import Precision, build_loss_scaler
@@ -32,6 +35,7 @@ from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.pipeline.profile import save_profile
 from paratron.parallel.pipeline.schedules import theoretical_bubble
+from paratron.training.evaluate import task_loss_sums
 from paratron.training.exit import ExitConditions
 from paratron.training.expert_load import ExpertStats, reduce_expert_stats
 from paratron.training.memory import SavedActivations, format_memory, gather_memory, rank_memory
@@ -310,18 +314,12 @@ class Trainer:
         tasks = self.data.valid_tasks or {"valid": self.data.valid}
         iters, device = self.config.training.eval_iters, self.ctx.device
         first = number * iters * self.global_batch_size
-        sums = torch.zeros(2, len(tasks), device=device)  # summed token losses; trained tokens
-        for t, source in enumerate(tasks.values()):
+
+        def batches(source: SampleSource) -> Iterator[list[Batch]]:
             for i in range(iters):
-                batches = micro_batches(source, self.plan, first + i * self.global_batch_size, device, self.documents)
-                sums[0, t] += self.model.evaluate(batches)
-                sums[1, t] += sum(batch.trained_tokens() for batch in batches)
-        pp, dp = self.topology.group(Axis.PP), self.topology.group(Axis.DP)
-        if pp.size > 1:  # the losses live on the last stage; the token counts on every stage
-            sums[1] *= float(self.topology.pp_rank == pp.size - 1)
-            comm.all_reduce(sums, pp)
-        comm.all_reduce(sums, dp)
-        losses, tokens = sums.tolist()
+                yield micro_batches(source, self.plan, first + i * self.global_batch_size, device, self.documents)
+
+        losses, tokens = task_loss_sums(self.model, {name: batches(source) for name, source in tasks.items()}, device)
         results = {name: {"loss": s / max(n, 1), "tokens": n} for name, s, n in zip(tasks, losses, tokens)}
         return sum(losses) / max(sum(tokens), 1), results
 
