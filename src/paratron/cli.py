@@ -12,8 +12,12 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paratron.errors import PeerFailure, UserError
+
+if TYPE_CHECKING:  # (the schema itself is imported when a command runs, for start-up speed)
+    from paratron.config.schema import Config
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
 """name -> (one-line summary, function of the remaining arguments returning the exit code)"""
@@ -54,24 +58,34 @@ def train_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@command("train", "train a model (launches itself under torchrun with --nproc N)")
-def cmd_train(argv: list[str]) -> int:
-    from paratron.config.arguments import parse_config_arguments
-    from paratron.config.loading import build_config
+def _check_and_launch(config: Config, argv: list[str]) -> int | None:
+    """Validate the settings and the input files before any worker starts; with --nproc N (and not
+    started by torchrun) run `paratron ARGV` under torchrun and return its exit code, else None:
+    this process is a worker and goes on."""
     from paratron.config.validation import validate
     from paratron.distributed.init import env_world_size, launched_by_torchrun
     from paratron.training.run import check_inputs
 
-    recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
-    config = build_config(overrides, recipe)
     nproc = config.parallel.nproc_per_node
-    world = env_world_size() if launched_by_torchrun() else nproc
-    validate(config, world)
+    validate(config, env_world_size() if launched_by_torchrun() else nproc)
     check_inputs(config)
     if nproc > 1 and not launched_by_torchrun():
         from paratron.distributed.launch import run_under_torchrun
 
-        return run_under_torchrun(nproc, ["train", *argv])
+        return run_under_torchrun(nproc, argv)
+    return None
+
+
+@command("train", "train a model (launches itself under torchrun with --nproc N)")
+def cmd_train(argv: list[str]) -> int:
+    from paratron.config.arguments import parse_config_arguments
+    from paratron.config.loading import build_config
+
+    recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
+    config = build_config(overrides, recipe)
+    launched = _check_and_launch(config, ["train", *argv])
+    if launched is not None:
+        return launched
     from paratron.training.run import run_training
 
     run_training(config)
@@ -83,10 +97,7 @@ def cmd_evaluate(argv: list[str]) -> int:
     from paratron.config.arguments import parse_config_arguments
     from paratron.config.fields import flag
     from paratron.config.loading import build_config, override
-    from paratron.config.validation import validate
-    from paratron.distributed.init import env_world_size, launched_by_torchrun
     from paratron.errors import ConfigError
-    from paratron.training.run import check_inputs
 
     parser = train_parser()
     parser.prog = "paratron evaluate"
@@ -104,13 +115,9 @@ def cmd_evaluate(argv: list[str]) -> int:
     if not config.data.data_path:
         raise ConfigError(f"paratron evaluate needs {flag.data_path} FILE... (the data to evaluate on)")
     config = override(config, eval_iters=0, train_iters=1)
-    nproc = config.parallel.nproc_per_node
-    validate(config, env_world_size() if launched_by_torchrun() else nproc)
-    check_inputs(config)
-    if nproc > 1 and not launched_by_torchrun():
-        from paratron.distributed.launch import run_under_torchrun
-
-        return run_under_torchrun(nproc, ["evaluate", *argv])
+    launched = _check_and_launch(config, ["evaluate", *argv])
+    if launched is not None:
+        return launched
     from paratron.training.evaluate import run_evaluation
 
     run_evaluation(config, namespace.output)
