@@ -92,6 +92,10 @@ _GPT2_NAMES = {
     "layers.{i}.mlp.in_proj.up.{w}": "transformer.h.{i}.mlp.c_fc.{w}",
     "layers.{i}.mlp.out_proj.{w}": "transformer.h.{i}.mlp.c_proj.{w}",
 }
+_NAMES = {"gpt2": _GPT2_NAMES, "mixtral": _MIXTRAL_NAMES, "qwen2_moe": _QWEN2_MOE_NAMES}
+"""paratron name -> Hugging Face name, per model type (the Llama family's otherwise)."""
+_EXPERT_NAMES = {"mixtral": _MIXTRAL_EXPERT, "qwen2_moe": _QWEN2_MOE_EXPERT}
+"""The Hub names of one expert's (gate, up, down) weights, per mixture-of-experts type."""
 _GPT2_CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
 """GPT-2's linear layers are Conv1D: their weights are stored [in, out], transposed."""
 _GPT2_IGNORED = re.compile(r"\.attn\.(bias|masked_bias)$")
@@ -327,14 +331,14 @@ def weights_from_hf(
     """paratron tensors `names` (a model's parameter names) from Hugging Face `tensors`."""
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
-    table, expert = _tables(kind)
+    table = _NAMES.get(kind, _LLAMA_NAMES)
     for name in names:
         stacked = _EXPERTS.match(name)
         if stacked:  # one tensor of every expert's weights
             layer, which = stacked.groups()
             per_expert = []
             for e in range(m.num_experts or 0):
-                gate, up, down = (pattern.format(i=layer, e=e) for pattern in expert)
+                gate, up, down = (pattern.format(i=layer, e=e) for pattern in _EXPERT_NAMES[kind])
                 parts = [gate, up] if which == "w_in" else [down]
                 per_expert.append(torch.cat([_take(tensors, part, source) for part in parts]))
                 used.update(parts)
@@ -365,13 +369,13 @@ def weights_to_hf(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.
     """Hugging Face tensors from a paratron model's whole `state` (single-device names)."""
     out: dict[str, torch.Tensor] = {}
     fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    table, expert = _tables(kind)
+    table = _NAMES.get(kind, _LLAMA_NAMES)
     for name, tensor in state.items():
         stacked = _EXPERTS.match(name)
         if stacked:
             layer, which = stacked.groups()
             for e, weights in enumerate(tensor):
-                gate, up, down = (pattern.format(i=layer, e=e) for pattern in expert)
+                gate, up, down = (pattern.format(i=layer, e=e) for pattern in _EXPERT_NAMES[kind])
                 if which == "w_in":
                     out[gate], out[up] = (half.contiguous() for half in weights.chunk(2))
                 else:
@@ -389,17 +393,6 @@ def weights_to_hf(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.
         qkv = [pieces[p].t() if part == "weight" else pieces[p] for p in "qkv"]
         out[f"transformer.h.{i}.attn.c_attn.{part}"] = torch.cat(qkv, dim=-1).contiguous()
     return out
-
-
-def _tables(kind: str) -> tuple[dict[str, str], tuple[str, str, str]]:
-    """The name table of `kind` and the Hub names of one expert's (gate, up, down) weights."""
-    if kind == "gpt2":
-        return _GPT2_NAMES, ("", "", "")
-    if kind == "mixtral":
-        return _MIXTRAL_NAMES, _MIXTRAL_EXPERT
-    if kind == "qwen2_moe":
-        return _QWEN2_MOE_NAMES, _QWEN2_MOE_EXPERT
-    return _LLAMA_NAMES, ("", "", "")
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:
