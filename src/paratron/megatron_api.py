@@ -39,7 +39,7 @@ def initialize_megatron(
         **{name: getattr(getattr(config, info.section), name) for name, info in all_fields().items()}
     )
     p = config.parallel
-    topology = Topology(ParallelDims(world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size))
+    topology = Topology(ParallelDims.from_config(world, p))
     if init_distributed:
         ctx = initialize(p.distributed_backend)
         topology = Topology(topology.dims, ctx.rank)

@@ -1,6 +1,7 @@
 """A mixture-of-experts model trains the same at every supported layout: 20-step fp32 curves of
 the loss, the load-balancing and z losses and the experts' load (with the aux-loss-free expert
-bias moving after every step), against one process."""
+bias moving after every step), against one process; expert-parallel checkpoints resume exactly
+and load at other expert-parallel sizes."""
 
 from __future__ import annotations
 
@@ -62,6 +63,42 @@ LAYOUTS = {
     ),
     "dp2-zero1": (2, dict(use_distributed_optimizer=True)),
     "dp2-zero3-grouped": (2, dict(zero_stage=3, moe_grouped_gemm=True)),
+    "tp2-etp1": (2, dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)),
+    "ep2": (2, dict(expert_model_parallel_size=2)),
+    "ep2-zero2-allgather": (2, dict(expert_model_parallel_size=2, zero_stage=2, moe_token_dispatcher_type="allgather")),
+    "ep4": (4, dict(expert_model_parallel_size=4)),
+    "ep2-tp2-sp": (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
+    "ep2-tp2-sp-etp1-allgather": (
+        4,
+        dict(
+            expert_model_parallel_size=2,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            expert_tensor_parallel_size=1,
+            moe_token_dispatcher_type="allgather",
+        ),
+    ),
+    "ep2-pp2-zb-h1-recompute": (
+        4,
+        dict(
+            expert_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            pipeline_schedule="zb-h1",
+            recompute_granularity="full",
+            recompute_method="uniform",
+        ),
+    ),
+    "ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
+    "tp2-pp2-ep2-interleaved": (
+        8,
+        dict(
+            expert_model_parallel_size=2,
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            sequence_parallel=True,
+            num_layers_per_virtual_pipeline_stage=1,
+        ),
+    ),
 }
 
 
@@ -80,6 +117,29 @@ def test_moe_training_at_every_layout_equals_one_process(tmp_path, single, name)
     for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_balance"):
         assert [r[key] for r in ours] == pytest.approx([r[key] for r in single], rel=1e-5), key
     assert [r["moe_tokens_per_expert"] for r in ours] == [r["moe_tokens_per_expert"] for r in single]
+
+
+def resumed_losses(run_dir: str, layout: dict) -> list[float]:
+    return run_training(build_config(settings(run_dir, train_iters=10, **layout))).losses
+
+
+EP2_TP2 = dict(
+    expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True
+)
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_checkpoint_resumes_exactly_and_loads_at_ep1_and_ep4(tmp_path):
+    """Saved at EP 2 x TP 2 (experts split both ways, ZeRO-1 pieces of both kinds), step 5 of 10."""
+    save = str(tmp_path / "ckpt")
+    straight = run_ranks(resumed_losses, 4, str(tmp_path / "a"), dict(EP2_TP2, save=save, save_interval=5))[0]
+    checkpoint = f"{save}/iter_{5:07d}"
+    same = run_ranks(resumed_losses, 4, str(tmp_path / "b"), dict(EP2_TP2, load=checkpoint))[0]
+    assert same == straight[5:]  # bit for bit
+    ep1 = resumed_losses(str(tmp_path / "c"), dict(load=checkpoint))
+    assert ep1 == pytest.approx(straight[5:], rel=1e-6)
+    ep4 = dict(expert_model_parallel_size=4, use_distributed_optimizer=True, load=checkpoint)
+    assert run_ranks(resumed_losses, 4, str(tmp_path / "d"), ep4)[0] == pytest.approx(straight[5:], rel=1e-6)
 
 
 def converted_losses(checkpoint: str, run_dir: str, layout: dict) -> list[float]:
@@ -127,5 +187,7 @@ def test_training_starts_from_a_converted_mixtral_at_any_layout(tmp_path):
     single = converted_losses(checkpoint, str(tmp_path / "single"), {})
     pp2 = run_ranks(converted_losses, 2, checkpoint, str(tmp_path / "pp2"), dict(pipeline_model_parallel_size=2))[0]
     assert pp2 == pytest.approx(single, rel=1e-5)
+    tp2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert run_ranks(converted_losses, 2, checkpoint, str(tmp_path / "tp2"), tp2)[0] == pytest.approx(single, rel=1e-5)
     fresh = converted_losses(checkpoint, str(tmp_path / "fresh"), dict(load=None))
     assert fresh[0] != pytest.approx(single[0], rel=0.05)  # the converted weights were used

@@ -100,7 +100,7 @@ def test_data_parallel_flags():
         parse(["--zero-stage", "4"])
 
 
-@pytest.mark.parametrize("flag", ["--context-parallel-size", "--expert-model-parallel-size", "--use-dist-ckpt"])
+@pytest.mark.parametrize("flag", ["--context-parallel-size", "--use-dist-ckpt"])
 def test_unsupported_megatron_flags_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
         parse([flag, "full"])
@@ -461,7 +461,23 @@ def test_no_supported_setting_is_listed_as_unsupported():
         (dict(num_experts=4, moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor 0: must be positive"),
         (dict(moe_router_topk=1), "--moe-router-topk: a mixture-of-experts setting needs --num-experts"),
         (dict(num_experts=4, moe_layer_freq="[1,0,1]"), "--moe-layer-freq [1,0,1]: give a positive integer or a list"),
-        (dict(num_experts=4, tensor_model_parallel_size=2, nproc_per_node=2), "experts are not split by tensor"),
+        (
+            dict(num_experts=6, expert_model_parallel_size=4, nproc_per_node=4),
+            "--num-experts 6 is not divisible by --expert-model-parallel-size 4",
+        ),
+        (
+            dict(num_experts=4, expert_model_parallel_size=4, tensor_model_parallel_size=2, nproc_per_node=4),
+            "--expert-model-parallel-size 4 does not divide the data-parallel size 2",
+        ),
+        (dict(expert_model_parallel_size=2, nproc_per_node=2), "needs a mixture-of-experts model: add --num-experts"),
+        (
+            dict(num_experts=4, expert_tensor_parallel_size=3, tensor_model_parallel_size=2, nproc_per_node=2),
+            "--expert-tensor-parallel-size 3: must be 1 (whole experts) or --tensor-model-parallel-size 2",
+        ),
+        (
+            dict(num_experts=4, expert_model_parallel_size=2, zero_stage=3, nproc_per_node=2),
+            "--expert-model-parallel-size 2 with --zero-stage 3",
+        ),
         (dict(num_experts=4, moe_pad_expert_input_to_capacity=True), "needs --moe-expert-capacity-factor"),
     ],
 )

@@ -39,13 +39,13 @@ from torch import nn
 from paratron.checkpoint.optimizer_state import optimizer_file, optimizer_snapshot
 from paratron.config.loading import config_from_dict, config_to_dict
 from paratron.config.schema import Config
-from paratron.distributed.topology import Axis, ParallelDims, RankGroup, Topology
+from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.errors import CheckpointError, UserError
 from paratron.model.gpt import GPT, build_model
 from paratron.model.lora import is_adapter
 from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.data.fully_sharded import assign_full, full_parameter
-from paratron.parallel.sharding import full_shape, gather_full, param_info, shard_of
+from paratron.parallel.sharding import full_shape, gather_full, param_info, place
 
 TRACKER = "latest_checkpointed_iteration.txt"
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -81,16 +81,17 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def full_state(model: nn.Module, tp_group: RankGroup, keep: bool = True) -> dict[str, torch.Tensor]:
+def full_state(model: nn.Module, topology: Topology, keep: bool = True) -> dict[str, torch.Tensor]:
     """Every parameter this rank's stage holds, once (a tied output weight appears as the
     embedding; the last pipeline stage's copy of it is left to the first), whole and on the CPU:
-    tensor-parallel slices are gathered from the other ranks one tensor at a time (collective over
-    `tp_group`; ranks with keep=False take part and keep nothing)."""
+    tensor-parallel slices (and experts held by other expert-parallel ranks) are gathered one
+    tensor at a time (collective over those groups; ranks with keep=False take part and keep nothing)."""
     out = {}
+    tp_group, ep_group = topology.group(Axis.TP), topology.group(Axis.EP)
     for name, param in model.named_parameters():
         if param_info(param).pipeline_duplicate:
             continue
-        full = gather_full(param, tp_group, full_parameter(param))
+        full = gather_full(param, tp_group, full_parameter(param), ep_group)
         if keep:
             out[name] = full.cpu()
     if keep:
@@ -118,7 +119,7 @@ def whole_model_state(model: nn.Module, topology: Topology) -> dict[str, torch.T
     tensor parallelism, sent to it. Collective over the tensor-parallel group; the stage writers
     also take part over the pipeline-parallel group."""
     stage_writer, main = _stage_writer(topology), topology.rank == 0
-    state = full_state(model, topology.group(Axis.TP), keep=stage_writer)
+    state = full_state(model, topology, keep=stage_writer)
     pp = topology.group(Axis.PP)
     if pp.size == 1 or not stage_writer:
         return state if main else {}
@@ -174,8 +175,10 @@ def begin_save(
     first_replica, stage_writer = topology.dp_rank == 0, _stage_writer(topology)
     pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
     sharded = content.config.parallel.sharding_stage > 0 and topology.size(Axis.DP) > 1
-    weights = full_state(content.model, topology.group(Axis.TP), keep=stage_writer)
+    weights = full_state(content.model, topology, keep=stage_writer)
     rank_state = content.rank_state if first_replica else None
+    # (expert-parallel ranks hold different experts: the first of each expert-data-parallel group writes theirs)
+    experts_writer = topology.size(Axis.EP) > 1 and topology.coords["edp"] == 0
     if snapshot:
         weights = {n: t.clone() for n, t in weights.items()}
         rank_state = copy.deepcopy(rank_state)
@@ -192,8 +195,14 @@ def begin_save(
     )
     if stage_writer:
         pending.files[weights_file(pp_rank, pp_size)] = ("safetensors", weights, {"format": "pt"})
-    if content.optimizer is not None and (first_replica or sharded):
-        pieces = optimizer_snapshot(content.optimizer, content.model, replicated_too=tp_rank == 0, copy=snapshot)
+    if content.optimizer is not None and (first_replica or sharded or experts_writer):
+        pieces = optimizer_snapshot(
+            content.optimizer,
+            content.model,
+            replicated_too=tp_rank == 0,
+            copy=snapshot,
+            experts_only=not (first_replica or sharded),
+        )
         pending.files[optimizer_file(tp_rank, pp_rank, topology.dp_rank)] = ("safetensors", *pieces)
     if rank_state is not None:
         pending.files[rank_state_file(tp_rank, pp_rank, pp_size)] = ("torch", rank_state, None)
@@ -464,14 +473,12 @@ def _load_buffers(info: CheckpointInfo, buffers: dict[str, torch.Tensor], files:
 
 def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
     """This rank's part of tensor `name` (padding zeroed), read without loading the rest."""
-    shard = shard_of(param)
-    if shard is None:
+    record = param_info(param)
+    if record.shard is None and record.expert_shard is None:
         return f.get_tensor(name)
     local = torch.zeros(param.shape, dtype=param.dtype)  # (an FSDP-sharded parameter's shape is whole)
-    if shard.length:
-        index = [slice(None)] * param.dim()
-        index[shard.dim] = slice(shard.start, shard.start + shard.length)
-        local.narrow(shard.dim, 0, shard.length).copy_(f.get_slice(name)[tuple(index)])
+    for whole, mine in place(param):
+        local[mine] = f.get_slice(name)[whole]
     return local
 
 

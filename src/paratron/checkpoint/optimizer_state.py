@@ -2,11 +2,11 @@
 parameter's single-device name, with where each piece lies in the single-device tensor, so the
 state loads at any other tensor, pipeline or data-parallel layout and ZeRO stage.
 
-A piece is a flat range [start, end) of this rank's tensor-parallel slice of a parameter (the
-whole slice without ZeRO; a bucket shard's share of it under ZeRO 1/2; FSDP2's rows under ZeRO 3).
-The slice itself is described by the parameter's `Shard` (dimension, offset, length in the
-single-device tensor). Each piece carries the optimizer's per-element state (Adam's two moments,
-SGD's momentum) and, when the weights are 16-bit, the fp32 master weights.
+A piece is a flat range [start, end) of this rank's tensor- (and expert-) parallel slice of a
+parameter (the whole slice without ZeRO; a bucket shard's share of it under ZeRO 1/2; FSDP2's
+rows under ZeRO 3). The slice itself is described by its boxes (`sharding.place`): pairs of
+index ranges, in the single-device tensor and in the slice. Each piece carries the optimizer's
+per-element state (Adam's two moments, SGD's momentum) and, when the weights are 16-bit, the fp32 master weights.
 
 File: optimizer_tpTTT_ppPPP_dpDDD.safetensors per writing rank, its metadata listing the pieces.
 Loading assembles, one parameter at a time, the single-device tensor of every state from the
@@ -30,7 +30,7 @@ from torch import nn
 from paratron.errors import CheckpointError
 from paratron.optim.protocol import OptimizerPiece, TrainingOptimizer
 from paratron.parallel.data.fully_sharded import local_tensor
-from paratron.parallel.sharding import full_shape, param_info, shard_of
+from paratron.parallel.sharding import Shard, boxes, full_shape, is_expert, param_info, place, shard_of
 
 PREFIX = "optimizer_"
 
@@ -62,23 +62,49 @@ def pieces(optimizer: TrainingOptimizer, model: nn.Module, duplicates: bool = Fa
     ]
 
 
-def _shard_record(param: nn.Parameter) -> list[int] | None:
-    shard = shard_of(param)
-    return None if shard is None else [shard.dim, shard.start, shard.length]
+def _box_record(param: nn.Parameter) -> list | None:
+    """The slice's boxes as JSON: [[[start, stop] per dimension in the whole], [... in the slice]], ...]."""
+    record = param_info(param)
+    if record.shard is None and record.expert_shard is None:
+        return None
+    return [[_span(whole), _span(mine)] for whole, mine in place(param)]
+
+
+def _span(index: tuple[slice, ...]) -> list[list[int | None]]:
+    return [[s.start, s.stop] for s in index]
+
+
+def _boxes(record: dict) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]] | None:
+    """A piece's boxes from its record (older checkpoints wrote one `shard` [dim, start, length])."""
+    if "boxes" in record:
+        if record["boxes"] is None:
+            return None
+        return [(tuple(slice(*s) for s in whole), tuple(slice(*s) for s in mine)) for whole, mine in record["boxes"]]
+    if record.get("shard") is None:
+        return None
+    dim, start, length = record["shard"]
+    return boxes(record["slice_shape"], Shard(dim, start, length, record["shape"][dim]))
 
 
 def optimizer_snapshot(
-    optimizer: TrainingOptimizer, model: nn.Module, replicated_too: bool = True, copy: bool = False
+    optimizer: TrainingOptimizer,
+    model: nn.Module,
+    replicated_too: bool = True,
+    copy: bool = False,
+    experts_only: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """This rank's pieces as (tensors, metadata) for a .safetensors file. `replicated_too=False`
     leaves out parameters that every tensor-parallel rank holds whole (another rank writes them);
-    `copy` clones the values, so that training may go on while they are written."""
+    `experts_only` leaves out all but the expert-parallel ones; `copy` clones the values, so that
+    training may go on while they are written."""
     tensors: dict[str, torch.Tensor] = {}
     index = []
     step = None
     for piece in pieces(optimizer, model):
         part = piece.part
         if not replicated_too and shard_of(part.param) is None:
+            continue
+        if experts_only and not is_expert(part.param):
             continue
         state = piece.optimizer.state.get(part.master, {})
         entries = {k: v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
@@ -98,7 +124,7 @@ def optimizer_snapshot(
                 "end": part.end,
                 "keys": keys,
                 "slice_shape": list(part.param.shape),
-                "shard": _shard_record(part.param),
+                "boxes": _box_record(part.param),
                 "shape": list(full_shape(part.param)),
             }
         )
@@ -142,12 +168,12 @@ def load_optimizer(
 def _assemble(sources: list[tuple[Any, int, dict]], name: str, folder: Path) -> dict[str, torch.Tensor]:
     """Single-device tensors of every saved state of parameter `name`, from its pieces."""
     shape = sources[0][2]["shape"]
-    slices: dict[tuple, dict[str, torch.Tensor]] = {}  # one tensor-parallel slice -> its flat tensors
+    slices: dict[tuple, tuple[dict[str, torch.Tensor], list | None]] = {}  # one slice -> its flat tensors, boxes
     for handle, i, record in sources:
         if record["shape"] != shape:
             raise CheckpointError(f"{folder}: optimizer state of {name} has two shapes; the checkpoint is damaged")
-        key = (json.dumps(record["shard"]), tuple(record["slice_shape"]))
-        flats = slices.setdefault(key, {})
+        key = (json.dumps(record.get("boxes", record.get("shard"))), tuple(record["slice_shape"]))
+        flats, _ = slices.setdefault(key, ({}, _boxes(record)))
         size = 1
         for n in record["slice_shape"]:
             size *= n
@@ -155,30 +181,25 @@ def _assemble(sources: list[tuple[Any, int, dict]], name: str, folder: Path) -> 
             flat = flats.setdefault(state_key, torch.zeros(size))
             flat[record["start"] : record["end"]] = handle.get_tensor(f"{i}/{state_key}")
     full: dict[str, torch.Tensor] = {}
-    for (shard_json, slice_shape), flats in slices.items():
-        shard = json.loads(shard_json)
+    for (_, slice_shape), (flats, boxes_of_slice) in slices.items():
         for state_key, flat in flats.items():
             local = flat.view(slice_shape)
             target = full.setdefault(state_key, torch.zeros(shape))
-            if shard is None:
+            if boxes_of_slice is None:
                 target.copy_(local)
-            elif shard[2]:
-                dim, start, length = shard
-                target.narrow(dim, start, length).copy_(local.narrow(dim, 0, length))
+            for whole, mine in boxes_of_slice or ():
+                target[whole] = local[mine]
     return full
 
 
 def _fill(piece: Piece, full: dict[str, torch.Tensor], step: float | None) -> None:
     """Set `piece`'s optimizer state (and master) from single-device tensors."""
     part = piece.part
-    shard = shard_of(part.param)
     flats = {}
     for key, tensor in full.items():
         local = torch.zeros(tuple(part.param.shape))  # (a DTensor's shape is its tensor-parallel slice's)
-        if shard is None:
-            local.copy_(tensor)
-        elif shard.length:
-            local.narrow(shard.dim, 0, shard.length).copy_(tensor.narrow(shard.dim, shard.start, shard.length))
+        for whole, mine in place(part.param):  # (one box, the whole tensor, when it is not split)
+            local[mine] = tensor[whole]
         flats[key] = local.reshape(-1)[part.start : part.end]
     if "master" in flats and part.copy:
         local_tensor(part.master).view(-1).copy_(flats.pop("master"))

@@ -39,7 +39,7 @@ RENAMES: dict[str, str] = {
 
 UNSUPPORTED: frozenset[str] = frozenset(
     """
-    context-parallel-size expert-model-parallel-size moe-token-dispatcher-type expert-tensor-parallel-size
+    context-parallel-size
     pipeline-model-parallel-split-rank
     accumulate-allreduce-grads-in-fp32
     distribute-saved-activations fp8-format fp8 use-flash-attn transformer-impl attention-backend

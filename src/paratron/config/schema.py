@@ -214,6 +214,18 @@ class ParallelConfig:
     """Split activations along the sequence between tensor-parallel layers (norms and dropout run on shards; needs TP >
     1)."""
 
+    expert_model_parallel_size: int = 1
+    """Expert-parallel degree: each rank holds num-experts / EP of every MoE layer's experts; carved from the
+    data-parallel ranks, which must be a multiple of it."""
+
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel degree of the experts: the tensor-parallel size (default; experts split like a dense MLP) or 1
+    (whole experts, each tensor-parallel rank routing its share of the tokens)."""
+
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach the ranks of their experts under expert parallelism: alltoall (each routed copy sent to its
+    expert's rank, uneven splits) or allgather (every rank gathers all tokens, outputs reduce-scattered back)."""
+
     ddp_bucket_size: int | None = None
     """Gradient elements per data-parallel reduction bucket (default: max(40M, 1M x data-parallel size), as in
     Megatron-LM)."""

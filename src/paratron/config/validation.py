@@ -100,6 +100,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_model(config.model, config.data)
     layout = resolve_layout(config, world_size)
     _check_tensor_parallel(config, layout)
+    _check_expert_parallel(config, layout)
     _check_recompute(config.training)
     _check_data_parallel(config, layout)
     _check_lr_schedule(config)
@@ -212,12 +213,54 @@ def _check_experts(m: ModelConfig) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _check_tensor_parallel(config: Config, layout: Layout) -> None:
-    if config.model.num_experts and layout.tp > 1:
+def _check_expert_parallel(config: Config, layout: Layout) -> None:
+    """Expert parallelism: experts that split evenly over ranks carved from the data-parallel ones."""
+    m, p = config.model, config.parallel
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    if ep < 1:
+        raise ConfigError(f"{flag.expert_model_parallel_size} {ep}: must be at least 1")
+    if not m.num_experts:
+        if ep > 1 or etp is not None:
+            what = flag.expert_model_parallel_size if ep > 1 else flag.expert_tensor_parallel_size
+            raise ConfigError(f"{what} needs a mixture-of-experts model: add {flag.num_experts}")
+        return
+    if m.num_experts % ep:
         raise ConfigError(
-            f"{flag.num_experts} with {flag.tensor_model_parallel_size} {layout.tp}: experts are not split by tensor "
-            "parallelism yet; use data or pipeline parallelism for MoE models"
+            f"{flag.num_experts} {m.num_experts} is not divisible by {flag.expert_model_parallel_size} {ep}; "
+            "choose an expert-parallel size that divides the number of experts"
         )
+    if layout.dp % ep:
+        raise ConfigError(
+            f"{flag.expert_model_parallel_size} {ep} does not divide the data-parallel size {layout.dp} "
+            f"(world {layout.world_size} / TP {layout.tp} / PP {layout.pp}); experts are carved from the "
+            "data-parallel ranks: choose a divisor of it"
+        )
+    if etp is not None and etp not in (1, layout.tp):
+        raise ConfigError(
+            f"{flag.expert_tensor_parallel_size} {etp}: must be 1 (whole experts) or "
+            f"{flag.tensor_model_parallel_size} {layout.tp} (experts split like the dense MLP)"
+        )
+    expert_tp = layout.tp if etp is None else etp
+    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % expert_tp:
+        raise ConfigError(
+            f"{flag.moe_ffn_hidden_size} {ffn} is not divisible by the experts' tensor-parallel size {expert_tp}; "
+            f"choose a multiple or set {flag.expert_tensor_parallel_size} 1"
+        )
+    shared = m.moe_shared_expert_intermediate_size
+    if shared and shared % layout.tp:
+        raise ConfigError(
+            f"{flag.moe_shared_expert_intermediate_size} {shared} is not divisible by "
+            f"{flag.tensor_model_parallel_size} {layout.tp}; choose a multiple"
+        )
+    if ep > 1 and p.sharding_stage == 3:
+        raise ConfigError(
+            f"{flag.expert_model_parallel_size} {ep} with {flag.zero_stage} 3: experts are sharded by the "
+            f"distributed optimizer; use {flag.zero_stage} 1 or 2"
+        )
+
+
+def _check_tensor_parallel(config: Config, layout: Layout) -> None:
     m, p = config.model, config.parallel
     tp, heads, groups = layout.tp, m.num_attention_heads, m.num_query_groups or m.num_attention_heads
     if heads % tp:

@@ -27,6 +27,8 @@ from functools import cached_property
 import numpy as np
 import torch.distributed as dist
 
+from paratron.config.schema import ParallelConfig
+
 GRID = ("pp", "edp", "ep", "cp", "tp")
 """The axes of the rank grid, slowest first (the layout of numpy's C order)."""
 
@@ -133,6 +135,16 @@ class ParallelDims:
             raise ValueError(f"world size {self.world_size} is not divisible by TP x CP x PP = {model}")
         if self.dp % self.ep:
             raise ValueError(f"data-parallel size {self.dp} is not divisible by expert-parallel size {self.ep}")
+
+    @classmethod
+    def from_config(cls, world_size: int, parallel: ParallelConfig) -> ParallelDims:
+        """The sizes a run's --tensor-, --pipeline- and --expert-model-parallel-size ask for."""
+        return cls(
+            world_size,
+            tp=parallel.tensor_model_parallel_size,
+            pp=parallel.pipeline_model_parallel_size,
+            ep=parallel.expert_model_parallel_size,
+        )
 
     @property
     def dp(self) -> int:

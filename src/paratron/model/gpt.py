@@ -19,6 +19,7 @@ from paratron.config.schema import ModelConfig
 from paratron.model.batch import segment_attention_mask
 from paratron.model.lora import add_adapters, init_adapter
 from paratron.model.moe import MoELayer
+from paratron.model.projections import Projections
 
 # ---------------------------------------------------------------- positions
 
@@ -72,17 +73,6 @@ class KVCache:
 
 
 # ---------------------------------------------------------------- projections
-
-
-class Projections(nn.ModuleDict):
-    """Several linear maps of the same input, returned as a tuple in order (queries, keys and
-    values; or gate and up). Kept together so parallelism can treat them as one matrix."""
-
-    def __init__(self, in_features: int, out_features: dict[str, int], bias: bool) -> None:
-        super().__init__({name: nn.Linear(in_features, size, bias=bias) for name, size in out_features.items()})
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(linear(x) for linear in self.values())
 
 
 # ---------------------------------------------------------------- attention

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
+from paratron.model.projections import Projections
 
 # ---------------------------------------------------------------- router
 
@@ -271,6 +272,30 @@ class Experts(nn.Module):
         return torch.bmm(h, self.w_out.transpose(1, 2))[expert, slot]
 
 
+def sort_by_expert(
+    tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routed copies of `tokens` [N, H] grouped by expert, token order within each: (copies
+    [M, H], their probs [M], tokens per expert [E], the token each copy comes from [M])."""
+    expert, token = routing_map.t().nonzero(as_tuple=True)
+    return tokens[token], probs[token, expert], routing_map.sum(dim=0), token
+
+
+def sum_by_token(outputs: torch.Tensor, token: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Each token's routed outputs summed (in fp32, cast to `like`'s dtype once; Megatron sums in
+    the tokens' dtype): the inverse of `sort_by_expert`."""
+    out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    return out.index_add(0, token, outputs.float()).to(like.dtype)
+
+
+def run_experts(
+    tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, experts: Experts, pad_to: int | None = None
+) -> torch.Tensor:
+    """sum over chosen e of probs[n, e] x expert_e(tokens[n]), all experts on this device."""
+    copies, copy_probs, counts, token = sort_by_expert(tokens, probs, routing_map)
+    return sum_by_token(experts(copies, counts.tolist(), copy_probs, pad_to), token, tokens)
+
+
 # ---------------------------------------------------------------- shared expert
 
 
@@ -282,15 +307,16 @@ class SharedExpert(nn.Module):
         super().__init__()
         H = config.hidden_size
         self.gated = config.activation == "swiglu"
-        names = ("gate", "up") if self.gated else ("up",)
-        self.in_proj = nn.ModuleDict({name: nn.Linear(H, inner, bias=False) for name in names})
+        self.in_proj = Projections(H, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias=False)
         self.out_proj = nn.Linear(inner, H, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            h = F.silu(self.in_proj["gate"](x)) * self.in_proj["up"](x)
+            gate, up = self.in_proj(x)
+            h = F.silu(gate) * up
         else:
-            h = F.gelu(self.in_proj["up"](x), approximate="tanh")
+            (up,) = self.in_proj(x)
+            h = F.gelu(up, approximate="tanh")
         return self.out_proj(h)
 
 
@@ -332,33 +358,41 @@ class MoELayer(nn.Module):
         _keep_fp32(self, before)
         return self
 
+    aux_loss_copies = 1
+    """Ranks that compute these same losses and add their gradient (the tensor-parallel ranks, in the
+    parallel twin): each adds its share."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, H = x.shape
-        tokens = x.reshape(B * T, H)
+        routed_input = self.gather_tokens(x)
+        B, T, H = routed_input.shape
+        tokens = routed_input.reshape(B * T, H)
         routing = self.router(tokens, sequences=B)
-        y = self.routed(tokens, routing)
+        y = self.scatter_output(self.routed(tokens, routing).view(B, T, H))
         if self.shared_expert is not None:
-            shared = self.shared_expert(tokens)
+            shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
+                shared = shared * torch.sigmoid(self.shared_expert_gate(x))
             y = y + shared
-        out = self.dropout(y.view(B, T, H))
+        out = self.dropout(y)
         self._record(routing)
         losses = routing.aux_loss + routing.z_loss
         if torch.is_grad_enabled() and losses.requires_grad:
-            out = attach_aux_loss(out, losses, self.aux_loss_scale)
+            out = attach_aux_loss(out, losses, self.aux_loss_scale / self.aux_loss_copies)
         return out
 
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens the router sees: all of x here (the tensor-parallel twin gathers the sequence)."""
+        return x
+
+    def scatter_output(self, y: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output for x, from theirs for `gather_tokens(x)`: the same here."""
+        return y
+
     def routed(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """sum over chosen e of probs[n, e] x expert_e(tokens[n]) for tokens [N, H]. Each
-        expert's tokens in token order; the weighted outputs are summed in fp32 and cast to the
-        tokens' dtype once (Megatron sums in the tokens' dtype)."""
-        expert, token = routing.routing_map.t().nonzero(as_tuple=True)  # grouped by expert, token order within
-        counts = routing.tokens_per_expert.tolist()
+        """sum over chosen e of probs[n, e] x expert_e(tokens[n]) for tokens [N, H] (the parallel
+        twin sends the tokens to the ranks that hold their experts instead)."""
         pad_to = routing.capacity if self.pad_to_capacity else None
-        y = self.experts(tokens[token], counts, routing.probs[token, expert], pad_to)
-        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        return out.index_add(0, token, y.float()).to(tokens.dtype)
+        return run_experts(tokens, routing.probs, routing.routing_map, self.experts, pad_to)
 
     def _record(self, routing: Routing) -> None:
         """Keep the stats of this forward; add them to the counters once per trained forward

@@ -8,7 +8,7 @@ import torch
 
 from paratron.config.schema import OptimizerConfig
 from paratron.distributed import comm
-from paratron.distributed.topology import Axis, RankGroup
+from paratron.distributed.topology import RankGroup
 from paratron.optim.distributed import DistributedOptimizer
 from paratron.optim.master_weights import FullyShardedOptimizer, MasterWeightsOptimizer, ReplicatedOptimizer
 from paratron.parallel.model import ParallelModel
@@ -17,13 +17,13 @@ from paratron.parallel.model import ParallelModel
 def build_optimizer(model: ParallelModel, config: OptimizerConfig) -> MasterWeightsOptimizer:
     """The optimizer of `model`'s ZeRO stage: the distributed optimizer at stages 1 and 2, one
     over FSDP2's shards at stage 3, one over the whole model part otherwise."""
-    tp_size = model.topology.size(Axis.TP)
-    if model.flat_parameters is not None:
-        return DistributedOptimizer(model.flat_parameters, config, model.norm_group, tp_size)
-    reducer = model.gradients.reducer
-    if reducer is None:
-        return FullyShardedOptimizer(model.trained_parameters, config, model.norm_group, tp_size)
-    return ReplicatedOptimizer(model.trained_parameters, reducer.main_grad, config, model.norm_group, tp_size)
+    if model.flat_parameters:
+        return DistributedOptimizer(model.flat_parameters, config, model.norm_group, model.norm_weight)
+    if model.gradients.reducer is None:
+        return FullyShardedOptimizer(model.trained_parameters, config, model.norm_group, model.norm_weight)
+    return ReplicatedOptimizer(
+        model.trained_parameters, model.gradients.main_grad, config, model.norm_group, model.norm_weight
+    )
 
 
 def set_learning_rate(optimizer: MasterWeightsOptimizer, lr: float) -> None:

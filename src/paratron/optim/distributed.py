@@ -1,5 +1,6 @@
 """The distributed optimizer (ZeRO stages 1 and 2): each data-parallel rank keeps the master
-weights and optimizer state of its shard of every gradient bucket, and only those.
+weights and optimizer state of its shard of every gradient bucket, and only those (the experts'
+buckets, under expert parallelism, are sharded over the expert-data-parallel ranks).
 
 After backward the gradients are reduce-scattered (`parallel.data.buckets.GradientReducer`), so
 each rank holds the data-parallel mean of its shard; it steps that shard with an ordinary
@@ -14,6 +15,8 @@ in Megatron-LM), and fp32 copies otherwise (bf16/fp16 training); gradients are f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,37 +25,44 @@ from paratron.distributed.topology import RankGroup
 from paratron.optim.master_weights import MasterWeightsOptimizer, decay_groups, make_inner_optimizer
 from paratron.optim.protocol import OptimizerPiece
 from paratron.parallel.data.param_gather import FlatParameters
-from paratron.parallel.sharding import grad_norm_weight
 
 
 class DistributedOptimizer(MasterWeightsOptimizer):
     """The protocol over this rank's pieces of the flat parameters; its state dict holds this
     rank's shard only (checkpoints use `pieces`, which load at any layout)."""
 
-    def __init__(self, flat: FlatParameters, config: OptimizerConfig, norm_group: RankGroup, tp_size: int) -> None:
-        self.flat, self.reducer = flat, flat.reducer
-        self._pieces: list[tuple[nn.Parameter, int, int, int]] = self.reducer.local_pieces()
+    def __init__(
+        self,
+        flats: list[FlatParameters],
+        config: OptimizerConfig,
+        norm_group: RankGroup,
+        norm_weight: Callable[[torch.Tensor], float],
+    ) -> None:
+        self.flats = flats
+        self._pieces: list[tuple[FlatParameters, nn.Parameter, int, int, int]] = [
+            (flat, *piece) for flat in flats for piece in flat.reducer.local_pieces()
+        ]
         self.masters, self.targets = [], []
-        for _, a, z, position in self._pieces:
+        for flat, _, a, z, position in self._pieces:
             view = flat.buffer[position : position + z - a]
             # (nn.Parameter aliases the view's storage: an fp32 master is the parameter shard itself)
             self.masters.append(nn.Parameter(view if view.dtype == torch.float32 else view.detach().float()))
             self.targets.append(view)
-        params = [param for param, *_ in self._pieces]
+        params = [param for _, param, *_ in self._pieces]
         groups = [g for g in decay_groups(params, self.masters, config.weight_decay) if g["params"]]
         self.optimizer = make_inner_optimizer(groups or [{"params": [], "weight_decay": 0.0}], config)
         # (always weighted, even over one rank: each piece's share of the norm is summed the same way)
-        weights = [grad_norm_weight(param, tp_size) for param in params]
+        weights = [norm_weight(param) for param in params]
         self.norm_group = norm_group
-        self.norm_weights = torch.tensor(weights, device=self.reducer.device) if weights else None
+        self.norm_weights = torch.tensor(weights, device=flats[0].reducer.device) if weights else None
         self.prepare_grads()
 
     def prepare_grads(self) -> None:
         """Give each master its piece of the reduced gradient shard: a view when the dtypes agree,
         an fp32 copy otherwise. Called once per step, after the reduction and before unscaling and
         clipping (which then act on what `step` uses)."""
-        reducer = self.reducer
-        for master, (_, a, z, position) in zip(self.masters, self._pieces):
+        for master, (flat, _, a, z, position) in zip(self.masters, self._pieces):
+            reducer = flat.reducer
             if reducer.grad_buffer is not None:
                 grad = reducer.grad_buffer[position : position + z - a]
             else:
@@ -63,10 +73,11 @@ class DistributedOptimizer(MasterWeightsOptimizer):
     def after_step(self) -> None:
         """Write this rank's updated pieces into the flat buffer, then gather every rank's."""
         self.write_back()
-        self.flat.start_gather()
+        for flat in self.flats:
+            flat.start_gather()
 
     def pieces(self) -> list[OptimizerPiece]:
         return [
             OptimizerPiece(param, a, z, master, param.dtype != master.dtype)
-            for master, (param, a, z, _) in zip(self.masters, self._pieces)
+            for master, (_, param, a, z, _) in zip(self.masters, self._pieces)
         ]

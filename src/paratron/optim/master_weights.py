@@ -26,7 +26,6 @@ from paratron.config.schema import OptimizerConfig
 from paratron.distributed.topology import RankGroup
 from paratron.optim.protocol import GradsForNorm, OptimizerPiece
 from paratron.parallel.data.fully_sharded import is_sharded, local_tensor
-from paratron.parallel.sharding import grad_norm_weight
 
 
 def make_inner_optimizer(groups: list[dict], config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -122,23 +121,27 @@ class MasterWeightsOptimizer:
             self.write_back()
 
 
-def norm_weights(params: Sequence[torch.Tensor], norm_group: RankGroup, tp_size: int) -> torch.Tensor | None:
+NormWeight = Callable[[torch.Tensor], float]
+"""A parameter's weight in the global gradient norm (`ParallelModel.norm_weight`)."""
+
+
+def norm_weights(params: Sequence[torch.Tensor], norm_group: RankGroup, norm_weight: NormWeight) -> torch.Tensor | None:
     """Each parameter's weight in the global norm, when the norm is summed over several ranks."""
     if norm_group.size == 1 or not params:
         return None
-    return torch.tensor([grad_norm_weight(p, tp_size) for p in params], device=local_tensor(params[0]).device)
+    return torch.tensor([norm_weight(p) for p in params], device=local_tensor(params[0]).device)
 
 
 class ParameterOptimizer(MasterWeightsOptimizer):
     """Masters that stand for whole parameters (or for FSDP2's shards of them): one per parameter."""
 
     def __init__(
-        self, params: list[nn.Parameter], config: OptimizerConfig, norm_group: RankGroup, tp_size: int
+        self, params: list[nn.Parameter], config: OptimizerConfig, norm_group: RankGroup, norm_weight: NormWeight
     ) -> None:
         self.targets = params
         self.masters = [master_of(p) for p in params]
         self.optimizer = make_inner_optimizer(decay_groups(params, self.masters, config.weight_decay), config)
-        self.norm_group, self.norm_weights = norm_group, norm_weights(params, norm_group, tp_size)
+        self.norm_group, self.norm_weights = norm_group, norm_weights(params, norm_group, norm_weight)
 
     def pieces(self) -> list[OptimizerPiece]:
         """Each parameter whole, or an FSDP2 shard's rows of it."""
@@ -162,9 +165,9 @@ class ReplicatedOptimizer(ParameterOptimizer):
         main_grad: Callable[[nn.Parameter], torch.Tensor],
         config: OptimizerConfig,
         norm_group: RankGroup,
-        tp_size: int,
+        norm_weight: NormWeight,
     ) -> None:
-        super().__init__(params, config, norm_group, tp_size)
+        super().__init__(params, config, norm_group, norm_weight)
         self._main_grad = main_grad
         self.prepare_grads()
 

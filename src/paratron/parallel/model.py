@@ -27,6 +27,7 @@ from paratron.model.moe import MoELayer
 from paratron.parallel.data.ddp import DataParallelGradients
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.pipeline.runtime import PipelineRuntime
+from paratron.parallel.sharding import grad_norm_weight
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits, labels) -> the loss of every position [B, T], zero where the label is not trained."""
@@ -46,7 +47,7 @@ class ParallelModel(nn.Module):
         token_loss: TokenLoss,
         gradients: DataParallelGradients,
         pipeline: PipelineRuntime | None = None,
-        flat_parameters: FlatParameters | None = None,
+        flat_parameters: list[FlatParameters] | None = None,
         rng: RNGStates | None = None,
     ) -> None:
         super().__init__()
@@ -55,7 +56,7 @@ class ParallelModel(nn.Module):
         self.token_loss = token_loss
         self.gradients = gradients
         self.pipeline = pipeline
-        self.flat_parameters = flat_parameters
+        self.flat_parameters = flat_parameters or []  # (the distributed optimizer's: dense, then experts)
         self.rng_states = rng  # named generators of tensor-parallel regions (checkpointed)
 
     @property
@@ -67,12 +68,25 @@ class ParallelModel(nn.Module):
         return self.gradients.settings.zero_stage
 
     @property
+    def _data_sharded(self) -> bool:
+        return self.zero_stage > 0 and self.topology.size(Axis.DP) > 1
+
+    @property
     def norm_group(self) -> RankGroup:
-        """The ranks whose gradient pieces together make up the whole model's gradient once: the
+        """The ranks whose gradient pieces together make up the whole model's gradient: the
         model-parallel group (tensor x pipeline), or every rank when ZeRO shards the gradients
-        or parameters over data parallelism."""
-        sharded = self.zero_stage > 0 and self.topology.size(Axis.DP) > 1
-        return self.topology.group(Axis.WORLD if sharded else Axis.MODEL)
+        or parameters over data parallelism, or experts live on different data-parallel ranks."""
+        whole = self._data_sharded or self.topology.size(Axis.EP) > 1
+        return self.topology.group(Axis.WORLD if whole else Axis.MODEL)
+
+    def norm_weight(self, param: torch.Tensor) -> float:
+        """`param`'s weight in the global gradient norm summed over `norm_group`: each tensor counts
+        once (see `sharding.grad_norm_weight`). Summed over every rank without ZeRO, a dense
+        gradient is held by each data-parallel rank and an expert's by each expert-data-parallel one."""
+        replicas = (1, 1)
+        if self.norm_group.size > self.topology.size(Axis.MODEL) and not self._data_sharded:
+            replicas = (self.topology.size(Axis.DP), self.topology.size(Axis.EXPERT_DP))
+        return grad_norm_weight(param, self.topology.size(Axis.TP), replicas)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -170,5 +184,5 @@ class ParallelModel(nn.Module):
     def wait_param_gather(self) -> None:
         """Wait for the distributed optimizer's parameter gathers still in flight (before the
         weights are read outside a forward: saving, the end of training)."""
-        if self.flat_parameters is not None:
-            self.flat_parameters.wait()
+        for flat in self.flat_parameters:
+            flat.wait()

@@ -3,6 +3,7 @@
 Order (as in torchtitan), each step a module swap or a cut on the meta device until weights exist:
 
 1. tensor/sequence parallelism: linear layers and embeddings swapped for their parallel twins;
+   expert parallelism: each MoE layer keeps this rank's experts and dispatches tokens to the others;
 2. activation recomputation: the stack of blocks (or each attention core) swapped for a
    recomputing one;
 3. pipeline stage split: what this rank does not run is dropped; under zero-bubble schedules
@@ -11,8 +12,9 @@ Order (as in torchtitan), each step a module swap or a cut on the meta device un
    every single-device tensor, from the seed and the tensor's name: every layout starts from
    the same model; then cast to bf16/fp16 for mixed precision, or sharded by FSDP2 (ZeRO-3)
    over fp32 shards computing in 16 bits;
-5. data parallelism: the gradients' buckets (ZeRO 0-2) and the flat parameter buffer of the
-   distributed optimizer (ZeRO 1/2);
+5. data parallelism: the gradients' buckets (ZeRO 0-2) and the flat parameter buffers of the
+   distributed optimizer (ZeRO 1/2): the dense parameters' over the data-parallel group, the
+   experts' over the expert-data-parallel group;
 6. the pipeline runtime, handed the gradient synchronizer it reports to.
 """
 
@@ -35,6 +37,7 @@ from paratron.model.loss import token_losses
 from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
 from paratron.parallel.data.fully_sharded import shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
+from paratron.parallel.expert.apply import apply_expert_parallel
 from paratron.parallel.model import ParallelModel, TokenLoss
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
 from paratron.parallel.pipeline.runtime import PipelineRuntime
@@ -59,6 +62,16 @@ def parallelize(
     layout = layout or resolve_layout(config, topology.dims.world_size)
     t = config.training
     token_loss, rng = _tensor_parallel(model, config, topology, device)
+    if config.model.num_experts:
+        p = config.parallel
+        apply_expert_parallel(
+            model,
+            topology.group(Axis.EP),
+            _tp_context(config, topology),
+            p.expert_tensor_parallel_size or topology.size(Axis.TP),
+            p.moe_token_dispatcher_type,
+            rng,
+        )
     if t.recompute_granularity is not None:
         apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     stage = _cut_stage(model, layout, topology) if topology.size(Axis.PP) > 1 else None
@@ -75,9 +88,7 @@ def _tensor_parallel(
 ) -> tuple[TokenLoss, RNGStates | None]:
     """Step 1: swap in the tensor-parallel layers (when TP > 1); returns the per-token loss (over
     vocabulary-parallel logits) and the random streams of tensor-parallel regions."""
-    tp = TPContext(
-        topology.size(Axis.TP), topology.local_rank(Axis.TP), topology.group(Axis.TP), config.parallel.sequence_parallel
-    )
+    tp = _tp_context(config, topology)
     if tp.size == 1:
         return token_losses, None
     rng = RNGStates(device)
@@ -87,6 +98,12 @@ def _tensor_parallel(
     apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
     vocab_start = shard_of(model.output.weight).start
     return partial(_vocab_parallel_token_losses, vocab_start=vocab_start, group=tp.group), rng
+
+
+def _tp_context(config: Config, topology: Topology) -> TPContext:
+    return TPContext(
+        topology.size(Axis.TP), topology.local_rank(Axis.TP), topology.group(Axis.TP), config.parallel.sequence_parallel
+    )
 
 
 @dataclass
@@ -118,7 +135,7 @@ def _cut_stage(model: GPT, layout: Layout, topology: Topology) -> _Stage:
 
 def _data_parallel(
     model: GPT, config: Config, topology: Topology, device: torch.device, root: nn.Module | None
-) -> tuple[DataParallelGradients, FlatParameters | None]:
+) -> tuple[DataParallelGradients, list[FlatParameters]]:
     """Steps 4b and 5: the weights in their compute type (or FSDP2-sharded at ZeRO-3, `root`
     being the module whose forward runs them), the gradients' synchronisation, and the flat
     parameter buffer of the distributed optimizer (ZeRO-1/2)."""
@@ -136,12 +153,12 @@ def _data_parallel(
         units = shard_fully(model, topology.group(Axis.DP), device, root, compute_dtype)
     else:
         model.to(compute_dtype)  # (in place: parameters keep their identity, ties and records)
-    gradients = DataParallelGradients(model, topology.group(Axis.DP), settings, units)
-    flat = None
+    experts = topology.group(Axis.EXPERT_DP) if topology.size(Axis.EP) > 1 else None
+    gradients = DataParallelGradients(model, topology.group(Axis.DP), settings, units, experts)
+    flats = []
     if settings.zero_stage in (1, 2):
-        assert gradients.reducer is not None
-        flat = FlatParameters(model, gradients.reducer, topology.group(Axis.DP), settings.overlap_param_gather)
-    return gradients, flat
+        flats = [FlatParameters(model, r, r.group, settings.overlap_param_gather) for r in gradients.reducers]
+    return gradients, flats
 
 
 def _pipeline_runtime(

@@ -18,10 +18,15 @@ device, FSDP2's sharding) copies this one record (`copy_info`).
                        checkpoints and gradient norms count the first stage's only
     deferred_grad      zero-bubble pipelines compute this weight's gradient in a separate W
                        operation, not in autograd's backward
+    expert_shard       an expert's weights under expert parallelism: this rank holds experts
+                       [start, start + length) of dimension 0, the other expert-parallel ranks
+                       the others (on top of any tensor-parallel `shard` of another dimension);
+                       its gradient is reduced over the expert-data-parallel group, not the
+                       data-parallel one
 
-A parameter's gradient is reduced over the data-parallel group; expert parameters (reduced
-over the expert-data-parallel group) and context parallelism (data x context) will add that
-choice here.
+A rank's part of a single-device tensor is thus a box: a range of dimension 0 (experts) and a
+range of one other dimension (tensor parallelism, possibly in `blocks` equal blocks, as the
+gate and up rows of stacked SwiGLU experts), read and written through `place`.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class Shard:
     length: int
     full_size: int
     duplicates: int = 1
+    blocks: int = 1
+    """The dimension is `blocks` equal blocks (gate rows, then up rows) sharded alike: this rank holds
+    [start, start + length) of each, one after the other."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class ParamInfo:
     partial_grad_group: RankGroup | None = None
     pipeline_duplicate: bool = False
     deferred_grad: bool = False
+    expert_shard: Shard | None = None
 
 
 def param_info(param: torch.Tensor) -> ParamInfo:
@@ -88,38 +97,93 @@ def shard_of(param: torch.Tensor) -> Shard | None:
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """Shape of the single-device tensor this parameter is (a slice of)."""
-    shard = shard_of(param)
+    record = param_info(param)
     shape = list(param.shape)
-    if shard is not None:
-        shape[shard.dim] = shard.full_size
+    for shard in (record.shard, record.expert_shard):
+        if shard is not None:
+            shape[shard.dim] = shard.full_size
     return tuple(shape)
+
+
+Index = tuple[slice, ...]
+
+
+def _ranges(shard: Shard | None, local_size: int) -> list[tuple[slice, slice]]:
+    """(single-device range, local range) pairs of one dimension."""
+    if shard is None:
+        return [(slice(None), slice(None))]
+    if not shard.length:
+        return []
+    full_block, local_block = shard.full_size // shard.blocks, local_size // shard.blocks
+    return [
+        (
+            slice(b * full_block + shard.start, b * full_block + shard.start + shard.length),
+            slice(b * local_block, b * local_block + shard.length),
+        )
+        for b in range(shard.blocks)
+    ]
+
+
+def boxes(shape: Sequence[int], shard: Shard | None, expert_shard: Shard | None = None) -> list[tuple[Index, Index]]:
+    """(index into the single-device tensor, index into the local tensor of `shape`) of every box a
+    rank with these shards holds; padding is in no box."""
+    pairs: list[tuple[Index, Index]] = [((), ())]
+    for dim in range(len(shape)):
+        shard_here = shard if shard is not None and shard.dim == dim else None
+        if expert_shard is not None and expert_shard.dim == dim:
+            shard_here = expert_shard
+        pairs = [(f + (a,), lo + (b,)) for f, lo in pairs for a, b in _ranges(shard_here, shape[dim])]
+    return pairs
+
+
+def place(param: torch.Tensor) -> list[tuple[Index, Index]]:
+    """Where this rank's part of `param` lies: (single-device index, local index) pairs."""
+    record = param_info(param)
+    return boxes(param.shape, record.shard, record.expert_shard)
 
 
 def take_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """This rank's local tensor (padding zeroed) from the single-device tensor."""
-    shard = shard_of(param)
-    if shard is None:
+    record = param_info(param)
+    if record.shard is None and record.expert_shard is None:
         return full
     local = torch.zeros_like(param)
-    if shard.length:  # a rank may hold only padding (vocabulary rows beyond the real ones)
-        local.narrow(shard.dim, 0, shard.length).copy_(full.narrow(shard.dim, shard.start, shard.length))
+    for whole, mine in place(param):
+        local[mine] = full[whole]
     return local
 
 
-def gather_full(param: torch.Tensor, group: RankGroup, tensor: torch.Tensor | None = None) -> torch.Tensor:
-    """The single-device tensor, assembled from every tensor-parallel rank's slice (collective).
+def gather_full(
+    param: torch.Tensor, group: RankGroup, tensor: torch.Tensor | None = None, expert_group: RankGroup | None = None
+) -> torch.Tensor:
+    """The single-device tensor, assembled from every tensor-parallel rank's slice (and, for an
+    expert's weights, every expert-parallel rank's experts over `expert_group`); collective.
     `tensor` (default: the parameter itself) may be anything laid out like it, e.g. its gradient."""
     tensor = (param if tensor is None else tensor).detach()
     record = param_info(param)
-    if record.shard is None or group.size == 1:
-        return tensor
-    pieces = [torch.empty_like(tensor) for _ in range(group.size)]
-    dist.all_gather(pieces, tensor.contiguous(), group=group.process_group)
-    full = tensor.new_empty(full_shape(param))
-    for piece, s in zip(pieces, record.layout or ()):
-        if s.length:
-            full.narrow(s.dim, s.start, s.length).copy_(piece.narrow(s.dim, 0, s.length))
-    return full
+    if record.shard is not None and group.size > 1:
+        pieces = [torch.empty_like(tensor) for _ in range(group.size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=group.process_group)
+        shape = list(tensor.shape)
+        shape[record.shard.dim] = record.shard.full_size
+        full = tensor.new_empty(shape)
+        for piece, s in zip(pieces, record.layout or ()):
+            for whole, mine in boxes(piece.shape, s):
+                full[whole] = piece[mine]
+        tensor = full
+    if record.expert_shard is not None:
+        if expert_group is None:
+            raise ValueError("an expert's weights are gathered over the expert-parallel group: pass expert_group")
+        if expert_group.size > 1:
+            pieces = [torch.empty_like(tensor) for _ in range(expert_group.size)]
+            dist.all_gather(pieces, tensor.contiguous(), group=expert_group.process_group)
+            tensor = torch.cat(pieces, dim=record.expert_shard.dim)
+    return tensor
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether `param` is expert weights split over expert-parallel ranks (reduced over expert-data-parallel ranks)."""
+    return param_info(param).expert_shard is not None
 
 
 def set_partial_grad(param: torch.Tensor, group: RankGroup) -> None:
@@ -139,12 +203,15 @@ def partial_grad_groups(params: Sequence[torch.Tensor]) -> list[tuple[RankGroup,
     return list(groups.values())
 
 
-def grad_norm_weight(param: torch.Tensor, tp_size: int) -> float:
-    """Weight of this parameter's squared gradient norm in a sum over the model-parallel ranks
-    (tensor x pipeline), so that a tensor held by several ranks counts once: replicas over the
-    tensor-parallel group share the weight, and the last pipeline stage's copy of a tied
-    embedding counts zero."""
+def grad_norm_weight(param: torch.Tensor, tp_size: int, replicas: tuple[int, int] = (1, 1)) -> float:
+    """Weight of this parameter's squared gradient norm in a sum over the ranks that hold the
+    model's gradient (see `ParallelModel.norm_group`), so that a tensor held by several ranks
+    counts once: replicas over the tensor-parallel group share the weight, and the last pipeline
+    stage's copy of a tied embedding counts zero. `replicas` = (dense, expert): how many ranks of
+    the norm's group hold each dense and each expert gradient whole (data-parallel replicas,
+    when the norm is summed over them)."""
     record = param_info(param)
     if record.pipeline_duplicate:
         return 0.0
-    return 1.0 / (record.shard.duplicates if record.shard is not None else tp_size)
+    data = replicas[1] if record.expert_shard is not None else replicas[0]
+    return 1.0 / ((record.shard.duplicates if record.shard is not None else tp_size) * data)

@@ -113,7 +113,8 @@ def run_evaluation(config: Config, output: Path | None) -> dict[str, Any]:
         config = dataclasses.replace(config, model=info.config.model)
         p = config.parallel
         topology = Topology(
-            ParallelDims(ctx.world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size), ctx.rank
+            ParallelDims.from_config(ctx.world_size, p),
+            ctx.rank,
         )
         topology.create_groups()
         layout = resolve_layout(config, ctx.world_size)

@@ -77,7 +77,8 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
     started = time.perf_counter()
     p = config.parallel
     topology = Topology(
-        ParallelDims(ctx.world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size), ctx.rank
+        ParallelDims.from_config(ctx.world_size, p),
+        ctx.rank,
     )
     topology.create_groups()
     say = print if ctx.is_main else (lambda *a, **k: None)

@@ -11,7 +11,9 @@ in trailing buckets of their own, so they never hold up the others.
 Reduction (`GradientReducer`): a post-accumulate-grad hook marks a parameter ready; when the
 last parameter of a bucket is ready and synchronisation is on, the bucket's reduction starts
 asynchronously (`overlap`) while backward goes on. The bucket is scaled by 1/size first and
-summed, so the result is the data-parallel mean. Three ways to keep gradients:
+summed, so the result is the data-parallel mean; `post_scale` multiplies the step's result once
+more (expert gradients: their mean over the expert-data-parallel ranks is scaled to the mean
+over all data-parallel ranks, whose tokens they saw). Three ways to keep gradients:
 
 - `all-reduce`: a persistent full buffer (`main_grad(param)` are views into it); plain DDP.
 - `reduce-scatter`: the same buffer, but only this rank's shard is reduced (ZeRO-1).
@@ -109,10 +111,12 @@ class GradientReducer:
         scatter_by_all_reduce: bool | None = None,
         every_micro_batch: bool = False,
         grad_dtype: torch.dtype = torch.float32,
+        post_scale: float = 1.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.params, self.group, self.mode, self.overlap = params, group, mode, overlap
+        self.post_scale = post_scale
         # Without overlap, buckets are reduced in backward only when every micro-batch needs it
         # (a reduction waited for in a hook stalls backward); otherwise all at once in finish().
         self.every_micro_batch = every_micro_batch or mode == "reduce-scatter-shard"
@@ -286,3 +290,5 @@ class GradientReducer:
                 self._launch(b)
         for b in self.buckets:
             self._wait(b)
+        if self.post_scale != 1.0:
+            (self.grad_buffer if self.grad_buffer is not None else self.grad_shard).mul_(self.post_scale)

@@ -1,6 +1,10 @@
 """Data parallelism: every rank of a data-parallel group holds the same model part, and
 gradients are averaged over the group.
 
+Under expert parallelism the experts' weights are held by the expert-data-parallel ranks only
+(a subgroup of the data-parallel ones): their gradients live in buckets of their own, reduced
+over that group (`expert_reducer`), and count the tokens of every data-parallel rank.
+
 `DataParallelGradients` owns the gradients of this rank's model part and their
 synchronisation. At ZeRO stages 0-2 they live in buckets (`buckets.GradientReducer`) reduced
 as backward fills them (all-reduced, or reduce-scattered to the distributed optimizer's
@@ -17,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
 from paratron.parallel.data.buckets import GradientReducer
 from paratron.parallel.data.fully_sharded import local_tensor
-from paratron.parallel.sharding import param_info, partial_grad_groups
+from paratron.parallel.sharding import is_expert, param_info, partial_grad_groups
 
 REDUCTION_MODES = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter-shard"}
 
@@ -52,45 +57,68 @@ class DataParallelGradients:
         group: RankGroup,
         settings: DataParallelSettings = DataParallelSettings(),
         sharded_units: list[nn.Module] | None = None,
+        expert_group: RankGroup | None = None,
     ) -> None:
+        """`expert_group`: the expert-data-parallel group, under expert parallelism (None otherwise)."""
         self.group, self.settings = group, settings
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.sharded_units = sharded_units or []  # FSDP2 units (ZeRO stage 3)
         self.reducer: GradientReducer | None = None
+        self.expert_reducer: GradientReducer | None = None
+        self.reducers: list[GradientReducer] = []
         if settings.zero_stage == 3:
             self._partial = partial_grad_groups(self.params)
             return
+        late = _late_parameters(module, self.params)
+        experts = [p for p in self.params if is_expert(p)] if expert_group is not None else []
+        dense = [p for p in self.params if not any(p is e for e in experts)]
+        self.reducer = self._reducer(dense, group, late)
+        if experts:
+            assert expert_group is not None
+            self.expert_reducer = self._reducer(experts, expert_group, late, post_scale=expert_group.size / group.size)
+        self.reducers = [r for r in (self.reducer, self.expert_reducer) if r is not None]
+        self._owner = {id(p): r for r in self.reducers for p in r.params}
+
+    def _reducer(
+        self, params: list[nn.Parameter], group: RankGroup, late: list[nn.Parameter], post_scale: float = 1.0
+    ) -> GradientReducer:
+        settings = self.settings
         # (on one rank, stage 2's per-micro-batch reduction would only add a copy: keep stage 1's buffer)
         mode = REDUCTION_MODES[1 if settings.zero_stage == 2 and group.size == 1 else settings.zero_stage]
-        self.reducer = GradientReducer(
-            self.params,
+        return GradientReducer(
+            params,
             group,
             settings.bucket_size,
             mode,
             settings.overlap_grad_reduce,
-            late=_late_parameters(module, self.params),
+            late=[p for p in late if any(p is q for q in params)],
             every_micro_batch=settings.sync_every_micro_batch,
+            post_scale=post_scale,
         )
+
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s fp32 gradient in its reducer's buffer (ZeRO stages 0 and 1)."""
+        return self._owner[id(param)].main_grad(param)
 
     def require_sync(self, enabled: bool) -> None:
         """Whether the coming backward passes finish the step's gradients (the last micro-batch)."""
         enabled = enabled or self.settings.sync_every_micro_batch
-        reducer = self.reducer
-        if reducer is not None and self.settings.sync_every_micro_batch and reducer.grad_buffer is not None:
-            reducer.wait_in_flight()  # the last micro-batch's reductions read the buffer we add to
-        if reducer is not None:
+        for reducer in self.reducers:
+            if self.settings.sync_every_micro_batch and reducer.grad_buffer is not None:
+                reducer.wait_in_flight()  # the last micro-batch's reductions read the buffer we add to
             reducer.sync_enabled = enabled or self.settings.zero_stage == 2
         for unit in self.sharded_units:
             unit.set_requires_gradient_sync(enabled, recurse=False)
 
     def grad_ready(self, param: nn.Parameter) -> None:
         if self.reducer is not None:
-            self.reducer.grad_ready(param)
+            self._owner[id(param)].grad_ready(param)
 
     def zero(self) -> None:
         """Zero the gradients; they stay views of the buffer."""
         if self.reducer is not None:
-            self.reducer.reset()
+            for reducer in self.reducers:
+                reducer.reset()
         else:
             for p in self.params:
                 p.grad = None
@@ -100,15 +128,16 @@ class DataParallelGradients:
         if self.reducer is None:
             self._finish_sharded()
             return
-        reducer = self.reducer
-        if reducer.grad_buffer is not None and not reducer.separate:
-            first = self.params[0]
-            if first.grad is None or first.grad.data_ptr() != reducer.main_grad(first).data_ptr():
-                raise RuntimeError(
-                    "gradients were detached from the gradient buffer (optimizer.zero_grad()?); "
-                    "zero them with model.zero_grad()"
-                )
-        reducer.finish()
+        for reducer in self.reducers:
+            if reducer.grad_buffer is not None and not reducer.separate:
+                first = reducer.params[0]
+                if first.grad is None or first.grad.data_ptr() != reducer.main_grad(first).data_ptr():
+                    raise RuntimeError(
+                        "gradients were detached from the gradient buffer (optimizer.zero_grad()?); "
+                        "zero them with model.zero_grad()"
+                    )
+        for reducer in self.reducers:
+            reducer.finish()
 
     def _finish_sharded(self) -> None:
         """Stage 3: FSDP2 has reduce-scattered the gradients; sum partial ones (local shards line up

@@ -84,16 +84,15 @@ def training_state_elements(model: nn.Module, optimizer: Any | None = None) -> d
     ledger = _Ledger()
     params = list(model.parameters())
     parallel = model if isinstance(model, ParallelModel) else None
-    flat = parallel.flat_parameters if parallel is not None else None
-    buffer = flat.buffer if flat is not None else None
-    ledger.add("parameters", [buffer])
-    ledger.add("parameters", params, primary=buffer is None)
+    flats = parallel.flat_parameters if parallel is not None else []
+    ledger.add("parameters", [flat.buffer for flat in flats])
+    ledger.add("parameters", params, primary=not flats)
 
-    reducer = parallel.gradients.reducer if parallel is not None else None
-    if reducer is not None:
+    reducers = parallel.gradients.reducers if parallel is not None else []
+    for reducer in reducers:
         ledger.add("gradients", [reducer.grad_buffer if reducer.grad_buffer is not None else reducer.grad_shard])
         ledger.add("gradients", [t for b in reducer.buckets for t in (b.buffer, b.shard_out)], primary=False)
-    ledger.add("gradients", [p.grad for p in params], primary=reducer is None)
+    ledger.add("gradients", [p.grad for p in params], primary=not reducers)
 
     if optimizer is not None:
         masters = _optimizer_params(optimizer)

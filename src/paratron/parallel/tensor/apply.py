@@ -4,6 +4,7 @@
                 split, or replicated when TP exceeds their number), output projection row-parallel;
                 the attention core runs on this rank's heads under the tensor-parallel RNG
     MLP         up (and gate) projections column-parallel, as one matrix; down projection row-parallel
+                (mixture-of-experts layers are left to `parallel.expert.apply`)
     embedding   vocabulary-parallel, padded to a multiple of TP x --make-vocab-size-divisible-by;
                 the output layer is vocabulary-parallel too (tied weights stay tied)
     sequence parallel (optional): between the row- and column-parallel layers the activations
@@ -25,6 +26,7 @@ from torch import nn
 from paratron.distributed.rng import TENSOR_PARALLEL, Forked, RNGStates
 from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
+from paratron.model.moe import MoELayer
 from paratron.parallel.sharding import set_partial_grad
 from paratron.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -66,15 +68,18 @@ def apply_tensor_parallel(
         attention.core = forked(attention.core)
 
         mlp = block.mlp
-        mlp.in_proj = ColumnParallelProjections(mlp.in_proj, tp, {})
-        mlp.out_proj = RowParallelLinear(mlp.out_proj, tp)
+        dense = not isinstance(mlp, MoELayer)  # (MoE layers are split by parallel/expert)
+        if dense:
+            mlp.in_proj = ColumnParallelProjections(mlp.in_proj, tp, {})
+            mlp.out_proj = RowParallelLinear(mlp.out_proj, tp)
 
         if tp.sequence_parallel:
             for norm in (block.attention_norm, block.mlp_norm):
                 for param in norm.parameters():
                     set_partial_grad(param, tp.group)
             attention.output_dropout = forked(attention.output_dropout)
-            mlp.dropout = forked(mlp.dropout)
+            if dense:
+                mlp.dropout = forked(mlp.dropout)
 
     model.embedding = VocabParallelEmbedding(model.embedding, tp, divisible_by)
     model.output = VocabParallelOutput(model.output, tp, divisible_by)
