@@ -66,7 +66,7 @@ LAYOUTS = {
     "tp2-etp1": (2, dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)),
     "ep2": (2, dict(expert_model_parallel_size=2)),
     "ep2-zero2-allgather": (2, dict(expert_model_parallel_size=2, zero_stage=2, moe_token_dispatcher_type="allgather")),
-    "ep4": (4, dict(expert_model_parallel_size=4)),
+    "ep4-grouped": (4, dict(expert_model_parallel_size=4, moe_grouped_gemm=True)),
     "ep2-tp2-sp": (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
     "ep2-tp2-sp-etp1-allgather": (
         4,

@@ -475,6 +475,11 @@ def test_no_supported_setting_is_listed_as_unsupported():
             "--expert-tensor-parallel-size 3: must be 1 (whole experts) or --tensor-model-parallel-size 2",
         ),
         (
+            dict(num_experts=4, moe_grouped_gemm=True, moe_ffn_hidden_size=50),
+            "--moe-grouped-gemm: torch's grouped matmul needs rows of a multiple of 16 bytes, and the experts' "
+            "width per tensor-parallel rank 50 is not a multiple of 4 in fp32",
+        ),
+        (
             dict(num_experts=4, expert_model_parallel_size=2, zero_stage=3, nproc_per_node=2),
             "--expert-model-parallel-size 2 with --zero-stage 3",
         ),

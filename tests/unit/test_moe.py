@@ -16,7 +16,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 from paratron.config.schema import ModelConfig
-from paratron.model.moe import MoELayer, Router, attach_aux_loss, expert_capacity
+from paratron.model.moe import MoELayer, Router, attach_aux_loss, expert_capacity, grouped_gemm_available
 
 H = 32
 
@@ -304,6 +304,11 @@ def test_grouped_gemm_matches_the_loop(activation, capacity):
     torch.testing.assert_close(out_grouped, out, atol=1e-6, rtol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grads_grouped[name], grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_this_device_has_a_grouped_matmul_for_every_precision():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert grouped_gemm_available(torch.device("cpu"), dtype), dtype
 
 
 @pytest.mark.parametrize("grouped", [False, True])

@@ -247,6 +247,18 @@ def _check_expert_parallel(config: Config, layout: Layout) -> None:
             f"{flag.moe_ffn_hidden_size} {ffn} is not divisible by the experts' tensor-parallel size {expert_tp}; "
             f"choose a multiple or set {flag.expert_tensor_parallel_size} 1"
         )
+    if m.moe_grouped_gemm:  # torch's grouped matmul reads rows that start on 16-byte boundaries
+        multiple = 16 // (4 if config.training.precision == "fp32" else 2)
+        for what, size in (
+            (f"{flag.hidden_size} {m.hidden_size}", m.hidden_size),
+            (f"the experts' width per tensor-parallel rank {ffn // expert_tp}", ffn // expert_tp),
+        ):
+            if size % multiple:
+                raise ConfigError(
+                    f"{flag.moe_grouped_gemm}: torch's grouped matmul needs rows of a multiple of 16 bytes, and "
+                    f"{what} is not a multiple of {multiple} in {config.training.precision}; "
+                    "choose a multiple or drop the flag to loop over the experts"
+                )
     shared = m.moe_shared_expert_intermediate_size
     if shared and shared % layout.tp:
         raise ConfigError(

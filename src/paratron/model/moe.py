@@ -222,8 +222,9 @@ class Experts(nn.Module):
 
     `forward(tokens [M, H], counts, probs [M])`: the first counts[0] rows go to expert 0, the next
     counts[1] to expert 1, ...; returns each row's output already multiplied by its prob. The
-    matmuls run in the tokens' dtype: a loop over experts, or with `grouped` one `torch.bmm`
-    over [E, rows, H] with every expert's tokens padded to the same number of rows."""
+    matmuls run in the tokens' dtype: a loop over experts, or with `grouped` one call of torch's
+    grouped matmul per projection (`torch._grouped_mm`: a grouped GEMM kernel on GPUs that have
+    one), over exactly the experts' rows."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -243,7 +244,7 @@ class Experts(nn.Module):
         """`pad_to`: run each expert on at least this many rows (zeros beyond its tokens, then
         discarded): fixed shapes, the same numbers."""
         if self.grouped:
-            return self._batched(tokens, counts, probs, pad_to)
+            return self._grouped(tokens, counts, probs, pad_to)
         return self._looped(tokens, counts, probs, pad_to)
 
     def _looped(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor, pad_to: int | None) -> torch.Tensor:
@@ -258,18 +259,57 @@ class Experts(nn.Module):
             outputs.append(F.linear(h, self.w_out[e])[:n])
         return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.w_out.size(1))
 
-    def _batched(
+    def _grouped(
         self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor, pad_to: int | None
     ) -> torch.Tensor:
-        E, device = len(counts), tokens.device
-        rows = max(max(counts, default=0), pad_to or 0)
-        sizes = torch.tensor(counts, device=device)
-        expert = torch.repeat_interleave(torch.arange(E, device=device), sizes)  # expert of each token
-        slot = torch.arange(tokens.size(0), device=device) - (torch.cumsum(sizes, 0) - sizes)[expert]
-        x = tokens.new_zeros(E, rows, tokens.size(1)).index_put((expert, slot), tokens)
-        p = probs.new_zeros(E, rows).index_put((expert, slot), probs)
-        h = _weighted(_activation(torch.bmm(x, self.w_in.transpose(1, 2)), self.gated), p)
-        return torch.bmm(h, self.w_out.transpose(1, 2))[expert, slot]
+        if pad_to is not None:  # each expert's rows padded with zeros to at least `pad_to`
+            rows = [max(n, pad_to) for n in counts]
+            sizes = torch.tensor(counts, device=tokens.device)
+            expert = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), sizes)
+            first = torch.tensor(rows, device=tokens.device).cumsum(0) - torch.tensor(rows, device=tokens.device)
+            rank_in_expert = torch.arange(tokens.size(0), device=tokens.device) - (sizes.cumsum(0) - sizes)[expert]
+            position = first[expert] + rank_in_expert
+            tokens = tokens.new_zeros(sum(rows), tokens.size(1)).index_put((position,), tokens)
+            probs = probs.new_zeros(sum(rows)).index_put((position,), probs)
+            return self._grouped(tokens, rows, probs, None)[position]
+        ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+        h = _grouped_mm(tokens, self.w_in.transpose(1, 2), ends)
+        return _grouped_mm(_weighted(_activation(h, self.gated), probs), self.w_out.transpose(1, 2), ends)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (torch's grouped matmul needs aligned
+    strides, which a broadcast gradient lacks)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_mm(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows [ends[e-1], ends[e]) of x [M, K] times weights[e] [K, N], for every expert e, in one call
+    of torch's grouped matmul (a grouped GEMM kernel where the device has one). Rows of K and N
+    values must be multiples of 16 bytes (`config.validation` checks the model's sizes)."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x.contiguous(), weights, offs=ends))
+
+
+def grouped_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped matmul runs on `device` in `dtype` (a tiny probe: some GPUs have no
+    grouped GEMM kernel for some types)."""
+    try:
+        x = torch.zeros(2, 8, device=device, dtype=dtype)
+        torch._grouped_mm(
+            x,
+            torch.zeros(1, 8, 8, device=device, dtype=dtype),
+            offs=torch.tensor([2], device=device, dtype=torch.int32),
+        )
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def sort_by_expert(

@@ -26,14 +26,17 @@ from functools import partial
 import torch
 from torch import nn
 
+from paratron.config.fields import flag
 from paratron.config.layout import Layout, resolve_layout
 from paratron.config.schema import Config
 from paratron.distributed.init import synchronize
 from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSET, RNGStates
 from paratron.distributed.topology import Axis, RankGroup, Topology
+from paratron.errors import ConfigError
 from paratron.model.batch import IGNORE_INDEX
 from paratron.model.gpt import GPT, init_parameter
 from paratron.model.loss import token_losses
+from paratron.model.moe import grouped_gemm_available
 from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
 from paratron.parallel.data.fully_sharded import shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
@@ -61,6 +64,15 @@ def parallelize(
     trains it. `layout` is the one validation returned (worked out from `config` if not given)."""
     layout = layout or resolve_layout(config, topology.dims.world_size)
     t = config.training
+    if (
+        config.model.num_experts
+        and config.model.moe_grouped_gemm
+        and not grouped_gemm_available(device, DTYPES[t.precision])
+    ):
+        raise ConfigError(
+            f"{flag.moe_grouped_gemm}: this device ({device}) has no grouped matmul for {t.precision}; "
+            "drop the flag to loop over the experts"
+        )
     token_loss, rng = _tensor_parallel(model, config, topology, device)
     if config.model.num_experts:
         p = config.parallel
