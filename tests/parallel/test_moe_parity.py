@@ -30,6 +30,7 @@ def settings(run_dir: str, **overrides) -> dict:
             moe_router_bias_update_rate=1e-2,
             moe_shared_expert_intermediate_size=48,
             moe_shared_expert_gate=True,
+            qk_layernorm=True,
             vocab_size=128,
             mock_data=True,
             seq_length=16,

@@ -1,5 +1,5 @@
-"""Mixtral and Qwen2-MoE from Hugging Face: converted weights give transformers' logits, and
-convert back to the same tensors."""
+"""Mixtral, Qwen2-MoE and Qwen3-MoE (and Qwen3, whose query/key norms it shares) from Hugging
+Face: converted weights give transformers' logits, and convert back to the same tensors."""
 
 from __future__ import annotations
 
@@ -43,6 +43,24 @@ MODELS = {
             norm_topk_prob=False,
         ),
     ),
+    "qwen3-moe": (
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig(
+            **SHAPE,
+            head_dim=12,  # (not hidden / heads)
+            num_experts=3,
+            num_experts_per_tok=2,
+            moe_intermediate_size=20,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen3-moe-top1": (
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=20),
+    ),
+    "qwen3-dense": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**SHAPE, head_dim=12)),
 }
 
 

@@ -2,11 +2,13 @@
 
 Supported: Llama (grouped-query attention, any rotary theta, tied or untied embeddings),
 Mistral (the same layers; full causal attention, which equals its sliding window for sequences
-up to the window), Qwen2 (biases on the query, key and value projections), GPT-2 (learned
+up to the window), Qwen2 (biases on the query, key and value projections), Qwen3 (a norm on each
+head's queries and keys), GPT-2 (learned
 positions, LayerNorm, tanh GELU, fused QKV stored as Conv1D, i.e. transposed), and the mixtures
 of experts Mixtral (softmax over the top-k router logits) and Qwen2-MoE (softmax before the
 top-k, a shared expert with a sigmoid gate, dense layers where `decoder_sparse_step` and
-`mlp_only_layers` say). Experts are stored one by one on the Hub and stacked in paratron
+`mlp_only_layers` say) and Qwen3-MoE (Qwen2-MoE's routing with Qwen3's query/key norms, no
+shared expert). Experts are stored one by one on the Hub and stacked in paratron
 (`experts.w_in` = [gate; up] of every expert, `experts.w_out` = their down projections).
 
 A converted checkpoint is an ordinary paratron checkpoint at iteration 0 marked "weights only"
@@ -43,9 +45,11 @@ ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-MOE_FAMILY = ("mixtral", "qwen2_moe")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # paratron name -> Hugging Face name, per family (layer index as {i})
 _LLAMA_NAMES = {
@@ -55,6 +59,7 @@ _LLAMA_NAMES = {
     "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
     "layers.{i}.attention.in_proj.{p}.{w}": "model.layers.{i}.self_attn.{p}_proj.{w}",
     "layers.{i}.attention.out_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.attention.{p}_norm.weight": "model.layers.{i}.self_attn.{p}_norm.weight",
     "layers.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "layers.{i}.mlp.in_proj.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",
     "layers.{i}.mlp.out_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
@@ -92,9 +97,9 @@ _GPT2_NAMES = {
     "layers.{i}.mlp.in_proj.up.{w}": "transformer.h.{i}.mlp.c_fc.{w}",
     "layers.{i}.mlp.out_proj.{w}": "transformer.h.{i}.mlp.c_proj.{w}",
 }
-_NAMES = {"gpt2": _GPT2_NAMES, "mixtral": _MIXTRAL_NAMES, "qwen2_moe": _QWEN2_MOE_NAMES}
+_NAMES = {"gpt2": _GPT2_NAMES, "mixtral": _MIXTRAL_NAMES, "qwen2_moe": _QWEN2_MOE_NAMES, "qwen3_moe": _QWEN2_MOE_NAMES}
 """paratron name -> Hugging Face name, per model type (the Llama family's otherwise)."""
-_EXPERT_NAMES = {"mixtral": _MIXTRAL_EXPERT, "qwen2_moe": _QWEN2_MOE_EXPERT}
+_EXPERT_NAMES = {"mixtral": _MIXTRAL_EXPERT, "qwen2_moe": _QWEN2_MOE_EXPERT, "qwen3_moe": _QWEN2_MOE_EXPERT}
 """The Hub names of one expert's (gate, up, down) weights, per mixture-of-experts type."""
 _GPT2_CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
 """GPT-2's linear layers are Conv1D: their weights are stored [in, out], transposed."""
@@ -152,8 +157,6 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
             hidden_dropout=hf.get("resid_pdrop", 0.0),
             attention_dropout=hf.get("attn_pdrop", 0.0),
         )
-    if kind in ("qwen2_moe",) and hf.get("qk_norm"):
-        raise CheckpointError(f"{source}: query/key norms are not supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise CheckpointError(
@@ -183,6 +186,7 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
         activation="swiglu",
         add_bias_linear=False,
         add_qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True)),
+        qk_layernorm=kind in ("qwen3", "qwen3_moe"),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         hidden_dropout=0.0,
         attention_dropout=hf.get("attention_dropout", 0.0),
@@ -198,13 +202,13 @@ def _expert_settings(hf: dict[str, Any], kind: str) -> dict[str, Any]:
             moe_ffn_hidden_size=hf["intermediate_size"],
             moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
         )
-    if kind != "qwen2_moe":
+    if kind not in ("qwen2_moe", "qwen3_moe"):
         return {}
     step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
     shared = hf.get("shared_expert_intermediate_size") or None
     return dict(
-        num_experts=hf["num_experts"],
+        num_experts=hf.get("num_experts") or hf["num_local_experts"],  # (Qwen3-MoE's name)
         moe_router_topk=hf["num_experts_per_tok"],
         moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
@@ -225,8 +229,12 @@ def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:
     ):
         if m.num_experts:
             return _moe_type_of(m)
-        if m.add_qkv_bias:
+        if m.qk_layernorm and not m.add_qkv_bias:
+            return "qwen3"
+        if m.add_qkv_bias and not m.qk_layernorm:
             return "qwen2"
+        if m.qk_layernorm:
+            raise CheckpointError("no Hugging Face model has both query/key/value biases and query/key norms")
         return preferred if preferred in ("llama", "mistral") else "llama"
     if (
         m.position_embedding_type == "learned_absolute"
@@ -244,15 +252,20 @@ def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:
 
 
 def _moe_type_of(m: ModelConfig) -> str:
-    mixtral = not (m.add_qkv_bias or m.moe_shared_expert_intermediate_size or m.moe_router_pre_softmax)
-    if mixtral and all(m.moe_layers()) and m.moe_router_score_function == "softmax":
+    softmax = m.moe_router_score_function == "softmax"
+    shared = m.moe_shared_expert_intermediate_size
+    mixtral = not (m.add_qkv_bias or m.qk_layernorm or shared or m.moe_router_pre_softmax)
+    if mixtral and all(m.moe_layers()) and softmax:
         return "mixtral"
-    shared_ok = bool(m.moe_shared_expert_intermediate_size) == m.moe_shared_expert_gate
-    if m.add_qkv_bias and shared_ok and m.moe_router_score_function == "softmax":
+    shared_ok = bool(shared) == m.moe_shared_expert_gate
+    if m.add_qkv_bias and not m.qk_layernorm and shared_ok and softmax:
         return "qwen2_moe"
+    if m.qk_layernorm and not m.add_qkv_bias and not shared and softmax:
+        return "qwen3_moe"
     raise CheckpointError(
         "this mixture of experts has no Hugging Face equivalent (Mixtral: softmax over the top-k, every layer MoE, "
-        "no shared expert; Qwen2-MoE: query/key/value biases, a shared expert with its gate or none)"
+        "no shared expert; Qwen2-MoE: query/key/value biases, a shared expert with its gate or none; Qwen3-MoE: "
+        "query/key norms, no shared expert)"
     )
 
 
@@ -264,17 +277,18 @@ def _moe_config(m: ModelConfig, kind: str) -> dict[str, Any]:
             router_aux_loss_coef=m.moe_aux_loss_coeff,
         )
     layers = m.moe_layers()
-    return dict(
-        num_experts=m.num_experts,
+    config = dict(
+        **{"num_experts" if kind == "qwen2_moe" else "num_local_experts": m.num_experts},
         num_experts_per_tok=m.moe_router_topk,
         norm_topk_prob=not m.moe_router_pre_softmax,
         moe_intermediate_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
-        shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or 0,
         decoder_sparse_step=1,
         mlp_only_layers=[i for i, moe in enumerate(layers) if not moe],
-        qkv_bias=True,
         router_aux_loss_coef=m.moe_aux_loss_coeff,
     )
+    if kind == "qwen2_moe":
+        config.update(shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or 0, qkv_bias=True)
+    return config
 
 
 def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
@@ -315,8 +329,10 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
         "attention_dropout": m.attention_dropout,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
     }
+    if kind in ("llama", "qwen3", "qwen3_moe"):
+        config.update(attention_bias=False)
     if kind == "llama":
-        config.update(attention_bias=False, mlp_bias=False)
+        config.update(mlp_bias=False)
     if kind in MOE_FAMILY:
         config.update(_moe_config(m, kind))
     return config

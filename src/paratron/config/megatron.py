@@ -50,7 +50,7 @@ UNSUPPORTED: frozenset[str] = frozenset(
     tp-comm-overlap no-masked-softmax-fusion no-bias-gelu-fusion no-bias-dropout-fusion
     no-gradient-accumulation-fusion cross-entropy-loss-fusion
     num-workers dataloader-type
-    profile qk-layernorm
+    profile
     overlap-p2p-communication empty-unused-memory-level check-for-nan-in-loss-and-grad manual-gc
     use-cpu-initialization data-parallel-random-init log-params-norm log-num-zeros-in-grad
     timing-log-level log-timers-to-tensorboard spec use-mcore-models use-legacy-models

@@ -72,6 +72,10 @@ class ModelConfig:
     add_qkv_bias: bool = False
     """Give the query, key and value projections a bias even when other linear layers have none (Qwen2)."""
 
+    qk_layernorm: bool = False
+    """Normalize each head's queries and keys (the model's norm over the head dimension, before rotary embeddings), as
+    Qwen3 does."""
+
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of sharing the input embedding."""
 

@@ -124,6 +124,9 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
         self.core = AttentionCore(config.attention_dropout)
         self.output_dropout = nn.Dropout(config.hidden_dropout)
+        # (--qk-layernorm: each head's queries and keys normalized, as Qwen3's q_norm / k_norm)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_layernorm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_layernorm else None
 
     def forward(
         self,
@@ -138,6 +141,8 @@ class Attention(nn.Module):
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, groups, T, hd]
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
@@ -174,10 +179,12 @@ class MLP(nn.Module):
 # ---------------------------------------------------------------- block and model
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
+def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
+    """The model's norm over `size` features (default: the hidden size)."""
+    size = size or config.hidden_size
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+        return nn.RMSNorm(size, eps=config.norm_epsilon)
+    return nn.LayerNorm(size, eps=config.norm_epsilon)
 
 
 class TransformerBlock(nn.Module):

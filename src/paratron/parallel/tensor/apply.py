@@ -2,7 +2,8 @@
 
     attention   q/k/v projections column-parallel by heads, as one matrix (key/value heads
                 split, or replicated when TP exceeds their number), output projection row-parallel;
-                the attention core runs on this rank's heads under the tensor-parallel RNG
+                the attention core runs on this rank's heads under the tensor-parallel RNG; the
+                query/key norms (--qk-layernorm) are whole, their gradients summed over TP
     MLP         up (and gate) projections column-parallel, as one matrix; down projection row-parallel
                 (mixture-of-experts layers are left to `parallel.expert.apply`)
     embedding   vocabulary-parallel, padded to a multiple of TP x --make-vocab-size-divisible-by;
@@ -66,6 +67,9 @@ def apply_tensor_parallel(
                     set_partial_grad(param, kv_replica_group)
         attention.out_proj = RowParallelLinear(attention.out_proj, tp)
         attention.core = forked(attention.core)
+        for norm in (attention.q_norm, attention.k_norm):  # (each rank normalizes its own heads)
+            for param in norm.parameters() if norm is not None else ():
+                set_partial_grad(param, tp.group)
 
         mlp = block.mlp
         dense = not isinstance(mlp, MoELayer)  # (MoE layers are split by parallel/expert)
