@@ -176,7 +176,7 @@ def test_training_starts_from_a_converted_mixtral_at_any_layout(tmp_path):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        num_local_experts=3,
+        num_local_experts=4,
         num_experts_per_tok=2,
         max_position_embeddings=64,
         initializer_range=0.3,  # (far from a fresh model's near-uniform predictions)
@@ -190,5 +190,7 @@ def test_training_starts_from_a_converted_mixtral_at_any_layout(tmp_path):
     assert pp2 == pytest.approx(single, rel=1e-5)
     tp2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
     assert run_ranks(converted_losses, 2, checkpoint, str(tmp_path / "tp2"), tp2)[0] == pytest.approx(single, rel=1e-5)
+    ep2 = dict(expert_model_parallel_size=2)
+    assert run_ranks(converted_losses, 2, checkpoint, str(tmp_path / "ep2"), ep2)[0] == pytest.approx(single, rel=1e-5)
     fresh = converted_losses(checkpoint, str(tmp_path / "fresh"), dict(load=None))
     assert fresh[0] != pytest.approx(single[0], rel=0.05)  # the converted weights were used
