@@ -1,0 +1,203 @@
+"""Expert parallelism, two and four processes: the same MoE model at EP = world against EP 1
+(plain data parallelism), the bytes the token dispatchers send against their formulas, and the
+alltoall dispatcher against allgather.
+
+    python bench/expert_parallel.py --output bench/results/expert_parallel.json
+
+Each run is paratron's trainer on mock data (fp32, gloo on the CPU, the machine's cores shared by
+the processes), one micro-batch per rank per step; tokens/s is the median of the logged steps
+after warm-up. Bytes are counted in every rank by wrapping torch.distributed's all-to-all,
+all-gather and reduce-scatter (the dispatchers' only uses of them here: no tensor parallelism,
+no ZeRO) and summing what leaves each rank for the others.
+
+Formulas, per MoE layer, micro-batch and rank, for N tokens of hidden size H, top-k, E experts:
+  alltoall   R = N k (EP - 1) / EP routed copies leave for other ranks when routing is even: the
+             tokens (R H fp32), their probs (R fp32) and the outputs back (R H), and the same again
+             in backward, plus the counts (E int64 x (EP - 1) / EP): 2 (2 R H + R) 4 + 8 E (EP - 1) / EP
+  allgather  every rank's N tokens, probs [N, E] and routing map [N, E] (uint8) gathered, the
+             outputs [EP N, H] reduce-scattered, and the duals in backward:
+             (EP - 1) N (16 H + 8 E + E) bytes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL = dict(
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_query_groups=4,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    add_bias_linear=False,
+    vocab_size=4096,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=512,
+    moe_aux_loss_coeff=1e-2,
+)
+
+
+def _count_bytes(sent: list[int]) -> None:
+    """Wrap the collectives the dispatchers use so that each call adds the bytes this rank sends
+    to the other ranks to sent[0]."""
+    import torch.distributed as dist
+
+    def size_of(group: Any) -> tuple[int, int]:
+        return dist.get_world_size(group), dist.get_rank(group)
+
+    original_all_to_all = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+        size, me = size_of(group)
+        rows = input_split_sizes or [input.size(0) // size] * size
+        row_bytes = input[0].numel() * input.element_size() if input.size(0) else 0
+        sent[0] += (sum(rows) - rows[me]) * row_bytes
+        return original_all_to_all(output, input, output_split_sizes, input_split_sizes, group=group, **kw)
+
+    original_gather = dist.all_gather_single
+
+    def all_gather_single(output, input, group=None, **kw):
+        size, _ = size_of(group)
+        sent[0] += input.numel() * input.element_size() * (size - 1)
+        return original_gather(output, input, group=group, **kw)
+
+    original_scatter = dist.reduce_scatter_single
+
+    def reduce_scatter_single(output, input, group=None, **kw):
+        size, _ = size_of(group)
+        sent[0] += input.numel() * input.element_size() * (size - 1) // size
+        return original_scatter(output, input, group=group, **kw)
+
+    dist.all_to_all_single = all_to_all_single
+    dist.all_gather_single = all_gather_single
+    dist.reduce_scatter_single = reduce_scatter_single
+
+
+def _worker(args: argparse.Namespace, layout: dict, run_dir: str, out: str) -> None:
+    """One rank's run (started by `_run` with the torchrun environment set)."""
+    from paratron.config import build_config
+    from paratron.training.run import run_training
+
+    sent = [0]
+    _count_bytes(sent)
+    settings = dict(
+        MODEL,
+        mock_data=True,
+        seq_length=args.seq,
+        micro_batch_size=args.batch,
+        global_batch_size=args.batch * int(os.environ["WORLD_SIZE"]),
+        train_iters=args.steps,
+        lr=1e-4,
+        eval_iters=0,
+        run_dir=run_dir,
+        log_interval=1,
+        progress_bar=False,
+        tensorboard=False,
+        **layout,
+    )
+    run_training(build_config(settings))
+    Path(f"{out}.{os.environ['RANK']}").write_text(json.dumps({"bytes_sent": sent[0]}))
+
+
+def _run(args: argparse.Namespace, world: int, layout: dict, folder: Path, name: str) -> dict[str, Any]:
+    """`world` processes of one layout; tokens/s and the bytes every rank sent per step."""
+    run_dir, out = folder / name, str(folder / f"{name}.bytes")
+    code = (
+        f"import argparse, json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "from expert_parallel import _worker; "
+        f"_worker(argparse.Namespace(**json.loads(sys.argv[1])), json.loads(sys.argv[2]), {str(run_dir)!r}, {out!r})"
+    )
+    threads = str(max(1, (os.cpu_count() or 2) // world))
+    procs = []
+    port = 29500 + (os.getpid() % 2000)
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=threads,
+        )
+        settings = {key: value for key, value in vars(args).items() if key != "output"}
+        command = [sys.executable, "-c", code, json.dumps(settings), json.dumps(layout)]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL))
+    if any(p.wait() for p in procs):
+        raise SystemExit(f"{name}: a rank failed")
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][args.warmup :]
+    sent = sum(json.loads(Path(f"{out}.{r}").read_text())["bytes_sent"] for r in range(world))
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+        "bytes_per_step_per_rank": sent / args.steps / world,
+    }
+
+
+def formula(args: argparse.Namespace, ep: int, dispatcher: str) -> float:
+    """Bytes each rank sends per step by the module docstring's formulas (even routing)."""
+    N, H, k, E = args.seq * args.batch, MODEL["hidden_size"], MODEL["moe_router_topk"], MODEL["num_experts"]
+    if dispatcher == "alltoall":
+        routed = N * k * (ep - 1) / ep
+        per_layer = 2 * (2 * routed * H + routed) * 4 + 8 * E * (ep - 1) / ep
+    else:
+        per_layer = (ep - 1) * N * (16 * H + 8 * E + E)
+    return per_layer * MODEL["num_layers"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    results: dict[str, Any] = {"settings": {**vars(args), "output": None, **MODEL}, "torch": torch.__version__}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.worlds:
+            base = _run(args, world, {}, Path(tmp), f"w{world}-ep1")
+            results[f"world{world}"] = {"ep1": base}
+            for dispatcher in ("alltoall", "allgather"):
+                layout = dict(expert_model_parallel_size=world, moe_token_dispatcher_type=dispatcher)
+                ours = _run(args, world, layout, Path(tmp), f"w{world}-ep{world}-{dispatcher}")
+                ours["ratio_vs_ep1"] = ours["tokens_per_s"] / base["tokens_per_s"]
+                ours["formula_bytes"] = formula(args, world, dispatcher)
+                ours["measured_over_formula"] = ours["bytes_per_step_per_rank"] / ours["formula_bytes"]
+                results[f"world{world}"][dispatcher] = ours
+                rows.append((world, dispatcher, ours, base))
+    results["commit"] = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        "| world | EP | dispatcher | tokens/s | EP 1 tokens/s | ratio "
+        "| MB sent per rank and step | formula | measured / formula |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world, dispatcher, ours, base in rows:
+        print(
+            f"| {world} | {world} | {dispatcher} | {ours['tokens_per_s']:,.0f} | {base['tokens_per_s']:,.0f} | "
+            f"**{ours['ratio_vs_ep1']:.2f}** | {ours['bytes_per_step_per_rank'] / 1e6:.2f} | "
+            f"{ours['formula_bytes'] / 1e6:.2f} | {ours['measured_over_formula']:.3f} |"
+        )
+    if args.output:
+        args.output.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
