@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from multiprocess import run_ranks  # noqa: E402  (the test suite's launcher of gloo ranks)
+
 MODEL = dict(
     num_layers=4,
     hidden_size=256,
@@ -86,20 +89,22 @@ def _count_bytes(sent: list[int]) -> None:
     dist.reduce_scatter_single = reduce_scatter_single
 
 
-def _worker(args: argparse.Namespace, layout: dict, run_dir: str, out: str) -> None:
-    """One rank's run (started by `_run` with the torchrun environment set)."""
+def _worker(args: dict, layout: dict, run_dir: str) -> int:
+    """One rank's run; returns the bytes it sent to the other ranks."""
     from paratron.config import build_config
     from paratron.training.run import run_training
 
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     sent = [0]
     _count_bytes(sent)
     settings = dict(
         MODEL,
         mock_data=True,
-        seq_length=args.seq,
-        micro_batch_size=args.batch,
-        global_batch_size=args.batch * int(os.environ["WORLD_SIZE"]),
-        train_iters=args.steps,
+        seq_length=args["seq"],
+        micro_batch_size=args["batch"],
+        global_batch_size=args["batch"] * world,
+        train_iters=args["steps"],
         lr=1e-4,
         eval_iters=0,
         run_dir=run_dir,
@@ -109,41 +114,17 @@ def _worker(args: argparse.Namespace, layout: dict, run_dir: str, out: str) -> N
         **layout,
     )
     run_training(build_config(settings))
-    Path(f"{out}.{os.environ['RANK']}").write_text(json.dumps({"bytes_sent": sent[0]}))
+    return sent[0]
 
 
 def _run(args: argparse.Namespace, world: int, layout: dict, folder: Path, name: str) -> dict[str, Any]:
     """`world` processes of one layout; tokens/s and the bytes every rank sent per step."""
-    run_dir, out = folder / name, str(folder / f"{name}.bytes")
-    code = (
-        f"import argparse, json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-        "from expert_parallel import _worker; "
-        f"_worker(argparse.Namespace(**json.loads(sys.argv[1])), json.loads(sys.argv[2]), {str(run_dir)!r}, {out!r})"
-    )
-    threads = str(max(1, (os.cpu_count() or 2) // world))
-    procs = []
-    port = 29500 + (os.getpid() % 2000)
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS=threads,
-        )
-        settings = {key: value for key, value in vars(args).items() if key != "output"}
-        command = [sys.executable, "-c", code, json.dumps(settings), json.dumps(layout)]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL))
-    if any(p.wait() for p in procs):
-        raise SystemExit(f"{name}: a rank failed")
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")][args.warmup :]
-    sent = sum(json.loads(Path(f"{out}.{r}").read_text())["bytes_sent"] for r in range(world))
+    settings = {key: value for key, value in vars(args).items() if key != "output"}
+    sent = run_ranks(_worker, world, settings, layout, str(folder / name), timeout=900)
+    records = [json.loads(line) for line in open(folder / name / "metrics.jsonl")][args.warmup :]
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
-        "bytes_per_step_per_rank": sent / args.steps / world,
+        "bytes_per_step_per_rank": sum(sent) / args.steps / world,
     }
 
 
@@ -162,8 +143,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
