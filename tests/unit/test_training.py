@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from paratron.checkpoint import load_pretrained, read_checkpoint
 from paratron.distributed.topology import ParallelDims, Topology
@@ -102,6 +103,22 @@ def test_run_outputs_metrics_plot_tensorboard_and_checkpoint(tmp_path):
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     model = load_pretrained(tmp_path / "ckpt")
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 512)
+
+
+def test_moe_run_logs_each_layer_and_expert_to_tensorboard(tmp_path):
+    config = tiny_config(tmp_path, model_name="debug-moe", train_iters=2, tensorboard=True, moe_aux_loss_coeff=1e-2)
+    run_training(config)
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    events = EventAccumulator(str(next((tmp_path / "tensorboard").glob("events.out.tfevents.*"))))
+    tags = set(events.Reload().Tags()["scalars"])
+    assert {
+        "train/loss",
+        "train/moe_aux_loss",
+        "train/moe_layer_load_balance/1",
+        "train/moe_tokens_per_expert/1/3",
+    } <= tags
+    logged = events.Scalars("train/moe_tokens_per_expert/1/3")[-1].value
+    assert logged == record["moe_tokens_per_expert"][1][3]
 
 
 def test_corrupted_checkpoint_is_refused(tmp_path):

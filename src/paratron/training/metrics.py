@@ -46,6 +46,14 @@ def _open_log(path: Path, start_iter: int) -> TextIO:
     return open(path, "w", encoding="utf-8")
 
 
+def scalars(tag: str, value: Any) -> list[tuple[str, float]]:
+    """TensorBoard's scalars of one metrics record entry: a number as itself, a list (per MoE layer,
+    per expert) as one scalar per entry, tagged by its position (tag/0, tag/0/3, ...); None as none."""
+    if isinstance(value, (list, tuple)):
+        return [pair for i, item in enumerate(value) for pair in scalars(f"{tag}/{i}", item)]
+    return [] if value is None else [(tag, float(value))]
+
+
 class MetricsWriter:
     """Rank 0's sinks. Use as a context manager so files are flushed and closed."""
 
@@ -102,8 +110,9 @@ class MetricsWriter:
         self.train_file.flush()
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step" and value is not None:
-                    self.tb.add_scalar(f"train/{key}", value, record["step"])
+                if key != "step":
+                    for tag, number in scalars(f"train/{key}", value):
+                        self.tb.add_scalar(tag, number, record["step"])
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
         self.info(format_step_line(record, self.total_iters))
