@@ -46,13 +46,21 @@ def assert_continues(resumed: list[float], straight: list[float], what: str, tol
 def reshard(
     tmp_path, name: str, before: dict, world_before: int, after: dict, world_after: int, tolerance: float = TOLERANCE
 ) -> None:
+    reshard_to_several(tmp_path, name, before, world_before, [(after, world_after)], tolerance)
+
+
+def reshard_to_several(
+    tmp_path, name: str, before: dict, world_before: int, afters: list[tuple[dict, int]], tolerance: float = TOLERANCE
+) -> None:
+    """One run saved at `before`, resumed at each layout of `afters` ((settings, world size) pairs)."""
     save = str(tmp_path / f"{name}-ckpt")
     straight = run_ranks(
         curve, world_before, str(tmp_path / f"{name}-a"), dict(before, save=save, save_interval=SAVED_AT)
     )[0]
     checkpoint = f"{save}/iter_{SAVED_AT:07d}"
-    resumed = run_ranks(curve, world_after, str(tmp_path / f"{name}-b"), dict(after, load=checkpoint))[0]
-    assert_continues(resumed, straight, name, tolerance)
+    for i, (after, world_after) in enumerate(afters):
+        resumed = run_ranks(curve, world_after, str(tmp_path / f"{name}-b{i}"), dict(after, load=checkpoint))[0]
+        assert_continues(resumed, straight, f"{name} -> {after}", tolerance)
 
 
 def test_tp2_pp2_resumes_as_pp4(tmp_path):
@@ -72,8 +80,9 @@ def test_tp4_resumes_on_one_process(tmp_path):
 
 def test_zero1_dp2_resumes_at_dp4_and_as_zero3(tmp_path):
     zero1 = dict(use_distributed_optimizer=True, ddp_bucket_size=5_000)
-    reshard(tmp_path, "zero1-dp2-dp4", zero1, 2, dict(zero1, ddp_bucket_size=3_000), 4)
-    reshard(tmp_path, "zero1-dp2-zero3", zero1, 2, dict(zero_stage=3), 2)
+    reshard_to_several(
+        tmp_path, "zero1-dp2", zero1, 2, [(dict(zero1, ddp_bucket_size=3_000), 4), (dict(zero_stage=3), 2)]
+    )
 
 
 def test_bf16_masters_reshard(tmp_path):

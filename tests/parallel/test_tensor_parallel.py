@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from paratron.distributed.init import initialize
 from paratron.training.run import run_training
 
 from multiprocess import run_ranks
@@ -40,7 +41,6 @@ FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
 def _init(world: int):
     import torch.distributed as dist
 
-    from paratron.distributed.init import initialize
     from paratron.distributed.topology import ParallelDims, Topology
 
     ctx = initialize("gloo")
@@ -198,25 +198,28 @@ def train_curve(run_dir: str, overrides: dict) -> list[float]:
     return run_training(tiny_config(run_dir, **overrides)).losses
 
 
+def train_curves(run_dir: str, runs: list[dict]) -> list[list[float]]:
+    """Several trainings one after the other on one process group (one spawn for all of them)."""
+    initialize("gloo")
+    return [train_curve(f"{run_dir}/{i}", overrides) for i, overrides in enumerate(runs)]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_twenty_step_loss_curves_equal_single_device(tmp_path, world):
+    runs, references = [], []
     for flavour in FLAVOURS:
         common = dict(
             FLAVOURS[flavour], model_name=None, train_iters=20, micro_batch_size=4, seq_length=16, hidden_dropout=0.0
         )
         reference = train_curve(str(tmp_path / f"single-{flavour}"), common)
         for sequence_parallel in (False, True):
-            per_rank = run_ranks(
-                train_curve,
-                world,
-                str(tmp_path / f"tp-{flavour}-{sequence_parallel}"),
-                dict(common, tensor_model_parallel_size=world, sequence_parallel=sequence_parallel),
-            )
-            assert len(per_rank[0]) == 20
-            for step, (ours, ref) in enumerate(zip(per_rank[0], reference), start=1):
-                assert abs(ours - ref) <= 1e-5 * abs(ref), (
-                    f"{flavour} TP={world} SP={sequence_parallel}: step {step}: {ours} vs {ref}"
-                )
+            runs.append(dict(common, tensor_model_parallel_size=world, sequence_parallel=sequence_parallel))
+            references.append((f"{flavour} TP={world} SP={sequence_parallel}", reference))
+    curves = run_ranks(train_curves, world, str(tmp_path / "tp"), runs)[0]
+    for ours, (what, reference) in zip(curves, references, strict=True):
+        assert len(ours) == 20
+        for step, (a, b) in enumerate(zip(ours, reference), start=1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{what}: step {step}: {a} vs {b}"
 
 
 def dropout_streams(world: int) -> list:
