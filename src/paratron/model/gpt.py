@@ -1,6 +1,6 @@
 """The GPT family (GPT-2/3, Llama, Mistral, Qwen2 shapes) as plain single-device PyTorch.
 
-Read top to bottom: positions, attention, MLP, a pre-norm block, the whole model.
+Read top to bottom: positions, attention, a pre-norm block (its MLP in `model/mlp.py`), the whole model.
 Nothing here knows about parallelism. Head counts are derived from weight shapes
 (`view(B, T, -1, head_dim)`), so tensor parallelism can swap `nn.Linear` for its
 sharded twins without touching this file.
@@ -18,8 +18,8 @@ from torch import nn
 from paratron.config.schema import ModelConfig
 from paratron.model.batch import segment_attention_mask
 from paratron.model.lora import add_adapters, init_adapter
+from paratron.model.mlp import MLP, Projections
 from paratron.model.moe import MoELayer
-from paratron.model.projections import Projections
 
 # ---------------------------------------------------------------- positions
 
@@ -149,31 +149,6 @@ class Attention(nn.Module):
             k, v = cache.update(k, v, start)
         y = self.core(q, k, v, mask).transpose(1, 2).reshape(B, T, -1)
         return self.output_dropout(self.out_proj(y))
-
-
-# ---------------------------------------------------------------- MLP
-
-
-class MLP(nn.Module):
-    """GELU MLP (GPT) or SwiGLU MLP (Llama): up-projection, activation, down-projection."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        hidden, inner = config.hidden_size, config.ffn_hidden_size or 4 * config.hidden_size
-        bias = config.add_bias_linear
-        self.gated = config.activation == "swiglu"
-        self.in_proj = Projections(hidden, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias)
-        self.out_proj = nn.Linear(inner, hidden, bias=bias)
-        self.dropout = nn.Dropout(config.hidden_dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = self.in_proj(x)
-            h = F.silu(gate) * up
-        else:
-            (up,) = self.in_proj(x)
-            h = F.gelu(up, approximate="tanh")  # GPT-2's GELU
-        return self.dropout(self.out_proj(h))
 
 
 # ---------------------------------------------------------------- block and model

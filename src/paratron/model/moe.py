@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
-from paratron.model.projections import Projections
+from paratron.model.mlp import MLP
 
 # ---------------------------------------------------------------- router
 
@@ -336,30 +336,6 @@ def run_experts(
     return sum_by_token(experts(copies, counts.tolist(), copy_probs, pad_to), token, tokens)
 
 
-# ---------------------------------------------------------------- shared expert
-
-
-class SharedExpert(nn.Module):
-    """A dense MLP without biases that every token goes through beside the routed experts
-    (Qwen-MoE, DeepSeek); the same shape and names as the block's MLP."""
-
-    def __init__(self, config: ModelConfig, inner: int) -> None:
-        super().__init__()
-        H = config.hidden_size
-        self.gated = config.activation == "swiglu"
-        self.in_proj = Projections(H, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias=False)
-        self.out_proj = nn.Linear(inner, H, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = self.in_proj(x)
-            h = F.silu(gate) * up
-        else:
-            (up,) = self.in_proj(x)
-            h = F.gelu(up, approximate="tanh")
-        return self.out_proj(h)
-
-
 # ---------------------------------------------------------------- the layer
 
 
@@ -379,7 +355,8 @@ class MoELayer(nn.Module):
         self.router = Router(config)
         self.experts = Experts(config)
         shared = config.moe_shared_expert_intermediate_size
-        self.shared_expert = SharedExpert(config, shared) if shared else None
+        # (a dense MLP without biases every token goes through beside the routed experts: Qwen-MoE, DeepSeek)
+        self.shared_expert = MLP(config, shared, bias=False, dropout=0.0) if shared else None
         gated = shared and config.moe_shared_expert_gate
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
