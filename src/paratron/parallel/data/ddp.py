@@ -70,8 +70,8 @@ class DataParallelGradients:
             self._partial = partial_grad_groups(self.params)
             return
         late = _late_parameters(module, self.params)
-        experts = [p for p in self.params if is_expert(p)] if expert_group is not None else []
-        dense = [p for p in self.params if not any(p is e for e in experts)]
+        experts = [p for p in self.params if expert_group is not None and is_expert(p)]
+        dense = [p for p in self.params if expert_group is None or not is_expert(p)]
         self.reducer = self._reducer(dense, group, late)
         if experts:
             assert expert_group is not None
@@ -91,7 +91,7 @@ class DataParallelGradients:
             settings.bucket_size,
             mode,
             settings.overlap_grad_reduce,
-            late=[p for p in late if any(p is q for q in params)],
+            late=late,  # (those of other reducers are ignored)
             every_micro_batch=settings.sync_every_micro_batch,
             post_scale=post_scale,
         )
