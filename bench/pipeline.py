@@ -115,10 +115,10 @@ class TorchStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model, layers, first, last = self._plan
-        length = x.size(1)
+        positions = torch.arange(x.size(1), device=x.device)
         if first:
-            x = model.embed(x)
-        x = model.layers(x, layers, model.rotary_tables(length, 0, x.device))
+            x = model.embed(x, positions)
+        x = model.layers(x, layers, model.rotary_tables(positions))
         return model.head(x) if last else x
 
 

@@ -54,7 +54,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
         (["--config", "debug", "--seq-length", "512"], "--seq-length 512 exceeds --max-position-embeddings 256"),
         (
             ["--config", "debug", "--context-parallel-size", "2"],
-            "--context-parallel-size is a Megatron-LM flag that paratron does not support yet",
+            "world size 1 is not divisible by --tensor-model-parallel-size 1 x --context-parallel-size 2",
         ),
         (["--config", "debug", "--hiden-size", "8"], "unknown flag --hiden-size; did you mean --hidden-size?"),
         (["--config", "debug", "--fp16", "--bf16"], "--fp16 and --bf16 were both given; choose one"),

@@ -100,7 +100,7 @@ def test_data_parallel_flags():
         parse(["--zero-stage", "4"])
 
 
-@pytest.mark.parametrize("flag", ["--context-parallel-size", "--use-dist-ckpt"])
+@pytest.mark.parametrize("flag", ["--rotary-percent", "--use-dist-ckpt"])
 def test_unsupported_megatron_flags_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
         parse([flag, "full"])
@@ -413,10 +413,8 @@ def test_megatron_dict_form_and_get_args():
     assert args.num_layers == 3 and args.fp16 and not args.bf16
     assert args.data_parallel_size == 1 and args.tensor_model_parallel_size == 1
     assert args.config.training.precision == "fp16"
-    with pytest.raises(
-        ConfigError, match="context_parallel_size: a Megatron-LM setting that paratron does not support yet"
-    ):
-        from_megatron_dict({"context_parallel_size": 2})
+    with pytest.raises(ConfigError, match="rotary_percent: a Megatron-LM setting that paratron does not support yet"):
+        from_megatron_dict({"rotary_percent": 0.5})
     assert from_megatron_dict({"use_distributed_optimizer": True, "overlap_grad_reduce": True}) == {
         "use_distributed_optimizer": True,
         "overlap_grad_reduce": True,
@@ -489,4 +487,44 @@ def test_no_supported_setting_is_listed_as_unsupported():
 def test_bad_expert_settings_are_named(settings, expected):
     config = build_config(dict(mock_data=True, **settings), recipe="debug")
     with pytest.raises(ConfigError, match=re.escape(expected)):
+        validate(config, config.parallel.nproc_per_node)
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (
+            dict(context_parallel_size=2, seq_length=90, nproc_per_node=2),
+            "--seq-length 90 is not divisible by 2 x --context-parallel-size 2 = 4 (each rank holds two of 4 chunks)",
+        ),
+        (
+            dict(context_parallel_size=4, nproc_per_node=6),
+            "world size 6 is not divisible by --tensor-model-parallel-size 1 x --context-parallel-size 4 x "
+            "--pipeline-model-parallel-size 1; use a multiple of 4 processes",
+        ),
+        (dict(context_parallel_size=0), "--context-parallel-size 0: must be at least 1"),
+        (
+            dict(attention_type="sliding-window", window_size=512),
+            "--window-size 512 exceeds --max-position-embeddings 256: no sequence is longer than the window",
+        ),
+        (dict(attention_type="sliding-window"), "--attention-type sliding-window needs --window-size W"),
+        (dict(window_size=16), "--window-size applies to --attention-type sliding-window (this run's is causal)"),
+        (
+            dict(context_parallel_size=2, attention_dropout=0.1, nproc_per_node=2),
+            "--context-parallel-size 2 does not serve --attention-dropout 0.1 yet; set it to 0",
+        ),
+        (
+            dict(context_parallel_size=2, zero_stage=3, nproc_per_node=2),
+            "--context-parallel-size 2 does not serve --zero-stage 3 yet; use --zero-stage 1 or 2",
+        ),
+        (
+            dict(context_parallel_size=2, num_experts=4, nproc_per_node=2),
+            "--context-parallel-size 2 does not serve --num-experts 4 yet; use a dense model",
+        ),
+        (dict(attention_type="strided"), "--attention-type: 'strided' is not one of"),
+    ],
+)
+def test_bad_attention_and_context_parallel_settings_are_named(settings, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        config = build_config(dict(mock_data=True, **settings), recipe="debug")
         validate(config, config.parallel.nproc_per_node)

@@ -30,7 +30,13 @@ MODELS = {
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=True)),
     "llama-untied": ("LlamaConfig", "LlamaForCausalLM", dict(LLAMA, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA, sliding_window=None, tie_word_embeddings=False)),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(LLAMA, sliding_window=8, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(LLAMA, tie_word_embeddings=True)),
+    "qwen2-window": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(LLAMA, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8, max_window_layers=0),
+    ),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
 }
 TOLERANCE = 1e-4
@@ -55,6 +61,9 @@ def test_conversion_both_ways_matches_transformers(tmp_path, name):
     assert (converted - expected).abs().max() < TOLERANCE
     if name == "qwen2":
         assert load_pretrained(tmp_path / "paratron").layers[0].attention.in_proj.q.bias is not None
+    if name.endswith("-window"):  # sequences of 24 tokens, three windows of 8: the window is carried
+        config = load_pretrained(tmp_path / "paratron").config
+        assert (config.attention_type, config.window_size) == ("sliding-window", 8)
 
     paratron_to_hf(tmp_path / "paratron", tmp_path / "back")
     saved = json.loads((tmp_path / "back" / "config.json").read_text())
@@ -76,3 +85,28 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     hf_to_paratron(tmp_path / "hf", tmp_path / "out")
     with pytest.raises(CheckpointError, match="already exists and is not empty"):
         hf_to_paratron(tmp_path / "hf", tmp_path / "out")  # nothing existing is overwritten
+
+
+def test_windows_paratron_cannot_represent_are_refused_by_name(tmp_path):
+    mixed = dict(LLAMA, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    save_random_hf_model(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**mixed), tmp_path / "mixed")
+    with pytest.raises(CheckpointError, match="some layers use sliding-window attention and others full attention"):
+        hf_to_paratron(tmp_path / "mixed", tmp_path / "out")
+    with pytest.raises(CheckpointError, match="some layers use sliding-window attention and others full attention"):
+        load_pretrained(tmp_path / "mixed")
+
+
+def test_block_sparse_models_are_refused_on_export(tmp_path):
+    from paratron.checkpoint.hf import hf_config
+    from paratron.config.schema import ModelConfig
+
+    model = ModelConfig(
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        activation="swiglu",
+        add_bias_linear=False,
+        vocab_size=97,
+        attention_type="block-sparse",
+    )
+    with pytest.raises(CheckpointError, match="--attention-type block-sparse has no equivalent in Hugging Face's"):
+        hf_config(model, "llama")

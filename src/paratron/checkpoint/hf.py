@@ -1,15 +1,16 @@
 """Hugging Face interop: `config.json` + safetensors <-> paratron checkpoints.
 
 Supported: Llama (grouped-query attention, any rotary theta, tied or untied embeddings),
-Mistral (the same layers; full causal attention, which equals its sliding window for sequences
-up to the window), Qwen2 (biases on the query, key and value projections), Qwen3 (a norm on each
-head's queries and keys), GPT-2 (learned
-positions, LayerNorm, tanh GELU, fused QKV stored as Conv1D, i.e. transposed), and the mixtures
-of experts Mixtral (softmax over the top-k router logits) and Qwen2-MoE (softmax before the
-top-k, a shared expert with a sigmoid gate, dense layers where `decoder_sparse_step` and
+Mistral (the same layers, with its sliding window when `sliding_window` is set), Qwen2 (biases
+on the query, key and value projections), Qwen3 (a norm on each head's queries and keys), GPT-2
+(learned positions, LayerNorm, tanh GELU, fused QKV stored as Conv1D, i.e. transposed), and the
+mixtures of experts Mixtral (softmax over the top-k router logits) and Qwen2-MoE (softmax before
+the top-k, a shared expert with a sigmoid gate, dense layers where `decoder_sparse_step` and
 `mlp_only_layers` say) and Qwen3-MoE (Qwen2-MoE's routing with Qwen3's query/key norms, no
-shared expert). Experts are stored one by one on the Hub and stacked in paratron
-(`experts.w_in` = [gate; up] of every expert, `experts.w_out` = their down projections).
+shared expert). A sliding window carries over both ways when every layer has it; a config whose
+layers mix windowed and full attention is refused. Experts are stored one by one on the Hub and
+stacked in paratron (`experts.w_in` = [gate; up] of every expert, `experts.w_out` = their down
+projections).
 
 A converted checkpoint is an ordinary paratron checkpoint at iteration 0 marked "weights only"
 (no optimizer state): `paratron train --load` starts from its weights at any layout, and
@@ -171,6 +172,7 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     return dict(
         **_expert_settings(hf, kind),
+        **_attention_settings(hf, kind, source),
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
@@ -191,6 +193,51 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
         hidden_dropout=0.0,
         attention_dropout=hf.get("attention_dropout", 0.0),
     )
+
+
+QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+def _attention_settings(hf: dict[str, Any], kind: str, source: str) -> dict[str, Any]:
+    """Full causal attention, or a sliding window on every layer (Mistral's and Mixtral's
+    `sliding_window`; Qwen's `use_sliding_window` on the layers from `max_window_layers`, or
+    `layer_types`). Windows on some layers only are refused: paratron's layers share one pattern."""
+    window = hf.get("sliding_window")
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None and kind in QWEN_FAMILY:
+        first = hf.get("max_window_layers", layers) if hf.get("use_sliding_window") else layers
+        types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    if types is not None:
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise CheckpointError(f"{source}: layer_types {unknown[0]!r} is not supported (full or sliding attention)")
+        if len(set(types)) > 1:
+            raise CheckpointError(
+                f"{source}: some layers use sliding-window attention and others full attention "
+                "(layer_types / max_window_layers); paratron gives every layer the same attention"
+            )
+        if types and types[0] == "full_attention":
+            window = None
+    if window is None:
+        return {"attention_type": "causal"}
+    return {"attention_type": "sliding-window", "window_size": int(window)}
+
+
+def _attention_config(m: ModelConfig, kind: str) -> dict[str, Any]:
+    """The sliding-window entries of a `config.json` for model `m` as architecture `kind`."""
+    if m.attention_type == "block-sparse" or (kind == "gpt2" and m.attention_type == "sliding-window"):
+        raise CheckpointError(
+            f"--attention-type {m.attention_type} has no equivalent in Hugging Face's {ARCHITECTURES[kind]}; "
+            "export a model trained with causal or sliding-window attention"
+        )
+    window = m.window_size if m.attention_type == "sliding-window" else None
+    if kind in QWEN_FAMILY:
+        kinds = ["sliding_attention" if window else "full_attention"] * m.num_layers
+        return dict(
+            use_sliding_window=window is not None, sliding_window=window, max_window_layers=0, layer_types=kinds
+        )
+    return {} if kind == "gpt2" else {"sliding_window": window}
 
 
 def _expert_settings(hf: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -235,6 +282,8 @@ def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:
             return "qwen2"
         if m.qk_layernorm:
             raise CheckpointError("no Hugging Face model has both query/key/value biases and query/key norms")
+        if m.attention_type == "sliding-window":
+            return "mistral"  # (Llama has no window)
         return preferred if preferred in ("llama", "mistral") else "llama"
     if (
         m.position_embedding_type == "learned_absolute"
@@ -300,6 +349,7 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     if kind == "gpt2":
+        _attention_config(m, kind)  # (refuses what GPT-2 cannot hold)
         return {
             **common,
             "n_layer": m.num_layers,
@@ -335,6 +385,7 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
         config.update(mlp_bias=False)
     if kind in MOE_FAMILY:
         config.update(_moe_config(m, kind))
+    config.update(_attention_config(m, kind))
     return config
 
 

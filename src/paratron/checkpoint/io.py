@@ -110,8 +110,9 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _stage_writer(topology: Topology) -> bool:
-    """The rank that writes its pipeline stage's weights: the stage's first tensor- and data-parallel rank."""
-    return topology.dp_rank == 0 and topology.tp_rank == 0
+    """The rank that writes its pipeline stage's weights: the stage's first tensor-, context- and
+    data-parallel rank."""
+    return topology.dp_rank == 0 and topology.coords["cp"] == 0 and topology.tp_rank == 0
 
 
 def whole_model_state(model: nn.Module, topology: Topology) -> dict[str, torch.Tensor]:
@@ -172,9 +173,9 @@ def begin_save(
     first replica writes the weights (one rank per pipeline stage), the rank states and the
     optimizer pieces; with a sharded optimizer every rank writes its own pieces."""
     topology = topology or Topology(ParallelDims(1))
-    first_replica, stage_writer = topology.dp_rank == 0, _stage_writer(topology)
+    first_replica, stage_writer = topology.dp_rank == 0 and topology.coords["cp"] == 0, _stage_writer(topology)
     pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
-    sharded = content.config.parallel.sharding_stage > 0 and topology.size(Axis.DP) > 1
+    sharded = content.config.parallel.sharding_stage > 0 and topology.size(Axis.DP_CP) > 1
     weights = full_state(content.model, topology, keep=stage_writer)
     rank_state = content.rank_state if first_replica else None
     # (expert-parallel ranks hold different experts: the first of each expert-data-parallel group writes theirs)
@@ -203,7 +204,9 @@ def begin_save(
             copy=snapshot,
             experts_only=not (first_replica or sharded),
         )
-        pending.files[optimizer_file(tp_rank, pp_rank, topology.dp_rank)] = ("safetensors", *pieces)
+        # (numbered within the data- x context-parallel group: under context parallelism ZeRO shards over both)
+        replica = topology.local_rank(Axis.DP_CP)
+        pending.files[optimizer_file(tp_rank, pp_rank, replica)] = ("safetensors", *pieces)
     if rank_state is not None:
         pending.files[rank_state_file(tp_rank, pp_rank, pp_size)] = ("torch", rank_state, None)
     if pending.writer:

@@ -8,7 +8,8 @@ rows under ZeRO 3). The slice itself is described by its boxes (`sharding.place`
 index ranges, in the single-device tensor and in the slice. Each piece carries the optimizer's
 per-element state (Adam's two moments, SGD's momentum) and, when the weights are 16-bit, the fp32 master weights.
 
-File: optimizer_tpTTT_ppPPP_dpDDD.safetensors per writing rank, its metadata listing the pieces.
+File: optimizer_tpTTT_ppPPP_dpDDD.safetensors per writing rank (DDD: its place among the data- and
+context-parallel ranks), its metadata listing the pieces.
 Loading assembles, one parameter at a time, the single-device tensor of every state from the
 pieces of all files, and takes this rank's pieces of it: exact (values are copied, never
 recomputed), so a resume at the same layout continues bit for bit.

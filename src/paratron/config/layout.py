@@ -43,10 +43,11 @@ class Layout:
     micro_batch_size: int
     global_batch_size: int
     pipeline: PipelinePlan
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
     def num_micro_batches(self) -> int:
@@ -109,13 +110,14 @@ def check_schedule(name: str, pp: int, microbatches: int, chunks: int) -> None:
 def resolve_layout(config: Config, world_size: int) -> Layout:
     """The layout of `config` on `world_size` ranks; ConfigError names the setting to change."""
     p, t = config.parallel, config.training
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    if world_size % (tp * cp * pp):
+        context = f"{flag.context_parallel_size} {cp} x " if cp > 1 else ""
         raise ConfigError(
-            f"world size {world_size} is not divisible by {flag.tensor_model_parallel_size} {tp} x "
-            f"{flag.pipeline_model_parallel_size} {pp}; use a multiple of {tp * pp} processes"
+            f"world size {world_size} is not divisible by {flag.tensor_model_parallel_size} {tp} x {context}"
+            f"{flag.pipeline_model_parallel_size} {pp}; use a multiple of {tp * cp * pp} processes"
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * cp * pp)
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"{flag.global_batch_size} {t.global_batch_size} is not divisible by "
@@ -124,7 +126,7 @@ def resolve_layout(config: Config, world_size: int) -> Layout:
         )
     global_batch = t.global_batch_size or t.micro_batch_size * dp
     plan = _plan_pipeline(config, global_batch, micro_batches_per_rank(global_batch, t.micro_batch_size, dp))
-    return Layout(world_size, tp, pp, t.micro_batch_size, global_batch, plan)
+    return Layout(world_size, tp, pp, t.micro_batch_size, global_batch, plan, cp)
 
 
 def _chunks(config: Config) -> tuple[int, str]:

@@ -39,7 +39,6 @@ RENAMES: dict[str, str] = {
 
 UNSUPPORTED: frozenset[str] = frozenset(
     """
-    context-parallel-size
     pipeline-model-parallel-split-rank
     accumulate-allreduce-grads-in-fp32
     distribute-saved-activations fp8-format fp8 use-flash-attn transformer-impl attention-backend

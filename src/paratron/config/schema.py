@@ -79,6 +79,22 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of sharing the input embedding."""
 
+    attention_type: Literal["causal", "sliding-window", "document", "block-sparse"] = "causal"
+    """Which keys each token attends to: causal (every earlier token), sliding-window (the --window-size most recent
+    ones), document (earlier tokens of its own packed document; the data marks documents as --reset-attention-mask
+    does) or block-sparse (Child et al.'s strided pattern over --sparse-block-size blocks). See docs/attention.md."""
+
+    window_size: int | None = None
+    """Sliding-window attention: each token attends to itself and the W - 1 tokens before it (Mistral's
+    sliding_window)."""
+
+    sparse_block_size: int = 64
+    """Block-sparse attention: tokens per block."""
+
+    sparse_stride: int = 4
+    """Block-sparse attention: a token attends to the S most recent blocks (its own included) and to every S-th block
+    before them."""
+
     hidden_dropout: float = 0.0
     """Dropout probability on the embedding and the outputs of attention and MLP."""
 
@@ -217,6 +233,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split activations along the sequence between tensor-parallel layers (norms and dropout run on shards; needs TP >
     1)."""
+
+    context_parallel_size: int = 1
+    """Context-parallel degree: ranks that split every sequence (each holds chunks i and 2CP - 1 - i of 2CP, which
+    balances causal attention) and pass keys and values between them."""
+
+    cp_comm_type: Literal["p2p", "all_gather"] = "p2p"
+    """How context-parallel ranks attend across chunks: p2p (a ring passes key/value blocks, each transfer overlapped
+    with the previous block's attention) or all_gather (every rank gathers all keys and values first)."""
 
     expert_model_parallel_size: int = 1
     """Expert-parallel degree: each rank holds num-experts / EP of every MoE layer's experts; carved from the

@@ -32,6 +32,10 @@ POSITIVE = (
     "nproc_per_node",
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "window_size",
+    "sparse_block_size",
+    "sparse_stride",
     "num_layers_per_virtual_pipeline_stage",
     "virtual_pipeline_model_parallel_size",
     "decoder_first_pipeline_num_layers",
@@ -101,6 +105,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     layout = resolve_layout(config, world_size)
     _check_tensor_parallel(config, layout)
     _check_expert_parallel(config, layout)
+    _check_context_parallel(config, layout)
     _check_recompute(config.training)
     _check_data_parallel(config, layout)
     _check_lr_schedule(config)
@@ -160,6 +165,7 @@ def _check_model(m: ModelConfig, d: DataConfig) -> None:
             f"{flag.seq_length} {d.seq_length} exceeds {flag.max_position_embeddings} "
             f"{m.max_position_embeddings}; lower the first or raise the second"
         )
+    _check_attention(m)
     _check_experts(m)
     if m.lora_rank is not None and m.lora_rank < 1:
         raise ConfigError(f"{flag.lora_rank} {m.lora_rank}: must be at least 1 (leave it unset to train every weight)")
@@ -174,6 +180,51 @@ def _check_model(m: ModelConfig, d: DataConfig) -> None:
             f"{flag.lora_targets} {m.lora_targets}: {'unknown layer ' + unknown[0] if unknown else 'names no layer'}; "
             f"choose from {','.join(LORA_TARGETS)}"
         )
+
+
+def _check_attention(m: ModelConfig) -> None:
+    """The attention pattern has what it needs (see docs/attention.md)."""
+    windowed = m.attention_type == "sliding-window"
+    if windowed != (m.window_size is not None):
+        if windowed:
+            raise ConfigError(f"{flag.attention_type} sliding-window needs {flag.window_size} W (tokens each one sees)")
+        raise ConfigError(
+            f"{flag.window_size} applies to {flag.attention_type} sliding-window (this run's is {m.attention_type}); "
+            "add it or drop the window"
+        )
+    if windowed and m.window_size is not None and m.window_size > m.max_position_embeddings:
+        raise ConfigError(
+            f"{flag.window_size} {m.window_size} exceeds {flag.max_position_embeddings} {m.max_position_embeddings}: "
+            f"no sequence is longer than the window, which is plain causal attention; use {flag.attention_type} "
+            "causal or a smaller window"
+        )
+
+
+def _check_context_parallel(config: Config, layout: Layout) -> None:
+    """Context parallelism: rows that split into 2 x CP chunks, and what the ring can serve."""
+    m, p, cp = config.model, config.parallel, layout.cp
+    if cp == 1:
+        return
+    seq = config.data.seq_length
+    if seq % (2 * cp):
+        raise ConfigError(
+            f"{flag.seq_length} {seq} is not divisible by 2 x {flag.context_parallel_size} {cp} = {2 * cp} (each "
+            f"rank holds two of {2 * cp} chunks); choose a multiple of {2 * cp}"
+        )
+    if p.sequence_parallel and (seq // cp) % layout.tp:
+        raise ConfigError(
+            f"{flag.seq_length} {seq} / {flag.context_parallel_size} {cp} is not divisible by "
+            f"{flag.tensor_model_parallel_size} {layout.tp}, which {flag.sequence_parallel} needs; choose a multiple"
+        )
+    refusals = (
+        (m.attention_dropout > 0, f"{flag.attention_dropout} {m.attention_dropout:g}", "set it to 0"),
+        (bool(m.num_experts), f"{flag.num_experts} {m.num_experts}", "use a dense model"),
+        (p.sharding_stage == 3, f"{flag.zero_stage} 3", f"use {flag.zero_stage} 1 or 2"),
+        (p.variable_seq_lengths, flag.variable_seq_lengths, "drop it (rows must split evenly)"),
+    )
+    for refused, what, fix in refusals:
+        if refused:
+            raise ConfigError(f"{flag.context_parallel_size} {cp} does not serve {what} yet; {fix}")
 
 
 def _check_experts(m: ModelConfig) -> None:

@@ -138,11 +138,12 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, world_size: int, parallel: ParallelConfig) -> ParallelDims:
-        """The sizes a run's --tensor-, --pipeline- and --expert-model-parallel-size ask for."""
+        """The sizes a run's --tensor-, --pipeline-, --context- and --expert-model-parallel-size ask for."""
         return cls(
             world_size,
             tp=parallel.tensor_model_parallel_size,
             pp=parallel.pipeline_model_parallel_size,
+            cp=parallel.context_parallel_size,
             ep=parallel.expert_model_parallel_size,
         )
 

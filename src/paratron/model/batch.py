@@ -27,6 +27,9 @@ class Batch:
     """[B, T] position of each token within its segment (None: 0, 1, ..., T - 1 in every row)."""
     segment_ids: torch.Tensor | None = None
     """[B, T] which segment of its row each token belongs to (None: one segment per row)."""
+    token_index: torch.Tensor | None = None
+    """[T'] when the batch holds only some tokens of each row (context parallelism): their places
+    in the row; `position_ids` and `segment_ids` then still cover the whole row."""
 
     @property
     def seq_length(self) -> int:
@@ -44,7 +47,13 @@ class Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
-        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.segment_ids))  # type: ignore[arg-type]
+        return Batch(
+            move(self.input_ids),  # type: ignore[arg-type]
+            move(self.labels),  # type: ignore[arg-type]
+            move(self.position_ids),
+            move(self.segment_ids),
+            move(self.token_index),
+        )
 
 
 def segment_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:

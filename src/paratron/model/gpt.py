@@ -12,11 +12,10 @@ import hashlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
-from paratron.model.batch import segment_attention_mask
+from paratron.model.attention import AttentionCore, TokenPlaces, make_pattern
 from paratron.model.lora import add_adapters, init_adapter
 from paratron.model.mlp import MLP, Projections
 from paratron.model.moe import MoELayer
@@ -72,46 +71,12 @@ class KVCache:
         self.length = 0
 
 
-# ---------------------------------------------------------------- projections
-
-
 # ---------------------------------------------------------------- attention
 
 
-class AttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(d) + causal mask) v, with dropout on the attention weights. With an
-    explicit `mask` ([B, 1, T, T], True where attending is allowed: packed sequences) that mask
-    replaces the causal one.
-
-    A module of its own so that parallelism can run it under its own random stream and
-    recomputation can recompute just this part."""
-
-    def __init__(self, dropout: float) -> None:
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        T, S = q.size(2), k.size(2)
-        causal = mask is None
-        if mask is None and S != T:  # decoding with a cache: queries sit at the end of the keys
-            causal = False
-            if T > 1:
-                mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=k.size(1) != q.size(1),
-        )
-
-
 class Attention(nn.Module):
-    """Causal self-attention; grouped-query when there are fewer key/value heads than query heads."""
+    """Self-attention of the configured pattern (causal, sliding window, ...: `model/attention.py`);
+    grouped-query when there are fewer key/value heads than query heads."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -122,7 +87,7 @@ class Attention(nn.Module):
         widths = {"q": heads * self.head_dim, "k": groups * self.head_dim, "v": groups * self.head_dim}
         self.in_proj = Projections(config.hidden_size, widths, bias or config.add_qkv_bias)
         self.out_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
-        self.core = AttentionCore(config.attention_dropout)
+        self.core = AttentionCore(make_pattern(config), config.attention_dropout)
         self.output_dropout = nn.Dropout(config.hidden_dropout)
         # (--qk-layernorm: each head's queries and keys normalized, as Qwen3's q_norm / k_norm)
         self.q_norm = make_norm(config, self.head_dim) if config.qk_layernorm else None
@@ -134,7 +99,7 @@ class Attention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: LayerKVCache | None = None,
         start: int = 0,
-        mask: torch.Tensor | None = None,
+        places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         q, k, v = self.in_proj(x)
         B, T = q.shape[:2]  # (not x's: with sequence parallelism x holds only part of the sequence)
@@ -147,7 +112,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             k, v = cache.update(k, v, start)
-        y = self.core(q, k, v, mask).transpose(1, 2).reshape(B, T, -1)
+        y = self.core(q, k, v, places).transpose(1, 2).reshape(B, T, -1)
         return self.output_dropout(self.out_proj(y))
 
 
@@ -179,9 +144,9 @@ class TransformerBlock(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: LayerKVCache | None = None,
         start: int = 0,
-        mask: torch.Tensor | None = None,
+        places: TokenPlaces | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rotary, cache, start, mask)
+        x = x + self.attention(self.attention_norm(x), rotary, cache, start, places)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -197,10 +162,10 @@ class TransformerLayers(nn.ModuleList):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: KVCache | None = None,
         start: int = 0,
-        mask: torch.Tensor | None = None,
+        places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         for i in indices:
-            x = self[i](x, rotary, cache.layers[i] if cache is not None else None, start, mask)
+            x = self[i](x, rotary, cache.layers[i] if cache is not None else None, start, places)
         return x
 
 
@@ -208,7 +173,9 @@ class GPT(nn.Module):
     """Token (+ learned position) embedding, a stack of blocks, a final norm and the output layer.
 
     `forward(input_ids)` returns logits [B, T, vocab]; `position_ids` and `segment_ids` ([B, T])
-    lay out several sequences packed in one row (see `model.batch`). `config.vocab_size` must be
+    lay out several sequences packed in one row (see `model.batch`). When `input_ids` holds only
+    some tokens of each row (a row split over ranks), `token_index` [T] gives their places in the
+    row, and `segment_ids` and `position_ids` cover the whole row. `config.vocab_size` must be
     set. With `config.lora_rank` the chosen linear layers carry LoRA adapters and only those train.
     """
 
@@ -243,37 +210,49 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         start = cache.length if cache is not None else 0
-        x = self.embed(input_ids, start, position_ids)
-        rotary = self.rotary_tables(input_ids.size(1), start, input_ids.device, position_ids)
-        mask = segment_attention_mask(segment_ids) if segment_ids is not None else None
-        x = self.layers(x, range(len(self.layers)), rotary, cache, start, mask)
+        positions, places = self.token_layout(input_ids, start, position_ids, segment_ids, token_index)
+        x = self.embed(input_ids, positions)
+        rotary = self.rotary_tables(positions)
+        x = self.layers(x, range(len(self.layers)), rotary, cache, start, places)
         if cache is not None:
             cache.length += input_ids.size(1)
         return self.head(x)
 
     # The pieces of forward, in order; a pipeline stage runs some of them on its own layers.
 
-    def embed(self, input_ids: torch.Tensor, start: int = 0, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Token (+ learned position) embeddings of positions start, start + 1, ... (or `position_ids`)."""
+    @staticmethod
+    def token_layout(
+        input_ids: torch.Tensor,
+        start: int = 0,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, TokenPlaces]:
+        """The positions (for embeddings) and the places in their rows (for attention masks) of the
+        tokens of `input_ids`; the arguments are `forward`'s."""
+        if token_index is not None:
+            places = TokenPlaces(token_index, segment_ids)
+        else:
+            places = TokenPlaces.row(input_ids.size(1), input_ids.device, start, segment_ids)
+        if position_ids is None:
+            return places.index, places
+        return (position_ids if token_index is None else position_ids[:, token_index]), places
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token (+ learned position) embeddings at `positions` ([T] or [B, T])."""
         x = self.embedding(input_ids)
         if self.position_embedding is not None:
-            positions = position_ids
-            if positions is None:
-                positions = torch.arange(start, start + input_ids.size(1), device=input_ids.device)
             x = x + self.position_embedding(positions)
         return self.embedding_dropout(x)
 
-    def rotary_tables(
-        self, length: int, start: int, device: torch.device, position_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rotary cos/sin tables for `length` positions from `start`, or for `position_ids` [B, T]
-        (None with learned positions)."""
+    def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary cos/sin tables for `positions` ([T] or [B, T]; None with learned positions)."""
         if self.config.position_embedding_type != "rope":
             return None
         head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
-        positions = position_ids if position_ids is not None else torch.arange(start, start + length, device=device)
         return rotary_cos_sin(positions, head_dim, self.config.rotary_base)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

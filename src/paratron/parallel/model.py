@@ -24,6 +24,7 @@ from paratron.distributed.topology import Axis, RankGroup, Topology
 from paratron.model.batch import Batch
 from paratron.model.loss import mean_loss
 from paratron.model.moe import MoELayer
+from paratron.parallel.context.split import split_batch
 from paratron.parallel.data.ddp import DataParallelGradients
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.pipeline.runtime import PipelineRuntime
@@ -69,7 +70,7 @@ class ParallelModel(nn.Module):
 
     @property
     def _data_sharded(self) -> bool:
-        return self.zero_stage > 0 and self.topology.size(Axis.DP) > 1
+        return self.zero_stage > 0 and self.gradients.group.size > 1
 
     @property
     def norm_group(self) -> RankGroup:
@@ -114,8 +115,26 @@ class ParallelModel(nn.Module):
 
     def _run(self, batch: Batch) -> torch.Tensor:
         """Summed token loss of one micro-batch through the whole (unpipelined) model."""
-        logits = self.module(batch.input_ids, position_ids=batch.position_ids, segment_ids=batch.segment_ids)
+        logits = self.module(
+            batch.input_ids,
+            position_ids=batch.position_ids,
+            segment_ids=batch.segment_ids,
+            token_index=batch.token_index,
+        )
         return self.token_loss(logits, batch.labels).sum()
+
+    def _context_parts(self, batches: list[Batch]) -> list[Batch]:
+        """This rank's share of each row under context parallelism (the batches themselves otherwise)."""
+        cp = self.topology.group(Axis.CP)
+        return batches if cp.size == 1 else [split_batch(batch, cp.size, cp.rank) for batch in batches]
+
+    def _whole(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss summed over the context-parallel ranks' shares of the rows."""
+        cp = self.topology.group(Axis.CP)
+        if cp.size > 1:
+            loss = loss.clone()
+            comm.all_reduce(loss, cp)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; they stay views of their buffers whatever `set_to_none` says."""
@@ -147,9 +166,13 @@ class ParallelModel(nn.Module):
         of its token losses times `weights[m]` (default: `loss_weights(batches, per_token=False)`),
         then the gradients' synchronisation. `backward(loss)` starts a backward pass (the loss
         scaler's multiplies first). Returns the sum of the weighted losses; under pipeline
-        parallelism only the last stage knows it, the other stages return zero."""
+        parallelism only the last stage knows it, the other stages return zero.
+
+        Under context parallelism every rank of the group gets the whole micro-batches (the weights
+        count their whole rows) and runs its share of each row; the returned loss is the whole's."""
         if weights is None:
             weights, _ = self.loss_weights(batches, per_token=False)
+        batches = self._context_parts(batches)
         if self.pipeline is not None:
             loss = self.pipeline.forward_backward(batches, weights, backward)
         else:
@@ -160,7 +183,7 @@ class ParallelModel(nn.Module):
                 backward(micro_loss)
                 loss += micro_loss.detach()
         self.gradients.finish()
-        return loss
+        return self._whole(loss)
 
     def finish_grad_sync(self) -> None:
         """Complete the gradients of backward passes run by hand (as `forward_backward` does)."""
@@ -172,6 +195,7 @@ class ParallelModel(nn.Module):
         last); divide by their trained tokens for the mean."""
         was_training = self.training
         self.eval()
+        batches = self._context_parts(batches)
         if self.pipeline is not None:
             total = self.pipeline.evaluate(batches)
         else:
@@ -179,7 +203,7 @@ class ParallelModel(nn.Module):
             for batch in batches:
                 total += self._run(batch)
         self.train(was_training)
-        return total
+        return self._whole(total)
 
     def wait_param_gather(self) -> None:
         """Wait for the distributed optimizer's parameter gathers still in flight (before the

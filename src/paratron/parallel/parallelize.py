@@ -2,7 +2,8 @@
 
 Order (as in torchtitan), each step a module swap or a cut on the meta device until weights exist:
 
-1. tensor/sequence parallelism: linear layers and embeddings swapped for their parallel twins;
+1. context parallelism: attention cores swapped for ones that attend across the ranks that
+   split each sequence; tensor/sequence parallelism: linear layers and embeddings swapped for their parallel twins;
    expert parallelism: each MoE layer keeps this rank's experts and dispatches tokens to the others;
 2. activation recomputation: the stack of blocks (or each attention core) swapped for a
    recomputing one;
@@ -37,6 +38,7 @@ from paratron.model.batch import IGNORE_INDEX
 from paratron.model.gpt import GPT, init_parameter
 from paratron.model.loss import token_losses
 from paratron.model.moe import grouped_gemm_available
+from paratron.parallel.context.apply import apply_context_parallel
 from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
 from paratron.parallel.data.fully_sharded import shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
@@ -73,6 +75,8 @@ def parallelize(
             f"{flag.moe_grouped_gemm}: this device ({device}) has no grouped matmul for {t.precision}; "
             "drop the flag to loop over the experts"
         )
+    if topology.size(Axis.CP) > 1:
+        apply_context_parallel(model, topology.group(Axis.CP), config.parallel.cp_comm_type)
     token_loss, rng = _tensor_parallel(model, config, topology, device)
     if config.model.num_experts:
         p = config.parallel
@@ -151,7 +155,9 @@ def _data_parallel(
     """Steps 4b and 5: the weights in their compute type (or FSDP2-sharded at ZeRO-3, `root`
     being the module whose forward runs them), the gradients' synchronisation, and the flat
     parameter buffer of the distributed optimizer (ZeRO-1/2)."""
-    p, dp = config.parallel, topology.size(Axis.DP)
+    p, cp = config.parallel, topology.size(Axis.CP)
+    group = topology.group(Axis.DP_CP if cp > 1 else Axis.DP)  # (context-parallel gradients are summed in it)
+    dp = group.size
     settings = DataParallelSettings(
         bucket_size=p.ddp_bucket_size or max(40_000_000, 1_000_000 * dp),
         overlap_grad_reduce=p.overlap_grad_reduce,
@@ -166,7 +172,7 @@ def _data_parallel(
     else:
         model.to(compute_dtype)  # (in place: parameters keep their identity, ties and records)
     experts = topology.group(Axis.EXPERT_DP) if topology.size(Axis.EP) > 1 else None
-    gradients = DataParallelGradients(model, topology.group(Axis.DP), settings, units, experts)
+    gradients = DataParallelGradients(model, group, settings, units, experts, context_size=cp)
     flats = []
     if settings.zero_stage in (1, 2):
         flats = [FlatParameters(model, r, r.group, settings.overlap_param_gather) for r in gradients.reducers]

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paratron.distributed.rng import RNGStates
+from paratron.model.attention import TokenPlaces
 from paratron.model.gpt import GPT, KVCache, TransformerLayers
 
 
@@ -85,11 +86,11 @@ class RecomputedLayers(TransformerLayers):
         rotary: Any = None,
         cache: KVCache | None = None,
         start: int = 0,
-        mask: torch.Tensor | None = None,
+        places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         if cache is not None or not torch.is_grad_enabled():
-            return super().forward(x, indices, rotary, cache, start, mask)
-        run = partial(super().forward, rotary=rotary, mask=mask)
+            return super().forward(x, indices, rotary, cache, start, places)
+        run = partial(super().forward, rotary=rotary, places=places)
         if self.method == "block":
             recompute = range(indices.start, min(indices.start + self.group, indices.stop))
             for i in indices:

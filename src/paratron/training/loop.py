@@ -106,7 +106,7 @@ class Trainer:
         self.documents = DocumentLayout(
             tokenizer.eod_id if tokenizer is not None else None,
             d.reset_position_ids,
-            d.reset_attention_mask,
+            d.reset_attention_mask or self.config.model.attention_type == "document",
             d.eod_mask_loss,
         )
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft

@@ -1,5 +1,6 @@
 """Data parallelism: every rank of a data-parallel group holds the same model part, and
-gradients are averaged over the group.
+gradients are averaged over the group (under context parallelism: summed over the ranks that
+split each sequence and averaged over the data-parallel ones, in one reduction over both).
 
 Under expert parallelism the experts' weights are held by the expert-data-parallel ranks only
 (a subgroup of the data-parallel ones): their gradients live in buckets of their own, reduced
@@ -58,8 +59,12 @@ class DataParallelGradients:
         settings: DataParallelSettings = DataParallelSettings(),
         sharded_units: list[nn.Module] | None = None,
         expert_group: RankGroup | None = None,
+        context_size: int = 1,
     ) -> None:
-        """`expert_group`: the expert-data-parallel group, under expert parallelism (None otherwise)."""
+        """`expert_group`: the expert-data-parallel group, under expert parallelism (None otherwise).
+        `context_size`: under context parallelism `group` spans the data- and context-parallel
+        ranks, and the context-parallel ranks' gradients are parts of one sequence's: summed, not
+        averaged (the mean over `group` is scaled by this)."""
         self.group, self.settings = group, settings
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.sharded_units = sharded_units or []  # FSDP2 units (ZeRO stage 3)
@@ -72,7 +77,7 @@ class DataParallelGradients:
         late = _late_parameters(module, self.params)
         experts = [p for p in self.params if expert_group is not None and is_expert(p)]
         dense = [p for p in self.params if expert_group is None or not is_expert(p)]
-        self.reducer = self._reducer(dense, group, late)
+        self.reducer = self._reducer(dense, group, late, post_scale=float(context_size))
         if experts:
             assert expert_group is not None
             self.expert_reducer = self._reducer(experts, expert_group, late, post_scale=expert_group.size / group.size)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from paratron.distributed.topology import RankGroup
-from paratron.model.batch import Batch, segment_attention_mask
+from paratron.model.batch import Batch
 from paratron.model.gpt import GPT
 from paratron.parallel.pipeline.schedules import stage_of
 from paratron.parallel.sharding import set_partial_grad, update_info
@@ -103,9 +103,10 @@ class StageRunner(nn.Module):
         elsewhere (perhaps a sequence-parallel shard); every stage reads the sequence layout
         (positions, segments) from `batch`."""
         model = self.model
+        positions, places = model.token_layout(
+            batch.input_ids, 0, batch.position_ids, batch.segment_ids, batch.token_index
+        )
         if self.is_first(chunk):
-            x = model.embed(x, 0, batch.position_ids)
-        rotary = model.rotary_tables(batch.seq_length, 0, x.device, batch.position_ids)
-        mask = segment_attention_mask(batch.segment_ids) if batch.segment_ids is not None else None
-        x = model.layers(x, self.layout.ranges[self.layout.stage(chunk)], rotary, mask=mask)
+            x = model.embed(x, positions)
+        x = model.layers(x, self.layout.ranges[self.layout.stage(chunk)], model.rotary_tables(positions), places=places)
         return model.head(x) if self.is_last(chunk) else x

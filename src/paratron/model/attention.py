@@ -1,0 +1,290 @@
+"""The attention family: which keys each query may see (a pattern) and how that is computed.
+
+A pattern is a rule on token places: `allows(i, j)` says whether the query at place i of its
+row may attend to the key at place j (elementwise, on broadcastable tensors). Packed rows add
+one more rule to every pattern: a token sees only tokens of its own segment (document or
+conversation). `--attention-type` picks a pattern from `ATTENTION_TYPES`:
+
+- `causal`: j <= i (the default; SDPA's fused causal kernel);
+- `sliding-window`: i - W < j <= i, the W most recent tokens (`--window-size W`, Mistral's
+  `sliding_window`);
+- `document`: causal within each packed document (`--reset-attention-mask`, SFT packing);
+- `block-sparse`: Child et al. (2019)'s strided pattern over blocks of `--sparse-block-size`
+  tokens: the `--sparse-stride` S most recent blocks, and every S-th block before them.
+
+A sparse pattern also names, for each block of queries, the blocks of keys it can reach
+(`key_blocks`); `attend` then runs SDPA on just those blocks, so at a fixed window time and
+memory grow linearly with the sequence. Other patterns run SDPA with a dense mask (or its
+causal kernel). Adding an attention is one subclass registered here (docs/attention.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratron.config.schema import ModelConfig
+
+# ---------------------------------------------------------------- where the tokens sit
+
+
+@dataclass
+class TokenPlaces:
+    """Where the queries of an attention call sit in their rows.
+
+    `index` [Tq] is each query's place in its row (0..T-1 for a whole row; a later range when
+    decoding with a cache; scattered chunks when the row is split over ranks). `segments`
+    [B, S] numbers the segment of every token of the whole row (None: one segment per row).
+    Keys are the row's tokens from place 0 unless a caller says otherwise."""
+
+    index: torch.Tensor
+    segments: torch.Tensor | None = None
+    whole_row: bool = False
+    """`index` is 0..T-1: the queries are the whole row."""
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def row(
+        cls, length: int, device: torch.device, start: int = 0, segments: torch.Tensor | None = None
+    ) -> TokenPlaces:
+        """Queries at places start .. start + length - 1 of their rows."""
+        return cls(torch.arange(start, start + length, device=device), segments, whole_row=start == 0)
+
+    def query_segments(self) -> torch.Tensor | None:
+        return None if self.segments is None else self.segments[:, self.index]
+
+    def cached(self, key: object, make: Callable[[], Any]) -> Any:
+        """`make()`, computed once per `TokenPlaces` (one forward pass: every layer asks the same)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def mask(self, pattern: AttentionPattern, key_index: torch.Tensor) -> torch.Tensor:
+        """[B or 1, 1, Tq, Tk] True where a query may attend to a key at `key_index`."""
+        key = ("mask", pattern, key_index.data_ptr(), key_index.numel())
+        return self.cached(key, lambda: allowed(pattern, self.index, key_index, self.segments))
+
+
+def allowed(
+    pattern: AttentionPattern, query_index: torch.Tensor, key_index: torch.Tensor, segments: torch.Tensor | None
+) -> torch.Tensor:
+    """[B or 1, 1, Tq, Tk] boolean mask of `pattern` between queries and keys at these places of
+    rows whose tokens belong to `segments` [B, S] (None: one segment per row)."""
+    mask = pattern.allows(query_index[:, None], key_index[None, :]).unsqueeze(0)
+    if segments is not None:
+        mask = mask & (segments[:, query_index, None] == segments[:, None, key_index])
+    return mask.unsqueeze(1)
+
+
+# ---------------------------------------------------------------- patterns
+
+
+class AttentionPattern:
+    """Which keys a query may attend to. Subclasses set `name` (the --attention-type value) and
+    `allows`; a sparse one also sets `block` and `key_blocks`."""
+
+    name: ClassVar[str]
+    needs_segments: ClassVar[bool] = False
+    """True when the data must mark the segments of each row (documents)."""
+    block: int | None = None
+    """Tokens per block of sparse execution (None: dense)."""
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> AttentionPattern:
+        return cls()
+
+    def allows(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """Whether a query at place `query` may attend to a key at place `key` (broadcast)."""
+        raise NotImplementedError
+
+    def key_blocks(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        """[num_blocks, m] the key blocks each query block can reach, -1 padding (sparse patterns)."""
+        raise NotImplementedError
+
+    def causal_up_to(self, length: int) -> bool:
+        """Whether on rows of `length` tokens the pattern is exactly j <= i (SDPA's causal kernel
+        then serves it: a window longer than the row, say)."""
+        return False
+
+
+class Causal(AttentionPattern):
+    name = "causal"
+
+    def allows(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return key <= query
+
+    def causal_up_to(self, length: int) -> bool:
+        return True
+
+
+class Document(Causal):
+    """Causal attention confined to each document of a packed row (the segments say which)."""
+
+    name = "document"
+    needs_segments = True
+
+
+class SlidingWindow(AttentionPattern):
+    """Each token sees itself and the W - 1 tokens before it (Mistral's `sliding_window` W)."""
+
+    name = "sliding-window"
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.block = max(1, math.ceil(window / 2))
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> AttentionPattern:
+        assert config.window_size is not None  # (validation says so by name)
+        return cls(config.window_size)
+
+    def allows(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return (key <= query) & (key > query - self.window)
+
+    def causal_up_to(self, length: int) -> bool:
+        return length <= self.window
+
+    def key_blocks(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        b = self.block
+        reach = math.ceil((self.window - 1) / b) + 1  # blocks a query block's window can touch
+        blocks = torch.arange(num_blocks, device=device)[:, None] - torch.arange(reach - 1, -1, -1, device=device)
+        return blocks.masked_fill(blocks < 0, -1)
+
+
+class BlockSparse(AttentionPattern):
+    """Child et al. (2019)'s strided sparse attention over blocks: a query in block I sees (causally)
+    the keys of blocks I - S + 1 .. I and of every block I - kS before them (S = the stride)."""
+
+    name = "block-sparse"
+
+    def __init__(self, block: int, stride: int) -> None:
+        self.block, self.stride = block, stride
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> AttentionPattern:
+        return cls(config.sparse_block_size, config.sparse_stride)
+
+    def allows(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        apart = torch.div(query, self.block, rounding_mode="floor") - torch.div(key, self.block, rounding_mode="floor")
+        return (key <= query) & ((apart < self.stride) | (apart % self.stride == 0))
+
+    def causal_up_to(self, length: int) -> bool:
+        return length <= self.block * self.stride
+
+    def key_blocks(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        s = self.stride
+        blocks = torch.arange(num_blocks, device=device)[:, None]
+        local = blocks - torch.arange(s - 1, -1, -1, device=device)  # I - S + 1 .. I
+        far = blocks - s * torch.arange((num_blocks - 1) // s, 0, -1, device=device)  # .. I - 2S, I - S
+        table = torch.cat((far, local), dim=1)
+        return table.masked_fill(table < 0, -1)
+
+
+ATTENTION_TYPES: dict[str, type[AttentionPattern]] = {
+    cls.name: cls for cls in (Causal, SlidingWindow, Document, BlockSparse)
+}
+"""--attention-type values and their patterns."""
+
+
+def make_pattern(config: ModelConfig) -> AttentionPattern:
+    return ATTENTION_TYPES[config.attention_type].from_config(config)
+
+
+# ---------------------------------------------------------------- computing it
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, dropout: float):
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout, enable_gqa=k.size(-3) != q.size(-3)
+    )
+
+
+def blocked_attention(
+    pattern: AttentionPattern,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: torch.Tensor | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """SDPA of a whole row's queries [B, H, T, D] on only the key blocks `pattern.key_blocks` names
+    (keys and values [B, G, T, D]): one batched call over every query block, each with its reachable
+    key blocks gathered beside it. Rows are padded to whole blocks with tokens of their own segment."""
+    B, H, T, D = q.shape
+    b = pattern.block
+    assert b is not None
+    n = -(-T // b)
+    pad = n * b - T
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    places = torch.arange(n * b, device=q.device)
+    if segments is not None or pad:
+        segments = segments if segments is not None else torch.zeros(B, T, dtype=torch.long, device=q.device)
+        segments = F.pad(segments, (0, pad), value=-1)  # (padding: a segment of its own)
+    table = pattern.key_blocks(n, q.device)  # [n, m]
+    m = table.size(1)
+    key_places = (table.clamp(min=0)[:, :, None] * b + torch.arange(b, device=q.device)).reshape(n, m * b)
+    query_places = places.view(n, b)
+    mask = pattern.allows(query_places[:, :, None], key_places[:, None, :])  # [n, b, m*b]
+    mask = mask & (table >= 0).repeat_interleave(b, dim=1)[:, None, :]
+    if segments is not None:
+        same = segments[:, query_places, None] == segments[:, key_places][:, :, None, :]  # [B, n, b, m*b]
+        mask = (mask & same).reshape(B * n, 1, b, m * b)
+    else:
+        mask = mask.unsqueeze(1).repeat(B, 1, 1, 1)
+    G = k.size(1)
+
+    def gather(t: torch.Tensor) -> torch.Tensor:  # [B, G, n*b, D] -> [B*n, G, m*b, D]
+        blocks = t.view(B, G, n, b, D)[:, :, table.clamp(min=0)]  # [B, G, n, m, b, D]
+        return blocks.permute(0, 2, 1, 3, 4, 5).reshape(B * n, G, m * b, D)
+
+    queries = q.view(B, H, n, b, D).transpose(1, 2).reshape(B * n, H, b, D)
+    out = _sdpa(queries, gather(k), gather(v), mask, False, dropout)
+    return out.view(B, n, H, b, D).transpose(1, 2).reshape(B, H, n * b, D)[:, :, :T]
+
+
+def attend(
+    pattern: AttentionPattern,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    places: TokenPlaces | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """`pattern`'s attention of queries [B, H, Tq, D] at `places` (default: a whole row) over the
+    keys and values [B, G, Tk, D] at places 0..Tk-1 of the same rows."""
+    Tq, Tk = q.size(2), k.size(2)
+    whole_row = places is None or (places.whole_row and Tq == Tk)
+    segments = None if places is None else places.segments
+    if whole_row and segments is None and pattern.causal_up_to(Tk):
+        return _sdpa(q, k, v, None, True, dropout)
+    if whole_row and pattern.block is not None:
+        return blocked_attention(pattern, q, k, v, segments, dropout)
+    places = places or TokenPlaces.row(Tq, q.device)
+    keys = places.cached(("row keys", Tk), lambda: torch.arange(Tk, device=q.device))
+    mask = places.mask(pattern, keys)
+    return _sdpa(q, k, v, mask, False, dropout)
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d) + the pattern's mask) v, with dropout on the attention weights.
+
+    A module of its own so that parallelism can run it under its own random stream, recomputation
+    can recompute just this part, and context parallelism can swap in a core that attends over the
+    keys of every rank."""
+
+    def __init__(self, pattern: AttentionPattern, dropout: float) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.dropout = dropout
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, places: TokenPlaces | None = None
+    ) -> torch.Tensor:
+        return attend(self.pattern, q, k, v, places, self.dropout if self.training else 0.0)

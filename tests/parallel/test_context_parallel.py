@@ -1,0 +1,172 @@
+"""Context parallelism equals one process: the split attention core (ring and all-gather) gives
+the single-device attention's output and gradients for every pattern, with GQA and packed
+documents; and 20-step fp32 training curves at CP2 and CP4, alone and with TP, PP, DP + ZeRO-1
+and recomputation, equal the CP1 curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratron.config import build_config
+from paratron.distributed.init import initialize
+from paratron.distributed.topology import RankGroup
+from paratron.model.attention import BlockSparse, Causal, Document, SlidingWindow, TokenPlaces, attend
+from paratron.parallel.context.attention import ContextParallelAttention
+from paratron.parallel.context.split import token_index
+from paratron.training.run import run_training
+
+from multiprocess import run_ranks
+
+PATTERNS = {
+    "causal": Causal(),
+    "sliding-window": SlidingWindow(11),
+    "block-sparse": BlockSparse(4, 3),
+    "document": Document(),
+}
+
+
+def attention_on_ranks(length: int) -> dict[str, float]:
+    """Worst difference, over patterns and both ways of communicating, between this rank's part of
+    the split attention (output and gradients) and the single-device attention."""
+    import torch.distributed as dist
+
+    initialize("gloo")
+    group = RankGroup.world()
+    torch.manual_seed(0)  # (the same tensors on every rank)
+    B, H, G, D = 2, 4, 2, 8
+    q, k, v = torch.randn(B, H, length, D), torch.randn(B, G, length, D), torch.randn(B, G, length, D)
+    grad = torch.randn(B, H, length, D)
+    segments = torch.cat([torch.zeros(B, length // 3), torch.ones(B, length - length // 3)], dim=1).long()
+    segments[1, 5:] += 1  # (rows with different documents)
+    index = token_index(length, group.size, group.rank)
+    worst: dict[str, float] = {}
+    for name, pattern in PATTERNS.items():
+        segs = segments if name == "document" else None
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        expected = attend(pattern, *whole, TokenPlaces.row(length, q.device, segments=segs))
+        expected.backward(grad)
+        for comm_type in ("p2p", "all_gather"):
+            core = ContextParallelAttention(pattern, group, comm_type)
+            mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+            out = core(*mine, TokenPlaces(index, segs))
+            out.backward(grad[:, :, index])
+            diffs = [(out - expected[:, :, index]).abs().max()]
+            diffs += [(m.grad - w.grad[:, :, index]).abs().max() for m, w in zip(mine, whole)]
+            worst[f"{name}/{comm_type}"] = max(float(d) for d in diffs)
+    dist.barrier()
+    return worst
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_attention_equals_one_device_for_every_pattern(world):
+    for rank, worst in enumerate(run_ranks(attention_on_ranks, world, 48)):
+        assert len(worst) == 8
+        for case, diff in worst.items():
+            assert diff < 1e-5, f"rank {rank} {case}: {diff}"
+
+
+def settings(run_dir: str, **overrides) -> dict:
+    return dict(
+        dict(
+            num_layers=4,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=64,
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            activation="swiglu",
+            add_bias_linear=False,
+            vocab_size=128,
+            max_position_embeddings=256,
+            mock_data=True,
+            seq_length=256,
+            micro_batch_size=1,
+            global_batch_size=4,
+            train_iters=20,
+            lr=3e-3,
+            lr_warmup_iters=2,
+            eval_iters=0,
+            seed=5,
+            run_dir=run_dir,
+            progress_bar=False,
+            tensorboard=False,
+            log_interval=1,
+        ),
+        **overrides,
+    )
+
+
+def curve(run_dir: str, layout: dict) -> list[dict]:
+    run_training(build_config(settings(run_dir, **layout)))
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in open(path)] if path.exists() else []
+
+
+WINDOW = dict(attention_type="sliding-window", window_size=48)
+LAYOUTS = {
+    "cp2": (2, {}),
+    "cp2-window": (2, WINDOW),
+    "cp2-all-gather-recompute": (2, dict(cp_comm_type="all_gather", recompute_granularity="selective")),
+    "cp4": (4, {}),
+    "cp4-window-all-gather": (4, dict(WINDOW, cp_comm_type="all_gather")),
+    "cp2-tp2-sp": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "cp2-pp2-window-recompute": (
+        4,
+        dict(WINDOW, pipeline_model_parallel_size=2, recompute_granularity="full", recompute_method="uniform"),
+    ),
+    "cp2-dp2-zero1": (4, dict(use_distributed_optimizer=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, list[dict]]:
+    root = tmp_path_factory.mktemp("cp")
+    return {"causal": curve(str(root / "causal"), {}), "window": curve(str(root / "window"), WINDOW)}
+
+
+def curves_of_layouts(run_dir: str, layouts: dict[str, dict]) -> dict[str, list[dict]]:
+    """Each layout's curve, one after the other on one process group (one spawn for all)."""
+    initialize("gloo")
+    return {
+        name: curve(f"{run_dir}/{name}", dict(layout, context_parallel_size=int(name[2])))
+        for name, layout in layouts.items()
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_training_equals_one_process(tmp_path, references, world):
+    for reference in references.values():
+        assert len(reference) == 20 and reference[-1]["loss"] < reference[0]["loss"] - 0.3
+    assert references["window"][-1]["loss"] != pytest.approx(references["causal"][-1]["loss"], rel=1e-3)
+    layouts = {name: layout for name, (size, layout) in LAYOUTS.items() if size == world}
+    for name, ours in run_ranks(curves_of_layouts, world, str(tmp_path), layouts)[0].items():
+        reference = references["window" if "window" in name else "causal"]
+        for key in ("loss", "grad_norm"):
+            assert [r[key] for r in ours] == pytest.approx([r[key] for r in reference], rel=1e-5), f"{name}: {key}"
+
+
+def resumed(run_dir: str) -> dict[str, list[float]]:
+    """Six steps at CP2 with ZeRO-1 saving at step 3; resumed from it at CP2, and at CP1 x DP2."""
+    initialize("gloo")
+    zero1 = dict(use_distributed_optimizer=True, train_iters=6, global_batch_size=2)
+    save = dict(zero1, context_parallel_size=2, save=f"{run_dir}/ckpt", save_interval=3)
+    losses = {"straight": [r["loss"] for r in curve(f"{run_dir}/straight", save)]}
+    for name, cp in (("cp2", 2), ("cp1-dp2", 1)):
+        layout = dict(zero1, context_parallel_size=cp, load=f"{run_dir}/ckpt/iter_0000003")
+        losses[name] = [r["loss"] for r in curve(f"{run_dir}/{name}", layout)]
+    return losses
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_checkpoint_resumes_exactly_at_cp2_and_cp1(tmp_path):
+    losses = run_ranks(resumed, 2, str(tmp_path))[0]
+    assert len(losses["straight"]) == 6
+    assert losses["cp2"] == pytest.approx(losses["straight"][3:], rel=1e-6)
+    assert losses["cp1-dp2"] == pytest.approx(losses["straight"][3:], rel=1e-5)

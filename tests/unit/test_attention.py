@@ -1,0 +1,143 @@
+"""The attention family against references written from each pattern's definition: a dense
+boolean mask built by looping over (query, key) pairs, run through plain softmax attention.
+Forward outputs and the gradients of queries, keys and values must agree; the sparse execution
+must touch a number of key blocks that does not grow with the sequence."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from paratron.config import build_config
+from paratron.config.schema import ModelConfig
+from paratron.model.attention import (
+    ATTENTION_TYPES,
+    BlockSparse,
+    Causal,
+    Document,
+    SlidingWindow,
+    TokenPlaces,
+    attend,
+)
+from paratron.model.gpt import build_model
+
+from tiny import LLAMA_FLAVOUR
+
+
+def reference_mask(name: str, length: int, segments: torch.Tensor | None, **settings) -> torch.Tensor:
+    """[B, 1, T, T] from the documented rule, one pair at a time."""
+
+    def allowed(i: int, j: int) -> bool:
+        if j > i:
+            return False
+        if name == "sliding-window":
+            return i - j < settings["window"]
+        if name == "block-sparse":
+            apart = i // settings["block"] - j // settings["block"]
+            return apart < settings["stride"] or apart % settings["stride"] == 0
+        return True
+
+    base = torch.tensor([[allowed(i, j) for j in range(length)] for i in range(length)])
+    if segments is None:
+        return base[None, None]
+    same = segments[:, :, None] == segments[:, None, :]
+    return (base & same).unsqueeze(1)
+
+
+def reference_attention(q, k, v, mask):
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    scores = (q @ k.transpose(-1, -2)) / q.size(-1) ** 0.5
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+PATTERNS = {
+    "causal": (Causal(), {}),
+    "sliding-window": (SlidingWindow(5), {"window": 5}),
+    "sliding-window-wide": (SlidingWindow(16), {"window": 16}),
+    "block-sparse": (BlockSparse(4, 2), {"block": 4, "stride": 2}),
+    "block-sparse-stride-3": (BlockSparse(3, 3), {"block": 3, "stride": 3}),
+    "document": (Document(), {}),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("case", list(PATTERNS))
+def test_each_pattern_equals_its_dense_masked_definition_with_gradients(case, packed):
+    pattern, settings = PATTERNS[case]
+    torch.manual_seed(0)
+    B, H, G, T, D = 2, 4, 2, 37, 8  # (37: not a multiple of any block, so rows are padded)
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, G, T, D), torch.randn(B, G, T, D)
+    segments = None
+    if packed:
+        segments = torch.tensor([[0] * 11 + [1] * 20 + [2] * 6, [0] * 30 + [1] * 7])
+    places = TokenPlaces.row(T, q.device, segments=segments)
+    name = case.rsplit("-", 1)[0] if case.endswith(("-wide", "-3")) else case
+    if case == "block-sparse-stride-3":
+        name = "block-sparse"
+    mask = reference_mask(name, T, segments, **settings)
+
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attend(pattern, *inputs, places)
+    expected_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*expected_inputs, mask)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for got, want in zip(inputs, expected_inputs):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_reaches_a_fixed_number_of_key_blocks_whatever_the_length():
+    window = SlidingWindow(64)
+    widths = {n: window.key_blocks(n, torch.device("cpu")).shape[1] for n in (4, 64, 1024)}
+    assert set(widths.values()) == {3}  # (blocks of W/2: its own, and the two before)
+    table = window.key_blocks(6, torch.device("cpu"))
+    assert table[0].tolist() == [-1, -1, 0] and table[5].tolist() == [3, 4, 5]
+    sparse = BlockSparse(4, 2).key_blocks(7, torch.device("cpu"))
+    assert sparse[6].tolist() == [0, 2, 4, 5, 6]  # every second block back (0, 2, 4), then the local 5, 6
+
+
+def test_decoding_with_a_cache_gives_the_logits_of_the_whole_window_run():
+    config = dataclasses.replace(LLAMA_FLAVOUR, attention_type="sliding-window", window_size=6)
+    model = build_model(config, seed=1).eval()
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
+    from paratron.model.gpt import KVCache
+
+    with torch.no_grad():
+        whole = model(ids)
+        cache = KVCache(config.num_layers, 20)
+        first = model(ids[:, :12], cache)
+        steps = [model(ids[:, i : i + 1], cache) for i in range(12, 20)]
+    torch.testing.assert_close(torch.cat([first, *steps], dim=1), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_document_attention_trains_each_document_as_if_alone():
+    """Packed documents: the summed loss's gradient equals the sum of each document's own."""
+    config = dataclasses.replace(LLAMA_FLAVOUR, attention_type="document")
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(0))
+    lengths = [7, 11, 6]
+    segments = torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]])
+    positions = torch.tensor([[p for n in lengths for p in range(n)]])
+    packed_model, alone_model = build_model(config, seed=3), build_model(config, seed=3)
+    packed_model(ids, position_ids=positions, segment_ids=segments).sum().backward()
+    start = 0
+    for n in lengths:
+        alone_model(ids[:, start : start + n]).sum().backward()
+        start += n
+    for (name, a), b in zip(packed_model.named_parameters(), alone_model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_registry_names_every_documented_type():
+    assert set(ATTENTION_TYPES) == {"causal", "sliding-window", "document", "block-sparse"}
+    choices = re.findall(r"'([^']+)'", ModelConfig.__dataclass_fields__["attention_type"].type)
+    assert set(choices) == set(ATTENTION_TYPES)  # (the flag's choices are the registry)
+    config = build_config({"attention_type": "block-sparse", "sparse_block_size": 8, "sparse_stride": 2})
+    model = build_model(dataclasses.replace(config.model, vocab_size=97), seed=0)
+    pattern = model.layers[0].attention.core.pattern
+    assert isinstance(pattern, BlockSparse) and (pattern.block, pattern.stride) == (8, 2)
