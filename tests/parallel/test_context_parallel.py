@@ -6,6 +6,7 @@ and recomputation, equal the CP1 curve."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,11 @@ def attention_on_ranks(length: int) -> dict[str, float]:
         for comm_type in ("p2p", "all_gather"):
             core = ContextParallelAttention(pattern, group, comm_type)
             mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-            out = core(*mine, TokenPlaces(index, segs))
+            places = TokenPlaces(index, segs)
+            out = core(*mine, places)
+            if comm_type == "p2p":  # (how many block pairs ran block by block)
+                plan = places.cached(("ring", pattern), list)
+                worst[f"{name}/sparse pairs"] = sum(pair.blocks is not None for step in plan for pair in step)
             out.backward(grad[:, :, index])
             diffs = [(out - expected[:, :, index]).abs().max()]
             diffs += [(m.grad - w.grad[:, :, index]).abs().max() for m, w in zip(mine, whole)]
@@ -64,8 +69,11 @@ def attention_on_ranks(length: int) -> dict[str, float]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_attention_equals_one_device_for_every_pattern(world):
-    for rank, worst in enumerate(run_ranks(attention_on_ranks, world, 48)):
-        assert len(worst) == 8
+    """(Chunks of 12 tokens: the window's and block-sparse pattern's pairs run block by block.)"""
+    for rank, worst in enumerate(run_ranks(attention_on_ranks, world, 24 * world)):
+        assert len(worst) == 12
+        assert worst.pop("sliding-window/sparse pairs") > 0 and worst.pop("block-sparse/sparse pairs") > 0
+        assert worst.pop("causal/sparse pairs") == 0 and worst.pop("document/sparse pairs") == 0
         for case, diff in worst.items():
             assert diff < 1e-5, f"rank {rank} {case}: {diff}"
 
@@ -170,3 +178,37 @@ def test_context_parallel_checkpoint_resumes_exactly_at_cp2_and_cp1(tmp_path):
     assert len(losses["straight"]) == 6
     assert losses["cp2"] == pytest.approx(losses["straight"][3:], rel=1e-6)
     assert losses["cp1-dp2"] == pytest.approx(losses["straight"][3:], rel=1e-5)
+
+
+def activation_peaks(run_dir: str, cps: tuple[int, ...]) -> dict[int, list[int]]:
+    """Every rank's peak of activations saved for backward (--log-memory's meter) in one step of a
+    1024-token sequence per micro-batch, at each context-parallel size."""
+    if "RANK" in os.environ:  # (spawned ranks; one process needs no group)
+        initialize("gloo")
+    peaks = {}
+    for cp in cps:
+        layout = dict(
+            hidden_size=64,
+            ffn_hidden_size=128,
+            num_layers=2,
+            seq_length=1024,
+            max_position_embeddings=1024,
+            train_iters=1,
+            global_batch_size=4 // cp if cp > 1 else 1,
+            context_parallel_size=cp,
+            log_memory=True,
+        )
+        curve(f"{run_dir}/cp{cp}", layout)
+        report = json.loads((Path(run_dir) / f"cp{cp}" / "memory.json").read_text())
+        peaks[cp] = [rank["activations_peak"] for rank in report["ranks"]]
+    return peaks
+
+
+@pytest.mark.multiprocess
+def test_activation_memory_per_rank_falls_as_one_over_cp(tmp_path):
+    whole = activation_peaks(str(tmp_path / "one"), (1,))[1][0]
+    split = run_ranks(activation_peaks, 4, str(tmp_path), (2, 4))[0]
+    print("activation peaks per rank (bytes):", {1: whole, **split})
+    for cp in (2, 4):
+        for peak in split[cp]:  # the formula: every activation is per token, so each rank keeps 1/CP
+            assert peak == pytest.approx(whole / cp, rel=0.10), (cp, peak, whole)

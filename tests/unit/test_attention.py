@@ -141,3 +141,45 @@ def test_registry_names_every_documented_type():
     model = build_model(dataclasses.replace(config.model, vocab_size=97), seed=0)
     pattern = model.layers[0].attention.core.pattern
     assert isinstance(pattern, BlockSparse) and (pattern.block, pattern.stride) == (8, 2)
+
+
+def test_model_flops_count_the_keys_a_sparse_pattern_computes():
+    from paratron.training.flops import attended_keys, training_flops_per_token
+
+    window = dataclasses.replace(LLAMA_FLAVOUR, attention_type="sliding-window", window_size=16)
+    sparse = dataclasses.replace(LLAMA_FLAVOUR, attention_type="block-sparse", sparse_block_size=8, sparse_stride=2)
+    assert attended_keys(LLAMA_FLAVOUR, 64) == 64 and attended_keys(window, 64) == 16 and attended_keys(window, 8) == 8
+    assert attended_keys(sparse, 64) == 48  # 2 local blocks and 4 strided ones (of 8) of 8 tokens
+    assert training_flops_per_token(window, 64) < training_flops_per_token(LLAMA_FLAVOUR, 64)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernel", "plain-ops"])
+def test_ring_block_kernels_merge_to_whole_attention(fused):
+    """The per-block kernels of context parallelism (PyTorch's CPU flash kernel, and the plain
+    operations other devices use): blocks of keys merged by log-sum-exp give the whole attention,
+    and each block's backward against the whole output gives its gradients, with a query that
+    sees no key of one block."""
+    from paratron.parallel.context.kernels import NEG_INF, block_backward, block_forward, merge
+
+    torch.manual_seed(0)
+    B, H, G, T, D = 2, 4, 2, 12, 8
+    q, k, v = torch.randn(B, H, T, D), torch.randn(B, G, T, D), torch.randn(B, G, T, D)
+    mask = reference_mask("sliding-window", T, None, window=4)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*inputs, mask)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    out, lse = torch.zeros(B, H, T, D), torch.full((B, H, T), NEG_INF)
+    blocks = (slice(0, 6), slice(6, 12))  # (queries 0-5 see nothing of the second block)
+    for keys in blocks:
+        part, part_lse = block_forward(q, k[:, :, keys], v[:, :, keys], mask[..., keys], False, fused)
+        out, lse = merge(out, lse, part, part_lse)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-5)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for keys in blocks:
+        a, b, c = block_backward(grad, q, k[:, :, keys], v[:, :, keys], out, lse, mask[..., keys], False, fused)
+        dq += a
+        dk[:, :, keys] += b
+        dv[:, :, keys] += c
+    for got, (name, want) in zip((dq, dk, dv), zip("qkv", inputs)):
+        torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-5, msg=name)

@@ -4,9 +4,11 @@ Training FLOPs per token = 6 x P_matmul + 12 x L x s x d_attn, where
   P_matmul = weights of every matrix multiply a token goes through (attention and MLP
              projections, the output layer; under MoE the router, its top-k experts and the
              shared expert, the active parameters; embeddings are lookups and do not count),
-  L = layers, s = sequence length, d_attn = heads x head width.
+  L = layers, s = the keys a query attends to, d_attn = heads x head width.
 6 = 2 (multiply + add) x 3 (forward, and backward for inputs and for weights). The
-attention term counts QK^T and attention x V over the full s x s square, like Megatron-LM.
+attention term counts QK^T and attention x V over the full s x s square, like Megatron-LM, with
+s the sequence length; a sparse pattern counts the keys it computes (a window of W: min(W, s);
+block-sparse: its S local blocks and every S-th block before them).
 Recomputation does not change model FLOPs: MFU measures useful work.
 """
 
@@ -40,10 +42,21 @@ def matmul_parameters(config: ModelConfig) -> int:
     return config.num_layers * attention + mlps + h * (config.vocab_size or 0)
 
 
+def attended_keys(config: ModelConfig, seq_length: int) -> int:
+    """The keys counted per query for the attention term (see the module docstring)."""
+    if config.attention_type == "sliding-window" and config.window_size:
+        return min(seq_length, config.window_size)
+    if config.attention_type == "block-sparse":
+        blocks = -(-seq_length // config.sparse_block_size)
+        return min(seq_length, (config.sparse_stride + blocks // config.sparse_stride) * config.sparse_block_size)
+    return seq_length
+
+
 def training_flops_per_token(config: ModelConfig, seq_length: int) -> float:
     heads = config.num_attention_heads
     d_attn = heads * (config.kv_channels or config.hidden_size // heads)
-    return 6.0 * matmul_parameters(config) + 12.0 * config.num_layers * seq_length * d_attn
+    keys = attended_keys(config, seq_length)
+    return 6.0 * matmul_parameters(config) + 12.0 * config.num_layers * keys * d_attn
 
 
 def probe_peak_flops(device: torch.device, size: int = 1024, repeats: int = 5) -> float:

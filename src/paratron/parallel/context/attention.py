@@ -15,66 +15,17 @@ attention all work unchanged. Two ways to reach the other ranks' keys:
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
-from paratron.model.attention import AttentionPattern, TokenPlaces, allowed
+from paratron.model.attention import AttentionPattern, TokenPlaces
 from paratron.parallel.context.comm import Ring
-from paratron.parallel.context.kernels import NEG_INF, block_backward, block_forward, merge
-from paratron.parallel.context.split import chunk_ids, token_index
-
-
-@dataclass(frozen=True)
-class BlockPair:
-    """One chunk of local queries against one chunk of the visiting keys."""
-
-    queries: slice
-    keys: slice
-    mask: torch.Tensor | None
-    causal: bool
-
-
-@functools.lru_cache(maxsize=4096)
-def _coverage(pattern: AttentionPattern, query_chunk: int, key_chunk: int, chunk: int) -> str:
-    """How the pattern connects two chunks of a row: "none", "full", "causal" (exactly j <= i) or "partial"."""
-    places = torch.arange(chunk)
-    allows = pattern.allows((query_chunk * chunk + places)[:, None], (key_chunk * chunk + places)[None, :])
-    if not allows.any():
-        return "none"
-    if allows.all():
-        return "full"
-    if query_chunk == key_chunk and torch.equal(allows, torch.ones(chunk, chunk, dtype=torch.bool).tril()):
-        return "causal"
-    return "partial"
-
-
-def ring_plan(pattern: AttentionPattern, places: TokenPlaces, group: RankGroup) -> list[list[BlockPair]]:
-    """For each ring step, the block pairs to compute (the visitor at step s is rank i - s's block)."""
-    cp, rank, chunk = group.size, group.rank, places.index.numel() // 2
-    device = places.index.device
-    steps = []
-    for step in range(cp):
-        pairs = []
-        for a, query_chunk in enumerate(chunk_ids(cp, rank)):
-            for b, key_chunk in enumerate(chunk_ids(cp, (rank - step) % cp)):
-                how = _coverage(pattern, query_chunk, key_chunk, chunk)
-                if how == "none":
-                    continue
-                mask = None
-                if how == "partial" or places.segments is not None:
-                    q = torch.arange(query_chunk * chunk, (query_chunk + 1) * chunk, device=device)
-                    k = torch.arange(key_chunk * chunk, (key_chunk + 1) * chunk, device=device)
-                    mask = allowed(pattern, q, k, places.segments)
-                window = slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk)
-                pairs.append(BlockPair(*window, mask, how == "causal" and mask is None))
-        steps.append(pairs)
-    return steps
+from paratron.parallel.context.kernels import NEG_INF, merge
+from paratron.parallel.context.pairs import BlockPair, pair_backward, pair_forward, ring_plan
+from paratron.parallel.context.split import token_index
 
 
 class _RingAttention(torch.autograd.Function):
@@ -86,10 +37,8 @@ class _RingAttention(torch.autograd.Function):
         for step, pairs in enumerate(plan):
             pending = ring.shift(block) if step + 1 < len(plan) else None
             for pair in pairs:
-                qs, ks = pair.queries, pair.keys
-                part, part_lse = block_forward(
-                    q[:, :, qs], block[0][:, :, ks], block[1][:, :, ks], pair.mask, pair.causal
-                )
+                qs = pair.queries
+                part, part_lse = pair_forward(q, block[0], block[1], pair)
                 out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
             if pending is not None:
                 block = pending.wait()
@@ -111,16 +60,7 @@ class _RingAttention(torch.autograd.Function):
             grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
             for pair in pairs:
                 qs, ks = pair.queries, pair.keys
-                a, b, c = block_backward(
-                    grad_out[:, :, qs],
-                    q[:, :, qs],
-                    block[0][:, :, ks],
-                    block[1][:, :, ks],
-                    out[:, :, qs],
-                    lse[:, :, qs],
-                    pair.mask,
-                    pair.causal,
-                )
+                a, b, c = pair_backward(grad_out, q, block[0], block[1], out, lse, pair)
                 dq[:, :, qs] += a
                 grads[0][:, :, ks] += b
                 grads[1][:, :, ks] += c

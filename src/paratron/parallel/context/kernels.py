@@ -31,14 +31,24 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, NEG_INF)
 
 
+def _fused(q: torch.Tensor, fused: bool | None) -> bool:
+    return q.device.type == "cpu" if fused is None else fused
+
+
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B, H, Tq, D] over k, v [B, G, Tk, D] alone (`mask` [B|1, 1, Tq, Tk], True
     where allowed; or `causal`, Tq == Tk): (output [B, H, Tq, D], log-sum-exp [B, H, Tq] in fp32).
-    A query with no allowed key gets output 0 and log-sum-exp -inf."""
+    A query with no allowed key gets output 0 and log-sum-exp -inf. `fused`: PyTorch's CPU kernel
+    (default on CPU) or the plain operations."""
     k, v = _expand_groups(k, q.size(1)), _expand_groups(v, q.size(1))
-    if q.device.type == "cpu":
+    if _fused(q, fused):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype)
         )
@@ -61,12 +71,13 @@ def block_backward(
     lse: torch.Tensor,
     mask: torch.Tensor | None,
     causal: bool,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (q, k, v) of one block's share of an attention whose whole output is `out` and
     whole log-sum-exp is `lse` (every query has some allowed key somewhere)."""
     groups = k.size(1)
     k, v = _expand_groups(k, q.size(1)), _expand_groups(v, q.size(1))
-    if q.device.type == "cpu":
+    if _fused(q, fused):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype)
         )
