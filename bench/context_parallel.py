@@ -50,15 +50,9 @@ MODEL = dict(
 )
 
 
-def train(seq_length: int, cp: int, steps: int, comm_type: str, run_dir: str) -> dict[str, Any]:
-    """Median step time of paratron's trainer at this context-parallel size."""
-    from paratron.config import build_config
-    from paratron.distributed.init import initialize
-    from paratron.training.run import run_training
-
-    if cp > 1:
-        initialize("gloo")
-    settings = dict(
+def _settings(seq_length: int, cp: int, steps: int, run_dir: str, **extra: Any) -> dict[str, Any]:
+    """The trainer's settings: MODEL on one mock sequence of `seq_length` tokens per step."""
+    return dict(
         MODEL,
         max_position_embeddings=seq_length,
         seq_length=seq_length,
@@ -68,13 +62,23 @@ def train(seq_length: int, cp: int, steps: int, comm_type: str, run_dir: str) ->
         train_iters=steps,
         eval_iters=0,
         context_parallel_size=cp,
-        cp_comm_type=comm_type,
         run_dir=run_dir,
         progress_bar=False,
         tensorboard=False,
         log_interval=1,
+        **extra,
     )
-    run_training(build_config(settings))
+
+
+def train(seq_length: int, cp: int, steps: int, comm_type: str, run_dir: str) -> dict[str, Any]:
+    """Median step time of paratron's trainer at this context-parallel size."""
+    from paratron.config import build_config
+    from paratron.distributed.init import initialize
+    from paratron.training.run import run_training
+
+    if cp > 1:
+        initialize("gloo")
+    run_training(build_config(_settings(seq_length, cp, steps, run_dir, cp_comm_type=comm_type)))
     rows = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
     return {"cp": cp, "comm": comm_type, "step_s": statistics.median(seq_length / r["tokens_per_s"] for r in rows[2:])}
 
@@ -168,24 +172,7 @@ def under_budget(seq_length: int, cp: int, budget_gb: float, run_dir: str) -> di
     initialize("gloo")
     budget = int(budget_gb * 2**30)
     resource.setrlimit(resource.RLIMIT_DATA, (budget, budget))
-    settings = dict(
-        MODEL,
-        attention_type="sliding-window",
-        window_size=1024,
-        max_position_embeddings=seq_length,
-        seq_length=seq_length,
-        mock_data=True,
-        micro_batch_size=1,
-        global_batch_size=1,
-        train_iters=2,
-        eval_iters=0,
-        context_parallel_size=cp,
-        run_dir=run_dir,
-        progress_bar=False,
-        tensorboard=False,
-        log_interval=1,
-        log_memory=True,
-    )
+    settings = _settings(seq_length, cp, 2, run_dir, attention_type="sliding-window", window_size=1024, log_memory=True)
     try:
         run_training(build_config(settings))
     except (RuntimeError, MemoryError) as error:

@@ -14,6 +14,7 @@ from tokenizers import AddedToken
 from paratron.config import Config, build_config
 from paratron.config.schema import ModelConfig
 from paratron.data.tokenizer import train_byte_level_bpe
+from paratron.training.run import run_training
 
 GPT_FLAVOUR = ModelConfig(
     num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, max_position_embeddings=64
@@ -41,6 +42,14 @@ def tiny_config(run_dir: Path, **overrides: Any) -> Config:
     )
     values.update(overrides)
     return build_config(values, recipe="debug")
+
+
+def training_records(settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """Train with `settings` (field names and values, `run_dir` among them) and return the records of
+    its metrics.jsonl (none on ranks that write no metrics)."""
+    run_training(build_config(settings))
+    path = Path(settings["run_dir"]) / "metrics.jsonl"
+    return [json.loads(line) for line in open(path)] if path.exists() else []
 
 
 def write_conversations(folder: Path, chats: int = 40, pairs: int = 30) -> None:

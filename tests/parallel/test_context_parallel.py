@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.config import build_config
 from paratron.distributed.init import initialize
 from paratron.distributed.topology import RankGroup
 from paratron.model.attention import BlockSparse, Causal, Document, SlidingWindow, TokenPlaces, attend
 from paratron.parallel.context.attention import ContextParallelAttention
 from paratron.parallel.context.split import token_index
-from paratron.training.run import run_training
 
 from multiprocess import run_ranks
+from tiny import training_records
 
 PATTERNS = {
     "causal": Causal(),
@@ -111,9 +110,7 @@ def settings(run_dir: str, **overrides) -> dict:
 
 
 def curve(run_dir: str, layout: dict) -> list[dict]:
-    run_training(build_config(settings(run_dir, **layout)))
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in open(path)] if path.exists() else []
+    return training_records(settings(run_dir, **layout))
 
 
 WINDOW = dict(attention_type="sliding-window", window_size=48)

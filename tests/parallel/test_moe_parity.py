@@ -5,9 +5,6 @@ and load at other expert-parallel sizes."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from paratron.config import build_config
@@ -15,6 +12,7 @@ from paratron.distributed.init import initialize
 from paratron.training.run import run_training
 
 from multiprocess import run_ranks
+from tiny import training_records
 
 
 def settings(run_dir: str, **overrides) -> dict:
@@ -52,9 +50,7 @@ def settings(run_dir: str, **overrides) -> dict:
 
 
 def curves(run_dir: str, layout: dict) -> list[dict]:
-    run_training(build_config(settings(run_dir, **layout)))
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in open(path)] if path.exists() else []
+    return training_records(settings(run_dir, **layout))
 
 
 LAYOUTS = {

@@ -522,6 +522,10 @@ def test_bad_expert_settings_are_named(settings, expected):
             "--context-parallel-size 2 does not serve --num-experts 4 yet; use a dense model",
         ),
         (dict(attention_type="strided"), "--attention-type: 'strided' is not one of"),
+        (
+            dict(attention_type="document"),
+            "--attention-type document reads the documents of each sample, and --mock-data has none",
+        ),
     ],
 )
 def test_bad_attention_and_context_parallel_settings_are_named(settings, expected):

@@ -414,6 +414,21 @@ def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
             f"give exactly one of {flag.data_path}, {flag.train_data_path} (with "
             f"{flag.valid_data_path}), {flag.corpus} stdlib or {flag.mock_data} (got {what})"
         )
+    documents = [
+        name
+        for name, on in (
+            (flag.reset_position_ids, d.reset_position_ids),
+            (flag.reset_attention_mask, d.reset_attention_mask),
+            (flag.eod_mask_loss, d.eod_mask_loss),
+            (f"{flag.attention_type} document", m.attention_type == "document" and not d.sft),
+        )
+        if on
+    ]
+    if documents and d.mock_data:
+        raise ConfigError(
+            f"{documents[0]} reads the documents of each sample, and {flag.mock_data} has none (no end-of-document "
+            f"token); give {flag.data_path} or {flag.corpus} stdlib"
+        )
     if d.sft and (d.mock_data or d.corpus):
         raise ConfigError(f"{flag.sft} trains on conversations: give {flag.data_path} FILE.jsonl ... instead")
     sft_only = [f for f, on in ((flag.sft_truncation, d.sft_truncation != "truncate"),) if on]
