@@ -109,3 +109,14 @@ def test_ignored_labels_add_nothing_to_the_loss():
     reference = torch.nn.functional.cross_entropy(logits[trained], labels[trained])
     torch.testing.assert_close(language_model_loss(logits, labels), reference)
     assert Batch(labels, labels).trained_tokens().item() == 5
+
+
+def test_document_attention_marks_documents_as_reset_attention_mask_does():
+    from paratron.config.schema import DataConfig, ModelConfig
+
+    plain = DocumentLayout.of(DataConfig(), ModelConfig(), eod_id=0)
+    documents = DocumentLayout.of(DataConfig(), ModelConfig(attention_type="document"), eod_id=0)
+    assert plain.plain and plain == DocumentLayout(0)
+    assert documents == DocumentLayout.of(DataConfig(reset_attention_mask=True), ModelConfig(), eod_id=0)
+    tokens = np.array([[5, 6, 0, 7, 8]])
+    assert pretraining_batch(tokens, documents).segment_ids.tolist() == [[0, 0, 0, 1]]

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from paratron.config.layout import micro_batches_per_rank
+from paratron.config.schema import DataConfig, ModelConfig
 from paratron.data.datasets import SampleSource
 from paratron.model.batch import IGNORE_INDEX, Batch
 
@@ -52,6 +53,13 @@ class DocumentLayout:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+
+    @classmethod
+    def of(cls, data: DataConfig, model: ModelConfig, eod_id: int | None) -> DocumentLayout:
+        """A run's layout: its --reset-* and --eod-mask-loss flags; `--attention-type document` marks
+        the documents as --reset-attention-mask does."""
+        attention = data.reset_attention_mask or model.attention_type == "document"
+        return cls(eod_id, data.reset_position_ids, attention, data.eod_mask_loss)
 
     @property
     def plain(self) -> bool:

@@ -103,12 +103,7 @@ class Trainer:
         self.plan = BatchPlan(layout.global_batch_size, layout.micro_batch_size, layout.dp, self.topology.dp_rank)
         self.precision = Precision(t.precision, build_loss_scaler(t), self.ctx.device)
         d, tokenizer = self.config.data, self.data.tokenizer
-        self.documents = DocumentLayout(
-            tokenizer.eod_id if tokenizer is not None else None,
-            d.reset_position_ids,
-            d.reset_attention_mask or self.config.model.attention_type == "document",
-            d.eod_mask_loss,
-        )
+        self.documents = DocumentLayout.of(d, self.config.model, tokenizer.eod_id if tokenizer is not None else None)
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.expert_load: list[tuple[int, np.ndarray]] = []  # (step, token shares [MoE layers, experts])
 
