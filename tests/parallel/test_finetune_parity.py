@@ -74,6 +74,7 @@ LAYOUTS = {
     "pp2-zb-h1": (2, dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1")),
     "dp2-zero1": (2, dict(use_distributed_optimizer=True)),
     "dp2-zero3": (2, dict(zero_stage=3)),
+    "cp2": (2, dict(context_parallel_size=2)),  # (packed conversations: document masks and positions split)
     "tp2xpp2": (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True)),
 }
 
