@@ -35,11 +35,16 @@ FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 
 
+QUIET = dict(progress_bar=False, tensorboard=False, log_interval=1, eval_iters=0)
+"""A test run's logging: no progress bar, no TensorBoard, metrics every step, no evaluation."""
+
+PARITY_RUN = dict(QUIET, train_iters=20, lr=3e-3, lr_warmup_iters=2, seed=5)
+"""A parity test's 20-step run (its model, data and layout aside)."""
+
+
 def tiny_config(run_dir: Path, **overrides: Any) -> Config:
     """The debug recipe, quiet: no progress bar, no TensorBoard, metrics every step."""
-    values: dict[str, Any] = dict(
-        run_dir=str(run_dir), progress_bar=False, tensorboard=False, log_interval=1, eval_iters=0
-    )
+    values: dict[str, Any] = dict(QUIET, run_dir=str(run_dir))
     values.update(overrides)
     return build_config(values, recipe="debug")
 

@@ -19,7 +19,7 @@ from paratron.parallel.context.attention import ContextParallelAttention
 from paratron.parallel.context.split import token_index
 
 from multiprocess import run_ranks
-from tiny import training_records
+from tiny import PARITY_RUN, training_records
 
 PATTERNS = {
     "causal": Causal(),
@@ -95,15 +95,8 @@ def settings(run_dir: str, **overrides) -> dict:
             seq_length=256,
             micro_batch_size=1,
             global_batch_size=4,
-            train_iters=20,
-            lr=3e-3,
-            lr_warmup_iters=2,
-            eval_iters=0,
-            seed=5,
             run_dir=run_dir,
-            progress_bar=False,
-            tensorboard=False,
-            log_interval=1,
+            **PARITY_RUN,
         ),
         **overrides,
     )

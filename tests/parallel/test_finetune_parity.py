@@ -12,7 +12,7 @@ from paratron.training.evaluate import run_evaluation
 from paratron.training.run import run_training
 
 from multiprocess import run_ranks
-from tiny import write_conversations
+from tiny import PARITY_RUN, write_conversations
 
 
 def settings(data: str, run_dir: str, **overrides) -> dict:
@@ -36,15 +36,8 @@ def settings(data: str, run_dir: str, **overrides) -> dict:
             seq_length=64,
             micro_batch_size=2,
             global_batch_size=4,
-            train_iters=20,
-            lr=3e-3,
-            lr_warmup_iters=2,
-            eval_iters=0,
-            seed=5,
             run_dir=run_dir,
-            progress_bar=False,
-            tensorboard=False,
-            log_interval=1,
+            **PARITY_RUN,
         ),
         **overrides,
     )

@@ -56,9 +56,6 @@ class TokenPlaces:
         """Queries at places start .. start + length - 1 of their rows."""
         return cls(torch.arange(start, start + length, device=device), segments, whole_row=start == 0)
 
-    def query_segments(self) -> torch.Tensor | None:
-        return None if self.segments is None else self.segments[:, self.index]
-
     def cached(self, key: object, make: Callable[[], Any]) -> Any:
         """`make()`, computed once per `TokenPlaces` (one forward pass: every layer asks the same)."""
         if key not in self._cache:
@@ -205,6 +202,50 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     )
 
 
+def query_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """[B, H, n*b, D] -> [B*n, H, b, D]: every block of queries a batch row of its own."""
+    B, H, T, D = x.shape
+    return x.view(B, H, T // block, block, D).transpose(1, 2).reshape(B * (T // block), H, block, D)
+
+
+def from_query_blocks(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """The inverse of `query_blocks`; also for per-query values [B*n, H, b]."""
+    n = x.size(0) // batch
+    x = x.view(batch, n, *x.shape[1:]).transpose(1, 2)
+    return x.reshape(batch, x.size(1), n * x.size(3), *x.shape[4:])
+
+
+def gather_key_blocks(x: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
+    """[B, G, n*b, D] -> [B*n', G, m*b, D]: for each of the n' rows of `table` [n', m], the key blocks it
+    names side by side (a -1 entry gathers block 0, which the mask then hides)."""
+    B, G, T, D = x.shape
+    n, m = table.shape
+    blocks = x.view(B, G, T // block, block, D)[:, :, table.clamp(min=0)]  # [B, G, n, m, b, D]
+    return blocks.permute(0, 2, 1, 3, 4, 5).reshape(B * n, G, m * block, D)
+
+
+def block_mask(
+    pattern: AttentionPattern,
+    query_places: torch.Tensor,
+    table: torch.Tensor,
+    key_start: int,
+    segments: torch.Tensor | None,
+) -> torch.Tensor:
+    """The mask of query blocks over their gathered key blocks: [B*n or n, 1, b, m*b] for queries at
+    `query_places` [n, b] of their rows and the key blocks `table` [n, m] (-1: none) numbered from
+    the key at place `key_start`."""
+    b = query_places.size(1)
+    n, m = table.shape
+    offsets = torch.arange(b, device=table.device)
+    key_places = (key_start + table.clamp(min=0)[:, :, None] * b + offsets).reshape(n, m * b)
+    mask = pattern.allows(query_places[:, :, None], key_places[:, None, :])  # [n, b, m*b]
+    mask = mask & (table >= 0).repeat_interleave(b, dim=1)[:, None, :]
+    if segments is None:
+        return mask.unsqueeze(1)
+    same = segments[:, query_places, None] == segments[:, key_places][:, :, None, :]  # [B, n, b, m*b]
+    return (mask & same).reshape(-1, 1, b, m * b)
+
+
 def blocked_attention(
     pattern: AttentionPattern,
     q: torch.Tensor,
@@ -216,37 +257,22 @@ def blocked_attention(
     """SDPA of a whole row's queries [B, H, T, D] on only the key blocks `pattern.key_blocks` names
     (keys and values [B, G, T, D]): one batched call over every query block, each with its reachable
     key blocks gathered beside it. Rows are padded to whole blocks with tokens of their own segment."""
-    B, H, T, D = q.shape
+    B, _, T, _ = q.shape
     b = pattern.block
     assert b is not None
     n = -(-T // b)
     pad = n * b - T
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    places = torch.arange(n * b, device=q.device)
-    if segments is not None or pad:
         segments = segments if segments is not None else torch.zeros(B, T, dtype=torch.long, device=q.device)
         segments = F.pad(segments, (0, pad), value=-1)  # (padding: a segment of its own)
     table = pattern.key_blocks(n, q.device)  # [n, m]
-    m = table.size(1)
-    key_places = (table.clamp(min=0)[:, :, None] * b + torch.arange(b, device=q.device)).reshape(n, m * b)
-    query_places = places.view(n, b)
-    mask = pattern.allows(query_places[:, :, None], key_places[:, None, :])  # [n, b, m*b]
-    mask = mask & (table >= 0).repeat_interleave(b, dim=1)[:, None, :]
-    if segments is not None:
-        same = segments[:, query_places, None] == segments[:, key_places][:, :, None, :]  # [B, n, b, m*b]
-        mask = (mask & same).reshape(B * n, 1, b, m * b)
-    else:
-        mask = mask.unsqueeze(1).repeat(B, 1, 1, 1)
-    G = k.size(1)
-
-    def gather(t: torch.Tensor) -> torch.Tensor:  # [B, G, n*b, D] -> [B*n, G, m*b, D]
-        blocks = t.view(B, G, n, b, D)[:, :, table.clamp(min=0)]  # [B, G, n, m, b, D]
-        return blocks.permute(0, 2, 1, 3, 4, 5).reshape(B * n, G, m * b, D)
-
-    queries = q.view(B, H, n, b, D).transpose(1, 2).reshape(B * n, H, b, D)
-    out = _sdpa(queries, gather(k), gather(v), mask, False, dropout)
-    return out.view(B, n, H, b, D).transpose(1, 2).reshape(B, H, n * b, D)[:, :, :T]
+    mask = block_mask(pattern, torch.arange(n * b, device=q.device).view(n, b), table, 0, segments)
+    if mask.size(0) != B * n:
+        mask = mask.repeat(B, 1, 1, 1)
+    queries = query_blocks(q, b)
+    out = _sdpa(queries, gather_key_blocks(k, table, b), gather_key_blocks(v, table, b), mask, False, dropout)
+    return from_query_blocks(out, B)[:, :, :T]
 
 
 def attend(

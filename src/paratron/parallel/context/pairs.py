@@ -21,7 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from paratron.distributed.topology import RankGroup
-from paratron.model.attention import AttentionPattern, TokenPlaces, allowed
+from paratron.model.attention import (
+    AttentionPattern,
+    TokenPlaces,
+    allowed,
+    block_mask,
+    from_query_blocks,
+    gather_key_blocks,
+    query_blocks,
+)
 from paratron.parallel.context.kernels import block_backward, block_forward
 from paratron.parallel.context.split import chunk_ids
 
@@ -59,7 +67,8 @@ def _coverage(pattern: AttentionPattern, query_chunk: int, key_chunk: int, chunk
 def _sparse_pair(
     pattern: AttentionPattern, query_chunk: int, key_chunk: int, chunk: int, segments: torch.Tensor | None, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reachable key blocks of a sparse pair and the mask over them ([n, m], [B*n or n, 1, b, m*b])."""
+    """The key blocks (of the key chunk) each query block of a sparse pair reaches, [n, m] with -1
+    padding, and the mask over them (`model.attention.block_mask`)."""
     b = pattern.block
     assert b is not None
     n = chunk // b
@@ -67,16 +76,8 @@ def _sparse_pair(
     table = table[query_chunk * n : (query_chunk + 1) * n] - key_chunk * n
     table = table.masked_fill((table < 0) | (table >= n), -1).sort(dim=1, descending=True).values
     table = table[:, : int((table >= 0).sum(dim=1).max())]  # (valid blocks first; as many as a row needs)
-    m = table.size(1)
     query_places = query_chunk * chunk + torch.arange(chunk, device=device).view(n, b)
-    key_places = key_chunk * chunk + (table.clamp(min=0)[:, :, None] * b + torch.arange(b, device=device))
-    key_places = key_places.reshape(n, m * b)
-    mask = pattern.allows(query_places[:, :, None], key_places[:, None, :])
-    mask = mask & (table >= 0).repeat_interleave(b, dim=1)[:, None, :]
-    if segments is not None:
-        same = segments[:, query_places, None] == segments[:, key_places][:, :, None, :]
-        return table, (mask & same).reshape(-1, 1, b, m * b)
-    return table, mask.unsqueeze(1)
+    return table, block_mask(pattern, query_places, table, key_chunk * chunk, segments)
 
 
 def ring_plan(pattern: AttentionPattern, places: TokenPlaces, group: RankGroup) -> list[list[BlockPair]]:
@@ -110,27 +111,6 @@ def ring_plan(pattern: AttentionPattern, places: TokenPlaces, group: RankGroup) 
 # ---------------------------------------------------------------- sparse pairs: blocks side by side
 
 
-def _query_blocks(x: torch.Tensor, b: int) -> torch.Tensor:
-    """[B, H, n*b, D] -> [B*n, H, b, D]."""
-    B, H, T, D = x.shape
-    return x.view(B, H, T // b, b, D).transpose(1, 2).reshape(B * (T // b), H, b, D)
-
-
-def _from_query_blocks(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """The inverse of `_query_blocks`, also for log-sum-exps [B*n, H, b]."""
-    n = x.size(0) // batch
-    x = x.view(batch, n, *x.shape[1:]).transpose(1, 2)
-    return x.reshape(batch, x.size(1), n * x.size(3), *x.shape[4:])
-
-
-def _key_blocks(x: torch.Tensor, table: torch.Tensor, b: int) -> torch.Tensor:
-    """[B, G, n*b, D] -> [B*n, G, m*b, D]: each query block's reachable key blocks side by side."""
-    B, G, T, D = x.shape
-    n, m = table.shape
-    blocks = x.view(B, G, n, b, D)[:, :, table.clamp(min=0)]  # [B, G, n, m, b, D]
-    return blocks.permute(0, 2, 1, 3, 4, 5).reshape(B * n, G, m * b, D)
-
-
 def _from_key_blocks(grad: torch.Tensor, table: torch.Tensor, b: int, shape: torch.Size) -> torch.Tensor:
     """Sum the gradients of gathered key blocks [B*n, G, m*b, D] back into [B, G, n*b, D]."""
     B, G, T, D = shape
@@ -150,11 +130,11 @@ def pair_forward(
     if pair.blocks is None:
         return block_forward(q, k, v, pair.mask, pair.causal)
     table, b = pair.blocks, pair.block
-    queries = _query_blocks(q, b)
+    queries = query_blocks(q, b)
     out, lse = block_forward(
-        queries, _key_blocks(k, table, b), _key_blocks(v, table, b), _per_block_mask(pair, queries), False
+        queries, gather_key_blocks(k, table, b), gather_key_blocks(v, table, b), _per_block_mask(pair, queries), False
     )
-    return _from_query_blocks(out, q.size(0)), _from_query_blocks(lse, q.size(0))
+    return from_query_blocks(out, q.size(0)), from_query_blocks(lse, q.size(0))
 
 
 def _per_block_mask(pair: BlockPair, queries: torch.Tensor) -> torch.Tensor:
@@ -191,19 +171,19 @@ def pair_backward(
     if pair.blocks is None:
         return block_backward(grad_out, q, k, v, out, lse, pair.mask, pair.causal)
     table, b = pair.blocks, pair.block
-    queries = _query_blocks(q, b)
+    queries = query_blocks(q, b)
     dq, dk, dv = block_backward(
-        _query_blocks(grad_out, b),
+        query_blocks(grad_out, b),
         queries,
-        _key_blocks(k, table, b),
-        _key_blocks(v, table, b),
-        _query_blocks(out, b),
-        _query_blocks(lse.unsqueeze(-1), b).squeeze(-1),
+        gather_key_blocks(k, table, b),
+        gather_key_blocks(v, table, b),
+        query_blocks(out, b),
+        query_blocks(lse.unsqueeze(-1), b).squeeze(-1),
         _per_block_mask(pair, queries),
         False,
     )
     return (
-        _from_query_blocks(dq, q.size(0)),
+        from_query_blocks(dq, q.size(0)),
         _from_key_blocks(dk, table, b, k.shape),
         _from_key_blocks(dv, table, b, v.shape),
     )
