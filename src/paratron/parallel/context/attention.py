@@ -2,21 +2,24 @@
 
 Each rank holds the queries, keys and values of its two chunks (`split.py`); the pattern's mask
 is read from the true places of the tokens, so causal, sliding-window, document and block-sparse
-attention all work unchanged. Two ways to reach the other ranks' keys:
+attention all work unchanged. Both ways of reaching the other ranks' keys run the same plan
+(`pairs.ring_plan`): at step s, this rank's query chunks against the key/value block of rank
+i - s, the partial results merged by their log-sum-exp, chunk pairs the pattern never connects
+skipped (where the causal load balance pays off).
 
-- `all_gather`: gather every key and value (backward: reduce-scatter their gradients), then one
-  masked SDPA of the local queries over the whole row;
-- `p2p`: a ring (Liu et al.'s ring attention): at step s this rank attends to the key/value block
-  of rank i - s while that block travels on to rank i + 1, merging the partial results by their
-  log-sum-exp. Backward passes the blocks round again, each with the gradient accumulated for it
-  so far, which arrives home after the last step. Pairs of chunks the pattern never connects are
-  skipped, which is where the causal load balance pays off.
+- `p2p`: a ring (Liu et al.'s ring attention): the block of step s travels on to rank i + 1 while
+  it is attended to. Backward passes the blocks round again, each with the gradient accumulated
+  for it so far, which arrives home after the last step.
+- `all_gather`: every key and value gathered first (backward: their gradients reduce-scattered),
+  then the steps run on slices of the gathered row. Simpler; each rank holds the row's keys and
+  values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paratron.distributed import comm
@@ -25,21 +28,41 @@ from paratron.model.attention import AttentionPattern, TokenPlaces
 from paratron.parallel.context.comm import Ring
 from paratron.parallel.context.kernels import NEG_INF, merge
 from paratron.parallel.context.pairs import BlockPair, pair_backward, pair_forward, ring_plan
-from paratron.parallel.context.split import token_index
+
+
+def _forward_step(q: torch.Tensor, block: torch.Tensor, pairs: list[BlockPair], out: torch.Tensor, lse: torch.Tensor):
+    """Merge the attention of `pairs` over `block` (keys and values stacked) into `out` and `lse`."""
+    for pair in pairs:
+        qs = pair.queries
+        part, part_lse = pair_forward(q, block[0], block[1], pair)
+        out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
+
+
+def _backward_step(grad_out, q, block, out, lse, pairs: list[BlockPair], dq: torch.Tensor) -> torch.Tensor:
+    """Add the queries' gradients of `pairs` to `dq`; returns the gradient of `block` (fp32)."""
+    grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
+    for pair in pairs:
+        qs, ks = pair.queries, pair.keys
+        a, b, c = pair_backward(grad_out, q, block[0], block[1], out, lse, pair)
+        dq[:, :, qs] += a
+        grads[0][:, :, ks] += b
+        grads[1][:, :, ks] += c
+    return grads
+
+
+def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    return out, torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, plan: list[list[BlockPair]]):
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], NEG_INF, dtype=torch.float32, device=q.device)
+        out, lse = _accumulators(q)
         block = torch.stack((k, v))
         for step, pairs in enumerate(plan):
             pending = ring.shift(block) if step + 1 < len(plan) else None
-            for pair in pairs:
-                qs = pair.queries
-                part, part_lse = pair_forward(q, block[0], block[1], pair)
-                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
+            _forward_step(q, block, pairs, out, lse)
             if pending is not None:
                 block = pending.wait()
         out = out.to(q.dtype)
@@ -57,13 +80,7 @@ class _RingAttention(torch.autograd.Function):
         pending_grad = None
         for step, pairs in enumerate(plan):
             pending = ring.shift(block) if step + 1 < len(plan) else None
-            grads = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
-            for pair in pairs:
-                qs, ks = pair.queries, pair.keys
-                a, b, c = pair_backward(grad_out, q, block[0], block[1], out, lse, pair)
-                dq[:, :, qs] += a
-                grads[0][:, :, ks] += b
-                grads[1][:, :, ks] += c
+            grads = _backward_step(grad_out, q, block, out, lse, pairs, dq)
             if pending_grad is not None:
                 grads += pending_grad.wait()  # what the ranks before added to this block's gradient
             pending_grad = ring.shift(grads)  # on to the next holder (after the last step: home)
@@ -72,6 +89,45 @@ class _RingAttention(torch.autograd.Function):
         assert pending_grad is not None
         dk, dv = pending_grad.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """The ring's steps over a gathered row: `blocks` [2, B, G, CP x T', D] (keys and values of every
+    rank, in rank order); step s reads rank (i - s)'s slice."""
+
+    @staticmethod
+    def forward(ctx, q, blocks, rank: int, plan: list[list[BlockPair]]):
+        out, lse = _accumulators(q)
+        owner = _owner_slices(blocks.size(3) // len(plan), rank, len(plan))
+        for step, pairs in enumerate(plan):
+            _forward_step(q, blocks[:, :, :, owner(step)], pairs, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, blocks, out, lse)
+        ctx.rank, ctx.plan = rank, plan
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, blocks, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grads = torch.zeros(blocks.shape, dtype=torch.float32, device=q.device)
+        owner = _owner_slices(blocks.size(3) // len(ctx.plan), ctx.rank, len(ctx.plan))
+        for step, pairs in enumerate(ctx.plan):
+            grads[:, :, :, owner(step)] += _backward_step(
+                grad_out, q, blocks[:, :, :, owner(step)], out, lse, pairs, dq
+            )
+        return dq.to(q.dtype), grads.to(blocks.dtype), None, None
+
+
+def _owner_slices(length: int, rank: int, size: int) -> Callable[[int], slice]:
+    """Step -> the slice of the gathered row that rank (rank - step)'s tokens fill."""
+
+    def owner(step: int) -> slice:
+        o = (rank - step) % size
+        return slice(o * length, (o + 1) * length)
+
+    return owner
 
 
 class ContextParallelAttention(nn.Module):
@@ -84,17 +140,8 @@ class ContextParallelAttention(nn.Module):
         self.ring = Ring(group) if comm_type == "p2p" else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, places: TokenPlaces) -> torch.Tensor:
+        plan = places.cached(("ring", self.pattern), lambda: ring_plan(self.pattern, places, self.group))
         if self.ring is not None:
-            plan = places.cached(("ring", self.pattern), lambda: ring_plan(self.pattern, places, self.group))
             return _RingAttention.apply(q, k, v, self.ring, plan)
-        keys = comm.gather_from_sequence(k, self.group, dim=2)
-        values = comm.gather_from_sequence(v, self.group, dim=2)
-        key_index = places.cached(("gathered", self.group.size), lambda: self._gathered_index(places))
-        mask = places.mask(self.pattern, key_index)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=k.size(1) != q.size(1))
-
-    def _gathered_index(self, places: TokenPlaces) -> torch.Tensor:
-        """Places of the gathered keys: every rank's tokens, in rank order."""
-        length = places.index.numel() * self.group.size
-        device = places.index.device
-        return torch.cat([token_index(length, self.group.size, r, device) for r in range(self.group.size)])
+        blocks = comm.gather_from_sequence(torch.stack((k, v)), self.group, dim=3)
+        return _GatheredAttention.apply(q, blocks, self.group.rank, plan)
