@@ -62,10 +62,13 @@ class TokenPlaces:
             self._cache[key] = make()
         return self._cache[key]
 
-    def mask(self, pattern: AttentionPattern, key_index: torch.Tensor) -> torch.Tensor:
-        """[B or 1, 1, Tq, Tk] True where a query may attend to a key at `key_index`."""
-        key = ("mask", pattern, key_index.data_ptr(), key_index.numel())
-        return self.cached(key, lambda: allowed(pattern, self.index, key_index, self.segments))
+    def mask(self, pattern: AttentionPattern, keys: int) -> torch.Tensor:
+        """[B or 1, 1, Tq, Tk] True where a query may attend to a key at places 0 .. keys - 1."""
+        index = self.index
+        return self.cached(
+            ("mask", pattern, keys),
+            lambda: allowed(pattern, index, torch.arange(keys, device=index.device), self.segments),
+        )
 
 
 def allowed(
@@ -293,9 +296,7 @@ def attend(
     if whole_row and pattern.block is not None:
         return blocked_attention(pattern, q, k, v, segments, dropout)
     places = places or TokenPlaces.row(Tq, q.device)
-    keys = places.cached(("row keys", Tk), lambda: torch.arange(Tk, device=q.device))
-    mask = places.mask(pattern, keys)
-    return _sdpa(q, k, v, mask, False, dropout)
+    return _sdpa(q, k, v, places.mask(pattern, Tk), False, dropout)
 
 
 class AttentionCore(nn.Module):
