@@ -14,7 +14,8 @@ from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 from paratron.config import build_config
 from paratron.data.loader import DocumentLayout, pretraining_batch
-from paratron.model.batch import IGNORE_INDEX, Batch, segment_attention_mask
+from paratron.model.attention import Document, TokenPlaces
+from paratron.model.batch import IGNORE_INDEX, Batch
 from paratron.model.gpt import build_model
 from paratron.model.loss import language_model_loss, token_losses
 
@@ -44,6 +45,12 @@ def test_packed_rows_give_each_segment_the_logits_it_has_alone(shape):
         start += n
     # and without the layout the segments do see each other
     assert not torch.allclose(model(ids)[:, 7:18], packed[:, 7:18], atol=1e-3)
+
+
+def segment_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] True where query i may attend to key j: document attention's mask of these segments."""
+    length = segment_ids.size(1)
+    return TokenPlaces.row(length, segment_ids.device, segments=segment_ids).mask(Document(), length)
 
 
 def test_segment_mask_is_causal_within_segments():

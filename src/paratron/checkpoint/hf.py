@@ -347,9 +347,9 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
         "model_type": kind,
         "vocab_size": m.vocab_size,
         "torch_dtype": "float32",
+        **_attention_config(m, kind),  # (and refused when the architecture has no such attention)
     }
     if kind == "gpt2":
-        _attention_config(m, kind)  # (refuses what GPT-2 cannot hold)
         return {
             **common,
             "n_layer": m.num_layers,
@@ -385,7 +385,6 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
         config.update(mlp_bias=False)
     if kind in MOE_FAMILY:
         config.update(_moe_config(m, kind))
-    config.update(_attention_config(m, kind))
     return config
 
 

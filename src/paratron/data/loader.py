@@ -21,6 +21,7 @@ import torch
 from paratron.config.layout import micro_batches_per_rank
 from paratron.config.schema import DataConfig, ModelConfig
 from paratron.data.datasets import SampleSource
+from paratron.model.attention import ATTENTION_TYPES
 from paratron.model.batch import IGNORE_INDEX, Batch
 
 
@@ -56,9 +57,9 @@ class DocumentLayout:
 
     @classmethod
     def of(cls, data: DataConfig, model: ModelConfig, eod_id: int | None) -> DocumentLayout:
-        """A run's layout: its --reset-* and --eod-mask-loss flags; `--attention-type document` marks
-        the documents as --reset-attention-mask does."""
-        attention = data.reset_attention_mask or model.attention_type == "document"
+        """A run's layout: its --reset-* and --eod-mask-loss flags; an attention pattern that reads
+        documents (`--attention-type document`) marks them as --reset-attention-mask does."""
+        attention = data.reset_attention_mask or ATTENTION_TYPES[model.attention_type].needs_segments
         return cls(eod_id, data.reset_position_ids, attention, data.eod_mask_loss)
 
     @property

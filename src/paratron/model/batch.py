@@ -54,11 +54,3 @@ class Batch:
             move(self.segment_ids),
             move(self.token_index),
         )
-
-
-def segment_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] boolean mask, True where query i may attend to key j: j <= i within one segment."""
-    T = segment_ids.size(1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
-    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
-    return (same & causal).unsqueeze(1)

@@ -156,7 +156,7 @@ def _data_parallel(
     being the module whose forward runs them), the gradients' synchronisation, and the flat
     parameter buffer of the distributed optimizer (ZeRO-1/2)."""
     p, cp = config.parallel, topology.size(Axis.CP)
-    group = topology.group(Axis.DP_CP if cp > 1 else Axis.DP)  # (context-parallel gradients are summed in it)
+    group = topology.group(Axis.DP_CP)  # (the data-parallel ranks; with CP > 1 also the context-parallel ones)
     dp = group.size
     settings = DataParallelSettings(
         bucket_size=p.ddp_bucket_size or max(40_000_000, 1_000_000 * dp),
