@@ -112,7 +112,12 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 def _stage_writer(topology: Topology) -> bool:
     """The rank that writes its pipeline stage's weights: the stage's first tensor-, context- and
     data-parallel rank."""
-    return topology.dp_rank == 0 and topology.coords["cp"] == 0 and topology.tp_rank == 0
+    return _first_replica(topology) and topology.tp_rank == 0
+
+
+def _first_replica(topology: Topology) -> bool:
+    """The first of the ranks that hold the same model part (data- and context-parallel peers)."""
+    return topology.local_rank(Axis.DP_CP) == 0
 
 
 def whole_model_state(model: nn.Module, topology: Topology) -> dict[str, torch.Tensor]:
@@ -173,7 +178,7 @@ def begin_save(
     first replica writes the weights (one rank per pipeline stage), the rank states and the
     optimizer pieces; with a sharded optimizer every rank writes its own pieces."""
     topology = topology or Topology(ParallelDims(1))
-    first_replica, stage_writer = topology.dp_rank == 0 and topology.coords["cp"] == 0, _stage_writer(topology)
+    first_replica, stage_writer = _first_replica(topology), _stage_writer(topology)
     pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
     sharded = content.config.parallel.sharding_stage > 0 and topology.size(Axis.DP_CP) > 1
     weights = full_state(content.model, topology, keep=stage_writer)
