@@ -55,7 +55,10 @@ class RNGStates:
         self.states: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, seed: int) -> None:
-        self.states[name] = torch.Generator(device=self.device).manual_seed(seed).get_state()
+        # (a model built on the meta device, as `paratron train --dry-run` does, draws nothing: the
+        # stream is seeded on the CPU, whose generator every build has)
+        device = "cpu" if self.device.type == "meta" else self.device
+        self.states[name] = torch.Generator(device=device).manual_seed(seed).get_state()
 
     @contextlib.contextmanager
     def fork(self, name: str) -> Iterator[None]:

@@ -232,8 +232,11 @@ def _vocab_parallel_token_losses(
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> None:
-    """Allocate the weights on `device` and give each parameter its slice of the single-device init."""
+    """Allocate the weights on `device` and give each parameter its slice of the single-device init
+    (on the meta device there is nothing to initialize: the shapes are the dry run's result)."""
     _allocate(model, device)
+    if torch.device(device).type == "meta":
+        return
     with torch.no_grad():
         for name, param in model.named_parameters():
             full = torch.empty(full_shape(param), device=param.device, dtype=param.dtype)

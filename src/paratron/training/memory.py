@@ -56,7 +56,9 @@ class SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
+        # (a view of a parameter, such as the transposed weight a matmul keeps, is the parameter:
+        # under ZeRO-3 that is FSDP's gathered weight, which it frees after forward and gathers again)
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or tensor.device.type == "meta":
             return tensor
         storage = tensor.untyped_storage()
         key = storage.data_ptr()

@@ -37,7 +37,8 @@ def shard_fully(
     With a 16-bit `compute_dtype` the fp32 shards are the master weights: FSDP2 gathers them in
     that type for compute and reduces gradients in fp32."""
     root = model if root is None else root
-    mesh = DeviceMesh.from_group(group.process_group, device.type)
+    # (a model on the meta device, as --dry-run builds, keeps its shards there; the mesh needs a real device type)
+    mesh = DeviceMesh.from_group(group.process_group, "cpu" if device.type == "meta" else device.type)
     before = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     units: list[nn.Module] = []

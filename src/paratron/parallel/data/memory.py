@@ -21,7 +21,8 @@ Two rules keep the count honest:
   only if their storage is new, so a gradient or bucket buffer left alive by mistake shows up
   and a view of a buffer is not counted twice.
 
-It only reads attributes and storage pointers: cheap (one pass over the parameters and the
+It only reads attributes and storage pointers (on the meta device, storage identities: the
+same count runs on a model `paratron train --dry-run` built there): cheap (one pass over the parameters and the
 optimizer state), no collectives, no allocation, safe to call at any point of a step.
 """
 
@@ -56,12 +57,19 @@ class _Ledger:
                 continue
             local = local_tensor(tensor.detach())
             storage = local.untyped_storage()
-            new = storage.nbytes() > 0 and storage.data_ptr() not in self._seen
+            key = _storage_key(storage)
+            new = storage.nbytes() > 0 and key not in self._seen
             if new:
-                self._seen.add(storage.data_ptr())
+                self._seen.add(key)
             if primary or new:
                 self.counts[category]["elements"] += local.numel()
                 self.counts[category]["bytes"] += storage.nbytes() if new else 0
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    """What identifies a storage: its address, or on the meta device (which has none: `--dry-run`
+    builds there) the storage object that views share."""
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
 def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
