@@ -18,6 +18,7 @@ LAYERS = [
     "checkpoint",
     "inference",
     "training",
+    "planning",
     "cli",
     "megatron_api",
 ]

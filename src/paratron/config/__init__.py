@@ -12,6 +12,7 @@ from paratron.config.schema import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    PlanningConfig,
     TrainingConfig,
 )
 from paratron.config.validation import validate
@@ -26,6 +27,7 @@ __all__ = [
     "TrainingConfig",
     "CheckpointConfig",
     "LoggingConfig",
+    "PlanningConfig",
     "build_config",
     "config_from_dict",
     "config_to_dict",

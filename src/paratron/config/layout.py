@@ -10,6 +10,7 @@ numbers out again. Errors are ConfigErrors that name the setting to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from paratron.config.fields import flag
 from paratron.config.schema import Config
@@ -27,9 +28,9 @@ class PipelinePlan:
     schedule: str | None
     """The schedule's name (None without pipeline parallelism)."""
 
-    @property
+    @cached_property
     def ranges(self) -> list[range]:
-        """Layer numbers of every model stage."""
+        """Layer numbers of every model stage (read only)."""
         return stage_ranges(list(self.counts))
 
 

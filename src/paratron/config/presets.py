@@ -57,6 +57,14 @@ MODELS: dict[str, dict[str, Any]] = {
         ffn_hidden_size=28672,
         untie_embeddings_and_output_weights=True,
     ),
+    "llama3-405b": dict(
+        _LLAMA3,
+        num_layers=126,
+        hidden_size=16384,
+        num_attention_heads=128,
+        ffn_hidden_size=53248,
+        untie_embeddings_and_output_weights=True,
+    ),
     "gpt3-175b": dict(_GPT2, num_layers=96, hidden_size=12288, num_attention_heads=96, max_position_embeddings=2048),
     "debug-moe": dict(
         _LLAMA3,
@@ -128,6 +136,7 @@ PUBLISHED_PARAMETERS: dict[str, int] = {
     "llama3-1b": 1_235_814_400,  # Llama 3.2 1B
     "llama3-8b": 8_030_261_248,  # Llama 3 8B
     "llama3-70b": 70_553_706_496,  # Llama 3 70B
+    "llama3-405b": 405_853_388_800,  # Llama 3.1 405B, "405B"
     "gpt3-175b": 175_000_000_000,  # Brown et al. 2020, "175B"
     "mixtral-8x7b": 46_702_792_704,  # Mixtral-8x7B-v0.1, "46.7B"
     "qwen2-moe-a2.7b": 14_300_000_000,  # Qwen1.5-MoE-A2.7B, "14.3B"

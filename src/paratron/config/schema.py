@@ -564,6 +564,32 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class PlanningConfig:
+    """Checking and choosing the parallel layout before (or instead of) training."""
+
+    dry_run: bool = False
+    """Validate the run for --world-size ranks without starting them: build every distinct rank's part of the model on
+    the meta device through the real parallelization and print its memory (weights, gradients, master weights,
+    optimizer state, activations, communication buffers) against the device memory."""
+
+    world_size: int | None = None
+    """Ranks the --dry-run (or --auto) plans for (default: --nproc, or torchrun's world)."""
+
+    hardware: str | None = None
+    """Hardware preset for --dry-run, --auto and paratron plan: h100-80g, a100-80g, h200-141g, or cpu (measured on the
+    spot); sets the device memory, peak throughput and network speeds."""
+
+    device_memory_gb: float | None = None
+    """Memory of one device in GB (10^9 bytes) that --dry-run and paratron plan check each rank against (default: the
+    --hardware preset's)."""
+
+    auto: bool = False
+    """Choose the parallel layout (tensor, context, pipeline and data parallelism, virtual stages, micro-batch size,
+    recomputation, ZeRO stage, schedule) with the planner for this machine and world size, then train with it; the
+    layout flags given are replaced."""
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run: one dataclass per section."""
 
@@ -575,6 +601,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
 
 
 SECTIONS: tuple[str, ...] = (
@@ -586,4 +613,5 @@ SECTIONS: tuple[str, ...] = (
     "training",
     "checkpoint",
     "logging",
+    "planning",
 )

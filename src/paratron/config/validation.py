@@ -51,6 +51,8 @@ POSITIVE = (
     "sample_tokens",
     "lr_decay_iters",
     "peak_tflops",
+    "world_size",
+    "device_memory_gb",
     "distributed_timeout_minutes",
     "ddp_bucket_size",
     "loss_scale",

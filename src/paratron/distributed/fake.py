@@ -10,6 +10,7 @@ backend; it registers itself when its module is imported.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -23,8 +24,10 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """Within: this process is `rank` of `world_size` ranks that exchange nothing."""
     if dist.is_initialized():
         raise ConfigError("--dry-run builds its own fake world of ranks; run it without torchrun or --nproc")
+    excepthook = sys.excepthook  # (joining a world wraps it to prefix tracebacks with the rank)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook

@@ -124,6 +124,16 @@ def accelerator_peak_flops(device: torch.device) -> float | None:
     return None
 
 
+def accelerator_name(device: torch.device) -> str | None:
+    """The CUDA device's name (None on the CPU)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def accelerator_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of the CUDA device (None on the CPU)."""
+    return int(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: allocator peak on an accelerator, resident set size on CPU."""
     if device.type != "cpu" and torch.accelerator.is_available():

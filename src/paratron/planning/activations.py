@@ -1,0 +1,294 @@
+"""The activations a rank keeps for backward, from the tensors each layer saves.
+
+The count follows the tensors autograd saves, each storage once, as `--log-memory`'s meter
+(`training/memory.py`) sees them; docs/memory.md derives each term and docs/planning.md gives
+the measured error. Per token of a micro-batch on this rank (n = micro-batch x sequence / CP
+tokens; w = bytes of the compute type; t = TP; a, g = query and key/value heads of this rank,
+d = head width, f = MLP width / t; a norm's tokens and the layer input are / t under sequence
+parallelism):
+
+    norm           RMSNorm: 4h fp32 input + 4h normalized + 4 rstd + wh output where the
+                   kernel is composite (CPU); wh + 4 + wh where it is fused. LayerNorm: wh
+                   input + 2 statistics + wh output
+    attention      queries w·a·d, keys and values 2·w·g·d, output w·a·d, log-sum-exp 4a (the
+                   fused kernels keep nothing of size s²); CP ring: + the output's copy w·a·d;
+                   CP all-gather: every rank's keys and values (2·w·g·d·CP) instead of its own;
+                   CPU with attention dropout (the reference kernel): + 12·a·keys for the
+                   probabilities, their mask and the dropped ones in fp32
+    MLP            SwiGLU: gate, up, silu(gate), their product, 4·w·f; GELU: its input and output, 2·w·f
+    dropout        a mask per dropout (w bytes per element on the CPU, 1 on CUDA)
+
+Recomputation: selective keeps the attention core's inputs but not its log-sum-exp; full keeps
+each group's input (w·h per token) and recomputes the rest in backward. The first stage adds the
+token ids (8 per token; under TP the local ids and a mask), learned positions (8 per position),
+and every stage the rotary tables (2 x 4 x s x d per micro-batch); the last stage the final norm
+and the loss: the fp32 log-probabilities (4V, V the vocabulary of this rank) and the labels.
+
+Under pipeline parallelism a rank holds several micro-batches at once: the peak is found by
+walking its schedule, adding a chunk's bytes at each forward and releasing them at its backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from paratron.config.layout import Layout
+from paratron.config.schema import Config, ModelConfig
+from paratron.parallel.pipeline.schedules import Schedule, build_schedule
+from paratron.training.flops import attended_keys
+
+WIDTHS = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each --precision's compute type."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What a device's kernels keep for backward where they differ."""
+
+    name: str
+    composite_rms_norm: bool
+    """RMSNorm runs as separate operations in fp32 (the CPU), keeping fp32 copies."""
+    mask_bytes: int | None
+    """Bytes per element of a dropout mask (None: those of the compute type, as on the CPU)."""
+    flash_with_dropout: bool
+    """Attention with dropout still runs a fused kernel (no s x s tensors kept)."""
+    fp32_norm_statistics: bool
+    """LayerNorm keeps its mean and rstd in fp32 whatever the compute type."""
+
+
+CPU = Kernels("cpu", composite_rms_norm=True, mask_bytes=None, flash_with_dropout=False, fp32_norm_statistics=False)
+CUDA = Kernels("cuda", composite_rms_norm=False, mask_bytes=1, flash_with_dropout=True, fp32_norm_statistics=True)
+KERNELS = {"cpu": CPU, "cuda": CUDA}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One rank's share of a micro-batch and of each layer."""
+
+    model: ModelConfig
+    tokens: int  # micro-batch x sequence / CP
+    seq: int  # sequence / CP
+    keys: int  # keys a query attends to (for the s x s terms)
+    w: int
+    tp: int
+    expert_tp: int
+    sp: bool
+    cp: int
+    cp_gather: bool
+    kernels: Kernels
+
+    @property
+    def h(self) -> int:
+        return self.model.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.kv_channels or self.h // self.model.num_attention_heads
+
+    @property
+    def heads(self) -> int:
+        return self.model.num_attention_heads // self.tp
+
+    @property
+    def groups(self) -> int:
+        groups = self.model.num_query_groups or self.model.num_attention_heads
+        return max(groups // self.tp, 1)
+
+    @property
+    def sharded_tokens(self) -> float:
+        """Tokens of the replicated parts (norms, layer inputs): / TP under sequence parallelism."""
+        return self.tokens / self.tp if self.sp else self.tokens
+
+    @property
+    def mask(self) -> int:
+        return self.kernels.mask_bytes or self.w
+
+
+def _norm(shape: _Shape) -> float:
+    h, w = shape.h, shape.w
+    if shape.model.normalization == "RMSNorm":
+        per_token = 8 * h + 4 + w * h if shape.kernels.composite_rms_norm else 2 * w * h + 4
+    else:
+        statistic = 4 if shape.kernels.fp32_norm_statistics else w
+        per_token = 2 * w * h + 2 * statistic
+    return per_token * shape.sharded_tokens
+
+
+def _attention(shape: _Shape, selective: bool) -> float:
+    m, w, d = shape.model, shape.w, shape.head_dim
+    a, g = shape.heads, shape.groups
+    keys_values = 2 * w * g * d * (shape.cp if shape.cp_gather else 1)
+    per_token = w * a * d + keys_values + w * a * d  # queries, keys and values, output
+    if not selective:
+        per_token += 4 * a  # log-sum-exp
+    if shape.cp > 1:
+        per_token += w * a * d  # the output laid out for the projection
+    if m.attention_dropout > 0 and not shape.kernels.flash_with_dropout and not selective:
+        per_token += 12 * a * shape.keys + (4 - w) * (a + 2 * g) * d
+    dropout = shape.mask * shape.h * shape.sharded_tokens if m.hidden_dropout > 0 else 0.0
+    return per_token * shape.tokens + dropout
+
+
+def _mlp(shape: _Shape, moe: bool = False) -> float:
+    m = shape.model
+    kept = 4 if m.activation == "swiglu" else 2
+    dropout = shape.mask * shape.h * shape.sharded_tokens if m.hidden_dropout > 0 else 0.0
+    if not moe:
+        f = (m.ffn_hidden_size or 4 * m.hidden_size) // shape.tp
+        return kept * shape.w * f * shape.tokens + dropout
+    return _experts(shape) + dropout
+
+
+def _experts(shape: _Shape) -> float:
+    """An MoE layer's MLP, per token: the router's scores over E experts, and for each of the k
+    routed copies its dispatched input, output and bookkeeping, and the expert's gate and up
+    (one tensor), activation, weighted activation (5 w f). Fitted to the meter on the CPU
+    (dropless routing: exact; under expert parallelism each rank's experts see n k copies on
+    average, so a rank's figure moves with the routing's balance)."""
+    m, w, h = shape.model, shape.w, shape.h
+    etp = shape.expert_tp
+    f = (m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h) // etp
+    experts = m.num_experts or 0
+    router = (4 if w == 4 else 6) * experts + (0 if w == 4 else w * h)
+    per_copy = w * h + 4 * h + 32 + 5 * w * f
+    shared = 4 * w * (m.moe_shared_expert_intermediate_size or 0) // shape.tp * shape.tokens
+    routed = shape.tokens * etp / shape.tp  # (with whole experts each TP rank routes its share of the tokens)
+    return (router + m.moe_router_topk * per_copy) * routed + shared
+
+
+def layer_bytes(shape: _Shape, selective: bool, moe: bool = False) -> float:
+    """One transformer layer's saved activations for one micro-batch."""
+    return 2 * _norm(shape) + _attention(shape, selective) + _mlp(shape, moe)
+
+
+def _first_stage_bytes(shape: _Shape) -> float:
+    m = shape.model
+    ids = (8 + 1 if shape.tp > 1 else 8) * shape.tokens
+    positions = 8 * shape.seq if m.position_embedding_type == "learned_absolute" else 0
+    dropout = shape.mask * shape.h * shape.sharded_tokens if m.hidden_dropout > 0 else 0.0
+    return ids + positions + dropout
+
+
+def _last_stage_bytes(shape: _Shape, vocab: int) -> float:
+    labels = 8 + (2 if shape.tp > 1 else 0)  # the labels; under TP also which of them this rank holds
+    return _norm(shape) + (4 * vocab / shape.tp + labels) * shape.tokens
+
+
+def _rotary_bytes(shape: _Shape) -> float:
+    return 2 * 4 * shape.seq * shape.head_dim if shape.model.position_embedding_type == "rope" else 0.0
+
+
+def padded_vocab(config: Config, tp: int) -> int:
+    """The output layer's rows over all TP ranks (padded to a multiple of the divisor x TP when TP > 1)."""
+    vocab = config.model.vocab_size or 0
+    if tp == 1:
+        return vocab
+    multiple = config.model.make_vocab_size_divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def shape_of(config: Config, layout: Layout, kernels: Kernels) -> _Shape:
+    seq = config.data.seq_length // layout.cp
+    return _Shape(
+        model=config.model,
+        tokens=config.training.micro_batch_size * seq,
+        seq=seq,
+        keys=attended_keys(config.model, config.data.seq_length),
+        w=WIDTHS[config.training.precision],
+        tp=layout.tp,
+        expert_tp=config.parallel.expert_tensor_parallel_size or layout.tp,
+        sp=config.parallel.sequence_parallel,
+        cp=layout.cp,
+        cp_gather=config.parallel.cp_comm_type == "all_gather",
+        kernels=kernels,
+    )
+
+
+def _input_bytes(shape: _Shape) -> float:
+    """A layer's input, which full recomputation keeps."""
+    return shape.w * shape.h * shape.sharded_tokens
+
+
+def chunk_bytes(config: Config, layout: Layout, shape: _Shape, stage: int) -> float:
+    """One micro-batch's saved activations on model stage `stage` (all of the model without PP)."""
+    t, moe = config.training, config.model.moe_layers()
+    indices = layout.pipeline.ranges[stage]
+    layers = len(indices)
+    full = [layer_bytes(shape, t.recompute_granularity == "selective", moe[i]) for i in indices]
+    if t.recompute_granularity == "full":
+        group = t.recompute_num_layers or 1
+        if t.recompute_method == "block":
+            recomputed = min(group, layers)
+            kept = recomputed * _input_bytes(shape) + sum(full[recomputed:])
+        else:
+            recomputed, kept = layers, -(-layers // group) * _input_bytes(shape)
+    else:
+        recomputed, kept = 0, sum(full)
+    if recomputed < layers:  # (inside recomputed layers the rotary tables are not kept)
+        kept += _rotary_bytes(shape)
+    last = layout.pp * layout.pipeline.chunks - 1
+    if stage == 0:
+        kept += _first_stage_bytes(shape)
+    if stage == last:
+        kept += _last_stage_bytes(shape, padded_vocab(config, layout.tp))
+    return kept
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_schedule(name: str, pp: int, microbatches: int, chunks: int) -> Schedule:
+    """The schedule's operation lists (cached: zero-bubble ones are generated by simulation). Read only."""
+    return build_schedule(name, pp, microbatches, chunks)
+
+
+def activation_peak(config: Config, layout: Layout, pp_rank: int, kernels: Kernels) -> int:
+    """Peak bytes of activations saved for backward on pipeline rank `pp_rank`: one micro-batch
+    without pipeline parallelism; with it, the most its schedule holds at once."""
+    shape = shape_of(config, layout, kernels)
+    if layout.pp == 1:
+        return round(chunk_bytes(config, layout, shape, 0))
+    plan = layout.pipeline
+    assert plan.schedule is not None
+    schedule = pipeline_schedule(plan.schedule, layout.pp, layout.num_micro_batches, plan.chunks)
+    sizes = [chunk_bytes(config, layout, shape, schedule.stage(pp_rank, c)) for c in range(schedule.chunks)]
+    live = peak = 0.0
+    for action in schedule.ranks[pp_rank]:
+        if action.kind == "F":
+            live += sizes[action.chunk]
+            peak = max(peak, live)
+        elif action.kind == "B":  # (a deferred weight gradient's inputs leave autograd's keeping here)
+            live -= sizes[action.chunk]
+    return round(peak)
+
+
+def buffer_bytes(
+    config: Config, layout: Layout, pp_rank: int, kernels: Kernels, stage_elements: int, layer_elements: int
+) -> int:
+    """Transient memory at the step's peak that `--log-memory` does not count (it is not kept for
+    backward): the logits and the loss's fp32 working copy on the last stage, pipeline send and
+    receive buffers, sequence-parallel gathers, context-parallel blocks in flight, gradient buckets
+    being reduced (ZeRO-2), FSDP's gathered layers (ZeRO-3: this one and the next, and one layer's
+    fp32 gradients), and the layer group full recomputation runs again in backward.
+    `stage_elements`: parameters this rank trains; `layer_elements`: one layer's before ZeRO-3
+    sharding."""
+    shape = shape_of(config, layout, kernels)
+    t, p, w = config.training, config.parallel, shape.w
+    hidden = w * shape.h * shape.tokens
+    total = 0.0
+    last_rank = layout.pp - 1 if layout.pipeline.chunks == 1 or layout.pipeline.schedule != "zb-v" else 0
+    if pp_rank == last_rank:
+        total += (w + 4) * padded_vocab(config, layout.tp) / layout.tp * shape.tokens
+    if layout.pp > 1:
+        total += 2 * layout.pipeline.chunks * hidden / (layout.tp if p.sequence_parallel else 1)
+    if p.sequence_parallel:
+        total += hidden
+    if layout.cp > 1 and p.cp_comm_type == "p2p":
+        total += 2 * 2 * w * shape.groups * shape.head_dim * shape.tokens
+    zero = p.sharding_stage
+    if zero == 2 and layout.dp * layout.cp > 1:
+        total += 4 * min(2 * (p.ddp_bucket_size or max(40_000_000, 1_000_000 * layout.dp)), stage_elements)
+    if zero == 3 and layout.dp > 1:
+        total += (2 * w + 4) * layer_elements
+    if t.recompute_granularity == "full":
+        total += (t.recompute_num_layers or 1) * layer_bytes(shape, False, any(config.model.moe_layers()))
+    return round(total)

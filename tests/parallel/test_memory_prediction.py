@@ -1,0 +1,156 @@
+"""Predicted memory against measured memory: for 15 layouts of a small model (world 1-8; tensor,
+sequence, pipeline (1f1b, interleaved, zb-h1), data, context and expert parallelism; ZeRO 0-3;
+selective and full recomputation; fp32 and bf16), every rank's training state and activations
+saved for backward as `--log-memory` measures them after one real step, against what
+`paratron train --dry-run` predicts for that rank's pipeline stage (training state from the shards
+built on the meta device, activations from `planning/activations.py`). Asserted within 5%.
+
+One spawn per world size runs all of that size's layouts in turn (one process group)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from paratron.config import build_config, validate
+from paratron.distributed.topology import ParallelDims
+from paratron.planning.activations import CPU
+from paratron.planning.dry_run import dry_run, with_vocabulary
+from paratron.training.run import run_training
+
+from multiprocess import run_ranks
+from tiny import QUIET
+
+BASE = dict(
+    QUIET,
+    mock_data=True,
+    train_iters=1,
+    log_memory=True,
+    seq_length=64,
+    max_position_embeddings=64,
+    micro_batch_size=2,
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=512,
+)
+LLAMA = dict(
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    num_query_groups=2,
+    add_bias_linear=False,
+    ffn_hidden_size=128,
+    untie_embeddings_and_output_weights=True,
+)
+MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
+BF16 = dict(precision="bf16")
+
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "llama fp32": (1, LLAMA),
+    "gpt bf16 selective": (1, dict(BF16, recompute_granularity="selective")),
+    "llama bf16 full recompute": (
+        1,
+        dict(LLAMA, **BF16, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    ),
+    "moe bf16": (1, dict(MOE, **BF16)),
+    "tp2 llama bf16": (2, dict(LLAMA, **BF16, tensor_model_parallel_size=2)),
+    "tp2 sp gpt fp32": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "pp2 1f1b llama bf16": (2, dict(LLAMA, **BF16, pipeline_model_parallel_size=2, global_batch_size=8)),
+    "dp2 zero1 llama bf16": (2, dict(LLAMA, **BF16, use_distributed_optimizer=True)),
+    "dp2 zero3 llama bf16": (2, dict(LLAMA, **BF16, zero_stage=3)),
+    "cp2 llama bf16": (2, dict(LLAMA, **BF16, context_parallel_size=2)),
+    "ep2 moe bf16": (2, dict(MOE, **BF16, expert_model_parallel_size=2)),
+    "tp2 pp2 interleaved sp llama fp32": (
+        4,
+        dict(
+            LLAMA,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            global_batch_size=8,
+        ),
+    ),
+    "dp2 pp2 zb-h1 zero2 llama bf16": (
+        4,
+        dict(
+            LLAMA, **BF16, pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", zero_stage=2, global_batch_size=8
+        ),
+    ),
+    "tp2 ep2 moe fp32 zero1": (
+        4,
+        dict(
+            MOE,
+            tensor_model_parallel_size=2,
+            expert_model_parallel_size=2,
+            expert_tensor_parallel_size=1,
+            use_distributed_optimizer=True,
+        ),
+    ),
+    "tp2 cp2 dp2 zero1 llama bf16": (
+        8,
+        dict(
+            LLAMA,
+            **BF16,
+            tensor_model_parallel_size=2,
+            context_parallel_size=2,
+            use_distributed_optimizer=True,
+            global_batch_size=4,
+        ),
+    ),
+}
+WORLDS = sorted({world for world, _ in LAYOUTS.values()})
+
+
+def measure(names: list[str], root: str) -> dict[str, list[dict[str, Any]]]:
+    """On each rank: train one step of each layout with --log-memory; rank 0 returns memory.json's ranks."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    reports = {}
+    for name in names:
+        run_dir = Path(root) / name.replace(" ", "_")
+        run_training(build_config(dict(BASE, run_dir=str(run_dir), **LAYOUTS[name][1])))
+        path = run_dir / "memory.json"
+        if path.exists():
+            reports[name] = json.loads(path.read_text())["ranks"]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return reports
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
+    root = str(tmp_path_factory.mktemp("memory_prediction"))
+    reports: dict[str, list[dict[str, Any]]] = {}
+    for world in WORLDS:
+        names = [name for name, (size, _) in LAYOUTS.items() if size == world]
+        results = run_ranks(measure, world, names, root) if world > 1 else [measure(names, root)]
+        reports.update(results[0])
+    return reports
+
+
+def test_there_are_enough_layouts():
+    assert len(LAYOUTS) >= 10 and max(WORLDS) == 8
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_predicted_memory_is_within_5_percent_of_measured(measured, name):
+    world, settings = LAYOUTS[name]
+    config = with_vocabulary(build_config(dict(BASE, **settings)))
+    layout = validate(config, world)
+    roles = dry_run(config, layout, CPU)
+    dims = ParallelDims(world, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=config.parallel.expert_model_parallel_size)
+    ranks = measured[name]
+    assert len(ranks) == world
+    for rank, report in enumerate(ranks):
+        predicted = roles[dims.coordinates(rank)["pp"]]
+        state = sum(report[c] for c in ("parameters", "gradients", "master", "optimizer_state"))
+        assert predicted.state == pytest.approx(state, rel=1e-3), f"rank {rank}: training state"
+        assert predicted.activations == pytest.approx(report["activations_peak"], rel=0.05), f"rank {rank}: activations"
+        assert predicted.measured == pytest.approx(report["total"], rel=0.05), f"rank {rank}: total"
