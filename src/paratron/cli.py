@@ -1,4 +1,4 @@
-"""`paratron train | evaluate | preprocess | generate | convert | schedule`: the command line.
+"""`paratron train | evaluate | preprocess | generate | convert | plan | schedule`: the command line.
 
 User mistakes (UserError) print one line and exit 2; internal failures keep their
 traceback and exit 1. Each command imports what it needs when it runs, for start-up speed:
@@ -83,6 +83,12 @@ def cmd_train(argv: list[str]) -> int:
 
     recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
     config = build_config(overrides, recipe)
+    if config.planning.dry_run:
+        from paratron.planning.dry_run import run_dry_run
+
+        return run_dry_run(config)
+    if config.planning.auto:
+        argv, config = _auto(config, argv)
     launched = _check_and_launch(config, ["train", *argv])
     if launched is not None:
         return launched
@@ -90,6 +96,28 @@ def cmd_train(argv: list[str]) -> int:
 
     run_training(config)
     return 0
+
+
+def _auto(config: Config, argv: list[str]) -> tuple[list[str], Config]:
+    """--auto: the planner's top layout for this machine, as flags the workers read too."""
+    from paratron.config.arguments import parse_config_arguments
+    from paratron.config.loading import build_config
+    from paratron.distributed.init import launched_by_torchrun
+    from paratron.errors import ConfigError
+    from paratron.planning.auto import auto_layout
+
+    if launched_by_torchrun():
+        raise ConfigError(
+            "--auto plans before the workers start: launch with paratron train --nproc N --auto, or run "
+            "`paratron plan` and start its command under torchrun"
+        )
+    argv, best = auto_layout(config, argv, config.planning.world_size or config.parallel.nproc_per_node)
+    print(
+        f"--auto: {best.describe()}, predicted {best.prediction.tokens_per_s:,.0f} tokens/s, "
+        f"peak {best.peak_memory / 1e9:.2f} GB per rank"
+    )
+    recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
+    return argv, build_config(overrides, recipe)
 
 
 @command("evaluate", "per-token loss and perplexity of a saved model over whole files, per file (task)")
@@ -368,6 +396,13 @@ def cmd_convert(argv: list[str]) -> int:
         raise UserError(f"--from {formats[0]} --to {formats[1]}: convert hf to paratron, or paratron to hf or peft")
 
     return 0
+
+
+@command("plan", "choose the parallel layout: every layout ranked by predicted throughput, with memory and time")
+def cmd_plan(argv: list[str]) -> int:
+    from paratron.planning.command import run_plan
+
+    return run_plan(argv)
 
 
 @command("schedule", "simulate a pipeline schedule, report its bubble and draw its timeline")

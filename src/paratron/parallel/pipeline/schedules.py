@@ -20,7 +20,7 @@ soon as they are produced.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -251,41 +251,118 @@ def default_costs(schedule: Schedule) -> dict[str, float]:
     return {"F": scale, "B": 2 * scale, "W": 0.0}
 
 
-def simulate(schedule: Schedule, costs: dict[str, float] | None = None, p2p_latency: float = 0.0) -> Timeline:
+def simulate(
+    schedule: Schedule,
+    costs: dict[str, float] | None = None,
+    p2p_latency: float = 0.0,
+    stage_costs: Sequence[Mapping[str, float]] | None = None,
+    check: bool = True,
+) -> Timeline:
     """Run every rank's list in order, each operation as early as its inputs allow (sends never
-    block, receives wait). Raises ValueError if the lists deadlock or miss an operation."""
-    costs = costs or default_costs(schedule)
-    _check_complete(schedule)
-    last_stage = schedule.num_stages - 1
-    finish: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, stage)
+    block, receives wait). Raises ValueError if the lists deadlock or miss an operation.
+
+    `costs` gives every stage the same F/B/W durations; `stage_costs` (one mapping per model stage,
+    `schedule.num_stages` of them) gives each its own, for stages that differ: the first holds the
+    embedding, the last the output layer and loss, and layer counts may be uneven. The planner's
+    bubble comes from this. `p2p_latency` delays every stage-to-stage dependency. `check=False`
+    skips checking that every operation is listed once (for lists `build_schedule` made)."""
+    if check:
+        _check_complete(schedule)
     spans: list[list[Span]] = [[] for _ in range(schedule.pp)]
-    position = [0] * schedule.pp
-    clock = [0.0] * schedule.pp
-    remaining = sum(len(a) for a in schedule.ranks)
+    clock, _ = _run(schedule, _compile(schedule), _cost_table(schedule, costs, stage_costs), p2p_latency, spans)
+    return Timeline(spans, max(clock))
+
+
+def rank_times(
+    schedule: Schedule, stage_costs: Sequence[Mapping[str, float]], p2p_latency: float = 0.0
+) -> tuple[list[float], list[float]]:
+    """`simulate` without the timeline, for the planner's many runs of one schedule: per rank, when
+    its last operation ends and how long it was busy. The operation lists are compiled once and
+    kept on the schedule, which must not change afterwards (as `build_schedule`'s cached ones)."""
+    compiled = schedule.__dict__.get("_compiled")
+    if compiled is None:
+        compiled = schedule.__dict__["_compiled"] = _compile(schedule)
+    return _run(schedule, compiled, _cost_table(schedule, None, stage_costs), p2p_latency, None)
+
+
+def _cost_table(
+    schedule: Schedule, costs: dict[str, float] | None, stage_costs: Sequence[Mapping[str, float]] | None
+) -> list[tuple[float, float, float]]:
+    """(F, B, W) durations per model stage."""
+    if stage_costs is not None and len(stage_costs) != schedule.num_stages:
+        raise ValueError(f"stage_costs has {len(stage_costs)} entries for {schedule.num_stages} model stages")
+    uniform = costs or default_costs(schedule)
+    table = list(stage_costs) if stage_costs is not None else [uniform] * schedule.num_stages
+    return [(c.get("F", 0.0), c.get("B", 0.0), c.get("W", 0.0)) for c in table]
+
+
+_KINDS = {"F": 0, "B": 1, "W": 2}
+
+Compiled = list[list[tuple[int, int, int, int, bool, int, bool]]]
+"""Per rank, per operation: (kind, stage, its own key, first input's key, whether that one crosses
+stages, second input's key (-1: none), whether it does). A key numbers (kind, micro-batch, stage)."""
+
+
+def _compile(schedule: Schedule) -> Compiled:
+    """The operation lists as integer records: what each operation waits for, by number."""
+    stages, m = schedule.num_stages, schedule.microbatches
+
+    def key(kind: int, mb: int, stage: int) -> int:
+        return (kind * m + mb) * stages + stage
+
+    out: Compiled = []
+    for rank, actions in enumerate(schedule.ranks):
+        records = []
+        for action in actions:
+            stage, mb, kind = schedule.stage(rank, action.chunk), action.microbatch, _KINDS[action.kind]
+            if kind == 0:
+                first, cross, second = (key(0, mb, stage - 1), True, -1) if stage > 0 else (-1, False, -1)
+            elif kind == 1:
+                first, cross = key(0, mb, stage), False
+                second = key(1, mb, stage + 1) if stage < stages - 1 else -1
+            else:
+                first, cross, second = key(1, mb, stage), False, -1
+            records.append((kind, stage, key(kind, mb, stage), first, cross, second, True))
+        out.append(records)
+    return out
+
+
+def _run(
+    schedule: Schedule,
+    plan: Compiled,
+    table: list[tuple[float, float, float]],
+    p2p_latency: float,
+    spans: list[list[Span]] | None,
+) -> tuple[list[float], list[float]]:
+    """The simulation: each rank runs its list in order, every operation as soon as its inputs are done."""
+    finish = [-1.0] * (3 * schedule.microbatches * schedule.num_stages)
+    position, clock, busy = [0] * schedule.pp, [0.0] * schedule.pp, [0.0] * schedule.pp
+    remaining = sum(len(r) for r in plan)
     while remaining:
         progressed = False
-        for rank, actions in enumerate(schedule.ranks):
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                stage = schedule.stage(rank, action.chunk)
-                needs: list[tuple[tuple[str, int, int], float]] = []
-                if action.kind == "F" and stage > 0:
-                    needs.append((("F", action.microbatch, stage - 1), p2p_latency))
-                if action.kind == "B":
-                    needs.append((("F", action.microbatch, stage), 0.0))
-                    if stage < last_stage:
-                        needs.append((("B", action.microbatch, stage + 1), p2p_latency))
-                if action.kind == "W":
-                    needs.append((("B", action.microbatch, stage), 0.0))
-                if any(key not in finish for key, _ in needs):
-                    break
-                start = max([clock[rank]] + [finish[key] + lag for key, lag in needs])
-                clock[rank] = start + costs[action.kind]
-                finish[(action.kind, action.microbatch, stage)] = clock[rank]
-                spans[rank].append((action, start, clock[rank]))
-                position[rank] += 1
-                remaining -= 1
+        for rank, records in enumerate(plan):
+            pos, now, worked = position[rank], clock[rank], busy[rank]
+            while pos < len(records):
+                kind, stage, own, first, cross, second, second_cross = records[pos]
+                start = now
+                if first >= 0:
+                    if finish[first] < 0:
+                        break
+                    start = max(start, finish[first] + (p2p_latency if cross else 0.0))
+                if second >= 0:
+                    if finish[second] < 0:
+                        break
+                    start = max(start, finish[second] + (p2p_latency if second_cross else 0.0))
+                duration = table[stage][kind]
+                now = finish[own] = start + duration
+                worked += duration
+                if spans is not None:
+                    spans[rank].append((schedule.ranks[rank][pos], start, now))
+                pos += 1
+            if pos != position[rank]:
+                remaining -= pos - position[rank]
                 progressed = True
+            position[rank], clock[rank], busy[rank] = pos, now, worked
         if not progressed:
             stuck = ", ".join(
                 f"rank {r} at {schedule.ranks[r][position[r]]}"
@@ -293,7 +370,7 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None, p2p_late
                 if position[r] < len(schedule.ranks[r])
             )
             raise ValueError(f"schedule {schedule.name} deadlocks: {stuck}")
-    return Timeline(spans, max(clock))
+    return clock, busy
 
 
 def _check_complete(schedule: Schedule) -> None:

@@ -1,0 +1,123 @@
+"""`paratron plan`: choose the parallel layout of a model for a cluster before running anything.
+
+    paratron plan --model llama3-70b --global-batch-size 1536 --seq-length 2048 \\
+        --hardware h100-80g --nodes 512 --output plans.json
+
+takes train's flags (the model, the batch, precision, data; layout flags are replaced by the
+plan's) and the machine (a --hardware preset, --nodes x --gpus-per-node devices, and any of the
+preset's numbers overridden), prints the best plans as a table with the `paratron train` command
+of the best, and with --output writes plans.json and a PNG of the best plans' time and memory
+(--plot PATH to put it elsewhere). GPU presets plan bf16 unless --precision is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from paratron.config.arguments import ArgumentParser, add_config_arguments, parse_config_arguments
+from paratron.config.fields import flag
+from paratron.config.loading import build_config, override
+from paratron.errors import ConfigError
+from paratron.planning.hardware import CPU, hardware_from
+from paratron.planning.report import plot, table, write_json
+from paratron.planning.search import WITHIN, plan
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    """train's flags, and the cluster's and the report's."""
+    parser = ArgumentParser(
+        prog="paratron plan",
+        usage="paratron plan --model NAME --global-batch-size B --seq-length S [--hardware PRESET] [--nodes N] "
+        "[--output plans.json] [flags]",
+        description="Rank every parallel layout (tensor, context, expert, data and pipeline parallelism, virtual "
+        "stages, micro-batch size, recomputation, ZeRO stage, pipeline schedule) of a model on a cluster by "
+        "predicted throughput, among those whose memory fits each device (as `paratron train --dry-run` "
+        "predicts it). Takes train's flags for the model and the batch; layout flags are replaced by the plans'.",
+        allow_abbrev=False,
+    )
+    add_config_arguments(parser)
+    group = parser.add_argument_group("the cluster (defaults: the --hardware preset's)")
+    group.add_argument("--nodes", type=int, default=None, metavar="N", help="Machines (default: 1, or --world-size's).")
+    group.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="Devices per machine.")
+    for name, unit, text in (
+        ("intra-node-gbps", "GB/S", "Per-device bandwidth inside a node, one direction, GB/s."),
+        ("inter-node-gbps", "GB/S", "Per-device bandwidth between nodes (its network card), one direction, GB/s."),
+        ("intra-node-latency-us", "US", "Latency of one message step inside a node, microseconds."),
+        ("inter-node-latency-us", "US", "Latency of one message step between nodes, microseconds."),
+        ("matmul-efficiency", "FRACTION", "Share of the peak the model's work runs at (calibrated per preset)."),
+    ):
+        group.add_argument(f"--{name}", type=float, default=None, metavar=unit, help=text)
+    report = parser.add_argument_group("the report")
+    report.add_argument("--top", type=int, default=10, metavar="N", help="Plans to print (default: 10).")
+    report.add_argument(
+        "--within",
+        type=float,
+        default=WITHIN,
+        metavar="FACTOR",
+        help=f"Keep plans predicted up to FACTOR x the fastest's step time (default: {WITHIN}; inf keeps every one).",
+    )
+    report.add_argument("--output", type=Path, metavar="FILE.json", help="Write every kept plan here.")
+    report.add_argument("--plot", type=Path, metavar="PATH", help="PNG of the best plans (default: beside --output).")
+    return parser
+
+
+def run_plan(argv: Sequence[str]) -> int:
+    """`paratron plan ARGV`; user mistakes raise ConfigError (one line, exit 2)."""
+    recipe, overrides, args = parse_config_arguments(plan_parser(), list(argv))
+    for name in ("nodes", "gpus_per_node", "top"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    if args.within < 1:
+        raise ConfigError(f"--within {args.within:g}: must be at least 1 (a factor of the fastest step time)")
+    config = build_config(overrides, recipe)
+    if "precision" not in overrides and (config.planning.hardware or "h100-80g") != CPU:
+        config = override(config, precision="bf16")
+    hardware = hardware_from(
+        config.planning,
+        gpus_per_node=args.gpus_per_node,
+        peak_tflops=config.logging.peak_tflops,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+        intra_node_latency_us=args.intra_node_latency_us,
+        inter_node_latency_us=args.inter_node_latency_us,
+        matmul_efficiency=args.matmul_efficiency,
+    )
+    world = _world(config.planning.world_size, args.nodes, hardware.gpus_per_node)
+    hardware = dataclasses.replace(hardware, nodes=max(1, world // hardware.gpus_per_node))
+    start = time.perf_counter()
+    plans = plan(config, world, hardware, within=args.within)
+    seconds = time.perf_counter() - start
+    name = config.model.model_name or f"{config.model.num_layers}-layer model"
+    print(
+        f"{name} on {world} x {hardware.name} ({hardware.device_memory_gb:g} GB, {hardware.peak_tflops:g} TFLOP/s "
+        f"x {hardware.matmul_efficiency:g}), {flag.global_batch_size} {config.training.global_batch_size} x "
+        f"{flag.seq_length} {config.data.seq_length}: {len(plans)} plans within {args.within:g}x of the fastest "
+        f"({seconds:.1f}s)"
+    )
+    print(table(plans, args.top))
+    print(f"\nbest: {plans[0].command()}")
+    if args.output is not None:
+        request = {"argv": list(argv), "world_size": world, "within": args.within, "search_seconds": seconds}
+        write_json(args.output, plans, hardware, request)
+        print(f"plans: {args.output}")
+    picture = args.plot or (args.output.with_suffix(".png") if args.output is not None else None)
+    if picture is not None:
+        print(f"plot: {plot(plans, picture)}")
+    return 0
+
+
+def _world(world_size: int | None, nodes: int | None, gpus_per_node: int) -> int:
+    """Devices to plan for: --nodes x --gpus-per-node, or --world-size (which must agree)."""
+    if world_size is None:
+        return (nodes or 1) * gpus_per_node
+    if nodes is not None and nodes * gpus_per_node != world_size:
+        raise ConfigError(
+            f"{flag.world_size} {world_size} disagrees with --nodes {nodes} x --gpus-per-node {gpus_per_node}; "
+            "give one of them"
+        )
+    return world_size

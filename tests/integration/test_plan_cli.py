@@ -1,0 +1,111 @@
+"""`paratron plan` end to end through `run_plan(argv)` (what the CLI's `plan` command calls), in
+process: it starts no workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from paratron.cli import train_parser
+from paratron.config.arguments import parse_config_arguments
+from paratron.config.layout import resolve_layout
+from paratron.config.loading import build_config
+from paratron.errors import ConfigError
+from paratron.planning.command import run_plan
+
+LLAMA = ["--model", "llama3-8b", "--global-batch-size", "64", "--seq-length", "4096", "--mock-data"]
+
+
+def test_table_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "out" / "plans.json"
+    code = run_plan([*LLAMA, "--hardware", "h100-80g", "--nodes", "2", "--top", "3", "--output", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert printed[0].startswith("llama3-8b on 16 x h100-80g (80 GB, 989 TFLOP/s x 0.53), --global-batch-size 64 x ")
+    assert printed[1].split()[:3] == ["#", "layout", "GB/rank"] and printed[3].lstrip().startswith("1  TP")
+    rows = [line for line in printed if line[:3].strip().isdigit()]
+    assert len(rows) == 3
+    best = next(line for line in printed if line.startswith("best: "))[len("best: ") :]
+    assert best.startswith("torchrun --nnodes 2 --nproc-per-node 8 -m paratron train --model-name llama3-8b ")
+    document = json.loads(out.read_text())
+    assert document["request"]["world_size"] == 16 and document["hardware"]["name"] == "h100-80g"
+    plans = document["plans"]
+    assert plans[0]["command"] == best and len(plans) >= 3
+    first = plans[0]
+    assert {"layout", "settings", "memory_per_rank", "step_time_breakdown_s", "mfu", "tokens_per_s"} <= set(first)
+    assert sum(first["step_time_breakdown_s"].values()) == pytest.approx(first["step_time_s"])
+    assert all(m["total"] <= 80e9 for p in plans for m in p["memory_per_rank"])
+    assert [p["step_time_s"] for p in plans] == sorted(p["step_time_s"] for p in plans)
+    recipe, overrides, _ = parse_config_arguments(train_parser(), best.split(" train ", 1)[1].split())
+    layout = resolve_layout(build_config(overrides, recipe), 16)
+    assert (layout.tp, layout.pp, layout.dp, layout.micro_batch_size) == (
+        first["settings"]["tensor_model_parallel_size"],
+        first["settings"]["pipeline_model_parallel_size"],
+        first["data_parallel_size"],
+        first["settings"]["micro_batch_size"],
+    )
+    assert list(layout.pipeline.counts) == first["pipeline"]["layers_per_stage"]
+    assert (tmp_path / "out" / "plans.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_cpu_measured_and_plot_elsewhere(tmp_path, capsys):
+    picture = tmp_path / "here.png"
+    args = ["--model", "debug", "--global-batch-size", "8", "--seq-length", "64", "--mock-data", "--hardware", "cpu"]
+    assert run_plan([*args, "--gpus-per-node", "2", "--plot", str(picture)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("debug on 2 x cpu (") and "--precision" not in printed.split("best: ")[1]
+    assert picture.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--hardware", "tpu"], "--hardware tpu: unknown preset; choose one of h100-80g, h200-141g, a100-80g, cpu"),
+        (["--world-size", "24", "--nodes", "2"], "--world-size 24 disagrees with --nodes 2 x --gpus-per-node 8"),
+        (["--within", "0.5"], "--within 0.5: must be at least 1"),
+        (["--nodes", "0"], "--nodes 0: must be at least 1"),
+        (["--nodez", "2"], "unknown flag --nodez; did you mean --nodes?"),
+        (["--device-memory-gb", "1"], "no layout of llama3-8b fits 1 GB per device on 8 ranks"),
+    ],
+)
+def test_mistakes_are_one_line_config_errors(args, message):
+    with pytest.raises(ConfigError) as caught:
+        run_plan([*LLAMA, *args])
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_global_batch_is_required():
+    with pytest.raises(ConfigError, match="needs --global-batch-size"):
+        run_plan(["--model", "debug", "--seq-length", "64"])
+
+
+def test_train_auto_runs_the_top_plan_for_this_machine(tmp_path):
+    """--auto plans once in the launching process (the CPU measured for 2 processes) and every worker
+    trains the chosen layout."""
+    run = subprocess.run(
+        [sys.executable, "-m", "paratron", "train", "--config", "debug", "--mock-data", "--nproc", "2", "--auto",
+         "--train-iters", "6", "--log-interval", "1", "--no-progress-bar", "--no-tensorboard",
+         "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    chosen = run.stdout.splitlines()[0]
+    assert chosen.startswith("--auto: TP") and "predicted" in chosen and "GB per rank" in chosen
+    layout = chosen.split(": ", 1)[1].split(",")[0]  # e.g. "TP1 CP1 PP1 DP2 mbs8 ZeRO-3"
+    sizes = dict((part[:2], part[2:]) for part in layout.split() if part[:2] in ("TP", "PP", "DP"))
+    assert f"TP {sizes['TP']} x CP 1 x DP {sizes['DP']} (EP 1) x PP {sizes['PP']}" in run.stdout
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_train_auto_refuses_layout_flags():
+    run = subprocess.run(
+        [sys.executable, "-m", "paratron", "train", "--config", "debug", "--mock-data", "--nproc", "2", "--auto",
+         "--tensor-model-parallel-size", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "--auto chooses the layout itself; drop --tensor-model-parallel-size" in run.stderr
