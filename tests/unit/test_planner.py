@@ -17,9 +17,11 @@ from paratron.config.schema import PlanningConfig
 from paratron.errors import ConfigError
 from paratron.parallel.pipeline.schedules import build_schedule, rank_times, simulate, theoretical_bubble
 from paratron.planning import hardware as hw
-from paratron.planning.cost import predict_step, stage_operations, step_bound
+from paratron.planning.candidates import balanced_ends, shapes
+from paratron.planning.cost import predict_step, step_bound
+from paratron.planning.operations import stage_operations
 from paratron.planning.published import RUNS, evaluate
-from paratron.planning.search import apply, balanced_ends, config_arguments, plan, shapes
+from paratron.planning.search import apply, config_arguments, plan
 
 H100 = hw.PRESETS["h100-80g"]
 

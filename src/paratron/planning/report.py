@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from paratron.checkpoint.io import write_text_atomic
-from paratron.planning.cost import PARTS
 from paratron.planning.hardware import Hardware
 from paratron.planning.memory import CATEGORIES
+from paratron.planning.operations import PARTS
 from paratron.planning.search import Plan
 
 TIME_PARTS = (*PARTS, "bubble", "optimizer")

@@ -1,0 +1,322 @@
+"""One micro-batch's operations on each model stage, priced: the forward (F), backward (B) and
+deferred weight-gradient (W) times, and the same time split by what it is spent on (PARTS).
+
+Kept apart from `cost`, which runs these per-stage times through the pipeline schedule and adds
+what follows it (the data-parallel tail, the optimizer step); this module is the per-layer
+arithmetic of FLOPs and message bytes.
+
+Each operation costs its compute (FLOPs at `Hardware.flops`: matmuls / TP, attention scores over
+the keys each query computes / (TP x CP), the output layer and loss on the last stage;
+recomputation repeats forward work in B) plus the communication it cannot hide:
+
+- tensor parallelism: two all-reduces of the micro-batch's activations per layer in forward and two
+  in backward (all-gather + reduce-scatter pairs under sequence parallelism: the same bytes); not
+  overlapped (Megatron does not by default), so all of it counts;
+- context parallelism: the ring passes key/value blocks while the previous block's attention runs,
+  so only max(0, ring - attention) counts;
+- expert parallelism: the dispatch and combine all-to-alls, all of it;
+- ZeRO-2: every micro-batch's gradients reduce-scattered behind its backward;
+- ZeRO-3 (FSDP2): parameter all-gathers in forward and backward, prefetched behind compute;
+- the pipeline's point-to-point message, charged to the operation that receives it.
+
+Collectives follow an alpha-beta model on the level they run over: inside a node when the group's
+ranks share one (the rank grid is tp fastest, then cp, ep, dp, pp), otherwise between nodes:
+ring all-reduce 2(n-1)/n bytes / bandwidth + 2(n-1) latencies, all-gather or reduce-scatter half
+of that, all-to-all (n-1)/n bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from paratron.config.layout import Layout
+from paratron.config.schema import Config, ModelConfig
+from paratron.parallel.pipeline.schedules import stage_of
+from paratron.planning.activations import padded_vocab
+from paratron.planning.hardware import (
+    Hardware,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    link,
+    p2p_time,
+    reduce_scatter_time,
+)
+from paratron.planning.memory import Parts, local_parameters
+from paratron.training.flops import attended_keys
+
+PARTS = ("compute", "tensor_parallel", "context_parallel", "expert_parallel", "pipeline_p2p", "data_parallel")
+"""What one micro-batch's operations spend their time on (the step adds the bubble and the optimizer)."""
+
+FLASH_BACKWARD = 2.5
+"""Attention-score backward / forward work: flash attention recomputes the scores (five matmuls to
+the forward's two)."""
+
+
+# ---------------------------------------------------------------- work and parameters
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """Forward FLOPs of one layer for one micro-batch on one rank, by kind."""
+
+    linear: float
+    """Matmuls with weights (attention projections, MLP or experts): backward = 2x, half of it W."""
+    scores: float
+    """Attention scores and their product with values, over the keys each query computes."""
+    moe: bool
+    """An MoE layer (its dispatch and combine are all-to-alls)."""
+
+
+def computed_keys(model: ModelConfig, seq_length: int) -> float:
+    """Keys per query the attention kernels compute: of the attended keys, causal masking skips
+    the upper triangle (a query at position q sees min(q + 1, keys) of them)."""
+    keys = attended_keys(model, seq_length)
+    return keys * (1 - keys / (2 * seq_length)) + 0.5
+
+
+def layer_work(config: Config, tp: int, cp: int, micro_batch: int) -> tuple[LayerWork, LayerWork]:
+    """(dense layer, MoE layer) forward work on one rank: tokens b x s / CP, matrices / TP."""
+    m, seq = config.model, config.data.seq_length
+    h, heads = m.hidden_size, m.num_attention_heads
+    head_dim = m.kv_channels or h // heads
+    kv_per_rank = max((m.num_query_groups or heads) / tp, 1)  # replicated when fewer than TP ranks
+    tokens = micro_batch * seq / cp
+    projections = 3 if m.activation == "swiglu" else 2
+    attention = 2 * tokens * h * head_dim * (2 * heads / tp + 2 * kv_per_rank)
+    scores = 4 * tokens * computed_keys(m, seq) * heads * head_dim / tp
+    dense = 2 * tokens * projections * h * (m.ffn_hidden_size or 4 * h) / tp
+    moe = dense
+    if m.num_experts:
+        ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h
+        expert_tp = config.parallel.expert_tensor_parallel_size or tp
+        routed = 2 * tokens * projections * h * ffn * m.moe_router_topk / expert_tp
+        shared = 2 * tokens * projections * h * (m.moe_shared_expert_intermediate_size or 0) / tp
+        moe = routed + shared + 2 * tokens * h * m.num_experts
+    return LayerWork(attention + dense, scores, False), LayerWork(attention + moe, scores, True)
+
+
+def stage_layer_kinds(config: Config, layout: Layout) -> list[tuple[int, int]]:
+    """Per model stage, its (dense, MoE) layer counts."""
+    moe_of = config.model.moe_layers()
+    out, start = [], 0
+    for count in layout.pipeline.counts:
+        moe = sum(moe_of[start : start + count])
+        out.append((count - moe, moe))
+        start += count
+    return out
+
+
+def stage_parameters(config: Config, layout: Layout) -> list[tuple[int, int]]:
+    """Per model stage, the (dense, expert) elements one rank trains, counted on the real shards
+    (`memory.local_parameters`): its layers, the embedding on the first stage, the head (and a tied
+    output layer's copy) on the last."""
+    p = config.parallel
+    sizes = (layout.tp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
+    return _stage_parameters(config.model, sizes, layout.pipeline.counts, layout.pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_parameters(
+    model: ModelConfig, sizes: tuple[int, int, int | None], counts: tuple[int, ...], pp: int
+) -> list[tuple[int, int]]:
+    local = local_parameters(model, *sizes)
+    moe_of, start, out = model.moe_layers(), 0, []
+    for stage, count in enumerate(counts):
+        moe = sum(moe_of[start : start + count])
+        start += count
+        parts = local.dense_layer * (count - moe) + local.moe_layer * moe
+        parts = parts + (local.embedding if stage == 0 else Parts())
+        parts = parts + (
+            local.head + (local.output_copy if pp > 1 else Parts()) if stage == len(counts) - 1 else Parts()
+        )
+        out.append((parts.dense, parts.experts))
+    return out
+
+
+def rank_stages(layout: Layout, rank: int) -> list[int]:
+    """The model stages pipeline rank `rank` runs, one per chunk."""
+    v_shape = layout.pipeline.schedule == "zb-v"
+    return [stage_of(rank, chunk, layout.pp, v_shape) for chunk in range(layout.pipeline.chunks)]
+
+
+# ---------------------------------------------------------------- the operations
+
+
+def stage_operations(
+    config: Config, layout: Layout, hardware: Hardware
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """Per model stage: one micro-batch's F, B and W durations, and the same time split by PARTS."""
+    comm = _Comm.of(config, layout, hardware)
+    dense, moe = layer_work(config, layout.tp, layout.cp, layout.micro_batch_size)
+    kinds = ((False, dense), (True, moe)) if config.model.num_experts else ((False, dense),)
+    layer = {(kind, again): comm.layer(work, again) for kind, work in kinds for again in (0, 1)}
+    t = config.training
+    block = t.recompute_num_layers or 1 if t.recompute_method == "block" else None
+    params = stage_parameters(config, layout)
+    stages, message = len(layout.pipeline.counts), comm.message(layout)
+    ends = (
+        {0: comm.embedding(), stages - 1: comm.output()} if stages > 1 else {0: _sum(comm.embedding(), comm.output())}
+    )
+    ops, parts, seen = [], [], {}
+    for s, (dense_count, moe_count) in enumerate(stage_layer_kinds(config, layout)):
+        here = _rank_of(layout, s)
+        before = s > 0 and _rank_of(layout, s - 1) != here
+        after = s < stages - 1 and _rank_of(layout, s + 1) != here
+        signature = (dense_count, moe_count, ends.get(s) and s, before, after)
+        if signature not in seen:  # (most stages of a pipeline look alike: price each kind once)
+            counts = _recomputed(t.recompute_granularity == "full", block, dense_count, moe_count)
+            counts = {key: n for key, n in counts.items() if n}
+            op = {k: sum(n * layer[key][0][k] for key, n in counts.items()) for k in "FBW"}
+            part = {name: sum(n * layer[key][1][name] for key, n in counts.items()) for name in PARTS}
+            if s in ends:
+                _add(op, part, *ends[s])
+            _add(op, part, {"F": message * before, "B": message * after}, {"pipeline_p2p": message * (before + after)})
+            if config.parallel.sharding_stage >= 2:
+                extra = comm.sharded(sum(params[s]), dense_count + moe_count, op)
+                _add(op, part, extra, {"data_parallel": sum(extra.values())})
+            if not comm.split:  # without zero-bubble W, weight gradients are part of the backward
+                op["B"], op["W"] = op["B"] + op["W"], 0.0
+            seen[signature] = (op, part)
+        ops.append(seen[signature][0])
+        parts.append(seen[signature][1])
+    return ops, parts
+
+
+def _recomputed(full: bool, block: int | None, dense: int, moe: int) -> dict[tuple[bool, int], float]:
+    """A stage's layers by (MoE, recomputed): full recomputation takes every layer, or with the block
+    method the first `block` of the chunk (their kinds in the stage's proportion)."""
+    count = dense + moe
+    again = 0 if not full else (count if block is None else min(block, count))
+    share = again / count if count else 0.0
+    return {
+        (False, 0): dense * (1 - share),
+        (False, 1): dense * share,
+        (True, 0): moe * (1 - share),
+        (True, 1): moe * share,
+    }
+
+
+def _sum(
+    a: tuple[dict[str, float], dict[str, float]], b: tuple[dict[str, float], dict[str, float]]
+) -> tuple[dict[str, float], dict[str, float]]:
+    return (
+        {k: a[0].get(k, 0.0) + b[0].get(k, 0.0) for k in "FBW"},
+        {n: a[1].get(n, 0.0) + b[1].get(n, 0.0) for n in {*a[1], *b[1]}},
+    )
+
+
+def _add(op: dict[str, float], part: dict[str, float], times: dict[str, float], spent: dict[str, float]) -> None:
+    """Add times per operation, and the same time by part."""
+    for k, t in times.items():
+        op[k] += t
+    for n, t in spent.items():
+        part[n] += t
+
+
+@dataclass(frozen=True)
+class _Comm:
+    """The per-micro-batch message times of one layout, and what a layer costs with them."""
+
+    config: Config
+    hardware: Hardware
+    tp: int
+    cp: int
+    dp: int
+    split: bool
+    tokens: float
+    """Tokens of a micro-batch on one CP rank."""
+    activation: float
+    """Bytes of one micro-batch's activations on a CP rank (b x s / CP x h)."""
+    act_bytes: int
+
+    @classmethod
+    def of(cls, config: Config, layout: Layout, hardware: Hardware) -> _Comm:
+        tokens = layout.micro_batch_size * config.data.seq_length / layout.cp
+        act = 4 if config.training.precision == "fp32" else 2
+        split = layout.pipeline.schedule in ("zb-h1", "zb-v")
+        activation = tokens * config.model.hidden_size * act
+        return cls(config, hardware, layout.tp, layout.cp, layout.dp, split, tokens, activation, act)
+
+    def layer(self, work: LayerWork, recomputed: bool) -> tuple[dict[str, float], dict[str, float]]:
+        """One layer's (F/B/W times, times by part) for one micro-batch; `recomputed`: under full
+        recomputation (its forward, communication included, runs again in backward)."""
+        rate, m, p = self.hardware.flops, self.config.model, self.config.parallel
+        tp_ar = all_reduce_time(self.activation, self.tp, link(self.hardware, 1, self.tp))
+        heads = m.num_attention_heads
+        kv = (
+            2
+            * self.tokens
+            * max((m.num_query_groups or heads) / self.tp, 1)
+            * (m.kv_channels or m.hidden_size // heads)
+        )
+        ring = (
+            (self.cp - 1) * p2p_time(kv * self.act_bytes, link(self.hardware, self.tp, self.cp)) if self.cp > 1 else 0
+        )
+        ep = p.expert_model_parallel_size
+        routed = self.tokens / (self.tp if p.sequence_parallel else 1) * m.moe_router_topk * m.hidden_size
+        a2a = (
+            all_to_all_time(routed * self.act_bytes, ep, link(self.hardware, self.tp * self.cp, ep)) if work.moe else 0
+        )
+        scores_f, scores_b = work.scores / rate, FLASH_BACKWARD * work.scores / rate
+        fwd = {"compute": work.linear / rate + scores_f, "tensor_parallel": 2 * tp_ar}
+        fwd |= {"context_parallel": max(0.0, ring - scores_f), "expert_parallel": 2 * a2a}
+        bwd = {"compute": work.linear / rate + scores_b, "tensor_parallel": 2 * tp_ar}
+        bwd |= {"context_parallel": max(0.0, 2 * ring - scores_b), "expert_parallel": 2 * a2a}
+        if recomputed:
+            bwd = {k: v + fwd[k] for k, v in bwd.items()}
+        elif self.config.training.recompute_granularity == "selective":
+            bwd["compute"] += scores_f
+        weight = work.linear / rate
+        parts = {n: fwd.get(n, 0.0) + bwd.get(n, 0.0) for n in PARTS}
+        parts["compute"] += weight
+        return {"F": sum(fwd.values()), "B": sum(bwd.values()), "W": weight}, parts
+
+    def embedding(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The first stage's embedding: a memory-bound lookup and its vocabulary-parallel reduction."""
+        lookup = 2 * self.activation / (self.hardware.memory_gbps * 1e9)
+        reduce = all_reduce_time(self.activation, self.tp, link(self.hardware, 1, self.tp))
+        sp = self.config.parallel.sequence_parallel
+        ops = {"F": lookup + reduce / (2 if sp else 1), "B": lookup + (reduce / 2 if sp else 0.0), "W": 0.0}
+        return ops, {"compute": 2 * lookup, "tensor_parallel": ops["F"] + ops["B"] - 2 * lookup}
+
+    def output(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The last stage's output layer (a vocabulary-parallel matmul) and the cross-entropy over it."""
+        m, rate = self.config.model, self.hardware.flops
+        vocab = padded_vocab(self.config, self.tp) / self.tp
+        matmul = 2 * self.tokens * m.hidden_size * vocab / rate
+        loss = 3 * self.tokens * vocab * 4 / (self.hardware.memory_gbps * 1e9)  # fp32 logits, a few passes
+        tp_link = link(self.hardware, 1, self.tp)
+        small = 3 * all_reduce_time(self.tokens * 4, self.tp, tp_link)  # max, sum of exponentials, target logit
+        gather = all_gather_time(self.activation, self.tp, tp_link) if self.config.parallel.sequence_parallel else 0
+        ops = {"F": matmul + loss + small + gather, "B": matmul + loss + gather, "W": matmul}
+        return ops, {"compute": 3 * matmul + 2 * loss, "tensor_parallel": small + 2 * gather}
+
+    def message(self, layout: Layout) -> float:
+        """One pipeline message: a micro-batch's activations (or their gradients), / TP under
+        sequence parallelism, between pipeline neighbours (TP x CP x DP ranks apart)."""
+        nbytes = self.activation / (self.tp if self.config.parallel.sequence_parallel else 1)
+        return p2p_time(nbytes, link(self.hardware, self.tp * self.cp * layout.dp, 2))
+
+    def sharded(self, params: float, layers: int, op: dict[str, float]) -> dict[str, float]:
+        """ZeRO-2: every micro-batch's gradients reduce-scattered behind its backward (all but the
+        last bucket). ZeRO-3: each layer's 16-bit weights all-gathered before its forward and its
+        backward, prefetched behind the previous layer's compute (the first gather waits)."""
+        stage, over = self.config.parallel.sharding_stage, link(self.hardware, self.tp * self.cp, self.dp * self.cp)
+        if stage == 2 and params:
+            bucket = self.config.parallel.ddp_bucket_size or max(40_000_000, 1_000_000 * self.dp)
+            whole = reduce_scatter_time(4 * params, self.dp * self.cp, over)
+            last = reduce_scatter_time(4 * min(bucket, params), self.dp * self.cp, over)
+            return {"B": max(last, whole - op["B"] - op["W"])}
+        if stage != 3 or not params:
+            return {}
+        whole = all_gather_time(params * self.act_bytes, self.dp, over)
+        first = whole / max(layers, 1)
+        return {k: max(first, whole - op[k]) for k in ("F", "B")}
+
+
+def _rank_of(layout: Layout, stage: int) -> int:
+    if layout.pipeline.schedule == "zb-v":
+        return stage if stage < layout.pp else 2 * layout.pp - 1 - stage
+    return stage % layout.pp
