@@ -19,16 +19,15 @@ from paratron.training.run import run_training
 GPT_FLAVOUR = ModelConfig(
     num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, max_position_embeddings=64
 )
-LLAMA_FLAVOUR = dataclasses.replace(
-    GPT_FLAVOUR,
+LLAMA_STYLE = dict(
     position_embedding_type="rope",
     normalization="RMSNorm",
     activation="swiglu",
-    num_query_groups=2,
     add_bias_linear=False,
-    ffn_hidden_size=80,
     untie_embeddings_and_output_weights=True,
 )
+"""What makes a model Llama-like (the sizes aside), as config fields."""
+LLAMA_FLAVOUR = dataclasses.replace(GPT_FLAVOUR, **LLAMA_STYLE, num_query_groups=2, ffn_hidden_size=80)
 FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
 """Two tiny shapes of the model family: GPT-2-like and Llama-like."""
 

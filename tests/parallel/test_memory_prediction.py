@@ -24,7 +24,7 @@ from paratron.planning.dry_run import dry_run, with_vocabulary
 from paratron.training.run import run_training
 
 from multiprocess import run_ranks
-from tiny import QUIET
+from tiny import LLAMA_STYLE, QUIET
 
 BASE = dict(
     QUIET,
@@ -39,15 +39,7 @@ BASE = dict(
     num_attention_heads=4,
     vocab_size=512,
 )
-LLAMA = dict(
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    num_query_groups=2,
-    add_bias_linear=False,
-    ffn_hidden_size=128,
-    untie_embeddings_and_output_weights=True,
-)
+LLAMA = dict(LLAMA_STYLE, num_query_groups=2, ffn_hidden_size=128)
 MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
 BF16 = dict(precision="bf16")
 

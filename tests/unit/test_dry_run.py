@@ -17,6 +17,8 @@ from paratron.planning.activations import CPU, CUDA
 from paratron.planning.dry_run import dry_run, with_vocabulary
 from paratron.planning.memory import predict_memory
 
+from tiny import LLAMA_STYLE
+
 SMALL = dict(
     mock_data=True,
     num_layers=8,
@@ -27,14 +29,7 @@ SMALL = dict(
     micro_batch_size=2,
     global_batch_size=32,
 )
-LLAMA = dict(
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    num_query_groups=4,
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-)
+LLAMA = dict(LLAMA_STYLE, num_query_groups=4)
 LAYOUTS = {
     "one rank": (1, {}),
     "tp4 sp zero1 bf16": (

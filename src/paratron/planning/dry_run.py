@@ -118,7 +118,7 @@ def dry_run(
 def kernels_for(hardware: str | None) -> Kernels:
     """The kernels of the devices planned for: --hardware's (a GPU preset: CUDA's), else this machine's."""
     if hardware is None:
-        return CUDA if torch.cuda.is_available() else CPU
+        return CUDA if torch.accelerator.is_available() else CPU
     return CPU if hardware == "cpu" else CUDA
 
 
