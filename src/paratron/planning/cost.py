@@ -90,7 +90,9 @@ def predict_step(
     """The step time of `config` laid out as `layout` on `hardware`. With `memory` (the planner's
     per-stage prediction), the optimizer step reads the state sizes it predicts."""
     ops, parts = stage_operations(config, layout, hardware)
-    finish, _ = _pipeline(layout, ops)
+    finish, busy = _pipeline(layout, ops)
+    if hardware.processes_per_core > 1 and layout.pp > 1:
+        finish = _lent_cores(finish, busy, hardware.processes_per_core)
     ranks, after = _after_pipeline(config, layout, hardware, ops, memory)
     ends = [finish[r] + sum(after[r]) for r in range(layout.pp)]
     rank = max(range(layout.pp), key=ends.__getitem__)
@@ -180,14 +182,16 @@ def data_parallel_tail(
         total = sum(collective(n_params * 4, n, over) for n_params, n, over in groups)
         last = collective(min(bucket, dense) * 4, *groups[0][1:])
         window = sum(op["B"] + op["W"] for op in ops)
-        reduce = max(last, total - window) if p.overlap_grad_reduce or stage == 3 else total
+        hidden = (p.overlap_grad_reduce or stage == 3) and hardware.overlaps_communication
+        reduce = max(last, total - window) if hidden else total
     gather = 0.0
     if stage in (1, 2):
         act = 4 if config.training.precision == "fp32" else 2
         total = sum(all_gather_time(n_params * act, n, over) for n_params, n, over in groups)
         first = all_gather_time(min(bucket, dense) * act, *groups[0][1:])
         window = sum(op["F"] for op in ops)
-        gather = max(first, total - window) if p.overlap_param_gather else total
+        hidden = p.overlap_param_gather and hardware.overlaps_communication
+        gather = max(first, total - window) if hidden else total
     return reduce, gather
 
 
@@ -210,6 +214,14 @@ def _optimizer_time(
     expert_shard = max(1, layout.dp // p.expert_model_parallel_size) if p.sharding_stage >= 1 else 1
     elements = params[0] / shard + params[1] / expert_shard
     return elements * OPTIMIZER_BYTES_PER_PARAMETER / (hardware.memory_gbps * 1e9)
+
+
+def _lent_cores(finish: list[float], busy: list[float], crowding: float) -> list[float]:
+    """With more processes than cores, operations are priced at a share of a core; but a rank that
+    waits lends its core, so the pipeline takes no less than its critical path at a whole core's
+    speed and no less than the ranks' work spread over the cores (their mean busy time)."""
+    spread = sum(busy) / len(busy)
+    return [min(end, max(spread, end / crowding)) for end in finish]
 
 
 def _pipeline(layout: Layout, ops: list[dict[str, float]]) -> tuple[list[float], list[float]]:

@@ -59,6 +59,12 @@ class Hardware:
     """Start-up time of one message step between nodes, microseconds."""
     memory_gbps: float = 2000.0
     """Device memory bandwidth, GB/s (the optimizer step and other memory-bound work)."""
+    processes_per_core: float = 1.0
+    """More processes than cores (the CPU with --nproc above its core count): each computes at its
+    share of a core, but a rank that waits in the pipeline's bubble lends its core to the others."""
+    overlaps_communication: bool = True
+    """Collectives run beside compute (GPUs: NCCL on its own streams). On the CPU the same cores do
+    both, so the overlaps the implementation arranges hide nothing (measured: BENCHMARKS.md)."""
 
     @property
     def world_size(self) -> int:
@@ -110,9 +116,12 @@ GLOO_COPIES = 4
 """gloo over loopback moves each byte through a TCP socket: copied into the kernel, out of it, and
 read again by the reduction; about four memory copies' worth of the machine's copy bandwidth."""
 
-GLOO_LATENCY_US = 50.0
-"""Start-up of one gloo message step over loopback (a TCP round trip through the kernel and gloo's
-own bookkeeping): tens of microseconds."""
+GLOO_LATENCY_US = 550.0
+"""One gloo message step over loopback while the cores are computing (the other rank's compute, the
+TCP round trip and gloo's bookkeeping), with no more processes than cores: calibrated by
+bench/plan_cpu.py --calibrate (a collective timed between layer-shaped matmuls: 550 us at 2
+processes, 1,015 us at 4 on 2 cores; alone on idle cores it is tens of microseconds). With more
+processes than cores it grows in proportion."""
 
 
 def preset_names() -> list[str]:
@@ -126,23 +135,27 @@ def measure_cpu(gpus_per_node: int, nodes: int = 1) -> Hardware:
     GLOO_COPIES. Takes well under two seconds."""
     procs = max(1, gpus_per_node)
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads // procs))
+    torch.set_num_threads(1)  # (one core's rate, scaled: a job on another core cannot skew it)
     try:
-        peak = probe_peak_flops(torch.device("cpu"), size=512, repeats=3) * min(1.0, threads / procs)
+        one_core = probe_peak_flops(torch.device("cpu"), size=512, repeats=10)
     finally:
         torch.set_num_threads(threads)
+    peak = one_core * max(1, threads // procs) * min(1.0, threads / procs)
+    crowding = max(1.0, procs / threads)
     return Hardware(
         name=CPU,
         gpus_per_node=procs,
         nodes=nodes,
         device_memory_gb=_machine_memory_bytes() / procs / 1e9,
         peak_tflops=peak / 1e12,
-        matmul_efficiency=0.5,  # a layer's many smaller matmuls and elementwise work against the probe's best
+        matmul_efficiency=0.7,  # a layer's matmuls and elementwise work against the probe's best (bench/pipeline.py)
         intra_node_gbps=_copy_bandwidth() / GLOO_COPIES / 1e9,
         inter_node_gbps=1.25,  # 10 Gb/s Ethernet between machines
-        intra_node_latency_us=GLOO_LATENCY_US,
-        inter_node_latency_us=GLOO_LATENCY_US * 2,
+        intra_node_latency_us=GLOO_LATENCY_US * crowding,
+        inter_node_latency_us=GLOO_LATENCY_US * crowding * 2,
         memory_gbps=_copy_bandwidth() / 1e9,
+        processes_per_core=crowding,
+        overlaps_communication=False,
     )
 
 
@@ -195,7 +208,12 @@ def hardware_from(planning: PlanningConfig, **overrides: float | int | str | Non
 def _check(hardware: Hardware) -> None:
     for field in dataclasses.fields(Hardware):
         value = getattr(hardware, field.name)
-        if isinstance(value, (int, float)) and value <= 0 and "latency" not in field.name:
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value <= 0
+            and "latency" not in field.name
+        ):
             raise ConfigError(f"--{field.name.replace('_', '-')} {value}: must be positive")
     if hardware.matmul_efficiency > 1:
         raise ConfigError(f"--matmul-efficiency {hardware.matmul_efficiency}: must be at most 1")

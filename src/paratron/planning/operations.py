@@ -10,10 +10,12 @@ the keys each query computes / (TP x CP), the output layer and loss on the last 
 recomputation repeats forward work in B) plus the communication it cannot hide:
 
 - tensor parallelism: two all-reduces of the micro-batch's activations per layer in forward and two
-  in backward (all-gather + reduce-scatter pairs under sequence parallelism: the same bytes); not
-  overlapped (Megatron does not by default), so all of it counts;
+  in backward; under sequence parallelism two all-gathers and two reduce-scatters in forward, and in
+  backward four all-gathers (the inputs are gathered again, as Megatron-LM does) and two
+  reduce-scatters; not overlapped (Megatron does not by default), so all of it counts;
 - context parallelism: the ring passes key/value blocks while the previous block's attention runs,
-  so only max(0, ring - attention) counts;
+  so only max(0, ring - attention) counts (all of it where the hardware does not overlap
+  communication with compute: the CPU);
 - expert parallelism: the dispatch and combine all-to-alls, all of it;
 - ZeRO-2: every micro-batch's gradients reduce-scattered behind its backward;
 - ZeRO-3 (FSDP2): parameter all-gathers in forward and backward, prefetched behind compute;
@@ -243,7 +245,12 @@ class _Comm:
         """One layer's (F/B/W times, times by part) for one micro-batch; `recomputed`: under full
         recomputation (its forward, communication included, runs again in backward)."""
         rate, m, p = self.hardware.flops, self.config.model, self.config.parallel
-        tp_ar = all_reduce_time(self.activation, self.tp, link(self.hardware, 1, self.tp))
+        tp_link = link(self.hardware, 1, self.tp)
+        if p.sequence_parallel:  # forward: 2 gathers, 2 reduce-scatters; backward: 4 gathers (inputs again), 2
+            gather = all_gather_time(self.activation, self.tp, tp_link)
+            tp_fwd, tp_bwd = 4 * gather, 6 * gather
+        else:  # two all-reduces each way
+            tp_fwd = tp_bwd = 2 * all_reduce_time(self.activation, self.tp, tp_link)
         heads = m.num_attention_heads
         kv = (
             2
@@ -260,10 +267,11 @@ class _Comm:
             all_to_all_time(routed * self.act_bytes, ep, link(self.hardware, self.tp * self.cp, ep)) if work.moe else 0
         )
         scores_f, scores_b = work.scores / rate, FLASH_BACKWARD * work.scores / rate
-        fwd = {"compute": work.linear / rate + scores_f, "tensor_parallel": 2 * tp_ar}
-        fwd |= {"context_parallel": max(0.0, ring - scores_f), "expert_parallel": 2 * a2a}
-        bwd = {"compute": work.linear / rate + scores_b, "tensor_parallel": 2 * tp_ar}
-        bwd |= {"context_parallel": max(0.0, 2 * ring - scores_b), "expert_parallel": 2 * a2a}
+        hides = self.hardware.overlaps_communication
+        fwd = {"compute": work.linear / rate + scores_f, "tensor_parallel": tp_fwd}
+        fwd |= {"context_parallel": max(0.0, ring - scores_f) if hides else ring, "expert_parallel": 2 * a2a}
+        bwd = {"compute": work.linear / rate + scores_b, "tensor_parallel": tp_bwd}
+        bwd |= {"context_parallel": max(0.0, 2 * ring - scores_b) if hides else 2 * ring, "expert_parallel": 2 * a2a}
         if recomputed:
             bwd = {k: v + fwd[k] for k, v in bwd.items()}
         elif self.config.training.recompute_granularity == "selective":
@@ -304,16 +312,18 @@ class _Comm:
         last bucket). ZeRO-3: each layer's 16-bit weights all-gathered before its forward and its
         backward, prefetched behind the previous layer's compute (the first gather waits)."""
         stage, over = self.config.parallel.sharding_stage, link(self.hardware, self.tp * self.cp, self.dp * self.cp)
+        hides = self.hardware.overlaps_communication
         if stage == 2 and params:
             bucket = self.config.parallel.ddp_bucket_size or max(40_000_000, 1_000_000 * self.dp)
             whole = reduce_scatter_time(4 * params, self.dp * self.cp, over)
             last = reduce_scatter_time(4 * min(bucket, params), self.dp * self.cp, over)
-            return {"B": max(last, whole - op["B"] - op["W"])}
+            return {"B": max(last, whole - op["B"] - op["W"]) if hides else whole}
         if stage != 3 or not params:
             return {}
-        whole = all_gather_time(params * self.act_bytes, self.dp, over)
-        first = whole / max(layers, 1)
-        return {k: max(first, whole - op[k]) for k in ("F", "B")}
+        units = max(layers, 1)  # (one gather per layer: each pays its latency)
+        first = all_gather_time(params * self.act_bytes / units, self.dp, over)
+        whole = units * first
+        return {k: max(first, whole - op[k]) if hides else whole for k in ("F", "B")}
 
 
 def _rank_of(layout: Layout, stage: int) -> int:
