@@ -380,7 +380,8 @@ def _pairing(
     return result
 
 
-def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
+def _torchrun_environment(rank: int, world: int, port: int) -> None:
+    """What torchrun would set for this spawned worker."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -389,6 +390,10 @@ def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
+    _torchrun_environment(rank, world, port)
     import torch.distributed as dist
 
     from paratron.distributed.init import initialize
@@ -712,14 +717,7 @@ def _bubble_run(args: dict, topology: Any, name: str, split: str, batches: list)
 
 def _bubble_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     """`bubble`: paratron alone, each schedule of --only at each split of args["splits"]."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    _torchrun_environment(rank, world, port)
     import torch.distributed as dist
 
     from paratron.distributed.init import initialize
