@@ -1,6 +1,6 @@
-"""Predicted memory against measured memory: for 15 layouts of a small model (world 1-8; tensor,
+"""Predicted memory against measured memory: for 16 layouts of a small model (world 1-8; tensor,
 sequence, pipeline (1f1b, interleaved, zb-h1), data, context and expert parallelism; ZeRO 0-3;
-selective and full recomputation; fp32 and bf16), every rank's training state and activations
+selective and full recomputation; dropout; fp32 and bf16), every rank's training state and activations
 saved for backward as `--log-memory` measures them after one real step, against what
 `paratron train --dry-run` predicts for that rank's pipeline stage (training state from the shards
 built on the meta device, activations from `planning/activations.py`). Asserted within 5%.
@@ -46,6 +46,7 @@ BF16 = dict(precision="bf16")
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "llama fp32": (1, LLAMA),
     "gpt bf16 selective": (1, dict(BF16, recompute_granularity="selective")),
+    "gpt bf16 dropout": (1, dict(BF16, hidden_dropout=0.1, attention_dropout=0.1)),
     "llama bf16 full recompute": (
         1,
         dict(LLAMA, **BF16, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
