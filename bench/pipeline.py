@@ -380,6 +380,17 @@ def _pairing(
     return result
 
 
+def _run_settings(args: dict) -> dict:
+    """The model and batch a result was measured with, for its json."""
+    return _model_settings(args) | {
+        "seq_length": args["seq"],
+        "micro_batch_size": args["micro_batch_size"],
+        "microbatches": args["microbatches"],
+        "precision": "fp32",
+        "seed": args["seed"],
+    }
+
+
 def _torchrun_environment(rank: int, world: int, port: int) -> None:
     """What torchrun would set for this spawned worker."""
     os.environ.update(
@@ -428,13 +439,7 @@ def step(args: dict) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         mp.spawn(_step_worker, args=(args["pp"], free_port(), args, out.name), nprocs=args["pp"])
         results = json.loads(Path(out.name).read_text())
-    results["model"] = _model_settings(args) | {
-        "seq_length": args["seq"],
-        "micro_batch_size": args["micro_batch_size"],
-        "microbatches": args["microbatches"],
-        "precision": "fp32",
-        "seed": args["seed"],
-    }
+    results["model"] = _run_settings(args)
     results["timing"] = {
         "rounds": args["rounds"],
         "steps_per_round": args["steps"],
@@ -776,13 +781,7 @@ def bubble(args: dict) -> dict:
     results["other_load"] = max(0.0, other)
     results["waited_for_quiet_s"] = waited
     results["balanced_split_from"] = sources
-    results["model"] = _model_settings(args) | {
-        "seq_length": args["seq"],
-        "micro_batch_size": args["micro_batch_size"],
-        "microbatches": args["microbatches"],
-        "precision": "fp32",
-        "seed": args["seed"],
-    }
+    results["model"] = _run_settings(args)
     results["timing"] = {"warmup_steps": args["warmup"], "recorded_steps": args["rounds"], "cores": args["cores"]}
     return results
 

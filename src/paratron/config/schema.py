@@ -277,6 +277,10 @@ class ParallelConfig:
     """With the distributed optimizer, gather each bucket's updated parameters behind the next forward (waited for by
     the first layer that uses them)."""
 
+    def gradient_bucket_size(self, data_parallel_size: int) -> int:
+        """Gradient elements per reduction bucket: --ddp-bucket-size, or Megatron-LM's max(40M, 1M x DP)."""
+        return self.ddp_bucket_size or max(40_000_000, 1_000_000 * data_parallel_size)
+
     @property
     def sharding_stage(self) -> int:
         """The ZeRO stage in effect: --zero-stage, or 1 when only --use-distributed-optimizer is given."""

@@ -159,7 +159,7 @@ def _data_parallel(
     group = topology.group(Axis.DP_CP)  # (the data-parallel ranks; with CP > 1 also the context-parallel ones)
     dp = group.size
     settings = DataParallelSettings(
-        bucket_size=p.ddp_bucket_size or max(40_000_000, 1_000_000 * dp),
+        bucket_size=p.gradient_bucket_size(dp),
         overlap_grad_reduce=p.overlap_grad_reduce,
         sync_every_micro_batch=p.ddp_sync_every_micro_batch,
         zero_stage=p.sharding_stage,

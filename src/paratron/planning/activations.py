@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from paratron.config.layout import Layout
 from paratron.config.schema import Config, ModelConfig
 from paratron.parallel.pipeline.schedules import Schedule, build_schedule
+from paratron.parallel.tensor.layers import padded_vocab_size
 from paratron.training.flops import attended_keys
 
 WIDTHS = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -180,12 +181,9 @@ def _rotary_bytes(shape: _Shape) -> float:
 
 
 def padded_vocab(config: Config, tp: int) -> int:
-    """The output layer's rows over all TP ranks (padded to a multiple of the divisor x TP when TP > 1)."""
-    vocab = config.model.vocab_size or 0
-    if tp == 1:
-        return vocab
-    multiple = config.model.make_vocab_size_divisible_by * tp
-    return -(-vocab // multiple) * multiple
+    """The output layer's rows over all TP ranks (the tensor-parallel layers' padding)."""
+    m = config.model
+    return padded_vocab_size(m.vocab_size or 0, tp, m.make_vocab_size_divisible_by)
 
 
 def shape_of(config: Config, layout: Layout, kernels: Kernels) -> _Shape:
@@ -286,7 +284,7 @@ def buffer_bytes(
         total += 2 * 2 * w * shape.groups * shape.head_dim * shape.tokens
     zero = p.sharding_stage
     if zero == 2 and layout.dp * layout.cp > 1:
-        total += 4 * min(2 * (p.ddp_bucket_size or max(40_000_000, 1_000_000 * layout.dp)), stage_elements)
+        total += 4 * min(2 * p.gradient_bucket_size(layout.dp), stage_elements)
     if zero == 3 and layout.dp > 1:
         total += (2 * w + 4) * layer_elements
     if t.recompute_granularity == "full":

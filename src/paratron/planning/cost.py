@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from paratron.config.layout import Layout
 from paratron.config.schema import Config
 from paratron.parallel.pipeline.schedules import rank_times
-from paratron.planning.activations import pipeline_schedule
+from paratron.planning.activations import WIDTHS, pipeline_schedule
 from paratron.planning.hardware import Hardware, all_gather_time, all_reduce_time, link, reduce_scatter_time
 from paratron.planning.memory import RankMemory
 from paratron.planning.operations import PARTS, rank_stages, stage_operations, stage_parameters
@@ -175,7 +175,7 @@ def data_parallel_tail(
         (dense, layout.dp * layout.cp, link(hardware, layout.tp, layout.dp * layout.cp)),
         (expert, layout.dp // ep, link(hardware, layout.tp * layout.cp * ep, layout.dp // ep)),
     ]
-    bucket = p.ddp_bucket_size or max(40_000_000, 1_000_000 * layout.dp)
+    bucket = p.gradient_bucket_size(layout.dp)
     collective = all_reduce_time if stage == 0 else reduce_scatter_time
     reduce = 0.0
     if stage != 2:
@@ -186,7 +186,7 @@ def data_parallel_tail(
         reduce = max(last, total - window) if hidden else total
     gather = 0.0
     if stage in (1, 2):
-        act = 4 if config.training.precision == "fp32" else 2
+        act = WIDTHS[config.training.precision]
         total = sum(all_gather_time(n_params * act, n, over) for n_params, n, over in groups)
         first = all_gather_time(min(bucket, dense) * act, *groups[0][1:])
         window = sum(op["F"] for op in ops)

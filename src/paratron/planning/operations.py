@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from paratron.config.layout import Layout
 from paratron.config.schema import Config, ModelConfig
 from paratron.parallel.pipeline.schedules import stage_of
-from paratron.planning.activations import padded_vocab
+from paratron.planning.activations import WIDTHS, padded_vocab
 from paratron.planning.hardware import (
     Hardware,
     all_gather_time,
@@ -236,7 +236,7 @@ class _Comm:
     @classmethod
     def of(cls, config: Config, layout: Layout, hardware: Hardware) -> _Comm:
         tokens = layout.micro_batch_size * config.data.seq_length / layout.cp
-        act = 4 if config.training.precision == "fp32" else 2
+        act = WIDTHS[config.training.precision]
         split = layout.pipeline.schedule in ("zb-h1", "zb-v")
         activation = tokens * config.model.hidden_size * act
         return cls(config, hardware, layout.tp, layout.cp, layout.dp, split, tokens, activation, act)
@@ -314,7 +314,7 @@ class _Comm:
         stage, over = self.config.parallel.sharding_stage, link(self.hardware, self.tp * self.cp, self.dp * self.cp)
         hides = self.hardware.overlaps_communication
         if stage == 2 and params:
-            bucket = self.config.parallel.ddp_bucket_size or max(40_000_000, 1_000_000 * self.dp)
+            bucket = self.config.parallel.gradient_bucket_size(self.dp)
             whole = reduce_scatter_time(4 * params, self.dp * self.cp, over)
             last = reduce_scatter_time(4 * min(bucket, params), self.dp * self.cp, over)
             return {"B": max(last, whole - op["B"] - op["W"]) if hides else whole}
