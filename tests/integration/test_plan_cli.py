@@ -48,6 +48,17 @@ def test_table_json_and_plot(tmp_path, capsys):
         first["settings"]["micro_batch_size"],
     )
     assert list(layout.pipeline.counts) == first["pipeline"]["layers_per_stage"]
+    # every other layout considered is on record: why it is not a plan, what is known of its time
+    others = document["other_layouts"]
+    assert others and {o["reason"] for o in others} <= {"slower", "out of memory", "refused", "schedule too long"}
+    for other in others:
+        if other["reason"] == "slower":
+            assert (other["step_time_s"] or other["step_time_at_least_s"]) > 1.1 * plans[0]["step_time_s"]
+            assert other["command"].startswith("torchrun --nnodes 2 ")
+        if other["reason"] == "out of memory" and other["peak_memory_bytes"] is not None:
+            assert other["peak_memory_bytes"] > 80e9
+    described = {p["layout"] for p in plans}
+    assert not described & {o["layout"] for o in others if o["step_time_s"] is None}
     assert (tmp_path / "out" / "plans.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporary left
 

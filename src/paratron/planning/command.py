@@ -24,7 +24,7 @@ from paratron.config.loading import build_config, override
 from paratron.errors import ConfigError
 from paratron.planning.hardware import CPU, hardware_from
 from paratron.planning.report import plot, table, write_json
-from paratron.planning.search import WITHIN, plan
+from paratron.planning.search import WITHIN, search
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -90,20 +90,20 @@ def run_plan(argv: Sequence[str]) -> int:
     world = _world(config.planning.world_size, args.nodes, hardware.gpus_per_node)
     hardware = dataclasses.replace(hardware, nodes=max(1, world // hardware.gpus_per_node))
     start = time.perf_counter()
-    plans = plan(config, world, hardware, within=args.within)
+    plans, others = search(config, world, hardware, within=args.within)
     seconds = time.perf_counter() - start
     name = config.model.model_name or f"{config.model.num_layers}-layer model"
     print(
         f"{name} on {world} x {hardware.name} ({hardware.device_memory_gb:g} GB, {hardware.peak_tflops:g} TFLOP/s "
         f"x {hardware.matmul_efficiency:g}), {flag.global_batch_size} {config.training.global_batch_size} x "
-        f"{flag.seq_length} {config.data.seq_length}: {len(plans)} plans within {args.within:g}x of the fastest "
-        f"({seconds:.1f}s)"
+        f"{flag.seq_length} {config.data.seq_length}: {len(plans)} plans within {args.within:g}x of the fastest, "
+        f"{len(others)} other layouts considered ({seconds:.1f}s)"
     )
     print(table(plans, args.top))
     print(f"\nbest: {plans[0].command()}")
     if args.output is not None:
         request = {"argv": list(argv), "world_size": world, "within": args.within, "search_seconds": seconds}
-        write_json(args.output, plans, hardware, request)
+        write_json(args.output, plans, hardware, request, others)
         print(f"plans: {args.output}")
     picture = args.plot or (args.output.with_suffix(".png") if args.output is not None else None)
     if picture is not None:

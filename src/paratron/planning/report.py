@@ -1,5 +1,6 @@
 """What `paratron plan` shows and writes: a table of the best plans, plans.json with every plan
-the search kept, and a PNG comparing the best plans' step time and memory breakdowns.
+the search kept and every other layout it considered (with why, and what is known of it), and a
+PNG comparing the best plans' step time and memory breakdowns.
 
 Files are written to a temporary name and renamed into place, so a stopped run never leaves a
 half-written one.
@@ -14,9 +15,9 @@ from typing import Any
 
 from paratron.checkpoint.io import write_text_atomic
 from paratron.planning.hardware import Hardware
-from paratron.planning.memory import CATEGORIES
+from paratron.planning.memory import CATEGORIES, RankMemory
 from paratron.planning.operations import PARTS
-from paratron.planning.search import Plan
+from paratron.planning.search import Plan, Unpriced
 
 TIME_PARTS = (*PARTS, "bubble", "optimizer")
 SHORT = {
@@ -67,10 +68,7 @@ def plan_record(plan: Plan) -> dict[str, Any]:
             "chunks": plan.layout.pipeline.chunks,
             "layers_per_stage": list(plan.layout.pipeline.counts),
         },
-        "memory_per_rank": [
-            {"stage": m.stage, "ranks": m.ranks, **{c: getattr(m, c) for c in CATEGORIES}, "total": m.total}
-            for m in plan.memory
-        ],
+        "memory_per_rank": memory_records(plan.memory),
         "peak_memory_bytes": plan.peak_memory,
         "step_time_s": p.total,
         "step_time_breakdown_s": p.breakdown,
@@ -82,12 +80,39 @@ def plan_record(plan: Plan) -> dict[str, Any]:
     }
 
 
-def write_json(path: Path, plans: list[Plan], hardware: Hardware, request: dict[str, Any]) -> None:
-    """plans.json: the request, the hardware and every plan, fastest first (atomically)."""
+def memory_records(memory: tuple[RankMemory, ...]) -> list[dict[str, Any]]:
+    """Each pipeline stage's predicted bytes per rank, by category."""
+    return [
+        {"stage": m.stage, "ranks": m.ranks, **{c: getattr(m, c) for c in CATEGORIES}, "total": m.total} for m in memory
+    ]
+
+
+def unpriced_record(other: Unpriced) -> dict[str, Any]:
+    """A layout the search considered and did not keep, as plain data (plans.json): why, its step
+    time (exact, or the bound that excluded it), its memory where computed, its command."""
+    return {
+        "layout": other.describe(),
+        "reason": other.reason,
+        "detail": other.detail,
+        "settings": other.settings,
+        "step_time_s": other.step_time_s,
+        "step_time_at_least_s": other.step_time_bound_s,
+        "memory_per_rank": memory_records(other.memory) if other.memory is not None else None,
+        "peak_memory_bytes": max(m.total for m in other.memory) if other.memory is not None else None,
+        "command": other.command(),
+    }
+
+
+def write_json(
+    path: Path, plans: list[Plan], hardware: Hardware, request: dict[str, Any], others: list[Unpriced] = ()
+) -> None:
+    """plans.json: the request, the hardware, every plan (fastest first) and every other layout the
+    search considered (fastest known step time first), atomically."""
     document = {
         "request": request,
         "hardware": dataclasses.asdict(hardware),
         "plans": [plan_record(p) for p in plans],
+        "other_layouts": [unpriced_record(u) for u in others],
     }
     write_text_atomic(Path(path), json.dumps(document, indent=1, default=str) + "\n")
 

@@ -21,6 +21,7 @@ does not fit is dropped with its larger micro-batches; memory, bounds and simula
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -98,15 +99,51 @@ class Plan:
         return describe(self.settings, self.layout)
 
     def command(self) -> str:
-        """The `paratron train` command line of this plan (under torchrun across nodes): every setting
-        that differs from the defaults and the model's registry entry, by its flag."""
-        nodes = max(1, self.layout.world_size // self.gpus_per_node)
-        per_node = self.layout.world_size // nodes
-        if nodes > 1:
-            launch = f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m paratron train"
-        else:
-            launch = f"paratron train {flag.nproc_per_node} {per_node}" if per_node > 1 else "paratron train"
-        return " ".join([launch, *map(shlex.quote, config_arguments(self.config))])
+        return launch_command(self.config, self.layout.world_size, self.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class Unpriced:
+    """A layout the search enumerated but did not price: the fastest variant of a layout whose step
+    time bound (`cost.step_bound`, no schedule simulated) already exceeds `within` x the fastest
+    plan; one that does not fit even with full recomputation and the highest ZeRO stage; one a
+    priced variant exceeded; or one `validate` refuses. plans.json lists these beside the plans,
+    so every layout considered is on record with what is known of it."""
+
+    settings: dict[str, Any]
+    layout: Layout | None
+    reason: str
+    """slower | out of memory | refused | schedule too long"""
+    detail: str
+    step_time_s: float | None = None
+    """Exact when priced (a variant slower than `within`), else None."""
+    step_time_bound_s: float | None = None
+    """A lower bound of the step time: no variant of the layout is faster."""
+    memory: tuple[RankMemory, ...] | None = None
+    """Per-stage memory where the search computed it (the most frugal variant for out of memory)."""
+    config: Config | None = field(default=None, repr=False, compare=False)
+    gpus_per_node: int = 8
+
+    def describe(self) -> str:
+        return describe(self.settings, self.layout) if self.layout is not None else str(self.settings)
+
+    def command(self) -> str | None:
+        if self.config is None or self.layout is None:
+            return None
+        return launch_command(self.config, self.layout.world_size, self.gpus_per_node)
+
+
+def launch_command(config: Config, world_size: int, gpus_per_node: int) -> str:
+    """The `paratron train` command line that runs `config` on `world_size` devices (under torchrun
+    across nodes): every setting that differs from the defaults and the model's registry entry, by
+    its flag."""
+    nodes = max(1, world_size // gpus_per_node)
+    per_node = world_size // nodes
+    if nodes > 1:
+        launch = f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m paratron train"
+    else:
+        launch = f"paratron train {flag.nproc_per_node} {per_node}" if per_node > 1 else "paratron train"
+    return " ".join([launch, *map(shlex.quote, config_arguments(config))])
 
 
 def describe(settings: dict[str, Any], layout: Layout) -> str:
@@ -131,12 +168,7 @@ def config_arguments(config: Config) -> list[str]:
     """Flags that rebuild `config` (with `build_config`): its settings that differ from the defaults
     and its model's registry entry; planning settings and the process count (the launcher's) are
     left out."""
-    flat = {name: value for section in dataclasses.asdict(config).values() for name, value in section.items()}
-    baseline = {
-        name: value
-        for section in dataclasses.asdict(build_config({"model_name": config.model.model_name})).values()
-        for name, value in section.items()
-    }
+    flat, baseline = _flat(config), _defaults(config.model.model_name)
     args: list[str] = []
     if config.model.model_name:
         args += [flag.model_name, config.model.model_name]
@@ -155,6 +187,21 @@ def config_arguments(config: Config) -> list[str]:
     return args
 
 
+def _flat(config: Config) -> dict[str, Any]:
+    """Every setting of `config` by its field name."""
+    return {
+        f.name: getattr(section, f.name)
+        for section in (getattr(config, s.name) for s in dataclasses.fields(config))
+        for f in dataclasses.fields(section)
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def _defaults(model_name: str | None) -> dict[str, Any]:
+    """The settings of the model's registry entry with every other default (read only)."""
+    return _flat(build_config({"model_name": model_name}))
+
+
 def plan(
     config: Config,
     world_size: int,
@@ -167,13 +214,27 @@ def plan(
     """The feasible layouts of `config`'s model on `world_size` devices of `hardware` predicted
     within a factor `within` of the fastest, fastest first (`top`: only the first so many).
     ConfigError (one line) when no layout divides the world and batch, or none fits the memory."""
-    given = _request(config, global_batch, seq_length)
-    search = _Search(with_vocabulary(given), world_size, hardware, within, given)
-    plans = search.run()
-    if not plans:
-        raise ConfigError(search.failure())
-    plans.sort(key=lambda p: (-p.prediction.tokens_per_s, p.peak_memory))
+    plans, _ = search(config, world_size, hardware, global_batch, seq_length, within)
     return plans[:top] if top else plans
+
+
+def search(
+    config: Config,
+    world_size: int,
+    hardware: Hardware,
+    global_batch: int | None = None,
+    seq_length: int | None = None,
+    within: float = WITHIN,
+) -> tuple[list[Plan], list[Unpriced]]:
+    """`plan`'s plans (all of them) and every other layout the search enumerated, with why it is
+    not among them, fastest bound first."""
+    given = _request(config, global_batch, seq_length)
+    run = _Search(with_vocabulary(given), world_size, hardware, within, given)
+    plans = run.run()
+    if not plans:
+        raise ConfigError(run.failure())
+    plans.sort(key=lambda p: (-p.prediction.tokens_per_s, p.peak_memory))
+    return plans, run.unpriced
 
 
 def _request(config: Config, global_batch: int | None, seq_length: int | None) -> Config:
@@ -218,6 +279,8 @@ class _Search:
         self.frugal: tuple[float, str] | None = None  # least memory seen: (bytes, description)
         self.divides = False
         self.refusal: str | None = None  # the first reason validation refused a candidate
+        self.refusals: dict[tuple, str] = {}
+        self.unpriced: list[Unpriced] = []
 
     def run(self) -> list[Plan]:
         """Price layouts in the order of their bound (the fastest variant of each, not simulated),
@@ -226,27 +289,97 @@ class _Search:
         for shape in shapes(self.base, self.world, self.hardware.gpus_per_node):
             for mbs in micro_batch_sizes(self.base, self.world, shape):
                 self.divides = True
-                if zero_bubble_too_long(self.base, self.world, shape, mbs):
-                    continue
-                found = self._layout(self._settings(shape, mbs, None, min(zero_stages(self.base, self.world, shape))))
-                if found is not None:
+                fastest = self._settings(shape, mbs, None, min(zero_stages(self.base, self.world, shape)))
+                found = self._layout(fastest)
+                if found is None:
+                    self._skip(fastest, "refused", self.refusals[tuple(fastest.values())])
+                elif zero_bubble_too_long(self.base, self.world, shape, mbs):
+                    self._skip(fastest, "schedule too long", "too many operations to simulate a zero-bubble order")
+                else:
                     groups.append((step_bound(*found, self.hardware, tail=False), len(groups), shape, mbs))
         groups.sort()
         plans: list[Plan] = []
         best, too_big = float("inf"), set()
-        for bound, _, shape, mbs in groups:
+        for rank, (bound, _, shape, mbs) in enumerate(groups):
             if bound > best * self.within:
+                for later_bound, _, later_shape, later_mbs in groups[rank:]:
+                    self._skip_slower(later_shape, later_mbs, later_bound, best)
                 break
             if (shape, mbs) in too_big or not self._fits(self._frugal(shape, mbs)):
+                self._skip_too_big(shape, mbs, bound)
                 too_big.update((shape, b) for b in range(mbs, MAX_MICRO_BATCH + 1))
                 continue
+            tried, priced = 0, 0
             for zero in zero_stages(self.base, self.world, shape):
                 for settings in self._variants(shape, mbs, zero, best * self.within):
+                    tried += 1
                     found = self._evaluate(settings)
                     if found is not None:
                         plans.append(found)
+                        priced += 1
                         best = min(best, found.prediction.total)
+            if not priced:  # the variants within the cutoff do not fit (or there were none): the rest are slower
+                variants = [
+                    self._settings(shape, mbs, r, z)
+                    for z in zero_stages(self.base, self.world, shape)
+                    for r in RECOMPUTE
+                ]
+                bounds = [self._bound(v) for v in variants if self._bound(v) > best * self.within]
+                if bounds:
+                    self._skip_slower(shape, mbs, min(bounds), best, fitting=bool(tried))
+                else:
+                    self._skip_too_big(shape, mbs, bound, "no variant fits")
+        for p in plans:
+            if p.prediction.total > best * self.within:
+                self._skip(p.settings, "slower", f"{p.prediction.total / best:.2f}x the fastest", p.prediction.total)
+        self.unpriced.sort(key=lambda u: u.step_time_s or u.step_time_bound_s or float("inf"))
         return [p for p in plans if p.prediction.total <= best * self.within]
+
+    def _skip(
+        self,
+        settings: dict[str, Any],
+        reason: str,
+        detail: str,
+        time: float | None = None,
+        bound: float | None = None,
+        memory: list[RankMemory] | None = None,
+    ) -> None:
+        found = self._layout(settings)
+        config, layout = (apply(self.given, settings), found[1]) if found is not None else (None, None)
+        self.unpriced.append(
+            Unpriced(
+                dict(settings),
+                layout,
+                reason,
+                detail,
+                time,
+                bound,
+                tuple(memory) if memory is not None else None,
+                config,
+                self.hardware.gpus_per_node,
+            )
+        )
+
+    def _skip_slower(self, shape: Shape, mbs: int, bound: float, best: float, fitting: bool = False) -> None:
+        fastest = self._settings(shape, mbs, None, min(zero_stages(self.base, self.world, shape)))
+        detail = f"at least {bound / best:.2f}x the fastest plan's step time"
+        if fitting:
+            detail += f" in the variants that fit (those within {self.within:g}x do not)"
+        self._skip(fastest, "slower", detail, bound=bound, memory=self.memory_cache.get(_memory_key(fastest)))
+
+    def _skip_too_big(self, shape: Shape, mbs: int, bound: float, detail: str | None = None) -> None:
+        frugal = self._frugal(shape, mbs)
+        memory = self.memory_cache.get(_memory_key(frugal))
+        if detail is None and memory is not None:
+            need = max(m.total for m in memory)
+            detail = f"needs {need / 1e9:.1f} GB with full recomputation and ZeRO-{frugal['zero_stage']}"
+        self._skip(
+            frugal,
+            "out of memory",
+            detail or "a smaller micro-batch of this layout already does not fit",
+            bound=bound,
+            memory=memory,
+        )
 
     def _variants(self, shape: Shape, mbs: int, zero: int, cutoff: float) -> Iterator[dict[str, Any]]:
         """The recomputation variants whose bound is within `cutoff`: none, selective, full, and
@@ -295,6 +428,7 @@ class _Search:
                 self.layouts[key] = (config, validate(config, self.world, check_data=False))
             except ConfigError as exc:
                 self.layouts[key] = None
+                self.refusals[key] = str(exc)
                 self.refusal = self.refusal or str(exc)
         return self.layouts[key]
 
@@ -332,7 +466,7 @@ class _Search:
         found = self._layout(settings)
         if found is None:
             return None
-        key = tuple(v for k, v in settings.items() if not k.startswith("overlap"))
+        key = _memory_key(settings)
         if key not in self.memory_cache:
             self.memory_cache[key] = predict_memory(found[0], self.world, self.kernels, found[1])
         return found[0], found[1], self.memory_cache[key]
@@ -378,6 +512,11 @@ class _Search:
             f"no layout of {name} fits {self.hardware.device_memory_gb:g} GB per device on {self.world} ranks: "
             f"the most frugal ({what}) needs {need / 1e9:.1f} GB; use devices of at least {need / 1e9:.1f} GB{more}"
         )
+
+
+def _memory_key(settings: dict[str, Any]) -> tuple:
+    """What memory depends on: the settings less the overlap switches (the same buffers either way)."""
+    return tuple(v for k, v in settings.items() if not k.startswith("overlap"))
 
 
 # ---------------------------------------------------------------- what would fit
