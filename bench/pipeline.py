@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import resource
@@ -522,6 +523,8 @@ def _recorded_steps(ours: Any, batches: list, steps: int) -> list[list[list[Any]
     rank, pp = dist.get_rank(), dist.get_world_size()
     out = []
     ours.pipeline.record = True
+    gc.collect()
+    gc.disable()  # (a collection inside a recorded step is one rank's pause, not the schedule's)
     for _ in range(steps):
         ours.zero_grad()
         dist.barrier()
@@ -529,6 +532,7 @@ def _recorded_steps(ours: Any, batches: list, steps: int) -> list[list[list[Any]
         spans: list[Any] = [None] * pp
         dist.gather_object(ours.pipeline.spans, spans if rank == 0 else None, dst=0)
         out.append(spans)
+    gc.enable()
     ours.pipeline.record = False
     return out if rank == 0 else []
 
@@ -649,6 +653,33 @@ def _fitted_latency(schedule: Any, costs: list[dict[str, float]], bubble: float)
     return (low + high) / 2
 
 
+# glibc hands freed blocks over 128 KiB back to the kernel and maps the next ones afresh, so every
+# step page-faults its activations in again, at a cost that varies from one operation to the next;
+# keeping them in the heap makes an operation's time the same from step to step.
+STEADY_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(64 << 30),
+    "MALLOC_TOP_PAD_": str(1 << 30),
+}
+
+
+def _per_microbatch_ms(steps: list[list[list[Any]]], kinds: tuple[str, ...]) -> list[dict[str, list[float]]]:
+    """Each stage's median duration of each kind of operation per micro-batch (over the recorded
+    steps): where the run's times differ from their mean systematically (a step's first backward
+    allocating the gradients, say) rather than by jitter."""
+    table: dict[tuple[int, str, int], list[float]] = {}
+    for spans in steps:
+        for stage, row in enumerate(spans):
+            for action, start, end in row:
+                table.setdefault((stage, action.kind, action.microbatch), []).append(end - start)
+    stages = len(steps[0])
+    microbatches = 1 + max(m for _, _, m in table)
+    return [
+        {k: [round(statistics.median(table[(s, k, i)]), 2) for i in range(microbatches)] for k in kinds}
+        for s in range(stages)
+    ]
+
+
 def _bubble_run(args: dict, topology: Any, name: str, split: str, batches: list) -> dict:
     """Build paratron's pipeline of schedule `name` with the given split, warm it up, record
     --rounds steps; the measured bubble against the theory and against the schedule simulated with
@@ -713,6 +744,7 @@ def _bubble_run(args: dict, topology: Any, name: str, split: str, batches: list)
             "step_ms": statistics.median(step_ms),
             "busy_ms_per_rank": [statistics.median(b[r] for b in busy) for r in range(pp)],
             "op_ms_per_stage": op_ms,
+            "op_ms_per_microbatch": _per_microbatch_ms(steps, kinds),
             "stage_forward_flops_per_token": stage_flops(args, counts),
             "idle": idle_breakdown(steps),
         }
@@ -731,6 +763,8 @@ def _bubble_worker(rank: int, world: int, port: int, args: dict, out: str) -> No
 
     initialize("gloo")
     torch.set_num_threads(max(1, args["cores"] // world))
+    if args["pin"] and world <= args["cores"] and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {rank % args["cores"]})  # one core per stage: no migrations between cores
     topology = Topology(ParallelDims(world, pp=world), rank)
     topology.create_groups()
     mb, m, seq = args["micro_batch_size"], args["microbatches"], args["seq"]
@@ -769,6 +803,8 @@ def bubble(args: dict) -> dict:
     waited = wait_for_quiet(args["quiet_below"], args["quiet_timeout"]) if args["quiet_below"] < 1 else 0.0
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy, start = busy_seconds(), time.perf_counter()
+    if args["steady_malloc"]:
+        os.environ.update(STEADY_MALLOC)  # (read by each spawned process's C library at its start)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         mp.spawn(_bubble_worker, args=(args["pp"], free_port(), dict(args, splits=splits), out.name), nprocs=args["pp"])
         results = json.loads(Path(out.name).read_text())
@@ -782,7 +818,13 @@ def bubble(args: dict) -> dict:
     results["waited_for_quiet_s"] = waited
     results["balanced_split_from"] = sources
     results["model"] = _run_settings(args)
-    results["timing"] = {"warmup_steps": args["warmup"], "recorded_steps": args["rounds"], "cores": args["cores"]}
+    results["timing"] = {
+        "warmup_steps": args["warmup"],
+        "recorded_steps": args["rounds"],
+        "cores": args["cores"],
+        "pinned": args["pin"],
+        "steady_malloc": args["steady_malloc"],
+    }
     return results
 
 
@@ -887,6 +929,18 @@ def main() -> None:
         type=float,
         default=0.1,
         help="bubble: first wait until other processes use less than this share of the cores (1: never wait)",
+    )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bubble: pin each process to its own core when there are as many cores as processes",
+    )
+    parser.add_argument(
+        "--steady-malloc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bubble: keep freed memory in each process's heap (glibc settings) so operations do not page-fault",
     )
     parser.add_argument("--quiet-timeout", type=float, default=300.0, help="bubble: the longest wait for quiet, s")
     parser.add_argument("--output", type=Path, default=None)
