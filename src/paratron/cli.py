@@ -9,6 +9,8 @@ data pipeline.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -64,15 +66,17 @@ def _check_and_launch(config: Config, argv: list[str]) -> int | None:
     this process is a worker and goes on."""
     from paratron.config.validation import validate
     from paratron.distributed.init import env_world_size, launched_by_torchrun
+    from paratron.distributed.launch import needs_agent, run_under_torchrun, slurm_settings
     from paratron.training.run import check_inputs
 
-    nproc = config.parallel.nproc_per_node
-    validate(config, env_world_size() if launched_by_torchrun() else nproc)
+    torchrun = launched_by_torchrun()
+    if not torchrun:
+        config = dataclasses.replace(config, parallel=slurm_settings(os.environ, config.parallel))
+    p = config.parallel
+    validate(config, env_world_size() if torchrun else p.nproc_per_node * p.nnodes)
     check_inputs(config)
-    if nproc > 1 and not launched_by_torchrun():
-        from paratron.distributed.launch import run_under_torchrun
-
-        return run_under_torchrun(nproc, argv)
+    if needs_agent(p) and not torchrun:
+        return run_under_torchrun(p, argv)
     return None
 
 
@@ -83,6 +87,8 @@ def cmd_train(argv: list[str]) -> int:
 
     recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
     config = build_config(overrides, recipe)
+    if "RANK" not in os.environ and config.parallel.nnodes > 1:
+        quiet_launcher_logs()
     if config.planning.dry_run:
         from paratron.planning.dry_run import run_dry_run
 
@@ -111,7 +117,8 @@ def _auto(config: Config, argv: list[str]) -> tuple[list[str], Config]:
             "--auto plans before the workers start: launch with paratron train --nproc N --auto, or run "
             "`paratron plan` and start its command under torchrun"
         )
-    argv, best = auto_layout(config, argv, config.planning.world_size or config.parallel.nproc_per_node)
+    world = config.planning.world_size or config.parallel.nproc_per_node * config.parallel.nnodes
+    argv, best = auto_layout(config, argv, world)
     print(
         f"--auto: {best.describe()}, predicted {best.prediction.tokens_per_s:,.0f} tokens/s, "
         f"peak {best.peak_memory / 1e9:.2f} GB per rank"
@@ -468,7 +475,30 @@ def cmd_schedule(argv: list[str]) -> int:
     return 0
 
 
+CPP_LOG_LEVEL, USER_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL", "PARATRON_USER_CPP_LOG_LEVEL"
+
+
+def quiet_launcher_logs() -> None:
+    """Keep torch's C++ log (a stack trace per failed connection to the rendezvous) out of the
+    launch agent, which reports failures in one line; the workers get the user's level back
+    (`main`). Before torch is imported, which reads it once."""
+    os.environ[USER_CPP_LOG_LEVEL] = os.environ.get(CPP_LOG_LEVEL, "")
+    os.environ[CPP_LOG_LEVEL] = "FATAL"
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _peer_lost(exc: RuntimeError) -> bool:
+    """Whether a worker's collective failed because another rank died (the agent then stops or
+    restarts the job; this rank's traceback would only hide the one that matters)."""
+    return "RANK" in os.environ and any(sign in str(exc) for sign in PEER_LOST)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if "RANK" in os.environ and USER_CPP_LOG_LEVEL in os.environ:  # a worker of a quiet launcher
+        level = os.environ.pop(USER_CPP_LOG_LEVEL)
+        os.environ.pop(CPP_LOG_LEVEL) if not level else os.environ.update({CPP_LOG_LEVEL: level})
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
@@ -481,6 +511,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[name][1](rest)
     except PeerFailure:
         return 2
+    except RuntimeError as exc:
+        if not _peer_lost(exc):
+            raise
+        sign = next(sign for sign in PEER_LOST if sign in str(exc))
+        print(f"[rank {os.environ.get('RANK', '0')}] stopped: another rank failed ({sign.lower()})", file=sys.stderr)
+        return 1
     except OSError as exc:  # an unreadable input, an unwritable output, a full disk: the user's to fix
         from paratron.distributed.launch import report_worker_error
 

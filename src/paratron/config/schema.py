@@ -203,6 +203,32 @@ class ParallelConfig:
     """Processes to start on this machine; paratron train launches itself under torchrun when this is above 1
     (--nproc)."""
 
+    nnodes: int = 1
+    """Machines in the job; run paratron train on each with its --node-rank (under Slurm, read from SLURM_*)."""
+
+    node_rank: int = 0
+    """This machine's place among --nnodes (0 hosts the rendezvous with --master-addr)."""
+
+    master_addr: str | None = None
+    """Address of node 0, where the nodes meet (static rendezvous, as torchrun's --master-addr)."""
+
+    master_port: int = 29500
+    """Port on --master-addr where the nodes meet."""
+
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of torchrun's c10d rendezvous instead of --master-addr: nodes join in any order, and restart together
+    after a failure (--max-restarts)."""
+
+    rdzv_id: str | None = None
+    """Name of the job at the rendezvous, the same on every node (default: SLURM_JOB_ID, else fixed)."""
+
+    rdzv_timeout_seconds: float = 900.0
+    """How long a node waits at the rendezvous for the others before giving up (then exit 2)."""
+
+    max_restarts: int = 0
+    """Restart the job this many times when a process dies; each restart resumes from the newest intact checkpoint
+    in --save (--save-interval bounds the lost work)."""
+
     tensor_model_parallel_size: int = 1
     """Tensor-parallel degree: ranks that split each layer's matrices."""
 
@@ -291,6 +317,20 @@ class ParallelConfig:
 
     distributed_timeout_minutes: float = 10.0
     """How long a collective may wait for the other ranks (raise it when rank 0 tokenizes a large corpus first)."""
+
+
+LAUNCH_FIELDS = (
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_timeout_seconds",
+    "max_restarts",
+)
+"""Settings of the launcher (where processes start and meet), not of the run they train."""
 
 
 @dataclass(frozen=True)
@@ -484,6 +524,11 @@ class TrainingConfig:
 
     exit_interval: int | None = None
     """Stop after a step whose number is a multiple of this, saving a checkpoint (with --save)."""
+
+    fault_inject: list[str] = field(default_factory=list)
+    """Faults for drills and tests, RANK:STEP:KIND each, KIND one of crash (the process dies by SIGKILL), hang (it
+    stops answering), nan (its forward output turns NaN) or slow (it sleeps 2 s); the first fires in the first run,
+    the next after the first restart, and so on."""
 
     recompute_granularity: Literal["full", "selective"] | None = None
     """Recompute activations in backward instead of keeping them: full (whole layers, see --recompute-method) or

@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from paratron.config.faults import parse_faults
 from paratron.config.fields import all_fields, flag
 from paratron.config.layout import Layout, resolve_layout
-from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, TrainingConfig
+from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from paratron.errors import ConfigError
 
 POSITIVE = (
@@ -30,6 +31,7 @@ POSITIVE = (
     "init_method_std",
     "make_vocab_size_divisible_by",
     "nproc_per_node",
+    "nnodes",
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
     "context_parallel_size",
@@ -54,6 +56,8 @@ POSITIVE = (
     "world_size",
     "device_memory_gb",
     "distributed_timeout_minutes",
+    "master_port",
+    "rdzv_timeout_seconds",
     "ddp_bucket_size",
     "loss_scale",
     "initial_loss_scale",
@@ -67,6 +71,8 @@ POSITIVE = (
 """Settings that must be above zero when set."""
 
 NON_NEGATIVE = (
+    "node_rank",
+    "max_restarts",
     "eval_iters",
     "lr_warmup_iters",
     "lr",
@@ -102,6 +108,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     return the run's layout. `check_data=False` skips the data section (for library use that
     brings its own data)."""
     _check_bounds(config)
+    _check_launch(config.parallel)
     _check_precision(config.training)
     _check_model(config.model, config.data)
     layout = resolve_layout(config, world_size)
@@ -111,9 +118,29 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_recompute(config.training)
     _check_data_parallel(config, layout)
     _check_lr_schedule(config)
+    parse_faults(config.training.fault_inject, world_size)
     if check_data:
         _check_data(config.data, config.training, config.model)
     return layout
+
+
+def _check_launch(parallel: ParallelConfig) -> None:
+    """Where the nodes meet, and this node's place among them."""
+    if parallel.node_rank >= parallel.nnodes:
+        raise ConfigError(
+            f"{flag.node_rank} {parallel.node_rank} is out of range for {flag.nnodes} {parallel.nnodes}: "
+            f"use 0 to {parallel.nnodes - 1}"
+        )
+    if parallel.master_addr is not None and parallel.rdzv_endpoint is not None:
+        raise ConfigError(
+            f"{flag.master_addr} and {flag.rdzv_endpoint} are two ways to meet: give one "
+            f"({flag.rdzv_endpoint} to restart the nodes together)"
+        )
+    if parallel.nnodes > 1 and parallel.master_addr is None and parallel.rdzv_endpoint is None:
+        raise ConfigError(
+            f"{flag.nnodes} {parallel.nnodes} needs where the nodes meet: {flag.master_addr} HOST "
+            f"(node 0's address) or {flag.rdzv_endpoint} HOST:PORT"
+        )
 
 
 def _value(config: Config, name: str) -> Any:

@@ -145,7 +145,7 @@ def format_roles(roles: list[RankMemory], device_gb: float | None) -> list[str]:
 def run_dry_run(config: Config) -> int:
     """`paratron train --dry-run`: validate `config` for --world-size ranks, build each rank role
     on the meta device, print its memory, and fail (ConfigError) when a rank does not fit."""
-    world = config.planning.world_size or config.parallel.nproc_per_node
+    world = config.planning.world_size or config.parallel.nproc_per_node * config.parallel.nnodes
     config = with_vocabulary(config)
     layout = validate(config, world)
     planning = config.planning

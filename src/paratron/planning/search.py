@@ -30,7 +30,7 @@ from typing import Any
 from paratron.config.fields import all_fields, flag
 from paratron.config.layout import Layout
 from paratron.config.loading import build_config, override
-from paratron.config.schema import Config
+from paratron.config.schema import LAUNCH_FIELDS, Config
 from paratron.config.validation import validate
 from paratron.errors import ConfigError
 from paratron.planning.activations import KERNELS
@@ -166,15 +166,14 @@ def describe(settings: dict[str, Any], layout: Layout) -> str:
 
 def config_arguments(config: Config) -> list[str]:
     """Flags that rebuild `config` (with `build_config`): its settings that differ from the defaults
-    and its model's registry entry; planning settings and the process count (the launcher's) are
-    left out."""
+    and its model's registry entry; planning and launch settings (the launcher's) are left out."""
     flat, baseline = _flat(config), _defaults(config.model.model_name)
     args: list[str] = []
     if config.model.model_name:
         args += [flag.model_name, config.model.model_name]
     for name, info in all_fields().items():
         value = flat[name]
-        if name in ("model_name", "nproc_per_node") or info.section == "planning" or value == baseline[name]:
+        if name == "model_name" or name in LAUNCH_FIELDS or info.section == "planning" or value == baseline[name]:
             continue
         if info.base_type is bool:
             args.append(info.flag if value else "--no-" + info.flag[2:])

@@ -26,6 +26,7 @@ from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
 from paratron.distributed import comm, rng
 from paratron.distributed.init import DistributedContext, peak_memory_bytes
+from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Axis, Topology
 from paratron.model.batch import Batch
 from paratron.optim.build import set_learning_rate
@@ -38,6 +39,7 @@ from paratron.parallel.pipeline.schedules import theoretical_bubble
 from paratron.training.evaluate import task_loss_sums
 from paratron.training.exit import ExitConditions
 from paratron.training.expert_load import ExpertStats, reduce_expert_stats
+from paratron.training.faults import fault_of_attempt, injected
 from paratron.training.memory import SavedActivations, format_memory, gather_memory, rank_memory
 from paratron.training.metrics import MetricsWriter
 from paratron.training.plot import plot_expert_load
@@ -106,6 +108,7 @@ class Trainer:
         self.documents = DocumentLayout.of(d, self.config.model, tokenizer.eod_id if tokenizer is not None else None)
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.expert_load: list[tuple[int, np.ndarray]] = []  # (step, token shares [MoE layers, experts])
+        self.fault = fault_of_attempt(t.fault_inject, restart_count(), self.ctx.rank)
 
     @property
     def global_batch_size(self) -> int:
@@ -153,7 +156,10 @@ class Trainer:
             pipeline.record = True
         measuring = iteration == first and lg.log_memory
         step_start = time.perf_counter()
-        with SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations:
+        with (
+            SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations,
+            injected(self.fault, iteration, self.model.module),
+        ):
             result = train_step(
                 self.model,
                 self.optimizer,

@@ -28,13 +28,14 @@ from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
-from paratron.config.schema import Config
+from paratron.config.schema import CheckpointConfig, Config
 from paratron.data.build import build_data
 from paratron.data.checks import check_data_inputs
 from paratron.data.tokenizer import Tokenizer
 from paratron.distributed.init import DistributedContext, initialize, seed_everything, shutdown
+from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Axis, ParallelDims, Topology
-from paratron.errors import ConfigError
+from paratron.errors import CheckpointError, ConfigError
 from paratron.inference.generate import generate
 from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
@@ -104,6 +105,18 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
     return state
 
 
+def restarted_from(c: CheckpointConfig) -> Path | None:
+    """After a restart (--max-restarts), the save directory when it holds a checkpoint of this run:
+    the job goes on from its newest intact one, not from --load again."""
+    if restart_count() == 0 or c.save is None:
+        return None
+    try:
+        read_checkpoint(Path(c.save), verify=False)
+    except CheckpointError:  # (none yet: the run died before its first save)
+        return None
+    return Path(c.save)
+
+
 def _assemble(
     config: Config, ctx: DistributedContext, topology: Topology, peak: float, say: Callable[[str], None]
 ) -> tuple[Trainer, CheckpointInfo | None, int]:
@@ -111,7 +124,9 @@ def _assemble(
     loaded and the single-device parameter count."""
     t, c = config.training, config.checkpoint
     layout = resolve_layout(config, ctx.world_size)  # (the settings were validated before the workers started)
-    resume = read_checkpoint(Path(c.load)) if c.load else None
+    restarted = restarted_from(c)
+    source = restarted or (Path(c.load) if c.load else None)
+    resume = read_checkpoint(source) if source is not None else None
     saved_tokenizer = tokenizer_from_checkpoint(resume) if resume is not None and config.data.sft else None
     data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say, saved_tokenizer=saved_tokenizer)
     config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
@@ -123,7 +138,7 @@ def _assemble(
         load_model_weights(resume, model.module, whole=topology.size(Axis.PP) == 1)
     optimizer = build_optimizer(model, config.optimizer)
     seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
-    continuing = resume is not None and not c.finetune and not resume.weights_only
+    continuing = resume is not None and (restarted is not None or (not c.finetune and not resume.weights_only))
     state = TrainState(resume.iteration, resume.consumed_samples) if continuing and resume else TrainState()
     writer = MetricsWriter(
         Path(config.logging.run_dir),

@@ -1,0 +1,57 @@
+"""Injected faults (`--fault-inject RANK:STEP:KIND`), for fault-tolerance tests and users' drills.
+
+One fault per attempt of the job: the first given fires in the first run, the second after the
+first restart (`--max-restarts`), and so on, so a drill with k faults restarts k times however
+far back each restart resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from paratron.config.faults import Fault, parse_faults
+
+SLOW_SECONDS = 2.0
+
+
+def fault_of_attempt(specs: list[str], attempt: int, rank: int) -> Fault | None:
+    """This rank's fault in this attempt (restart count), if any."""
+    faults = parse_faults(specs)
+    fault = faults[attempt] if attempt < len(faults) else None
+    return fault if fault is not None and fault.rank == rank else None
+
+
+@contextlib.contextmanager
+def injected(fault: Fault | None, step: int, module: nn.Module) -> Iterator[None]:
+    """Around one training step: fire `fault` if this is its step. crash and hang happen before
+    the step, slow sleeps before it, nan makes `module`'s forward outputs NaN during it."""
+    if fault is None or fault.step != step:
+        yield
+        return
+    if fault.kind == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "hang":
+        while True:  # stops answering: its peers' collectives time out, or the agent stops it
+            time.sleep(3600)
+    if fault.kind == "slow":
+        time.sleep(SLOW_SECONDS)
+    handle = module.register_forward_hook(_poison) if fault.kind == "nan" else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _poison(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """A forward hook: the output (its first tensor) times NaN."""
+    if isinstance(output, tuple):
+        return (output[0] * float("nan"), *output[1:])
+    return output * float("nan")

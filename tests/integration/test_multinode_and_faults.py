@@ -1,0 +1,175 @@
+"""Beyond one machine, as a user runs it: two launch agents on this machine as two nodes over
+loopback, and a run that loses a rank again and again (--fault-inject, --max-restarts) and still
+ends with the uninterrupted run's losses and intact checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paratron.checkpoint.io import TRACKER, read_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from multiprocess import free_port  # noqa: E402
+
+RUN = ["train", "--config", "debug", "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "1"]
+QUIET = ["--no-progress-bar", "--no-tensorboard"]
+
+
+def start(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "paratron", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"no exit within {timeout} s:\n{err[-3000:]}")
+    return process.returncode, out, err
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def test_two_nodes_over_loopback_train_as_one_node(tmp_path):
+    """TP 2 x DP 2 on two nodes of two processes: each tensor-parallel pair on one node."""
+    steps = ["--train-iters", "3", "--tensor-model-parallel-size", "2", *QUIET]
+    code, out, err = finish(start(*RUN, *steps, "--nproc", "4", "--run-dir", str(tmp_path / "one")))
+    assert code == 0, err
+    port = str(free_port())
+    nodes = [
+        start(
+            *RUN,
+            *steps,
+            "--nproc",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            "--run-dir",
+            str(tmp_path / f"node{rank}"),
+        )
+        for rank in (0, 1)
+    ]
+    results = [finish(node) for node in nodes]
+    assert [r[0] for r in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
+    assert "world 4 = TP 2 x CP 1 x DP 2" in results[0][1]
+    assert losses(tmp_path / "node0") == losses(tmp_path / "one")  # the same ranks, the same numbers
+    assert not (tmp_path / "node1" / "metrics.jsonl").exists()  # rank 0 writes the metrics
+
+
+def test_a_node_rank_out_of_range_and_an_unreachable_master_are_one_line(tmp_path):
+    code, _, err = finish(start(*RUN, "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", *QUIET))
+    assert code == 2 and err.strip() == "error: --node-rank 2 is out of range for --nnodes 2: use 0 to 1"
+    code, _, err = finish(
+        start(
+            *RUN,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "--rdzv-timeout-seconds",
+            "3",
+            "--run-dir",
+            str(tmp_path),
+            *QUIET,
+        ),
+        timeout=120,
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err[-2000:]
+    assert lines[0].startswith("error: the nodes did not meet at 127.0.0.1:") and "within 3 s" in lines[0]
+
+
+def test_a_run_that_loses_a_rank_ten_times_ends_as_the_uninterrupted_one(tmp_path):
+    """Ten kills (SIGKILL of a seeded random rank at a seeded random step, one per attempt, steps
+    in order so each fires), --max-restarts 10, a checkpoint every 2 steps: every restart resumes
+    from the newest intact checkpoint, and the losses are the uninterrupted run's."""
+    steps = 8
+    common = [*RUN, "--nproc", "2", "--train-iters", str(steps), "--save-interval", "2", *QUIET]
+    code, _, err = finish(start(*common, "--save", str(tmp_path / "ck0"), "--run-dir", str(tmp_path / "calm")))
+    assert code == 0, err
+    chance = random.Random(19)
+    faults = [f"{chance.randrange(2)}:{step}:crash" for step in sorted(chance.randint(1, steps) for _ in range(10))]
+    code, out, err = finish(
+        start(
+            *common,
+            "--save",
+            str(tmp_path / "ck"),
+            "--run-dir",
+            str(tmp_path / "faulty"),
+            "--max-restarts",
+            "10",
+            "--fault-inject",
+            *faults,
+        ),
+        timeout=600,
+    )
+    assert code == 0, err[-3000:]
+    assert out.count("paratron: world 2") == 11  # the first run and ten restarts
+    assert losses(tmp_path / "faulty") == losses(tmp_path / "calm")
+    # every checkpoint is whole, and the tracker names the last
+    folders = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("iter_"))
+    assert folders == [f"iter_{i:07d}" for i in range(2, steps + 1, 2)]
+    for folder in folders:
+        assert not read_checkpoint(tmp_path / "ck" / folder).passed_over
+    assert (tmp_path / "ck" / TRACKER).read_text().strip() == str(steps)
+
+
+def test_a_spent_restart_budget_is_one_final_line_and_keeps_the_checkpoint(tmp_path):
+    code, _, err = finish(
+        start(
+            *RUN,
+            "--nproc",
+            "2",
+            "--train-iters",
+            "4",
+            "--save-interval",
+            "1",
+            "--save",
+            str(tmp_path / "ck"),
+            "--run-dir",
+            str(tmp_path),
+            "--max-restarts",
+            "1",
+            "--fault-inject",
+            "1:2:crash",
+            "0:2:crash",
+            *QUIET,
+        )
+    )
+    assert code == 1
+    assert (
+        err.strip().splitlines()[-1]
+        == "error: rank 0 was killed by SIGKILL after 1 restarts (--max-restarts); the job stopped"
+    )
+    assert "Traceback" not in err
+    assert read_checkpoint(tmp_path / "ck").iteration == 1
