@@ -23,3 +23,8 @@ class CheckpointError(UserError):
 
 class PeerFailure(UserError):
     """Another rank hit a user error and reported it; this rank stops quietly with the same exit code."""
+
+
+class NonFiniteStop(UserError):
+    """Training met a non-finite loss or gradient and --on-nan says stop (or cannot roll back);
+    the message names the first module whose output or gradient went non-finite."""

@@ -15,9 +15,9 @@ import pytest
 
 from paratron.checkpoint.io import TRACKER, read_checkpoint
 
+from multiprocess import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
-from multiprocess import free_port  # noqa: E402
 
 RUN = ["train", "--config", "debug", "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "1"]
 QUIET = ["--no-progress-bar", "--no-tensorboard"]

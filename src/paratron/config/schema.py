@@ -525,6 +525,12 @@ class TrainingConfig:
     exit_interval: int | None = None
     """Stop after a step whose number is a multiple of this, saving a checkpoint (with --save)."""
 
+    on_nan: Literal["stop", "skip", "rollback"] = "stop"
+    """When a step's gradients are not finite (a NaN or infinite loss or gradient; fp16 overflow is the loss scaler's):
+    the step is not applied, the first module whose output or gradient went non-finite is named, and then stop (exit
+    2), skip (go on with the next batch) or rollback (reload the newest checkpoint of --save and go on without the
+    offending batch)."""
+
     fault_inject: list[str] = field(default_factory=list)
     """Faults for drills and tests, RANK:STEP:KIND each, KIND one of crash (the process dies by SIGKILL), hang (it
     stops answering), nan (its forward output turns NaN) or slow (it sleeps 2 s); the first fires in the first run,

@@ -31,7 +31,8 @@ def fault_of_attempt(specs: list[str], attempt: int, rank: int) -> Fault | None:
 @contextlib.contextmanager
 def injected(fault: Fault | None, step: int, module: nn.Module) -> Iterator[None]:
     """Around one training step: fire `fault` if this is its step. crash and hang happen before
-    the step, slow sleeps before it, nan makes `module`'s forward outputs NaN during it."""
+    the step, slow sleeps before it, nan makes the forward output of the first layer with weights
+    that runs NaN during it."""
     if fault is None or fault.step != step:
         yield
         return
@@ -42,16 +43,27 @@ def injected(fault: Fault | None, step: int, module: nn.Module) -> Iterator[None
             time.sleep(3600)
     if fault.kind == "slow":
         time.sleep(SLOW_SECONDS)
-    handle = module.register_forward_hook(_poison) if fault.kind == "nan" else None
+    handles = _poison_first_called(module) if fault.kind == "nan" else []
     try:
         yield
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
 
 
-def _poison(module: nn.Module, inputs: Any, output: Any) -> Any:
-    """A forward hook: the output (its first tensor) times NaN."""
-    if isinstance(output, tuple):
-        return (output[0] * float("nan"), *output[1:])
-    return output * float("nan")
+def _poison_first_called(module: nn.Module) -> list[Any]:
+    """Forward hooks on every layer with weights of `module`: the first one to run (the embedding
+    on the first pipeline stage) has its output, its first tensor, multiplied by NaN from then on."""
+    chosen: list[nn.Module] = []
+
+    def poison(layer: nn.Module, inputs: Any, output: Any) -> Any:
+        if not chosen:
+            chosen.append(layer)
+        if layer is not chosen[0]:
+            return None
+        if isinstance(output, tuple):
+            return (output[0] * float("nan"), *output[1:])
+        return output * float("nan")
+
+    leaves = [m for m in module.modules() if not any(m.children()) and any(True for _ in m.parameters(False))]
+    return [leaf.register_forward_hook(poison) for leaf in leaves]

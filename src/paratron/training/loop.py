@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import BackgroundSave, CheckpointContent, begin_save, write_text_atomic
+from paratron.checkpoint.io import (
+    BackgroundSave,
+    CheckpointContent,
+    CheckpointInfo,
+    begin_save,
+    load_model_weights,
+    load_training_state,
+    read_checkpoint,
+    read_weight,
+    write_text_atomic,
+)
+from paratron.checkpoint.optimizer_state import load_optimizer
 from paratron.config.layout import Layout
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
@@ -28,6 +40,7 @@ from paratron.distributed import comm, rng
 from paratron.distributed.init import DistributedContext, peak_memory_bytes
 from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Axis, Topology
+from paratron.errors import CheckpointError, NonFiniteStop
 from paratron.model.batch import Batch
 from paratron.optim.build import set_learning_rate
 from paratron.optim.lr_schedule import learning_rate
@@ -42,6 +55,7 @@ from paratron.training.expert_load import ExpertStats, reduce_expert_stats
 from paratron.training.faults import fault_of_attempt, injected
 from paratron.training.memory import SavedActivations, format_memory, gather_memory, rank_memory
 from paratron.training.metrics import MetricsWriter
+from paratron.training.nonfinite import first_report, watching
 from paratron.training.plot import plot_expert_load
 from paratron.training.step import StepResult, train_step
 
@@ -109,6 +123,7 @@ class Trainer:
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.expert_load: list[tuple[int, np.ndarray]] = []  # (step, token shares [MoE layers, experts])
         self.fault = fault_of_attempt(t.fault_inject, restart_count(), self.ctx.rank)
+        self.skip_batch_at: set[int] = set()  # iterations whose batch a rollback leaves out
 
     @property
     def global_batch_size(self) -> int:
@@ -121,8 +136,13 @@ class Trainer:
         first = self.state.iteration + 1
         window = _Window(torch.zeros((), device=self.ctx.device), torch.zeros((), device=self.ctx.device))
         with ExitConditions(self.config.training, self.ctx.device) as exits:
-            for iteration in range(first, end + 1):
+            iteration = first - 1
+            while iteration < end:
+                iteration += 1
                 lr, result = self._train(iteration, first, window)
+                if result.nonfinite and self._after_nonfinite(iteration, result.nonfinite_where, window):
+                    iteration = self.state.iteration  # rolled back: go on after the checkpoint
+                    continue
                 stopping = exits.reason(iteration)
                 last = iteration == end
                 if iteration % self.config.logging.log_interval == 0 or last or stopping:
@@ -148,6 +168,9 @@ class Trainer:
         t, lg, state = self.config.training, self.config.logging, self.state
         lr = learning_rate(iteration, self.config.optimizer.lr, self.config.lr_schedule, t.train_iters)
         set_learning_rate(self.optimizer, lr)
+        if iteration in self.skip_batch_at:  # rolled back past it: its batch made the gradients non-finite
+            self.skip_batch_at.discard(iteration)
+            state.consumed_samples += self.global_batch_size
         batches = micro_batches(self.data.train, self.plan, state.consumed_samples, self.ctx.device, self.documents)
         pipeline = self.model.pipeline
         profiling = lg.profile_pipeline and pipeline is not None and iteration == t.train_iters
@@ -168,6 +191,10 @@ class Trainer:
                 self.config.optimizer.clip_grad,
                 self.per_token_loss,
             )
+            if result.nonfinite:  # the same step again, watched (inside the injected fault, if any)
+                result.nonfinite_where = self._first_nonfinite(batches)
+        if self.fault is not None and self.fault.step == iteration:
+            self.fault = None  # it fired: once per attempt, however often a rollback passes its step
         if iteration == first:  # its speed is the step's own, without what came before or the report
             reporting = time.perf_counter()
             self._report_memory(activations)
@@ -180,7 +207,8 @@ class Trainer:
             window.start += time.perf_counter() - saving  # not part of the steps' speed
         state.iteration = iteration
         state.consumed_samples += self.global_batch_size
-        window.add(result)
+        if not result.nonfinite:  # (a non-finite loss would hide the interval's others)
+            window.add(result)
         if result.skipped:
             state.skipped_iterations += 1
             self.writer.info(
@@ -190,7 +218,58 @@ class Trainer:
         self.writer.advance()
         return lr, result
 
+    def _first_nonfinite(self, batches: list[Batch]) -> str:
+        """Run the step's forward and backward again with every module watched; which module's
+        output or output gradient went non-finite first (gradients are zeroed before the next step)."""
+        weights, _ = self.model.loss_weights(batches, self.per_token_loss)
+        self.model.zero_grad()
+        with watching(self.model.module) as found:
+            self.model.forward_backward(batches, self.precision.backward, weights)
+        self.model.zero_grad()
+        return first_report(found, self.topology.pp_rank, self.ctx.rank)
+
+    def _after_nonfinite(self, iteration: int, where: str, window: _Window) -> bool:
+        """--on-nan after a step whose gradients were not finite (it was not applied): say where,
+        then stop, skip the batch, or reload the newest checkpoint (True: rolled back)."""
+        how = self.config.training.on_nan
+        what = f"step {iteration}: the gradients are not finite; first non-finite: {where}"
+        save = self.config.checkpoint.save
+        if how == "skip":
+            self.state.skipped_iterations += 1
+            self.writer.info(f"{what}; step skipped (--on-nan skip)")
+            return False
+        if how == "rollback" and save:
+            self.finish_save()
+            try:
+                checkpoint = read_checkpoint(Path(save))
+            except CheckpointError:
+                checkpoint = None
+            if checkpoint is not None:
+                self.writer.info(f"{what}; back to {checkpoint.path}, without this step's batch (--on-nan rollback)")
+                self.resume_from(checkpoint)
+                self.skip_batch_at.add(iteration)
+                self.writer.rewind(checkpoint.iteration)
+                window.restart()
+                return True
+            what += "; no checkpoint in --save to roll back to"
+        elif how == "rollback":
+            what += "; --on-nan rollback needs --save"
+        raise NonFiniteStop(f"{what}; stopped (--on-nan {how})")
+
+    def resume_from(self, checkpoint: CheckpointInfo, weights: bool = True, optimizer_state: bool = True) -> None:
+        """Weights, counters, random generators, loss scaler and optimizer state (each unless told
+        not to) from `checkpoint`, at any layout: on resume, and on --on-nan rollback."""
+        if weights:
+            load_model_weights(checkpoint, self.model.module, whole=self.topology.size(Axis.PP) == 1)
+        self.state.iteration, self.state.consumed_samples = checkpoint.iteration, checkpoint.consumed_samples
+        state_of_rank, own = load_training_state(checkpoint, self.topology)
+        self.restore_rank_state(state_of_rank, own)
+        if optimizer_state:  # pieces under single-device names: any layout
+            load_optimizer(checkpoint.path, self.optimizer, self.model.module, partial(read_weight, checkpoint))
+
     def _log(self, iteration: int, lr: float, result: StepResult, window: _Window) -> None:
+        if not window.steps:  # only a non-finite step since the last line, and it said so
+            return
         loss = self._dp_mean(window.loss / window.steps)
         seconds = time.perf_counter() - window.start
         tokens_per_s = self.global_batch_size * self.config.data.seq_length * window.steps / seconds

@@ -75,6 +75,16 @@ class MetricsWriter:
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
+    def rewind(self, iteration: int) -> None:
+        """Forget the records after `iteration` (training went back to a checkpoint)."""
+        self.start_iter = iteration
+        if not self.enabled:
+            return
+        for name in ("train_file", "eval_file"):
+            handle = getattr(self, name)
+            handle.close()
+            setattr(self, name, _open_log(Path(handle.name), iteration))
+
     @classmethod
     def disabled(cls) -> MetricsWriter:
         """A writer that writes nothing (ranks other than 0, benchmarks)."""

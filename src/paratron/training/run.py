@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,12 +17,9 @@ import torch.distributed as dist
 from paratron.checkpoint.io import (
     CheckpointInfo,
     load_model_weights,
-    load_training_state,
     read_checkpoint,
-    read_weight,
     whole_model_state,
 )
-from paratron.checkpoint.optimizer_state import load_optimizer
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
@@ -161,11 +157,8 @@ def _assemble(
         peak,
         state,
     )
-    if continuing and resume is not None:
-        state_of_rank, own = load_training_state(resume, topology)
-        trainer.restore_rank_state(state_of_rank, own)
-        if not c.no_load_optim:  # at any layout: pieces under single-device names
-            load_optimizer(resume.path, optimizer, model.module, partial(read_weight, resume))
+    if continuing and resume is not None:  # (the weights are in: loaded before the optimizer took its masters)
+        trainer.resume_from(resume, weights=False, optimizer_state=not c.no_load_optim)
     return trainer, resume, n_params
 
 

@@ -40,6 +40,10 @@ class StepResult:
     """Trained (unmasked) labels in this rank's micro-batches."""
     experts: ExpertStats | None = None
     """What this rank's MoE layers counted in the step (None without experts)."""
+    nonfinite: bool = False
+    """The gradient norm was NaN or infinite (every rank agrees: it is global): no rank stepped."""
+    nonfinite_where: str = ""
+    """Which module went non-finite first (filled in by the loop's diagnosis)."""
 
 
 def train_step(
@@ -58,11 +62,13 @@ def train_step(
     optimizer.prepare_grads()
     grads = optimizer.grads_for_norm()
     overflow = precision.unscale(grads.tensors, grads.group)
-    grad_norm = None
+    grad_norm, nonfinite = None, False
     if not overflow:
         grad_norm = clip_grad_norm(grads.tensors, clip_grad, grads.group, grads.weights)
-        optimizer.step()
-        optimizer.after_step()
-        update_expert_biases(model, experts)
+        nonfinite = not bool(torch.isfinite(grad_norm))
+        if not nonfinite:
+            optimizer.step()
+            optimizer.after_step()
+            update_expert_biases(model, experts)
     precision.update(overflow)
-    return StepResult(loss, grad_norm, overflow, trained, experts)
+    return StepResult(loss, grad_norm, overflow, trained, experts, nonfinite)
