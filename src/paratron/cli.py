@@ -514,9 +514,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         if not _peer_lost(exc):
             raise
-        sign = next(sign for sign in PEER_LOST if sign in str(exc))
-        print(f"[rank {os.environ.get('RANK', '0')}] stopped: another rank failed ({sign.lower()})", file=sys.stderr)
-        return 1
+        from paratron.distributed.watchdog import hang_reported  # (lazily, for start-up speed)
+
+        if not hang_reported():  # (else the watchdog's line said it all)
+            sign = next(sign for sign in PEER_LOST if sign in str(exc))
+            print(
+                f"[rank {os.environ.get('RANK', '0')}] stopped: another rank failed ({sign.lower()})", file=sys.stderr
+            )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # nothing left to tidy, and torch's threads may still hold the dead connections
     except OSError as exc:  # an unreadable input, an unwritable output, a full disk: the user's to fix
         from paratron.distributed.launch import report_worker_error
 

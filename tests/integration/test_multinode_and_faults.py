@@ -173,3 +173,37 @@ def test_a_spent_restart_budget_is_one_final_line_and_keeps_the_checkpoint(tmp_p
     )
     assert "Traceback" not in err
     assert read_checkpoint(tmp_path / "ck").iteration == 1
+
+
+def test_a_hang_is_reported_by_every_rank_that_can_speak(tmp_path):
+    """Rank 1 stops answering before step 3; within --distributed-timeout-minutes (3 s here) rank 0
+    names the collective it waits in, its group, and rank 1 as the one that did not arrive; rank 1
+    says where it is; the job ends (no silent hang)."""
+    code, _, err = finish(
+        start(
+            *RUN,
+            "--nproc",
+            "2",
+            "--train-iters",
+            "4",
+            "--run-dir",
+            str(tmp_path),
+            "--fault-inject",
+            "1:3:hang",
+            "--distributed-timeout-minutes",
+            "0.05",
+            *QUIET,
+        ),
+        timeout=120,
+    )
+    assert code == 1
+    lines = err.strip().splitlines()
+    head = "step 3: no progress in 0.05 min (--distributed-timeout-minutes); "
+    zero = next(line for line in lines if line.startswith("[rank 0] "))
+    assert zero.startswith(f"[rank 0] {head}waiting in bucket.work.wait() over the dp_cp group (ranks [0, 1]) at ")
+    assert zero.endswith("; did not arrive: 1 (at training/faults.py:43 injected (time.sleep(3600)))")
+    one = next(line for line in lines if line.startswith("[rank 1] "))
+    assert (
+        one == f"[rank 1] {head}this rank is not in a collective: at training/faults.py:43 injected (time.sleep(3600))"
+    )
+    assert lines[-1] == "error: rank 0 exited with code 1; the job stopped" and "Traceback" not in err

@@ -316,7 +316,9 @@ class ParallelConfig:
     """Collective backend; auto picks NCCL where CUDA exists and gloo otherwise."""
 
     distributed_timeout_minutes: float = 10.0
-    """How long a collective may wait for the other ranks (raise it when rank 0 tokenizes a large corpus first)."""
+    """How long a collective may wait for the other ranks (raise it when rank 0 tokenizes a large corpus first); a
+    training step or save that makes no progress for this long is reported by every rank (which operation, which group,
+    which ranks did not arrive) and the job ends."""
 
 
 LAUNCH_FIELDS = (

@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from paratron.errors import ConfigError
 
+HANG_REPORT_MARGIN_S = 60
+"""Seconds the process group waits beyond --distributed-timeout-minutes (the watchdog's)."""
+
 
 @dataclass(frozen=True)
 class DistributedContext:
@@ -67,10 +70,21 @@ def initialize(backend: str = "auto", timeout_minutes: float = 10.0) -> Distribu
             name,
             rank=rank,
             world_size=world,
-            timeout=timedelta(minutes=timeout_minutes),
+            # later than the watchdog (distributed/watchdog.py), which reports a hang before torch's timeout ends it
+            timeout=timedelta(minutes=timeout_minutes, seconds=HANG_REPORT_MARGIN_S),
             device_id=device if device.type == "cuda" else None,
         )
     return DistributedContext(rank, world, local_rank, local_world, device, name)
+
+
+def job_store() -> dist.Store | None:
+    """The key-value store the job's processes met in (None alone or before they did)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
 
 
 def collective_device() -> torch.device:

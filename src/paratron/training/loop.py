@@ -40,6 +40,7 @@ from paratron.distributed import comm, rng
 from paratron.distributed.init import DistributedContext, peak_memory_bytes
 from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Axis, Topology
+from paratron.distributed.watchdog import Watchdog
 from paratron.errors import CheckpointError, NonFiniteStop
 from paratron.model.batch import Batch
 from paratron.optim.build import set_learning_rate
@@ -112,6 +113,8 @@ class Trainer:
     flops_per_token: float
     peak_flops: float
     state: TrainState = field(default_factory=TrainState)
+    watchdog: Watchdog | None = None
+    """Told of every step and save; a loop that stops moving is reported (distributed/watchdog.py)."""
     _background: BackgroundSave | None = None
 
     def __post_init__(self) -> None:
@@ -139,7 +142,9 @@ class Trainer:
             iteration = first - 1
             while iteration < end:
                 iteration += 1
+                self._moved(iteration)
                 lr, result = self._train(iteration, first, window)
+                self._moved(iteration)
                 if result.nonfinite and self._after_nonfinite(iteration, result.nonfinite_where, window):
                     iteration = self.state.iteration  # rolled back: go on after the checkpoint
                     continue
@@ -314,8 +319,13 @@ class Trainer:
         c = self.config.checkpoint
         if c.save and ((c.save_interval and iteration % c.save_interval == 0) or final):
             path = self.save(Path(c.save))
+            self._moved(iteration)
             self.writer.info(f"{'writing' if c.async_save else 'saved'} checkpoint {path}")
             window.start = time.perf_counter()
+
+    def _moved(self, iteration: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(iteration)
 
     # ---------------------------------------------------------------- their parts
 

@@ -7,6 +7,7 @@ completes the config with its vocabulary, the one value a config leaves open) ->
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,9 +29,10 @@ from paratron.config.schema import CheckpointConfig, Config
 from paratron.data.build import build_data
 from paratron.data.checks import check_data_inputs
 from paratron.data.tokenizer import Tokenizer
-from paratron.distributed.init import DistributedContext, initialize, seed_everything, shutdown
+from paratron.distributed.init import DistributedContext, initialize, job_store, seed_everything, shutdown
 from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Axis, ParallelDims, Topology
+from paratron.distributed.watchdog import Watchdog
 from paratron.errors import CheckpointError, ConfigError
 from paratron.inference.generate import generate
 from paratron.model.gpt import GPT, build_model
@@ -83,7 +85,11 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
     trainer, resume, n_params = _assemble(config, ctx, topology, peak, say)
     config = trainer.config  # (completed with the tokenizer's vocabulary)
     _describe(trainer, resume, n_params, peak_source, say)
-    with trainer.writer:
+    watchdog = None
+    if ctx.world_size > 1:
+        watchdog = Watchdog(60 * p.distributed_timeout_minutes, ctx.rank, ctx.world_size, job_store())
+        trainer.watchdog = watchdog
+    with trainer.writer, watchdog or contextlib.nullcontext():
         state = trainer.fit()
     if ctx.is_main:
         source = config.data.corpus or ("mock data" if config.data.mock_data else "--data-path")
