@@ -144,28 +144,14 @@ def test_a_run_that_loses_a_rank_ten_times_ends_as_the_uninterrupted_one(tmp_pat
     assert (tmp_path / "ck" / TRACKER).read_text().strip() == str(steps)
 
 
+def two_ranks(run_dir: Path, steps: int, *flags: str) -> tuple[int, str, str]:
+    """`paratron train` of the debug model on two processes for `steps` steps, with `flags`."""
+    return finish(start(*RUN, "--nproc", "2", "--train-iters", str(steps), "--run-dir", str(run_dir), *flags, *QUIET))
+
+
 def test_a_spent_restart_budget_is_one_final_line_and_keeps_the_checkpoint(tmp_path):
-    code, _, err = finish(
-        start(
-            *RUN,
-            "--nproc",
-            "2",
-            "--train-iters",
-            "4",
-            "--save-interval",
-            "1",
-            "--save",
-            str(tmp_path / "ck"),
-            "--run-dir",
-            str(tmp_path),
-            "--max-restarts",
-            "1",
-            "--fault-inject",
-            "1:2:crash",
-            "0:2:crash",
-            *QUIET,
-        )
-    )
+    save = ["--save", str(tmp_path / "ck"), "--save-interval", "1"]
+    code, _, err = two_ranks(tmp_path, 4, *save, "--max-restarts", "1", "--fault-inject", "1:2:crash", "0:2:crash")
     assert code == 1
     assert (
         err.strip().splitlines()[-1]
@@ -179,23 +165,7 @@ def test_a_hang_is_reported_by_every_rank_that_can_speak(tmp_path):
     """Rank 1 stops answering before step 3; within --distributed-timeout-minutes (3 s here) rank 0
     names the collective it waits in, its group, and rank 1 as the one that did not arrive; rank 1
     says where it is; the job ends (no silent hang)."""
-    code, _, err = finish(
-        start(
-            *RUN,
-            "--nproc",
-            "2",
-            "--train-iters",
-            "4",
-            "--run-dir",
-            str(tmp_path),
-            "--fault-inject",
-            "1:3:hang",
-            "--distributed-timeout-minutes",
-            "0.05",
-            *QUIET,
-        ),
-        timeout=120,
-    )
+    code, _, err = two_ranks(tmp_path, 4, "--fault-inject", "1:3:hang", "--distributed-timeout-minutes", "0.05")
     assert code == 1
     lines = err.strip().splitlines()
     head = "step 3: no progress in 0.05 min (--distributed-timeout-minutes); "

@@ -40,7 +40,7 @@ from paratron.model.loss import token_losses
 from paratron.model.moe import grouped_gemm_available
 from paratron.parallel.context.apply import apply_context_parallel
 from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
-from paratron.parallel.data.fully_sharded import shard_fully
+from paratron.parallel.data.fully_sharded import assign_full, shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.expert.apply import apply_expert_parallel
 from paratron.parallel.model import ParallelModel, TokenLoss
@@ -50,7 +50,7 @@ from paratron.parallel.pipeline.schedules import Schedule, build_schedule
 from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stage
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
 from paratron.parallel.recompute import apply_recompute
-from paratron.parallel.sharding import copy_info, full_shape, shard_of, take_slice
+from paratron.parallel.sharding import copy_info, full_shape, param_info, set_info, shard_of, take_slice
 from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratron.parallel.tensor.layers import TPContext
@@ -91,7 +91,8 @@ def parallelize(
     if t.recompute_granularity is not None:
         apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     stage = _cut_stage(model, layout, topology) if topology.size(Axis.PP) > 1 else None
-    materialize(model, device, t.seed)
+    if not _fully_sharded(config, topology):  # (ZeRO-3 shards on the meta device, then fills only its shards)
+        materialize(model, device, t.seed)
     gradients, flat = _data_parallel(model, config, topology, device, stage.runner if stage else None)
     pipeline = None
     if stage is not None:
@@ -167,8 +168,9 @@ def _data_parallel(
     )
     compute_dtype = DTYPES[config.training.precision]
     units = None
-    if settings.zero_stage == 3 and dp > 1:
+    if _fully_sharded(config, topology):
         units = shard_fully(model, topology.group(Axis.DP), device, root, compute_dtype)
+        materialize_shards(model, device, config.training.seed)
     else:
         model.to(compute_dtype)  # (in place: parameters keep their identity, ties and records)
     experts = topology.group(Axis.EXPERT_DP) if topology.size(Axis.EP) > 1 else None
@@ -229,6 +231,34 @@ def _vocab_parallel_token_losses(
 ) -> torch.Tensor:
     trained = labels != IGNORE_INDEX
     return vocab_parallel_cross_entropy(logits, labels.masked_fill(~trained, 0), vocab_start, group) * trained
+
+
+def _fully_sharded(config: Config, topology: Topology) -> bool:
+    """ZeRO-3 in effect: FSDP2 over more than one data-parallel rank."""
+    return config.parallel.sharding_stage == 3 and topology.group(Axis.DP_CP).size > 1
+
+
+def materialize_shards(model: nn.Module, device: torch.device | str, seed: int) -> None:
+    """ZeRO-3: allocate only this rank's FSDP2 shards and fill each from its tensor's single-device
+    init, one tensor at a time: a rank never holds more than its shards and one whole tensor."""
+    records = {
+        (id(m), key): param_info(p) for m in model.modules() for key, p in m._parameters.items() if p is not None
+    }
+    model.to_empty(device=device)  # (FSDP2's own path from the meta device: the shards, ties kept)
+    for module in model.modules():  # (the conversion may swap a parameter's attributes away with its storage)
+        for key, param in module._parameters.items():
+            if param is not None:
+                set_info(param, records[(id(module), key)])
+    if torch.device(device).type == "meta":
+        return
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = torch.empty(full_shape(param), device=device, dtype=param.dtype)
+            init_parameter(name, full, model.config, seed)
+            assign_full(param, take_slice(full, param))
+            del full
+        for buffer in model.buffers():
+            buffer.zero_()
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> None:

@@ -80,6 +80,10 @@ def update_info(param: torch.Tensor, **changes: object) -> None:
     setattr(param, _ATTRIBUTE, dataclasses.replace(param_info(param), **changes))
 
 
+def set_info(param: torch.Tensor, record: ParamInfo) -> None:
+    setattr(param, _ATTRIBUTE, record)
+
+
 def copy_info(source: torch.Tensor, target: torch.Tensor) -> None:
     """Give a re-created parameter the record of the one it replaces."""
     if hasattr(source, _ATTRIBUTE):
@@ -147,7 +151,7 @@ def take_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     record = param_info(param)
     if record.shard is None and record.expert_shard is None:
         return full
-    local = torch.zeros_like(param)
+    local = full.new_zeros(param.shape)  # (a plain tensor also for an FSDP2-sharded parameter)
     for whole, mine in place(param):
         local[mine] = full[whole]
     return local
