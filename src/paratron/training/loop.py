@@ -324,6 +324,7 @@ class Trainer:
             window.start = time.perf_counter()
 
     def _moved(self, iteration: int) -> None:
+        """Tell the watchdog the loop moves (a step, a save or an evaluation batch began or ended)."""
         if self.watchdog is not None:
             self.watchdog.progress(iteration)
 
@@ -407,6 +408,7 @@ class Trainer:
 
         def batches(source: SampleSource) -> Iterator[list[Batch]]:
             for i in range(iters):
+                self._moved(self.state.iteration)  # (a long evaluation is progress, not a hang)
                 yield micro_batches(source, self.plan, first + i * self.global_batch_size, device, self.documents)
 
         losses, tokens = task_loss_sums(self.model, {name: batches(source) for name, source in tasks.items()}, device)

@@ -1,0 +1,164 @@
+"""What surviving faults costs, on this machine, against torchrun's own restarts.
+
+    python bench/faults.py --output bench/results/faults.json
+
+- Restarts: the debug model on 2 processes, --train-iters 16 with a checkpoint every 2 steps,
+  once uninterrupted and once with --kills SIGKILLs of a seeded random rank at seeded random steps
+  (--fault-inject, --max-restarts); the extra wall time per kill (the agent noticing, stopping and
+  restarting the processes, the resume, the steps redone), and whether the losses are the
+  uninterrupted run's.
+- The peer: a plain script under `torchrun --standalone --max-restarts 2` on gloo whose rank 1
+  dies once after the first collective, --trials times with torchrun's default (the agent's
+  store shared by every attempt) and with a store per attempt (paratron's launcher): how often
+  the restarted workers meet and finish.
+- A hang: rank 1 stops answering at step 3 under --distributed-timeout-minutes 0.05 (3 s); the
+  time until the job has ended with every rank's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STORE_PER_ATTEMPT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+RUN = ["train", "--config", "debug", "--nproc", "2", "--lr-warmup-iters", "1", "--eval-iters", "0"]
+QUIET = ["--no-progress-bar", "--no-tensorboard", "--log-interval", "1"]
+
+
+def paratron(*args: str, timeout: float = 900) -> tuple[float, subprocess.CompletedProcess]:
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "paratron", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+    return time.perf_counter() - start, done
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def restarts(folder: Path, steps: int, kills: int, seed: int) -> dict:
+    common = [*RUN, "--train-iters", str(steps), "--save-interval", "2", *QUIET]
+    calm_s, calm = paratron(*common, "--save", str(folder / "ck0"), "--run-dir", str(folder / "calm"))
+    assert calm.returncode == 0, calm.stderr[-2000:]
+    chance = random.Random(seed)
+    faults = [f"{chance.randrange(2)}:{s}:crash" for s in sorted(chance.randint(1, steps) for _ in range(kills))]
+    faulty_s, faulty = paratron(
+        *common,
+        "--save",
+        str(folder / "ck"),
+        "--run-dir",
+        str(folder / "faulty"),
+        "--max-restarts",
+        str(kills),
+        "--fault-inject",
+        *faults,
+    )
+    assert faulty.returncode == 0, faulty.stderr[-2000:]
+    return {
+        "steps": steps,
+        "kills": kills,
+        "faults": faults,
+        "uninterrupted_s": calm_s,
+        "with_kills_s": faulty_s,
+        "extra_s_per_kill": (faulty_s - calm_s) / kills,
+        "same_losses": losses(folder / "faulty") == losses(folder / "calm"),
+    }
+
+
+PEER = """
+import os, signal, time, torch, torch.distributed as dist
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+if attempt == 0 and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+for _ in range(3):
+    dist.all_reduce(t)
+    time.sleep(0.2)
+print(f"attempt {attempt} rank {rank}: done", flush=True)
+"""
+
+
+def torchrun_restart(folder: Path, trials: int, timeout: float) -> dict:
+    """`trials` runs of PEER under torchrun --max-restarts 2, with the agent's shared store (torchrun's
+    default) and with a store per attempt (what paratron's launcher sets): how many recovered at
+    the first restart, later, or not at all (failed, or still hanging after `timeout` s)."""
+    script = folder / "peer.py"
+    script.write_text(textwrap.dedent(PEER))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["--max-restarts", "2", str(script)]
+    results = {}
+    for setting, env in (("shared store (torchrun's default)", {}), ("store per attempt", STORE_PER_ATTEMPT)):
+        outcomes = {"first restart": 0, "second restart": 0, "failed": 0, "hung": 0}
+        for _ in range(trials):
+            try:
+                done = subprocess.run(
+                    command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
+                )
+            except subprocess.TimeoutExpired:
+                outcomes["hung"] += 1
+                continue
+            if "attempt 1 rank 0: done" in done.stdout:
+                outcomes["first restart"] += 1
+            elif "attempt 2 rank 0: done" in done.stdout:
+                outcomes["second restart"] += 1
+            else:
+                outcomes["failed"] += 1
+        results[setting] = outcomes
+    return {"torch": __import__("torch").__version__, "trials": trials, "outcomes": results}
+
+
+def hang(folder: Path) -> dict:
+    seconds, done = paratron(
+        *RUN,
+        "--train-iters",
+        "4",
+        "--run-dir",
+        str(folder / "hang"),
+        "--fault-inject",
+        "1:3:hang",
+        "--distributed-timeout-minutes",
+        "0.05",
+        *QUIET,
+        timeout=300,
+    )
+    reports = [line for line in done.stderr.splitlines() if line.startswith("[rank ")]
+    return {"timeout_s": 3.0, "seconds_to_end": seconds, "exit_code": done.returncode, "reports": reports}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--trials", type=int, default=5, help="runs of the torchrun restart, per store setting")
+    parser.add_argument("--peer-timeout", type=float, default=60.0)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        results = {
+            "restarts": restarts(folder, args.steps, args.kills, args.seed),
+            "torchrun_restart": torchrun_restart(folder, args.trials, args.peer_timeout),
+            "hang": hang(folder),
+        }
+    print(json.dumps(results, indent=2))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
