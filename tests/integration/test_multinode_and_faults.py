@@ -177,3 +177,19 @@ def test_a_hang_is_reported_by_every_rank_that_can_speak(tmp_path):
         one == f"[rank 1] {head}this rank is not in a collective: at training/faults.py:43 injected (time.sleep(3600))"
     )
     assert lines[-1] == "error: rank 0 exited with code 1; the job stopped" and "Traceback" not in err
+
+
+def test_nodes_that_disagree_on_the_world_stop_in_one_line(tmp_path):
+    port = str(free_port())
+
+    def node(rank: int, nodes: str) -> subprocess.Popen:
+        meet = ["--nnodes", nodes, "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port]
+        return start(*RUN, "--nproc", "2", *meet, "--rdzv-timeout-seconds", "20", "--run-dir", str(tmp_path), *QUIET)
+
+    results = [finish(process, timeout=120) for process in (node(0, "2"), node(1, "3"))]
+    for rank, (code, _, err) in enumerate(results):
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err[-2000:]
+        other = "node 1 has 3x2" if rank == 0 else "node 0 has 2x2"
+        assert lines[0].startswith("error: the nodes disagree on the world (--nnodes x --nproc): ")
+        assert other in lines[0] and lines[0].endswith("start every node with the same --nnodes and --nproc")

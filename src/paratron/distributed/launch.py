@@ -17,12 +17,14 @@ import re
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratron.config.schema import ParallelConfig
+from paratron.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -134,24 +136,68 @@ def run_under_torchrun(settings: ParallelConfig, argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="paratron-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
         try:
+            meeting = agree_on_the_world(settings) if settings.nnodes > 1 and settings.rdzv_endpoint is None else None
             elastic_launch(_launch_config(settings), sys.executable)("-u", "-m", "paratron", *argv)
+            del meeting  # (alive until the job ends: node 0's store server also serves the rendezvous)
         except SignalException:  # Ctrl-C or SIGTERM: the agent has stopped the workers
             print("interrupted", file=sys.stderr)
             return 130
         except (RendezvousError, DistNetworkError, DistStoreError) as exc:
-            where = settings.rdzv_endpoint or f"{settings.master_addr}:{settings.master_port}"
-            print(
-                f"error: the nodes did not meet at {where} within {settings.rdzv_timeout_seconds:g} s "
-                f"({type(exc).__name__}); check --master-addr / --rdzv-endpoint, that every node has the same "
-                f"--nnodes {settings.nnodes} and its own --node-rank",
-                file=sys.stderr,
-            )
+            print(f"error: {not_met(settings, type(exc).__name__)}", file=sys.stderr)
             return 2
         except ChildFailedError as failure:
             return _failed(failure, settings, Path(error_dir))
         finally:
             del os.environ[ERROR_DIR_ENV]
     return 0
+
+
+def not_met(settings: ParallelConfig, why: str) -> str:
+    """The one line for nodes that did not all meet."""
+    where = settings.rdzv_endpoint or f"{settings.master_addr}:{settings.master_port}"
+    return (
+        f"the nodes did not meet at {where} within {settings.rdzv_timeout_seconds:g} s ({why}); check --master-addr "
+        f"/ --rdzv-endpoint, that every node has the same --nnodes {settings.nnodes} and its own --node-rank"
+    )
+
+
+def agree_on_the_world(settings: ParallelConfig) -> Any:
+    """Static rendezvous: before any process starts, every node publishes its --nnodes and --nproc
+    in node 0's store and checks the others'; nodes that disagree (which torch would leave waiting
+    for processes that never come) get one line naming each node's settings (ConfigError)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # (lazily, for start-up speed, as above)
+
+    store = TCPStore(
+        settings.master_addr,
+        settings.master_port,
+        is_master=settings.node_rank == 0,
+        timeout=timedelta(seconds=settings.rdzv_timeout_seconds),
+        wait_for_workers=False,
+        multi_tenant=True,  # (the rendezvous that follows reuses this server in node 0's process)
+    )
+    mine = f"{settings.nnodes}x{settings.nproc_per_node}"
+    store.set(f"paratron/world/{settings.node_rank}", mine)
+    deadline = time.monotonic() + settings.rdzv_timeout_seconds
+    seen: dict[int, str] = {}
+    while time.monotonic() < deadline:
+        for node in range(settings.nnodes):
+            if node not in seen and store.check([f"paratron/world/{node}"]):
+                seen[node] = store.get(f"paratron/world/{node}").decode()
+        if any(value != mine for value in seen.values()) or len(seen) == settings.nnodes:
+            break
+        time.sleep(0.1)
+    different = {node: value for node, value in seen.items() if value != mine}
+    if not different and len(seen) < settings.nnodes:
+        raise ConfigError(not_met(settings, f"{len(seen)} of {settings.nnodes} nodes came: {sorted(seen)}"))
+    if different:
+        others = ", ".join(f"node {n} has {v}" for n, v in sorted(different.items()))
+        raise ConfigError(
+            f"the nodes disagree on the world (--nnodes x --nproc): node {settings.node_rank} has {mine}, {others}; "
+            "start every node with the same --nnodes and --nproc"
+        )
+    return store
 
 
 def _failed(failure: Any, settings: ParallelConfig, error_dir: Path) -> int:
