@@ -20,6 +20,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -165,8 +166,6 @@ def agree_on_the_world(settings: ParallelConfig) -> Any:
     """Static rendezvous: before any process starts, every node publishes its --nnodes and --nproc
     in node 0's store and checks the others'; nodes that disagree (which torch would leave waiting
     for processes that never come) get one line naming each node's settings (ConfigError)."""
-    from datetime import timedelta
-
     from torch.distributed import TCPStore  # (lazily, for start-up speed, as above)
 
     store = TCPStore(
