@@ -67,3 +67,20 @@ def _poison_first_called(module: nn.Module) -> list[Any]:
 
     leaves = [m for m in module.modules() if not any(m.children()) and any(True for _ in m.parameters(False))]
     return [leaf.register_forward_hook(poison) for leaf in leaves]
+
+
+class AttemptFault:
+    """This rank's fault in this attempt, which fires once: a rollback (--on-nan) that passes its
+    step again does not fire it again."""
+
+    def __init__(self, specs: list[str], attempt: int, rank: int) -> None:
+        self.fault = fault_of_attempt(specs, attempt, rank)
+
+    @contextlib.contextmanager
+    def at(self, step: int, module: nn.Module) -> Iterator[None]:
+        """Around training step `step`: `injected`, the first time the step comes."""
+        fault = self.fault
+        if fault is not None and fault.step == step:
+            self.fault = None
+        with injected(fault, step, module):
+            yield

@@ -53,7 +53,7 @@ from paratron.parallel.pipeline.schedules import theoretical_bubble
 from paratron.training.evaluate import task_loss_sums
 from paratron.training.exit import ExitConditions
 from paratron.training.expert_load import ExpertStats, reduce_expert_stats
-from paratron.training.faults import fault_of_attempt, injected
+from paratron.training.faults import AttemptFault
 from paratron.training.memory import SavedActivations, format_memory, gather_memory, rank_memory
 from paratron.training.metrics import MetricsWriter
 from paratron.training.nonfinite import first_report, watching
@@ -125,7 +125,7 @@ class Trainer:
         self.documents = DocumentLayout.of(d, self.config.model, tokenizer.eod_id if tokenizer is not None else None)
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.expert_load: list[tuple[int, np.ndarray]] = []  # (step, token shares [MoE layers, experts])
-        self.fault = fault_of_attempt(t.fault_inject, restart_count(), self.ctx.rank)
+        self.fault = AttemptFault(t.fault_inject, restart_count(), self.ctx.rank)
         self.skip_batch_at: set[int] = set()  # iterations whose batch a rollback leaves out
 
     @property
@@ -186,7 +186,7 @@ class Trainer:
         step_start = time.perf_counter()
         with (
             SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations,
-            injected(self.fault, iteration, self.model.module),
+            self.fault.at(iteration, self.model.module),
         ):
             result = train_step(
                 self.model,
@@ -198,8 +198,6 @@ class Trainer:
             )
             if result.nonfinite:  # the same step again, watched (inside the injected fault, if any)
                 result.nonfinite_where = self._first_nonfinite(batches)
-        if self.fault is not None and self.fault.step == iteration:
-            self.fault = None  # it fired: once per attempt, however often a rollback passes its step
         if iteration == first:  # its speed is the step's own, without what came before or the report
             reporting = time.perf_counter()
             self._report_memory(activations)
