@@ -318,11 +318,7 @@ class _Search:
                         priced += 1
                         best = min(best, found.prediction.total)
             if not priced:  # the variants within the cutoff do not fit (or there were none): the rest are slower
-                variants = [
-                    self._settings(shape, mbs, r, z)
-                    for z in zero_stages(self.base, self.world, shape)
-                    for r in RECOMPUTE
-                ]
+                variants = [v for z in zero_stages(self.base, self.world, shape) for v in self._options(shape, mbs, z)]
                 bounds = [self._bound(v) for v in variants if self._bound(v) > best * self.within]
                 if bounds:
                     self._skip_slower(shape, mbs, min(bounds), best, fitting=bool(tried))
@@ -384,7 +380,7 @@ class _Search:
         """The recomputation variants whose bound is within `cutoff`: none, selective, full, and
         where keeping every layer does not fit but recomputing all of them does, the fewest
         recomputed layers per chunk that fit (the block method, between none and full in time)."""
-        options = [self._settings(shape, mbs, recompute, zero) for recompute in RECOMPUTE]
+        options = self._options(shape, mbs, zero)
         for settings in options:
             if self._bound(settings) <= cutoff:
                 yield settings
@@ -392,6 +388,10 @@ class _Search:
             partial = self._fewest_recomputed(shape, mbs, zero)
             if partial is not None and self._bound(partial) <= cutoff:
                 yield partial
+
+    def _options(self, shape: Shape, mbs: int, zero: int) -> list[dict[str, Any]]:
+        """The layout's settings at each recomputation of RECOMPUTE (none, selective, full)."""
+        return [self._settings(shape, mbs, recompute, zero) for recompute in RECOMPUTE]
 
     def _fewest_recomputed(self, shape: Shape, mbs: int, zero: int) -> dict[str, Any] | None:
         """Block recomputation of the fewest layers per chunk that fit (memory shrinks as they grow)."""
