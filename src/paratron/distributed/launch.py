@@ -86,6 +86,28 @@ def slurm_settings(env: Mapping[str, str], given: ParallelConfig) -> ParallelCon
     )
 
 
+class _RestartNotice:
+    """Says on the agent's stderr, in one line, each time the agent restarts the workers: it hears
+    of restarts through torch elastic's metrics (remaining restarts, then the group's state), which
+    it emits on every round of watching the workers."""
+
+    def __init__(self, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
+        self.remaining = max_restarts
+
+    def emit(self, metric: Any) -> None:
+        if metric.name.endswith(".remaining_restarts"):
+            self.remaining = metric.value
+        elif metric.name.endswith((".failed", ".unhealthy")) and self.remaining > 0:
+            restart = self.max_restarts - self.remaining + 1
+            print(
+                f"a rank failed: restarting the workers ({restart} of {self.max_restarts}, --max-restarts); "
+                "they resume from the newest intact checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def _launch_config(settings: ParallelConfig) -> LaunchConfig:
     """The elastic agent's settings for this node."""
     from torch.distributed.launcher.api import LaunchConfig  # (lazily, for start-up speed, as below)
@@ -123,6 +145,7 @@ def run_under_torchrun(settings: ParallelConfig, argv: Sequence[str]) -> int:
     """Run `python -m paratron ARGV` on this node's processes; return the job's exit code."""
     # (torch's launcher is imported lazily, for start-up speed: workers never need it)
     from torch.distributed import DistNetworkError, DistStoreError
+    from torch.distributed.elastic import metrics
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -134,6 +157,7 @@ def run_under_torchrun(settings: ParallelConfig, argv: Sequence[str]) -> int:
     # Workers of each attempt meet in a store of their own: in the agent's shared one, gloo's
     # connection keys of the attempt before a restart are still there and the new workers dial them.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    metrics.configure(_RestartNotice(settings.max_restarts), group="torchelastic")
     with tempfile.TemporaryDirectory(prefix="paratron-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
         try:
