@@ -4,6 +4,7 @@ single-device model, and 20-step loss curves of whole training runs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -278,5 +279,9 @@ def test_pipeline_resume_is_exact_and_checkpoints_load_whole(tmp_path):
     assert result["resumed"] == result["straight"][6:]  # bit-exact, dropout included
     config = tiny_config(tmp_path, **_curve_settings("gpt")).model
     assert result["names"] == sorted(dict(build_model(config).named_parameters()))
-    index = (tmp_path / "ckpt" / "iter_0000006" / "model.safetensors.index.json").read_text()
-    assert "model-00002-of-00002.safetensors" in index
+    index = json.loads((tmp_path / "ckpt" / "iter_0000006" / "model.safetensors.index.json").read_text())
+    files = index["weight_map"]
+    # each stage's first rank wrote its own layers, whole; the tied output weight once, by the first stage
+    assert set(files.values()) == {"model_tp000_pp000_dp000.safetensors", "model_tp000_pp001_dp000.safetensors"}
+    assert files["embedding.weight"] == "model_tp000_pp000_dp000.safetensors"
+    assert files["final_norm.weight"] == "model_tp000_pp001_dp000.safetensors"

@@ -1,9 +1,18 @@
 """A checkpoint saved at one layout resumes at another and continues with the losses the original
 layout would have produced: tensor and pipeline sizes, data-parallel sizes and ZeRO stages change,
-the optimizer state (saved in pieces under single-device names) follows."""
+the optimizer state follows. Each rank wrote only its boxes of the single-device tensors: every
+value is stored exactly once, and the boxes assemble into Hugging Face weights."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import torch
+import transformers  # the reference; installed with the test extras
+
+from paratron.checkpoint import hf, load_pretrained
+from paratron.checkpoint.pieces import parse_key
 from paratron.training.run import run_training
 
 from multiprocess import run_ranks
@@ -74,15 +83,61 @@ def test_tp2_pp2_resumes_as_pp4(tmp_path):
     )
 
 
-def test_tp4_resumes_on_one_process(tmp_path):
+def saved(tmp_path: Path, name: str) -> Path:
+    return tmp_path / f"{name}-ckpt" / f"iter_{SAVED_AT:07d}"
+
+
+def files_and_cover(checkpoint: Path, index: str, prefix: str = "") -> tuple[set[str], dict[str, torch.Tensor]]:
+    """The files an index names, and how many times each element of each single-device tensor is
+    stored (`prefix`: the optimizer's state name)."""
+    record = json.loads((checkpoint / index).read_text())
+    cover: dict[str, torch.Tensor] = {}
+    for key in record["weight_map"]:
+        name, box = parse_key(key)
+        if not name.startswith(prefix):
+            continue
+        shape = record["shapes"][name.removeprefix(prefix)]
+        counts = cover.setdefault(name, torch.zeros(shape, dtype=torch.int32))
+        counts[box if box is not None else ...] += 1
+    return set(record["weight_map"].values()), cover
+
+
+def assert_stored_once(checkpoint: Path, weight_files: int, optimizer_files: int) -> None:
+    """Every value of the weights and of Adam's first moment is in exactly one file, and as many
+    ranks wrote files as hold distinct parts."""
+    for index, prefix, count in (
+        ("model.safetensors.index.json", "", weight_files),
+        ("optimizer.index.json", "exp_avg/", optimizer_files),
+    ):
+        files, cover = files_and_cover(checkpoint, index, prefix)
+        assert len(files) == count, (index, sorted(files))
+        for name, counts in cover.items():
+            assert bool((counts == 1).all()), f"{index}: {name} stored {counts.min()} to {counts.max()} times"
+
+
+def test_tp4_resumes_on_one_process_and_exports_streaming(tmp_path, monkeypatch):
     reshard(tmp_path, "tp4-tp1", dict(tensor_model_parallel_size=4, sequence_parallel=True), 4, {}, 1)
+    checkpoint = saved(tmp_path, "tp4-tp1")
+    assert_stored_once(checkpoint, weight_files=4, optimizer_files=4)
+    # Hugging Face weights assembled from the four ranks' boxes a layer at a time, in files of 20 kB
+    monkeypatch.setattr(hf, "MAX_SHARD_BYTES", 20_000)
+    hf.paratron_to_hf(checkpoint, tmp_path / "hf")
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 3
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        difference = (reference(ids).logits - load_pretrained(checkpoint)(ids)).abs().max()
+    assert difference < 1e-4
 
 
-def test_zero1_dp2_resumes_at_dp4_and_as_zero3(tmp_path):
+def test_zero_stages_reshard_both_ways(tmp_path):
+    """ZeRO-1 shards at DP 2 resume under ZeRO-3; ZeRO-3 (each rank wrote its own rows of every
+    weight) resumes at DP 4 under ZeRO-1."""
     zero1 = dict(use_distributed_optimizer=True, ddp_bucket_size=5_000)
-    reshard_to_several(
-        tmp_path, "zero1-dp2", zero1, 2, [(dict(zero1, ddp_bucket_size=3_000), 4), (dict(zero_stage=3), 2)]
-    )
+    reshard(tmp_path, "zero1-zero3", zero1, 2, dict(zero_stage=3), 2)
+    assert_stored_once(saved(tmp_path, "zero1-zero3"), weight_files=1, optimizer_files=2)
+    reshard(tmp_path, "zero3-dp4", dict(zero_stage=3), 2, dict(zero1, ddp_bucket_size=3_000), 4)
+    assert_stored_once(saved(tmp_path, "zero3-dp4"), weight_files=2, optimizer_files=2)
 
 
 def test_bf16_masters_reshard(tmp_path):

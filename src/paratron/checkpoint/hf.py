@@ -31,12 +31,12 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from paratron.checkpoint.io import CheckpointContent, model_from_checkpoint, read_checkpoint, save_checkpoint
+from paratron.checkpoint.io import CheckpointContent, read_checkpoint, save_checkpoint, weight_catalog
 from paratron.config.loading import build_config, config_to_dict
 from paratron.config.schema import Config, ModelConfig
 from paratron.data.tokenizer import copy_template_files
 from paratron.errors import CheckpointError
-from paratron.model.gpt import build_model
+from paratron.model.gpt import GPT, build_model
 from paratron.model.lora import merge_adapters
 
 ARCHITECTURES = {
@@ -554,21 +554,84 @@ def paratron_to_hf(source: Path, destination: Path, merge_lora: bool = False) ->
             "--to peft DIR to write the adapters alone"
         )
     kind = model_type_of(m, info.hf_model_type)
-    model = model_from_checkpoint(info)
-    state = {n: p.detach().contiguous() for n, p in model.named_parameters()}  # named_parameters skips ties
-    if m.lora_rank is not None:
-        state = merge_adapters(state, m.lora_alpha, m.lora_rank)
-    tensors = weights_to_hf(state, kind)
     tmp = destination.with_name(f".{destination.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    with weight_catalog(info) as catalog, _ShardWriter(tmp) as writer:
+        for names in _layer_groups(m):  # one layer at a time: never the whole model in memory
+            state = {name: catalog.whole(name) for name in names}
+            if m.lora_rank is not None:
+                state = merge_adapters(state, m.lora_alpha, m.lora_rank)
+            for hf_name, tensor in weights_to_hf(state, kind).items():
+                writer.add(hf_name, tensor)
     (tmp / "config.json").write_text(json.dumps(hf_config(info.config.model, kind), indent=2), encoding="utf-8")
     if (info.path / "tokenizer.json").is_file():
         shutil.copy(info.path / "tokenizer.json", tmp / "tokenizer.json")
         copy_template_files(info.path, tmp)
     tmp.replace(destination)
     return destination
+
+
+MAX_SHARD_BYTES = 5 * 10**9
+"""Hugging Face's usual largest weights file (`save_pretrained`'s max_shard_size="5GB")."""
+
+
+def _layer_groups(config: ModelConfig) -> list[list[str]]:
+    """The single-device parameter names of a model, one list per transformer layer (what one
+    exported tensor may combine: fused q/k/v, LoRA adapters), and one per other tensor."""
+    with torch.device("meta"):
+        names = [name for name, _ in GPT(config).named_parameters()]  # (a tied output weight is the embedding's)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        layer = re.match(r"layers\.\d+\.", name)
+        groups.setdefault(layer.group(0) if layer else name, []).append(name)
+    return list(groups.values())
+
+
+class _ShardWriter:
+    """Hugging Face's sharded weights layout, written as tensors arrive: a file each time
+    `MAX_SHARD_BYTES` fill up, named model-0000K-of-0000N.safetensors with
+    model.safetensors.index.json once N is known (model.safetensors when one file holds all)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.max_bytes = folder, MAX_SHARD_BYTES
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[list[str]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        save_file(self.pending, str(self.folder / f"part-{len(self.files):05d}.safetensors"), metadata={"format": "pt"})
+        self.files.append(list(self.pending))
+        self.pending, self.size = {}, 0
+
+    def __enter__(self) -> _ShardWriter:
+        return self
+
+    def __exit__(self, error: object, *_: object) -> None:
+        if error is not None:
+            return
+        if self.pending or not self.files:
+            self._flush()
+        count = len(self.files)
+        if count == 1:
+            (self.folder / "part-00000.safetensors").replace(self.folder / "model.safetensors")
+            return
+        weight_map = {}
+        for i, names in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            (self.folder / f"part-{i:05d}.safetensors").replace(self.folder / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
 
 
 def _refuse_existing(destination: Path) -> None:

@@ -3,15 +3,23 @@
 Layout (Megatron-LM's tracker file and iteration folders):
 
     SAVE/latest_checkpointed_iteration.txt      newest complete checkpoint
-    SAVE/iter_0000200/model.safetensors         weights under their single-device names
-    SAVE/iter_0000200/training_state_tp000.pt   per tensor-parallel rank: optimizer, RNG and loss-scaler
-                                                state (tensors and numbers only)
-
-With pipeline parallelism each stage writes its own weights file, in Hugging Face's sharded
-layout (model-00001-of-00002.safetensors, ... and model.safetensors.index.json naming the
-file of every tensor), and the rank states are training_state_tp000_pp001.pt, ...
+    SAVE/iter_0000200/model_tp000_pp000_dp000.safetensors
+                                                weights: what one rank holds, as boxes of the
+                                                single-device tensors (`pieces.py`)
+    SAVE/iter_0000200/model.safetensors.index.json
+                                                every stored box's file, the single-device shapes
+    SAVE/iter_0000200/optimizer_tp000_pp000_dp000.safetensors, optimizer.index.json
+                                                optimizer state, the same way (`optimizer_state.py`)
+    SAVE/iter_0000200/training_state_tp000_pp000.pt
+                                                per tensor- and pipeline-parallel rank: RNG and
+                                                loss-scaler state (tensors and numbers only)
     SAVE/iter_0000200/tokenizer.json            the run's tokenizer, if it has one
     SAVE/iter_0000200/meta.json                 iteration, consumed samples, config, checksums
+
+Every rank writes only what it holds, and of values several ranks hold (data-parallel replicas,
+tensors whole on every tensor-parallel rank) one rank writes: no rank gathers anything. A single
+process writes one model.safetensors of whole tensors under single-device names; older
+checkpoints (whole tensors per pipeline stage) and converted ones load the same way.
 
 A checkpoint is written into a temporary folder and renamed into place before the
 tracker moves, so a crash mid-save never leaves a half checkpoint behind the tracker.
@@ -26,6 +34,7 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +46,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from paratron.checkpoint.optimizer_state import optimizer_file, optimizer_snapshot
+from paratron.checkpoint.optimizer_state import write_index as write_optimizer_index
+from paratron.checkpoint.pieces import Catalog, box_key, writes
 from paratron.config.loading import config_from_dict, config_to_dict
 from paratron.config.schema import Config
 from paratron.distributed.topology import Axis, ParallelDims, Topology
@@ -44,8 +55,8 @@ from paratron.errors import CheckpointError, UserError
 from paratron.model.gpt import GPT, build_model
 from paratron.model.lora import is_adapter
 from paratron.optim.protocol import TrainingOptimizer
-from paratron.parallel.data.fully_sharded import assign_full, full_parameter
-from paratron.parallel.sharding import full_shape, gather_full, param_info, place
+from paratron.parallel.data.fully_sharded import full_parameter, held_boxes, local_tensor
+from paratron.parallel.sharding import full_shape, gather_full, param_info
 
 TRACKER = "latest_checkpointed_iteration.txt"
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -134,8 +145,32 @@ def whole_model_state(model: nn.Module, topology: Topology) -> dict[str, torch.T
     return {name: t for part in stages for name, t in part.items()} if main else {}
 
 
-def weights_file(pp_rank: int, pp_size: int) -> str:
-    return WEIGHTS if pp_size == 1 else f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+def weights_file(topology: Topology) -> str:
+    """This rank's weights file: model.safetensors for a single process."""
+    if topology.dims.world_size == 1:
+        return WEIGHTS
+    return (
+        f"model_tp{topology.tp_rank:03d}_pp{topology.pp_rank:03d}_dp{topology.local_rank(Axis.DP_CP):03d}.safetensors"
+    )
+
+
+def weight_boxes(model: nn.Module, topology: Topology) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """What this rank writes of the weights (`pieces.writes`): its boxes of each single-device
+    tensor under their keys, on the CPU, and the single-device shapes. Persistent buffers (whole
+    on every rank) come from the stage's first tensor- and data-parallel rank."""
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
+    for name, param in model.named_parameters():
+        if not writes(param, topology):
+            continue
+        local, shape = local_tensor(param).detach(), full_shape(param)
+        shapes[name] = list(shape)
+        for whole, mine in held_boxes(param):
+            tensors[box_key(name, whole, shape)] = local[mine].cpu()
+    if topology.tp_rank == 0 and _first_replica(topology):
+        for name, buffer in persistent_buffers(model).items():
+            tensors[name], shapes[name] = buffer.detach().cpu(), list(buffer.shape)
+    return tensors, shapes
 
 
 def rank_state_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
@@ -170,21 +205,17 @@ def save_checkpoint(root: Path, content: CheckpointContent, topology: Topology |
 def begin_save(
     root: Path, content: CheckpointContent, topology: Topology | None = None, snapshot: bool = False
 ) -> PendingSave:
-    """The collective part of a save: gather the weights, take this rank's optimizer pieces and
-    state, create the temporary folder. With `snapshot`, every value is copied, so that training
-    may go on while `PendingSave.write` runs (asynchronous saving).
+    """The collective part of a save: take this rank's boxes of the weights and the optimizer
+    state and its RNG state, create the temporary folder. With `snapshot`, every value is
+    copied, so that training may go on while `PendingSave.write` runs (asynchronous saving).
 
-    Data-parallel replicas hold the same state, unless the optimizer is sharded over them: the
-    first replica writes the weights (one rank per pipeline stage), the rank states and the
-    optimizer pieces; with a sharded optimizer every rank writes its own pieces."""
+    Each rank takes only what it holds and writes (`pieces.writes`); no values travel between
+    ranks. The first data-parallel replica writes the rank states."""
     topology = topology or Topology(ParallelDims(1))
-    first_replica, stage_writer = _first_replica(topology), _stage_writer(topology)
     pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
     sharded = content.config.parallel.sharding_stage > 0 and topology.size(Axis.DP_CP) > 1
-    weights = full_state(content.model, topology, keep=stage_writer)
-    rank_state = content.rank_state if first_replica else None
-    # (expert-parallel ranks hold different experts: the first of each expert-data-parallel group writes theirs)
-    experts_writer = topology.size(Axis.EP) > 1 and topology.coords["edp"] == 0
+    weights, shapes = weight_boxes(content.model, topology)
+    rank_state = content.rank_state if _first_replica(topology) else None
     if snapshot:
         weights = {n: t.clone() for n, t in weights.items()}
         rank_state = copy.deepcopy(rank_state)
@@ -197,21 +228,17 @@ def begin_save(
         topology.rank == 0,
         content.extra_meta,
         files={},
-        pp_size=pp_size,
+        indexed=topology.dims.world_size > 1,
     )
-    if stage_writer:
-        pending.files[weights_file(pp_rank, pp_size)] = ("safetensors", weights, {"format": "pt"})
-    if content.optimizer is not None and (first_replica or sharded or experts_writer):
-        pieces = optimizer_snapshot(
-            content.optimizer,
-            content.model,
-            replicated_too=tp_rank == 0,
-            copy=snapshot,
-            experts_only=not (first_replica or sharded),
-        )
-        # (numbered within the data- x context-parallel group: under context parallelism ZeRO shards over both)
-        replica = topology.local_rank(Axis.DP_CP)
-        pending.files[optimizer_file(tp_rank, pp_rank, replica)] = ("safetensors", *pieces)
+    if weights:
+        pending.add(weights_file(topology), weights, {"format": "pt"}, "model", shapes)
+    if content.optimizer is not None:
+        state = optimizer_snapshot(content.optimizer, content.model, topology, sharded, copy=snapshot)
+        pending.step = state.step
+        if state.tensors or state.shapes:
+            # (numbered within the data- x context-parallel group: under context parallelism ZeRO shards over both)
+            name = optimizer_file(tp_rank, pp_rank, topology.local_rank(Axis.DP_CP))
+            pending.add(name, state.tensors, {"format": "pt"}, "optimizer", state.shapes)
     if rank_state is not None:
         pending.files[rank_state_file(tp_rank, pp_rank, pp_size)] = ("torch", rank_state, None)
     if pending.writer:
@@ -226,13 +253,8 @@ def begin_save(
 class PendingSave:
     """One checkpoint on its way to disk. `write` puts this rank's files in the temporary folder
     (no communication: it may run in a background thread); `publish` waits for every rank, then
-    the writer rank adds the index, tokenizer and meta.json with checksums, renames the folder into
-    place, moves the tracker and prunes old checkpoints.
-
-    Each rank's files: the weights of its pipeline stage, whole, under single-device names (the
-    stage's first rank); its optimizer pieces (`optimizer_state.py`; ranks of the first
-    data-parallel replica, or all when the optimizer is sharded); its RNG and loss-scaler state
-    (first replica)."""
+    the writer rank adds the indexes, tokenizer and meta.json with checksums, renames the folder
+    into place, moves the tracker and prunes old checkpoints."""
 
     root: Path
     iteration: int
@@ -242,9 +264,22 @@ class PendingSave:
     writer: bool
     extra_meta: dict[str, Any]
     files: dict[str, tuple[str, Any, Any]]
-    pp_size: int = 1
+    indexed: bool = False
+    """Write the index files (several ranks wrote boxes); a single process's weights are one plain file."""
+    keys: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    """For the indexes: kind ("model", "optimizer") -> file -> the keys this rank writes to it."""
+    shapes: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    """kind -> single-device shape of each tensor this rank writes boxes of."""
+    step: float | None = None
+    """The optimizer's step count."""
     checksums: dict[str, str] = field(default_factory=dict)
     """SHA-256 of each file this rank wrote (computed by `write`, so off the training thread too)."""
+
+    def add(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict, kind: str, shapes: dict) -> None:
+        """A safetensors file of this rank's boxes of kind `kind`."""
+        self.files[name] = ("safetensors", tensors, metadata)
+        self.keys.setdefault(kind, {})[name] = list(tensors)
+        self.shapes.setdefault(kind, {}).update(shapes)
 
     @property
     def final(self) -> Path:
@@ -266,23 +301,17 @@ class PendingSave:
         self.files = {}  # (the values are no longer needed)
 
     def publish(self) -> Path:
-        checksums = [self.checksums]
+        report = {"checksums": self.checksums, "keys": self.keys, "shapes": self.shapes, "step": self.step}
+        reports = [report]
         if dist.is_initialized() and dist.get_world_size() > 1:  # (also waits for every rank's files)
-            checksums = [None] * dist.get_world_size()
-            dist.all_gather_object(checksums, self.checksums)
+            reports = [None] * dist.get_world_size() if self.writer else None
+            dist.gather_object(report, reports, dst=0)
         tmp, final, root = self.tmp, self.final, self.root
         if self.writer:
-            if self.pp_size > 1:
-                weight_map = {}
-                for stage in range(self.pp_size):
-                    with safe_open(str(tmp / weights_file(stage, self.pp_size)), framework="pt") as f:
-                        weight_map.update({key: weights_file(stage, self.pp_size) for key in f.keys()})
-                (tmp / WEIGHTS_INDEX).write_text(
-                    json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2), encoding="utf-8"
-                )
+            self._write_indexes(reports)
             if self.tokenizer is not None:
                 self.tokenizer.save(tmp / "tokenizer.json")
-            written = {name: digest for part in checksums for name, digest in part.items()}
+            written = {name: digest for part in reports for name, digest in part["checksums"].items()}
             files = {p.name: written.get(p.name) or _sha256(p) for p in sorted(tmp.iterdir())}
             meta = {
                 "iteration": self.iteration,
@@ -304,6 +333,23 @@ class PendingSave:
                 prune_checkpoints(root, self.config.checkpoint.keep_last)
         _barrier()
         return final
+
+    def _write_indexes(self, reports: list[Any]) -> None:
+        """model.safetensors.index.json and optimizer.index.json from every rank's keys and shapes."""
+        merged: dict[str, tuple[dict[str, list[str]], dict[str, list[int]]]] = {}
+        for report in reports:
+            for kind, files in report["keys"].items():
+                keys, shapes = merged.setdefault(kind, ({}, {}))
+                keys.update(files)
+                shapes.update(report["shapes"][kind])
+        step = next((r["step"] for r in reports if r["step"] is not None), None)
+        if "optimizer" in merged:
+            write_optimizer_index(self.tmp, *merged["optimizer"], step)
+        if self.indexed and "model" in merged:
+            keys, shapes = merged["model"]
+            weight_map = {key: file for file, names in sorted(keys.items()) for key in names}
+            index = {"metadata": {"format": "boxes"}, "weight_map": weight_map, "shapes": shapes}
+            (self.tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=1), encoding="utf-8")
 
 
 class BackgroundSave:
@@ -424,70 +470,57 @@ def _read_folder(folder: Path, verify: bool) -> CheckpointInfo:
     )
 
 
-def _weight_files(info: CheckpointInfo) -> dict[str, str]:
-    """Tensor name -> weights file, for one file or the sharded layout."""
+def weight_catalog(info: CheckpointInfo) -> Catalog:
+    """Every stored box of the checkpoint's weights (close it, or use it in a `with`)."""
     index = info.path / WEIGHTS_INDEX
     if index.is_file():
         try:
-            return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+            record = json.loads(index.read_text(encoding="utf-8"))
+            return Catalog(info.path, dict(record["weight_map"]), record.get("shapes"))
         except (ValueError, KeyError):
             raise CheckpointError(f"{index}: unreadable; the checkpoint is damaged") from None
     with safe_open(str(info.path / WEIGHTS), framework="pt", device="cpu") as f:
-        return {key: WEIGHTS for key in f.keys()}
+        keys = list(f.keys())
+    return Catalog(info.path, {key: WEIGHTS for key in keys})
 
 
+def _everything(shape: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
+
+
+@torch.no_grad()
 def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = True) -> None:
     """Copy the checkpoint's weights into `model` (or, whole=False, this rank's pipeline stage of
-    it), each rank reading only its slice of each tensor from the files; refuses a checkpoint of
-    another shape."""
+    it), each rank reading only the boxes it holds (`fully_sharded.held_boxes`) from the files,
+    whatever layout wrote them; refuses a checkpoint of another shape."""
     expected = dict(model.named_parameters())
-    files = _weight_files(info)
     buffers = persistent_buffers(model)
-    _load_buffers(info, {name: b for name, b in buffers.items() if name in files}, files)
-    if not any(is_adapter(name) for name in files):  # a base model for LoRA: new adapters keep their init
-        expected = {name: param for name, param in expected.items() if not is_adapter(name)}
-    for name in expected:
-        if name not in files:
-            raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
-    extra = set(files) - set(expected) - set(buffers)
-    if whole and extra:
-        raise CheckpointError(
-            f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); it belongs to a different model"
-        )
-    by_file: dict[str, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
-    with torch.no_grad():
-        for file, names in sorted(by_file.items()):
-            with safe_open(str(info.path / file), framework="pt", device="cpu") as f:
-                for name in names:
-                    param = expected[name]
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != full_shape(param):
-                        raise CheckpointError(
-                            f"{info.path}: {name} has shape {list(shape)} there but "
-                            f"{list(full_shape(param))} in this model; use the same model settings"
-                        )
-                    assign_full(param, _read_slice(f, name, param))
-
-
-def _load_buffers(info: CheckpointInfo, buffers: dict[str, torch.Tensor], files: dict[str, str]) -> None:
-    """Copy saved buffers (a checkpoint without them, such as a converted one, leaves them at zero)."""
-    with torch.no_grad():
-        for name, buffer in buffers.items():
-            with safe_open(str(info.path / files[name]), framework="pt", device="cpu") as f:
-                buffer.copy_(f.get_tensor(name))
-
-
-def _read_slice(f: Any, name: str, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of tensor `name` (padding zeroed), read without loading the rest."""
-    record = param_info(param)
-    if record.shard is None and record.expert_shard is None:
-        return f.get_tensor(name)
-    local = torch.zeros(param.shape, dtype=param.dtype)  # (an FSDP-sharded parameter's shape is whole)
-    for whole, mine in place(param):
-        local[mine] = f.get_slice(name)[whole]
-    return local
+    with weight_catalog(info) as catalog:
+        for name, buffer in buffers.items():  # (a checkpoint without them, a converted one, leaves them at zero)
+            if name in catalog:
+                catalog.fill(name, buffer, [(_everything(buffer.shape), _everything(buffer.shape))])
+        if not any(is_adapter(name) for name in catalog.boxes):  # a base model for LoRA: new adapters keep their init
+            expected = {name: param for name, param in expected.items() if not is_adapter(name)}
+        for name in expected:
+            if name not in catalog:
+                raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
+        extra = set(catalog.boxes) - set(expected) - set(buffers)
+        if whole and extra:
+            raise CheckpointError(
+                f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); it belongs to a different model"
+            )
+        for name, param in expected.items():
+            shape = catalog.shapes[name]
+            if shape != full_shape(param):
+                raise CheckpointError(
+                    f"{info.path}: {name} has shape {list(shape)} there but "
+                    f"{list(full_shape(param))} in this model; use the same model settings"
+                )
+            local = local_tensor(param)
+            record = param_info(param)
+            if record.shard is not None or record.expert_shard is not None:
+                local.zero_()  # (padding: in no box)
+            catalog.fill(name, local, held_boxes(param))
 
 
 def load_training_state(checkpoint: CheckpointInfo, topology: Topology) -> tuple[dict[str, Any], bool]:
@@ -506,12 +539,9 @@ def load_training_state(checkpoint: CheckpointInfo, topology: Topology) -> tuple
 
 
 def read_weight(info: CheckpointInfo, name: str) -> torch.Tensor:
-    """One single-device tensor of the checkpoint's weights."""
-    file = _weight_files(info).get(name)
-    if file is None:
-        raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
-    with safe_open(str(info.path / file), framework="pt", device="cpu") as f:
-        return f.get_tensor(name)
+    """One single-device tensor of the checkpoint's weights, assembled from its stored boxes."""
+    with weight_catalog(info) as catalog:
+        return catalog.whole(name)
 
 
 def model_from_checkpoint(checkpoint: CheckpointInfo, device: torch.device | str = "cpu") -> GPT:

@@ -1,39 +1,40 @@
-"""Optimizer state in a layout-free form: every rank writes the pieces it holds under the
-parameter's single-device name, with where each piece lies in the single-device tensor, so the
-state loads at any other tensor, pipeline or data-parallel layout and ZeRO stage.
+"""Optimizer state in a layout-free form: every rank writes the state it holds as boxes of the
+parameters' single-device tensors (`pieces.py`), so the state loads at any other tensor,
+pipeline or data-parallel layout and ZeRO stage, each rank reading only what it needs.
 
-A piece is a flat range [start, end) of this rank's tensor- (and expert-) parallel slice of a
-parameter (the whole slice without ZeRO; a bucket shard's share of it under ZeRO 1/2; FSDP2's
-rows under ZeRO 3). The slice itself is described by its boxes (`sharding.place`): pairs of
-index ranges, in the single-device tensor and in the slice. Each piece carries the optimizer's
-per-element state (Adam's two moments, SGD's momentum) and, when the weights are 16-bit, the fp32 master weights.
+A rank's share of a parameter's state is a flat range [start, end) of its tensor- (and expert-)
+parallel slice (the whole slice without ZeRO; a bucket shard's share of it under ZeRO 1/2;
+FSDP2's rows under ZeRO 3): a few boxes of the slice, hence of the single-device tensor. Each
+box of each state (Adam's two moments, SGD's momentum and, when the weights are 16-bit, the
+fp32 `master` weights) is one tensor, under the key `STATE/NAME[BOX]`.
 
 File: optimizer_tpTTT_ppPPP_dpDDD.safetensors per writing rank (DDD: its place among the data- and
-context-parallel ranks), its metadata listing the pieces.
-Loading assembles, one parameter at a time, the single-device tensor of every state from the
-pieces of all files, and takes this rank's pieces of it: exact (values are copied, never
-recomputed), so a resume at the same layout continues bit for bit.
+context-parallel ranks); `optimizer.index.json` maps every key to its file and records the
+single-device shapes and the optimizer's step count. Loading copies values, never recomputes
+them, so a resume at the same layout continues bit for bit. (Checkpoints written before the
+boxes, with flat pieces listed in each file's metadata, still load.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Callable
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from paratron.checkpoint.pieces import Catalog, box_key, flat_piece_boxes, param_piece_boxes, parse_key, writes
+from paratron.distributed.topology import Topology
 from paratron.errors import CheckpointError
 from paratron.optim.protocol import OptimizerPiece, TrainingOptimizer
 from paratron.parallel.data.fully_sharded import local_tensor
-from paratron.parallel.sharding import Shard, boxes, full_shape, is_expert, param_info, place, shard_of
+from paratron.parallel.sharding import Shard, boxes, full_shape, param_info
 
 PREFIX = "optimizer_"
+INDEX = "optimizer.index.json"
 
 
 def optimizer_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
@@ -63,20 +64,121 @@ def pieces(optimizer: TrainingOptimizer, model: nn.Module, duplicates: bool = Fa
     ]
 
 
-def _box_record(param: nn.Parameter) -> list | None:
-    """The slice's boxes as JSON: [[[start, stop] per dimension in the whole], [... in the slice]], ...]."""
-    record = param_info(param)
-    if record.shard is None and record.expert_shard is None:
-        return None
-    return [[_span(whole), _span(mine)] for whole, mine in place(param)]
+@dataclass
+class OptimizerSnapshot:
+    """This rank's boxes of the optimizer state, ready for a .safetensors file and the index."""
+
+    tensors: dict[str, torch.Tensor]
+    shapes: dict[str, list[int]]
+    """Single-device shape of every parameter written."""
+    step: float | None
 
 
-def _span(index: tuple[slice, ...]) -> list[list[int | None]]:
-    return [[s.start, s.stop] for s in index]
+def optimizer_snapshot(
+    optimizer: TrainingOptimizer, model: nn.Module, topology: Topology, sharded: bool, copy: bool = False
+) -> OptimizerSnapshot:
+    """The state this rank writes: of each parameter it is the writer of (`pieces.writes`; with a
+    `sharded` optimizer every rank holds its own shards), every state's boxes as fp32 tensors.
+    `copy` clones the values, so that training may go on while they are written."""
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
+    step = None
+    for piece in pieces(optimizer, model):
+        part = piece.part
+        if not writes(part.param, topology, sharded_over_data=sharded):
+            continue
+        state = piece.optimizer.state.get(part.master, {})
+        entries = {k: v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
+        if "step" in state:
+            step = float(state["step"])
+        if part.copy:
+            entries["master"] = part.master.detach()
+        shape = full_shape(part.param)
+        shapes[piece.name] = list(shape)
+        regions = param_piece_boxes(part.param, part.start, part.end)
+        for key, value in entries.items():
+            flat = local_tensor(value).detach().reshape(-1)
+            for whole, at, local_shape, within in regions:
+                first = at - part.start
+                box = flat[first : first + math.prod(local_shape)].view(local_shape)[within].float().cpu()
+                tensors[f"{key}/{box_key(piece.name, whole, shape)}"] = box.clone() if copy else box.contiguous()
+    return OptimizerSnapshot(tensors, shapes, step)
 
 
-def _boxes(record: dict) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]] | None:
-    """A piece's boxes from its record (older checkpoints wrote one `shard` [dim, start, length])."""
+def write_index(folder: Path, files: dict[str, list[str]], shapes: dict[str, list[int]], step: float | None) -> None:
+    """`optimizer.index.json`: every key's file (`files`: file -> its keys), the shapes, the step."""
+    weight_map = {key: file for file, keys in sorted(files.items()) for key in keys}
+    (folder / INDEX).write_text(
+        json.dumps({"step": step, "shapes": shapes, "weight_map": weight_map}, indent=1), encoding="utf-8"
+    )
+
+
+@torch.no_grad()
+def load_optimizer(
+    folder: Path, optimizer: TrainingOptimizer, model: nn.Module, weights: Catalog | None = None
+) -> None:
+    """Fill this rank's optimizer state (and fp32 masters) from the checkpoint in `folder`,
+    whatever layout wrote it, reading only the boxes this rank holds. `weights` (the
+    checkpoint's weights) gives the masters when the checkpoint has none (it was trained in fp32)."""
+    catalog, names, step = _catalog(folder)
+    states: dict[str, dict[str, tuple[Catalog, str]]] = {}  # parameter -> its states' stored names
+    for name in catalog.boxes:
+        key, _, of = name.partition("/")
+        states.setdefault(of, {})[key] = (catalog, name)
+    with catalog:
+        for piece in pieces(optimizer, model, duplicates=True):
+            if piece.name not in names:
+                raise CheckpointError(
+                    f"{folder}: has no optimizer state for {piece.name}; it belongs to a different model"
+                )
+            sources = dict(states.get(piece.name, {}))
+            if "master" not in sources and piece.part.copy and weights is not None:
+                sources["master"] = (weights, piece.name)
+            _fill(piece, sources, step)
+    optimizer.write_back()  # the 16-bit weights from the masters just loaded
+
+
+def _catalog(folder: Path) -> tuple[Catalog, set[str], float | None]:
+    """The stored boxes of every state (named `STATE/NAME`), the parameter names, the step."""
+    index = folder / INDEX
+    if not index.is_file():
+        return _older_catalog(folder)
+    try:
+        record = json.loads(index.read_text(encoding="utf-8"))
+        weight_map: dict[str, str] = record["weight_map"]
+        shapes = {name: record["shapes"][name.split("/", 1)[1]] for name in (parse_key(key)[0] for key in weight_map)}
+    except (ValueError, KeyError, IndexError):
+        raise CheckpointError(f"{index}: unreadable; the checkpoint is damaged") from None
+    return Catalog(folder, weight_map, shapes), set(record["shapes"]), record["step"]
+
+
+def _older_catalog(folder: Path) -> tuple[Catalog, set[str], float | None]:
+    """Optimizer state as written before the boxes: flat pieces listed in each file's metadata,
+    turned into boxes in memory."""
+    files = sorted(folder.glob(f"{PREFIX}*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: holds no optimizer state; use --no-load-optim to start a fresh one")
+    catalog, names, step = Catalog(folder, {}), set(), None
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            meta = handle.metadata()
+            step = json.loads(meta["step"]) if json.loads(meta["step"]) is not None else step
+            for i, record in enumerate(json.loads(meta["pieces"])):
+                names.add(record["name"])
+                shape, local_shape = record["shape"], record["slice_shape"]
+                pairs = _older_boxes(record) or [(tuple(slice(0, n) for n in shape), tuple(slice(0, n) for n in shape))]
+                regions = flat_piece_boxes(local_shape, shape, pairs, record["start"], record["end"])
+                for key in record["keys"]:
+                    flat = handle.get_tensor(f"{i}/{key}")
+                    for whole, at, box_shape, within in regions:
+                        first = at - record["start"]
+                        values = flat[first : first + math.prod(box_shape)].view(box_shape)[within]
+                        catalog.add(f"{key}/{record['name']}", whole, values, shape)
+    return catalog, names, step
+
+
+def _older_boxes(record: dict) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]] | None:
+    """An older piece's slice boxes from its record (the oldest wrote one `shard` [dim, start, length])."""
     if "boxes" in record:
         if record["boxes"] is None:
             return None
@@ -87,121 +189,18 @@ def _boxes(record: dict) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]] | 
     return boxes(record["slice_shape"], Shard(dim, start, length, record["shape"][dim]))
 
 
-def optimizer_snapshot(
-    optimizer: TrainingOptimizer,
-    model: nn.Module,
-    replicated_too: bool = True,
-    copy: bool = False,
-    experts_only: bool = False,
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """This rank's pieces as (tensors, metadata) for a .safetensors file. `replicated_too=False`
-    leaves out parameters that every tensor-parallel rank holds whole (another rank writes them);
-    `experts_only` leaves out all but the expert-parallel ones; `copy` clones the values, so that
-    training may go on while they are written."""
-    tensors: dict[str, torch.Tensor] = {}
-    index = []
-    step = None
-    for piece in pieces(optimizer, model):
-        part = piece.part
-        if not replicated_too and shard_of(part.param) is None:
-            continue
-        if experts_only and not is_expert(part.param):
-            continue
-        state = piece.optimizer.state.get(part.master, {})
-        entries = {k: v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
-        if "step" in state:
-            step = float(state["step"])
-        if part.copy:
-            entries["master"] = part.master.detach()
-        keys = []
-        for key, value in entries.items():
-            flat = local_tensor(value).detach().reshape(-1).float().cpu()
-            tensors[f"{len(index)}/{key}"] = flat.clone() if copy else flat.contiguous()
-            keys.append(key)
-        index.append(
-            {
-                "name": piece.name,
-                "start": part.start,
-                "end": part.end,
-                "keys": keys,
-                "slice_shape": list(part.param.shape),
-                "boxes": _box_record(part.param),
-                "shape": list(full_shape(part.param)),
-            }
-        )
-    return tensors, {"pieces": json.dumps(index), "step": json.dumps(step)}
-
-
-@torch.no_grad()
-def load_optimizer(
-    folder: Path, optimizer: TrainingOptimizer, model: nn.Module, weights: Callable[[str], torch.Tensor] | None = None
-) -> None:
-    """Fill this rank's optimizer state (and fp32 masters) from every optimizer file in `folder`,
-    whatever layout wrote them. `weights(name)` gives a parameter's saved single-device weights,
-    for masters when the checkpoint has none (it was trained in fp32)."""
-    files = sorted(folder.glob(f"{PREFIX}*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: holds no optimizer state; use --no-load-optim to start a fresh one")
-    with contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files]
-        by_name: dict[str, list[tuple[Any, int, dict]]] = {}
-        step = None
-        for handle in handles:
-            meta = handle.metadata()
-            step = json.loads(meta["step"]) if json.loads(meta["step"]) is not None else step
-            for i, record in enumerate(json.loads(meta["pieces"])):
-                by_name.setdefault(record["name"], []).append((handle, i, record))
-        mine: dict[str, list[Piece]] = {}
-        for piece in pieces(optimizer, model, duplicates=True):
-            mine.setdefault(piece.name, []).append(piece)
-        for name, targets in mine.items():
-            sources = by_name.get(name)
-            if not sources:
-                raise CheckpointError(f"{folder}: has no optimizer state for {name}; it belongs to a different model")
-            full = _assemble(sources, name, folder)
-            if "master" not in full and any(p.part.copy for p in targets) and weights is not None:
-                full["master"] = weights(name).float()
-            for piece in targets:
-                _fill(piece, full, step)
-    optimizer.write_back()  # the 16-bit weights from the masters just loaded
-
-
-def _assemble(sources: list[tuple[Any, int, dict]], name: str, folder: Path) -> dict[str, torch.Tensor]:
-    """Single-device tensors of every saved state of parameter `name`, from its pieces."""
-    shape = sources[0][2]["shape"]
-    slices: dict[tuple, tuple[dict[str, torch.Tensor], list | None]] = {}  # one slice -> its flat tensors, boxes
-    for handle, i, record in sources:
-        if record["shape"] != shape:
-            raise CheckpointError(f"{folder}: optimizer state of {name} has two shapes; the checkpoint is damaged")
-        key = (json.dumps(record.get("boxes", record.get("shard"))), tuple(record["slice_shape"]))
-        flats, _ = slices.setdefault(key, ({}, _boxes(record)))
-        size = 1
-        for n in record["slice_shape"]:
-            size *= n
-        for state_key in record["keys"]:
-            flat = flats.setdefault(state_key, torch.zeros(size))
-            flat[record["start"] : record["end"]] = handle.get_tensor(f"{i}/{state_key}")
-    full: dict[str, torch.Tensor] = {}
-    for (_, slice_shape), (flats, boxes_of_slice) in slices.items():
-        for state_key, flat in flats.items():
-            local = flat.view(slice_shape)
-            target = full.setdefault(state_key, torch.zeros(shape))
-            if boxes_of_slice is None:
-                target.copy_(local)
-            for whole, mine in boxes_of_slice or ():
-                target[whole] = local[mine]
-    return full
-
-
-def _fill(piece: Piece, full: dict[str, torch.Tensor], step: float | None) -> None:
-    """Set `piece`'s optimizer state (and master) from single-device tensors."""
+def _fill(piece: Piece, sources: dict[str, tuple[Catalog, str]], step: float | None) -> None:
+    """Set `piece`'s optimizer state (and master) from the stored boxes it covers: `sources`
+    names, for each state, the catalog and the stored name to read it from."""
     part = piece.part
+    regions = param_piece_boxes(part.param, part.start, part.end)
     flats = {}
-    for key, tensor in full.items():
-        local = torch.zeros(tuple(part.param.shape))  # (a DTensor's shape is its tensor-parallel slice's)
-        for whole, mine in place(part.param):  # (one box, the whole tensor, when it is not split)
-            local[mine] = tensor[whole]
-        flats[key] = local.reshape(-1)[part.start : part.end]
+    for key, (source, name) in sources.items():
+        flat = torch.zeros(part.end - part.start)
+        for whole, at, local_shape, within in regions:
+            first = at - part.start
+            source.fill(name, flat[first : first + math.prod(local_shape)].view(local_shape), [(whole, within)])
+        flats[key] = flat
     if "master" in flats and part.copy:
         local_tensor(part.master).view(-1).copy_(flats.pop("master"))
     flats.pop("master", None)

@@ -20,12 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # (FSDP2 shard offsets)
 
 from paratron.config.schema import OptimizerConfig
 from paratron.distributed.topology import RankGroup
 from paratron.optim.protocol import GradsForNorm, OptimizerPiece
-from paratron.parallel.data.fully_sharded import is_sharded, local_tensor
+from paratron.parallel.data.fully_sharded import fsdp_rows, local_tensor
 
 
 def make_inner_optimizer(groups: list[dict], config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -148,7 +147,7 @@ class ParameterOptimizer(MasterWeightsOptimizer):
         out = []
         for param, master in zip(self.targets, self.masters):
             local = local_tensor(param)
-            first = _rows_offset(param) if is_sharded(param) else 0
+            first = (fsdp_rows(param) or (0, 0))[0]
             width = local[0].numel() if local.dim() > 0 and local.size(0) else 0
             start = first * width if local.dim() > 0 else 0
             out.append(OptimizerPiece(param, start, start + local.numel(), master, master is not param))
@@ -192,9 +191,3 @@ class FullyShardedOptimizer(ParameterOptimizer):
             local_tensor(m.grad) if m.grad is not None else torch.zeros_like(local_tensor(m)) for m in self.masters
         ]
         return GradsForNorm(grads, self.norm_weights, self.norm_group)
-
-
-def _rows_offset(param: torch.Tensor) -> int:
-    """First row of an FSDP2-sharded parameter's local rows within its tensor-parallel slice."""
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return int(offset[0]) if offset else 0

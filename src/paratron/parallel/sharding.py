@@ -146,6 +146,11 @@ def place(param: torch.Tensor) -> list[tuple[Index, Index]]:
     return boxes(param.shape, record.shard, record.expert_shard)
 
 
+def bounded(index: Index, shape: Sequence[int]) -> Index:
+    """`index` with explicit start and stop in every dimension of a tensor of `shape`."""
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
 def take_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """This rank's local tensor (padding zeroed) from the single-device tensor."""
     record = param_info(param)

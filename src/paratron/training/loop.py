@@ -11,7 +11,6 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from paratron.checkpoint.io import (
     load_model_weights,
     load_training_state,
     read_checkpoint,
-    read_weight,
+    weight_catalog,
     write_text_atomic,
 )
 from paratron.checkpoint.optimizer_state import load_optimizer
@@ -268,7 +267,8 @@ class Trainer:
         state_of_rank, own = load_training_state(checkpoint, self.topology)
         self.restore_rank_state(state_of_rank, own)
         if optimizer_state:  # pieces under single-device names: any layout
-            load_optimizer(checkpoint.path, self.optimizer, self.model.module, partial(read_weight, checkpoint))
+            with weight_catalog(checkpoint) as saved_weights:  # (masters, when the checkpoint kept none)
+                load_optimizer(checkpoint.path, self.optimizer, self.model.module, saved_weights)
 
     def _log(self, iteration: int, lr: float, result: StepResult, window: _Window) -> None:
         if not window.steps:  # only a non-finite step since the last line, and it said so

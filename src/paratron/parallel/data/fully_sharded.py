@@ -19,10 +19,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
-from paratron.parallel.sharding import copy_info
+from paratron.parallel.sharding import Index, bounded, copy_info, full_shape, place
 
 
 def shard_fully(
@@ -83,3 +84,38 @@ def assign_full(param: torch.Tensor, value: torch.Tensor) -> None:
     rank = mesh.get_local_rank()
     if rank < len(chunks) and local.numel():
         local.copy_(chunks[rank])
+
+
+def fsdp_rows(param: torch.Tensor) -> tuple[int, int] | None:
+    """The rows [start, stop) of dimension 0 of its (tensor-parallel-local) tensor that this rank
+    holds of an FSDP-sharded parameter; None when the parameter is not sharded."""
+    if not is_sharded(param):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+    if not shape:
+        return 0, 0
+    return int(offset[0]), int(offset[0]) + int(shape[0])
+
+
+def held_boxes(param: torch.Tensor) -> list[tuple[Index, Index]]:
+    """What this rank holds of a parameter: (index into the single-device tensor, index into
+    `local_tensor(param)`) pairs, every slice with explicit bounds; its tensor-parallel and
+    expert-parallel boxes (`sharding.place`), cut to its FSDP2 rows under ZeRO-3."""
+    shape = full_shape(param)
+    pairs = [(bounded(whole, shape), bounded(mine, tuple(param.shape))) for whole, mine in place(param)]
+    rows = fsdp_rows(param)
+    if rows is None:
+        return pairs
+    out = []
+    for whole, mine in pairs:
+        start, stop = max(mine[0].start, rows[0]), min(mine[0].stop, rows[1])
+        if start >= stop:
+            continue
+        shift = whole[0].start - mine[0].start
+        out.append(
+            (
+                (slice(start + shift, stop + shift), *whole[1:]),
+                (slice(start - rows[0], stop - rows[0]), *mine[1:]),
+            )
+        )
+    return out

@@ -1,0 +1,252 @@
+"""Per-rank save and load of a checkpoint at several layouts: time and peak memory on each rank,
+against the rank's shard and the model's largest tensor, and the save against
+`torch.distributed.checkpoint` (DCP) saving the same state.
+
+    .venv/bin/python bench/checkpoint_sharded.py
+    .venv/bin/python bench/checkpoint_sharded.py --layouts tp4 zero3-dp4 --rounds 2
+
+For each layout (TP1 on one process, TP2, TP4, ZeRO-3 over four data-parallel ranks), gloo
+processes on this machine build the same GPT (default about 46M parameters: 4 layers, hidden
+512, SwiGLU 1536, vocabulary 32768, untied; each embedding is 67 MB in fp32), take one AdamW
+step, then in each round:
+
+- paratron: `save_checkpoint` (each rank writes its boxes of the weights and of Adam's state,
+  with SHA-256 checksums, the indexes, the atomic rename), then, after a barrier, loading it
+  back at the same layout (`read_checkpoint` with checksum verification, `load_model_weights`,
+  `load_optimizer`, each rank reading only its boxes);
+- DCP: `torch.distributed.checkpoint.save` of the same tensors under the same keys (the rank's
+  weight and optimizer boxes, taken the same way), to its own folder.
+
+Peak memory is the rise of the process's resident high-water mark over its resident size at the
+start of the operation (the mark is reset through /proc/self/clear_refs, so it is the
+operation's own peak). Reported per layout: the slowest rank's times and the largest rank's
+peak, shard and file. Writes bench/results/checkpoint_sharded.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from paratron.checkpoint.io import write_text_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = dict(
+    num_layers=4,
+    hidden_size=512,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=1536,
+    vocab_size=32768,
+    max_position_embeddings=128,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+)
+RUN = dict(seq_length=64, micro_batch_size=1, mock_data=True, seed=7)
+LAYOUTS = {
+    "tp1": (1, {}),
+    "tp2": (2, dict(tensor_model_parallel_size=2)),
+    "tp4": (4, dict(tensor_model_parallel_size=4)),
+    "zero3-dp4": (4, dict(zero_stage=3)),
+}
+MIB = 2**20
+
+
+def _kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+class Peak:
+    """The rise of resident memory during a `with` block (Linux: VmHWM, reset on entry)."""
+
+    def __enter__(self) -> Peak:
+        Path("/proc/self/clear_refs").write_text("5")
+        self.base = _kib("VmRSS")
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.seconds = time.perf_counter() - self.started
+        self.rise = _kib("VmHWM") - self.base
+
+
+def measure(settings: dict, directory: str, rounds: int) -> dict:
+    """On one rank of a gloo world: build, step, then save / load / DCP-save `rounds` times."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from paratron.checkpoint.io import (
+        CheckpointContent,
+        load_model_weights,
+        read_checkpoint,
+        save_checkpoint,
+        weight_boxes,
+        weight_catalog,
+    )
+    from paratron.checkpoint.optimizer_state import load_optimizer, optimizer_snapshot
+    from paratron.config import build_config
+    from paratron.distributed import rng
+    from paratron.distributed.init import initialize
+    from paratron.distributed.topology import Axis, ParallelDims, Topology
+    from paratron.model.batch import Batch
+    from paratron.model.gpt import GPT
+    from paratron.optim.build import build_optimizer
+    from paratron.parallel import parallelize
+    from paratron.parallel.data.fully_sharded import local_tensor
+    from paratron.parallel.sharding import full_shape
+
+    initialize("gloo")
+    config = build_config(dict(MODEL, **RUN, **settings))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    topology = Topology(ParallelDims.from_config(world, config.parallel), rank)
+    topology.create_groups()
+    with torch.device("meta"):
+        meta = GPT(config.model)
+    model = parallelize(meta, config, topology, torch.device("cpu"))
+    optimizer = build_optimizer(model, config.optimizer)
+    ids = torch.randint(
+        0, config.model.vocab_size, (1, RUN["seq_length"] + 1), generator=torch.Generator().manual_seed(0)
+    )
+    model.forward_backward([Batch(ids[:, :-1], ids[:, 1:])])
+    optimizer.prepare_grads()
+    optimizer.step()
+    optimizer.after_step()
+    params = list(model.module.parameters())
+    state_tensors = [v for s in optimizer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    shard = sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in params + state_tensors)
+    largest = max(torch.Size(full_shape(p)).numel() * p.element_size() for p in params)
+    sharded = config.parallel.sharding_stage > 0 and topology.size(Axis.DP_CP) > 1
+    times: dict[str, list[float]] = {"save": [], "load": [], "dcp_save": []}
+    peaks: dict[str, list[int]] = {"save": [], "load": [], "dcp_save": []}
+    written = 0
+    root = Path(directory)
+    for round_ in range(rounds):
+        target = root / f"paratron{round_}"
+        dist.barrier()
+        content = CheckpointContent(
+            1, 0, config, model.module, optimizer, rank_state={"rng": rng.capture(torch.device("cpu"))}
+        )
+        with Peak() as save:
+            save_checkpoint(target, content, topology)
+        folder = target / "iter_0000001"
+        mine = [
+            p
+            for p in folder.iterdir()
+            if f"tp{topology.tp_rank:03d}_pp000_dp{topology.local_rank(Axis.DP_CP):03d}" in p.name
+        ]
+        written = sum(p.stat().st_size for p in mine if p.suffix == ".safetensors")
+        dist.barrier()
+        with Peak() as load:
+            info = read_checkpoint(target)
+            load_model_weights(info, model.module)
+            with weight_catalog(info) as weights:
+                load_optimizer(info.path, optimizer, model.module, weights)
+        dist.barrier()
+        with Peak() as dcp_save:
+            state, _ = weight_boxes(model.module, topology)
+            snapshot = optimizer_snapshot(optimizer, model.module, topology, sharded)
+            state.update({f"optimizer/{key}": value for key, value in snapshot.tensors.items()})
+            dcp.save(state, checkpoint_id=str(root / f"dcp{round_}"))
+        del state, snapshot
+        for name, measured in (("save", save), ("load", load), ("dcp_save", dcp_save)):
+            times[name].append(measured.seconds)
+            peaks[name].append(measured.rise)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.rmtree(root / f"dcp{round_}", ignore_errors=True)
+    return {"times": times, "peaks": peaks, "shard": shard, "largest": largest, "written": written}
+
+
+def summarize(name: str, world: int, per_rank: list[dict]) -> dict:
+    median = {
+        kind: statistics.median(
+            max(r["times"][kind][i] for r in per_rank) for i in range(len(per_rank[0]["times"][kind]))
+        )
+        for kind in ("save", "load", "dcp_save")
+    }
+    return {
+        "layout": name,
+        "world": world,
+        "save_s": median["save"],
+        "load_s": median["load"],
+        "dcp_save_s": median["dcp_save"],
+        "save_peak": max(max(r["peaks"]["save"]) for r in per_rank),
+        "load_peak": max(max(r["peaks"]["load"]) for r in per_rank),
+        "dcp_peak": max(max(r["peaks"]["dcp_save"]) for r in per_rank),
+        "shard": max(r["shard"] for r in per_rank),
+        "written": max(r["written"] for r in per_rank),
+        "largest": per_rank[0]["largest"],
+    }
+
+
+def markdown(rows: list[dict], command: str, rounds: int) -> str:
+    lines = [
+        "## Sharded checkpoints: per-rank save and load",
+        "",
+        f"`{command}` (writes bench/results/checkpoint_sharded.json): gloo processes on this 2-core machine, "
+        "a 46M-parameter GPT (4 layers, hidden 512, SwiGLU 1536, vocabulary 32768, untied: each embedding "
+        f"{rows[0]['largest'] / MIB:.0f} MiB in fp32) after one AdamW step, fp32; median over {rounds} rounds "
+        "of the slowest rank's time, and the largest rank's peak. Peak: the rise of the rank's resident "
+        "high-water mark during the operation. Shard: the rank's weights and optimizer state in memory; "
+        "file: what the rank wrote.",
+        "",
+        "| layout | ranks | shard (MiB) | file (MiB) | save (s) | save peak (MiB) | load (s) | load peak (MiB) "
+        "| DCP save (s) | DCP peak (MiB) | save / DCP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['layout']} | {r['world']} | {r['shard'] / MIB:.0f} | {r['written'] / MIB:.0f} | {r['save_s']:.3f} "
+            f"| {r['save_peak'] / MIB:.0f} | {r['load_s']:.3f} | {r['load_peak'] / MIB:.0f} | {r['dcp_save_s']:.3f} "
+            f"| {r['dcp_peak'] / MIB:.0f} | {r['save_s'] / r['dcp_save_s']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--directory", type=Path, default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "checkpoint_sharded.json")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
+    from multiprocess import run_ranks  # (the test suite's spawner: torchrun's environment per process)
+
+    rows = []
+    for name in args.layouts:
+        world, settings = LAYOUTS[name]
+        work = Path(tempfile.mkdtemp(dir=args.directory))
+        try:
+            per_rank = run_ranks(measure, world, settings, str(work), args.rounds, timeout=1800.0)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        rows.append(summarize(name, world, per_rank))
+        print(json.dumps(rows[-1]), flush=True)
+    command = (
+        "python bench/checkpoint_sharded.py"
+        + (f" --layouts {' '.join(args.layouts)}" if args.layouts != list(LAYOUTS) else "")
+        + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
+    )
+    payload = {"command": command, "model": MODEL, "run": RUN, "torch": torch.__version__, "rows": rows}
+    write_text_atomic(args.output, json.dumps(payload, indent=1))
+    text = markdown(rows, command, args.rounds)
+    write_text_atomic(args.output.with_suffix(".md"), text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
