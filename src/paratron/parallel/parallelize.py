@@ -10,9 +10,10 @@ Order (as in torchtitan), each step a module swap or a cut on the meta device un
 3. pipeline stage split: what this rank does not run is dropped; under zero-bubble schedules
    the blocks' linear layers are swapped for ones that can defer their weight gradients;
 4. weights materialized and initialized (in fp32), each rank initializing just its slice of
-   every single-device tensor, from the seed and the tensor's name: every layout starts from
-   the same model; then cast to bf16/fp16 for mixed precision, or sharded by FSDP2 (ZeRO-3)
-   over fp32 shards computing in 16 bits;
+   every single-device tensor, from the seed and the tensor's name, drawing only the blocks of
+   rows that meet it (never a whole tensor): every layout starts from the same model; then
+   cast to bf16/fp16 for mixed precision, or sharded by FSDP2 (ZeRO-3) over fp32 shards
+   computing in 16 bits;
 5. data parallelism: the gradients' buckets (ZeRO 0-2) and the flat parameter buffers of the
    distributed optimizer (ZeRO 1/2): the dense parameters' over the data-parallel group, the
    experts' over the expert-data-parallel group;
@@ -21,6 +22,7 @@ Order (as in torchtitan), each step a module swap or a cut on the meta device un
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -29,18 +31,18 @@ from torch import nn
 
 from paratron.config.fields import flag
 from paratron.config.layout import Layout, resolve_layout
-from paratron.config.schema import Config
+from paratron.config.schema import Config, ModelConfig
 from paratron.distributed.init import synchronize
 from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSET, RNGStates
 from paratron.distributed.topology import Axis, RankGroup, Topology
 from paratron.errors import ConfigError
 from paratron.model.batch import IGNORE_INDEX
-from paratron.model.gpt import GPT, init_parameter
+from paratron.model.gpt import GPT, init_block_rows, init_rows
 from paratron.model.loss import token_losses
 from paratron.model.moe import grouped_gemm_available
 from paratron.parallel.context.apply import apply_context_parallel
 from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
-from paratron.parallel.data.fully_sharded import assign_full, shard_fully
+from paratron.parallel.data.fully_sharded import held_boxes, local_tensor, shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.expert.apply import apply_expert_parallel
 from paratron.parallel.model import ParallelModel, TokenLoss
@@ -50,7 +52,7 @@ from paratron.parallel.pipeline.schedules import Schedule, build_schedule
 from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stage
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
 from paratron.parallel.recompute import apply_recompute
-from paratron.parallel.sharding import copy_info, full_shape, param_info, set_info, shard_of, take_slice
+from paratron.parallel.sharding import copy_info, full_shape, param_info, set_info, shard_of
 from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratron.parallel.tensor.layers import TPContext
@@ -239,8 +241,8 @@ def _fully_sharded(config: Config, topology: Topology) -> bool:
 
 
 def materialize_shards(model: nn.Module, device: torch.device | str, seed: int) -> None:
-    """ZeRO-3: allocate only this rank's FSDP2 shards and fill each from its tensor's single-device
-    init, one tensor at a time: a rank never holds more than its shards and one whole tensor."""
+    """ZeRO-3: allocate only this rank's FSDP2 shards and fill each from the blocks of its tensor's
+    single-device init that meet it: a rank never holds more than its shards and one block."""
     records = {
         (id(m), key): param_info(p) for m in model.modules() for key, p in m._parameters.items() if p is not None
     }
@@ -253,24 +255,48 @@ def materialize_shards(model: nn.Module, device: torch.device | str, seed: int) 
         return
     with torch.no_grad():
         for name, param in model.named_parameters():
-            full = torch.empty(full_shape(param), device=device, dtype=param.dtype)
-            init_parameter(name, full, model.config, seed)
-            assign_full(param, take_slice(full, param))
-            del full
+            fill_from_init(name, param, model.config, seed)
         for buffer in model.buffers():
             buffer.zero_()
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> None:
-    """Allocate the weights on `device` and give each parameter its slice of the single-device init
+    """Allocate the weights on `device` and give each parameter its part of the single-device init
     (on the meta device there is nothing to initialize: the shapes are the dry run's result)."""
     _allocate(model, device)
     if torch.device(device).type == "meta":
         return
     with torch.no_grad():
         for name, param in model.named_parameters():
-            full = torch.empty(full_shape(param), device=param.device, dtype=param.dtype)
-            init_parameter(name, full, model.config, seed)
-            param.copy_(take_slice(full, param))
+            fill_from_init(name, param, model.config, seed)
         for buffer in model.buffers():  # (the MoE router's expert bias and load counters start at zero)
             buffer.zero_()
+
+
+@torch.no_grad()
+def fill_from_init(name: str, param: torch.Tensor, config: ModelConfig, seed: int) -> None:
+    """Write what this rank holds of parameter `name` (`held_boxes`: tensor-, expert- and
+    FSDP2-parallel parts) into its local tensor, from the single-device init drawn one block of
+    rows at a time, so no rank allocates the whole tensor; padding no box covers is zero."""
+    local = local_tensor(param)
+    shape = full_shape(param)
+    if local.dim() == 0:
+        init_rows(name, shape, slice(None), local, config, seed)
+        return
+    pairs = held_boxes(param)
+    if sum(math.prod(s.stop - s.start for s in mine) for _, mine in pairs) < local.numel():
+        local.zero_()  # (vocabulary padding)
+    step = init_block_rows(name, shape)
+    needed = sorted({b for whole, _ in pairs for b in range(whole[0].start // step, -(-whole[0].stop // step))})
+    if not needed:
+        return
+    buffer = local.new_empty((min(step, shape[0]), *shape[1:]))  # (one block, reused)
+    for block in needed:
+        first, last = block * step, min((block + 1) * step, shape[0])
+        values = buffer[: last - first]
+        init_rows(name, shape, slice(first, last), values, config, seed)
+        for whole, mine in pairs:
+            lo, hi = max(whole[0].start, first), min(whole[0].stop, last)
+            if lo < hi:
+                shift = mine[0].start - whole[0].start
+                local[(slice(lo + shift, hi + shift), *mine[1:])] = values[(slice(lo - first, hi - first), *whole[1:])]
