@@ -171,8 +171,8 @@ def main() -> None:
         f"`{command}` (writes bench/results/checkpoint.json): one process, a {params / 1e6:.1f}M-parameter GPT "
         f"({args.layers} layers, hidden {args.hidden_size}, vocabulary {args.vocab_size}, untied) after one AdamW "
         f"step, fp32; median of {args.rounds} alternating rounds on this machine's disk. paratron's save includes "
-        "SHA-256 checksums of every file and the atomic rename; its load verifies them and assembles the "
-        "optimizer pieces by name (the path that reshards).",
+        "SHA-256 checksums of every file and the atomic rename; its load verifies them and reads every tensor "
+        "as boxes of the single-device tensor (the path that loads at any layout).",
         "",
         "| | paratron | torch.save / torch.load | paratron / torch |",
         "|---|---:|---:|---:|",

@@ -19,8 +19,10 @@ step, then in each round:
 
 Peak memory is the rise of the process's resident high-water mark over its resident size at the
 start of the operation (the mark is reset through /proc/self/clear_refs, so it is the
-operation's own peak). Reported per layout: the slowest rank's times and the largest rank's
-peak, shard and file. Writes bench/results/checkpoint_sharded.json and .md.
+operation's own peak). DCP is timed twice: as it comes (`FileSystemWriter` fsyncs every file)
+and with `sync_files=False`, as paratron writes (checksums instead). Reported per layout: the
+slowest rank's times and the largest rank's peak, shard and file. Writes
+bench/results/checkpoint_sharded.json and .md.
 """
 
 from __future__ import annotations
@@ -107,9 +109,14 @@ def measure(settings: dict, directory: str, rounds: int) -> dict:
     from paratron.parallel.data.fully_sharded import local_tensor
     from paratron.parallel.sharding import full_shape
 
-    initialize("gloo")
+    ctx = initialize("gloo")  # (one process: no process group)
     config = build_config(dict(MODEL, **RUN, **settings))
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = ctx.world_size, ctx.rank
+
+    def barrier() -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
     topology = Topology(ParallelDims.from_config(world, config.parallel), rank)
     topology.create_groups()
     with torch.device("meta"):
@@ -128,45 +135,49 @@ def measure(settings: dict, directory: str, rounds: int) -> dict:
     shard = sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in params + state_tensors)
     largest = max(torch.Size(full_shape(p)).numel() * p.element_size() for p in params)
     sharded = config.parallel.sharding_stage > 0 and topology.size(Axis.DP_CP) > 1
-    times: dict[str, list[float]] = {"save": [], "load": [], "dcp_save": []}
-    peaks: dict[str, list[int]] = {"save": [], "load": [], "dcp_save": []}
+    kinds = ("save", "load", "dcp_save", "dcp_nosync")
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    peaks: dict[str, list[int]] = {kind: [] for kind in kinds}
     written = 0
     root = Path(directory)
     for round_ in range(rounds):
         target = root / f"paratron{round_}"
-        dist.barrier()
+        barrier()
         content = CheckpointContent(
             1, 0, config, model.module, optimizer, rank_state={"rng": rng.capture(torch.device("cpu"))}
         )
         with Peak() as save:
             save_checkpoint(target, content, topology)
         folder = target / "iter_0000001"
-        mine = [
-            p
-            for p in folder.iterdir()
-            if f"tp{topology.tp_rank:03d}_pp000_dp{topology.local_rank(Axis.DP_CP):03d}" in p.name
-        ]
-        written = sum(p.stat().st_size for p in mine if p.suffix == ".safetensors")
-        dist.barrier()
+        suffix = f"tp{topology.tp_rank:03d}_pp000_dp{topology.local_rank(Axis.DP_CP):03d}.safetensors"
+        mine = [p for p in folder.iterdir() if p.name.endswith(suffix) or (world == 1 and p.suffix == ".safetensors")]
+        written = sum(p.stat().st_size for p in mine)
+        barrier()
         with Peak() as load:
             info = read_checkpoint(target)
             load_model_weights(info, model.module)
             with weight_catalog(info) as weights:
                 load_optimizer(info.path, optimizer, model.module, weights)
-        dist.barrier()
-        with Peak() as dcp_save:
-            state, _ = weight_boxes(model.module, topology)
-            snapshot = optimizer_snapshot(optimizer, model.module, topology, sharded)
-            state.update({f"optimizer/{key}": value for key, value in snapshot.tensors.items()})
-            dcp.save(state, checkpoint_id=str(root / f"dcp{round_}"))
-        del state, snapshot
-        for name, measured in (("save", save), ("load", load), ("dcp_save", dcp_save)):
-            times[name].append(measured.seconds)
-            peaks[name].append(measured.rise)
-        dist.barrier()
+        barrier()
+        measured = {"save": save, "load": load}
+        for kind, sync in (("dcp_save", True), ("dcp_nosync", False)):  # (DCP fsyncs its files by default)
+            barrier()
+            with Peak() as dcp_save:
+                state, _ = weight_boxes(model.module, topology)
+                snapshot = optimizer_snapshot(optimizer, model.module, topology, sharded)
+                state.update({f"optimizer/{key}": value for key, value in snapshot.tensors.items()})
+                folder = root / f"{kind}{round_}"
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=sync))
+            del state, snapshot
+            measured[kind] = dcp_save
+        for kind, result in measured.items():
+            times[kind].append(result.seconds)
+            peaks[kind].append(result.rise)
+        barrier()
         if rank == 0:
             shutil.rmtree(target, ignore_errors=True)
-            shutil.rmtree(root / f"dcp{round_}", ignore_errors=True)
+            shutil.rmtree(root / f"dcp_save{round_}", ignore_errors=True)
+            shutil.rmtree(root / f"dcp_nosync{round_}", ignore_errors=True)
     return {"times": times, "peaks": peaks, "shard": shard, "largest": largest, "written": written}
 
 
@@ -175,7 +186,7 @@ def summarize(name: str, world: int, per_rank: list[dict]) -> dict:
         kind: statistics.median(
             max(r["times"][kind][i] for r in per_rank) for i in range(len(per_rank[0]["times"][kind]))
         )
-        for kind in ("save", "load", "dcp_save")
+        for kind in ("save", "load", "dcp_save", "dcp_nosync")
     }
     return {
         "layout": name,
@@ -183,6 +194,7 @@ def summarize(name: str, world: int, per_rank: list[dict]) -> dict:
         "save_s": median["save"],
         "load_s": median["load"],
         "dcp_save_s": median["dcp_save"],
+        "dcp_nosync_s": median["dcp_nosync"],
         "save_peak": max(max(r["peaks"]["save"]) for r in per_rank),
         "load_peak": max(max(r["peaks"]["load"]) for r in per_rank),
         "dcp_peak": max(max(r["peaks"]["dcp_save"]) for r in per_rank),
@@ -204,14 +216,15 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
         "file: what the rank wrote.",
         "",
         "| layout | ranks | shard (MiB) | file (MiB) | save (s) | save peak (MiB) | load (s) | load peak (MiB) "
-        "| DCP save (s) | DCP peak (MiB) | save / DCP |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| DCP save (s) | DCP peak (MiB) | save / DCP | DCP without fsync (s) | save / DCP without fsync |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['layout']} | {r['world']} | {r['shard'] / MIB:.0f} | {r['written'] / MIB:.0f} | {r['save_s']:.3f} "
             f"| {r['save_peak'] / MIB:.0f} | {r['load_s']:.3f} | {r['load_peak'] / MIB:.0f} | {r['dcp_save_s']:.3f} "
-            f"| {r['dcp_peak'] / MIB:.0f} | {r['save_s'] / r['dcp_save_s']:.2f} |"
+            f"| {r['dcp_peak'] / MIB:.0f} | {r['save_s'] / r['dcp_save_s']:.2f} | {r['dcp_nosync_s']:.3f} "
+            f"| {r['save_s'] / r['dcp_nosync_s']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
