@@ -240,9 +240,10 @@ def test_pipeline_training_with_profile_then_generate(tmp_path):
         assert names == {f"{kind}{m}" for kind in "FBW" for m in range(4)}  # 4 micro-batches: F, B and W each
     assert (run / "pipeline-timeline.png").stat().st_size > 0
     index = json.loads((ckpt / "iter_0000004" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert index["layers.0.attention.out_proj.weight"] == "model-00001-of-00002.safetensors"
-    assert index["final_norm.weight"] == "model-00002-of-00002.safetensors"
-    assert index["embedding.weight"] == "model-00001-of-00002.safetensors" and "output.weight" not in index  # tied
+    first, last = "model_tp000_pp000_dp000.safetensors", "model_tp000_pp001_dp000.safetensors"
+    assert index["layers.0.attention.out_proj.weight"] == first
+    assert index["final_norm.weight"] == last
+    assert index["embedding.weight"] == first and "output.weight" not in index  # tied: the first stage writes it
 
     from paratron import load_pretrained
 

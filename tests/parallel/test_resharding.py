@@ -34,11 +34,11 @@ MODEL = dict(
     model_name=None,
     seq_length=16,
     micro_batch_size=2,
-    global_batch_size=16,
-    train_iters=10,
+    global_batch_size=8,
+    train_iters=8,
     lr_warmup_iters=2,
 )
-SAVED_AT = 5
+SAVED_AT = 4
 TOLERANCE = 1e-6
 
 
@@ -130,14 +130,13 @@ def test_tp4_resumes_on_one_process_and_exports_streaming(tmp_path, monkeypatch)
     assert difference < 1e-4
 
 
-def test_zero_stages_reshard_both_ways(tmp_path):
-    """ZeRO-1 shards at DP 2 resume under ZeRO-3; ZeRO-3 (each rank wrote its own rows of every
-    weight) resumes at DP 4 under ZeRO-1."""
-    zero1 = dict(use_distributed_optimizer=True, ddp_bucket_size=5_000)
-    reshard(tmp_path, "zero1-zero3", zero1, 2, dict(zero_stage=3), 2)
-    assert_stored_once(saved(tmp_path, "zero1-zero3"), weight_files=1, optimizer_files=2)
-    reshard(tmp_path, "zero3-dp4", dict(zero_stage=3), 2, dict(zero1, ddp_bucket_size=3_000), 4)
-    assert_stored_once(saved(tmp_path, "zero3-dp4"), weight_files=2, optimizer_files=2)
+def test_zero3_rows_reshard_to_zero1_and_to_other_rows(tmp_path):
+    """ZeRO-3 over 2 ranks (each wrote its own rows of every weight and its state) resumes under
+    ZeRO-1 over 4 ranks and under ZeRO-3 over 4 (other rows). (ZeRO-1 shards resuming elsewhere:
+    `test_bf16_masters_reshard`, tests/integration/test_cli.py.)"""
+    zero1 = dict(use_distributed_optimizer=True, ddp_bucket_size=3_000)
+    reshard_to_several(tmp_path, "zero3", dict(zero_stage=3), 2, [(zero1, 4), (dict(zero_stage=3), 4)])
+    assert_stored_once(saved(tmp_path, "zero3"), weight_files=2, optimizer_files=2)
 
 
 def test_bf16_masters_reshard(tmp_path):
