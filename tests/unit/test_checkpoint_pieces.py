@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from paratron.checkpoint.optimizer_state import INDEX
-from paratron.checkpoint.pieces import Catalog, box_key, flat_boxes, parse_key
+from paratron.checkpoint.pieces import Catalog, SavedBox, box_key, flat_boxes, parse_key
 from paratron.errors import CheckpointError
 from paratron.training.run import run_training
 
@@ -96,3 +96,24 @@ def test_optimizer_state_in_flat_pieces_still_resumes_exactly(tmp_path):
     shutil.rmtree(tmp_path / "a")
     resumed = run_training(tiny_config(tmp_path / "a", **common, load=str(save))).losses
     assert resumed == straight[3:]
+
+
+def test_overlaps_do_not_hide_a_gap_and_damage_is_one_line(tmp_path):
+    full = torch.arange(48.0).reshape(6, 8)
+    # columns 0-4 twice over (an older checkpoint's replicas), 5 missing, 6-7 present: 42 of 48 values
+    save_file({"w[0:6,0:5]": full[:, :5].clone(), "w[0:6,6:8]": full[:, 6:].clone()}, str(tmp_path / "a.safetensors"))
+    save_file({"w[0:6,0:5]": full[:, :5].clone()}, str(tmp_path / "b.safetensors"))
+    keys = {"w[0:6,0:5]": "a.safetensors", "w[0:6,6:8]": "a.safetensors"}
+    everything = [((slice(0, 6), slice(0, 8)), (slice(0, 6), slice(0, 8)))]
+    with Catalog(tmp_path, keys, {"w": [6, 8]}) as catalog:
+        catalog.boxes["w"].append(SavedBox("b.safetensors", "w[0:6,0:5]", (slice(0, 6), slice(0, 5))))
+        with pytest.raises(CheckpointError, match=r"holds only 42 of the 48 values of w"):
+            catalog.fill("w", torch.zeros(6, 8), everything)
+    with Catalog(tmp_path, {"w[0:6,2:8]": "b.safetensors"}, {"w": [6, 8]}) as catalog:  # listed, not stored
+        with pytest.raises(
+            CheckpointError, match=r"b.safetensors: has no tensor w\[0:6,2:8\]; the checkpoint is damaged"
+        ):
+            catalog.fill("w", torch.zeros(6, 8), everything)
+    (tmp_path / "c.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")  # a truncated header
+    with pytest.raises(CheckpointError, match=r"c.safetensors: unreadable .*the checkpoint is damaged"):
+        Catalog(tmp_path, {"x": "c.safetensors"})

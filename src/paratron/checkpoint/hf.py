@@ -559,7 +559,7 @@ def paratron_to_hf(source: Path, destination: Path, merge_lora: bool = False) ->
     tmp.mkdir(parents=True)
     with weight_catalog(info) as catalog, _ShardWriter(tmp) as writer:
         for names in _layer_groups(m):  # one layer at a time: never the whole model in memory
-            state = {name: catalog.whole(name) for name in names}
+            state = {name: catalog.whole(name).float() for name in names}  # (config.json says float32)
             if m.lora_rank is not None:
                 state = merge_adapters(state, m.lora_alpha, m.lora_rank)
             for hf_name, tensor in weights_to_hf(state, kind).items():

@@ -29,6 +29,7 @@ Loading never unpickles arbitrary objects: safetensors, `torch.load(weights_only
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -41,7 +42,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -211,6 +211,12 @@ def begin_save(
 
     Each rank takes only what it holds and writes (`pieces.writes`); no values travel between
     ranks. The first data-parallel replica writes the rank states."""
+    if topology is None and dist.is_initialized() and dist.get_rank() != 0:
+        # (a single-process save inside a larger job, such as a conversion: rank 0 writes it)
+        content = dataclasses.replace(content, optimizer=None, rank_state=None, tokenizer=None)
+        pending = PendingSave(root, content.iteration, 0, content.config, None, False, {}, files={})
+        _barrier()
+        return pending
     topology = topology or Topology(ParallelDims(1))
     pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
     sharded = content.config.parallel.sharding_stage > 0 and topology.size(Axis.DP_CP) > 1
@@ -303,8 +309,8 @@ class PendingSave:
     def publish(self) -> Path:
         report = {"checksums": self.checksums, "keys": self.keys, "shapes": self.shapes, "step": self.step}
         reports = [report]
-        if dist.is_initialized() and dist.get_world_size() > 1:  # (also waits for every rank's files)
-            reports = [None] * dist.get_world_size() if self.writer else None
+        if self.indexed and dist.is_initialized():  # every rank's files and keys, to rank 0 (the writer)
+            reports = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
             dist.gather_object(report, reports, dst=0)
         tmp, final, root = self.tmp, self.final, self.root
         if self.writer:
@@ -479,8 +485,10 @@ def weight_catalog(info: CheckpointInfo) -> Catalog:
             return Catalog(info.path, dict(record["weight_map"]), record.get("shapes"))
         except (ValueError, KeyError):
             raise CheckpointError(f"{index}: unreadable; the checkpoint is damaged") from None
-    with safe_open(str(info.path / WEIGHTS), framework="pt", device="cpu") as f:
-        keys = list(f.keys())
+    if not (info.path / WEIGHTS).is_file():
+        raise CheckpointError(f"{info.path}: holds no weights (neither {WEIGHTS} nor {WEIGHTS_INDEX}); it is damaged")
+    with Catalog(info.path, {}) as probe:
+        keys = list(probe.handle(WEIGHTS).keys())
     return Catalog(info.path, {key: WEIGHTS for key in keys})
 
 

@@ -147,9 +147,10 @@ def _catalog(folder: Path) -> tuple[Catalog, set[str], float | None]:
         record = json.loads(index.read_text(encoding="utf-8"))
         weight_map: dict[str, str] = record["weight_map"]
         shapes = {name: record["shapes"][name.split("/", 1)[1]] for name in (parse_key(key)[0] for key in weight_map)}
-    except (ValueError, KeyError, IndexError):
+        names, step = set(record["shapes"]), record["step"]
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise CheckpointError(f"{index}: unreadable; the checkpoint is damaged") from None
-    return Catalog(folder, weight_map, shapes), set(record["shapes"]), record["step"]
+    return Catalog(folder, weight_map, shapes), names, step
 
 
 def _older_catalog(folder: Path) -> tuple[Catalog, set[str], float | None]:
@@ -161,7 +162,9 @@ def _older_catalog(folder: Path) -> tuple[Catalog, set[str], float | None]:
     catalog, names, step = Catalog(folder, {}), set(), None
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
-            meta = handle.metadata()
+            meta = handle.metadata() or {}
+            if "pieces" not in meta or "step" not in meta:
+                raise CheckpointError(f"{folder}: {INDEX} is missing; the checkpoint is damaged")
             step = json.loads(meta["step"]) if json.loads(meta["step"]) is not None else step
             for i, record in enumerate(json.loads(meta["pieces"])):
                 names.add(record["name"])

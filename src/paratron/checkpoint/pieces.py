@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from paratron.distributed.topology import Axis, Topology
 from paratron.errors import CheckpointError
@@ -142,6 +142,19 @@ def box_shape(box: Index) -> tuple[int, ...]:
     return tuple(s.stop - s.start for s in box)
 
 
+def _covered(whole: Index, parts: Sequence[Index]) -> int:
+    """How many elements of box `whole` the boxes `parts` (inside it) cover: their sizes summed
+    when no two overlap (as every rank writes distinct boxes), else (or when there are too many
+    to compare pairwise) counted on a mask of the box (a byte per element, the values' size or less)."""
+    few = len(parts) <= 64
+    if few and not any(intersect(a, b) is not None for i, a in enumerate(parts) for b in parts[i + 1 :]):
+        return sum(numel(part) for part in parts)
+    mask = torch.zeros(box_shape(whole), dtype=torch.bool)
+    for part in parts:
+        mask[relative(part, whole)] = True
+    return int(mask.sum())
+
+
 @dataclass(frozen=True)
 class SavedBox:
     """One stored box of a single-device tensor: in file `file` under `key`."""
@@ -166,15 +179,19 @@ class Catalog:
         self.boxes: dict[str, list[SavedBox]] = {}
         self._open = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
-        for key, file in keys.items():
-            name, box = parse_key(key)
-            if box is None:
-                shape = tuple(self.handle(file).get_slice(key).get_shape())
-                self.shapes[name] = shape
-                box = tuple(slice(0, n) for n in shape)
-            elif name not in self.shapes:
-                raise CheckpointError(f"{folder}: no shape recorded for {name}; the checkpoint is damaged")
-            self.boxes.setdefault(name, []).append(SavedBox(file, key, box))
+        try:
+            for key, file in keys.items():
+                name, box = parse_key(key)
+                if box is None:
+                    shape = tuple(self._slice(file, key).get_shape())
+                    self.shapes[name] = shape
+                    box = tuple(slice(0, n) for n in shape)
+                elif name not in self.shapes:
+                    raise CheckpointError(f"{folder}: no shape recorded for {name}; the checkpoint is damaged")
+                self.boxes.setdefault(name, []).append(SavedBox(file, key, box))
+        except BaseException:
+            self.close()
+            raise
 
     def add(self, name: str, box: Index, values: torch.Tensor, shape: Sequence[int]) -> None:
         """Add a box held in memory."""
@@ -185,7 +202,19 @@ class Catalog:
         """`part` (relative to the box) of a stored box."""
         if piece.tensor is not None:
             return piece.tensor[part]
-        return self.handle(piece.file).get_slice(piece.key)[part]
+        try:
+            return self._slice(piece.file, piece.key)[part]
+        except SafetensorError as exc:
+            raise CheckpointError(
+                f"{self.folder / piece.file}: unreadable ({exc}); the checkpoint is damaged"
+            ) from None
+
+    def _slice(self, file: str, key: str) -> Any:
+        """Lazy access to tensor `key` of `file` (safetensors' slice object)."""
+        try:
+            return self.handle(file).get_slice(key)
+        except SafetensorError:
+            raise CheckpointError(f"{self.folder / file}: has no tensor {key}; the checkpoint is damaged") from None
 
     def handle(self, file: str) -> Any:
         if file not in self._handles:
@@ -193,7 +222,7 @@ class Catalog:
                 self._handles[file] = self._open.enter_context(
                     safe_open(str(self.folder / file), framework="pt", device="cpu")
                 )
-            except (OSError, RuntimeError) as exc:
+            except (OSError, RuntimeError, SafetensorError) as exc:
                 raise CheckpointError(f"{self.folder / file}: unreadable ({exc}); the checkpoint is damaged") from None
         return self._handles[file]
 
@@ -220,14 +249,13 @@ class Catalog:
         shape = self.shapes[name]
         for whole, into in wanted:
             whole = bounded(whole, shape)
-            found = 0
+            parts = []
             for piece in saved:
                 common = intersect(whole, piece.box)
-                if common is None:
-                    continue
-                values = self.read(piece, relative(common, piece.box))
-                target[shifted(relative(common, whole), into)] = values
-                found += numel(common)
+                if common is not None:
+                    target[shifted(relative(common, whole), into)] = self.read(piece, relative(common, piece.box))
+                    parts.append(common)
+            found = _covered(whole, parts)
             if found < numel(whole):
                 raise CheckpointError(
                     f"{self.folder}: holds only {found} of the {numel(whole)} values of {name} this rank needs; "
