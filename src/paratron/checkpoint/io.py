@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,7 @@ from paratron.model.gpt import GPT, build_model
 from paratron.model.lora import is_adapter
 from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.data.fully_sharded import full_parameter, held_boxes, local_tensor
-from paratron.parallel.sharding import full_shape, gather_full, param_info
+from paratron.parallel.sharding import full_shape, gather_full, param_info, whole_box
 
 TRACKER = "latest_checkpointed_iteration.txt"
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -492,10 +491,6 @@ def weight_catalog(info: CheckpointInfo) -> Catalog:
     return Catalog(info.path, {key: WEIGHTS for key in keys})
 
 
-def _everything(shape: Sequence[int]) -> tuple[slice, ...]:
-    return tuple(slice(0, n) for n in shape)
-
-
 @torch.no_grad()
 def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = True) -> None:
     """Copy the checkpoint's weights into `model` (or, whole=False, this rank's pipeline stage of
@@ -506,7 +501,7 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = Tru
     with weight_catalog(info) as catalog:
         for name, buffer in buffers.items():  # (a checkpoint without them, a converted one, leaves them at zero)
             if name in catalog:
-                catalog.fill(name, buffer, [(_everything(buffer.shape), _everything(buffer.shape))])
+                catalog.fill(name, buffer, [(whole_box(buffer.shape), whole_box(buffer.shape))])
         if not any(is_adapter(name) for name in catalog.boxes):  # a base model for LoRA: new adapters keep their init
             expected = {name: param for name, param in expected.items() if not is_adapter(name)}
         for name in expected:

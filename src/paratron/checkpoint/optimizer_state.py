@@ -31,7 +31,7 @@ from paratron.distributed.topology import Topology
 from paratron.errors import CheckpointError
 from paratron.optim.protocol import OptimizerPiece, TrainingOptimizer
 from paratron.parallel.data.fully_sharded import local_tensor
-from paratron.parallel.sharding import Shard, boxes, full_shape, param_info
+from paratron.parallel.sharding import Shard, boxes, full_shape, param_info, whole_box
 
 PREFIX = "optimizer_"
 INDEX = "optimizer.index.json"
@@ -169,7 +169,7 @@ def _older_catalog(folder: Path) -> tuple[Catalog, set[str], float | None]:
             for i, record in enumerate(json.loads(meta["pieces"])):
                 names.add(record["name"])
                 shape, local_shape = record["shape"], record["slice_shape"]
-                pairs = _older_boxes(record) or [(tuple(slice(0, n) for n in shape), tuple(slice(0, n) for n in shape))]
+                pairs = _older_boxes(record) or [(whole_box(shape), whole_box(shape))]
                 regions = flat_piece_boxes(local_shape, shape, pairs, record["start"], record["end"])
                 for key in record["keys"]:
                     flat = handle.get_tensor(f"{i}/{key}")

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from paratron.distributed.topology import Axis, Topology
 from paratron.errors import CheckpointError
 from paratron.parallel.data.fully_sharded import is_sharded
-from paratron.parallel.sharding import Index, bounded, full_shape, param_info, place
+from paratron.parallel.sharding import Index, bounded, box_shape, box_size, full_shape, param_info, place, whole_box
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 _BOXED = re.compile(r"^(.*)\[(\d+:\d+(?:,\d+:\d+)*)?\]$")
@@ -46,10 +46,6 @@ def parse_key(key: str) -> tuple[str, Index | None]:
         return key, None
     spans = match.group(2).split(",") if match.group(2) else []
     return match.group(1), tuple(slice(int(a), int(b)) for a, b in (span.split(":") for span in spans))
-
-
-def numel(box: Index) -> int:
-    return math.prod(s.stop - s.start for s in box)
 
 
 def intersect(a: Index, b: Index) -> Index | None:
@@ -138,17 +134,13 @@ def param_piece_boxes(param: torch.Tensor, start: int, end: int) -> list[tuple[I
     return flat_piece_boxes(tuple(param.shape), full_shape(param), place(param), start, end)
 
 
-def box_shape(box: Index) -> tuple[int, ...]:
-    return tuple(s.stop - s.start for s in box)
-
-
 def _covered(whole: Index, parts: Sequence[Index]) -> int:
     """How many elements of box `whole` the boxes `parts` (inside it) cover: their sizes summed
     when no two overlap (as every rank writes distinct boxes), else (or when there are too many
     to compare pairwise) counted on a mask of the box (a byte per element, the values' size or less)."""
     few = len(parts) <= 64
     if few and not any(intersect(a, b) is not None for i, a in enumerate(parts) for b in parts[i + 1 :]):
-        return sum(numel(part) for part in parts)
+        return sum(box_size(part) for part in parts)
     mask = torch.zeros(box_shape(whole), dtype=torch.bool)
     for part in parts:
         mask[relative(part, whole)] = True
@@ -185,7 +177,7 @@ class Catalog:
                 if box is None:
                     shape = tuple(self._slice(file, key).get_shape())
                     self.shapes[name] = shape
-                    box = tuple(slice(0, n) for n in shape)
+                    box = whole_box(shape)
                 elif name not in self.shapes:
                     raise CheckpointError(f"{folder}: no shape recorded for {name}; the checkpoint is damaged")
                 self.boxes.setdefault(name, []).append(SavedBox(file, key, box))
@@ -256,9 +248,9 @@ class Catalog:
                     target[shifted(relative(common, whole), into)] = self.read(piece, relative(common, piece.box))
                     parts.append(common)
             found = _covered(whole, parts)
-            if found < numel(whole):
+            if found < box_size(whole):
                 raise CheckpointError(
-                    f"{self.folder}: holds only {found} of the {numel(whole)} values of {name} this rank needs; "
+                    f"{self.folder}: holds only {found} of the {box_size(whole)} values of {name} this rank needs; "
                     "the checkpoint is incomplete"
                 )
 
@@ -274,6 +266,6 @@ class Catalog:
             else _DTYPES[self.handle(first.file).get_slice(first.key).get_dtype()]
         )
         out = torch.empty(self.shapes[name], dtype=dtype)
-        everything = tuple(slice(0, n) for n in self.shapes[name])
+        everything = whole_box(self.shapes[name])
         self.fill(name, out, [(everything, everything)])
         return out

@@ -22,7 +22,6 @@ Order (as in torchtitan), each step a module swap or a cut on the meta device un
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -52,7 +51,7 @@ from paratron.parallel.pipeline.schedules import Schedule, build_schedule
 from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stage
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
 from paratron.parallel.recompute import apply_recompute
-from paratron.parallel.sharding import copy_info, full_shape, param_info, set_info, shard_of
+from paratron.parallel.sharding import box_size, copy_info, full_shape, param_info, set_info, shard_of
 from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratron.parallel.tensor.layers import TPContext
@@ -284,7 +283,7 @@ def fill_from_init(name: str, param: torch.Tensor, config: ModelConfig, seed: in
         init_rows(name, shape, slice(None), local, config, seed)
         return
     pairs = held_boxes(param)
-    if sum(math.prod(s.stop - s.start for s in mine) for _, mine in pairs) < local.numel():
+    if sum(box_size(mine) for _, mine in pairs) < local.numel():
         local.zero_()  # (vocabulary padding)
     step = init_block_rows(name, shape)
     needed = sorted({b for whole, _ in pairs for b in range(whole[0].start // step, -(-whole[0].stop // step))})

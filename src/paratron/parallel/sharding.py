@@ -32,6 +32,7 @@ gate and up rows of stacked SwiGLU experts), read and written through `place`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -149,6 +150,21 @@ def place(param: torch.Tensor) -> list[tuple[Index, Index]]:
 def bounded(index: Index, shape: Sequence[int]) -> Index:
     """`index` with explicit start and stop in every dimension of a tensor of `shape`."""
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def whole_box(shape: Sequence[int]) -> Index:
+    """The box of a whole tensor of `shape`."""
+    return tuple(slice(0, n) for n in shape)
+
+
+def box_shape(box: Index) -> tuple[int, ...]:
+    """The shape of a box with explicit bounds."""
+    return tuple(s.stop - s.start for s in box)
+
+
+def box_size(box: Index) -> int:
+    """How many elements a box with explicit bounds holds."""
+    return math.prod(box_shape(box))
 
 
 def take_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -71,21 +71,6 @@ def full_parameter(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if is_sharded(param) else param  # type: ignore[attr-defined]
 
 
-@torch.no_grad()
-def assign_full(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Set a parameter from its whole (tensor-parallel-local) value; an FSDP-sharded one keeps
-    its chunk of dim 0 (FSDP2 shards as `torch.chunk` does)."""
-    if not is_sharded(param):
-        param.copy_(value)
-        return
-    local = param.to_local()  # type: ignore[attr-defined]
-    mesh = param.device_mesh  # type: ignore[attr-defined]
-    chunks = value.chunk(mesh.size(), dim=0)
-    rank = mesh.get_local_rank()
-    if rank < len(chunks) and local.numel():
-        local.copy_(chunks[rank])
-
-
 def fsdp_rows(param: torch.Tensor) -> tuple[int, int] | None:
     """The rows [start, stop) of dimension 0 of its (tensor-parallel-local) tensor that this rank
     holds of an FSDP-sharded parameter; None when the parameter is not sharded."""
