@@ -28,7 +28,7 @@ from paratron.distributed.init import initialize
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.model.gpt import GPT, build_model
 from paratron.optim import build_optimizer, parameter_groups
-from paratron.optim.lr_schedule import learning_rate
+from paratron.optim.lr_schedule import LRSchedule
 from paratron.parallel.parallelize import parallelize
 from paratron.training.flops import training_flops_per_token
 from paratron.training.loop import Trainer
@@ -70,10 +70,10 @@ def plain_round(config, ctx, warmup: int, steps: int) -> float:
     )
     batch = t.micro_batch_size
     samples = build_data(config, batch).train
+    schedule = LRSchedule.of(config, batch)
 
     def step(i: int) -> None:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(i + 1, o.lr, config.lr_schedule, t.train_iters)
+        schedule.apply(optimizer.param_groups, i * batch)
         tokens = torch.from_numpy(np.stack([samples[k] for k in range(i * batch, (i + 1) * batch)])).to(ctx.device)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())

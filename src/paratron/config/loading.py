@@ -16,6 +16,7 @@ import yaml
 from paratron.config import schema
 from paratron.config.fields import all_fields, coerce
 from paratron.config.presets import model_preset
+from paratron.config.samples import sample_based_train_iters
 from paratron.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -98,9 +99,25 @@ def config_from_flat(values: dict[str, Any]) -> schema.Config:
             raise ConfigError(f"{name}: unknown setting{_did_you_mean(name, fields)}")
         sections[info.section][name] = coerce(info, value, info.flag)
     defaults = schema.Config()
-    return schema.Config(
+    config = schema.Config(
         **{section: dataclasses.replace(getattr(defaults, section), **values) for section, values in sections.items()}
     )
+    return _steps_of_samples(config)
+
+
+def _steps_of_samples(config: schema.Config) -> schema.Config:
+    """With --train-samples the number of steps follows from it (and the batch ramp), as in Megatron-LM."""
+    t = config.training
+    if t.train_samples is None or not t.global_batch_size:
+        return config
+    try:
+        ramp = t.rampup()
+    except ValueError:
+        return config  # (refused by validation)
+    iters = sample_based_train_iters(t.train_samples, t.global_batch_size, ramp)
+    if iters is None:
+        return config
+    return dataclasses.replace(config, training=dataclasses.replace(t, train_iters=iters))
 
 
 def override(config: schema.Config, **values: Any) -> schema.Config:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from paratron.config.schema import OptimizerConfig
 from paratron.distributed import comm
@@ -13,20 +14,32 @@ from paratron.optim.distributed import DistributedOptimizer
 from paratron.optim.master_weights import FullyShardedOptimizer, MasterWeightsOptimizer, ReplicatedOptimizer
 from paratron.parallel.model import ParallelModel
 
+DECOUPLED_LR_PARAMETERS = ("embedding.weight", "output.weight")
+"""The parameters --decoupled-lr applies to: the word embedding and the output layer (Megatron-LM's
+`is_embedding_or_output_parameter`; not the learned position embedding)."""
+
 
 def build_optimizer(model: ParallelModel, config: OptimizerConfig) -> MasterWeightsOptimizer:
     """The optimizer of `model`'s ZeRO stage: the distributed optimizer at stages 1 and 2, one
     over FSDP2's shards at stage 3, one over the whole model part otherwise."""
+    decoupled = embedding_and_output(model.module) if config.decoupled_lr is not None else frozenset()
     if model.flat_parameters:
-        return DistributedOptimizer(model.flat_parameters, config, model.norm_group, model.norm_weight)
+        return DistributedOptimizer(model.flat_parameters, config, model.norm_group, model.norm_weight, decoupled)
     if model.gradients.reducer is None:
-        return FullyShardedOptimizer(model.trained_parameters, config, model.norm_group, model.norm_weight)
+        return FullyShardedOptimizer(model.trained_parameters, config, model.norm_group, model.norm_weight, decoupled)
     return ReplicatedOptimizer(
-        model.trained_parameters, model.gradients.main_grad, config, model.norm_group, model.norm_weight
+        model.trained_parameters, model.gradients.main_grad, config, model.norm_group, model.norm_weight, decoupled
     )
 
 
+def embedding_and_output(module: nn.Module) -> frozenset[int]:
+    """Ids of the word embedding and output layer weights this rank holds (a tied pair counts once)."""
+    return frozenset(id(p) for name, p in module.named_parameters() if name in DECOUPLED_LR_PARAMETERS)
+
+
 def set_learning_rate(optimizer: MasterWeightsOptimizer, lr: float) -> None:
+    """Give every group the rate `lr` (a fixed rate; the schedule sets each group's with
+    `LRSchedule.apply`)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 

@@ -15,14 +15,14 @@ in Megatron-LM), and fp32 copies otherwise (bf16/fp16 training); gradients are f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
 
 from paratron.config.schema import OptimizerConfig
 from paratron.distributed.topology import RankGroup
-from paratron.optim.master_weights import MasterWeightsOptimizer, decay_groups, make_inner_optimizer
+from paratron.optim.master_weights import MasterWeightsOptimizer, make_inner_optimizer, optimizer_groups
 from paratron.optim.protocol import OptimizerPiece
 from paratron.parallel.data.param_gather import FlatParameters
 
@@ -37,6 +37,7 @@ class DistributedOptimizer(MasterWeightsOptimizer):
         config: OptimizerConfig,
         norm_group: RankGroup,
         norm_weight: Callable[[torch.Tensor], float],
+        decoupled: Collection[int] = (),
     ) -> None:
         self.flats = flats
         self._pieces: list[tuple[FlatParameters, nn.Parameter, int, int, int]] = [
@@ -49,7 +50,7 @@ class DistributedOptimizer(MasterWeightsOptimizer):
             self.masters.append(nn.Parameter(view if view.dtype == torch.float32 else view.detach().float()))
             self.targets.append(view)
         params = [param for _, param, *_ in self._pieces]
-        groups = [g for g in decay_groups(params, self.masters, config.weight_decay) if g["params"]]
+        groups = [g for g in optimizer_groups(params, self.masters, config, decoupled) if g["params"]]
         self.optimizer = make_inner_optimizer(groups or [{"params": [], "weight_decay": 0.0}], config)
         # (always weighted, even over one rank: each piece's share of the norm is summed the same way)
         weights = [norm_weight(param) for param in params]

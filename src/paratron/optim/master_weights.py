@@ -15,7 +15,7 @@ which 16-bit weights cannot restore.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,31 @@ def decay_groups(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]
     decay = [m for p, m in zip(params, masters) if p.dim() >= 2]
     no_decay = [m for p, m in zip(params, masters) if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def optimizer_groups(
+    params: Sequence[torch.Tensor],
+    masters: Sequence[torch.Tensor],
+    config: OptimizerConfig,
+    decoupled: Collection[int] = (),
+) -> list[dict]:
+    """The weight-decay groups of `decay_groups`; with --decoupled-lr the parameters whose id is in
+    `decoupled` (the embedding and output layer) move to groups of their own that carry the peak
+    ("max_lr") and floor ("min_lr", with --decoupled-min-lr) the schedule gives them, as Megatron-LM's
+    param groups do. Empty decoupled groups are left out."""
+    if config.decoupled_lr is None or not decoupled:
+        return decay_groups(params, masters, config.weight_decay)
+    own = [id(p) in decoupled for p in params]
+
+    def part(decoupled_part: bool) -> list[dict]:
+        pairs = [(p, m) for p, m, o in zip(params, masters, own) if o == decoupled_part]
+        return decay_groups([p for p, _ in pairs], [m for _, m in pairs], config.weight_decay)
+
+    main, separate = part(False), part(True)
+    schedule = {"max_lr": config.decoupled_lr}
+    if config.decoupled_min_lr is not None:
+        schedule["min_lr"] = config.decoupled_min_lr
+    return main + [{**group, **schedule} for group in separate if group["params"]]
 
 
 def master_of(param: torch.Tensor) -> torch.Tensor:
@@ -135,11 +160,16 @@ class ParameterOptimizer(MasterWeightsOptimizer):
     """Masters that stand for whole parameters (or for FSDP2's shards of them): one per parameter."""
 
     def __init__(
-        self, params: list[nn.Parameter], config: OptimizerConfig, norm_group: RankGroup, norm_weight: NormWeight
+        self,
+        params: list[nn.Parameter],
+        config: OptimizerConfig,
+        norm_group: RankGroup,
+        norm_weight: NormWeight,
+        decoupled: Collection[int] = (),
     ) -> None:
         self.targets = params
         self.masters = [master_of(p) for p in params]
-        self.optimizer = make_inner_optimizer(decay_groups(params, self.masters, config.weight_decay), config)
+        self.optimizer = make_inner_optimizer(optimizer_groups(params, self.masters, config, decoupled), config)
         self.norm_group, self.norm_weights = norm_group, norm_weights(params, norm_group, norm_weight)
 
     def pieces(self) -> list[OptimizerPiece]:
@@ -165,8 +195,9 @@ class ReplicatedOptimizer(ParameterOptimizer):
         config: OptimizerConfig,
         norm_group: RankGroup,
         norm_weight: NormWeight,
+        decoupled: Collection[int] = (),
     ) -> None:
-        super().__init__(params, config, norm_group, norm_weight)
+        super().__init__(params, config, norm_group, norm_weight, decoupled)
         self._main_grad = main_grad
         self.prepare_grads()
 
