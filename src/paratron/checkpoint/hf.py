@@ -137,10 +137,11 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
             f"{source}: model_type {kind!r} is not supported; convert one of {', '.join(ARCHITECTURES)}"
         )
     if kind == "gpt2":
-        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        gelu = hf.get("activation_function", "gelu_new")
+        if gelu not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
             raise CheckpointError(
-                f"{source}: activation_function {hf['activation_function']!r} is not supported "
-                "(paratron's GPT-2 uses the tanh GELU)"
+                f"{source}: activation_function {gelu!r} is not supported (paratron's GELU is the exact one, "
+                "gelu, or the tanh approximation, gelu_new)"
             )
         return dict(
             num_layers=hf["n_layer"],
@@ -153,6 +154,7 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
             normalization="LayerNorm",
             norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
             activation="gelu",
+            openai_gelu=gelu != "gelu",
             add_bias_linear=True,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
             hidden_dropout=hf.get("resid_pdrop", 0.0),
@@ -266,8 +268,25 @@ def _expert_settings(hf: dict[str, Any], kind: str) -> dict[str, Any]:
     )
 
 
+def _refuse_megatron_only_features(m: ModelConfig) -> None:
+    """Megatron-LM model settings that none of the supported Hugging Face architectures can express."""
+    unsupported = {
+        "--apply-layernorm-1p (norm scales stored as w, applied as 1 + w)": m.apply_layernorm_1p,
+        "--rotary-percent below 1 (partial rotary embeddings)": m.rotary_percent < 1.0,
+        "--rotary-interleaved (rotation of interleaved feature pairs)": m.rotary_interleaved,
+        "--position-embedding-type none (no position embeddings)": m.position_embedding_type == "none",
+    }
+    for setting, used in unsupported.items():
+        if used:
+            raise CheckpointError(
+                f"this model uses {setting}, which the Hugging Face Llama/Qwen/Mistral/GPT-2 formats cannot express; "
+                "keep it as a paratron checkpoint"
+            )
+
+
 def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:
     """The Hugging Face architecture that has exactly paratron model `m`'s layers."""
+    _refuse_megatron_only_features(m)
     if (
         m.position_embedding_type == "rope"
         and m.normalization == "RMSNorm"
@@ -330,7 +349,7 @@ def _moe_config(m: ModelConfig, kind: str) -> dict[str, Any]:
         **{"num_experts" if kind == "qwen2_moe" else "num_local_experts": m.num_experts},
         num_experts_per_tok=m.moe_router_topk,
         norm_topk_prob=not m.moe_router_pre_softmax,
-        moe_intermediate_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        moe_intermediate_size=m.moe_ffn_hidden_size or m.ffn_size,
         decoder_sparse_step=1,
         mlp_only_layers=[i for i, moe in enumerate(layers) if not moe],
         router_aux_loss_coef=m.moe_aux_loss_coeff,
@@ -355,10 +374,10 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
             "n_layer": m.num_layers,
             "n_embd": m.hidden_size,
             "n_head": m.num_attention_heads,
-            "n_inner": m.ffn_hidden_size or 4 * m.hidden_size,
+            "n_inner": m.ffn_size,
             "n_positions": m.max_position_embeddings,
             "layer_norm_epsilon": m.norm_epsilon,
-            "activation_function": "gelu_new",
+            "activation_function": "gelu_new" if m.openai_gelu else "gelu",
             "resid_pdrop": m.hidden_dropout,
             "embd_pdrop": m.hidden_dropout,
             "attn_pdrop": m.attention_dropout,
@@ -369,9 +388,9 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
         "num_hidden_layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_query_groups or m.num_attention_heads,
+        "num_key_value_heads": m.query_groups,
         "head_dim": m.kv_channels or m.hidden_size // m.num_attention_heads,
-        "intermediate_size": m.ffn_hidden_size or 4 * m.hidden_size,
+        "intermediate_size": m.ffn_size,
         "max_position_embeddings": m.max_position_embeddings,
         "rms_norm_eps": m.norm_epsilon,
         "rope_theta": m.rotary_base,

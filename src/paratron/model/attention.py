@@ -299,19 +299,58 @@ def attend(
     return _sdpa(q, k, v, places.mask(pattern, Tk), False, dropout)
 
 
+def attend_unfused(
+    pattern: AttentionPattern,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    places: TokenPlaces | None,
+    dropout: float = 0.0,
+    score_divisor: int = 1,
+) -> torch.Tensor:
+    """`attend` computed step by step as Megatron-LM's unfused attention does: scores
+    q.k / (sqrt(d) x `score_divisor`) in the inputs' precision, multiplied back by `score_divisor`
+    in fp32, masked, softmax in fp32, probabilities cast back to the inputs' precision, then
+    dropout and the weighted sum of values (grouped-query heads share their group's keys)."""
+    B, H, Tq, D = q.shape
+    Tk = k.size(2)
+    if k.size(1) != H:
+        k, v = (t.repeat_interleave(H // t.size(1), dim=1) for t in (k, v))
+    scores = torch.baddbmm(
+        q.new_empty(B * H, Tq, Tk),
+        q.reshape(B * H, Tq, D),
+        k.reshape(B * H, Tk, D).transpose(1, 2),
+        beta=0.0,
+        alpha=1.0 / (math.sqrt(D) * score_divisor),
+    ).view(B, H, Tq, Tk)
+    scores = scores.float() * score_divisor if score_divisor != 1 else scores.float()
+    mask = (places or TokenPlaces.row(Tq, q.device)).mask(pattern, Tk)
+    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    probs = F.dropout(torch.softmax(scores, dim=-1).to(q.dtype), dropout)
+    return torch.matmul(probs, v)
+
+
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d) + the pattern's mask) v, with dropout on the attention weights.
 
     A module of its own so that parallelism can run it under its own random stream, recomputation
     can recompute just this part, and context parallelism can swap in a core that attends over the
-    keys of every rank."""
+    keys of every rank.
 
-    def __init__(self, pattern: AttentionPattern, dropout: float) -> None:
+    `layer_scaling` (the layer number under --apply-query-key-layer-scaling) runs fp16/bf16 inputs
+    through `attend_unfused`, Megatron-LM's numerics for that flag; otherwise, and always in fp32
+    (where the numbers are the same), fused SDPA, whose kernels keep the softmax in fp32."""
+
+    def __init__(self, pattern: AttentionPattern, dropout: float, layer_scaling: int | None = None) -> None:
         super().__init__()
         self.pattern = pattern
         self.dropout = dropout
+        self.layer_scaling = layer_scaling
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, places: TokenPlaces | None = None
     ) -> torch.Tensor:
-        return attend(self.pattern, q, k, v, places, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if self.layer_scaling is not None and q.dtype in (torch.float16, torch.bfloat16):
+            return attend_unfused(self.pattern, q, k, v, places, dropout, self.layer_scaling)
+        return attend(self.pattern, q, k, v, places, dropout)

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
@@ -24,22 +25,43 @@ from paratron.model.moe import MoELayer
 # ---------------------------------------------------------------- positions
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for rotary embeddings, computed in fp32: [T, head_dim] for positions [T],
-    [B, 1, T, head_dim] (one table per row, broadcast over heads) for positions [B, T]."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+def rotary_width(config: ModelConfig) -> int:
+    """Features of each head that rotate: int(head width x --rotary-percent), as Megatron-LM counts them."""
+    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+    return int(head_dim * config.rotary_percent) if config.rotary_percent < 1.0 else head_dim
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, width: int, base: float, interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for rotary embeddings of `width` features, computed in fp32: [T, width] for
+    positions [T], [B, 1, T, width] (one table per row, broadcast over heads) for positions [B, T].
+    Pair k turns at base^(-2k / width) per position; its two features sit at k and k + width/2
+    (halves) or at 2k and 2k + 1 (`interleaved`)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, width, 2, device=positions.device, dtype=torch.float32) / width))
     angles = positions.float().unsqueeze(-1) * inv_freq
-    angles = torch.cat((angles, angles), dim=-1)
+    if interleaved:
+        angles = angles.repeat_interleave(2, dim=-1)
+    else:
+        angles = torch.cat((angles, angles), dim=-1)
     if positions.dim() == 2:
         angles = angles.unsqueeze(1)
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + head_dim/2) of x [B, heads, T, head_dim] by position-dependent angles."""
-    first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first cos.size(-1) features of x [B, heads, T, head_dim] by position-dependent angles,
+    pairs (i, i + width/2) or, `interleaved`, (2k, 2k + 1); the other features pass through."""
+    width = cos.size(-1)
+    turned, passed = x[..., :width], x[..., width:]
+    if interleaved:
+        even, odd = turned[..., 0::2], turned[..., 1::2]
+        rotated = torch.stack((-odd, even), dim=-1).flatten(-2)
+    else:
+        first, second = turned.chunk(2, dim=-1)
+        rotated = torch.cat((-second, first), dim=-1)
+    turned = (turned.float() * cos + rotated.float() * sin).to(x.dtype)
+    return torch.cat((turned, passed), dim=-1) if passed.size(-1) else turned
 
 
 # ---------------------------------------------------------------- KV cache (for generation)
@@ -77,18 +99,24 @@ class KVCache:
 
 class Attention(nn.Module):
     """Self-attention of the configured pattern (causal, sliding window, ...: `model/attention.py`);
-    grouped-query when there are fewer key/value heads than query heads."""
+    grouped-query when there are fewer key/value heads than query heads. `layer_number` (from 1, as
+    Megatron-LM numbers layers) divides the scores under --apply-query-key-layer-scaling."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int = 1) -> None:
         super().__init__()
         heads = config.num_attention_heads
-        groups = config.num_query_groups or heads
+        groups = config.query_groups
         self.head_dim = config.kv_channels or config.hidden_size // heads
         bias = config.add_bias_linear
         widths = {"q": heads * self.head_dim, "k": groups * self.head_dim, "v": groups * self.head_dim}
         self.in_proj = Projections(config.hidden_size, widths, bias or config.add_qkv_bias)
         self.out_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
-        self.core = AttentionCore(make_pattern(config), config.attention_dropout)
+        self.core = AttentionCore(
+            make_pattern(config),
+            config.attention_dropout,
+            layer_scaling=layer_number if config.apply_query_key_layer_scaling else None,
+        )
+        self.rotary_interleaved = config.rotary_interleaved
         self.output_dropout = nn.Dropout(config.hidden_dropout)
         # (--qk-layernorm: each head's queries and keys normalized, as Qwen3's q_norm / k_norm)
         self.q_norm = make_norm(config, self.head_dim) if config.qk_layernorm else None
@@ -110,7 +138,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q = apply_rotary(q, *rotary, self.rotary_interleaved)
+            k = apply_rotary(k, *rotary, self.rotary_interleaved)
         if cache is not None:
             k, v = cache.update(k, v, start)
         y = self.core(q, k, v, places).transpose(1, 2).reshape(B, T, -1)
@@ -120,22 +149,36 @@ class Attention(nn.Module):
 # ---------------------------------------------------------------- block and model
 
 
+class LayerNorm1P(nn.LayerNorm):
+    """LayerNorm with zero-centred gamma (--apply-layernorm-1p): the scale applied is 1 + weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class RMSNorm1P(nn.RMSNorm):
+    """RMSNorm with zero-centred gamma (--apply-layernorm-1p): the scale applied is 1 + weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
     """The model's norm over `size` features (default: the hidden size)."""
     size = size or config.hidden_size
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(size, eps=config.norm_epsilon)
-    return nn.LayerNorm(size, eps=config.norm_epsilon)
+        return (RMSNorm1P if config.apply_layernorm_1p else nn.RMSNorm)(size, eps=config.norm_epsilon)
+    return (LayerNorm1P if config.apply_layernorm_1p else nn.LayerNorm)(size, eps=config.norm_epsilon)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)); in an MoE layer the
     MLP is a mixture of experts (`model/moe.py`)."""
 
-    def __init__(self, config: ModelConfig, moe: bool = False) -> None:
+    def __init__(self, config: ModelConfig, moe: bool = False, layer_number: int = 1) -> None:
         super().__init__()
         self.attention_norm = make_norm(config)
-        self.attention = Attention(config)
+        self.attention = Attention(config, layer_number)
         self.mlp_norm = make_norm(config)
         self.mlp = MoELayer(config) if moe else MLP(config)
 
@@ -189,7 +232,9 @@ class GPT(nn.Module):
         learned = config.position_embedding_type == "learned_absolute"
         self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = TransformerLayers(TransformerBlock(config, moe) for moe in config.moe_layers())
+        self.layers = TransformerLayers(
+            TransformerBlock(config, moe, number) for number, moe in enumerate(config.moe_layers(), start=1)
+        )
         self.final_norm = make_norm(config)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -250,11 +295,11 @@ class GPT(nn.Module):
         return self.embedding_dropout(x)
 
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rotary cos/sin tables for `positions` ([T] or [B, T]; None with learned positions)."""
+        """Rotary cos/sin tables for `positions` ([T] or [B, T]; None without rotary embeddings)."""
         if self.config.position_embedding_type != "rope":
             return None
-        head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
-        return rotary_cos_sin(positions, head_dim, self.config.rotary_base)
+        config = self.config
+        return rotary_cos_sin(positions, rotary_width(config), config.rotary_base, config.rotary_interleaved)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output layer: logits."""
@@ -294,7 +339,8 @@ def init_rows(name: str, shape: Sequence[int], rows: slice, out: torch.Tensor, c
 
     Matrices and embeddings ~ N(0, std); the projections that write into the residual stream
     (and the experts' output projections) use std / sqrt(2 x layers) (GPT-2/Megatron scaled
-    init); norms start at 1, biases at 0; LoRA adapters as `model.lora.init_adapter` says.
+    init); norms start at 1 (at 0 with --apply-layernorm-1p, which applies 1 + weight), biases at 0;
+    LoRA adapters as `model.lora.init_adapter` says.
     """
     shape = tuple(shape) or (1,)  # (a 0-D tensor: one row of one element)
     start, stop, _ = rows.indices(shape[0])
@@ -304,7 +350,7 @@ def init_rows(name: str, shape: Sequence[int], rows: slice, out: torch.Tensor, c
             out.zero_()
             return
         if name.endswith("norm.weight"):
-            out.fill_(1.0)
+            out.fill_(0.0 if config.apply_layernorm_1p else 1.0)  # (1p: the scale applied is 1 + weight)
             return
         step = init_block_rows(name, shape)
         for block in range(start // step, -(-stop // step)):

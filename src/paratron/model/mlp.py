@@ -31,9 +31,10 @@ class MLP(nn.Module):
         self, config: ModelConfig, inner: int | None = None, bias: bool | None = None, dropout: float | None = None
     ) -> None:
         super().__init__()
-        hidden, inner = config.hidden_size, inner or config.ffn_hidden_size or 4 * config.hidden_size
+        hidden, inner = config.hidden_size, inner or config.ffn_size
         bias = config.add_bias_linear if bias is None else bias
         self.gated = config.activation == "swiglu"
+        self.gelu = "tanh" if config.openai_gelu else "none"  # GPT-2's approximation, or the exact GELU
         self.in_proj = Projections(hidden, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias)
         self.out_proj = nn.Linear(inner, hidden, bias=bias)
         self.dropout = nn.Dropout(config.hidden_dropout if dropout is None else dropout)
@@ -44,5 +45,5 @@ class MLP(nn.Module):
             h = F.silu(gate) * up
         else:
             (up,) = self.in_proj(x)
-            h = F.gelu(up, approximate="tanh")  # GPT-2's GELU
+            h = F.gelu(up, approximate=self.gelu)
         return self.dropout(self.out_proj(h))

@@ -202,12 +202,13 @@ class Router(nn.Module):
 # ---------------------------------------------------------------- experts
 
 
-def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
-    """The dense MLP's activation: silu(gate) * up on [gate | up] (SwiGLU), or GELU (tanh)."""
+def _activation(h: torch.Tensor, gated: bool, gelu: str = "none") -> torch.Tensor:
+    """The dense MLP's activation: silu(gate) * up on [gate | up] (SwiGLU), or GELU (`gelu`: its
+    approximation, "tanh" with --openai-gelu)."""
     if gated:
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return F.gelu(h, approximate="tanh")
+    return F.gelu(h, approximate=gelu)
 
 
 def _weighted(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -230,8 +231,9 @@ class Experts(nn.Module):
         super().__init__()
         assert config.num_experts, "Experts need config.num_experts"
         E, H = config.num_experts, config.hidden_size
-        F_ = config.moe_ffn_hidden_size or config.ffn_hidden_size or 4 * H
+        F_ = config.moe_ffn_hidden_size or config.ffn_size
         self.gated = config.activation == "swiglu"
+        self.gelu = "tanh" if config.openai_gelu else "none"
         self.grouped = config.moe_grouped_gemm
         self.w_in = nn.Parameter(torch.empty(E, (2 if self.gated else 1) * F_, H))
         self.w_out = nn.Parameter(torch.empty(E, H, F_))
@@ -255,7 +257,7 @@ class Experts(nn.Module):
                 continue
             if pad_to is not None and pad_to > n:
                 x, p = F.pad(x, (0, 0, 0, pad_to - n)), F.pad(p, (0, pad_to - n))
-            h = _weighted(_activation(F.linear(x, self.w_in[e]), self.gated), p)
+            h = _weighted(_activation(F.linear(x, self.w_in[e]), self.gated, self.gelu), p)
             outputs.append(F.linear(h, self.w_out[e])[:n])
         return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.w_out.size(1))
 
@@ -274,7 +276,7 @@ class Experts(nn.Module):
             return self._grouped(tokens, rows, probs, None)[position]
         ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
         h = _grouped_mm(tokens, self.w_in.transpose(1, 2), ends)
-        return _grouped_mm(_weighted(_activation(h, self.gated), probs), self.w_out.transpose(1, 2), ends)
+        return _grouped_mm(_weighted(_activation(h, self.gated, self.gelu), probs), self.w_out.transpose(1, 2), ends)
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -39,7 +39,7 @@ def count_parameters(config: ModelConfig) -> int:
 def expert_parameters(config: ModelConfig) -> int:
     """Parameters of one routed expert (its input and output projections)."""
     h = config.hidden_size
-    ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size or 4 * h
+    ffn = config.moe_ffn_hidden_size or config.ffn_size
     return (3 if config.activation == "swiglu" else 2) * h * ffn
 
 
