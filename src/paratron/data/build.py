@@ -34,9 +34,10 @@ from paratron.data.corpus import files_signature, stdlib_files
 from paratron.data.datasets import MockTokens, SampleSource
 from paratron.data.gpt_dataset import GPTDataset
 from paratron.data.indexed import IndexedDataset, dataset_exists
+from paratron.data.loader import LoaderSource
 from paratron.data.preprocess import PreprocessResult, input_files, preprocess, read_documents
 from paratron.data.sft.sources import sft_sources, unique_task_names, whole_tasks
-from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, load_tokenizer, train_byte_level_bpe
+from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, tokenizer_for, train_byte_level_bpe
 from paratron.distributed.init import collective_device
 from paratron.errors import DataError, PeerFailure
 
@@ -136,15 +137,16 @@ class _Builder:
         """The run's tokenizer and an identity string for cache keys. `saved` is the tokenizer of
         the checkpoint a run starts from, used unless another tokenizer is named."""
         d, m = self.config.data, self.config.model
-        if d.tokenizer_type == "ByteLevelBPE" and saved is not None:
+        kind = d.resolved_tokenizer_type
+        if kind == "ByteLevelBPE" and saved is not None:
             return saved, _digest(saved.spec())
-        if d.tokenizer_type == "ByteLevelBPE" and d.sft:
+        if kind == "ByteLevelBPE" and d.sft:
             raise DataError(
                 "--sft needs an existing tokenizer: --load a checkpoint saved with one, or give "
                 "--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH"
             )
-        if d.tokenizer_type != "ByteLevelBPE":
-            tokenizer = load_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, m.vocab_size)
+        if kind != "ByteLevelBPE":
+            tokenizer = tokenizer_for(d, m.vocab_size)
             return tokenizer, _digest(tokenizer.spec())
         sources = self.raw_sources()
         if not sources:
@@ -198,7 +200,7 @@ class _Builder:
 
     def gpt_dataset(self, prefix: str, documents: np.ndarray, num_samples: int | None) -> GPTDataset:
         return GPTDataset(
-            IndexedDataset(prefix),
+            IndexedDataset(prefix, self.config.data.mmap_bin_files),
             documents,
             self.config.data.seq_length,
             num_samples,
@@ -250,14 +252,21 @@ def build_data(
     train_samples, valid_samples, _ = samples_per_split(config, global_batch_size)
     if d.mock_data:
         vocab = config.model.vocab_size or MOCK_VOCAB
-        return DataBundle(MockTokens(vocab, d.seq_length, seed), MockTokens(vocab, d.seq_length, seed + 1), None, vocab)
+        if d.dataloader_type == "cyclic":  # as Megatron's mock dataset: as many samples as the run reads, reshuffled
+            mock_train = MockTokens(vocab, d.seq_length, seed, max(train_samples, 1))
+            mock_valid = MockTokens(vocab, d.seq_length, seed + 1, max(valid_samples, 1))
+        else:
+            mock_train, mock_valid = MockTokens(vocab, d.seq_length, seed), MockTokens(vocab, d.seq_length, seed + 1)
+        return DataBundle(_ordered(config, mock_train, True), _ordered(config, mock_valid, False), None, vocab)
 
     builder = _Builder(config, local_rank, log)
     tokenizer, tokenizer_id, vocab = builder.tokenizer_and_vocabulary(saved_tokenizer)
 
     if d.sft:
         sft = sft_sources(config, tokenizer, train_samples, valid_samples, builder.cache / "indices", builder.once, log)
-        return DataBundle(sft.train, sft.valid, tokenizer, vocab, sft.valid_tasks)
+        return DataBundle(
+            _ordered(config, sft.train, True), _ordered(config, sft.valid, False), tokenizer, vocab, sft.valid_tasks
+        )
 
     if d.corpus == "stdlib":
         blends = {"--data-path": Blend([builder.preprocessed(stdlib_files(), False, tokenizer, tokenizer_id)], None)}
@@ -286,7 +295,17 @@ def build_data(
 
     train = builder.blend(*train_parts, train_samples, "train")
     valid = builder.blend(*valid_parts, valid_samples, "validation") if config.training.eval_iters > 0 else None
-    return DataBundle(train, valid, tokenizer, vocab)
+    return DataBundle(_ordered(config, train, True), _ordered(config, valid, False), tokenizer, vocab)
+
+
+def _ordered(config: Config, samples: SampleSource | None, training: bool) -> SampleSource | None:
+    """Samples read as --dataloader-type says, the training ones by --num-workers worker processes
+    (validation batches are few: read in the training process)."""
+    d = config.data
+    workers = d.num_workers if training else 0
+    if samples is None or (d.dataloader_type == "single" and workers == 0):
+        return samples
+    return LoaderSource(samples, d.dataloader_type, workers, d.data_sharding)
 
 
 def evaluation_sources(

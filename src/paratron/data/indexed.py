@@ -131,11 +131,13 @@ class IndexedDatasetWriter:
 
 
 class IndexedDataset:
-    """A memory-mapped view of PREFIX.bin/.idx. `ds[i]` is sequence i as a NumPy array;
-    `ds.get(i, offset, length)` reads part of it without touching the rest."""
+    """A view of PREFIX.bin/.idx. `ds[i]` is sequence i as a NumPy array; `ds.get(i, offset, length)`
+    reads part of it without touching the rest. The index is memory-mapped; the tokens are too
+    unless `mmap_bin` is False (Megatron's --no-mmap-bin-files), then each read is a file read."""
 
-    def __init__(self, prefix: str | Path) -> None:
+    def __init__(self, prefix: str | Path, mmap_bin: bool = True) -> None:
         self.prefix = str(prefix)
+        self.mmap_bin = mmap_bin
         idx_path, bin_path = Path(f"{self.prefix}.idx"), Path(f"{self.prefix}.bin")
         for path in (idx_path, bin_path):
             if not path.is_file():
@@ -157,7 +159,8 @@ class IndexedDataset:
                 f"{bin_path}: {size} bytes, shorter than its index says ({needed} bytes, to the end "
                 f"of sequence {last}); the file is truncated"
             )
-        self.bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
+        self.bin_path = bin_path
+        self.bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if size and mmap_bin else np.zeros(0, self.dtype)
 
     def _read_index(self, path: Path) -> None:
         size = path.stat().st_size
@@ -217,6 +220,11 @@ class IndexedDataset:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"tokens [{offset}, {offset + length}) are outside sequence {index} of length {size}")
+        if not self.mmap_bin:
+            if length == 0:
+                return np.zeros(0, self.dtype)
+            start = int(self.sequence_pointers[index]) + offset * self.dtype.itemsize
+            return np.fromfile(self.bin_path, dtype=self.dtype, count=length, offset=start)
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
         return np.asarray(self.bin[start : start + length])
 

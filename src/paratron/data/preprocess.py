@@ -14,6 +14,7 @@ document) stops with the file and line, or is skipped and counted with --skip-ba
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -307,3 +308,78 @@ def preprocess(
             bar.close()
     result.seconds = time.perf_counter() - start
     return result
+
+
+# ---------------------------------------------------------------- the tokenizer flags of `paratron preprocess`
+
+TOKENIZER_TYPES = (
+    "ByteLevelBPE",
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
+    "NullTokenizer",
+)
+
+
+def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's tokenizer flags, with the meaning `paratron train` gives them (see DataConfig)."""
+    parser.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        help="The tokenizer (default: GPT2BPETokenizer when --vocab-file/--merge-file are given, as Megatron-LM's "
+        "pretrain_gpt.py, else ByteLevelBPE, trained on the input and saved as OUTPUT_PREFIX_tokenizer.json).",
+    )
+    parser.add_argument(
+        "--tokenizer-model",
+        help="tokenizer.json or its folder (HuggingFaceTokenizer), SentencePiece .model (GPTSentencePieceTokenizer, "
+        "Llama2Tokenizer) or Megatron's tiktoken vocabulary .json (TikTokenizer).",
+    )
+    parser.add_argument("--vocab-file", help="GPT-2 vocab.json for GPT2BPETokenizer.")
+    parser.add_argument("--merge-file", help="GPT-2 merges.txt for GPT2BPETokenizer.")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="Vocabulary size: of the trained BPE (default 8192), of NullTokenizer's ids, or TikTokenizer's (default "
+        "131072).",
+    )
+    parser.add_argument("--tiktoken-pattern", choices=["v1", "v2"], help="TikTokenizer's regex (default v2).")
+    parser.add_argument(
+        "--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer's special ids (default 1000)."
+    )
+    for name in ("--tiktoken-special-tokens", "--tokenizer-special-tokens"):
+        parser.add_argument(name, nargs="+", help="TikTokenizer's named special tokens, in id order.")
+    parser.add_argument(
+        "--legacy-tokenizer",
+        action="store_true",
+        help="Megatron-LM's older tokenizer classes: Llama2Tokenizer starts documents with <s>; TikTokenizer reads "
+        "special-token text as plain text.",
+    )
+    parser.add_argument("--vocab-extra-ids", type=int, default=0, help="T5/BERT sentinel tokens: only 0 is accepted.")
+
+
+def tokenizer_type_of(args: argparse.Namespace) -> str:
+    """The tokenizer type `add_tokenizer_arguments`' flags name (ByteLevelBPE: to be trained)."""
+    if args.vocab_extra_ids:
+        raise DataError(f"--vocab-extra-ids {args.vocab_extra_ids}: sentinel tokens are for T5/BERT; remove it")
+    return args.tokenizer_type or ("GPT2BPETokenizer" if args.vocab_file or args.merge_file else "ByteLevelBPE")
+
+
+def tokenizer_from_arguments(args: argparse.Namespace) -> AnyTokenizer:
+    """The existing tokenizer `add_tokenizer_arguments`' flags name."""
+    from paratron.config.schema import DataConfig  # (lazy for start-up speed of the tokenizing workers)
+    from paratron.data.tokenizer import tokenizer_for
+
+    data = DataConfig(
+        tokenizer_type=tokenizer_type_of(args),
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
+        tokenizer_special_tokens=args.tokenizer_special_tokens,
+        legacy_tokenizer=args.legacy_tokenizer,
+    )
+    return tokenizer_for(data, args.vocab_size)

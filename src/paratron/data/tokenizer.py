@@ -2,7 +2,10 @@
 
     ByteLevelBPE          byte-level BPE trained on the data with HF `tokenizers` (--vocab-size)
     HuggingFaceTokenizer  an existing tokenizer.json (--tokenizer-model FILE or a folder holding one)
-    GPT2BPETokenizer      GPT-2's vocab.json + merges.txt (--vocab-file, --merge-file)
+    GPT2BPETokenizer      GPT-2's vocab.json + merges.txt (--vocab-file, --merge-file); chosen when
+                          these are given without --tokenizer-type, as Megatron's pretrain_gpt.py
+    GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer
+                          a SentencePiece or tiktoken file (--tokenizer-model), see file_tokenizers.py
     NullTokenizer         the text already is token ids separated by spaces (--vocab-size); the
                           end-of-document id is vocab_size, as in Megatron
 
@@ -16,11 +19,16 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from paratron.data.file_tokenizers import SentencePieceTokenizer, TikTokenizer
 from paratron.errors import DataError
+
+if TYPE_CHECKING:
+    from paratron.config.schema import DataConfig
 
 EOD_TOKEN = "<|endoftext|>"
 _EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -91,9 +99,10 @@ class Tokenizer:
     def from_gpt2_files(cls, vocab_file: str | Path, merge_file: str | Path) -> Tokenizer:
         """GPT-2's byte-level BPE from its vocab.json and merges.txt."""
         vocab_file, merge_file = Path(vocab_file).expanduser(), Path(merge_file).expanduser()
-        for path in (vocab_file, merge_file):
+        files = ((vocab_file, "--vocab-file", "vocab.json"), (merge_file, "--merge-file", "merges.txt"))
+        for path, file_flag, name in files:
             if not path.is_file():
-                raise DataError(f"{path}: no such file; GPT2BPETokenizer needs --vocab-file and --merge-file")
+                raise DataError(f"{file_flag} {path}: no such file; GPT2BPETokenizer needs GPT-2's {name} there")
         try:
             hf = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
         except Exception as exc:
@@ -142,7 +151,7 @@ class NullTokenizer:
         return {"type": "null", "vocab_size": self.ids_vocab_size}
 
 
-AnyTokenizer = Tokenizer | NullTokenizer
+AnyTokenizer = Tokenizer | NullTokenizer | SentencePieceTokenizer | TikTokenizer
 
 TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
 """Hugging Face files beside tokenizer.json that hold its chat template and special tokens."""
@@ -158,17 +167,43 @@ def copy_template_files(source: Path, destination: Path) -> None:
 def tokenizer_from_spec(spec: dict) -> AnyTokenizer:
     if spec["type"] == "null":
         return NullTokenizer(spec["vocab_size"])
+    if spec["type"] == "sentencepiece":
+        return SentencePieceTokenizer(spec["path"], spec["kind"], spec["legacy"])
+    if spec["type"] == "tiktoken":
+        return TikTokenizer(
+            spec["path"],
+            spec["pattern"],
+            spec["vocab_size"],
+            spec["num_special_tokens"],
+            spec["special_tokens"],
+            spec["legacy"],
+        )
     return Tokenizer(HFTokenizer.from_str(spec["json"]), spec.get("source", ""))
 
 
 def load_tokenizer(
-    kind: str,
+    kind: str | None,
     tokenizer_model: str | None = None,
     vocab_file: str | None = None,
     merge_file: str | None = None,
     vocab_size: int | None = None,
+    *,
+    legacy: bool = False,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = 1000,
+    tiktoken_special_tokens: list[str] | None = None,
 ) -> AnyTokenizer:
-    """An existing tokenizer by its Megatron type name (ByteLevelBPE is trained, see `train_byte_level_bpe`)."""
+    """An existing tokenizer by its Megatron type name (ByteLevelBPE is trained, see `train_byte_level_bpe`).
+    `vocab_size` is NullTokenizer's ids and TikTokenizer's vocabulary (Megatron's --vocab-size). No `kind`
+    (--tokenizer-type unset) with GPT-2 files means GPT2BPETokenizer, as in Megatron's pretrain_gpt.py."""
+    if kind is None and (vocab_file or merge_file):
+        kind = "GPT2BPETokenizer"
+    if kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        return SentencePieceTokenizer(tokenizer_model, kind, legacy)
+    if kind == "TikTokenizer":
+        return TikTokenizer(
+            tokenizer_model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens, tiktoken_special_tokens, legacy
+        )
     if kind == "HuggingFaceTokenizer":
         if not tokenizer_model:
             raise DataError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH")
@@ -182,8 +217,23 @@ def load_tokenizer(
             raise DataError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
     raise DataError(
-        f"--tokenizer-type {kind}: not an existing tokenizer (choose HuggingFaceTokenizer, "
-        "GPT2BPETokenizer or NullTokenizer)"
+        f"--tokenizer-type {kind}: not an existing tokenizer (choose HuggingFaceTokenizer, GPT2BPETokenizer, "
+        "GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer or NullTokenizer)"
+    )
+
+
+def tokenizer_for(data: DataConfig, vocab_size: int | None) -> AnyTokenizer:
+    """The existing tokenizer `data` names (see `DataConfig.resolved_tokenizer_type`); `vocab_size` is --vocab-size."""
+    return load_tokenizer(
+        data.resolved_tokenizer_type,
+        data.tokenizer_model,
+        data.vocab_file,
+        data.merge_file,
+        vocab_size,
+        legacy=data.legacy_tokenizer,
+        tiktoken_pattern=data.tiktoken_pattern,
+        tiktoken_num_special_tokens=data.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=data.tokenizer_special_tokens or data.tiktoken_special_tokens,
     )
 
 

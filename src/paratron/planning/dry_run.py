@@ -26,7 +26,7 @@ from paratron.config.layout import Layout
 from paratron.config.schema import Config
 from paratron.config.validation import validate
 from paratron.data.build import DEFAULT_BPE_VOCAB, MOCK_VOCAB
-from paratron.data.tokenizer import load_tokenizer
+from paratron.data.tokenizer import tokenizer_for
 from paratron.distributed.fake import fake_world
 from paratron.distributed.init import peak_memory_bytes
 from paratron.distributed.topology import ParallelDims, Topology
@@ -53,8 +53,8 @@ def with_vocabulary(config: Config) -> Config:
         return config
     if d.mock_data:
         vocab = MOCK_VOCAB
-    elif d.tokenizer_type != "ByteLevelBPE":
-        vocab = load_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, None).vocab_size
+    elif d.resolved_tokenizer_type != "ByteLevelBPE":
+        vocab = tokenizer_for(d, None).vocab_size
     else:
         vocab = DEFAULT_BPE_VOCAB
     return replace(config, model=replace(m, vocab_size=vocab))
