@@ -6,9 +6,11 @@ gloo and the CPU otherwise. Everything else allocates on the device of a tensor 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -158,3 +160,49 @@ def peak_memory_bytes(device: torch.device) -> int:
         return 0
     peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def memory_now(device: torch.device) -> dict[str, int]:
+    """The device's memory in bytes, Megatron-LM's names: allocated now, the peak allocated and
+    reserved by the allocator on an accelerator; on the CPU the process's resident set now and at
+    its peak (the CPU allocator reserves nothing of its own)."""
+    if device.type != "cpu" and torch.accelerator.is_available():
+        return {
+            "mem_allocated_bytes": int(torch.accelerator.memory_allocated(device)),
+            "mem_max_allocated_bytes": int(torch.accelerator.max_memory_allocated(device)),
+            "mem_reserved_bytes": int(torch.accelerator.memory_reserved(device)),
+        }
+    resident = 0
+    try:
+        with open("/proc/self/statm") as statm:  # (Linux: pages)
+            resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        resident = peak_memory_bytes(device)
+    # (the kernel's high-water mark can lag the current size by a few pages)
+    return {"mem_allocated_bytes": resident, "mem_max_allocated_bytes": max(resident, peak_memory_bytes(device))}
+
+
+def release_unused_memory(device: torch.device) -> None:
+    """Hand the allocator's cached, unused blocks back to the device (--empty-unused-memory-level);
+    nothing to do on the CPU."""
+    if device.type != "cpu" and torch.accelerator.is_available():
+        torch.accelerator.empty_cache()
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool, device: torch.device) -> Iterator[None]:
+    """--deterministic-mode for the duration of a run: deterministic kernels only (an op without one
+    raises), and on CUDA the cuBLAS workspace and NCCL algorithm that make them reproducible (each
+    unless the user set it). The previous setting comes back afterwards."""
+    if not enabled:
+        yield
+        return
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -19,12 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
+from paratron.distributed import comm
+from paratron.distributed.init import release_unused_memory
 from paratron.model.batch import Batch
 from paratron.optim.build import clip_grad_norm
 from paratron.optim.mixed_precision import Precision
-from paratron.optim.protocol import TrainingOptimizer
+from paratron.optim.protocol import GradsForNorm, TrainingOptimizer
+from paratron.parallel.data.fully_sharded import local_tensor
 from paratron.parallel.model import ParallelModel
 from paratron.training.expert_load import ExpertStats, take_expert_stats, update_expert_biases
+from paratron.training.profiling import StepTimers
 
 
 @dataclass
@@ -44,6 +48,21 @@ class StepResult:
     """The gradient norm was NaN or infinite (every rank agrees: it is global): no rank stepped."""
     nonfinite_where: str = ""
     """Which module went non-finite first (filled in by the loop's diagnosis)."""
+    num_zeros_in_grad: torch.Tensor | None = None
+    """Zero entries of the whole model's gradients (with --log-num-zeros-in-grad; None otherwise)."""
+
+
+@dataclass
+class StepOptions:
+    """How a step runs beyond its arithmetic: checks, counts, timers and memory release."""
+
+    check_nonfinite: bool = True
+    """Withhold a step whose gradient norm is not finite (--check-for-nan-in-loss-and-grad)."""
+    count_zeros: bool = False
+    """Count the zero entries of the gradients (--log-num-zeros-in-grad)."""
+    timers: StepTimers | None = None
+    empty_unused_memory_level: int = 0
+    device: torch.device | None = None
 
 
 def train_step(
@@ -53,22 +72,73 @@ def train_step(
     precision: Precision,
     clip_grad: float,
     per_token_loss: bool = False,
+    options: StepOptions | None = None,
 ) -> StepResult:
+    options = options or StepOptions()
+    timers = options.timers or StepTimers(0, torch.device("cpu"))
     weights, trained = model.loss_weights(batches, per_token_loss)
     model.set_aux_loss_scale(precision.loss_scale / len(batches))  # MoE: the mean over micro-batches
     model.zero_grad()
-    loss = model.forward_backward(batches, precision.backward, weights)  # gradients complete and averaged
+    with timers.time("forward-backward"):
+        loss = model.forward_backward(batches, precision.backward, weights)  # gradients complete and averaged
+    if options.empty_unused_memory_level >= 1 and options.device is not None:
+        release_unused_memory(options.device)
     experts = take_expert_stats(model)
-    optimizer.prepare_grads()
-    grads = optimizer.grads_for_norm()
-    overflow = precision.unscale(grads.tensors, grads.group)
-    grad_norm, nonfinite = None, False
-    if not overflow:
-        grad_norm = clip_grad_norm(grads.tensors, clip_grad, grads.group, grads.weights)
-        nonfinite = not bool(torch.isfinite(grad_norm))
-        if not nonfinite:
-            optimizer.step()
-            optimizer.after_step()
-            update_expert_biases(model, experts)
-    precision.update(overflow)
-    return StepResult(loss, grad_norm, overflow, trained, experts, nonfinite)
+    with timers.time("optimizer"):
+        with timers.time("all-grads-sync"):
+            optimizer.prepare_grads()
+        grads = optimizer.grads_for_norm()
+        with timers.time("optimizer-unscale-and-check-inf"):
+            overflow = precision.unscale(grads.tensors, grads.group)
+        grad_norm, nonfinite, zeros = None, False, None
+        if not overflow:
+            with timers.time("optimizer-clip-main-grad"):
+                grad_norm = clip_grad_norm(grads.tensors, clip_grad, grads.group, grads.weights)
+            # without the check (--no-check-for-nan-in-loss-and-grad) a non-finite step is applied, as in Megatron-LM
+            nonfinite = options.check_nonfinite and not bool(torch.isfinite(grad_norm))
+            if options.count_zeros:
+                with timers.time("optimizer-count-zeros"):
+                    zeros = count_zeros(grads)
+            if not nonfinite:
+                with timers.time("optimizer-inner-step"):
+                    optimizer.step()
+                with timers.time("optimizer-copy-main-to-model-params"):
+                    optimizer.after_step()
+                update_expert_biases(model, experts)
+        precision.update(overflow)
+    if options.empty_unused_memory_level >= 2 and options.device is not None:
+        release_unused_memory(options.device)
+    return StepResult(loss, grad_norm, overflow, trained, experts, nonfinite, num_zeros_in_grad=zeros)
+
+
+def count_zeros(grads: GradsForNorm) -> torch.Tensor:
+    """Zero entries of the whole model's gradients (--log-num-zeros-in-grad): each tensor's count
+    weighted as in the gradient norm, so that a gradient several ranks hold counts once, summed
+    over the norm's group."""
+    if grads.tensors:
+        counts = torch.stack([(g.numel() - torch.count_nonzero(g)).to(torch.float64) for g in grads.tensors])
+        weights = grads.weights.to(torch.float64) if grads.weights is not None else torch.ones_like(counts)
+        total = (weights.to(counts.device) * counts).sum()
+    else:
+        device = grads.weights.device if grads.weights is not None else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
+    if grads.weights is not None:  # (no weights: this rank holds the whole gradient)
+        comm.all_reduce(total, grads.group)
+    return total.round()
+
+
+def params_norm(optimizer: TrainingOptimizer) -> torch.Tensor:
+    """L2 norm of all trained parameters of the whole model (--log-params-norm; Megatron-LM's
+    calc_params_l2_norm): the fp32 master weights the optimizer steps (the weights themselves in
+    fp32 runs), each tensor weighted as in the gradient norm so that one held by several ranks
+    counts once, summed over the norm's group."""
+    grads = optimizer.grads_for_norm()  # (for its weights and group: one per master, in order)
+    masters = [local_tensor(piece.master.detach()) for piece in optimizer.pieces()]
+    if grads.weights is None:
+        return torch.nn.utils.get_total_norm(masters, norm_type=2.0, foreach=True) if masters else torch.zeros(())
+    squared = torch.zeros((), device=grads.weights.device)
+    if masters:
+        norms = torch.stack(torch._foreach_norm([m.float() for m in masters]))
+        squared = (grads.weights * norms.to(grads.weights.device).pow(2)).sum()
+    comm.all_reduce(squared, grads.group)
+    return squared.sqrt()
