@@ -397,6 +397,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def holds_checkpoint(path: Path) -> bool:
+    """Whether a directory holds anything a checkpoint leaves (a tracker, an iteration folder, a
+    checkpoint's meta.json, Megatron-LM's `release` folder), intact or not."""
+    if not path.is_dir():
+        return False
+    marks = (path / TRACKER, path / "meta.json", path / "release")
+    return any(mark.exists() for mark in marks) or any(path.glob("iter_*"))
+
+
 def resolve_checkpoint(path: Path) -> Path:
     """A save directory (follow its tracker) or one iteration folder -> the iteration folder."""
     return _candidates(path)[0]

@@ -8,6 +8,7 @@ completes the config with its vocabulary, the one value a config leaves open) ->
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,15 +22,29 @@ from paratron.checkpoint.io import (
     read_checkpoint,
     whole_model_state,
 )
+from paratron.checkpoint.megatron import (
+    cache_name,
+    check_load,
+    detect_format,
+    load_converted_optimizer,
+    megatron_to_paratron,
+)
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
 from paratron.config.schema import CheckpointConfig, Config
-from paratron.data.build import build_data
+from paratron.data.build import build_data, build_once, cache_root
 from paratron.data.checks import check_data_inputs
 from paratron.data.tokenizer import Tokenizer
-from paratron.distributed.init import DistributedContext, initialize, job_store, seed_everything, shutdown
+from paratron.distributed.init import (
+    DistributedContext,
+    deterministic_algorithms,
+    initialize,
+    job_store,
+    seed_everything,
+    shutdown,
+)
 from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.distributed.watchdog import Watchdog
@@ -40,8 +55,9 @@ from paratron.optim.build import build_optimizer
 from paratron.parallel.parallelize import parallelize
 from paratron.training.flops import peak_flops, training_flops_per_token
 from paratron.training.loop import Trainer, TrainState
-from paratron.training.metrics import MetricsWriter
+from paratron.training.metrics import MetricsWriter, ProgressLog, require_wandb
 from paratron.training.plot import plot_loss_curve
+from paratron.training.profiling import check_profile_settings, manual_gc
 
 
 def _duration(seconds: float) -> str:
@@ -53,11 +69,18 @@ def check_inputs(config: Config) -> None:
     """Cheap checks of the files a run will read, made before any worker starts: the data and
     tokenizer files, and the checkpoint to load (it exists and is complete)."""
     check_data_inputs(config)
+    check_logging_settings(config)
     load = config.checkpoint.load
     if load is not None:
         if not Path(load).expanduser().is_dir():
             raise ConfigError(f"{flag.load} {load}: no such checkpoint directory; check the path")
-        read_checkpoint(Path(load), verify=False)
+        check_load(Path(load).expanduser(), config.checkpoint.ckpt_format)  # (paratron's, or Megatron-LM's)
+
+
+def check_logging_settings(config: Config) -> None:
+    """--profile's steps and ranks, and wandb installed when asked for (one-line errors)."""
+    check_profile_settings(config.logging)
+    require_wandb(config.logging)
 
 
 def run_training(config: Config) -> TrainState:
@@ -66,7 +89,9 @@ def run_training(config: Config) -> TrainState:
     owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
-        return _run(config, ctx)
+        check_logging_settings(config)
+        with deterministic_algorithms(config.training.deterministic_mode, ctx.device):
+            return _run(config, ctx)
     finally:
         if owned:
             shutdown()
@@ -81,7 +106,7 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
     )
     topology.create_groups()
     say = print if ctx.is_main else (lambda *a, **k: None)
-    peak, peak_source = peak_flops(ctx.device, config.logging.peak_tflops)
+    peak, peak_source = peak_flops(ctx.device, config.logging.peak_tflops, config.training.precision)
     trainer, resume, n_params = _assemble(config, ctx, topology, peak, say)
     config = trainer.config  # (completed with the tokenizer's vocabulary)
     _describe(trainer, resume, n_params, peak_source, say)
@@ -89,8 +114,14 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
     if ctx.world_size > 1:
         watchdog = Watchdog(60 * p.distributed_timeout_minutes, ctx.rank, ctx.world_size, job_store())
         trainer.watchdog = watchdog
-    with trainer.writer, watchdog or contextlib.nullcontext():
+    if config.logging.log_progress and config.checkpoint.save:
+        tokens = trainer.state.consumed_samples * config.data.seq_length
+        trainer.progress = ProgressLog(
+            Path(config.checkpoint.save), ctx.world_size, trainer.flops_per_token * tokens, ctx.is_main
+        )
+    with trainer.writer, watchdog or contextlib.nullcontext(), manual_gc(config.training):
         state = trainer.fit()
+        trainer.finish_profile()
     if ctx.is_main:
         source = config.data.corpus or ("mock data" if config.data.mock_data else "--data-path")
         title = f"{n_params / 1e6:.2f}M-parameter model on {source}; {topology.describe()}"
@@ -127,8 +158,9 @@ def _assemble(
     t, c = config.training, config.checkpoint
     layout = resolve_layout(config, ctx.world_size)  # (the settings were validated before the workers started)
     restarted = restarted_from(c)
-    source = restarted or (Path(c.load) if c.load else None)
+    source = restarted or (_paratron_load(config, Path(c.load).expanduser(), ctx, say) if c.load else None)
     resume = read_checkpoint(source) if source is not None else None
+    megatron = resume is not None and restarted is None and source != Path(c.load).expanduser()
     saved_tokenizer = tokenizer_from_checkpoint(resume) if resume is not None and config.data.sft else None
     data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say, saved_tokenizer=saved_tokenizer)
     config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
@@ -149,6 +181,8 @@ def _assemble(
         enabled=ctx.is_main,
         progress_bar=config.logging.progress_bar,
         tensorboard=config.logging.tensorboard,
+        logging=config.logging,
+        settings=dataclasses.asdict(config) if config.logging.wandb_project and ctx.is_main else None,
     )
     trainer = Trainer(
         config,
@@ -163,9 +197,23 @@ def _assemble(
         peak,
         state,
     )
-    if continuing and resume is not None:  # (the weights are in: loaded before the optimizer took its masters)
+    if continuing and resume is not None and megatron:  # (converted: its step and optimizer state, no RNG state)
+        if c.no_load_optim or not load_converted_optimizer(resume.path, optimizer, model.module):
+            say(f"{c.load}: Megatron-LM optimizer state not converted; the optimizer starts fresh")
+    elif continuing and resume is not None:  # (the weights are in: loaded before the optimizer took its masters)
         trainer.resume_from(resume, weights=False, optimizer_state=not c.no_load_optim)
     return trainer, resume, n_params
+
+
+def _paratron_load(config: Config, load: Path, ctx: DistributedContext, say: Callable[[str], None]) -> Path:
+    """--load as a paratron checkpoint: itself, or a Megatron-LM checkpoint converted once (by each
+    machine's local rank 0, the others waiting) into the data cache."""
+    if detect_format(load) == "paratron":
+        return load
+    finetune = config.checkpoint.finetune
+    target = cache_root(config) / "checkpoints" / cache_name(load, finetune)
+    build_once(target, lambda tmp: megatron_to_paratron(load, tmp, finetune=finetune), ctx.local_rank, say)
+    return target
 
 
 def _describe(
