@@ -39,6 +39,7 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(PY) -c "from paratron.config.arguments import markdown_reference; print(markdown_reference(), end='')" > docs/.flags.md.tmp
 	mv docs/.flags.md.tmp docs/flags.md
+	$(PY) -c "from paratron.config.arguments import refresh_megatron_doc; refresh_megatron_doc('docs/megatron.md')"
 
 clean:
 	rm -rf runs .pytest_cache

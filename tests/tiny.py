@@ -17,7 +17,13 @@ from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.training.run import run_training
 
 GPT_FLAVOUR = ModelConfig(
-    num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, max_position_embeddings=64
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=97,
+    max_position_embeddings=64,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
 )
 LLAMA_STYLE = dict(
     position_embedding_type="rope",
@@ -34,8 +40,13 @@ FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 
 
-QUIET = dict(progress_bar=False, tensorboard=False, log_interval=1, eval_iters=0)
-"""A test run's logging: no progress bar, no TensorBoard, metrics every step, no evaluation."""
+MODERN = dict(hidden_dropout=0.0, attention_dropout=0.0, adam_beta2=0.95, lr_decay_style="cosine")
+"""The values the recipes set where paratron's defaults are Megatron-LM's (dropout 0.1, Adam beta2 0.999, linear
+decay)."""
+
+QUIET = dict(MODERN, progress_bar=False, tensorboard=False, log_interval=1, eval_iters=0)
+"""A test run's logging (no progress bar, no TensorBoard, metrics every step, no evaluation) and the recipes' modern
+training values."""
 
 PARITY_RUN = dict(QUIET, train_iters=20, lr=3e-3, lr_warmup_iters=2, seed=5)
 """A parity test's 20-step run (its model, data and layout aside)."""

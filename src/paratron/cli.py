@@ -80,13 +80,18 @@ def _check_and_launch(config: Config, argv: list[str]) -> int | None:
     return None
 
 
-@command("train", "train a model (launches itself under torchrun with --nproc N)")
-def cmd_train(argv: list[str]) -> int:
-    from paratron.config.arguments import parse_config_arguments
+def train_config(argv: list[str]) -> Config:
+    """The run's settings from `paratron train`'s flags, adjusted where Megatron-LM carries on."""
+    from paratron.config.arguments import given_settings, parse_config_arguments
     from paratron.config.loading import build_config
 
-    recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
-    config = build_config(overrides, recipe)
+    recipe, overrides, namespace = parse_config_arguments(train_parser(), argv)
+    return _like_megatron(build_config(overrides, recipe), given_settings(overrides, namespace))
+
+
+@command("train", "train a model (launches itself under torchrun with --nproc N)")
+def cmd_train(argv: list[str]) -> int:
+    config = train_config(argv)
     if "RANK" not in os.environ and config.parallel.nnodes > 1:
         quiet_launcher_logs()
     if config.planning.dry_run:
@@ -104,10 +109,30 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def _like_megatron(config: Config, given: set[str]) -> Config:
+    """Carry on where Megatron-LM carries on with a warning (printed once, by the launcher or rank 0):
+    its setting adjustments, and a --load that names the --save directory before its first checkpoint
+    starts from scratch. A --load elsewhere that holds nothing stays an error (check_inputs)."""
+    from paratron.checkpoint.io import holds_checkpoint
+    from paratron.config.megatron import adjust_like_megatron
+
+    config, notes = adjust_like_megatron(config, given)
+    c = config.checkpoint
+    if c.load and c.save and Path(c.load).expanduser().resolve() == Path(c.save).expanduser().resolve():
+        if not holds_checkpoint(Path(c.load).expanduser()):
+            notes.append(
+                f"--load {c.load} holds no checkpoint yet; it is also --save, so training starts from scratch "
+                "(as Megatron-LM does)"
+            )
+            config = dataclasses.replace(config, checkpoint=dataclasses.replace(c, load=None))
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
+    return config
+
+
 def _auto(config: Config, argv: list[str]) -> tuple[list[str], Config]:
     """--auto: the planner's top layout for this machine, as flags the workers read too."""
-    from paratron.config.arguments import parse_config_arguments
-    from paratron.config.loading import build_config
     from paratron.distributed.init import launched_by_torchrun
     from paratron.errors import ConfigError
     from paratron.planning.auto import auto_layout
@@ -123,8 +148,7 @@ def _auto(config: Config, argv: list[str]) -> tuple[list[str], Config]:
         f"--auto: {best.describe()}, predicted {best.prediction.tokens_per_s:,.0f} tokens/s, "
         f"peak {best.peak_memory / 1e9:.2f} GB per rank"
     )
-    recipe, overrides, _ = parse_config_arguments(train_parser(), argv)
-    return argv, build_config(overrides, recipe)
+    return argv, train_config(argv)
 
 
 @command("evaluate", "per-token loss and perplexity of a saved model over whole files, per file (task)")
@@ -162,8 +186,16 @@ def cmd_evaluate(argv: list[str]) -> int:
 @command("preprocess", "tokenize text or jsonl into a Megatron-LM indexed dataset (.bin/.idx)")
 def cmd_preprocess(argv: list[str]) -> int:
     from paratron.config.arguments import ArgumentParser
-    from paratron.data.preprocess import PreprocessResult, input_files, preprocess, read_documents
-    from paratron.data.tokenizer import load_tokenizer, train_byte_level_bpe
+    from paratron.data.preprocess import (
+        PreprocessResult,
+        add_tokenizer_arguments,
+        input_files,
+        preprocess,
+        read_documents,
+        tokenizer_from_arguments,
+        tokenizer_type_of,
+    )
+    from paratron.data.tokenizer import train_byte_level_bpe
 
     parser = ArgumentParser(
         prog="paratron preprocess",
@@ -186,19 +218,7 @@ def cmd_preprocess(argv: list[str]) -> int:
         default=["text"],
         help="Keys to extract from each JSON line (one output dataset per key; default: text).",
     )
-    parser.add_argument(
-        "--tokenizer-type",
-        default="ByteLevelBPE",
-        choices=["ByteLevelBPE", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
-        help="ByteLevelBPE trains a byte-level BPE on the input and saves it as "
-        "OUTPUT_PREFIX_tokenizer.json (default: ByteLevelBPE).",
-    )
-    parser.add_argument("--tokenizer-model", help="tokenizer.json (or its folder) for HuggingFaceTokenizer.")
-    parser.add_argument("--vocab-file", help="GPT-2 vocab.json for GPT2BPETokenizer.")
-    parser.add_argument("--merge-file", help="GPT-2 merges.txt for GPT2BPETokenizer.")
-    parser.add_argument(
-        "--vocab-size", type=int, help="Vocabulary size: of the trained BPE (default 8192), or of NullTokenizer's ids."
-    )
+    add_tokenizer_arguments(parser)
     parser.add_argument("--append-eod", action="store_true", help="End every document with the end-of-document token.")
     parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default: 1).")
     parser.add_argument(
@@ -227,7 +247,7 @@ def cmd_preprocess(argv: list[str]) -> int:
     if args.vocab_size is not None and args.vocab_size < 1:
         raise UserError(f"--vocab-size {args.vocab_size}: must be at least 1")
     files = input_files(args.input)
-    if args.tokenizer_type == "ByteLevelBPE":
+    if tokenizer_type_of(args) == "ByteLevelBPE":
         texts = (
             d.texts[0] for d in read_documents(files, args.json_keys[:1], PreprocessResult([]), args.skip_bad_lines)
         )
@@ -238,9 +258,7 @@ def cmd_preprocess(argv: list[str]) -> int:
         path.with_name(path.name + ".tmp").replace(path)
         print(f"trained a {tokenizer.vocab_size}-entry byte-level BPE: {path}")
     else:
-        tokenizer = load_tokenizer(
-            args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size
-        )
+        tokenizer = tokenizer_from_arguments(args)
     result = preprocess(
         files,
         args.output_prefix,
@@ -349,9 +367,10 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-@command("convert", "convert weights between Hugging Face directories and paratron checkpoints")
+@command("convert", "convert weights between Hugging Face, Megatron-LM and paratron checkpoints")
 def cmd_convert(argv: list[str]) -> int:
     from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf
+    from paratron.checkpoint.megatron import megatron_to_paratron, paratron_to_megatron
     from paratron.checkpoint.peft import paratron_to_peft
     from paratron.config.arguments import ArgumentParser
 
@@ -359,10 +378,14 @@ def cmd_convert(argv: list[str]) -> int:
         prog="paratron convert",
         allow_abbrev=False,
         usage="paratron convert --from hf SRC --to paratron DST  |  --from paratron SRC --to hf DST [--merge-lora]"
-        "  |  --from paratron SRC --to peft DST",
+        "  |  --from paratron SRC --to peft DST  |  --from megatron SRC --to paratron|hf DST [--finetune]"
+        "  |  --from paratron SRC --to megatron DST [--target-tensor-parallel-size N]"
+        " [--target-pipeline-parallel-size M]",
         description="Convert Llama, Mistral, Qwen2 and GPT-2 weights between a Hugging Face directory "
         "(config.json + safetensors) and a paratron checkpoint (weights only, for --load); write a LoRA "
-        "checkpoint's adapters as a peft adapter (Llama family), or merged into the base weights.",
+        "checkpoint's adapters as a peft adapter (Llama family), or merged into the base weights; read "
+        "Megatron-LM GPT checkpoints (torch and torch_dist formats, any TP/PP) and write its torch format "
+        "(docs/megatron-checkpoints.md).",
     )
     parser.add_argument(
         "--from",
@@ -370,7 +393,7 @@ def cmd_convert(argv: list[str]) -> int:
         nargs=2,
         metavar=("FORMAT", "SRC"),
         required=True,
-        help="hf or paratron, and the directory to read.",
+        help="hf, megatron or paratron, and the directory to read.",
     )
     parser.add_argument(
         "--to",
@@ -378,18 +401,40 @@ def cmd_convert(argv: list[str]) -> int:
         nargs=2,
         metavar=("FORMAT", "DST"),
         required=True,
-        help="paratron, hf or peft, and a new directory to write.",
+        help="paratron, hf, peft or megatron, and a new directory to write.",
     )
     parser.add_argument(
         "--merge-lora",
         action="store_true",
         help="With --to hf: fold a LoRA checkpoint's adapters into the base weights, W + (alpha/rank) B A.",
     )
+    parser.add_argument(
+        "--finetune",
+        action="store_true",
+        help="With --from megatron: weights only (iteration 0, no optimizer state), for fine-tuning.",
+    )
+    parser.add_argument(
+        "--target-tensor-parallel-size",
+        type=int,
+        default=1,
+        help="With --to megatron: the tensor-parallel size of the written checkpoint (default 1).",
+    )
+    parser.add_argument(
+        "--target-pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="With --to megatron: the pipeline-parallel size of the written checkpoint (default 1).",
+    )
     args = parser.parse_args(argv)
     formats = (args.source[0], args.target[0])
     source, target = Path(args.source[1]), Path(args.target[1])
     if args.merge_lora and formats != ("paratron", "hf"):
         raise UserError("--merge-lora applies to --from paratron SRC --to hf DST only")
+    if args.finetune and formats[0] != "megatron":
+        raise UserError("--finetune applies to --from megatron SRC only")
+    layout = (args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
+    if layout != (1, 1) and formats[1] != "megatron":
+        raise UserError("--target-tensor-parallel-size/--target-pipeline-parallel-size apply to --to megatron only")
     if not source.exists():
         raise UserError(f"--from {args.source[0]} {source}: no such directory")
     if formats == ("hf", "paratron"):
@@ -399,8 +444,22 @@ def cmd_convert(argv: list[str]) -> int:
         print(f"wrote {paratron_to_hf(source, target, merge_lora=args.merge_lora)}")
     elif formats == ("paratron", "peft"):
         print(f"wrote {paratron_to_peft(source, target)}; load it with peft.PeftModel.from_pretrained(base, DIR)")
+    elif formats == ("megatron", "paratron"):
+        path = megatron_to_paratron(source, target, finetune=args.finetune)
+        print(f"wrote {path}; train from it with: paratron train --config {target / 'model.yaml'} --load {target} ...")
+    elif formats == ("megatron", "hf"):
+        import tempfile  # start-up speed
+
+        with tempfile.TemporaryDirectory(dir=target.parent if target.parent.is_dir() else None) as scratch:
+            megatron_to_paratron(source, Path(scratch) / "paratron", finetune=True)
+            print(f"wrote {paratron_to_hf(Path(scratch) / 'paratron', target)}")
+    elif formats == ("paratron", "megatron"):
+        print(f"wrote {paratron_to_megatron(source, target, *layout)}")
     else:
-        raise UserError(f"--from {formats[0]} --to {formats[1]}: convert hf to paratron, or paratron to hf or peft")
+        raise UserError(
+            f"--from {formats[0]} --to {formats[1]}: convert hf to paratron, or paratron to hf or peft; "
+            "or megatron to paratron or hf, or paratron to megatron"
+        )
 
     return 0
 

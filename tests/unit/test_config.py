@@ -100,10 +100,19 @@ def test_data_parallel_flags():
         parse(["--zero-stage", "4"])
 
 
-@pytest.mark.parametrize("flag", ["--rotary-percent", "--use-dist-ckpt"])
-def test_unsupported_megatron_flags_are_refused_by_name(flag):
-    with pytest.raises(ConfigError, match=f"^{flag} is a Megatron-LM flag that paratron does not support yet"):
-        parse([flag, "full"])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--fp8-format", "hybrid"], "--fp8-format: Megatron-LM's flag is not supported: paratron has no fp8 training"),
+        (["--multi-latent-attention"], "--multi-latent-attention: Megatron-LM's flag is not supported: multi-latent"),
+        (["--fim-data"], "--fim-data: Megatron-LM's flag is not supported: fill-in-the-middle datasets"),
+        (["--use-dist-ckpt"], "--use-dist-ckpt is a Megatron-LM flag that paratron does not implement; remove it"),
+        (["--biencoder-projection-dim", "8"], "--biencoder-projection-dim is a Megatron-LM flag that paratron does"),
+    ],
+)
+def test_unsupported_megatron_flags_are_refused_by_name(argv, expected):
+    with pytest.raises(ConfigError, match="^" + re.escape(expected)):
+        parse(argv)
 
 
 def test_unknown_flag_suggests_the_close_one():
@@ -413,8 +422,11 @@ def test_megatron_dict_form_and_get_args():
     assert args.num_layers == 3 and args.fp16 and not args.bf16
     assert args.data_parallel_size == 1 and args.tensor_model_parallel_size == 1
     assert args.config.training.precision == "fp16"
-    with pytest.raises(ConfigError, match="rotary_percent: a Megatron-LM setting that paratron does not support yet"):
-        from_megatron_dict({"rotary_percent": 0.5})
+    with pytest.raises(ConfigError, match="--fp8-format: Megatron-LM's flag is not supported: paratron has no fp8"):
+        from_megatron_dict({"fp8_format": "hybrid"})
+    assert from_megatron_dict({"transformer_impl": "local", "data_parallel_sharding_strategy": "optim"}) == {
+        "zero_stage": 1
+    }
     assert from_megatron_dict({"use_distributed_optimizer": True, "overlap_grad_reduce": True}) == {
         "use_distributed_optimizer": True,
         "overlap_grad_reduce": True,
@@ -444,12 +456,16 @@ def test_worker_errors_are_left_for_the_launcher_except_on_rank_0(tmp_path, monk
     assert capsys.readouterr().err == "error: bad file\n"
 
 
-def test_no_supported_setting_is_listed_as_unsupported():
+def test_each_megatron_flag_has_one_treatment():
     from paratron.config.fields import all_fields
-    from paratron.config.megatron import UNSUPPORTED
+    from paratron.config.megatron import ACCEPTED, MAPPED, REFUSED, SWITCHES
 
-    supported = {name.replace("_", "-") for name in all_fields()}
-    assert not supported & UNSUPPORTED, sorted(supported & UNSUPPORTED)
+    settings = {name.replace("_", "-") for name in all_fields()}
+    switches = {name.replace("_", "-") for name in (*SWITCHES, *MAPPED)}
+    groups = [settings, switches, set(ACCEPTED), set(REFUSED)]
+    for i, one in enumerate(groups):
+        for other in groups[i + 1 :]:
+            assert not one & other, sorted(one & other)
 
 
 @pytest.mark.parametrize(

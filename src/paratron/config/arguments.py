@@ -10,11 +10,20 @@ from __future__ import annotations
 import argparse
 import difflib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from paratron.config import schema
 from paratron.config.fields import FieldInfo, all_fields, section_fields
-from paratron.config.megatron import RENAMES, SWITCHES, UNSUPPORTED, unsupported_flag_message
+from paratron.config.megatron import (
+    ACCEPTED,
+    MAPPED,
+    REFUSED,
+    RENAMES,
+    SWITCHES,
+    megatron_flags,
+    unknown_megatron_flag_message,
+)
 from paratron.errors import ConfigError
 
 _IGNORED = "_accepted_for_compatibility"
@@ -43,7 +52,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
     renames_of: dict[str, list[str]] = {}
     for alias, name in RENAMES.items():
-        renames_of.setdefault(name, []).append("--" + alias.replace("_", "-"))
+        renames_of.setdefault(name, []).append(alias)
     for section in schema.SECTIONS:
         doc = (type(getattr(schema.Config(), section)).__doc__ or "").strip()
         group = parser.add_argument_group(f"{section} settings", doc)
@@ -78,19 +87,44 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 )
     compat = parser.add_argument_group("Megatron-LM switches")
     for alias, (name, value, text) in SWITCHES.items():
-        dest = name if value is not None else _IGNORED
         compat.add_argument(
             "--" + alias.replace("_", "-"),
-            dest=dest,
+            dest=name,
             action="store_const",
             const=value,
             default=argparse.SUPPRESS,
             help=text,
         )
+    for alias, (name, values, text) in MAPPED.items():
+        compat.add_argument(
+            "--" + alias.replace("_", "-"),
+            dest=name,
+            type=values.__getitem__,
+            metavar="{" + ",".join(values) + "}",
+            default=argparse.SUPPRESS,
+            help=text,
+        )
+    accepted = parser.add_argument_group(
+        "Megatron-LM flags accepted without effect",
+        "Implementation choices of Megatron-LM that cannot change "
+        "what paratron computes (docs/megatron.md says why for each).",
+    )
+    for flag, entry in ACCEPTED.items():
+        if "--" + flag in parser._option_string_actions:
+            continue  # a setting now (test_config checks that the tables do not overlap)
+        accepted.add_argument(
+            "--" + flag,
+            dest=flag.replace("-", "_") if entry.noted else _IGNORED,
+            action="store_const" if entry.nargs == 0 else "store",
+            **({"const": True} if entry.nargs == 0 else {"nargs": entry.nargs, "metavar": "VALUE"}),
+            default=argparse.SUPPRESS,
+            help=f"{entry.meaning} Accepted: {entry.why}".replace("%", "%%"),
+        )
 
 
 def check_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
-    """Refuse unknown flags by name (and Megatron flags we do not support yet) before argparse sees them."""
+    """Refuse unknown flags by name before argparse sees them: Megatron-LM's flags that paratron does
+    not implement with the reason, other unknown flags with the nearest paratron flag."""
     known = set(parser._option_string_actions)
     if "--fp16" in argv and "--bf16" in argv:
         raise ConfigError("--fp16 and --bf16 were both given; choose one")
@@ -100,9 +134,10 @@ def check_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
         flag = token.split("=", 1)[0]
         if flag in known:
             continue
-        if flag[2:] in UNSUPPORTED:
-            raise ConfigError(unsupported_flag_message(flag))
-        close = difflib.get_close_matches(flag, sorted(known), n=1)
+        if flag[2:] in REFUSED or flag[2:] in megatron_flags():
+            raise ConfigError(unknown_megatron_flag_message(flag))
+        settings = sorted(f for f in known if parser._option_string_actions[f].dest != _IGNORED)
+        close = difflib.get_close_matches(flag, settings, n=1, cutoff=0.8)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ConfigError(f"unknown flag {flag}{hint} (`{parser.prog} --help` lists every flag)")
 
@@ -116,6 +151,13 @@ def parse_config_arguments(
     fields = all_fields()
     overrides = {k: v for k, v in vars(namespace).items() if k in fields}
     return namespace.config, overrides, namespace
+
+
+def given_settings(overrides: dict[str, Any], namespace: argparse.Namespace) -> set[str]:
+    """The settings given on the command line, and the accepted Megatron-LM flags that are checked
+    (for `adjust_like_megatron`)."""
+    noted = {flag.replace("-", "_") for flag, entry in ACCEPTED.items() if entry.noted}
+    return set(overrides) | (noted & set(vars(namespace)))
 
 
 def markdown_reference() -> str:
@@ -138,15 +180,93 @@ def markdown_reference() -> str:
             off = f" (`--no-{info.flag[2:]}` turns it off)" if info.base_type is bool else ""
             lines.append(f"| `{info.flag}`{off} | {kind} | {default} | {info.doc} |")
         lines.append("")
-    lines += ["## Megatron-LM switches", "", "| flag | meaning |", "|---|---|"]
-    lines += [f"| `--{alias.replace('_', '-')}` | {text} |" for alias, (_, _, text) in SWITCHES.items()]
+    lines += [
+        "## Megatron-LM flags",
+        "",
+        "Megatron-LM's switches (`--bf16`, `--swiglu`, ...), the flags accepted without effect and those refused are "
+        "listed in [megatron.md](megatron.md).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+MEGATRON_DOC_MARK = "<!-- Everything below is generated by `make docs` from src/paratron/config/megatron.py. -->"
+"""The line of docs/megatron.md after which the flag table is generated."""
+
+
+def refresh_megatron_doc(path: str) -> None:
+    """Rewrite the generated part of docs/megatron.md (after MEGATRON_DOC_MARK), keeping the prose above it."""
+    doc = Path(path)
+    text = doc.read_text(encoding="utf-8")
+    if MEGATRON_DOC_MARK not in text:
+        raise ConfigError(f"{path}: the line {MEGATRON_DOC_MARK!r} is missing; put it where the table goes")
+    head = text[: text.index(MEGATRON_DOC_MARK) + len(MEGATRON_DOC_MARK)]
+    temporary = doc.with_name(doc.name + ".tmp")
+    temporary.write_text(head + "\n\n" + markdown_megatron(), encoding="utf-8")
+    temporary.replace(doc)
+
+
+def markdown_megatron() -> str:
+    """docs/megatron.md's reference part: how paratron treats every Megatron-LM flag it knows of."""
+    fields = all_fields()
+    mlm = megatron_flags()
+    lines = [
+        "## Every flag",
+        "",
+        "Generated from `src/paratron/config/megatron.py` by `make docs`; do not edit by hand.",
+        "",
+        "### Implemented with Megatron-LM's meaning",
+        "",
+        "Settings whose flag is Megatron-LM's own. The meaning column is paratron's `--help` text; where "
+        "paratron's default differs from Megatron-LM's, the recipes set it, not the defaults.",
+        "",
+        "| flag | meaning in paratron |",
+        "|---|---|",
+    ]
+    for _, info in sorted(fields.items()):
+        negative = "no-" + info.flag[2:]
+        if info.flag[2:] in mlm:
+            lines.append(f"| `{info.flag}` | {info.doc} |")
+        elif info.base_type is bool and negative in mlm:
+            lines.append(f"| `--{negative}` | Turns off: {info.doc} |")
+    lines += ["", "Switches, translated values and other spellings:", "", "| flag | meaning in paratron |", "|---|---|"]
+    for alias, (_, _, text) in sorted(SWITCHES.items()):
+        lines.append(f"| `--{alias.replace('_', '-')}` | {text} |")
+    for alias, (_, _, text) in sorted(MAPPED.items()):
+        lines.append(f"| `--{alias.replace('_', '-')}` | {text} |")
+    for flag, name in sorted(RENAMES.items()):
+        lines.append(f"| `{flag}` | Another spelling of `{fields[name].flag}`. |")
     lines += [
         "",
-        "Other spellings: " + ", ".join(f"`--{a}` = `--{n.replace('_', '-')}`" for a, n in RENAMES.items()) + ".",
+        "### Accepted: no effect on the numbers",
         "",
-        "Megatron-LM flags that paratron does not support yet are refused by name:",
+        "| flag | in Megatron-LM | in paratron |",
+        "|---|---|---|",
+    ]
+    for flag, entry in sorted(ACCEPTED.items()):
+        lines.append(f"| `--{flag}` | {entry.meaning} | {entry.why} |")
+    lines += [
         "",
-        ", ".join(f"`--{flag}`" for flag in sorted(UNSUPPORTED)) + ".",
+        "### Refused, with the reason",
+        "",
+        "| flag | in Megatron-LM | why paratron refuses it |",
+        "|---|---|---|",
+    ]
+    for flag, entry in sorted(REFUSED.items()):
+        lines.append(f"| `--{flag}` | {entry.meaning} | {entry.reason.capitalize()}. |")
+    parser = ArgumentParser(prog="paratron train")
+    add_config_arguments(parser)
+    listed = {flag[2:] for flag in parser._option_string_actions} | set(REFUSED)
+    others = sorted(f for f in mlm if f not in listed)
+    lines += [
+        "",
+        "### Other Megatron-LM flags",
+        "",
+        f"Megatron-LM's parser has {len(mlm)} flags. These {len(others)} others belong to features paratron does "
+        "not have (other model families, inference servers, reinforcement learning, vendor kernels); each is "
+        "refused by name as a Megatron-LM flag paratron does not implement:",
+        "",
+        ", ".join(f"`--{f}`" for f in others) + ".",
         "",
     ]
     return "\n".join(lines)

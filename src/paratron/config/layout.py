@@ -187,6 +187,12 @@ def _plan_pipeline(config: Config, global_batch: int, microbatches: int) -> Pipe
             f"{flag.decoder_first_pipeline_num_layers} / {flag.decoder_last_pipeline_num_layers} "
             "cannot be combined with virtual pipeline stages or zb-v; drop one"
         )
+    for given, name in ((first, flag.decoder_first_pipeline_num_layers), (last, flag.decoder_last_pipeline_num_layers)):
+        if pp == 1 and given is not None and given != m.num_layers:
+            raise ConfigError(
+                f"{name} {given} with {flag.pipeline_model_parallel_size} 1: the only stage holds all "
+                f"{m.num_layers} layers; set it to {m.num_layers} or drop it (Megatron-LM refuses it too)"
+            )
     try:
         counts = layer_counts(m.num_layers, pp * chunks, first if pp > 1 else None, last if pp > 1 else None)
     except ValueError as exc:

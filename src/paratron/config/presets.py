@@ -1,5 +1,6 @@
 """Named model sizes (`--model NAME`). Each entry holds only the settings that differ from
-ModelConfig's defaults; they sit between the defaults and the recipe in precedence."""
+ModelConfig's defaults (no dropout is added to all); they sit between the defaults and the recipe
+in precedence."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ _GPT2 = dict(
     position_embedding_type="learned_absolute",
     normalization="LayerNorm",
     activation="gelu",
+    openai_gelu=True,
     add_bias_linear=True,
     vocab_size=50257,
     max_position_embeddings=1024,
@@ -151,8 +153,15 @@ PUBLISHED_ACTIVE_PARAMETERS: dict[str, int] = {
 """Parameters a token uses (embeddings and every dense weight, top-k of the experts), for MoE entries."""
 
 
+MODERN_TRAINING: dict[str, Any] = dict(hidden_dropout=0.0, attention_dropout=0.0)
+"""What every preset sets beside its sizes: no dropout, as today's large models train (the defaults are
+Megatron-LM's 0.1, for its scripts)."""
+
+
 def model_preset(name: str) -> dict[str, Any]:
     """The registry entry as field overrides, `model_name` included."""
     if name not in MODELS:
         raise ConfigError(f"--model {name}: unknown model; choose one of {', '.join(MODELS)}")
-    return {"model_name": name, **MODELS[name]}
+    entry = MODELS[name]
+    grouped = {"group_query_attention": True} if entry.get("num_query_groups") else {}
+    return {"model_name": name, **MODERN_TRAINING, **grouped, **entry}

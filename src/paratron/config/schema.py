@@ -33,13 +33,20 @@ class ModelConfig:
     """Width of the residual stream."""
 
     ffn_hidden_size: int | None = None
-    """Width of the MLP's inner layer (default: 4 x hidden size)."""
+    """Width of the MLP's inner layer (default: 4 x hidden size; with SwiGLU int(4 x hidden x 2/3 / 64) x 64, as
+    Megatron-LM sizes it)."""
 
     num_attention_heads: int = 4
     """Number of attention (query) heads."""
 
+    group_query_attention: bool = False
+    """Grouped-query attention with --num-query-groups key/value heads (default 1), as Megatron-LM's switch. On the
+    command line --num-query-groups counts only with it (Megatron-LM ignores it otherwise, and so does paratron, with a
+    warning); recipes, presets and Hugging Face imports may set num_query_groups alone."""
+
     num_query_groups: int | None = None
-    """Number of key/value heads for grouped-query attention (default: one per query head)."""
+    """Number of key/value heads for grouped-query attention (default: one per query head; 1 with
+    --group-query-attention)."""
 
     kv_channels: int | None = None
     """Width of each attention head (default: hidden size / attention heads)."""
@@ -51,11 +58,22 @@ class ModelConfig:
     """Vocabulary size; also the size a trained BPE tokenizer aims for (default: the tokenizer's size; a trained BPE
     aims for 8192; mock data uses 4096)."""
 
-    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
-    """How positions are encoded: a learned table or rotary embeddings."""
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """How positions are encoded: a learned table, rotary embeddings, or none (NoPE: causal attention alone tells
+    tokens apart; Megatron-LM's 'none', and what --no-position-embedding means for a model without rotary
+    embeddings)."""
 
     rotary_base: float = 10000.0
     """Base (theta) of the rotary embedding frequencies."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's width that gets rotary embeddings (Megatron-LM's --rotary-percent, default 1.0): the
+    first int(head width x fraction) features of every query and key head rotate, with frequencies
+    base^(-2i / that width); the rest pass through unchanged (GPT-NeoX / Pythia's partial rotary)."""
+
+    rotary_interleaved: bool = False
+    """Rotate interleaved pairs of features (0, 1), (2, 3), ... (RoFormer / GPT-J style) instead of the pairs
+    (i, i + width/2) of the two halves (Llama / GPT-NeoX style, the default), as Megatron-LM's --rotary-interleaved."""
 
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization layer used before attention, before the MLP and at the end."""
@@ -63,8 +81,17 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     """Epsilon of the normalization layers."""
 
+    apply_layernorm_1p: bool = False
+    """Zero-centred gamma (Megatron-LM's --apply-layernorm-1p, layernorm_zero_centered_gamma): every norm (LayerNorm
+    or RMSNorm, the q/k norms included) stores its scale as w, starting at 0, and multiplies by 1 + w; the same
+    function as a plain norm with scale 1 + w, but weight decay pulls the scale towards 1 rather than 0."""
+
     activation: Literal["gelu", "swiglu"] = "gelu"
     """MLP activation: GELU, or SwiGLU (gated, as in Llama); --swiglu selects the latter."""
+
+    openai_gelu: bool = False
+    """GELU in its tanh approximation (GPT-2's, Megatron-LM's --openai-gelu) instead of the exact erf form
+    (Megatron-LM's default); the GPT-2 presets and Hugging Face GPT-2 imports set it."""
 
     add_bias_linear: bool = True
     """Give linear layers a bias (--disable-bias-linear turns it off)."""
@@ -95,11 +122,26 @@ class ModelConfig:
     """Block-sparse attention: a token attends to the S most recent blocks (its own included) and to every S-th block
     before them."""
 
-    hidden_dropout: float = 0.0
-    """Dropout probability on the embedding and the outputs of attention and MLP."""
+    hidden_dropout: float = 0.1
+    """Dropout probability on the embedding and the outputs of attention and MLP (Megatron-LM's default 0.1; the
+    recipes and model presets set 0)."""
 
-    attention_dropout: float = 0.0
-    """Dropout probability on the attention weights."""
+    attention_dropout: float = 0.1
+    """Dropout probability on the attention weights (Megatron-LM's default 0.1; the recipes and model presets set
+    0)."""
+
+    apply_query_key_layer_scaling: bool = False
+    """Megatron-LM's --apply-query-key-layer-scaling (for fp16): layer L computes its attention scores as
+    q.k / (sqrt(head width) x L) in the compute precision, then multiplies them by L in fp32 before the fp32 softmax,
+    so fp16 scores cannot overflow in deep layers (attention then runs unfused, as Megatron-LM's local attention, in
+    fp16/bf16: more memory and time than the fused kernels). Implies --attention-softmax-in-fp32; in fp32 the numbers
+    are those of plain attention."""
+
+    attention_softmax_in_fp32: bool = False
+    """Megatron-LM's --attention-softmax-in-fp32 (mask and softmax in fp32). paratron's fused attention
+    (scaled_dot_product_attention) already keeps its softmax in fp32 in fp16/bf16, as Megatron-LM's default
+    Transformer Engine attention does, so this is accepted and changes nothing; --apply-query-key-layer-scaling
+    selects Megatron-LM's unfused attention with its fp32 softmax."""
 
     init_method_std: float = 0.02
     """Standard deviation of the normal initial weights (output projections are scaled by 1/sqrt(2 x layers))."""
@@ -178,6 +220,24 @@ class ModelConfig:
     lora_targets: str = "qkv,proj,fc1,fc2"
     """Comma-separated layers that get LoRA adapters: qkv (query, key and value projections), proj (attention output
     projection), fc1 (MLP up and gate projections), fc2 (MLP down projection)."""
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads in effect: --num-query-groups, 1 with --group-query-attention alone, else one per
+        query head."""
+        if self.num_query_groups is not None:
+            return self.num_query_groups
+        return 1 if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP inner width in effect: --ffn-hidden-size, or Megatron-LM's default (4h; int(4h x 2/3 / 64) x 64 with
+        SwiGLU, which keeps the parameter count of a 4h GELU MLP and rounds to 64)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
+        return 4 * self.hidden_size
 
     def moe_layers(self) -> list[bool]:
         """Which layers are MoE layers (all False without experts), from --moe-layer-freq."""
@@ -276,9 +336,10 @@ class ParallelConfig:
     """Tensor-parallel degree of the experts: the tensor-parallel size (default; experts split like a dense MLP) or 1
     (whole experts, each tensor-parallel rank routing its share of the tokens)."""
 
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "allgather"
     """How tokens reach the ranks of their experts under expert parallelism: alltoall (each routed copy sent to its
-    expert's rank, uneven splits) or allgather (every rank gathers all tokens, outputs reduce-scattered back)."""
+    expert's rank, uneven splits) or allgather (every rank gathers all tokens, outputs reduce-scattered back;
+    Megatron-LM's default)."""
 
     ddp_bucket_size: int | None = None
     """Gradient elements per data-parallel reduction bucket (default: max(40M, 1M x data-parallel size), as in
@@ -351,8 +412,8 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     """Adam's first-moment decay."""
 
-    adam_beta2: float = 0.95
-    """Adam's second-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay (Megatron-LM's default; the recipes set 0.95)."""
 
     adam_eps: float = 1e-8
     """Adam's epsilon."""
@@ -363,22 +424,70 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm (0 turns clipping off)."""
 
+    decoupled_lr: float | None = None
+    """A separate peak learning rate for the input embedding and the output layer (their own parameter groups,
+    following the same schedule shape, warmup from --lr-warmup-init); unset: they use --lr."""
+
+    decoupled_min_lr: float | None = None
+    """With --decoupled-lr: the minimum learning rate of the embedding and output layer (default: --min-lr); no
+    effect without --decoupled-lr, as in Megatron-LM."""
+
 
 @dataclass(frozen=True)
 class LRScheduleConfig:
-    """Learning-rate schedule: linear warmup, then decay to min_lr."""
+    """Learning-rate schedule (Megatron-LM's OptimizerParamScheduler): linear warmup from --lr-warmup-init to --lr,
+    then decay to --min-lr. It is counted in samples: a step's rate is that of the samples the steps before it
+    trained (iteration flags count --global-batch-size samples per step), so the first step runs at
+    --lr-warmup-init when there is a warmup."""
 
     lr_warmup_iters: int = 0
-    """Iterations of linear warmup from 0 to the peak learning rate."""
+    """Iterations of linear warmup from --lr-warmup-init to the peak --lr (iteration-based runs; default 0)."""
 
     lr_decay_iters: int | None = None
-    """Iteration at which decay reaches min_lr (default: train_iters)."""
+    """Iterations over which the rate decays to --min-lr, warmup included (iteration-based runs; default:
+    --train-iters)."""
 
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
-    """Shape of the decay after warmup."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
+    """Shape of the decay after warmup (Megatron-LM's default linear): constant (stay at --lr), linear or cosine (to
+    --min-lr at the end of decay), inverse-square-root (--lr x sqrt(warmup / samples), not below --min-lr) or WSD
+    (warmup-stable-decay: --lr until the last --lr-wsd-decay-iters/samples of decay, then --lr-wsd-decay-style)."""
 
     min_lr: float = 0.0
-    """Learning rate at the end of decay."""
+    """Learning rate at the end of decay (and after it)."""
+
+    lr_warmup_fraction: float | None = None
+    """Warmup length as a fraction of the decay length (of --lr-decay-iters or --lr-decay-samples); replaces
+    --lr-warmup-iters / --lr-warmup-samples, which must then be 0 (default: unset)."""
+
+    lr_warmup_samples: int = 0
+    """Samples of linear warmup (sample-based runs, with --train-samples; default 0)."""
+
+    lr_decay_samples: int | None = None
+    """Samples over which the rate decays to --min-lr, warmup included (sample-based runs; default:
+    --train-samples)."""
+
+    lr_warmup_init: float = 0.0
+    """Learning rate the warmup starts from (default 0.0)."""
+
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    """With --lr-decay-style WSD: the shape of the final annealing to --min-lr (default exponential:
+    min + (max - min) x (2 x 0.5^progress - 1))."""
+
+    lr_wsd_decay_samples: int | None = None
+    """With --lr-decay-style WSD in sample-based runs: samples of the final annealing (required there)."""
+
+    lr_wsd_decay_iters: int | None = None
+    """With --lr-decay-style WSD in iteration-based runs: iterations of the final annealing (required there)."""
+
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, take the schedule (--lr, --min-lr, warmup and decay lengths, decay style) from the checkpoint's
+    settings instead of the flags. Without it and without --override-opt-param-scheduler a resume whose flags change
+    them is refused, as in Megatron-LM; either way the schedule goes on from the samples the checkpoint's steps
+    trained."""
+
+    override_opt_param_scheduler: bool = False
+    """On resume, take the schedule from the flags even where they differ from the checkpoint's (Megatron-LM's
+    --override-opt-param-scheduler); the schedule still goes on from the samples the checkpoint's steps trained."""
 
 
 @dataclass(frozen=True)
@@ -412,20 +521,59 @@ class DataConfig:
     seq_length: int = 64
     """Tokens per training sample."""
 
-    tokenizer_type: Literal["ByteLevelBPE", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"] = (
-        "ByteLevelBPE"
-    )
-    """ByteLevelBPE trains a byte-level BPE on the text (cached); HuggingFaceTokenizer loads --tokenizer-model;
-    GPT2BPETokenizer loads --vocab-file and --merge-file; NullTokenizer reads token ids (--vocab-size)."""
+    tokenizer_type: (
+        Literal[
+            "ByteLevelBPE",
+            "HuggingFaceTokenizer",
+            "GPT2BPETokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
+            "TikTokenizer",
+            "NullTokenizer",
+        ]
+        | None
+    ) = None
+    """ByteLevelBPE trains a byte-level BPE on the text (cached); HuggingFaceTokenizer loads --tokenizer-model (a
+    tokenizer.json or its folder); GPT2BPETokenizer loads --vocab-file and --merge-file; GPTSentencePieceTokenizer and
+    Llama2Tokenizer load a SentencePiece --tokenizer-model; TikTokenizer loads Megatron's tiktoken JSON vocabulary
+    (--tokenizer-model); NullTokenizer reads token ids (--vocab-size). Unset: GPT2BPETokenizer when --vocab-file or
+    --merge-file is given (as Megatron-LM's pretrain_gpt.py), else ByteLevelBPE."""
 
     tokenizer_model: str | None = None
-    """A Hugging Face tokenizer.json, or a folder holding one (for HuggingFaceTokenizer)."""
+    """The tokenizer file: a Hugging Face tokenizer.json or a folder holding one (HuggingFaceTokenizer), a
+    SentencePiece .model (GPTSentencePieceTokenizer, Llama2Tokenizer), or Megatron's tiktoken vocabulary .json
+    (TikTokenizer)."""
 
     vocab_file: str | None = None
-    """GPT-2 vocab.json (for GPT2BPETokenizer)."""
+    """GPT-2 vocab.json (for GPT2BPETokenizer; given without --tokenizer-type, it implies GPT2BPETokenizer)."""
 
     merge_file: str | None = None
-    """GPT-2 merges.txt (for GPT2BPETokenizer)."""
+    """GPT-2 merges.txt (for GPT2BPETokenizer; given without --tokenizer-type, it implies GPT2BPETokenizer)."""
+
+    tiktoken_pattern: Literal["v1", "v2"] | None = None
+    """TikTokenizer's pre-tokenization regex, Megatron-LM's v1 or v2 (unset: v2, as Megatron-LM's tokenizer library;
+    --legacy-tokenizer needs it given)."""
+
+    tiktoken_num_special_tokens: int = 1000
+    """TikTokenizer: ids 0..N-1 are special tokens (the named ones, then <SPECIAL_i> fillers); the vocabulary file's
+    ranks follow, shifted by N (Megatron-LM's default 1000)."""
+
+    tiktoken_special_tokens: list[str] | None = None
+    """TikTokenizer's named special tokens, ids in this order (Megatron-LM's older spelling of
+    --tokenizer-special-tokens; default <unk> <s> </s> <mask> <pad> <cls> <sep>, with --legacy-tokenizer <unk> <s>
+    </s>)."""
+
+    tokenizer_special_tokens: list[str] | None = None
+    """TikTokenizer's named special tokens (as --tiktoken-special-tokens, which it overrides); other tokenizer types
+    refuse it."""
+
+    legacy_tokenizer: bool = False
+    """Megatron-LM's older tokenizer classes (megatron/training/tokenizer) instead of its tokenizer library:
+    Llama2Tokenizer then starts every document with <s>, and TikTokenizer reads special-token text in documents as
+    plain text and names only <unk> <s> </s> by default."""
+
+    vocab_extra_ids: int = 0
+    """Megatron-LM's T5/BERT sentinel tokens (<extra_id_i>); GPT training has none, so only 0 is accepted."""
 
     data_cache_path: str | None = None
     """Where trained tokenizers, preprocessed corpora and sample indices are cached (default: $PARATRON_CACHE or
@@ -455,6 +603,38 @@ class DataConfig:
     eod_mask_loss: bool = False
     """Pretraining: do not train the prediction made at an end-of-document token (Megatron-LM's flag)."""
 
+    num_workers: int = 0
+    """Worker processes that read and collate the training micro-batches ahead of the step (a torch DataLoader, as
+    Megatron-LM's --num-workers; its default is 2, paratron's 0 reads them in the training process). The batches are
+    the same either way."""
+
+    dataloader_type: Literal["single", "cyclic", "external"] = "single"
+    """Order of the samples: single reads them once in order from the consumed count (Megatron-LM's
+    MegatronPretrainingSampler); cyclic reshuffles the built samples every epoch as Megatron-LM's
+    MegatronPretrainingRandomSampler (seeded by the epoch, per data-parallel bucket with --data-sharding); external
+    (a user-built loader) is refused."""
+
+    data_sharding: bool = True
+    """With --dataloader-type cyclic: each data-parallel rank shuffles its own contiguous share of the samples
+    (Megatron-LM's default); --no-data-sharding shuffles them all and deals them out to the ranks in turn."""
+
+    mmap_bin_files: bool = True
+    """Memory-map the .bin token files; --no-mmap-bin-files reads each sequence with a file read instead (Megatron-LM's
+    flag; the same tokens either way)."""
+
+    create_attention_mask_in_dataloader: bool = True
+    """Accepted for Megatron-LM scripts: paratron's loader never builds a [seq, seq] attention mask (causal and
+    document masking come from positions and segment ids inside attention), so --no-create-attention-mask-in-dataloader
+    changes nothing."""
+
+    @property
+    def resolved_tokenizer_type(self) -> str:
+        """--tokenizer-type, or what its absence means: GPT2BPETokenizer with --vocab-file/--merge-file (Megatron-LM's
+        pretrain_gpt.py default), else ByteLevelBPE."""
+        if self.tokenizer_type is not None:
+            return self.tokenizer_type
+        return "GPT2BPETokenizer" if self.vocab_file or self.merge_file else "ByteLevelBPE"
+
     def blend_flags(self) -> list[tuple[list[str], str]]:
         """The data-path settings that are set, with their flag names."""
         return [
@@ -481,7 +661,28 @@ class TrainingConfig:
     data-parallel size)."""
 
     train_iters: int = 100
-    """Optimizer steps to train for."""
+    """Optimizer steps to train for (with --train-samples: derived from it, this value is replaced)."""
+
+    train_samples: int | None = None
+    """Train on this many samples instead of --train-iters steps (Megatron-LM's sample-based training): the steps are
+    --train-samples // --global-batch-size (a partial last batch is dropped), or those of the batch ramp with
+    --rampup-batch-size. Sample-based runs take --lr-warmup-samples / --lr-decay-samples / --lr-wsd-decay-samples
+    instead of the iteration flags. Needs --global-batch-size."""
+
+    rampup_batch_size: list[str] = field(default_factory=list)
+    """START INCREMENT SAMPLES: the global batch starts at START samples and grows by INCREMENT every
+    SAMPLES / ((--global-batch-size - START) / INCREMENT) consumed samples until it reaches --global-batch-size
+    after SAMPLES samples (Megatron-LM's batch-size ramp; sample-based runs only). Each batch is a multiple of
+    --micro-batch-size x data-parallel size (more micro-batches per step); the data order is unchanged."""
+
+    def rampup(self) -> tuple[int, int, int] | None:
+        """--rampup-batch-size as (start, increment, samples), None when not given (ValueError when malformed)."""
+        if not self.rampup_batch_size:
+            return None
+        values = tuple(int(v) for v in self.rampup_batch_size)
+        if len(values) != 3:
+            raise ValueError("expected three integers")
+        return values[0], values[1], values[2]
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision. --bf16 and --fp16 keep the model's weights in 16 bits with fp32 master weights, fp32
@@ -510,8 +711,8 @@ class TrainingConfig:
     eval_interval: int = 100
     """Evaluate on the validation split every this many steps (and at the end)."""
 
-    eval_iters: int = 10
-    """Global batches per evaluation."""
+    eval_iters: int = 100
+    """Global batches per evaluation (Megatron-LM's default)."""
 
     calculate_per_token_loss: bool | None = None
     """A step's loss is the sum of the token losses of the whole global batch divided by its trained tokens (default
@@ -532,6 +733,32 @@ class TrainingConfig:
     the step is not applied, the first module whose output or gradient went non-finite is named, and then stop (exit
     2), skip (go on with the next batch) or rollback (reload the newest checkpoint of --save and go on without the
     offending batch)."""
+
+    check_for_nan_in_loss_and_grad: bool = True
+    """Check every step's gradient norm for NaN or infinity and act on it as --on-nan says (the default, as in
+    Megatron-LM). --no-check-for-nan-in-loss-and-grad turns the check off as Megatron-LM does: a non-finite step is
+    applied like any other (the weights may turn NaN) and only the logged loss shows it."""
+
+    deterministic_mode: bool = False
+    """Choose deterministic algorithms (torch.use_deterministic_algorithms; on CUDA also CUBLAS_WORKSPACE_CONFIG
+    :4096:8 unless set, and NCCL_ALGO Ring unless set): slower, for debugging. CPU runs are deterministic already;
+    Megatron-LM's --deterministic-mode."""
+
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collector off for the run and collect only every --manual-gc-interval steps
+    (and around each evaluation), on every rank at the same step, so collections do not stall ranks at different
+    times (Megatron-LM's --manual-gc)."""
+
+    manual_gc_interval: int = 0
+    """With --manual-gc: collect garbage after every this many steps (0: only around evaluations)."""
+
+    manual_gc_eval: bool = True
+    """With --manual-gc: also collect at the start and end of each evaluation (--no-manual-gc-eval: not)."""
+
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Return the device allocator's unused cached memory to the device: 1 after each forward-backward pass and
+    after each evaluation, 2 also after each optimizer step (fights fragmentation, costs speed; Megatron-LM's
+    torch.cuda.empty_cache levels). No effect on the CPU, which has no such cache."""
 
     fault_inject: list[str] = field(default_factory=list)
     """Faults for drills and tests, RANK:STEP:KIND each, KIND one of crash (the process dies by SIGKILL), hang (it
@@ -577,6 +804,17 @@ class CheckpointConfig:
     no_load_optim: bool = False
     """Resume from --load at its step, but with a fresh optimizer state (e.g. at another tensor-parallel size)."""
 
+    no_load_rng: bool = False
+    """Resume from --load without its random-generator states: dropout and other draws start again from --seed (as
+    after a change of layout)."""
+
+    ckpt_format: Literal["torch", "torch_dist", "paratron"] | None = None
+    """Format of --load: detected when unset; Megatron-LM's torch (legacy) and torch_dist are read (converted once into
+    the data cache, see docs/megatron-checkpoints.md); paratron always saves its own format."""
+
+    auto_detect_ckpt_format: bool = False
+    """Accepted for Megatron-LM compatibility: the format of --load is always detected."""
+
 
 @dataclass(frozen=True)
 class LoggingConfig:
@@ -585,8 +823,8 @@ class LoggingConfig:
     run_dir: str = "runs/latest"
     """Directory for metrics.jsonl, TensorBoard events and the loss plot."""
 
-    log_interval: int = 10
-    """Log metrics every this many steps."""
+    log_interval: int = 100
+    """Log metrics every this many steps (Megatron-LM's default)."""
 
     progress_bar: bool = True
     """Show a live progress bar on rank 0 (log lines are printed either way)."""
@@ -618,6 +856,99 @@ class LoggingConfig:
     sample_temperature: float = 0.7
     """Sampling temperature for --sample-prompt (0: greedy); sampling draws from the top 40 tokens with the run's
     seed."""
+
+    tensorboard_dir: str | None = None
+    """Write TensorBoard events (and --profile traces) to this directory (default: RUN_DIR/tensorboard)."""
+
+    tensorboard_log_interval: int = 1
+    """Write a logged step's scalars to TensorBoard (and wandb) only when the step is a multiple of this. paratron
+    logs every --log-interval steps, so the effective interval is the least common multiple of both (Megatron-LM
+    writes every such step)."""
+
+    tensorboard_queue_size: int = 1000
+    """Events the TensorBoard writer queues before it flushes them to disk (SummaryWriter's max_queue)."""
+
+    log_params_norm: bool = False
+    """Log the L2 norm of all trained parameters (the fp32 master weights where there are some) after the step, as
+    params_norm: the norm of the whole single-device model, every shard counted once, whatever the layout."""
+
+    log_num_zeros_in_grad: bool = False
+    """Log the number of zero entries in the step's gradients over the whole model (every shard counted once), as
+    num_zeros_in_grad."""
+
+    log_throughput: bool = False
+    """Add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' to the log line, and throughput (TFLOP/s per device)
+    to metrics.jsonl, TensorBoard and wandb."""
+
+    log_validation_ppl_to_tensorboard: bool = False
+    """Also write the validation perplexity exp(loss) to TensorBoard and wandb, as valid/ppl (eval.jsonl always has
+    val_ppl)."""
+
+    log_timers_to_tensorboard: bool = False
+    """Write iteration-time and the --timing-log-level timers (seconds per step) to TensorBoard and wandb."""
+
+    timing_log_level: Literal[0, 1, 2] = 0
+    """Timers measured in each step (perf_counter around the parts, the device synchronized at each boundary): 0
+    iteration time only; 1 also forward-backward (gradient reduction included), all-grads-sync, the optimizer
+    (optimizer-unscale-and-check-inf, optimizer-clip-main-grad, optimizer-count-zeros, optimizer-inner-step,
+    optimizer-copy-main-to-model-params); 2 also batch-generator. Logged as NAME-time (seconds per step averaged
+    over the log interval) in metrics.jsonl and a log line."""
+
+    timing_log_option: Literal["minmax", "max", "all"] = "minmax"
+    """How timers are reported across ranks: minmax (NAME-time-min and NAME-time, the max), max, or all (one value
+    per rank)."""
+
+    log_memory_to_tensorboard: bool = False
+    """Log the device's memory at each logged step: mem_allocated_bytes, mem_max_allocated_bytes and
+    mem_reserved_bytes from the accelerator's allocator; on the CPU the process's resident set (now and peak)."""
+
+    log_loss_scale_to_tensorboard: bool = True
+    """With --fp16: write the loss scale to TensorBoard (--no-log-loss-scale-to-tensorboard: not)."""
+
+    log_world_size_to_tensorboard: bool = False
+    """Log the number of ranks as world_size."""
+
+    log_learning_rate_to_tensorboard: bool = True
+    """Write the learning rate to TensorBoard and wandb (metrics.jsonl always has lr)."""
+
+    log_batch_size_to_tensorboard: bool = True
+    """Log the global batch size as batch_size."""
+
+    log_progress: bool = False
+    """Append to progress.txt in --save: a line when the job starts and one per saved checkpoint with the job's and
+    the cumulative throughput (TFLOP/s per device), the floating-point operations and tokens so far (Megatron-LM's
+    format)."""
+
+    profile: bool = False
+    """Record a PyTorch profiler trace (CPU activity, and CUDA activity on GPUs) of steps [--profile-step-start,
+    --profile-step-end) on the --profile-ranks, written as a Chrome trace (Perfetto, chrome://tracing, TensorBoard's
+    profiler) profile_rank{R}_steps{S}-{E}.pt.trace.json in the TensorBoard directory. (Megatron-LM's --profile
+    without --use-pytorch-profiler drives nsys instead.)"""
+
+    profile_step_start: int = 10
+    """With --profile: the first step profiled."""
+
+    profile_step_end: int = 12
+    """With --profile: the step profiling stops before (not profiled)."""
+
+    profile_ranks: list[str] = field(default_factory=lambda: ["0"])
+    """With --profile: the global ranks that record a trace."""
+
+    use_pytorch_profiler: bool = False
+    """Accepted for Megatron-LM compatibility: paratron's --profile always uses the PyTorch profiler."""
+
+    wandb_project: str | None = None
+    """Also log every scalar to Weights & Biases in this project (needs `pip install wandb`). Offline unless
+    WANDB_MODE is set (WANDB_MODE=online to sync live)."""
+
+    wandb_exp_name: str | None = None
+    """The wandb run's name (default: the run directory's name)."""
+
+    wandb_save_dir: str | None = None
+    """Where wandb keeps its files (default: RUN_DIR/wandb)."""
+
+    wandb_entity: str | None = None
+    """The wandb entity (team or user) the project belongs to."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from typing import Any
 
 from paratron.config.faults import parse_faults
 from paratron.config.fields import all_fields, flag
-from paratron.config.layout import Layout, resolve_layout
+from paratron.config.layout import Layout, check_schedule, resolve_layout
+from paratron.config.samples import batch_ramp, schedule_lengths
 from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from paratron.errors import ConfigError
 
@@ -111,6 +112,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_launch(config.parallel)
     _check_precision(config.training)
     _check_model(config.model, config.data)
+    _check_megatron_model_features(config)
     layout = resolve_layout(config, world_size)
     _check_tensor_parallel(config, layout)
     _check_expert_parallel(config, layout)
@@ -118,6 +120,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_recompute(config.training)
     _check_data_parallel(config, layout)
     _check_lr_schedule(config)
+    _check_sample_based(config, layout)
     parse_faults(config.training.fault_inject, world_size)
     if check_data:
         _check_data(config.data, config.training, config.model)
@@ -172,7 +175,7 @@ def _check_precision(t: TrainingConfig) -> None:
 
 
 def _check_model(m: ModelConfig, d: DataConfig) -> None:
-    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    heads, groups = m.num_attention_heads, m.query_groups
     if m.kv_channels is None and m.hidden_size % heads:
         raise ConfigError(
             f"{flag.hidden_size} {m.hidden_size} is not divisible by {flag.num_attention_heads} "
@@ -321,7 +324,7 @@ def _check_expert_parallel(config: Config, layout: Layout) -> None:
             f"{flag.tensor_model_parallel_size} {layout.tp} (experts split like the dense MLP)"
         )
     expert_tp = layout.tp if etp is None else etp
-    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size
+    ffn = m.moe_ffn_hidden_size or m.ffn_size
     if ffn % expert_tp:
         raise ConfigError(
             f"{flag.moe_ffn_hidden_size} {ffn} is not divisible by the experts' tensor-parallel size {expert_tp}; "
@@ -354,7 +357,7 @@ def _check_expert_parallel(config: Config, layout: Layout) -> None:
 
 def _check_tensor_parallel(config: Config, layout: Layout) -> None:
     m, p = config.model, config.parallel
-    tp, heads, groups = layout.tp, m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    tp, heads, groups = layout.tp, m.num_attention_heads, m.query_groups
     if heads % tp:
         raise ConfigError(
             f"{flag.num_attention_heads} {heads} is not divisible by {flag.tensor_model_parallel_size} "
@@ -365,7 +368,7 @@ def _check_tensor_parallel(config: Config, layout: Layout) -> None:
             f"{flag.num_query_groups} {groups} and {flag.tensor_model_parallel_size} {tp}: one must "
             "divide the other (key/value heads are split over the ranks, or replicated when fewer)"
         )
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    ffn = m.ffn_size
     if ffn % tp:
         raise ConfigError(
             f"{flag.ffn_hidden_size} {ffn} is not divisible by {flag.tensor_model_parallel_size} {tp}; "
@@ -422,6 +425,96 @@ def _check_lr_schedule(config: Config) -> None:
         )
     if s.min_lr > o.lr:
         raise ConfigError(f"{flag.min_lr} {s.min_lr} exceeds {flag.lr} {o.lr}; lower {flag.min_lr}")
+
+
+def _check_sample_based(config: Config, layout: Layout) -> None:
+    """Megatron-LM's rules for iteration- and sample-based runs (never mixed), the batch ramp, and
+    what its learning-rate scheduler asserts. One exception: a batch ramp with --train-iters, which
+    Megatron-LM refuses although its own GPT-3 example asks for it, runs (the ramp and the schedule
+    count consumed samples either way)."""
+    s, t, o = config.lr_schedule, config.training, config.optimizer
+    by_samples = {
+        flag.lr_decay_samples: s.lr_decay_samples is not None,
+        flag.lr_warmup_samples: s.lr_warmup_samples != 0,
+        flag.lr_wsd_decay_samples: s.lr_wsd_decay_samples is not None,
+    }
+    by_iters = {
+        flag.lr_decay_iters: (s.lr_decay_iters is not None, flag.lr_decay_samples),
+        flag.lr_warmup_iters: (s.lr_warmup_iters != 0, flag.lr_warmup_samples),
+        flag.lr_wsd_decay_iters: (s.lr_wsd_decay_iters is not None, flag.lr_wsd_decay_samples),
+    }
+    if t.train_samples is None:
+        for name, given in by_samples.items():
+            if given:
+                raise ConfigError(f"{name} is for sample-based runs: give {flag.train_samples} instead of iterations")
+    else:
+        for name, (given, instead) in by_iters.items():
+            if given:
+                raise ConfigError(f"{name} counts iterations but {flag.train_samples} is set; use {instead}")
+        if t.global_batch_size is None:
+            raise ConfigError(f"{flag.train_samples} needs {flag.global_batch_size} (the samples of one full step)")
+        if t.train_iters < 1:
+            raise ConfigError(
+                f"{flag.train_samples} {t.train_samples} is less than one step of {flag.global_batch_size} "
+                f"{t.global_batch_size}; raise it"
+            )
+    if s.lr_warmup_fraction is not None and (s.lr_warmup_iters or s.lr_warmup_samples):
+        which = flag.lr_warmup_iters if s.lr_warmup_iters else flag.lr_warmup_samples
+        raise ConfigError(f"{flag.lr_warmup_fraction} and {which} both set the warmup; give one")
+    _check_rampup(config, layout)
+    lengths = schedule_lengths(s, t, layout.global_batch_size)
+    if lengths.decay <= 0:
+        raise ConfigError(f"the learning-rate decay is {lengths.decay} samples long; it must be positive")
+    if lengths.warmup >= lengths.decay:
+        raise ConfigError(
+            f"the warmup ({lengths.warmup:g} samples) is not shorter than the decay ({lengths.decay} samples); "
+            "shorten the warmup or lengthen the decay"
+        )
+    if s.lr_decay_style == "WSD" and lengths.wsd_decay is None:
+        which = flag.lr_wsd_decay_samples if t.train_samples is not None else flag.lr_wsd_decay_iters
+        raise ConfigError(f"{flag.lr_decay_style} WSD needs {which} (the length of the final annealing)")
+    if s.lr_warmup_init > o.lr:
+        raise ConfigError(f"{flag.lr_warmup_init} {s.lr_warmup_init} exceeds {flag.lr} {o.lr}; lower it")
+    if s.min_lr < 0:
+        raise ConfigError(f"{flag.min_lr} {s.min_lr} is negative; use 0 or more")
+    if s.use_checkpoint_opt_param_scheduler and s.override_opt_param_scheduler:
+        raise ConfigError(
+            f"{flag.use_checkpoint_opt_param_scheduler} and {flag.override_opt_param_scheduler} contradict; give one"
+        )
+
+
+def _check_rampup(config: Config, layout: Layout) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES: a ramp that reaches the global batch, in batches
+    every data-parallel rank can split into micro-batches (and the pipeline schedule can run)."""
+    t = config.training
+    if not t.rampup_batch_size:
+        return
+    try:
+        ramp_values = t.rampup()
+    except ValueError:
+        ramp_values = None
+    where = f"{flag.rampup_batch_size} {' '.join(t.rampup_batch_size)}"
+    if ramp_values is None:
+        raise ConfigError(f"{where}: expected three integers START INCREMENT SAMPLES")
+    ramp = batch_ramp(ramp_values, layout.global_batch_size)
+    if ramp is None:
+        raise ConfigError(
+            f"{where}: START, INCREMENT and SAMPLES must be positive, START below "
+            f"{flag.global_batch_size} {layout.global_batch_size}, and INCREMENT must step from START to it"
+        )
+    unit = layout.micro_batch_size * layout.dp
+    if ramp.start % unit or ramp.increment % unit:
+        raise ConfigError(
+            f"{where}: START and INCREMENT must be multiples of {flag.micro_batch_size} x data-parallel size "
+            f"({unit}) so that every batch of the ramp splits into micro-batches"
+        )
+    plan = layout.pipeline
+    if plan.schedule is not None:
+        for batch in range(ramp.start, layout.global_batch_size, ramp.increment):
+            try:
+                check_schedule(plan.schedule, layout.pp, batch // unit, plan.chunks)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: the ramp's batch of {batch}: {exc}; change the ramp") from None
 
 
 def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
@@ -486,4 +579,20 @@ def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
         raise ConfigError(
             f"{flag.split} {d.split} leaves no validation data for {flag.eval_iters} {t.eval_iters}; "
             f"give the split a validation share or set {flag.eval_iters} 0"
+        )
+
+
+def _check_megatron_model_features(config: Config) -> None:
+    """Megatron-LM's rotary settings: --rotary-percent must leave an even, non-zero number of rotating
+    features per head (without rotary embeddings both rotary settings are ignored with a warning, as
+    Megatron-LM ignores them: config.megatron.adjust_like_megatron)."""
+    m = config.model
+    if not 0.0 < m.rotary_percent <= 1.0:
+        raise ConfigError(f"{flag.rotary_percent} {m.rotary_percent:g}: must be above 0 and at most 1")
+    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    width = int(head_dim * m.rotary_percent)
+    if m.position_embedding_type == "rope" and m.rotary_percent < 1.0 and (width < 2 or width % 2):
+        raise ConfigError(
+            f"{flag.rotary_percent} {m.rotary_percent:g} rotates {width} of each head's {head_dim} features; "
+            "choose a fraction that gives a positive even number"
         )

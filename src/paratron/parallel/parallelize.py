@@ -111,7 +111,7 @@ def _tensor_parallel(
         return token_losses, None
     rng = RNGStates(device)
     rng.add(TENSOR_PARALLEL, config.training.seed + TENSOR_PARALLEL_SEED_OFFSET + tp.rank)
-    groups = config.model.num_query_groups or config.model.num_attention_heads
+    groups = config.model.query_groups
     kv_replicas = topology.create_subgroups(Axis.TP, tp.size // groups, "tp-kv-replicas") if groups < tp.size else None
     apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
     vocab_start = shard_of(model.output.weight).start

@@ -93,7 +93,7 @@ class _Shape:
 
     @property
     def groups(self) -> int:
-        groups = self.model.num_query_groups or self.model.num_attention_heads
+        groups = self.model.query_groups
         return max(groups // self.tp, 1)
 
     @property
@@ -136,7 +136,7 @@ def _mlp(shape: _Shape, moe: bool = False) -> float:
     kept = 4 if m.activation == "swiglu" else 2
     dropout = shape.mask * shape.h * shape.sharded_tokens if m.hidden_dropout > 0 else 0.0
     if not moe:
-        f = (m.ffn_hidden_size or 4 * m.hidden_size) // shape.tp
+        f = m.ffn_size // shape.tp
         return kept * shape.w * f * shape.tokens + dropout
     return _experts(shape) + dropout
 
@@ -149,7 +149,7 @@ def _experts(shape: _Shape) -> float:
     average, so a rank's figure moves with the routing's balance)."""
     m, w, h = shape.model, shape.w, shape.h
     etp = shape.expert_tp
-    f = (m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h) // etp
+    f = (m.moe_ffn_hidden_size or m.ffn_size) // etp
     experts = m.num_experts or 0
     router = (4 if w == 4 else 6) * experts + (0 if w == 4 else w * h)
     per_copy = w * h + 4 * h + 32 + 5 * w * f

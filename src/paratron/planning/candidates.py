@@ -50,9 +50,9 @@ def shapes(config: Config, world: int, gpus_per_node: int) -> Iterator[Shape]:
     heads, key/value groups and MLP width split by TP, CP only for dense models and sequences
     that keep MIN_CONTEXT_TOKENS per rank, EP carved from DP; then each pipeline arrangement."""
     m = config.model
-    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    heads, groups = m.num_attention_heads, m.query_groups
     for tp in divisors(min(gpus_per_node, world)):
-        ffn = m.ffn_hidden_size or 4 * m.hidden_size
+        ffn = m.ffn_size
         if gpus_per_node % tp or heads % tp or (groups % tp and tp % groups) or ffn % tp:
             continue
         for cp in _context_sizes(config, world // tp):

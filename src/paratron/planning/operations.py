@@ -83,15 +83,15 @@ def layer_work(config: Config, tp: int, cp: int, micro_batch: int) -> tuple[Laye
     m, seq = config.model, config.data.seq_length
     h, heads = m.hidden_size, m.num_attention_heads
     head_dim = m.kv_channels or h // heads
-    kv_per_rank = max((m.num_query_groups or heads) / tp, 1)  # replicated when fewer than TP ranks
+    kv_per_rank = max(m.query_groups / tp, 1)  # replicated when fewer than TP ranks
     tokens = micro_batch * seq / cp
     projections = 3 if m.activation == "swiglu" else 2
     attention = 2 * tokens * h * head_dim * (2 * heads / tp + 2 * kv_per_rank)
     scores = 4 * tokens * computed_keys(m, seq) * heads * head_dim / tp
-    dense = 2 * tokens * projections * h * (m.ffn_hidden_size or 4 * h) / tp
+    dense = 2 * tokens * projections * h * m.ffn_size / tp
     moe = dense
     if m.num_experts:
-        ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h
+        ffn = m.moe_ffn_hidden_size or m.ffn_size
         expert_tp = config.parallel.expert_tensor_parallel_size or tp
         routed = 2 * tokens * projections * h * ffn * m.moe_router_topk / expert_tp
         shared = 2 * tokens * projections * h * (m.moe_shared_expert_intermediate_size or 0) / tp
@@ -252,12 +252,7 @@ class _Comm:
         else:  # two all-reduces each way
             tp_fwd = tp_bwd = 2 * all_reduce_time(self.activation, self.tp, tp_link)
         heads = m.num_attention_heads
-        kv = (
-            2
-            * self.tokens
-            * max((m.num_query_groups or heads) / self.tp, 1)
-            * (m.kv_channels or m.hidden_size // heads)
-        )
+        kv = 2 * self.tokens * max(m.query_groups / self.tp, 1) * (m.kv_channels or m.hidden_size // heads)
         ring = (
             (self.cp - 1) * p2p_time(kv * self.act_bytes, link(self.hardware, self.tp, self.cp)) if self.cp > 1 else 0
         )

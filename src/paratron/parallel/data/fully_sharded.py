@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -53,6 +53,15 @@ def shard_fully(
         for new, old in zip(unit.parameters(recurse=False), before[id(unit)]):
             copy_info(old, new)
     return units
+
+
+def reshard(module: nn.Module) -> None:
+    """Put FSDP2's sharded parameters back after forwards without a backward (an evaluation): the
+    root unit keeps its gathered ones after a forward, expecting the backward, and those are not
+    the parameters the optimizer and checkpoints hold. No-op without FSDP2."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

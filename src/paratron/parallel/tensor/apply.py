@@ -52,7 +52,7 @@ def apply_tensor_parallel(
     """Replace `model`'s layers in place by their tensor-parallel twins; returns the model."""
     config = model.config
     head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
-    groups = config.num_query_groups or config.num_attention_heads
+    groups = config.query_groups
 
     def forked(module: nn.Module) -> nn.Module:
         return Forked(module, rng, TENSOR_PARALLEL) if rng is not None else module

@@ -1,0 +1,133 @@
+"""Training-step time: paratron's loop against megatron-core's GPTModel, one process, fp32 on CPU.
+
+The peer a Megatron-LM user would otherwise keep is Megatron-LM itself; its training loop needs
+CUDA, so the comparison is its model: megatron-core 0.16.1's GPTModel (local layer spec, fusions
+off, CUDA calls redirected to the CPU as in the tests, tests/megatron_oracle.py) trained by a plain
+loop with torch's AdamW (foreach) and gradient clipping, against `paratron train`'s loop on the same
+GPT-2-style model, samples and settings. Rounds alternate so that drift hits both; the median
+round is reported.
+
+    python bench/megatron_step.py
+    python bench/megatron_step.py --hidden-size 512 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from paratron.config import build_config
+from paratron.data.build import build_data
+from paratron.distributed.init import initialize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the oracle builder the tests use
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from megatron_oracle import cpu_megatron, destroy_oracle, oracle_gpt  # noqa: E402
+from step_time import paratron_round  # noqa: E402
+
+
+def megatron_round(config, warmup: int, steps: int) -> float:
+    """megatron-core's GPTModel with a hand-written loop: the same samples, AdamW and clipping."""
+    m, t, o = config.model, config.training, config.optimizer
+    with cpu_megatron():
+        model, _ = oracle_gpt(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            ffn_hidden_size=m.ffn_size,
+            vocab_size=m.vocab_size,
+            max_sequence_length=m.max_position_embeddings,
+            init_method_std=m.init_method_std,
+            seed=t.seed,
+        )
+        model.train()
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, foreach=True
+        )
+        batch = t.micro_batch_size
+        samples = build_data(config, batch).train
+        seq = config.data.seq_length
+        positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
+
+        def step(i: int) -> None:
+            tokens = torch.from_numpy(np.stack([samples[k] for k in range(i * batch, (i + 1) * batch)]))
+            losses = model(tokens[:, :-1], positions, causal, labels=tokens[:, 1:])
+            loss = losses.float().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss.item()
+
+        for i in range(warmup):
+            step(i)
+        start = time.perf_counter()
+        for i in range(warmup, warmup + steps):
+            step(i)
+        elapsed = (time.perf_counter() - start) / steps
+        destroy_oracle()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=384)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+    args = parser.parse_args()
+    config = build_config(
+        dict(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.hidden_size // 64,
+            vocab_size=args.vocab_size,
+            seq_length=args.seq_length,
+            max_position_embeddings=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            mock_data=True,
+            train_iters=1000,
+            lr=3e-4,
+            lr_warmup_iters=10,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            log_interval=10**9,
+            eval_iters=0,
+        )
+    )
+    ctx = initialize()
+    times: dict[str, list[float]] = {"paratron": [], "megatron_core": []}
+    for _ in range(args.rounds):
+        times["paratron"].append(paratron_round(config, ctx, args.warmup, args.steps))
+        times["megatron_core"].append(megatron_round(config, args.warmup, args.steps))
+    paratron_s, megatron_s = statistics.median(times["paratron"]), statistics.median(times["megatron_core"])
+    result = {
+        "model": f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
+        f"micro-batch {args.micro_batch_size}, vocab {args.vocab_size}, fp32",
+        "threads": torch.get_num_threads(),
+        "paratron_ms_per_step": 1000 * paratron_s,
+        "megatron_core_ms_per_step": 1000 * megatron_s,
+        "ratio": paratron_s / megatron_s,
+        "rounds": times,
+    }
+    print(json.dumps(result, indent=2))
+    if args.output:
+        args.output.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

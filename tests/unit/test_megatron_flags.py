@@ -1,0 +1,187 @@
+"""Megatron-LM's flags: each implemented, accepted without effect or refused by name; the same
+defaults and the same carry-on-with-a-warning behaviour as Megatron-LM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratron.cli import train_config
+from paratron.config import build_config, validate
+from paratron.config.arguments import MEGATRON_DOC_MARK, markdown_megatron
+from paratron.config.megatron import megatron_flags
+from paratron.config.schema import Config, ModelConfig
+from paratron.errors import ConfigError, UserError
+from paratron.model.gpt import GPT
+from paratron.model.mlp import MLP
+from paratron.training import loop
+from paratron.training.run import run_training
+
+from tiny import tiny_config
+
+
+def parse(argv: list[str]) -> Config:
+    return train_config(argv)
+
+
+def test_defaults_are_megatron_lms():
+    c = Config()
+    assert (c.model.hidden_dropout, c.model.attention_dropout, c.optimizer.adam_beta2) == (0.1, 0.1, 0.999)
+    assert (c.lr_schedule.lr_decay_style, c.training.eval_iters, c.logging.log_interval) == ("linear", 100, 100)
+    assert c.parallel.moe_token_dispatcher_type == "allgather"
+    recipe = build_config(recipe="debug")  # the recipes set modern values themselves
+    assert (recipe.model.hidden_dropout, recipe.optimizer.adam_beta2, recipe.lr_schedule.lr_decay_style) == (
+        0.0,
+        0.95,
+        "cosine",
+    )
+    assert build_config({"model_name": "llama3-8b"}).model.hidden_dropout == 0.0  # and so do the presets
+
+
+@pytest.mark.parametrize("hidden, width", [(64, 128), (96, 256), (4096, 10880), (5120, 13632)])
+def test_swiglu_without_ffn_hidden_size_is_megatrons_width(hidden, width):
+    model = ModelConfig(hidden_size=hidden, num_attention_heads=4, activation="swiglu")
+    assert model.ffn_size == int(4 * hidden * 2 / 3 / 64) * 64 == width
+    assert ModelConfig(hidden_size=hidden, num_attention_heads=4).ffn_size == 4 * hidden
+    assert ModelConfig(hidden_size=hidden, activation="swiglu", ffn_hidden_size=100).ffn_size == 100
+    if hidden == 64:
+        gpt = GPT(dataclasses.replace(model, num_layers=1, vocab_size=32, max_position_embeddings=8))
+        widths = {n.split(".")[-2]: p.shape[0] for n, p in gpt.named_parameters() if "mlp.in_proj" in n}
+        assert widths == {"gate": width, "up": width}
+
+
+def test_group_query_attention_as_megatron_reads_it(capsys):
+    base = ["--num-attention-heads", "8", "--hidden-size", "64"]
+    assert parse(base).model.query_groups == 8
+    assert parse([*base, "--group-query-attention"]).model.query_groups == 1
+    assert parse([*base, "--group-query-attention", "--num-query-groups", "2"]).model.query_groups == 2
+    assert capsys.readouterr().err == ""
+    assert parse([*base, "--num-query-groups", "2"]).model.query_groups == 8
+    assert "--num-query-groups 2 is ignored without --group-query-attention" in capsys.readouterr().err
+    assert build_config({"num_query_groups": 2, "num_attention_heads": 8}).model.query_groups == 2  # recipes, presets
+
+
+def test_sequence_parallel_at_tensor_parallel_one_is_turned_off_with_a_warning(capsys):
+    config = parse(["--sequence-parallel"])
+    assert not config.parallel.sequence_parallel
+    assert "--sequence-parallel needs --tensor-model-parallel-size above 1; turned off" in capsys.readouterr().err
+    assert parse(["--sequence-parallel", "--tensor-model-parallel-size", "2"]).parallel.sequence_parallel
+
+
+def test_load_of_the_empty_save_directory_starts_fresh_elsewhere_it_is_refused(tmp_path, capsys):
+    from paratron.training.run import check_inputs
+
+    same = str(tmp_path / "ckpt")
+    config = parse(["--save", same, "--load", same, "--mock-data"])
+    assert config.checkpoint.load is None and config.checkpoint.save == same
+    assert "holds no checkpoint yet; it is also --save, so training starts from scratch" in capsys.readouterr().err
+    (tmp_path / "ckpt" / "iter_0000002").mkdir(parents=True)  # something is there: load it (or fail loudly)
+    assert parse(["--save", same, "--load", same]).checkpoint.load == same
+    with pytest.raises(UserError, match="latest_checkpointed_iteration.txt"):
+        check_inputs(parse(["--save", same, "--load", same, "--mock-data"]))
+    elsewhere = parse(["--save", same, "--load", str(tmp_path / "other"), "--mock-data"])
+    with pytest.raises(ConfigError, match="no such checkpoint directory"):
+        check_inputs(elsewhere)
+
+
+def test_decoder_first_and_last_stage_layers_are_checked_at_one_stage():
+    config = parse(["--num-layers", "4", "--decoder-first-pipeline-num-layers", "2", "--mock-data"])
+    with pytest.raises(
+        ConfigError, match="--decoder-first-pipeline-num-layers 2 with --pipeline-model-parallel-size 1"
+    ):
+        validate(config, 1)
+    validate(parse(["--num-layers", "4", "--decoder-last-pipeline-num-layers", "4", "--mock-data"]), 1)
+
+
+def test_accepted_flags_change_nothing():
+    plain = parse(["--hidden-size", "32"])
+    accepted = parse(
+        [
+            "--hidden-size",
+            "32",
+            "--use-mcore-models",
+            "--transformer-impl",
+            "transformer_engine",
+            "--attention-backend",
+            "flash",
+            "--no-gradient-accumulation-fusion",
+            "--no-rope-fusion",
+            "--dist-ckpt-strictness",
+            "log_all",
+        ]
+    )
+    assert accepted == plain
+
+
+def test_refusals_name_the_flag_and_suggestions_keep_the_meaning():
+    with pytest.raises(ConfigError, match=r"^--fim-data: Megatron-LM's flag is not supported"):
+        parse(["--fim-data"])  # not "did you mean --mock-data"
+    with pytest.raises(ConfigError, match=r"unknown flag --hiden-size; did you mean --hidden-size\?"):
+        parse(["--hiden-size", "3"])
+    with pytest.raises(ConfigError, match=r"^unknown flag --use-mcore-model \("):
+        parse(["--use-mcore-model"])  # no suggestion of a flag that does nothing
+
+
+def test_every_megatron_flag_of_the_docs_table_and_the_table_is_current():
+    path = Path(__file__).resolve().parents[2] / "docs" / "megatron.md"
+    text = path.read_text(encoding="utf-8")
+    assert text.split(MEGATRON_DOC_MARK, 1)[1] == "\n\n" + markdown_megatron(), "docs/megatron.md: run `make docs`"
+    for flag in megatron_flags():
+        assert f"`--{flag}`" in text, f"--{flag} is not in docs/megatron.md"
+
+
+def test_resume_without_rng_and_with_another_schedule(tmp_path, monkeypatch, capsys):
+    """--no-load-rng leaves the generators at the seed; a schedule that differs from the checkpoint's
+    goes on with the flags' and says so (Megatron-LM stops), or takes the checkpoint's on request."""
+    save = tmp_path / "ckpt"
+    run_training(tiny_config(lr_warmup_iters=1, run_dir=tmp_path / "a", train_iters=4, save=str(save), save_interval=2))
+    whole = _lrs(tmp_path / "a")
+    restored = []
+    monkeypatch.setattr(loop.rng, "restore", lambda *args: restored.append(args))
+    run_training(tiny_config(lr_warmup_iters=1, run_dir=tmp_path / "b", train_iters=4, load=str(save / "iter_0000002")))
+    assert len(restored) == 1 and "differs from the checkpoint's" not in capsys.readouterr().out
+    run_training(
+        tiny_config(
+            lr_warmup_iters=1, run_dir=tmp_path / "c", train_iters=4, load=str(save / "iter_0000002"), no_load_rng=True
+        )
+    )
+    assert len(restored) == 1
+    run_training(tiny_config(lr_warmup_iters=1, run_dir=tmp_path / "d", train_iters=6, load=str(save / "iter_0000002")))
+    longer = _lrs(tmp_path / "d")
+    assert "the learning-rate schedule differs from the checkpoint's: decay_steps" in capsys.readouterr().out
+    run_training(
+        tiny_config(
+            tmp_path / "e", train_iters=6, load=str(save / "iter_0000002"), use_checkpoint_opt_param_scheduler=True
+        )
+    )
+    kept = _lrs(tmp_path / "e")
+    assert kept[:2] == whole[2:4] and longer[:2] != whole[2:4]
+
+
+def _lrs(run_dir: Path) -> list[float]:
+    return [json.loads(line)["lr"] for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_position_flags_as_megatron_reads_them(capsys):
+    rope = parse(["--position-embedding-type", "rope", "--no-position-embedding"])
+    assert rope.model.position_embedding_type == "rope"
+    with pytest.raises(ConfigError, match="^--no-position-embedding is deprecated"):
+        parse(["--no-position-embedding"])
+    assert parse(["--rotary-percent", "0.5"]).model.rotary_percent == 0.5
+    assert (
+        "--rotary-percent shapes rotary embeddings; with --position-embedding-type learned_absolute it is ignored"
+        in (capsys.readouterr().err)
+    )
+
+
+def test_gelu_is_megatrons_exact_one_unless_openai_gelu():
+    x = torch.randn(3, 32)
+    for openai, approximate in ((False, "none"), (True, "tanh")):
+        mlp = MLP(ModelConfig(hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, openai_gelu=openai))
+        (up,) = mlp.in_proj(x)
+        torch.testing.assert_close(mlp(x), mlp.out_proj(torch.nn.functional.gelu(up, approximate=approximate)))
+    assert build_config({"model_name": "gpt2-small"}).model.openai_gelu  # GPT-2's own GELU
