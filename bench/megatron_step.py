@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paratron.config import build_config
 from paratron.data.build import build_data
 from paratron.distributed.init import initialize
 
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the or
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megatron_oracle import cpu_megatron, destroy_oracle, oracle_gpt  # noqa: E402
-from step_time import paratron_round  # noqa: E402
+from step_time import add_model_arguments, bench_config, paratron_round  # noqa: E402
 
 
 def megatron_round(config, warmup: int, steps: int) -> float:
@@ -80,35 +79,10 @@ def megatron_round(config, warmup: int, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=384)
-    parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+    add_model_arguments(parser)
+    parser.set_defaults(steps=10, rounds=3)
     args = parser.parse_args()
-    config = build_config(
-        dict(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.hidden_size // 64,
-            vocab_size=args.vocab_size,
-            seq_length=args.seq_length,
-            max_position_embeddings=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            mock_data=True,
-            train_iters=1000,
-            lr=3e-4,
-            lr_warmup_iters=10,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            log_interval=10**9,
-            eval_iters=0,
-        )
-    )
+    config = bench_config(args)
     ctx = initialize()
     times: dict[str, list[float]] = {"paratron": [], "megatron_core": []}
     for _ in range(args.rounds):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from paratron.config import build_config, resolve_layout
+from paratron.config import Config, build_config, resolve_layout
 from paratron.data.build import build_data
 from paratron.distributed.init import initialize
 from paratron.distributed.topology import ParallelDims, Topology
@@ -91,8 +91,8 @@ def plain_round(config, ctx, warmup: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's rounds and model, shared with bench/megatron_step.py."""
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
@@ -102,9 +102,11 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
-    args = parser.parse_args()
 
-    config = build_config(
+
+def bench_config(args: argparse.Namespace) -> Config:
+    """A GPT-2-style model on synthetic tokens, fp32, without dropout, evaluation or logging."""
+    return build_config(
         dict(
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
@@ -118,10 +120,19 @@ def main() -> None:
             lr=3e-4,
             lr_warmup_iters=10,
             lr_decay_iters=1000,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
             log_interval=10**9,
             eval_iters=0,
         )
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    args = parser.parse_args()
+    config = bench_config(args)
     # (the rounds stop early, after warmup + steps; both loops follow this one schedule)
     ctx = initialize()
     times: dict[str, list[float]] = {"paratron": [], "plain": []}

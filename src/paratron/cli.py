@@ -86,14 +86,15 @@ def train_config(argv: list[str]) -> Config:
     from paratron.config.loading import build_config
 
     recipe, overrides, namespace = parse_config_arguments(train_parser(), argv)
-    return _like_megatron(build_config(overrides, recipe), given_settings(overrides, namespace))
+    config = build_config(overrides, recipe)
+    if "RANK" not in os.environ and config.parallel.nnodes > 1:
+        quiet_launcher_logs()  # (before torch is imported, below)
+    return _like_megatron(config, given_settings(overrides, namespace))
 
 
 @command("train", "train a model (launches itself under torchrun with --nproc N)")
 def cmd_train(argv: list[str]) -> int:
     config = train_config(argv)
-    if "RANK" not in os.environ and config.parallel.nnodes > 1:
-        quiet_launcher_logs()
     if config.planning.dry_run:
         from paratron.planning.dry_run import run_dry_run
 

@@ -11,6 +11,8 @@ from multiprocess import run_ranks
 WORLD = 2
 RANK, ALPHA, TARGETS = 4, 8.0, "qkv,proj,fc1,fc2"
 GPT_FLAVOUR = dict(
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
     num_layers=2,
     hidden_size=32,
     num_attention_heads=4,

@@ -15,6 +15,8 @@ from multiprocess import run_ranks
 from tiny import tiny_config
 
 GPT_FLAVOUR = dict(
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
     num_layers=2,
     hidden_size=32,
     num_attention_heads=4,

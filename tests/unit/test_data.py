@@ -137,7 +137,7 @@ def test_weighted_blend_of_preprocessed_prefixes(tmp_path, monkeypatch):
 
     with pytest.raises(ConfigError, match=r"ByteLevelBPE trains on text, but \(some of\) the data is preprocessed"):
         checked(build_config(dict(data_path=[prefixes[0]])))
-    with pytest.raises(ConfigError, match="--eval-iters 10 needs --valid-data-path"):
+    with pytest.raises(ConfigError, match="--eval-iters 100 needs --valid-data-path"):  # (Megatron-LM's default)
         checked(build_config(dict(train_data_path=[prefixes[0]], tokenizer_type="NullTokenizer", vocab_size=9)))
     with pytest.raises(ConfigError, match=r"--data-path /nope: neither a dataset prefix \(/nope.bin/.idx\)"):
         checked(build_config(dict(data_path=["/nope"])))

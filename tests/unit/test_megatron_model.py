@@ -32,7 +32,7 @@ VOCAB, SEQ, HIDDEN, HEADS = 64, 16, 32, 4
 def megatron() -> Iterator[None]:
     with cpu_megatron():
         yield
-    destroy_oracle()
+    destroy_oracle(destroy_process_group=True)  # (later tests build their own worlds)
 
 
 # ---------------------------------------------------------------- megatron names and layouts -> paratron's

@@ -23,7 +23,14 @@ H = 32
 
 def moe_config(**overrides) -> ModelConfig:
     values = dict(
-        hidden_size=H, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, activation="swiglu", num_layers=2
+        hidden_size=H,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=48,
+        activation="swiglu",
+        num_layers=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     return ModelConfig(**{**values, **overrides})
 
@@ -255,7 +262,7 @@ def reference_output(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
                 gate, up = h.chunk(2)
                 h = torch.nn.functional.silu(gate) * up
             else:
-                h = torch.nn.functional.gelu(h, approximate="tanh")
+                h = torch.nn.functional.gelu(h, approximate=layer.experts.gelu)  # (tanh with --openai-gelu)
             row = row + routing.probs[n, e] * (w_out[e] @ h)
         rows.append(row)
     return torch.stack(rows).view_as(x)

@@ -214,9 +214,18 @@ class MegatronCheckpoint:
 
 def detect_format(path: Path) -> str:
     """torch, torch_dist or paratron for a save directory or one iteration folder (one-line error
-    for anything else)."""
-    if (path / "meta.json").is_file():
+    for anything else). A paratron save directory is recognised by any intact iteration folder, so
+    that a damaged newest one is passed over as paratron's reader does."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory; check --load")
+    if (path / "meta.json").is_file() or any((p / "meta.json").is_file() for p in path.glob("iter_*")):
         return "paratron"
+    megatron_marks = (path / "metadata.json", path / ".metadata", path / TRACKER)
+    if not any(mark.is_file() for mark in megatron_marks) and not any(path.glob("mp_rank_*")):
+        raise CheckpointError(
+            f"{path}: no checkpoint here (neither {TRACKER} nor meta.json, nor Megatron-LM's mp_rank_* folders "
+            "or metadata.json); check --load"
+        )
     folder = _iteration_folder(path)
     if (folder / "meta.json").is_file():
         return "paratron"

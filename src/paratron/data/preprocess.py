@@ -312,22 +312,13 @@ def preprocess(
 
 # ---------------------------------------------------------------- the tokenizer flags of `paratron preprocess`
 
-TOKENIZER_TYPES = (
-    "ByteLevelBPE",
-    "HuggingFaceTokenizer",
-    "GPT2BPETokenizer",
-    "GPTSentencePieceTokenizer",
-    "Llama2Tokenizer",
-    "TikTokenizer",
-    "NullTokenizer",
-)
-
-
 def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM's tokenizer flags, with the meaning `paratron train` gives them (see DataConfig)."""
+    from paratron.config.fields import all_fields  # (lazy for start-up speed of the tokenizing workers)
+
     parser.add_argument(
         "--tokenizer-type",
-        choices=TOKENIZER_TYPES,
+        choices=all_fields()["tokenizer_type"].choices,
         help="The tokenizer (default: GPT2BPETokenizer when --vocab-file/--merge-file are given, as Megatron-LM's "
         "pretrain_gpt.py, else ByteLevelBPE, trained on the input and saved as OUTPUT_PREFIX_tokenizer.json).",
     )
