@@ -312,6 +312,7 @@ def preprocess(
 
 # ---------------------------------------------------------------- the tokenizer flags of `paratron preprocess`
 
+
 def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM's tokenizer flags, with the meaning `paratron train` gives them (see DataConfig)."""
     from paratron.config.fields import all_fields  # (lazy for start-up speed of the tokenizing workers)
