@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.cli import train_config
+from paratron.cli import train_config, train_parser
 from paratron.config import build_config, validate
 from paratron.config.arguments import MEGATRON_DOC_MARK, markdown_megatron
 from paratron.config.megatron import megatron_flags
@@ -185,3 +185,24 @@ def test_gelu_is_megatrons_exact_one_unless_openai_gelu():
         (up,) = mlp.in_proj(x)
         torch.testing.assert_close(mlp(x), mlp.out_proj(torch.nn.functional.gelu(up, approximate=approximate)))
     assert build_config({"model_name": "gpt2-small"}).model.openai_gelu  # GPT-2's own GELU
+
+
+def test_no_accepted_flag_is_shadowed_by_a_setting():
+    from paratron.config.arguments import _IGNORED
+    from paratron.config.megatron import ACCEPTED
+
+    options = train_parser()._option_string_actions
+    shadowed = [f for f, entry in ACCEPTED.items() if not entry.noted and options["--" + f].dest != _IGNORED]
+    assert not shadowed, f"settings now: drop them from ACCEPTED: {shadowed}"
+
+
+def test_save_retain_interval_keeps_the_multiples_and_the_newest(tmp_path):
+    from paratron.checkpoint.io import prune_checkpoints
+
+    for step in (2, 4, 6, 8, 10):
+        (tmp_path / f"iter_{step:07d}").mkdir()
+        (tmp_path / f"iter_{step:07d}" / "meta.json").write_text("{}")
+    deleted = prune_checkpoints(tmp_path, 0, retain_interval=4)
+    assert [p.name for p in deleted] == ["iter_0000002", "iter_0000006"]
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000008", "iter_0000010"]
+    assert train_config(["--save-retain-interval", "4"]).checkpoint.save_retain_interval == 4

@@ -89,7 +89,8 @@ def flagged_run(tmp_path_factory) -> dict[str, Any]:
 
 def test_params_norm_is_the_single_device_norm(flagged_run):
     config = flagged_run["config"]
-    model = build_model(config.model, torch.device("cpu"), seed=config.training.seed)  # = the run's weights (lr 0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (where the run initialised them)
+    model = build_model(config.model, device, seed=config.training.seed)  # = the run's weights (lr 0)
     expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().norm().item()
     for record in flagged_run["records"]:
         assert record["params_norm"] == pytest.approx(expected, rel=1e-6)
@@ -212,6 +213,7 @@ def test_manual_gc_deterministic_mode_and_progress_log(tmp_path, monkeypatch):
 
 
 SHARDED = dict(train_iters=2, lr=0.0, add_bias_linear=False, micro_batch_size=4, global_batch_size=8)
+SHARDED.update(distributed_backend="gloo")  # (2 ranks on the CPU, also where one GPU is)
 SHARDED.update(log_params_norm=True)
 SHARDED.update(log_num_zeros_in_grad=True, timing_log_level=1, timing_log_option="all")
 LAYOUTS = {  # (on 2 ranks) replicated across TP; data-parallel shards; the tied embedding on two stages

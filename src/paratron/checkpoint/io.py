@@ -75,7 +75,8 @@ class CheckpointInfo:
     """Why newer checkpoints of the same save directory were not used (damaged)."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The checksum meta.json lists for every file of a checkpoint (read in 1 MiB chunks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -301,7 +302,7 @@ class PendingSave:
                 save_file({n: t.contiguous() for n, t in content.items()}, str(partial), metadata=metadata)
             else:
                 torch.save(content, partial)
-            self.checksums[name] = _sha256(partial)
+            self.checksums[name] = file_sha256(partial)
             partial.replace(self.tmp / name)
         self.files = {}  # (the values are no longer needed)
 
@@ -317,7 +318,7 @@ class PendingSave:
             if self.tokenizer is not None:
                 self.tokenizer.save(tmp / "tokenizer.json")
             written = {name: digest for part in reports for name, digest in part["checksums"].items()}
-            files = {p.name: written.get(p.name) or _sha256(p) for p in sorted(tmp.iterdir())}
+            files = {p.name: written.get(p.name) or file_sha256(p) for p in sorted(tmp.iterdir())}
             meta = {
                 "iteration": self.iteration,
                 "consumed_samples": self.consumed_samples,
@@ -334,8 +335,9 @@ class PendingSave:
             else:
                 tmp.replace(final)
             write_text_atomic(root / TRACKER, f"{self.iteration}\n")
-            if self.config.checkpoint.keep_last:
-                prune_checkpoints(root, self.config.checkpoint.keep_last)
+            c = self.config.checkpoint
+            if c.keep_last or c.save_retain_interval:
+                prune_checkpoints(root, c.keep_last or 0, c.save_retain_interval)
         _barrier()
         return final
 
@@ -380,11 +382,15 @@ class BackgroundSave:
         return self.pending.publish()
 
 
-def prune_checkpoints(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints under `root` (each is first renamed
-    out of sight, so no reader meets a half-deleted one); returns what was deleted."""
+def prune_checkpoints(root: Path, keep: int, retain_interval: int | None = None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints under `root` (none with `keep` 0), and
+    with `retain_interval` all but the newest and those whose step is a multiple of it (Megatron-LM's
+    --save-retain-interval); each is first renamed out of sight, so no reader meets a half-deleted
+    one. Returns what was deleted."""
     complete = sorted(p for p in root.glob("iter_*") if p.is_dir() and (p / "meta.json").exists())
     doomed = complete[:-keep] if keep > 0 else []
+    if retain_interval:
+        doomed += [p for p in complete[:-1] if p not in doomed and int(p.name[5:]) % retain_interval]
     for path in doomed:
         hidden = root / f".old-{path.name}-{os.getpid()}"
         path.replace(hidden)
@@ -468,7 +474,7 @@ def _read_folder(folder: Path, verify: bool) -> CheckpointInfo:
         file = folder / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing; the checkpoint is incomplete")
-        if verify and _sha256(file) != digest:
+        if verify and file_sha256(file) != digest:
             raise CheckpointError(f"{file}: checksum mismatch; the file is corrupted")
     try:
         config = config_from_dict(meta["config"])

@@ -49,7 +49,14 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from paratron.checkpoint.io import TRACKER, CheckpointContent, read_checkpoint, save_checkpoint, weight_catalog
+from paratron.checkpoint.io import (
+    TRACKER,
+    CheckpointContent,
+    file_sha256,
+    read_checkpoint,
+    save_checkpoint,
+    weight_catalog,
+)
 from paratron.checkpoint.optimizer_state import INDEX as OPTIMIZER_INDEX
 from paratron.checkpoint.optimizer_state import load_optimizer, optimizer_file, write_index
 from paratron.config.loading import build_config, config_to_dict
@@ -813,13 +820,8 @@ def _write_optimizer(
     write_index(folder, {file: list(tensors)}, shapes, float(_optimizer_step(ckpt, state.get("step", {}))))
     meta_path = folder / "meta.json"
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    meta["files"].update({name: _sha256(folder / name) for name in (file, OPTIMIZER_INDEX)})
+    meta["files"].update({name: file_sha256(folder / name) for name in (file, OPTIMIZER_INDEX)})
     meta_path.write_text(json.dumps(meta, indent=2), encoding="utf-8")
-
-
-def _sha256(path: Path) -> str:
-    """The checksum meta.json lists for every file of a paratron checkpoint."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _optimizer_step(ckpt: MegatronCheckpoint, steps: dict[str, torch.Tensor]) -> int:

@@ -111,7 +111,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for flag, entry in ACCEPTED.items():
         if "--" + flag in parser._option_string_actions:
-            continue  # a setting now (test_config checks that the tables do not overlap)
+            continue  # a setting now (test_megatron_flags checks that the tables do not overlap)
         accepted.add_argument(
             "--" + flag,
             dest=flag.replace("-", "_") if entry.noted else _IGNORED,

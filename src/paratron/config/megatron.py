@@ -228,10 +228,6 @@ ACCEPTED: dict[str, Accepted] = {
         "The same: nothing with rope, refused otherwise (--position-embedding-type none trains without positions).",
         noted=True,
     ),
-    "no-create-attention-mask-in-dataloader": Accepted(
-        "Do not build the attention mask in the data loader.",
-        "paratron never builds a mask in the loader; attention masks follow from positions inside the model.",
-    ),
 }
 """Megatron-LM flags accepted because they cannot change what paratron computes."""
 

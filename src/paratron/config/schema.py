@@ -801,6 +801,10 @@ class CheckpointConfig:
     """Keep only the newest this many checkpoints under --save, deleting older ones after each save (default: keep
     all)."""
 
+    save_retain_interval: int | None = None
+    """Keep only the newest checkpoint and those of steps that are multiples of this, deleting the others after each
+    save (Megatron-LM's flag; with --keep-last, both rules delete)."""
+
     no_load_optim: bool = False
     """Resume from --load at its step, but with a fresh optimizer state (e.g. at another tensor-parallel size)."""
 

@@ -68,6 +68,7 @@ POSITIVE = (
     "exit_duration_in_mins",
     "exit_interval",
     "keep_last",
+    "save_retain_interval",
 )
 """Settings that must be above zero when set."""
 
