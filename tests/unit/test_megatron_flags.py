@@ -206,3 +206,19 @@ def test_save_retain_interval_keeps_the_multiples_and_the_newest(tmp_path):
     assert [p.name for p in deleted] == ["iter_0000002", "iter_0000006"]
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000008", "iter_0000010"]
     assert train_config(["--save-retain-interval", "4"]).checkpoint.save_retain_interval == 4
+
+
+def test_a_translated_flag_refuses_another_word_in_one_line():
+    assert train_config(["--data-parallel-sharding-strategy", "optim_grads"]).parallel.zero_stage == 2
+    with pytest.raises(ConfigError, match="^--data-parallel-sharding-strategy bogus: choose one of no_shard, optim"):
+        train_config(["--data-parallel-sharding-strategy", "bogus"])
+
+
+def test_a_checkpoint_saved_before_megatron_defaults_keeps_its_model():
+    from paratron.config.loading import config_from_dict, config_to_dict
+
+    old = config_to_dict(build_config({"activation": "swiglu", "hidden_size": 64}))
+    del old["model"]["openai_gelu"]  # (what such a checkpoint's config lacks)
+    model = config_from_dict(old).model
+    assert model.openai_gelu and model.ffn_size == 4 * 64
+    assert not config_from_dict(config_to_dict(build_config({"hidden_size": 64}))).model.openai_gelu

@@ -405,7 +405,7 @@ class Shapes:
     @classmethod
     def of(cls, m: ModelConfig) -> Shapes:
         heads = m.num_attention_heads
-        groups = getattr(m, "query_groups", None) or m.num_query_groups or heads
+        groups = m.query_groups
         return cls(heads, groups, m.kv_channels or m.hidden_size // heads, m.activation == "swiglu")
 
 
@@ -842,7 +842,7 @@ def paratron_to_megatron(source: Path, destination: Path, tp: int = 1, pp: int =
     if m.num_experts or m.lora_rank is not None or m.attention_type != "causal":
         raise CheckpointError(f"{info.path}: MoE, LoRA and non-causal attention models are not written to Megatron-LM")
     s = Shapes.of(m)
-    if s.groups % tp or m.num_attention_heads % tp or _ffn(m) % tp:
+    if s.groups % tp or m.num_attention_heads % tp or m.ffn_size % tp:
         raise CheckpointError(
             f"--target-tensor-parallel-size {tp} must divide the query groups ({s.groups}), heads and FFN width"
         )
@@ -909,7 +909,7 @@ def megatron_args(config: Config, tp: int, pp: int, padded: int, iteration: int,
         **{name: value for name, value in extra.items() if value is not None},
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
-        ffn_hidden_size=_ffn(m),
+        ffn_hidden_size=m.ffn_size,
         num_attention_heads=heads,
         group_query_attention=groups != heads,
         num_query_groups=groups,
@@ -947,10 +947,6 @@ def megatron_args(config: Config, tp: int, pp: int, padded: int, iteration: int,
         fp16=False,
         bf16=False,
     )
-
-
-def _ffn(m: ModelConfig) -> int:
-    return getattr(m, "ffn_size", None) or m.ffn_hidden_size or 4 * m.hidden_size
 
 
 def _refuse_existing(destination: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -41,6 +42,13 @@ def _help(info: FieldInfo) -> str:
     off = f" --no-{info.flag[2:]} turns it off." if info.base_type is bool else ""
     suffix = "" if "(default:" in info.doc else f" (default: {default})"
     return f"{info.doc}{off}{suffix}".replace("%", "%%")
+
+
+def _mapped_value(text: str, flag: str, values: dict[str, Any]) -> Any:
+    """The setting's value for a MAPPED flag's `text` (a one-line error for another word)."""
+    if text not in values:
+        raise ConfigError(f"{flag} {text}: choose one of {', '.join(values)}")
+    return values[text]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +107,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         compat.add_argument(
             "--" + alias.replace("_", "-"),
             dest=name,
-            type=values.__getitem__,
+            type=functools.partial(_mapped_value, flag="--" + alias.replace("_", "-"), values=values),
             metavar="{" + ",".join(values) + "}",
             default=argparse.SUPPRESS,
             help=text,

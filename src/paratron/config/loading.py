@@ -132,5 +132,12 @@ def config_to_dict(config: schema.Config) -> dict[str, dict[str, Any]]:
 
 
 def config_from_dict(tree: dict[str, dict[str, Any]]) -> schema.Config:
+    """A Config from its nested form (a checkpoint's); one saved before the Megatron-LM defaults
+    (no `openai_gelu` in it) keeps the model it trained: tanh GELU and a 4h SwiGLU width."""
     flat = {k: v for section in tree.values() for k, v in section.items()}
+    model = tree.get("model", {})
+    if model and "openai_gelu" not in model:
+        flat["openai_gelu"] = True
+        if model.get("activation") == "swiglu" and model.get("ffn_hidden_size") is None:
+            flat["ffn_hidden_size"] = 4 * model["hidden_size"]
     return config_from_flat(flat)

@@ -11,7 +11,7 @@ flags is one of:
 - any other Megatron-LM flag (`megatron_flags.txt`, its parser's full list) is refused as a
   Megatron-LM flag paratron does not implement, never taken for a typo of a paratron flag.
 
-docs/megatron.md is generated from these tables (`markdown_table`), so it cannot drift.
+docs/megatron.md is generated from these tables (`config.arguments.markdown_megatron`), so it cannot drift.
 """
 
 from __future__ import annotations
@@ -353,12 +353,6 @@ def unknown_megatron_flag_message(flag: str) -> str:
         f"{flag} is a Megatron-LM flag that paratron does not implement; remove it from the command line "
         "(docs/megatron.md lists how each Megatron-LM flag is treated)"
     )
-
-
-def is_implemented(flag: str) -> bool:
-    """Whether `--name` sets a paratron setting (a field, switch, rename or mapped flag)."""
-    name = flag[2:].replace("-", "_")
-    return name in all_fields() or name in SWITCHES or name in MAPPED or flag in RENAMES
 
 
 def adjust_like_megatron(config: Config, given: set[str]) -> tuple[Config, list[str]]:

@@ -482,8 +482,8 @@ class LRScheduleConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, take the schedule (--lr, --min-lr, warmup and decay lengths, decay style) from the checkpoint's
     settings instead of the flags. Without it and without --override-opt-param-scheduler a resume whose flags change
-    them is refused, as in Megatron-LM; either way the schedule goes on from the samples the checkpoint's steps
-    trained."""
+    them goes on with the flags' and says which differ (Megatron-LM refuses it); either way the schedule goes on from
+    the samples the checkpoint's steps trained."""
 
     override_opt_param_scheduler: bool = False
     """On resume, take the schedule from the flags even where they differ from the checkpoint's (Megatron-LM's

@@ -200,6 +200,8 @@ def _assemble(
     if continuing and resume is not None and megatron:  # (converted: its step and optimizer state, no RNG state)
         if c.no_load_optim or not load_converted_optimizer(resume.path, optimizer, model.module):
             say(f"{c.load}: Megatron-LM optimizer state not converted; the optimizer starts fresh")
+        else:  # (Megatron-LM loads its scheduler with the optimizer: the schedule goes on from the samples trained)
+            trainer.state.lr_samples = resume.consumed_samples
     elif continuing and resume is not None:  # (the weights are in: loaded before the optimizer took its masters)
         trainer.resume_from(resume, weights=False, optimizer_state=not c.no_load_optim)
     return trainer, resume, n_params
