@@ -238,9 +238,7 @@ def markdown_megatron() -> str:
         elif info.base_type is bool and negative in mlm:
             lines.append(f"| `--{negative}` | Turns off: {info.doc} |")
     lines += ["", "Switches, translated values and other spellings:", "", "| flag | meaning in paratron |", "|---|---|"]
-    for alias, (_, _, text) in sorted(SWITCHES.items()):
-        lines.append(f"| `--{alias.replace('_', '-')}` | {text} |")
-    for alias, (_, _, text) in sorted(MAPPED.items()):
+    for alias, (_, _, text) in sorted({**SWITCHES, **MAPPED}.items()):
         lines.append(f"| `--{alias.replace('_', '-')}` | {text} |")
     for flag, name in sorted(RENAMES.items()):
         lines.append(f"| `{flag}` | Another spelling of `{fields[name].flag}`. |")

@@ -37,13 +37,6 @@ def embedding_and_output(module: nn.Module) -> frozenset[int]:
     return frozenset(id(p) for name, p in module.named_parameters() if name in DECOUPLED_LR_PARAMETERS)
 
 
-def set_learning_rate(optimizer: MasterWeightsOptimizer, lr: float) -> None:
-    """Give every group the rate `lr` (a fixed rate; the schedule sets each group's with
-    `LRSchedule.apply`)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
 def clip_grad_norm(
     grads: Iterable[torch.Tensor], max_norm: float, group: RankGroup | None = None, weights: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -123,8 +123,3 @@ class LRSchedule:
         for group in param_groups:
             group["lr"] = self.at(samples, group.get("max_lr"), group.get("min_lr"))
         return self.at(samples)
-
-
-def learning_rate(samples: int, schedule: LRSchedule) -> float:
-    """The main rate after `samples` trained samples (see the module docstring)."""
-    return schedule.at(samples)
