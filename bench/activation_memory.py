@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from paratron.checkpoint.io import write_text_atomic
+from paratron.storage import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 S, B, H, A = 256, 2, 256, 4  # sequence, micro-batch, hidden, heads

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from paratron.checkpoint.io import write_text_atomic
+from paratron.storage import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from paratron.checkpoint.io import write_text_atomic
+from paratron.storage import write_text_atomic
 
 if TYPE_CHECKING:
     from paratron.config.schema import Config

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from paratron.checkpoint.io import write_text_atomic
+from paratron.storage import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paratron.checkpoint.io import write_text_atomic
 from paratron.planning.hardware import preset
 from paratron.planning.published import RUNS, Run, evaluate
+from paratron.storage import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION = {"h100-80g": 0, "a100-80g": 3}

@@ -9,6 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "paratron"
 LAYERS = [
     "errors",
+    "storage",
     "config",
     "distributed",
     "model",

@@ -22,7 +22,10 @@ process writes one model.safetensors of whole tensors under single-device names;
 checkpoints (whole tensors per pipeline stage) and converted ones load the same way.
 
 A checkpoint is written into a temporary folder and renamed into place before the
-tracker moves, so a crash mid-save never leaves a half checkpoint behind the tracker.
+tracker moves, so a crash mid-save never leaves a half checkpoint behind the tracker. A save
+that the filesystem cannot hold is refused before anything is written (the ranks writing to one
+filesystem add up their bytes); one that runs out of space anyway removes the temporary folder.
+Either ends on every rank with the same one-line `UserError` (`paratron.storage`).
 Loading never unpickles arbitrary objects: safetensors, `torch.load(weights_only=True)`, JSON.
 """
 
@@ -34,6 +37,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +45,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 
 from paratron.checkpoint.optimizer_state import optimizer_file, optimizer_snapshot
@@ -56,9 +59,24 @@ from paratron.model.lora import is_adapter
 from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.data.fully_sharded import full_parameter, held_boxes, local_tensor
 from paratron.parallel.sharding import full_shape, gather_full, param_info, whole_box
+from paratron.storage import (
+    Space,
+    honour_umask,
+    is_disk_full,
+    no_space_message,
+    save_object,
+    save_tensors,
+    space_at,
+    tensor_bytes,
+    write_text_atomic,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+SAVE_FIX = "free space or choose another --save"
+CONVERT_FIX = "free space or choose another destination (convert --to FORMAT DIR)"
+FILE_SLACK = 8192
+"""Bytes a checkpoint file may take beyond its tensors: its header, the filesystem's last block."""
 
 
 @dataclass
@@ -82,14 +100,6 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file renamed into place: a stopped writer leaves no half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def full_state(model: nn.Module, topology: Topology, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -194,28 +204,45 @@ class CheckpointContent:
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
 
-def save_checkpoint(root: Path, content: CheckpointContent, topology: Topology | None = None) -> Path:
+def save_checkpoint(
+    root: Path,
+    content: CheckpointContent,
+    topology: Topology | None = None,
+    *,
+    what: str | None = None,
+    fix: str = SAVE_FIX,
+) -> Path:
     """Write `content` under `root` and wait until it is published; every rank takes part (see
-    `begin_save` for what each rank writes). Without a topology, as a single process."""
-    pending = begin_save(root, content, topology)
+    `begin_save` for what each rank writes). Without a topology, as a single process. `what` and
+    `fix` word the line of a full disk (a conversion's destination is no --save)."""
+    pending = begin_save(root, content, topology, what=what, fix=fix)
     pending.write()
     return pending.publish()
 
 
 def begin_save(
-    root: Path, content: CheckpointContent, topology: Topology | None = None, snapshot: bool = False
+    root: Path,
+    content: CheckpointContent,
+    topology: Topology | None = None,
+    snapshot: bool = False,
+    *,
+    what: str | None = None,
+    fix: str = SAVE_FIX,
 ) -> PendingSave:
     """The collective part of a save: take this rank's boxes of the weights and the optimizer
-    state and its RNG state, create the temporary folder. With `snapshot`, every value is
-    copied, so that training may go on while `PendingSave.write` runs (asynchronous saving).
+    state and its RNG state, check that every rank's files fit their filesystem, create the
+    temporary folder. With `snapshot`, every value is copied, so that training may go on while
+    `PendingSave.write` runs (asynchronous saving).
 
     Each rank takes only what it holds and writes (`pieces.writes`); no values travel between
-    ranks. The first data-parallel replica writes the rank states."""
+    ranks. The first data-parallel replica writes the rank states. A checkpoint that does not fit
+    is refused on every rank with the same line (`UserError`) before anything is written."""
+    what = what or f"checkpoint iteration {content.iteration}"
     if topology is None and dist.is_initialized() and dist.get_rank() != 0:
         # (a single-process save inside a larger job, such as a conversion: rank 0 writes it)
         content = dataclasses.replace(content, optimizer=None, rank_state=None, tokenizer=None)
-        pending = PendingSave(root, content.iteration, 0, content.config, None, False, {}, files={})
-        _barrier()
+        pending = PendingSave(root, content.iteration, 0, content.config, None, False, {}, files={}, what=what, fix=fix)
+        _raise_on_every_rank(None)
         return pending
     topology = topology or Topology(ParallelDims(1))
     pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
@@ -235,6 +262,8 @@ def begin_save(
         content.extra_meta,
         files={},
         indexed=topology.dims.world_size > 1,
+        what=what,
+        fix=fix,
     )
     if weights:
         pending.add(weights_file(topology), weights, {"format": "pt"}, "model", shapes)
@@ -247,12 +276,64 @@ def begin_save(
             pending.add(name, state.tensors, {"format": "pt"}, "optimizer", state.shapes)
     if rank_state is not None:
         pending.files[rank_state_file(tp_rank, pp_rank, pp_size)] = ("torch", rank_state, None)
+    _check_space(pending, topology)
+    failure = None
     if pending.writer:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(pending.tmp, ignore_errors=True)
-        pending.tmp.mkdir()
-    _barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+            pending.tmp.mkdir()
+        except OSError as error:
+            failure = pending.failure(error)
+    _raise_on_every_rank(failure)  # (and the barrier after which every rank may write)
     return pending
+
+
+def _bytes_to_write(pending: PendingSave) -> int:
+    """An estimate of the bytes this rank writes: its tensors, the safetensors headers, some slack
+    per file; its keys in the indexes; and on the writer rank the tokenizer and meta.json."""
+    total = 0
+    for kind, content, _ in pending.files.values():
+        total += tensor_bytes(content) + FILE_SLACK
+        if kind == "safetensors":
+            total += sum(len(name) + 128 for name in content)
+    total += sum(2 * (len(key) + 64) for files in pending.keys.values() for keys in files.values() for key in keys)
+    if pending.writer:
+        total += 4 * FILE_SLACK + len(json.dumps(config_to_dict(pending.config))) + _tokenizer_bytes(pending.tokenizer)
+    return total
+
+
+def _tokenizer_bytes(tokenizer: Any) -> int:
+    """The size of the tokenizer.json a checkpoint will hold: its file's, or its serialized text's."""
+    if tokenizer is None:
+        return 0
+    for attribute in ("path", "source"):  # (a tokenizer read from a file, a conversion's copy)
+        file = getattr(tokenizer, attribute, None)
+        if file and Path(file).is_file():
+            return Path(file).stat().st_size
+    hf = getattr(tokenizer, "hf", None)
+    return len(hf.to_str()) if hf is not None else 0
+
+
+def _check_space(pending: PendingSave, topology: Topology) -> None:
+    """Refuse a checkpoint whose files do not fit: the estimates of the ranks that write to one
+    filesystem (one machine's device) are summed and compared with its free space. Collective
+    over all ranks when there are several; every rank reaches the same verdict from the same records."""
+    space = space_at(pending.root)
+    mine = (socket.gethostname(), space.device, str(space.mount), space.free, _bytes_to_write(pending))
+    records: list[Any] = [mine]
+    if topology.dims.world_size > 1 and dist.is_initialized():
+        records = [None] * dist.get_world_size()
+        dist.all_gather_object(records, mine)
+    filesystems: dict[tuple[str, int], list[Any]] = {}
+    for host, device, mount, free, nbytes in records:
+        filesystems.setdefault((host, device), [mount, free, 0])[2] += nbytes
+    pending.space, pending.needed = space, filesystems[mine[:2]][2]
+    several_hosts = len({host for host, _ in filesystems}) > 1
+    for (host, _), (mount, free, needed) in filesystems.items():
+        if needed > free:
+            where = Space(Path(f"{host}:{mount}" if several_hosts else mount), 0, free)
+            raise UserError(no_space_message(pending.what, pending.final, needed, where, pending.fix, ahead=True))
 
 
 @dataclass
@@ -260,7 +341,8 @@ class PendingSave:
     """One checkpoint on its way to disk. `write` puts this rank's files in the temporary folder
     (no communication: it may run in a background thread); `publish` waits for every rank, then
     the writer rank adds the indexes, tokenizer and meta.json with checksums, renames the folder
-    into place, moves the tracker and prunes old checkpoints."""
+    into place, moves the tracker and prunes old checkpoints. A rank that cannot write (a full
+    disk) makes `publish` remove the temporary folder and fail on every rank with one line."""
 
     root: Path
     iteration: int
@@ -280,6 +362,15 @@ class PendingSave:
     """The optimizer's step count."""
     checksums: dict[str, str] = field(default_factory=dict)
     """SHA-256 of each file this rank wrote (computed by `write`, so off the training thread too)."""
+    what: str = "a checkpoint"
+    """What a full disk's line calls it (checkpoint iteration N, a converted checkpoint)."""
+    fix: str = SAVE_FIX
+    needed: int | None = None
+    """Estimated bytes of every rank writing to this rank's filesystem (`begin_save`'s check)."""
+    space: Space | None = None
+    """This rank's filesystem and its free bytes when the save began."""
+    error: str | None = None
+    """Why this rank's `write` failed, for `publish` to report on every rank."""
 
     def add(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict, kind: str, shapes: dict) -> None:
         """A safetensors file of this rank's boxes of kind `kind`."""
@@ -296,24 +387,62 @@ class PendingSave:
         return self.root / f".tmp-{self.final.name}"
 
     def write(self) -> None:
-        for name, (kind, content, metadata) in self.files.items():
-            partial = self.tmp / (name + ".partial")
-            if kind == "safetensors":
-                save_file({n: t.contiguous() for n, t in content.items()}, str(partial), metadata=metadata)
-            else:
-                torch.save(content, partial)
-            self.checksums[name] = file_sha256(partial)
-            partial.replace(self.tmp / name)
-        self.files = {}  # (the values are no longer needed)
+        """This rank's files; a full disk (or another `OSError`) is kept in `error` for `publish`."""
+        try:
+            for name, (kind, content, metadata) in self.files.items():
+                partial = self.tmp / (name + ".partial")
+                if kind == "safetensors":
+                    save_tensors({n: t.contiguous() for n, t in content.items()}, partial, metadata)
+                else:
+                    save_object(content, partial)
+                self.checksums[name] = file_sha256(partial)
+                partial.replace(self.tmp / name)
+        except Exception as error:
+            if not (isinstance(error, OSError) or is_disk_full(error)):
+                raise
+            self.error = self.failure(error)
+        finally:
+            self.files = {}  # (the values are no longer needed)
+
+    def failure(self, error: BaseException) -> str:
+        """The one line of an error met while writing into the temporary folder."""
+        if is_disk_full(error):
+            return no_space_message(self.what, self.tmp, self.needed, self.space or space_at(self.tmp), self.fix)
+        if isinstance(error, OSError):
+            return f"{error.filename or self.tmp}: {error.strerror or error} while writing {self.what}"
+        return str(error)
 
     def publish(self) -> Path:
-        report = {"checksums": self.checksums, "keys": self.keys, "shapes": self.shapes, "step": self.step}
+        report = {
+            "checksums": self.checksums,
+            "keys": self.keys,
+            "shapes": self.shapes,
+            "step": self.step,
+            "error": self.error,
+        }
         reports = [report]
         if self.indexed and dist.is_initialized():  # every rank's files and keys, to rank 0 (the writer)
             reports = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
             dist.gather_object(report, reports, dst=0)
-        tmp, final, root = self.tmp, self.final, self.root
+        failure = None
         if self.writer:
+            failure = next((part["error"] for part in reports if part["error"]), None)
+            if failure is None:
+                failure = self._complete(reports)
+        if failure is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            _raise_on_every_rank(failure)
+        except UserError:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # (each machine's own, where --save is not shared)
+            raise
+        return self.final
+
+    def _complete(self, reports: list[Any]) -> str | None:
+        """The writer's part once every rank has written: indexes, tokenizer, meta.json, the
+        rename, the tracker, pruning. Returns why it failed (a full disk), or None."""
+        tmp, final, root = self.tmp, self.final, self.root
+        try:
             self._write_indexes(reports)
             if self.tokenizer is not None:
                 self.tokenizer.save(tmp / "tokenizer.json")
@@ -327,6 +456,7 @@ class PendingSave:
                 **self.extra_meta,
             }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+            honour_umask(tmp)  # (copied files, a tokenizer's templates, keep their source's mode otherwise)
             if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
                 old = root / f".old-{final.name}-{os.getpid()}"
                 final.replace(old)
@@ -334,12 +464,17 @@ class PendingSave:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 tmp.replace(final)
-            write_text_atomic(root / TRACKER, f"{self.iteration}\n")
-            c = self.config.checkpoint
-            if c.keep_last or c.save_retain_interval:
-                prune_checkpoints(root, c.keep_last or 0, c.save_retain_interval)
-        _barrier()
-        return final
+            write_text_atomic(root / TRACKER, f"{self.iteration}\n", "the checkpoint tracker", self.fix)
+        except Exception as error:
+            if isinstance(error, UserError):
+                return str(error)
+            if not (isinstance(error, OSError) or is_disk_full(error)):
+                raise
+            return self.failure(error)
+        c = self.config.checkpoint
+        if c.keep_last or c.save_retain_interval:
+            prune_checkpoints(root, c.keep_last or 0, c.save_retain_interval)
+        return None
 
     def _write_indexes(self, reports: list[Any]) -> None:
         """model.safetensors.index.json and optimizer.index.json from every rank's keys and shapes."""
@@ -398,9 +533,14 @@ def prune_checkpoints(root: Path, keep: int, retain_interval: int | None = None)
     return doomed
 
 
-def _barrier() -> None:
+def _raise_on_every_rank(failure: str | None) -> None:
+    """Rank 0's verdict on every rank (so also a barrier): nothing, or the same one-line error."""
     if dist.is_initialized():
-        dist.barrier()
+        verdict = [failure]
+        dist.broadcast_object_list(verdict, src=0)
+        failure = verdict[0]
+    if failure is not None:
+        raise UserError(failure)
 
 
 def holds_checkpoint(path: Path) -> bool:

@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from paratron.checkpoint.hf import LLAMA_FAMILY, model_type_of, weights_to_hf
-from paratron.checkpoint.io import CheckpointInfo, read_checkpoint, read_weight
+from paratron.checkpoint.io import CONVERT_FIX, CheckpointInfo, read_checkpoint, read_weight
 from paratron.config.schema import ModelConfig
 from paratron.errors import CheckpointError
 from paratron.model.gpt import GPT
 from paratron.model.lora import adapted_layers, add_adapters
+from paratron.storage import check_space, save_tensors, tensor_bytes, writing
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PEFT_PARTS = {"lora_a": "lora_A", "lora_b": "lora_B"}
@@ -107,10 +107,16 @@ def adapter_config(model: ModelConfig, modules: list[str]) -> dict[str, Any]:
 
 
 def _write_folder(destination: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """Write into a temporary folder, then rename it into place: never a half-written folder."""
+    """Write into a temporary folder, then rename it into place: never a half-written folder (a
+    full disk removes it and says so in one line)."""
     tmp = destination.with_name(f".{destination.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
-    tmp.replace(destination)
+    text = json.dumps(config, indent=2)
+    needed = tensor_bytes(tensors) + sum(len(name) + 128 for name in tensors) + len(text) + 8192
+    what = "the PEFT adapters"
+    check_space(what, destination, needed, CONVERT_FIX)
+    with writing(what, destination, needed, CONVERT_FIX, partial=tmp):
+        tmp.mkdir(parents=True)
+        save_tensors(tensors, tmp / ADAPTER_WEIGHTS, {"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(text, encoding="utf-8")
+        tmp.replace(destination)

@@ -22,12 +22,14 @@ from __future__ import annotations
 import os
 import struct
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from paratron.errors import DataError
+from paratron.errors import DataError, UserError
+from paratron.storage import space_at, writing
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -43,6 +45,7 @@ DTYPES: dict[int, type] = {
     8: np.uint16,
 }
 CODES = {np.dtype(t): code for code, t in DTYPES.items()}
+OUTPUT_FIX = "free space or choose another --output-prefix"
 
 
 def optimal_dtype(vocab_size: int | None) -> type:
@@ -59,18 +62,34 @@ class IndexedDatasetWriter:
 
     Both are written under temporary names and renamed into place at the end (.bin first,
     then .idx), so an interrupted write never leaves a dataset that looks complete. Memory
-    holds only the per-document lengths.
+    holds only the per-document lengths. A full disk deletes the temporary files and ends in one
+    line (`UserError`) with `expected_bytes`, the caller's estimate of the whole, when it has one.
     """
 
-    def __init__(self, prefix: str | Path, dtype: type) -> None:
+    def __init__(self, prefix: str | Path, dtype: type, fix: str = OUTPUT_FIX) -> None:
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODES:
             raise ValueError(f"dtype {self.dtype} has no Megatron code")
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        self.fix = fix
+        self.expected_bytes: int | None = None
+        """The finished .bin and .idx, as the caller estimates them (a full disk's line shows it)."""
+        self._space = space_at(Path(self.prefix).parent)
         self._tmp = f".tmp-{os.getpid()}"
         self._bin = open(f"{self.prefix}.bin{self._tmp}", "wb")
         self.lengths = array("i")  # int32, like Megatron
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A full disk in one line, after the temporary files are deleted."""
+        where = Path(f"{self.prefix}.bin")
+        try:
+            with writing("the indexed dataset", where, lambda: self.expected_bytes, self.fix, space=self._space):
+                yield
+        except UserError:
+            self.abort()
+            raise
 
     def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
         tokens = np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens)
@@ -85,7 +104,8 @@ class IndexedDatasetWriter:
                 raise ValueError(f"token ids {tokens.min()}..{tokens.max()} do not fit {self.dtype}")
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
             raise ValueError("a document longer than 2**31 - 1 tokens does not fit the index")
-        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        with self._writing():
+            self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self.lengths.extend(lengths.astype(np.int32).tolist())
 
     @property
@@ -93,6 +113,10 @@ class IndexedDatasetWriter:
         return len(self.lengths)
 
     def finalize(self) -> None:
+        with self._writing():
+            self._finalize()
+
+    def _finalize(self) -> None:
         self._bin.close()
         lengths = np.frombuffer(self.lengths, dtype=np.int32) if self.lengths else np.zeros(0, np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
@@ -116,7 +140,10 @@ class IndexedDatasetWriter:
 
     def abort(self) -> None:
         """Close and delete the temporary files (after an error or an interruption)."""
-        self._bin.close()
+        try:
+            self._bin.close()
+        except OSError:  # (what was left in its buffer did not fit: it is closed all the same)
+            pass
         for path in (f"{self.prefix}.bin{self._tmp}", f"{self.prefix}.idx{self._tmp}"):
             Path(path).unlink(missing_ok=True)
 

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from paratron.data.indexed import IndexedDatasetWriter, optimal_dtype
-from paratron.data.tokenizer import AnyTokenizer, tokenizer_from_spec
+from paratron.data.indexed import HEADER_BYTES, OUTPUT_FIX, IndexedDatasetWriter, optimal_dtype
+from paratron.data.tokenizer import AnyTokenizer, Tokenizer, tokenizer_from_spec
 from paratron.errors import DataError
+from paratron.storage import write_text_atomic
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 BATCH_DOCUMENTS = 256
@@ -196,6 +197,21 @@ def _with_eod(tokens: np.ndarray, lengths: np.ndarray, eod: int) -> tuple[np.nda
     return np.insert(tokens, ends, eod), lengths + 1
 
 
+def _projected_bytes(tokens: int, documents: int, dtype: type, share: float) -> int:
+    """The finished .bin and .idx of a dataset that has `tokens` and `documents` once `share` of
+    the input is read: what a full disk's line says it needs."""
+    done = tokens * np.dtype(dtype).itemsize + documents * 20  # (.idx: a length, a pointer, a document entry)
+    return HEADER_BYTES + 8 + int(done / max(share, 1e-12))
+
+
+def save_trained_tokenizer(tokenizer: Tokenizer, output_prefix: str) -> Path:
+    """OUTPUT_PREFIX_tokenizer.json, the BPE `paratron preprocess` trained on its input: through a
+    temporary file, so a full disk says so in one line and leaves nothing behind."""
+    path = Path(f"{output_prefix}_tokenizer.json")
+    write_text_atomic(path, tokenizer.hf.to_str(pretty=True), "the trained tokenizer", OUTPUT_FIX)
+    return path
+
+
 # ---------------------------------------------------------------- the pipeline
 
 
@@ -222,6 +238,7 @@ def preprocess(
     total_bytes = sum(p.stat().st_size for p in files)
     dtype = optimal_dtype(tokenizer.vocab_size)
     writers: list[IndexedDatasetWriter] = []
+    written = [[0, 0] for _ in json_keys]  # tokens and documents of each key's dataset so far
     bar = pool = None
     in_flight: deque = deque()
 
@@ -236,13 +253,17 @@ def preprocess(
             _reject(f"{batch[i].where}: {bad[i]}", result, skip_bad_lines)
         keep = np.ones(len(batch), dtype=bool)
         keep[list(bad)] = False
-        for writer, (tokens, lengths, _) in zip(writers, encoded):
+        share = (result.input_bytes + sum(d.nbytes for d in batch)) / max(total_bytes, 1)
+        for writer, (tokens, lengths, _), counts in zip(writers, encoded, written):
             if bad:
                 pieces = np.split(tokens, np.cumsum(lengths)[:-1])
                 tokens = np.concatenate([t for t, k in zip(pieces, keep) if k]) if keep.any() else tokens[:0]
                 lengths = lengths[keep]
             if append_eod:
                 tokens, lengths = _with_eod(tokens, lengths, tokenizer.eod_id)
+            counts[0] += tokens.size
+            counts[1] += lengths.size
+            writer.expected_bytes = _projected_bytes(counts[0], counts[1], dtype, share)
             try:
                 writer.add_documents(tokens, lengths)
             except ValueError as exc:  # ids beyond what the tokenizer's vocabulary size promised
@@ -320,35 +341,48 @@ def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer-type",
         choices=all_fields()["tokenizer_type"].choices,
-        help="The tokenizer (default: GPT2BPETokenizer when --vocab-file/--merge-file are given, as Megatron-LM's "
+        metavar="TYPE",
+        help="The tokenizer (one of "
+        + ", ".join(all_fields()["tokenizer_type"].choices or ())
+        + ") (default: GPT2BPETokenizer when --vocab-file/--merge-file are given, as Megatron-LM's "
         "pretrain_gpt.py, else ByteLevelBPE, trained on the input and saved as OUTPUT_PREFIX_tokenizer.json).",
     )
     parser.add_argument(
         "--tokenizer-model",
+        metavar="PATH",
         help="tokenizer.json or its folder (HuggingFaceTokenizer), SentencePiece .model (GPTSentencePieceTokenizer, "
         "Llama2Tokenizer) or Megatron's tiktoken vocabulary .json (TikTokenizer).",
     )
-    parser.add_argument("--vocab-file", help="GPT-2 vocab.json for GPT2BPETokenizer.")
-    parser.add_argument("--merge-file", help="GPT-2 merges.txt for GPT2BPETokenizer.")
+    parser.add_argument("--vocab-file", metavar="FILE", help="GPT-2 vocab.json for GPT2BPETokenizer.")
+    parser.add_argument("--merge-file", metavar="FILE", help="GPT-2 merges.txt for GPT2BPETokenizer.")
     parser.add_argument(
         "--vocab-size",
         type=int,
+        metavar="N",
         help="Vocabulary size: of the trained BPE (default 8192), of NullTokenizer's ids, or TikTokenizer's (default "
         "131072).",
     )
-    parser.add_argument("--tiktoken-pattern", choices=["v1", "v2"], help="TikTokenizer's regex (default v2).")
     parser.add_argument(
-        "--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer's special ids (default 1000)."
+        "--tiktoken-pattern", choices=["v1", "v2"], metavar="v1|v2", help="TikTokenizer's regex (default v2)."
+    )
+    parser.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="TikTokenizer's special ids (default 1000).",
     )
     for name in ("--tiktoken-special-tokens", "--tokenizer-special-tokens"):
-        parser.add_argument(name, nargs="+", help="TikTokenizer's named special tokens, in id order.")
+        parser.add_argument(name, nargs="+", metavar="TOKEN", help="TikTokenizer's named special tokens, in id order.")
     parser.add_argument(
         "--legacy-tokenizer",
         action="store_true",
         help="Megatron-LM's older tokenizer classes: Llama2Tokenizer starts documents with <s>; TikTokenizer reads "
         "special-token text as plain text.",
     )
-    parser.add_argument("--vocab-extra-ids", type=int, default=0, help="T5/BERT sentinel tokens: only 0 is accepted.")
+    parser.add_argument(
+        "--vocab-extra-ids", type=int, default=0, metavar="N", help="T5/BERT sentinel tokens: only 0 is accepted."
+    )
 
 
 def tokenizer_type_of(args: argparse.Namespace) -> str:

@@ -3,21 +3,22 @@ the search kept and every other layout it considered (with why, and what is know
 PNG comparing the best plans' step time and memory breakdowns.
 
 Files are written to a temporary name and renamed into place, so a stopped run never leaves a
-half-written one.
+half-written one, and a full disk says so in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from pathlib import Path
 from typing import Any
 
-from paratron.checkpoint.io import write_text_atomic
 from paratron.planning.hardware import Hardware
 from paratron.planning.memory import CATEGORIES, RankMemory
 from paratron.planning.operations import PARTS
 from paratron.planning.search import Plan, Unpriced
+from paratron.storage import write_bytes_atomic, write_text_atomic
 
 TIME_PARTS = (*PARTS, "bubble", "optimizer")
 SHORT = {
@@ -114,7 +115,8 @@ def write_json(
         "plans": [plan_record(p) for p in plans],
         "other_layouts": [unpriced_record(u) for u in others],
     }
-    write_text_atomic(Path(path), json.dumps(document, indent=1, default=str) + "\n")
+    text = json.dumps(document, indent=1, default=str) + "\n"
+    write_text_atomic(Path(path), text, "the plans", "free space or choose another --output")
 
 
 def plot(plans: list[Plan], path: Path, top: int = 8) -> Path:
@@ -148,10 +150,8 @@ def plot(plans: list[Plan], path: Path, top: int = 8) -> Path:
     right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False)
     fig.suptitle("paratron plan: the best layouts")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    picture = io.BytesIO()  # (drawn in memory: its size is known before the disk is asked for it)
+    fig.savefig(picture, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
-    return path
+    write_bytes_atomic(Path(path), picture.getvalue(), "the plans' plot", "free space or choose another --plot")
+    return Path(path)

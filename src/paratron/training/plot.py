@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paratron.checkpoint.io import write_text_atomic
+from paratron.storage import write_text_atomic
 
 
 def _read(path: Path) -> list[dict]:
