@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from paratron.checkpoint.io import TRACKER, read_checkpoint
+from paratron.checkpoint.lock import LOCK_NAME
+from paratron.distributed.watchdog import Watchdog
 
 from multiprocess import free_port
 
@@ -109,19 +116,30 @@ def test_a_node_rank_out_of_range_and_an_unreachable_master_are_one_line(tmp_pat
     assert lines[0].startswith("error: the nodes did not meet at 127.0.0.1:") and "within 3 s" in lines[0]
 
 
-def test_a_run_that_loses_a_rank_ten_times_ends_as_the_uninterrupted_one(tmp_path):
+STEPS = 8
+BROKEN = [*RUN, "--nproc", "2", "--train-iters", str(STEPS), "--save-interval", "2", *QUIET]
+"""The run the fault tests break again and again (a checkpoint every 2 steps)."""
+
+
+@pytest.fixture(scope="module")
+def calm(tmp_path_factory) -> dict[int, float]:
+    """The losses of `BROKEN` left alone, step by step: trained once for every test that compares."""
+    root = tmp_path_factory.mktemp("calm")
+    code, _, err = finish(start(*BROKEN, "--save", str(root / "ck"), "--run-dir", str(root / "run")))
+    assert code == 0, err
+    return losses(root / "run")
+
+
+def test_a_run_that_loses_a_rank_ten_times_ends_as_the_uninterrupted_one(tmp_path, calm):
     """Ten kills (SIGKILL of a seeded random rank at a seeded random step, one per attempt, steps
     in order so each fires), --max-restarts 10, a checkpoint every 2 steps: every restart resumes
     from the newest intact checkpoint, and the losses are the uninterrupted run's."""
-    steps = 8
-    common = [*RUN, "--nproc", "2", "--train-iters", str(steps), "--save-interval", "2", *QUIET]
-    code, _, err = finish(start(*common, "--save", str(tmp_path / "ck0"), "--run-dir", str(tmp_path / "calm")))
-    assert code == 0, err
+    steps = STEPS
     chance = random.Random(19)
     faults = [f"{chance.randrange(2)}:{step}:crash" for step in sorted(chance.randint(1, steps) for _ in range(10))]
     code, out, err = finish(
         start(
-            *common,
+            *BROKEN,
             "--save",
             str(tmp_path / "ck"),
             "--run-dir",
@@ -138,13 +156,187 @@ def test_a_run_that_loses_a_rank_ten_times_ends_as_the_uninterrupted_one(tmp_pat
     restarts = [line for line in err.splitlines() if line.startswith("a rank failed: restarting the workers")]
     assert [line.split("(")[1].split(",")[0] for line in restarts] == [f"{k} of 10" for k in range(1, 11)]
     assert 1 <= out.count("paratron: world 2") <= 11
-    assert losses(tmp_path / "faulty") == losses(tmp_path / "calm")
+    assert losses(tmp_path / "faulty") == calm
     # every checkpoint is whole, and the tracker names the last
     folders = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("iter_"))
     assert folders == [f"iter_{i:07d}" for i in range(2, steps + 1, 2)]
     for folder in folders:
         assert not read_checkpoint(tmp_path / "ck" / folder).passed_over
     assert (tmp_path / "ck" / TRACKER).read_text().strip() == str(steps)
+
+
+def job_processes(save: Path) -> dict[int, str]:
+    """The running processes (not the dead awaiting collection) whose command line names `save`:
+    a job's launcher and its workers."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):  # (not a process, or one that just ended)
+            continue
+        if str(save).encode() in argv and state != "Z":
+            found[int(entry.name)] = b" ".join(argv[:5]).decode()
+    return found
+
+
+class Attempt:
+    """One start of a job in a process group of its own, its output read as it comes."""
+
+    def __init__(self, command: list[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.arrived: queue.Queue[str] = queue.Queue()
+        self.readers = [
+            threading.Thread(target=self._read, args=(self.process.stdout, self.out, True), daemon=True),
+            threading.Thread(target=self._read, args=(self.process.stderr, self.err, False), daemon=True),
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, stream, lines: list[str], tell: bool) -> None:
+        for line in stream:  # (until every process holding the pipe has closed it)
+            lines.append(line)
+            if tell:
+                self.arrived.put(line)
+
+    def kill(self, seconds: float, after_lines: int, delay: float) -> dict[int, str]:
+        """SIGKILL the launcher's process group `delay` s after its `after_lines`-th line of output, or
+        at `seconds` after the start if that comes first; its workers at that moment (their pids)."""
+        deadline, seen = time.monotonic() + seconds, 0
+        while seen < after_lines and time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                self.arrived.get(timeout=0.02)
+                seen += 1
+            except queue.Empty:
+                continue
+        time.sleep(delay if seen == after_lines else 0)
+        assert self.process.poll() is None, f"the job ended before its kill:\n{''.join(self.err)[-3000:]}"
+        workers = children(self.process.pid)
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        return workers
+
+    def drained(self, timeout: float) -> bool:
+        """Whether both pipes closed (no process of the job holds them any more) within `timeout` s."""
+        for reader in self.readers:
+            reader.join(timeout)
+        return not any(reader.is_alive() for reader in self.readers)
+
+
+def children(parent: int) -> set[int]:
+    """The running processes whose parent is `parent`, from /proc."""
+    return {pid for pid, (state, ppid) in process_table().items() if ppid == parent and state != "Z"}
+
+
+def process_table() -> dict[int, tuple[str, int]]:
+    """Every process's state and parent, from /proc."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:  # (not a process, or one that just ended)
+            continue
+        table[int(entry.name)] = (fields[0], int(fields[1]))
+    return table
+
+
+def still_running(pids: set[int], within: float) -> set[int]:
+    """Those of `pids` still running (not ended, not dead awaiting collection) after `within` s."""
+    deadline = time.monotonic() + within
+    while True:
+        table = process_table()
+        running = {pid for pid in pids if pid in table and table[pid][0] != "Z"}
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.01)
+
+
+def lock_holder(save: Path) -> int | None:
+    lock = save / LOCK_NAME
+    return json.loads(lock.read_text())["pid"] if lock.exists() else None
+
+
+def test_a_killed_launcher_takes_its_workers_with_it_and_a_save_folder_has_one_writer(tmp_path, calm):
+    """Ten times the launcher's process group is SIGKILLed at a seeded random moment (starting up,
+    or a seeded number of output lines into the run: training, saving), and the job is started
+    again with the same flags (the fourth time under plain torchrun, where rank 0 holds the lock).
+    Every worker ends with its launcher, a lock left behind is taken over with a note, no
+    checkpoint is saved by two jobs, and the run ends with the uninterrupted run's losses."""
+    save = tmp_path / "ck"
+    flags = [*BROKEN, "--save", str(save), "--load", str(save), "--run-dir", str(tmp_path / "run")]
+    by_torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    at = flags.index("--nproc")  # (torchrun's --nproc-per-node instead)
+    by_torchrun += ["-m", "paratron", *flags[:at], *flags[at + 2 :]]
+    chance = random.Random(15)  # (4 kills while starting, 6 in training or saving, 2 of them after a save)
+    outputs = []
+    for attempt in range(10):
+        left = lock_holder(save)
+        job = Attempt(by_torchrun if attempt == 3 else [sys.executable, "-m", "paratron", *flags])
+        if chance.random() < 0.3:  # while it starts up: the launcher, the lock, the workers
+            workers = job.kill(chance.uniform(0.3, 4.0), 1, 0.0)
+        else:  # at the 4th to 7th line (the first step's, a step's, a save's) and up to 50 ms on
+            workers = job.kill(120.0, chance.randint(4, 7), chance.uniform(0.0, 0.05))
+            assert len(workers) == 2, workers
+        # within a second (orphans would go on: train, save, finish the run, draw the loss curve)
+        assert still_running(workers, within=1.0) == set(), f"attempt {attempt}: workers outlived their launcher"
+        assert job.drained(10) and job_processes(save) == {}, job_processes(save)
+        outputs.append("".join(job.out))
+        assert "done:" not in outputs[-1]  # (nothing finished the run behind the next job's back)
+        taker = lock_holder(save)
+        if left is not None and taker not in (None, left):  # (it came as far as taking the lock)
+            note = f"took over the lock of a job that is gone (host {socket.gethostname()}, pid {left}, since "
+            assert note in "".join(job.err), "".join(job.err)[-2000:]
+    code, out, err = finish(start(*flags))
+    assert code == 0, err[-3000:]
+    assert losses(tmp_path / "run") == calm
+    lines = "".join([*outputs, out]).splitlines()
+    saved = [line.split("iter_")[1].strip() for line in lines if line.startswith("saved checkpoint")]
+    # each step saved once (a job killed between its save and its line leaves the line out: the tracker says the rest)
+    assert sorted(saved) == sorted(set(saved)) and saved, saved
+    assert not (save / LOCK_NAME).exists() and job_processes(save) == {}
+    assert (save / TRACKER).read_text().strip() == str(STEPS)
+
+
+def test_a_worker_whose_launcher_is_already_gone_stops_at_once():
+    """A launcher that died before its worker could ask to end with it: the worker's parent is not
+    the launcher the environment names, so it stops before doing anything."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", PARATRON_LAUNCHER_PID=str(ended.pid))
+    work = "import os; from paratron.distributed.launch import end_with_launcher as end; end(os.getppid()); print('on')"
+    done = subprocess.run([sys.executable, "-c", work], env=env, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", "[rank 1] stopped: its launcher is gone\n")
+
+
+def test_the_watchdog_stops_a_worker_whose_parent_changed(monkeypatch, capsys):
+    """Where the system sends no signal when the launcher dies, the watchdog's thread sees that the
+    worker's parent is no longer the one it started under."""
+    exits = queue.Queue()
+    watchdog = Watchdog(600, 3, 4, None, parent=os.getppid() + 1)
+
+    def stop_watching(code: int) -> None:  # (instead of ending the test's process: the watchdog stops)
+        exits.put(code)
+        watchdog.__exit__(None, None, None)
+
+    monkeypatch.setattr(os, "_exit", stop_watching)
+    with watchdog:
+        assert exits.get(timeout=10) == 1
+    assert capsys.readouterr().err == f"[rank 3] stopped: its launcher (pid {os.getppid() + 1}) is gone\n"
 
 
 def two_ranks(run_dir: Path, steps: int, *flags: str) -> tuple[int, str, str]:

@@ -10,6 +10,7 @@ together); under Slurm the same comes from SLURM_* (`slurm_settings`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -32,6 +33,40 @@ if TYPE_CHECKING:
 
 ERROR_DIR_ENV = "PARATRON_ERROR_DIR"
 """Where workers other than rank 0 leave their one-line error message for the launcher."""
+LAUNCHER_PID_ENV = "PARATRON_LAUNCHER_PID"
+"""The launcher's pid, for its workers: the parent each must still have when it starts."""
+PR_SET_PDEATHSIG = 1
+"""prctl's option (linux/prctl.h): the signal this process gets when its parent ends."""
+
+_parent: int | None = None
+
+
+def end_with_launcher(parent: int) -> None:
+    """The first thing a worker does: end when its launcher ends, even by SIGKILL, which gives
+    the launcher no chance to stop it (orphaned workers would go on training and saving beside
+    the next job). On Linux the kernel sends SIGKILL on the parent's death (PR_SET_PDEATHSIG).
+    A launcher that died before that was set shows in the parent pid, which must still be the
+    launcher's (it passes it in LAUNCHER_PID_ENV) or, under plain torchrun, `parent`, the one
+    read as the worker started. Elsewhere the watchdog's thread watches the parent pid. A process
+    started otherwise (by hand, by srun) is left alone: its parent is no launcher."""
+    global _parent
+    if LAUNCHER_PID_ENV not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    if sys.platform.startswith("linux"):
+        import ctypes  # (start-up speed: only workers need it)
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    expected = int(os.environ.get(LAUNCHER_PID_ENV, parent))
+    if os.getppid() != expected:
+        print(f"[rank {os.environ.get('RANK', '?')}] stopped: its launcher is gone", file=sys.stderr, flush=True)
+        os._exit(1)
+    _parent = expected
+
+
+def expected_parent() -> int | None:
+    """The parent this worker started under (None outside a launched worker)."""
+    return _parent
 
 
 def report_worker_error(message: str) -> None:
@@ -160,6 +195,7 @@ def run_under_torchrun(settings: ParallelConfig, argv: Sequence[str]) -> int:
     metrics.configure(_RestartNotice(settings.max_restarts), group="torchelastic")
     with tempfile.TemporaryDirectory(prefix="paratron-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         try:
             meeting = agree_on_the_world(settings) if settings.nnodes > 1 and settings.rdzv_endpoint is None else None
             elastic_launch(_launch_config(settings), sys.executable)("-u", "-m", "paratron", *argv)
@@ -173,7 +209,7 @@ def run_under_torchrun(settings: ParallelConfig, argv: Sequence[str]) -> int:
         except ChildFailedError as failure:
             return _failed(failure, settings, Path(error_dir))
         finally:
-            del os.environ[ERROR_DIR_ENV]
+            del os.environ[ERROR_DIR_ENV], os.environ[LAUNCHER_PID_ENV]
     return 0
 
 

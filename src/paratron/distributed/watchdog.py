@@ -10,6 +10,9 @@ group and its ranks, and which of them did not arrive (stuck elsewhere, or silen
 unreachable). Then it ends the process with exit code 1, so the launcher stops the job (or
 restarts it, with --max-restarts). The process group's own timeout is set later than the
 watchdog's, so the report comes first.
+
+The same thread ends a worker whose launcher is gone (its parent changed: it was adopted), where
+the system sends no signal for that (on Linux the kernel does: `launch.end_with_launcher`).
 """
 
 from __future__ import annotations
@@ -99,8 +102,10 @@ def _group_in(names: dict[str, Any]) -> tuple[str, tuple[int, ...]] | None:
 class Watchdog:
     """One per training process; `progress()` from the loop, the rest runs on its own thread."""
 
-    def __init__(self, timeout_s: float, rank: int, world: int, store: Any | None) -> None:
+    def __init__(self, timeout_s: float, rank: int, world: int, store: Any | None, parent: int | None = None) -> None:
         self.timeout_s, self.rank, self.world, self.store = timeout_s, rank, world, store
+        self.parent = parent
+        """The launcher's pid this worker started under (None: not watched)."""
         self.main = threading.main_thread()
         self.last = time.monotonic()
         self.step: int | None = None
@@ -124,8 +129,13 @@ class Watchdog:
             self.step = step
 
     def _watch(self) -> None:
-        poll = min(5.0, max(0.2, self.timeout_s / 10))
-        while not self._stop.wait(poll):
+        poll = min(5.0 if self.parent is None else 1.0, max(0.2, self.timeout_s / 10))
+        while True:
+            if self.parent is not None and os.getppid() != self.parent:  # (adopted: the launcher is gone)
+                print(f"[rank {self.rank}] stopped: its launcher (pid {self.parent}) is gone", file=sys.stderr)
+                os._exit(1)
+            if self._stop.wait(poll):
+                return
             if time.monotonic() - self.last > self.timeout_s:
                 self._report_and_exit()
 
