@@ -14,15 +14,17 @@ from paratron.model.gpt import GPT
 
 
 def tokenizer_from_checkpoint(info: CheckpointInfo) -> Tokenizer | None:
-    """The tokenizer saved with a checkpoint (None for runs on mock data)."""
+    """The tokenizer saved with a checkpoint (None for runs on mock data), with the special tokens
+    recorded beside it (those its original folder declared, config.json's ids included)."""
     file = info.path / "tokenizer.json"
     return Tokenizer.from_file(file) if file.is_file() else None
 
 
 def load_pretrained(path: str | Path, device: torch.device | str = "cpu") -> GPT:
     """The model of a paratron checkpoint (a save directory or one iteration folder) or of a Hugging
-    Face model directory (config.json + safetensors: Llama, Mistral, Qwen2, GPT-2), on one device
-    in eval mode; `model(input_ids)` returns logits."""
+    Face model directory (config.json + safetensors, of any family in `checkpoint.hf.ARCHITECTURES`:
+    Llama, Mistral, Qwen2, Qwen3, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE), on one device in eval mode;
+    `model(input_ids)` returns logits."""
     path = Path(path)
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
         return model_from_hf(path, device)

@@ -73,6 +73,7 @@ class SentencePieceTokenizer:
         if self.eod_id < 0:
             raise DataError(f"--tokenizer-model {path}: the model has no </s> (eos) piece to end documents with")
         self.pad_id = int(self.sp.pad_id()) if self.sp.pad_id() >= 0 else self.eod_id
+        self.stop_ids = (self.eod_id,)
         self.prepend_bos = kind == "Llama2Tokenizer" and legacy
         if self.prepend_bos and self.bos_id < 0:
             raise DataError(f"--tokenizer-model {path}: Llama2Tokenizer starts documents with <s>, which it lacks")
@@ -179,6 +180,7 @@ class TikTokenizer:
         self.num_special_tokens, self._vocab_size = num_special_tokens, vocab_size
         self.bos_id, self.eod_id, self.unk_id = (self.special_ids[t] for t in ("<s>", "</s>", "<unk>"))
         self.pad_id = self.special_ids.get("<pad>", self.eod_id) if not legacy else self.eod_id
+        self.stop_ids = (self.eod_id,)
 
     @property
     def vocab_size(self) -> int:

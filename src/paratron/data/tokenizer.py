@@ -11,49 +11,56 @@
 
 Byte-level BPE maps any UTF-8 text to ids and back losslessly. Documents end with the
 end-of-document token; padding, where needed, uses the pad token if there is one, else
-end-of-document.
+end-of-document. A tokenizer.json read from a folder takes its end, padding and beginning tokens
+and the ids that stop generation from what the folder's files declare (special_tokens.py).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from paratron.data.file_tokenizers import SentencePieceTokenizer, TikTokenizer
+from paratron.data.special_tokens import (
+    CARRIED_FILES,
+    EOD_GUESSES,
+    SpecialTokens,
+    hf_declarations,
+    read_special_tokens,
+    write_record,
+)
 from paratron.errors import DataError
 
 if TYPE_CHECKING:
     from paratron.config.schema import DataConfig
 
-EOD_TOKEN = "<|endoftext|>"
-_EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
-_PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
+EOD_TOKEN = EOD_GUESSES[0]
 
 
 class Tokenizer:
-    """Text <-> token ids, plus the id that ends a document and the one that pads."""
+    """Text <-> token ids, plus the ids that end a document, pad, begin and stop generation.
 
-    def __init__(self, hf: HFTokenizer, source: str = "") -> None:
+    `special` is what the tokenizer's files declare (`from_file` reads them); without it the
+    end and padding tokens are guessed from their usual names."""
+
+    def __init__(self, hf: HFTokenizer, source: str = "", special: SpecialTokens | None = None) -> None:
         self.hf = hf
         self.source = source
-        self.eod_id = self._find_eod()
-        pads = [self.hf.token_to_id(t) for t in _PAD_CANDIDATES]
-        self.pad_id = next((p for p in pads if p is not None), self.eod_id)
+        self.special = special or read_special_tokens(hf, None, source or "tokenizer")
+        self.eod_id = self.special.eos_token_id
+        self.pad_id = self.special.pad_token_id if self.special.pad_token_id is not None else self.eod_id
+        self.bos_id = self.special.bos_token_id
+        self.stop_ids = self.special.stop_ids
 
-    def _find_eod(self) -> int:
-        for token in _EOD_CANDIDATES:
-            token_id = self.hf.token_to_id(token)
-            if token_id is not None:
-                return token_id
-        raise DataError(
-            f"{self.source or 'tokenizer'}: has no end-of-document token "
-            f"(one of {', '.join(_EOD_CANDIDATES)}); add one to the tokenizer"
-        )
+    def token(self, token_id: int | None) -> str | None:
+        """The text of special token `token_id` (None for None), as a chat template writes it."""
+        return None if token_id is None else self.hf.id_to_token(token_id)
 
     @property
     def vocab_size(self) -> int:
@@ -71,15 +78,22 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=False)
 
     def save(self, path: Path) -> None:
-        """Write tokenizer.json (callers write into temporary paths that they rename); a tokenizer
-        read from a folder brings that folder's chat template files along."""
+        """Write tokenizer.json (callers write into temporary paths that they rename). Saved as a
+        folder's tokenizer.json, it keeps its special tokens beside it (special_tokens.json), and a
+        tokenizer read from a folder brings that folder's chat template and declarations along."""
         self.hf.save(str(path))
-        if self.source and Path(path).name == "tokenizer.json":
-            copy_template_files(Path(self.source).parent, Path(path).parent)
+        if Path(path).name == "tokenizer.json":
+            if self.source and Path(self.source).is_file():
+                copy_tokenizer_files(Path(self.source).parent, Path(path).parent)
+            self.save_special_tokens(Path(path).parent)
+
+    def save_special_tokens(self, folder: Path) -> None:
+        """Record the special tokens in `folder`'s special_tokens.json, where `from_file` finds them."""
+        write_record(self.special, folder)
 
     def spec(self) -> dict:
         """Everything needed to rebuild this tokenizer in another process."""
-        return {"type": "hf", "json": self.hf.to_str(), "source": self.source}
+        return {"type": "hf", "json": self.hf.to_str(), "source": self.source, "special": self.special.as_dict()}
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -89,11 +103,10 @@ class Tokenizer:
         if not path.is_file():
             raise DataError(f"{path}: no such file; give a tokenizer.json or a folder holding one")
         try:
-            return cls(HFTokenizer.from_file(str(path)), str(path))
-        except DataError:
-            raise
+            hf = HFTokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception for malformed files
             raise DataError(f"{path}: not a readable tokenizer.json ({str(exc).splitlines()[0]})") from None
+        return cls(hf, str(path), read_special_tokens(hf, path.parent, str(path)))
 
     @classmethod
     def from_gpt2_files(cls, vocab_file: str | Path, merge_file: str | Path) -> Tokenizer:
@@ -123,6 +136,7 @@ class NullTokenizer:
     def __init__(self, vocab_size: int) -> None:
         self.ids_vocab_size = vocab_size
         self.eod_id = self.pad_id = vocab_size
+        self.stop_ids = (self.eod_id,)
         self.source = f"NullTokenizer({vocab_size})"
 
     @property
@@ -153,15 +167,29 @@ class NullTokenizer:
 
 AnyTokenizer = Tokenizer | NullTokenizer | SentencePieceTokenizer | TikTokenizer
 
-TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
-"""Hugging Face files beside tokenizer.json that hold its chat template and special tokens."""
 
-
-def copy_template_files(source: Path, destination: Path) -> None:
-    """Copy a tokenizer folder's chat template files (those present) into another folder."""
-    for name in TEMPLATE_FILES:
+def copy_tokenizer_files(source: Path, destination: Path) -> None:
+    """Copy a tokenizer folder's chat template and special-token declarations (those present) into
+    another folder."""
+    for name in CARRIED_FILES:
         if (source / name).is_file() and (source / name).resolve() != (destination / name).resolve():
             shutil.copy(source / name, destination / name)
+
+
+def export_tokenizer(folder: Path, destination: Path) -> dict[str, Any]:
+    """A saved tokenizer (`folder`'s tokenizer.json and the files beside it) as a Hugging Face model
+    folder holds it: the files are copied, and where tokenizer_config.json or generation_config.json
+    is missing, one is written that declares the special tokens (the ids of the model's config.json
+    included, which paratron kept in special_tokens.json). Returns those ids (eos_token_id, ...) for
+    the model's config.json."""
+    tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
+    shutil.copy(folder / "tokenizer.json", destination / "tokenizer.json")
+    copy_tokenizer_files(folder, destination)
+    tokenizer_config, generation_config = hf_declarations(tokenizer.special, tokenizer.hf)
+    for name, values in (("tokenizer_config.json", tokenizer_config), ("generation_config.json", generation_config)):
+        if not (destination / name).is_file():
+            (destination / name).write_text(json.dumps(values, indent=2) + "\n", encoding="utf-8")
+    return generation_config
 
 
 def tokenizer_from_spec(spec: dict) -> AnyTokenizer:
@@ -178,7 +206,8 @@ def tokenizer_from_spec(spec: dict) -> AnyTokenizer:
             spec["special_tokens"],
             spec["legacy"],
         )
-    return Tokenizer(HFTokenizer.from_str(spec["json"]), spec.get("source", ""))
+    special = SpecialTokens.from_dict(spec["special"]) if "special" in spec else None
+    return Tokenizer(HFTokenizer.from_str(spec["json"]), spec.get("source", ""), special)
 
 
 def load_tokenizer(

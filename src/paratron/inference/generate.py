@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from paratron.model.gpt import GPT, KVCache
@@ -28,17 +30,20 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_k: int | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Iterable[int] | None = None,
     seed: int | None = None,
 ) -> list[int]:
-    """Continue `prompt_ids`; returns only the new tokens (stopping early at `eos_id`).
+    """Continue `prompt_ids`; returns only the new tokens, the last of them the stop id if one was
+    generated. `eos_id` is the id, or the ids, that stop generation (a tokenizer's `stop_ids`: its
+    end-of-document token and every end token its model declares, e.g. Llama 3's three).
 
     The prompt is cut from the left if prompt + new tokens exceed the model's positions.
     """
+    stop_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id or ())
     device = next(model.parameters()).device
     limit = model.config.max_position_embeddings
     max_new_tokens = max(0, min(max_new_tokens, limit - 1))
-    prompt_ids = prompt_ids[-(limit - max_new_tokens) :] or [eos_id or 0]
+    prompt_ids = prompt_ids[-(limit - max_new_tokens) :] or stop_ids[:1] or [0]
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)
@@ -51,7 +56,7 @@ def generate(
     for _ in range(max_new_tokens):
         token = sample_next(logits, temperature, top_k, generator)
         out.append(int(token))
-        if eos_id is not None and out[-1] == eos_id:
+        if out[-1] in stop_ids:
             break
         logits = model(token.view(1, 1), cache)[:, -1]
     model.train(was_training)

@@ -23,6 +23,7 @@ from paratron.data.sft.templates import (
     BUILTIN_TEMPLATES,
     ChatTemplate,
     ChatTemplateError,
+    chat_stop_ids,
     load_chat_template,
     tokenizer_chat_template,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "Truncation",
     "assistant_spans",
     "build_sample",
+    "chat_stop_ids",
     "iter_tokenized",
     "load_chat_template",
     "messages_of",

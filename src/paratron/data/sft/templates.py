@@ -128,14 +128,16 @@ def load_chat_template(
     tokenizer_path: str | Path | None = None,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    pad_token: str | None = None,
 ) -> ChatTemplate:
     """--chat-template SPEC: `tokenizer` (the tokenizer's own), `chatml`, `llama3`, or a jinja file.
 
     Special tokens come from the tokenizer's tokenizer_config.json when it has one, else
-    from `bos_token`/`eos_token`."""
+    from `bos_token`/`eos_token`/`pad_token`."""
     folder = _tokenizer_folder(tokenizer_path)
     config = _read_config(folder / "tokenizer_config.json") if folder is not None else {}
-    specials = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
+    given = (("bos_token", bos_token), ("eos_token", eos_token), ("pad_token", pad_token))
+    specials = {k: v for k, v in given if v is not None}
     specials.update(_special_tokens(config))
     if spec == "tokenizer":
         name, source = _tokenizer_template(folder, config)
@@ -217,8 +219,32 @@ def _read_text(path: Path) -> str:
 
 def tokenizer_chat_template(spec: str, tokenizer: AnyTokenizer) -> ChatTemplate:
     """--chat-template SPEC for this tokenizer: its own files hold the template `tokenizer` names,
-    and its end-of-document token is the template's eos_token."""
+    and the special tokens it declares (special_tokens.py) are the template's bos_token, eos_token
+    and pad_token."""
     if not isinstance(tokenizer, Tokenizer):
         raise DataError("--sft needs a Hugging Face tokenizer (its character offsets locate the assistant turns)")
-    eos = tokenizer.hf.id_to_token(tokenizer.eod_id)
-    return load_chat_template(spec, tokenizer.source or None, None, eos)
+    special = tokenizer.special
+    bos, eos, pad = (tokenizer.token(i) for i in (special.bos_token_id, special.eos_token_id, special.pad_token_id))
+    return load_chat_template(spec, tokenizer.source or None, bos, eos, pad)
+
+
+_ANSWER = "\x1fparatron answer\x1f"
+"""Stands for an assistant's answer when rendering a template to see what follows one."""
+
+
+def chat_stop_ids(template: ChatTemplate, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids that end a chat answer: the tokenizer's stop ids and the special token the template
+    closes an assistant turn with (ChatML's <|im_end|>, Llama 3's <|eot_id|>, ...), found by
+    rendering a short conversation and reading the first token after the answer."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _ANSWER}]
+    try:
+        rendered = template.render(messages)
+    except ChatTemplateError:  # a template that refuses this conversation declares no end of turn
+        return tokenizer.stop_ids
+    if _ANSWER not in rendered:
+        return tokenizer.stop_ids
+    after = rendered[rendered.rindex(_ANSWER) + len(_ANSWER) :].lstrip()
+    ids = tokenizer.hf.encode(after, add_special_tokens=False).ids[:1]
+    added = tokenizer.hf.get_added_tokens_decoder()
+    end_of_turn = [i for i in ids if i in added and added[i].special]
+    return tuple(dict.fromkeys((*tokenizer.stop_ids, *end_of_turn)))
