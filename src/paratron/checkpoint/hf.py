@@ -12,10 +12,17 @@ layers mix windowed and full attention is refused. Experts are stored one by one
 stacked in paratron (`experts.w_in` = [gate; up] of every expert, `experts.w_out` = their down
 projections).
 
+`config.json` is read as transformers reads it: a field the file leaves out takes transformers'
+default for its model type (the tables of `hf_defaults`). The weights (model.safetensors, or the
+shards model.safetensors.index.json names) are checked against the model the file describes, by
+name and shape, before any is loaded; a mismatch, or a weights file that is missing, empty, cut
+short or not safetensors, is refused in one line naming the file, and the left-out field whose
+default is to blame.
+
 A converted checkpoint is an ordinary paratron checkpoint at iteration 0 marked "weights only"
 (no optimizer state): `paratron train --load` starts from its weights at any layout, and
-`paratron.load_pretrained` loads it. The converter also writes `model.yaml`, a recipe with the
-model's shape, for `paratron train --config DST/model.yaml --load DST ...`.
+`paratron.load_pretrained` loads it; `paratron train --load DST --finetune` builds its model without model
+flags. The converter also writes `model.yaml`, a recipe with the model's shape.
 """
 
 from __future__ import annotations
@@ -28,16 +35,30 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
 
-from paratron.checkpoint.io import CheckpointContent, read_checkpoint, save_checkpoint, weight_catalog
+from paratron.checkpoint.hf_defaults import (
+    DEFAULTS,
+    WEIGHT_SHAPING,
+    default_text,
+    first_wrong_type,
+    spelled,
+    with_defaults,
+)
+from paratron.checkpoint.io import (
+    CONVERT_FIX,
+    CheckpointContent,
+    read_checkpoint,
+    save_checkpoint,
+    weight_catalog,
+)
 from paratron.config.loading import build_config, config_to_dict
 from paratron.config.schema import Config, ModelConfig
-from paratron.data.tokenizer import copy_template_files
-from paratron.errors import CheckpointError
+from paratron.data.tokenizer import Tokenizer, copy_tokenizer_files, export_tokenizer
+from paratron.errors import CheckpointError, ConfigError
 from paratron.model.gpt import GPT, build_model
-from paratron.model.lora import merge_adapters
+from paratron.model.lora import is_adapter, merge_adapters
+from paratron.storage import check_space, honour_umask, save_tensors, tensor_bytes, writing
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -49,6 +70,18 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+FAMILY_NAMES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gpt2": "GPT-2",
+    "mixtral": "Mixtral",
+    "qwen2_moe": "Qwen2-MoE",
+    "qwen3_moe": "Qwen3-MoE",
+}
+"""How the documents and `paratron convert --help` name each model_type of ARCHITECTURES (a test holds
+README.md and docs/training.md to this list)."""
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -130,43 +163,24 @@ def _hf_name(name: str, table: dict[str, str]) -> str | None:
 
 def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
     """paratron model settings for a Hugging Face `config.json` (refused with one line when the
-    model has something paratron's layers do not)."""
-    kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
-        raise CheckpointError(
-            f"{source}: model_type {kind!r} is not supported; convert one of {', '.join(ARCHITECTURES)}"
-        )
+    model has something paratron's layers do not). A field the file leaves out takes transformers'
+    default for the model type (`hf_defaults.DEFAULTS`), as transformers itself reads the file."""
+    kind = _model_type(hf, source)
+    wrong = first_wrong_type(hf, kind)
+    if wrong:
+        raise CheckpointError(f"{source}: {wrong[0]} is {json.dumps(hf[wrong[0]])}, not {wrong[1]}; correct it")
+    hf, _ = with_defaults(hf, kind)
     if kind == "gpt2":
-        gelu = hf.get("activation_function", "gelu_new")
-        if gelu not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
-            raise CheckpointError(
-                f"{source}: activation_function {gelu!r} is not supported (paratron's GELU is the exact one, "
-                "gelu, or the tanh approximation, gelu_new)"
-            )
-        return dict(
-            num_layers=hf["n_layer"],
-            hidden_size=hf["n_embd"],
-            num_attention_heads=hf["n_head"],
-            ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
-            max_position_embeddings=hf["n_positions"],
-            vocab_size=hf["vocab_size"],
-            position_embedding_type="learned_absolute",
-            normalization="LayerNorm",
-            norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-            activation="gelu",
-            openai_gelu=gelu != "gelu",
-            add_bias_linear=True,
-            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
-            hidden_dropout=hf.get("resid_pdrop", 0.0),
-            attention_dropout=hf.get("attn_pdrop", 0.0),
-        )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        return _gpt2_settings(hf, source)
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # (transformers' order)
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope_parameters is not a JSON object of rotary settings; correct it")
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise CheckpointError(
             f"{source}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not "
             "supported; only plain rotary embeddings are"
         )
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf["hidden_act"] != "silu":
         raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (SwiGLU needs silu)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise CheckpointError(f"{source}: attention_bias/mlp_bias are not supported for {kind}")
@@ -178,51 +192,107 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
+        num_query_groups=hf["num_key_value_heads"] or heads,
         ffn_hidden_size=hf["intermediate_size"],
         kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
         max_position_embeddings=hf["max_position_embeddings"],
         vocab_size=hf["vocab_size"],
         position_embedding_type="rope",
-        rotary_base=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+        rotary_base=float(rope.get("rope_theta") or hf["rope_theta"]),
         normalization="RMSNorm",
-        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        norm_epsilon=hf["rms_norm_eps"],
         activation="swiglu",
         add_bias_linear=False,
-        add_qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True)),
+        add_qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and hf["qkv_bias"]),
         qk_layernorm=kind in ("qwen3", "qwen3_moe"),
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        untie_embeddings_and_output_weights=not hf["tie_word_embeddings"],
         hidden_dropout=0.0,
-        attention_dropout=hf.get("attention_dropout", 0.0),
+        attention_dropout=hf["attention_dropout"],
     )
+
+
+def _gpt2_settings(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """paratron model settings for a GPT-2 `config.json` (`hf` with its defaults)."""
+    gelu = hf["activation_function"]
+    if gelu not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+        raise CheckpointError(
+            f"{source}: activation_function {gelu!r} is not supported (paratron's GELU is the exact one, "
+            "gelu, or the tanh approximation, gelu_new)"
+        )
+    return dict(
+        num_layers=hf["n_layer"],
+        hidden_size=hf["n_embd"],
+        num_attention_heads=hf["n_head"],
+        ffn_hidden_size=hf["n_inner"] or 4 * hf["n_embd"],
+        max_position_embeddings=hf["n_positions"],
+        vocab_size=hf["vocab_size"],
+        position_embedding_type="learned_absolute",
+        normalization="LayerNorm",
+        norm_epsilon=hf["layer_norm_epsilon"],
+        activation="gelu",
+        openai_gelu=gelu != "gelu",
+        add_bias_linear=True,
+        untie_embeddings_and_output_weights=not hf["tie_word_embeddings"],
+        hidden_dropout=hf["resid_pdrop"],
+        attention_dropout=hf["attn_pdrop"],
+    )
+
+
+def _model_type(hf: dict[str, Any], source: str) -> str:
+    """The supported model type a config.json declares (its `architectures` only hint at a missing one)."""
+    if "model_type" not in hf:
+        by_class = {architecture: kind for kind, architecture in ARCHITECTURES.items()}
+        named = [by_class[a] for a in hf.get("architectures") or [] if isinstance(a, str) and a in by_class]
+        hint = f'"model_type": "{named[0]}" (its architectures say {ARCHITECTURES[named[0]]})' if named else "it"
+        raise CheckpointError(f"{source}: has no model_type (one of {', '.join(ARCHITECTURES)}); add {hint}")
+    kind = hf["model_type"]
+    if kind not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{source}: model_type {kind!r} is not supported; convert one of {', '.join(ARCHITECTURES)}"
+        )
+    return kind
 
 
 QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 def _attention_settings(hf: dict[str, Any], kind: str, source: str) -> dict[str, Any]:
-    """Full causal attention, or a sliding window on every layer (Mistral's and Mixtral's
-    `sliding_window`; Qwen's `use_sliding_window` on the layers from `max_window_layers`, or
-    `layer_types`). Windows on some layers only are refused: paratron's layers share one pattern."""
-    window = hf.get("sliding_window")
-    layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
-    if types is None and kind in QWEN_FAMILY:
-        first = hf.get("max_window_layers", layers) if hf.get("use_sliding_window") else layers
-        types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
-    if types is not None:
-        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise CheckpointError(f"{source}: layer_types {unknown[0]!r} is not supported (full or sliding attention)")
-        if len(set(types)) > 1:
-            raise CheckpointError(
-                f"{source}: some layers use sliding-window attention and others full attention "
-                "(layer_types / max_window_layers); paratron gives every layer the same attention"
-            )
-        if types and types[0] == "full_attention":
-            window = None
-    if window is None:
+    """Full causal attention, or one sliding window on every layer, read as transformers reads each
+    family (`hf` with its defaults): Mistral and Mixtral window every layer by `sliding_window`, Qwen3-MoE
+    too when `use_sliding_window`; Qwen2 and Qwen3 window the layers from `max_window_layers` on, Qwen2-MoE
+    the even-numbered ones below it, when `use_sliding_window`, unless `layer_types` lists each layer's.
+    Windows on some layers only are refused: paratron's layers share one pattern. A window longer than
+    `max_position_embeddings` never hides a token of a sequence the model takes: plain causal attention."""
+    layers, use = hf["num_hidden_layers"], hf.get("use_sliding_window")
+    if kind in ("qwen2", "qwen3"):
+        window = hf["sliding_window"] if use else None
+        first = hf["max_window_layers"]
+        pattern = [
+            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)
+        ]
+    elif kind == "qwen2_moe":
+        window = hf["sliding_window"] if use else 0
+        below = hf["max_window_layers"]
+        pattern = ["sliding_attention" if use and i % 2 == 0 and i < below else "full_attention" for i in range(layers)]
+    else:  # (transformers gives Mistral, Mixtral and Qwen3-MoE layers no types of their own)
+        window = hf.get("sliding_window") if kind != "qwen3_moe" or use else None
+        pattern = ["full_attention" if window is None else "sliding_attention"] * layers
+    declared = hf.get("layer_types")
+    types = declared if declared is not None else pattern
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise CheckpointError(f"{source}: layer_types {unknown[0]!r} is not supported (full or sliding attention)")
+    if len(set(types)) > 1:
+        raise CheckpointError(
+            f"{source}: some layers use sliding-window attention and others full attention "
+            "(layer_types / max_window_layers); paratron gives every layer the same attention"
+        )
+    if kind in ("qwen2", "qwen3", "qwen2_moe") and types and types[0] == "full_attention":
+        window = None
+    if window is None or window > hf["max_position_embeddings"]:
         return {"attention_type": "causal"}
+    if not window:
+        raise CheckpointError(f"{source}: sliding-window layers with sliding_window {window!r}; give the window size")
     return {"attention_type": "sliding-window", "window_size": int(window)}
 
 
@@ -243,28 +313,29 @@ def _attention_config(m: ModelConfig, kind: str) -> dict[str, Any]:
 
 
 def _expert_settings(hf: dict[str, Any], kind: str) -> dict[str, Any]:
-    """The mixture-of-experts settings of a Mixtral or Qwen2-MoE config.json (none for dense models)."""
+    """The mixture-of-experts settings of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json (`hf` with its
+    defaults; none for dense models)."""
     if kind == "mixtral":
         return dict(
             num_experts=hf["num_local_experts"],
             moe_router_topk=hf["num_experts_per_tok"],
             moe_ffn_hidden_size=hf["intermediate_size"],
-            moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
+            moe_aux_loss_coeff=hf["router_aux_loss_coef"],
         )
     if kind not in ("qwen2_moe", "qwen3_moe"):
         return {}
-    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
+    step, dense = hf["decoder_sparse_step"] or 1, set(hf["mlp_only_layers"] or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
-    shared = hf.get("shared_expert_intermediate_size") or None
+    shared = (hf["shared_expert_intermediate_size"] or None) if kind == "qwen2_moe" else None
     return dict(
-        num_experts=hf.get("num_experts") or hf["num_local_experts"],  # (Qwen3-MoE's name)
+        num_experts=hf["num_experts" if kind == "qwen2_moe" else "num_local_experts"],
         moe_router_topk=hf["num_experts_per_tok"],
-        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_router_pre_softmax=not hf["norm_topk_prob"],
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         moe_layer_freq="[" + ",".join(map(str, pattern)) + "]",
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=shared is not None,
-        moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
+        moe_aux_loss_coeff=hf["router_aux_loss_coef"],
     )
 
 
@@ -498,33 +569,154 @@ def read_hf_config(path: Path) -> dict[str, Any]:
         hf = json.loads(config_file.read_text(encoding="utf-8"))
     except ValueError:
         raise CheckpointError(f"{config_file}: not valid JSON") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{config_file}: not a JSON object of model settings; give the model's config.json")
     model_settings(hf, str(config_file))
     return hf
 
 
+INDEX = "model.safetensors.index.json"
+"""Hugging Face's map of a sharded model's tensors to the files that hold them."""
+
+
 def read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """config.json and every tensor of a Hugging Face model directory (safetensors, sharded or not)."""
+    """config.json and every tensor of a Hugging Face model directory (model.safetensors, or the shards
+    its index names), read once every file opens and the tensors' names and shapes fit the config."""
     hf = read_hf_config(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"{path}: no .safetensors weights (pytorch_model.bin is not read: save with safe_serialization=True)"
-        )
+    files, placed = _weight_files(path)
+    shapes: dict[str, list[int]] = {}
+    holder: dict[str, str] = {}
+    for file in files:
+        for name, shape in _tensor_shapes(file).items():
+            shapes[name], holder[name] = shape, file.name
+    for name, file_name in placed.items():
+        if holder.get(name) != file_name:
+            raise CheckpointError(
+                f"{path / file_name}: has no tensor {name}, which {INDEX} places there; fetch it again"
+            )
+    source = str(path / "config.json")
+    _check_weights_fit(hf, config_for_hf(hf, source).model, shapes, source)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 tensors.update({key: f.get_tensor(key) for key in f.keys()})
-        except Exception as exc:  # safetensors raises its own error types for damaged files
-            raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from None
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(_unreadable(file, exc)) from None
     return hf, tensors
 
 
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, str]]:
+    """The safetensors files of a model directory (those its index names, else every *.safetensors
+    file) and the index's tensor -> file map (empty without an index)."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            placed = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({path / name for name in placed.values()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(
+                f"{index}: not a safetensors index (JSON with a weight_map); fetch it again"
+            ) from None
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(
+                    f"{index}: names {file.name}, which is not in {path}; fetch that file (or remove the index "
+                    "when one model.safetensors holds every tensor)"
+                )
+        return files, placed
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files, {}
+    if any(path.glob("pytorch_model*.bin")):
+        raise CheckpointError(
+            f"{path}: has PyTorch .bin weights only; paratron reads safetensors: save the model with "
+            "save_pretrained(DIR, safe_serialization=True)"
+        )
+    raise CheckpointError(f"{path}: no weights (model.safetensors, or {INDEX} and its shards); add the model's weights")
+
+
+def _tensor_shapes(file: Path) -> dict[str, list[int]]:
+    """The names and shapes of a safetensors file's tensors, from its header alone."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(_unreadable(file, exc)) from None
+
+
+def _unreadable(file: Path, error: Exception) -> str:
+    """One line on why a weights file cannot be read, and what to do."""
+    if isinstance(error, OSError):
+        return f"{file}: cannot be read ({error.strerror or error}); check the file and its permissions"
+    size = file.stat().st_size
+    if size == 0:
+        return f"{file}: is empty (0 bytes); copy or download the weights again"
+    with open(file, "rb") as f:
+        start = f.read(64)
+    if start.startswith(b"version https://git-lfs"):
+        return f"{file}: is a Git LFS pointer, not the weights; fetch them with git lfs pull (or download the file)"
+    reason = str(error).splitlines()[0].removeprefix("Error while deserializing header: ")
+    if "incomplete metadata" in reason:
+        return f"{file}: is cut short ({size} bytes, fewer than its header lists); copy or download it again"
+    return (
+        f"{file}: is not a safetensors file ({reason}); download it again, or save the model with "
+        "save_pretrained(DIR, safe_serialization=True)"
+    )
+
+
+def _check_weights_fit(hf: dict[str, Any], m: ModelConfig, shapes: dict[str, list[int]], source: str) -> None:
+    """Refuse weights whose tensor names or shapes are not those of model `m` (read from `hf`): naming the
+    fields config.json leaves out whose transformers defaults shape the weights, if any."""
+    kind = hf["model_type"]
+    with torch.device("meta"):
+        expected = {
+            name: list(tensor.shape) for name, tensor in weights_to_hf(dict(GPT(m).named_parameters()), kind).items()
+        }
+    problem = None
+    for name, shape in expected.items():
+        if name not in shapes:
+            problem = f"the weights have no {name}"
+        elif shapes[name] != shape:
+            problem = f"{name} is {shapes[name]} in the weights, {shape} by config.json"
+        if problem:
+            break
+    tied_head = "lm_head.weight" if not m.untie_embeddings_and_output_weights else None
+    extra = [n for n in shapes if n not in expected and n != tied_head and not _GPT2_IGNORED.search(n)]
+    if problem is None and extra:
+        problem = f"the weights hold {extra[0]}, which the model of config.json lacks"
+    if problem:
+        raise CheckpointError(_blame(hf, source, f"the weights do not fit it ({problem})"))
+
+
+def _blame(hf: dict[str, Any], source: str, problem: str) -> str:
+    """One line for a config.json that does not describe its model, naming the fields it leaves out whose
+    transformers defaults shape the weights (the likely cause), or else config.json as a whole."""
+    kind = hf["model_type"]
+    suspects = [name for name in with_defaults(hf, kind)[1] if name in WEIGHT_SHAPING]
+    fixed = [name for name in suspects if DEFAULTS[kind][name] is not None]
+    suspects = fixed or suspects  # (a derived default, head_dim's say, is to blame only when nothing else is)
+    if not suspects:
+        return f"{source}: {problem}; correct config.json or give the weights it was saved with"
+    many = len(suspects) > 1
+    missing = ", ".join(spelled(kind, name) for name in suspects)
+    defaults = ", ".join(default_text(kind, name) for name in suspects)
+    return (
+        f"{source}: has no {missing}, and with transformers' default{'s' * many} for a {kind} model ({defaults}) "
+        f"{problem}; add {'them' if many else 'it'}"
+    )
+
+
 def config_for_hf(hf: dict[str, Any], source: str) -> Config:
-    return build_config(dict(model_settings(hf, source), mock_data=True))
+    """The paratron configuration of a Hugging Face config.json; a model paratron cannot build is
+    refused in one line that names the file (and the left-out field to blame, if any)."""
+    try:
+        return build_config(dict(model_settings(hf, source), mock_data=True))
+    except ConfigError as exc:
+        raise CheckpointError(_blame(hf, source, f"it describes a model paratron cannot build ({exc})")) from None
 
 
-def model_from_hf(path: Path, device: torch.device | str = "cpu"):
+def model_from_hf(path: Path, device: torch.device | str = "cpu") -> GPT:
     """A single-device paratron model with a Hugging Face directory's weights, in eval mode."""
     hf, tensors = read_hf(path)
     config = config_for_hf(hf, str(path / "config.json"))
@@ -544,20 +736,28 @@ def hf_to_paratron(source: Path, destination: Path) -> Path:
     model = model_from_hf(source)
     config = config_for_hf(hf, str(source / "config.json"))
     tokenizer = _FileCopy(source / "tokenizer.json") if (source / "tokenizer.json").is_file() else None
-    path = save_checkpoint(
-        destination,
-        CheckpointContent(
-            0,
-            0,
-            config,
-            model,
-            tokenizer=tokenizer,
-            extra_meta={"weights_only": True, "hf_model_type": hf["model_type"]},
-        ),
-    )
-    recipe = {"model": {k: v for k, v in config_to_dict(config)["model"].items() if v is not None}}
-    (destination / "model.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
-    return path
+    tmp = destination.with_name(f".{destination.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    needed = tensor_bytes(list(model.parameters())) + _file_bytes(source / "tokenizer.json") + FOLDER_SLACK
+    check_space(CONVERTED, destination, needed, CONVERT_FIX)
+    with writing(CONVERTED, destination, needed, CONVERT_FIX, partial=tmp):
+        folder = save_checkpoint(
+            tmp,
+            CheckpointContent(
+                0,
+                0,
+                config,
+                model,
+                tokenizer=tokenizer,
+                extra_meta={"weights_only": True, "hf_model_type": hf["model_type"]},
+            ),
+            what=CONVERTED,
+            fix=CONVERT_FIX,
+        )
+        recipe = {"model": {k: v for k, v in config_to_dict(config)["model"].items() if v is not None}}
+        (tmp / "model.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+        tmp.replace(destination)
+    return destination / folder.name
 
 
 def paratron_to_hf(source: Path, destination: Path, merge_lora: bool = False) -> Path:
@@ -575,20 +775,40 @@ def paratron_to_hf(source: Path, destination: Path, merge_lora: bool = False) ->
     kind = model_type_of(m, info.hf_model_type)
     tmp = destination.with_name(f".{destination.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with weight_catalog(info) as catalog, _ShardWriter(tmp) as writer:
-        for names in _layer_groups(m):  # one layer at a time: never the whole model in memory
-            state = {name: catalog.whole(name).float() for name in names}  # (config.json says float32)
-            if m.lora_rank is not None:
-                state = merge_adapters(state, m.lora_alpha, m.lora_rank)
-            for hf_name, tensor in weights_to_hf(state, kind).items():
-                writer.add(hf_name, tensor)
-    (tmp / "config.json").write_text(json.dumps(hf_config(info.config.model, kind), indent=2), encoding="utf-8")
-    if (info.path / "tokenizer.json").is_file():
-        shutil.copy(info.path / "tokenizer.json", tmp / "tokenizer.json")
-        copy_template_files(info.path, tmp)
-    tmp.replace(destination)
+    needed = _export_bytes(m) + _file_bytes(info.path / "tokenizer.json") + FOLDER_SLACK
+    check_space(HF_MODEL, destination, needed, CONVERT_FIX)
+    with writing(HF_MODEL, destination, needed, CONVERT_FIX, partial=tmp):
+        tmp.mkdir(parents=True)
+        with weight_catalog(info) as catalog, _ShardWriter(tmp) as writer:
+            for names in _layer_groups(m):  # one layer at a time: never the whole model in memory
+                state = {name: catalog.whole(name).float() for name in names}  # (config.json says float32)
+                if m.lora_rank is not None:
+                    state = merge_adapters(state, m.lora_alpha, m.lora_rank)
+                for hf_name, tensor in weights_to_hf(state, kind).items():
+                    writer.add(hf_name, tensor)
+        token_ids = export_tokenizer(info.path, tmp) if (info.path / "tokenizer.json").is_file() else {}
+        config = {**hf_config(info.config.model, kind), **token_ids}  # (else transformers assumes its own ids)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        honour_umask(tmp)  # (copied tokenizer files keep their source's mode otherwise)
+        tmp.replace(destination)
     return destination
+
+
+CONVERTED, HF_MODEL = "the converted checkpoint", "the Hugging Face model"
+"""What a full disk's line says a conversion was writing."""
+FOLDER_SLACK = 1 << 16
+"""Bytes a converted folder may take beyond its weights and tokenizer: config, indexes, meta.json."""
+
+
+def _export_bytes(m: ModelConfig) -> int:
+    """The bytes of model `m`'s weights in float32, as `paratron_to_hf` writes them (adapters merged)."""
+    with torch.device("meta"):
+        sizes = [p.numel() for name, p in GPT(m).named_parameters() if not is_adapter(name)]
+    return 4 * sum(sizes)
+
+
+def _file_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
 
 
 MAX_SHARD_BYTES = 5 * 10**9
@@ -628,7 +848,7 @@ class _ShardWriter:
         self.total += nbytes
 
     def _flush(self) -> None:
-        save_file(self.pending, str(self.folder / f"part-{len(self.files):05d}.safetensors"), metadata={"format": "pt"})
+        save_tensors(self.pending, self.folder / f"part-{len(self.files):05d}.safetensors", {"format": "pt"})
         self.files.append(list(self.pending))
         self.pending, self.size = {}, 0
 
@@ -659,11 +879,16 @@ def _refuse_existing(destination: Path) -> None:
 
 
 class _FileCopy:
-    """A tokenizer stand-in for `save_checkpoint`: saving copies the file."""
+    """A tokenizer stand-in for `save_checkpoint`: saving copies the file as it is, with the chat
+    template and special-token files beside it, and records the special tokens its folder declares
+    (config.json's ids included, which the checkpoint does not keep). Reading them up front refuses
+    a bad declaration before anything is written."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.tokenizer = Tokenizer.from_file(path)
 
     def save(self, destination: Path) -> None:
         shutil.copy(self.path, destination)
-        copy_template_files(self.path.parent, destination.parent)
+        copy_tokenizer_files(self.path.parent, destination.parent)
+        self.tokenizer.save_special_tokens(destination.parent)
