@@ -1,18 +1,22 @@
 """Fine-tuning at every layout equals the single process: 20-step loss curves of full SFT and of
-LoRA (per-token loss over packed conversations), and `paratron evaluate` of one checkpoint.
+LoRA (per-token loss over packed conversations), and `paratron evaluate` of one checkpoint on
+conversations and on a text file (whole: its last window padded, its token count n - 1).
 
 One spawn per layout runs all three (the suite's time budget is tight)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from paratron.config import build_config
+from paratron.data.tokenizer import Tokenizer
 from paratron.training.evaluate import run_evaluation
 from paratron.training.run import run_training
 
 from multiprocess import run_ranks
-from tiny import PARITY_RUN, write_conversations
+from tiny import PARITY_RUN, WORDS, write_conversations
 
 
 def settings(data: str, run_dir: str, **overrides) -> dict:
@@ -43,8 +47,27 @@ def settings(data: str, run_dir: str, **overrides) -> dict:
     )
 
 
+def write_text(data: str) -> str:
+    """A text file (one document) of some ten windows of 64 tokens, the last one partial."""
+    path = f"{data}/text.txt"
+    with open(path, "w") as f:
+        f.write(" ".join(WORDS[i * 7 % len(WORDS)] for i in range(601)))
+    return path
+
+
+def evaluations(data: str, run_dir: str, checkpoint: str, layout: dict) -> dict:
+    """`paratron evaluate` of `checkpoint` at `layout`: on the conversations (--sft) and on text."""
+    at = dict(load=checkpoint, micro_batch_size=1, **layout)
+    return {
+        "evaluation": run_evaluation(build_config(settings(data, f"{run_dir}/eval", **at)), None),
+        "text": run_evaluation(
+            build_config(settings(data, f"{run_dir}/eval-text", sft=False, data_path=[f"{data}/text.txt"], **at)), None
+        ),
+    }
+
+
 def finetune_and_evaluate(data: str, run_dir: str, checkpoint: str, layout: dict) -> dict:
-    """Full SFT and LoRA curves, then the evaluation of `checkpoint`, at `layout` (on every rank)."""
+    """Full SFT and LoRA curves, then the evaluations of `checkpoint`, at `layout` (on every rank)."""
     from paratron.distributed.init import initialize, shutdown
 
     initialize("gloo")
@@ -53,10 +76,7 @@ def finetune_and_evaluate(data: str, run_dir: str, checkpoint: str, layout: dict
         lora = run_training(
             build_config(settings(data, f"{run_dir}/lora", lora_rank=4, lora_alpha=8.0, lr=1e-2, **layout))
         ).losses
-        evaluation = run_evaluation(
-            build_config(settings(data, f"{run_dir}/eval", load=checkpoint, micro_batch_size=1, **layout)), None
-        )
-        return {"full": full, "lora": lora, "evaluation": evaluation}
+        return {"full": full, "lora": lora, **evaluations(data, run_dir, checkpoint, layout)}
     finally:
         shutdown()
 
@@ -77,12 +97,14 @@ def reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("finetune")
     write_conversations(folder / "data")
     data, runs = str(folder / "data"), folder / "runs"
+    text = Path(write_text(data)).read_text()
     full = run_training(build_config(settings(data, str(runs / "full"), save=str(folder / "ckpt")))).losses
     lora = run_training(build_config(settings(data, str(runs / "lora"), lora_rank=4, lora_alpha=8.0, lr=1e-2))).losses
-    evaluation = run_evaluation(
-        build_config(settings(data, str(runs / "eval"), load=str(folder / "ckpt"), micro_batch_size=1)), None
-    )
-    return folder, {"full": full, "lora": lora, "evaluation": evaluation}
+    single = {"full": full, "lora": lora, **evaluations(data, str(runs), str(folder / "ckpt"), {})}
+    stream = len(Tokenizer.from_file(folder / "data" / "tokenizer.json").encode(text)) + 1  # + end of document
+    assert stream % 64 != 1 and stream > 4 * 64  # a partial last window, several global batches
+    assert single["text"]["tokens"] == single["text"]["tasks"]["text.txt"]["tokens"] == stream - 1
+    return folder, single
 
 
 @pytest.mark.multiprocess
@@ -102,3 +124,5 @@ def test_finetuning_at_every_layout_equals_one_process(reference, name):
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
     for task in ("chat", "qa"):
         assert ours["tasks"][task]["loss"] == pytest.approx(theirs["tasks"][task]["loss"], rel=1e-5)
+    assert result["text"]["tokens"] == single["text"]["tokens"]
+    assert result["text"]["loss"] == pytest.approx(single["text"]["loss"], rel=1e-5)

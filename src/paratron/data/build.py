@@ -32,10 +32,11 @@ from paratron.config.schema import Config
 from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend, split_ranges
 from paratron.data.corpus import files_signature, stdlib_files
 from paratron.data.datasets import MockTokens, SampleSource
-from paratron.data.gpt_dataset import GPTDataset
+from paratron.data.gpt_dataset import GPTDataset, StreamWindows
 from paratron.data.indexed import IndexedDataset, dataset_exists
 from paratron.data.loader import LoaderSource
 from paratron.data.preprocess import PreprocessResult, input_files, preprocess, read_documents
+from paratron.data.sft.dataset import SFTDataset
 from paratron.data.sft.sources import sft_sources, unique_task_names, whole_tasks
 from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, tokenizer_for, train_byte_level_bpe
 from paratron.distributed.init import collective_device
@@ -312,16 +313,43 @@ def evaluation_sources(
     config: Config, local_rank: int = 0, log: Log = print, saved_tokenizer: Tokenizer | None = None
 ) -> tuple[AnyTokenizer, int, dict[str, SampleSource]]:
     """For `paratron evaluate`: the tokenizer, the vocabulary size and every --data-path file's
-    samples, whole and in order (conversations with --sft; GPT samples otherwise), by task name."""
+    samples by task name, whole and in order: with --sft each conversation once (cut to
+    --seq-length as --sft-truncation says); otherwise the file's token stream in windows
+    (`StreamWindows`), so that every token but the first is scored once. A file with nothing to
+    score is refused, naming it."""
     d = config.data
     builder = _Builder(config, local_rank, log)
     tokenizer, tokenizer_id, vocab = builder.tokenizer_and_vocabulary(saved_tokenizer)
     paths = parse_blend(d.data_path).paths
     names = unique_task_names(paths)
-    if d.sft:
-        return tokenizer, vocab, dict(zip(names, whole_tasks(config, tokenizer, paths, names)))
     tasks: dict[str, SampleSource] = {}
+    if d.sft:
+        for name, path, task in zip(names, paths, whole_tasks(config, tokenizer, paths, names)):
+            _check_scored_conversations(path, task, d.seq_length)
+            if task.truncated:
+                log(
+                    f"{name}: {task.truncated} conversation(s) longer than --seq-length {d.seq_length} were "
+                    "truncated (--sft-truncation truncate); only their first --seq-length positions are scored"
+                )
+            tasks[name] = task
+        return tokenizer, vocab, tasks
     for name, path in zip(names, paths):
         prefix = builder.resolve(path, "--data-path", tokenizer, tokenizer_id)
-        tasks[name] = builder.gpt_dataset(prefix, np.arange(len(IndexedDataset(prefix)), dtype=np.int32), None)
+        windows = StreamWindows(IndexedDataset(prefix, d.mmap_bin_files), d.seq_length)
+        if windows.trained_tokens_per_epoch == 0:
+            count = windows.num_tokens
+            raise DataError(
+                f"{path}: holds {count} token{'' if count == 1 else 's'}; a score needs at least 2 (one read, "
+                "one predicted); give it more text or leave it out of --data-path"
+            )
+        tasks[name] = windows
     return tokenizer, vocab, tasks
+
+
+def _check_scored_conversations(path: str, task: SFTDataset, seq_length: int) -> None:
+    """Refuse a conversation file none of whose scored positions is an assistant token."""
+    if task.trained_tokens_per_epoch == 0:
+        raise DataError(
+            f"{path}: none of its {len(task.conversations)} conversation(s) has an assistant token within "
+            f"--seq-length {seq_length}, so nothing is scored; give it assistant turns or leave it out of --data-path"
+        )

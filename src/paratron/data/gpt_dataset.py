@@ -15,6 +15,10 @@ tests/unit/test_gpt_dataset.py):
 
 The arrays are built once, by local rank 0, and cached under a hash of everything that
 shapes them, so other ranks, later runs and resumed runs read the same order.
+
+`StreamWindows` reads a whole dataset once, in its own order and without a remainder, for
+`paratron evaluate`: the same windows of seq_length + 1 tokens over the unshuffled stream, the
+last one shorter and padded with labels that score nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from paratron.data.indexed import IndexedDataset
+from paratron.data.sft.packing import SFTSample
 from paratron.errors import DataError
+from paratron.model.batch import IGNORE_INDEX
 
 ADD_EXTRA_TOKEN = 1
 FINAL_EPOCH_THRESHOLD = 0.80
@@ -166,3 +172,46 @@ class GPTDataset:
             pieces.append(self.dataset.get(int(self.document_index[last]), 0, last_offset + ADD_EXTRA_TOKEN))
             tokens = np.concatenate(pieces)
         return tokens.astype(np.int64)
+
+
+class StreamWindows:
+    """A whole dataset as `paratron evaluate` scores it: its sequences joined into one token stream
+    in the order they were written (documents in file order, with the end-of-document tokens
+    preprocessing appended), cut into windows of seq_length + 1 tokens that share one token with
+    the next, as training samples are. The last window may be shorter; its missing positions are
+    padding whose labels are IGNORE_INDEX. So every token but the stream's first is predicted
+    exactly once, and `trained_tokens_per_epoch` is the stream's length minus one."""
+
+    def __init__(self, dataset: IndexedDataset, seq_length: int) -> None:
+        self.dataset, self.seq_length = dataset, seq_length
+        self.lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
+        self.ends = np.cumsum(self.lengths)
+        self.num_tokens = int(self.ends[-1]) if len(self.ends) else 0
+        self.trained_tokens_per_epoch = max(self.num_tokens - ADD_EXTRA_TOKEN, 0)
+
+    def __len__(self) -> int:
+        return -(-self.trained_tokens_per_epoch // self.seq_length)
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the stream, as int64."""
+        pieces = [np.zeros(0, dtype=np.int64)]
+        sequence = int(np.searchsorted(self.ends, start, side="right"))
+        while start < stop:
+            end = int(self.ends[sequence])
+            offset = start - (end - int(self.lengths[sequence]))
+            take = min(stop, end) - start
+            pieces.append(self.dataset.get(sequence, offset, take).astype(np.int64))
+            start, sequence = start + take, sequence + 1
+        return np.concatenate(pieces)
+
+    def __getitem__(self, k: int) -> SFTSample:
+        if not 0 <= k < len(self):
+            raise IndexError(f"window {k} is outside the {len(self)} of {self.dataset.prefix}")
+        first = k * self.seq_length
+        window = self.tokens(first, min(first + self.seq_length + ADD_EXTRA_TOKEN, self.num_tokens))
+        scored = len(window) - 1
+        inputs = np.zeros(self.seq_length, dtype=np.int64)
+        labels = np.full(self.seq_length, IGNORE_INDEX, dtype=np.int64)
+        inputs[:scored], labels[:scored] = window[:-1], window[1:]
+        positions = np.arange(self.seq_length, dtype=np.int64)
+        return SFTSample(inputs, labels, positions, np.zeros(self.seq_length, dtype=np.int64))

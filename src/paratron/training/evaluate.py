@@ -1,10 +1,14 @@
 """`paratron evaluate`: the per-token loss of a saved model over whole files, per file and overall.
 
-Every sample of every --data-path file is read once, in order (conversations with --sft,
-packed or not; otherwise the file's GPT samples), at any layout: the global batches are cut
-into micro-batches as in training, and the last one is padded with samples that train nothing.
-The loss of a task is the sum of its token losses over its trained tokens, so it does not depend
-on the layout, the batch size or packing.
+Every token of every --data-path file is scored once, in order, at any layout. A pretraining file
+is one token stream (its documents as written, end-of-document tokens included) cut into windows
+of seq_length + 1 tokens sharing one token with the next, the last one shorter and padded with
+labels that score nothing: every token but the file's first is predicted once, so a file of n
+tokens scores n - 1. With --sft each conversation is read once (packed or not) and its assistant
+tokens are scored, within --seq-length as --sft-truncation says. The global batches are cut into
+micro-batches as in training, and the last one is padded with samples that score nothing. The
+loss of a task is the sum of its token losses over its scored tokens, so it does not depend on
+the layout, the batch size or packing.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import load_model_weights, read_checkpoint, write_text_atomic
+from paratron.checkpoint.io import load_model_weights, read_checkpoint
+from paratron.checkpoint.model_of import paratron_checkpoint
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
 from paratron.config.schema import Config
-from paratron.data.build import evaluation_sources
+from paratron.data.build import cache_root, evaluation_sources
 from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, micro_batches
 from paratron.data.sft.packing import SFTSample
@@ -36,11 +41,12 @@ from paratron.model.batch import IGNORE_INDEX, Batch
 from paratron.model.gpt import GPT
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.parallelize import parallelize
+from paratron.storage import write_text_atomic
 
 
 class _Whole:
-    """A task's samples, then padding samples that train nothing up to a whole number of global
-    batches; pretraining samples become the same four arrays as conversations."""
+    """A task's samples (`SFTSample`s: conversations, or `StreamWindows` of a file), then padding
+    samples that score nothing up to a whole number of global batches."""
 
     def __init__(self, source: SampleSource, seq_length: int, global_batch_size: int) -> None:
         self.source, self.seq_length = source, seq_length
@@ -50,14 +56,11 @@ class _Whole:
         return self.size
 
     def __getitem__(self, k: int) -> SFTSample:
-        positions = np.arange(self.seq_length, dtype=np.int64)
+        if k < len(self.source):
+            return self.source[k]
         single = np.zeros(self.seq_length, dtype=np.int64)
-        if k >= len(self.source):
-            return SFTSample(single, np.full(self.seq_length, IGNORE_INDEX, dtype=np.int64), positions, single)
-        sample = self.source[k]
-        if isinstance(sample, np.ndarray):
-            return SFTSample(sample[:-1], sample[1:], positions, single)
-        return sample
+        positions = np.arange(self.seq_length, dtype=np.int64)
+        return SFTSample(single, np.full(self.seq_length, IGNORE_INDEX, dtype=np.int64), positions, single)
 
 
 def task_loss_sums(
@@ -84,7 +87,8 @@ def task_loss_sums(
 def evaluate_tasks(
     model: ParallelModel, tasks: dict[str, SampleSource], plan: BatchPlan, seq_length: int, device: torch.device
 ) -> dict[str, Any]:
-    """{"loss", "perplexity", "tokens", "tasks": {name: {"loss", "perplexity", "tokens"}}} over whole tasks."""
+    """{"loss", "perplexity", "tokens", "tasks": {name: {"loss", "perplexity", "tokens"}}} over whole tasks
+    (each with at least one scored token)."""
 
     def whole(source: SampleSource) -> Iterator[list[Batch]]:
         padded = _Whole(source, seq_length, plan.global_batch_size)
@@ -94,7 +98,7 @@ def evaluate_tasks(
     losses, tokens = task_loss_sums(model, {name: whole(source) for name, source in tasks.items()}, device)
 
     def summary(loss_sum: float, count: float) -> dict[str, float]:
-        loss = loss_sum / max(count, 1.0)
+        loss = loss_sum / count  # (never 0: `evaluation_sources` refuses a file with nothing to score)
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(count)}
 
     result: dict[str, Any] = summary(sum(losses), sum(tokens))
@@ -108,8 +112,10 @@ def run_evaluation(config: Config, output: Path | None) -> dict[str, Any]:
     owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
+        say = print if ctx.is_main else (lambda *a, **k: None)
         assert config.checkpoint.load is not None
-        info = read_checkpoint(Path(config.checkpoint.load))
+        load = Path(config.checkpoint.load).expanduser()
+        info = read_checkpoint(paratron_checkpoint(load, cache_root(config), True, ctx.local_rank, say))
         config = dataclasses.replace(config, model=info.config.model)
         p = config.parallel
         topology = Topology(
@@ -118,7 +124,6 @@ def run_evaluation(config: Config, output: Path | None) -> dict[str, Any]:
         )
         topology.create_groups()
         layout = resolve_layout(config, ctx.world_size)
-        say = print if ctx.is_main else (lambda *a, **k: None)
         _, vocab, tasks = evaluation_sources(config, ctx.local_rank, say, tokenizer_from_checkpoint(info))
         config = override(config, vocab_size=max(vocab, config.model.vocab_size or 0))
         with torch.device("meta"):
@@ -130,7 +135,12 @@ def run_evaluation(config: Config, output: Path | None) -> dict[str, Any]:
         for name, task in [*result["tasks"].items(), ("(overall)", result)]:
             say(f"{name}: loss {task['loss']:.6f} | perplexity {task['perplexity']:.3f} | {task['tokens']:,} tokens")
         if output is not None and ctx.is_main:
-            write_text_atomic(output, json.dumps(result, indent=1) + "\n")
+            write_text_atomic(
+                output,
+                json.dumps(result, indent=1) + "\n",
+                "the evaluation results",
+                "free space or choose another --output",
+            )
             say(f"wrote {output}")
         return result
     finally:
