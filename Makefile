@@ -1,42 +1,49 @@
 # The two commands a newcomer needs: `make demo` (the main job) and `make test`.
-# Each creates .venv on first use and installs torch==2.13.0, then paratron.
+# Each creates .venv on first use and installs torch==2.13.0, then paratron: the demo only
+# what paratron needs to run, the tests its test extras too (pytest, ruff and the references
+# the tests compare with: megatron-core, transformers, peft).
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+RUN_STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo finetune-demo test lint format bench docs setup clean
 
-setup: $(STAMP)
+setup: $(TEST_STAMP)
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	$(PY) -m pip install -q -e .
+	touch $(RUN_STAMP)
 
-demo: $(STAMP)
+$(TEST_STAMP): $(RUN_STAMP)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
+demo: $(RUN_STAMP)
 	$(VENV)/bin/paratron train --config demo
 
-finetune-demo: $(STAMP)
+finetune-demo: $(RUN_STAMP)
 	$(PY) scripts/finetune_demo.py
 
 test: lint
 	$(PY) -m pytest -q
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check src tests bench scripts
 	$(VENV)/bin/ruff format --check src tests bench scripts
 
-format: $(STAMP)
+format: $(TEST_STAMP)
 	$(VENV)/bin/ruff check --fix src tests bench scripts
 	$(VENV)/bin/ruff format src tests bench scripts
 
-bench: $(STAMP)
+bench: $(RUN_STAMP)
 	$(PY) bench/step_time.py
 
-docs: $(STAMP)
+docs: $(RUN_STAMP)
 	$(PY) -c "from paratron.config.arguments import markdown_reference; print(markdown_reference(), end='')" > docs/.flags.md.tmp
 	mv docs/.flags.md.tmp docs/flags.md
 	$(PY) -c "from paratron.config.arguments import refresh_megatron_doc; refresh_megatron_doc('docs/megatron.md')"

@@ -30,6 +30,7 @@ STEPS, SEQ, HIDDEN, MAX_POSITIONS = 4, 32, 64, 256  # the debug recipe's model, 
 ALL_FLAGS = dict(
     train_iters=STEPS,
     lr=0.0,  # (the weights stay the initial ones: their norm is known without the run)
+    min_lr=0.0,  # (the recipe's 1e-3 would be the floor of a schedule from 0)
     add_bias_linear=False,  # (a key bias's gradient is zero in exact arithmetic: ~1e-12 noise, sometimes 0)
     tensorboard=True,
     eval_iters=1,

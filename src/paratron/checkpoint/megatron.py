@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
-from safetensors.torch import save_file
 
 from paratron.checkpoint.io import (
+    CONVERT_FIX,
     TRACKER,
     CheckpointContent,
     file_sha256,
@@ -61,8 +61,10 @@ from paratron.checkpoint.optimizer_state import INDEX as OPTIMIZER_INDEX
 from paratron.checkpoint.optimizer_state import load_optimizer, optimizer_file, write_index
 from paratron.config.loading import build_config, config_to_dict
 from paratron.config.schema import Config, ModelConfig
+from paratron.data.tokenizer import export_tokenizer
 from paratron.errors import CheckpointError
 from paratron.model.gpt import build_model
+from paratron.storage import check_space, save_object, save_tensors, tensor_bytes, writing
 
 try:  # (numpy 2's place of the array rebuild that pickled numpy arrays name)
     from numpy._core.multiarray import _reconstruct
@@ -133,10 +135,16 @@ random states, Transformer Engine's BytesIO extra state."""
 
 
 def safe_load(path: Path) -> Any:
-    """`torch.load(path, weights_only=True)` with `ALLOWED_GLOBALS`; anything else is one line."""
+    """`torch.load(path, weights_only=True)` with `ALLOWED_GLOBALS`; anything else is one line. Memory-mapped
+    where the file's format allows (zip, torch >= 1.6), so that reading a large file's args costs little."""
     try:
         with torch.serialization.safe_globals(ALLOWED_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)  # (the legacy format)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         what = f"the class {found.group(1)}" if found else "an object"
@@ -771,9 +779,10 @@ def megatron_optimizer(ckpt: MegatronCheckpoint, m: ModelConfig) -> dict[str, di
 # ---------------------------------------------------------------- conversions
 
 
-def megatron_to_paratron(source: Path, destination: Path, finetune: bool = False) -> Path:
+def megatron_to_paratron(source: Path, destination: Path, finetune: bool = False, fix: str = CONVERT_FIX) -> Path:
     """Write a paratron checkpoint of a Megatron-LM one: its weights, and (unless `finetune`) its
-    iteration, consumed samples and, from torch_dist, its optimizer state. Returns the folder."""
+    iteration, consumed samples and, from torch_dist, its optimizer state. Returns the folder.
+    `fix` ends the line of a full disk (what to do about it where the caller chose `destination`)."""
     _refuse_existing(destination)
     ckpt = open_megatron(source)
     config = config_of(ckpt.args, f"{ckpt.folder} args")
@@ -796,12 +805,22 @@ def megatron_to_paratron(source: Path, destination: Path, finetune: bool = False
     shutil.rmtree(tmp, ignore_errors=True)
     meta = {"weights_only": finetune, "megatron_source": str(ckpt.folder), "megatron_format": ckpt.format}
     iteration, consumed = (0, 0) if finetune else (ckpt.iteration, ckpt.consumed_samples)
-    folder = save_checkpoint(tmp, CheckpointContent(iteration, consumed, config, model, extra_meta=meta))
-    if optimizer is not None:
-        _write_optimizer(folder, optimizer, names, ckpt)
-    (tmp / "model.yaml").write_text(yaml.safe_dump(model_recipe(config), sort_keys=False), encoding="utf-8")
-    tmp.replace(destination)
+    needed = tensor_bytes(list(names.values())) + tensor_bytes(optimizer or {}) + FOLDER_SLACK
+    check_space(CONVERTED, destination, needed, fix)
+    with writing(CONVERTED, destination, needed, fix, partial=tmp):
+        content = CheckpointContent(iteration, consumed, config, model, extra_meta=meta)
+        folder = save_checkpoint(tmp, content, what=CONVERTED, fix=fix)
+        if optimizer is not None:
+            _write_optimizer(folder, optimizer, names, ckpt)
+        (tmp / "model.yaml").write_text(yaml.safe_dump(model_recipe(config), sort_keys=False), encoding="utf-8")
+        tmp.replace(destination)
     return destination / folder.name
+
+
+CONVERTED, MEGATRON_CHECKPOINT = "the converted checkpoint", "the Megatron-LM checkpoint"
+"""What a full disk's line says a conversion was writing."""
+FOLDER_SLACK = 1 << 16
+"""Bytes a converted folder may take beyond its tensors: args, indexes, meta.json, file headers."""
 
 
 def _write_optimizer(
@@ -816,7 +835,7 @@ def _write_optimizer(
     if lacking:
         raise CheckpointError(f"{ckpt.folder}: its optimizer state lacks {lacking[0]}; convert with --finetune")
     file = optimizer_file(0, 0, 0)
-    save_file(tensors, str(folder / file), metadata={"format": "pt"})
+    save_tensors(tensors, folder / file, {"format": "pt"})
     write_index(folder, {file: list(tensors)}, shapes, float(_optimizer_step(ckpt, state.get("step", {}))))
     meta_path = folder / "meta.json"
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
@@ -833,7 +852,8 @@ def _optimizer_step(ckpt: MegatronCheckpoint, steps: dict[str, torch.Tensor]) ->
 def paratron_to_megatron(source: Path, destination: Path, tp: int = 1, pp: int = 1) -> Path:
     """Write a Megatron-LM legacy (`torch`) checkpoint of a paratron checkpoint's weights at
     tensor-parallel size `tp` and pipeline-parallel size `pp`, local layer-spec names, with the
-    tracker file and an `args` Namespace of the model's architecture. Returns the iteration folder."""
+    tracker file and an `args` Namespace of the model's architecture; the checkpoint's tokenizer, if it
+    has one, goes into DST/tokenizer, which the args name (HuggingFaceTokenizer). Returns the iteration folder."""
     _refuse_existing(destination)
     info = read_checkpoint(source)
     m = info.config.model
@@ -857,21 +877,29 @@ def paratron_to_megatron(source: Path, destination: Path, tp: int = 1, pp: int =
     shutil.rmtree(tmp, ignore_errors=True)
     folder = tmp / f"iter_{info.iteration:07d}"
     per_stage = m.num_layers // pp
-    for stage in range(pp):
-        stage_state = _stage(whole, m, stage, pp, per_stage)
-        for rank in range(tp):
-            model = {}
-            for name, tensor in stage_state.items():
-                if name.endswith("._extra_state"):
-                    model[name] = None
-                else:
-                    model[name] = split_tp(name, tensor, tp, s.gated)[rank].clone()
-            name = f"mp_rank_{rank:02d}_{stage:03d}" if pp > 1 else f"mp_rank_{rank:02d}"
-            (folder / name).mkdir(parents=True)
-            content = {"args": args, "checkpoint_version": 3.0, "iteration": info.iteration, "model": model}
-            torch.save(content, folder / name / MEGATRON_FILE)
-    (tmp / TRACKER).write_text(f"{info.iteration}\n", encoding="utf-8")
-    tmp.replace(destination)
+    needed = tensor_bytes(whole) + FOLDER_SLACK * tp * pp
+    check_space(MEGATRON_CHECKPOINT, destination, needed, CONVERT_FIX)
+    with writing(MEGATRON_CHECKPOINT, destination, needed, CONVERT_FIX, partial=tmp):
+        tmp.mkdir(parents=True)
+        if (info.path / "tokenizer.json").is_file():  # as Megatron-LM's HuggingFaceTokenizer reads a folder
+            (tmp / "tokenizer").mkdir()
+            export_tokenizer(info.path, tmp / "tokenizer")
+            args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", str(destination.resolve() / "tokenizer")
+        for stage in range(pp):
+            stage_state = _stage(whole, m, stage, pp, per_stage)
+            for rank in range(tp):
+                model = {}
+                for name, tensor in stage_state.items():
+                    if name.endswith("._extra_state"):
+                        model[name] = None
+                    else:
+                        model[name] = split_tp(name, tensor, tp, s.gated)[rank].clone()
+                name = f"mp_rank_{rank:02d}_{stage:03d}" if pp > 1 else f"mp_rank_{rank:02d}"
+                (folder / name).mkdir(parents=True)
+                content = {"args": args, "checkpoint_version": 3.0, "iteration": info.iteration, "model": model}
+                save_object(content, folder / name / MEGATRON_FILE)
+        (tmp / TRACKER).write_text(f"{info.iteration}\n", encoding="utf-8")
+        tmp.replace(destination)
     return destination / folder.name
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -33,6 +34,11 @@ _IGNORED = "_accepted_for_compatibility"
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports mistakes as a one-line ConfigError instead of usage + exit."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused: dict[str, str] = {}
+        """Flags of `paratron train` this command does not take -> the line that says so."""
+
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{message}; see `{self.prog} --help`")
 
@@ -51,75 +57,130 @@ def _mapped_value(text: str, flag: str, values: dict[str, Any]) -> Any:
     return values[text]
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+@dataclass(frozen=True)
+class Takes:
+    """The settings a command other than `paratron train` takes, as train's flags: whole sections
+    and single settings. Its --help lists only those, grouped by section as train's; train's other
+    flags are refused by name, with the reason `why` gives for their section or setting, or as
+    settings the command does not use."""
+
+    command: str
+    """The command, as its messages name it (paratron evaluate)."""
+    sections: tuple[str, ...] = ()
+    fields: tuple[str, ...] = ()
+    why: tuple[tuple[str, str], ...] = ()
+    """(section or setting name, why the command leaves it out and what to do instead)."""
+    otherwise: str | None = None
+    """The same for the other settings it leaves out (default: it does not use them; drop them)."""
+
+    def __contains__(self, name: str) -> bool:
+        """Whether the command takes the setting `name`."""
+        return name in self.fields or all_fields()[name].section in self.sections
+
+    def refusal(self, option: str, name: str | None) -> str:
+        """The one line for `option` (of setting `name`, None for a flag that sets none)."""
+        reasons = dict(self.why)
+        reason = None
+        if name is not None:
+            reason = reasons.get(name) or reasons.get(all_fields()[name].section)
+        reason = reason or self.otherwise or f"{self.command} does not use this setting of paratron train; drop it"
+        return f"{option}: {reason} (`{self.command} --help` lists the flags it takes)"
+
+
+def add_config_arguments(parser: ArgumentParser, takes: Takes | None = None) -> None:
+    """The settings' flags by section, Megatron-LM's spellings and switches and (for train) the
+    Megatron-LM flags accepted without effect; with `takes`, only the flags of the settings that
+    command uses, the others noted in `parser.refused`."""
     parser.add_argument(
         "--config",
         metavar="RECIPE",
         default=None,
-        help="Recipe name in configs/ (debug, demo, ...) or path of a YAML file; flags override it.",
+        help="A recipe shipped with paratron (debug, demo, finetune-demo), NAME for ./configs/NAME.yaml of your own, "
+        "or the path of a YAML file; flags override it.",
     )
+
+    def wanted(options: list[str], name: str | None) -> bool:
+        if takes is None or (name is not None and name in takes):
+            return True
+        parser.refused.update({option: takes.refusal(option, name) for option in options})
+        return False
+
     renames_of: dict[str, list[str]] = {}
     for alias, name in RENAMES.items():
         renames_of.setdefault(name, []).append(alias)
     for section in schema.SECTIONS:
-        doc = (type(getattr(schema.Config(), section)).__doc__ or "").strip()
-        group = parser.add_argument_group(f"{section} settings", doc)
-        for info in section_fields(section):
-            names = [info.flag, *renames_of.get(info.name, [])]
-            if info.base_type is bool:
-                group.add_argument(
-                    *names, dest=info.name, action="store_true", default=argparse.SUPPRESS, help=_help(info)
-                )
-                group.add_argument(
-                    "--no-" + info.flag[2:],
-                    dest=info.name,
-                    action="store_false",
-                    default=argparse.SUPPRESS,
-                    help=argparse.SUPPRESS,
-                )
-            else:
-                metavar = (
-                    "{" + ",".join(map(str, info.choices)) + "}"
-                    if info.choices
-                    else "PATH"
-                    if info.base_type is list
-                    else info.base_type.__name__.upper()
-                )
-                group.add_argument(
-                    *names,
-                    dest=info.name,
-                    default=argparse.SUPPRESS,
-                    metavar=metavar,
-                    nargs="+" if info.base_type is list else None,
-                    help=_help(info),
-                )
+        spelled = [(info, [info.flag, *renames_of.get(info.name, [])]) for info in section_fields(section)]
+        taken = [(info, names) for info, names in spelled if wanted([*names, *_negative(info)], info.name)]
+        if taken:
+            doc = (type(getattr(schema.Config(), section)).__doc__ or "").strip()
+            group = parser.add_argument_group(f"{section} settings", doc)
+            for info, names in taken:
+                _add_setting(group, info, names)
     compat = parser.add_argument_group("Megatron-LM switches")
     for alias, (name, value, text) in SWITCHES.items():
-        compat.add_argument(
-            "--" + alias.replace("_", "-"),
-            dest=name,
-            action="store_const",
-            const=value,
-            default=argparse.SUPPRESS,
-            help=text,
-        )
+        option = "--" + alias.replace("_", "-")
+        if wanted([option], name):
+            compat.add_argument(
+                option, dest=name, action="store_const", const=value, default=argparse.SUPPRESS, help=text
+            )
     for alias, (name, values, text) in MAPPED.items():
-        compat.add_argument(
-            "--" + alias.replace("_", "-"),
-            dest=name,
-            type=functools.partial(_mapped_value, flag="--" + alias.replace("_", "-"), values=values),
-            metavar="{" + ",".join(values) + "}",
-            default=argparse.SUPPRESS,
-            help=text,
+        option = "--" + alias.replace("_", "-")
+        if wanted([option], name):
+            compat.add_argument(
+                option,
+                dest=name,
+                type=functools.partial(_mapped_value, flag=option, values=values),
+                metavar="{" + ",".join(values) + "}",
+                default=argparse.SUPPRESS,
+                help=text,
+            )
+    _add_accepted(parser, wanted)
+
+
+def _negative(info: FieldInfo) -> list[str]:
+    """A bool setting's --no- flag (none for the others)."""
+    return ["--no-" + info.flag[2:]] if info.base_type is bool else []
+
+
+def _add_setting(group: Any, info: FieldInfo, names: list[str]) -> None:
+    """One setting's flags: a switch and its --no- twin for a bool, else a flag with a value."""
+    if info.base_type is bool:
+        group.add_argument(*names, dest=info.name, action="store_true", default=argparse.SUPPRESS, help=_help(info))
+        group.add_argument(
+            *_negative(info), dest=info.name, action="store_false", default=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
-    accepted = parser.add_argument_group(
-        "Megatron-LM flags accepted without effect",
-        "Implementation choices of Megatron-LM that cannot change "
-        "what paratron computes (docs/megatron.md says why for each).",
+        return
+    metavar = (
+        "{" + ",".join(map(str, info.choices)) + "}"
+        if info.choices
+        else "PATH"
+        if info.base_type is list
+        else info.base_type.__name__.upper()
     )
+    group.add_argument(
+        *names,
+        dest=info.name,
+        default=argparse.SUPPRESS,
+        metavar=metavar,
+        nargs="+" if info.base_type is list else None,
+        help=_help(info),
+    )
+
+
+def _add_accepted(parser: argparse.ArgumentParser, wanted: Callable[[list[str], str | None], bool]) -> None:
+    """Megatron-LM's flags accepted without effect (train only: `wanted` refuses them elsewhere)."""
+    accepted = None
     for flag, entry in ACCEPTED.items():
         if "--" + flag in parser._option_string_actions:
             continue  # a setting now (test_megatron_flags checks that the tables do not overlap)
+        if not wanted(["--" + flag], None):
+            continue
+        if accepted is None:
+            accepted = parser.add_argument_group(
+                "Megatron-LM flags accepted without effect",
+                "Implementation choices of Megatron-LM that cannot change "
+                "what paratron computes (docs/megatron.md says why for each).",
+            )
         accepted.add_argument(
             "--" + flag,
             dest=flag.replace("-", "_") if entry.noted else _IGNORED,
@@ -131,9 +192,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
-    """Refuse unknown flags by name before argparse sees them: Megatron-LM's flags that paratron does
-    not implement with the reason, other unknown flags with the nearest paratron flag."""
+    """Refuse unknown flags by name before argparse sees them: train's flags that this command does
+    not take with the reason, Megatron-LM's flags that paratron does not implement with theirs,
+    other unknown flags with the nearest flag of this command."""
     known = set(parser._option_string_actions)
+    refused = getattr(parser, "refused", {})
     if "--fp16" in argv and "--bf16" in argv:
         raise ConfigError("--fp16 and --bf16 were both given; choose one")
     for token in argv:
@@ -142,6 +205,8 @@ def check_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
         flag = token.split("=", 1)[0]
         if flag in known:
             continue
+        if flag in refused:
+            raise ConfigError(refused[flag])
         if flag[2:] in REFUSED or flag[2:] in megatron_flags():
             raise ConfigError(unknown_megatron_flag_message(flag))
         settings = sorted(f for f in known if parser._option_string_actions[f].dest != _IGNORED)

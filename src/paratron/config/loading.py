@@ -1,13 +1,17 @@
 """Build a `Config` from its sources, lowest precedence first:
 
-dataclass defaults < the named model size (`model_name`) < the YAML recipe < CLI flags.
+dataclass defaults < the checkpoint the run loads (its model) < the named model size (`model_name`) < the YAML
+recipe < CLI flags; and remember where each setting came from, so that an error can say.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,29 +23,43 @@ from paratron.config.presets import model_preset
 from paratron.config.samples import sample_based_train_iters
 from paratron.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+try:  # where the Traversable protocol lives: Python 3.11 and later, then 3.10
+    from importlib.resources.abc import Traversable
+except ImportError:
+    from importlib.abc import Traversable
+
+USER_RECIPES = "configs"
+"""The folder of the current directory where users keep recipes of their own."""
 
 
-def recipe_dirs() -> list[Path]:
-    """Where `--config NAME` looks for NAME.yaml: ./configs, then the checkout paratron runs from."""
-    dirs = [Path.cwd() / "configs", REPO_ROOT / "configs"]
-    return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
+def recipe_dirs() -> list[Traversable]:
+    """Where `--config NAME` looks for NAME.yaml: ./configs first, so a user's recipe wins, then the
+    recipes shipped inside the package (read through importlib.resources, so an installed wheel has them)."""
+    dirs = [Path.cwd() / USER_RECIPES, importlib.resources.files("paratron") / "recipes"]
+    return [d for d in dirs if d.is_dir()]
 
 
 def available_recipes() -> list[str]:
-    return sorted({p.stem for d in recipe_dirs() for p in d.glob("*.yaml")})
+    """The names `--config` accepts, from every recipe folder."""
+    names = (p.name for d in recipe_dirs() for p in d.iterdir())
+    return sorted({name.removesuffix(".yaml") for name in names if name.endswith(".yaml")})
 
 
-def find_recipe(name_or_path: str) -> Path:
+def find_recipe(name_or_path: str) -> Traversable:
+    """The YAML file `--config` means: a path to a file, else a recipe name looked up in recipe_dirs()."""
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
     if path.suffix not in (".yaml", ".yml") and os.sep not in name_or_path:
         for d in recipe_dirs():
-            if (d / f"{name_or_path}.yaml").is_file():
-                return d / f"{name_or_path}.yaml"
+            recipe = d / f"{name_or_path}.yaml"
+            if recipe.is_file():
+                return recipe
     known = ", ".join(available_recipes()) or "none found"
-    raise ConfigError(f"--config {name_or_path}: no such file or recipe; recipes: {known}")
+    raise ConfigError(
+        f"--config {name_or_path}: no such file or recipe; recipes: {known}; "
+        f"give one of them, a NAME.yaml in ./{USER_RECIPES}/ or the path of a YAML file"
+    )
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -78,15 +96,215 @@ def _did_you_mean(word: str, options: Any) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+DATA_SOURCES = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "corpus", "mock_data")
+"""The settings that say what a run reads: one given on the command line replaces all of the recipe's."""
+
+NAMES_A_TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+"""Settings by which a run names its tokenizer; a run that names none uses its checkpoint's."""
+
+SCHEDULE_LENGTHS = (
+    ("train_iters", ("lr_decay_iters", "lr_wsd_decay_iters"), "lr_warmup_iters"),
+    ("train_samples", ("lr_decay_samples", "lr_wsd_decay_samples"), "lr_warmup_samples"),
+)
+"""A run's length, the decay lengths that must fit in it and the warmup that must be shorter than the decay."""
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """What a checkpoint says of the model it holds, for a run that loads it (read by `checkpoint.model_of`)."""
+
+    where: str
+    """How messages name it: "the checkpoint PATH"."""
+    model: dict[str, Any]
+    """Every model setting it was trained with."""
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    """Data settings of its tokenizer (a Megatron-LM checkpoint's args), for a run that names none; a paratron
+    checkpoint carries its tokenizer file instead."""
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A run's settings and where they came from."""
+
+    config: schema.Config
+    origins: dict[str, str]
+    """Where each setting that is neither given on the command line nor at its default got its value: "the recipe
+    NAME", "--model NAME" or "the checkpoint PATH"."""
+    notes: list[str]
+    """One line each, for the user: recipe schedule lengths scaled to a shorter run, checkpoint values kept over
+    the command line's (--use-checkpoint-args)."""
+    saved: SavedModel | None = None
+
+
 def build_config(overrides: dict[str, Any] | None = None, recipe: str | None = None) -> schema.Config:
     """Resolve a full Config from an optional recipe and field overrides (name -> value)."""
+    return resolve_settings(overrides, recipe).config
+
+
+def resolve_settings(
+    overrides: dict[str, Any] | None = None,
+    recipe: str | None = None,
+    saved: SavedModel | None = None,
+    checkpoint_wins: bool = False,
+) -> Resolution:
+    """The run's settings, lowest precedence first: defaults < the checkpoint it loads (`saved`) < --model's preset <
+    the recipe < the command line (`overrides`). A data source on the command line replaces the recipe's; a model
+    setting that defines the architecture must agree with the checkpoint's (or, with `checkpoint_wins`, gives way to
+    it); recipe schedule lengths a shorter run cannot hold are scaled to it."""
     overrides = dict(overrides or {})
     from_yaml = read_yaml(find_recipe(recipe)) if recipe else {}
+    if any(overrides.get(name) for name in DATA_SOURCES):
+        from_yaml = {name: value for name, value in from_yaml.items() if name not in DATA_SOURCES}
     model_name = overrides.get("model_name", from_yaml.get("model_name"))
-    merged: dict[str, Any] = dict(model_preset(model_name)) if model_name else {}
-    merged.update(from_yaml)
+    named_by = (
+        f"--model {model_name}" if "model_name" in overrides else f"model_name {model_name} in the recipe {recipe}"
+    )
+    layers = [
+        (saved.where if saved else "", saved.model if saved else {}),
+        (named_by, model_preset(model_name) if model_name else {}),
+        (f"the recipe {recipe}", from_yaml),
+    ]
+    merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for origin, values in layers:
+        merged.update(values)
+        origins.update(dict.fromkeys(values, origin))
+    named = any(merged.get(name) or overrides.get(name) for name in (*NAMES_A_TOKENIZER, "mock_data"))
+    if saved and saved.tokenizer and not named:
+        _check_saved_tokenizer(saved)
+        merged.update(saved.tokenizer)
+        origins.update(dict.fromkeys(saved.tokenizer, saved.where))
     merged.update(overrides)
-    return config_from_flat(merged)
+    for name in overrides:
+        origins.pop(name, None)
+    config = config_from_flat(merged)
+    notes: list[str] = []
+    if saved is not None:
+        config = _keep_architecture(config, saved, origins, checkpoint_wins, notes)
+    config = _fit_schedule(config, overrides, from_yaml, f"the recipe {recipe}", notes)
+    return Resolution(config, origins, notes, saved)
+
+
+def _check_saved_tokenizer(saved: SavedModel) -> None:
+    kind = saved.tokenizer.get("tokenizer_type")
+    choices = all_fields()["tokenizer_type"].choices or ()
+    if kind is not None and kind not in choices:
+        raise ConfigError(
+            f"{saved.where} was trained with Megatron-LM's {kind}, which paratron does not read; name the tokenizer "
+            "with --tokenizer-type and its files"
+        )
+
+
+def _keep_architecture(
+    config: schema.Config, saved: SavedModel, origins: dict[str, str], checkpoint_wins: bool, notes: list[str]
+) -> schema.Config:
+    """Refuse (or with `checkpoint_wins` undo, with a note) a model setting that gives the checkpoint's model
+    another architecture."""
+    theirs_model = dataclasses.replace(schema.ModelConfig(), **saved.model)
+    ours, theirs = config.model.architecture(), theirs_model.architecture()
+    for name in schema.MODEL_ARCHITECTURE:
+        if origins.get(name) == saved.where or ours[name] == theirs[name]:
+            continue
+        given = as_flag(name, getattr(config.model, name))
+        origin = origins.get(name)
+        label = "query groups" if name in ("group_query_attention", "num_query_groups") else name.replace("_", " ")
+        theirs_text = f"{label} {_shown(theirs[name])}"
+        from_where = f" (from {origin})" if origin else ""
+        if checkpoint_wins:
+            notes.append(f"{given}{from_where} gives way to {saved.where}'s {theirs_text} (--use-checkpoint-args)")
+            continue
+        if origin is None:
+            fix = "leave it out"
+        else:
+            fix = f"take it out of {origin}" if origin.startswith("the recipe") else f"leave out {origin}"
+        raise ConfigError(
+            f"{given}{from_where} contradicts {saved.where} ({theirs_text}); {fix} to use the checkpoint's"
+        )
+    if not checkpoint_wins:
+        return config
+    kept = {name: getattr(theirs_model, name) for name in schema.MODEL_ARCHITECTURE}
+    origins.update(dict.fromkeys(kept, saved.where))
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **kept))
+
+
+def _fit_schedule(
+    config: schema.Config, overrides: dict[str, Any], from_yaml: dict[str, Any], recipe: str, notes: list[str]
+) -> schema.Config:
+    """A run shortened on the command line keeps the recipe's schedule where it fits; a recipe's decay or warmup
+    length that no longer fits is scaled by this run's length / the recipe's (the recipe's own run keeps its
+    numbers)."""
+    fields = all_fields()
+    changes: dict[str, int] = {}
+    for total, (decay_name, wsd_name), warmup_name in SCHEDULE_LENGTHS:
+        run = _setting(config, total)
+        planned = coerce(fields[total], from_yaml.get(total, fields[total].default), fields[total].flag)
+        if total not in overrides or run is None or planned is None or run >= planned:
+            continue
+        from_recipe = {n for n in (decay_name, wsd_name, warmup_name) if n in from_yaml and n not in overrides}
+        ratio = (run, planned, as_flag(total, run), recipe)
+        decay = _setting(config, decay_name)
+        if decay_name in from_recipe and decay is not None and decay > run:
+            decay = changes[decay_name] = _scaled(decay_name, decay, ratio, 1, run, notes)
+        decay = decay or run
+        wsd = _setting(config, wsd_name)
+        if wsd_name in from_recipe and wsd is not None and wsd > decay:
+            changes[wsd_name] = _scaled(wsd_name, wsd, ratio, 1, decay, notes)
+        warmup = _setting(config, warmup_name)
+        if warmup_name in from_recipe and warmup >= decay:
+            changes[warmup_name] = _scaled(warmup_name, warmup, ratio, 0, decay - 1, notes)
+    return override(config, **changes) if changes else config
+
+
+def _scaled(name: str, value: int, ratio: tuple[int, int, str, str], least: int, most: int, notes: list[str]) -> int:
+    """`value` x run / planned, kept within [least, most], with the note that says so."""
+    run, planned, run_flag, recipe = ratio
+    new = min(max(round(value * run / planned), least), most)
+    notes.append(
+        f"{as_flag(name, value)} (from {recipe}) does not fit {run_flag}: scaled to {new} ({value} x {run}/{planned})"
+    )
+    return new
+
+
+def _setting(config: schema.Config, name: str) -> Any:
+    return getattr(getattr(config, all_fields()[name].section), name)
+
+
+def as_flag(name: str, value: Any) -> str:
+    """How the command line gives `value` to setting `name`: --flag VALUE, or --flag / --no-flag for a switch."""
+    flag = all_fields()[name].flag
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {_shown(value)}"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def explain_origins(
+    message: str, origins: dict[str, str], resolved: schema.Config, current: schema.Config | None = None
+) -> str:
+    """`message` (a one-line error about the settings) with where those it names came from when that was not the
+    command line: "... (--lr-warmup-iters 5 comes from the recipe debug)". `origins` and `resolved` are a
+    `Resolution`'s; `current` what became of its config (a setting changed since, by the launcher, is not
+    explained)."""
+    current = current or resolved
+    by_flag = {info.flag: info.name for info in all_fields().values()}
+    named = [by_flag[f] for f in dict.fromkeys(re.findall(r"--[a-z0-9]+(?:-[a-z0-9]+)*", message)) if f in by_flag]
+    sources = [
+        f"{as_flag(name, _setting(current, name))} comes from {origins[name]}"
+        for name in named
+        if name in origins
+        and _setting(current, name) is not None
+        and _setting(current, name) == _setting(resolved, name)
+    ]
+    return f"{message} ({'; '.join(sources)})" if sources else message
 
 
 def config_from_flat(values: dict[str, Any]) -> schema.Config:

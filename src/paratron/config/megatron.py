@@ -222,6 +222,13 @@ ACCEPTED: dict[str, Accepted] = {
     "test-mode": Accepted(
         "Megatron-LM's own real-time tests alongside the run.", "A self-test of Megatron-LM; nothing to run here."
     ),
+    "use-checkpoint-args": Accepted(
+        "Take the model's settings (and tokenizer) from the --load checkpoint's saved args over the command line's.",
+        "paratron always builds the model the --load checkpoint holds, and uses its tokenizer when the run names "
+        "none; with this flag a model setting that contradicts the checkpoint gives way to it with a note, as in "
+        "Megatron-LM, instead of being refused (docs/finetuning.md).",
+        noted=True,
+    ),
     "no-position-embedding": Accepted(
         "Deprecated: no learned position table; with --position-embedding-type rope it changes nothing, and "
         "otherwise Megatron-LM refuses it.",

@@ -12,7 +12,7 @@ vocabulary size a tokenizer decides) makes a new config (`config.loading.overrid
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 """The layers --lora-targets may name (see ModelConfig.lora_targets)."""
@@ -253,6 +253,97 @@ class ModelConfig:
                 "0s and 1s such as [0,1,1,1] (one per layer)"
             )
         return [e == "1" for e in entries]
+
+    def architecture(self) -> dict[str, Any]:
+        """Each MODEL_ARCHITECTURE setting's value in effect: a derived default worked out (the MLP width, the
+        key/value heads, the head width) and a setting this model does not use (rotary settings without rotary
+        embeddings, expert settings without experts, the position table's size without one) None, so that two
+        spellings of the same model compare equal."""
+        rope, experts = self.position_embedding_type == "rope", bool(self.num_experts)
+        in_effect: dict[str, Any] = {
+            "ffn_hidden_size": self.ffn_size,
+            "group_query_attention": self.query_groups,
+            "num_query_groups": self.query_groups,
+            "kv_channels": self.kv_channels or self.hidden_size // max(self.num_attention_heads, 1),
+            "max_position_embeddings": (
+                self.max_position_embeddings if self.position_embedding_type == "learned_absolute" else None
+            ),
+            "moe_ffn_hidden_size": self.moe_ffn_hidden_size or self.ffn_size,
+        }
+        values = {name: in_effect.get(name, getattr(self, name)) for name in MODEL_ARCHITECTURE}
+        for name in values:
+            if (name.startswith("rotary_") and not rope) or (name.startswith("moe_") and not experts):
+                values[name] = None
+        return values
+
+
+MODEL_ARCHITECTURE: tuple[str, ...] = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "max_position_embeddings",
+    "vocab_size",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "normalization",
+    "norm_epsilon",
+    "apply_layernorm_1p",
+    "activation",
+    "openai_gelu",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "untie_embeddings_and_output_weights",
+    "num_experts",
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
+    "moe_router_enable_expert_bias",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+)
+"""Model settings that define the architecture: the shapes of the weights and the function they compute. A run that
+loads a checkpoint takes them from it, and refuses a different value from a flag, the recipe or --model
+(`config.loading`); compared as `ModelConfig.architecture` works them out."""
+
+MODEL_ADJUSTABLE: tuple[str, ...] = (
+    "model_name",
+    "attention_type",
+    "window_size",
+    "sparse_block_size",
+    "sparse_stride",
+    "hidden_dropout",
+    "attention_dropout",
+    "apply_query_key_layer_scaling",
+    "attention_softmax_in_fp32",
+    "init_method_std",
+    "make_vocab_size_divisible_by",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_router_bias_update_rate",
+    "moe_expert_capacity_factor",
+    "moe_token_drop_policy",
+    "moe_pad_expert_input_to_capacity",
+    "moe_grouped_gemm",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+)
+"""Model settings a run may change from its checkpoint's: the registry name (only a source of defaults), which keys
+each token attends to (a mask over the same weights, e.g. document masking for packed fine-tuning data), dropout,
+numerics that compute the same function (fp32 softmax, query-key layer scaling), initialisation (the weights are
+loaded), vocabulary padding under tensor parallelism, the experts' balancing losses and capacity, kernels and LoRA
+adapters. Without a flag they too keep the checkpoint's values."""
 
 
 @dataclass(frozen=True)
@@ -830,8 +921,10 @@ class LoggingConfig:
     log_interval: int = 100
     """Log metrics every this many steps (Megatron-LM's default)."""
 
-    progress_bar: bool = True
-    """Show a live progress bar on rank 0 (log lines are printed either way)."""
+    progress_bar: bool | None = None
+    """Show a live progress bar on rank 0 (log lines are printed either way). Unset: only when rank 0's output and
+    error streams are both terminals, so that a log file (Slurm, nohup, a redirect) gets no bar redrawn into it;
+    --progress-bar shows it wherever the output goes."""
 
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory."""

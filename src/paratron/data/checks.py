@@ -63,6 +63,7 @@ def check_data_inputs(config: Config) -> None:
                 )
     check_loader_settings(config)
     kind = d.resolved_tokenizer_type
+    tuned = bool(config.checkpoint.load and config.checkpoint.finetune)  # (its checkpoint's tokenizer, if it has one)
     if kind in FILE_TOKENIZERS:
         what = FILE_TOKENIZERS[kind]
         if not d.tokenizer_model:
@@ -91,7 +92,7 @@ def check_data_inputs(config: Config) -> None:
             f"{flag.sft} needs an existing tokenizer: {flag.load} a checkpoint saved with one, or give "
             f"{flag.tokenizer_type} HuggingFaceTokenizer {flag.tokenizer_model} PATH"
         )
-    elif kind == "ByteLevelBPE" and not d.sft and (preprocessed or (not raw and not d.mock_data)):
+    elif kind == "ByteLevelBPE" and not d.sft and (preprocessed or (not raw and not d.mock_data)) and not tuned:
         raise ConfigError(
             f"{flag.tokenizer_type} ByteLevelBPE trains on text, but (some of) the data is "
             f"preprocessed already; name its tokenizer: HuggingFaceTokenizer {flag.tokenizer_model}, "

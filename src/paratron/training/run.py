@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,33 +22,33 @@ from paratron.checkpoint.io import (
     read_checkpoint,
     whole_model_state,
 )
+from paratron.checkpoint.lock import SaveLock, held_by_the_launcher
 from paratron.checkpoint.megatron import (
-    cache_name,
     check_load,
-    detect_format,
     load_converted_optimizer,
-    megatron_to_paratron,
 )
+from paratron.checkpoint.model_of import paratron_checkpoint
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
 from paratron.config.schema import CheckpointConfig, Config
-from paratron.data.build import build_data, build_once, cache_root
+from paratron.data.build import build_data, cache_root
 from paratron.data.checks import check_data_inputs
 from paratron.data.tokenizer import Tokenizer
 from paratron.distributed.init import (
     DistributedContext,
+    collective_device,
     deterministic_algorithms,
     initialize,
     job_store,
     seed_everything,
     shutdown,
 )
-from paratron.distributed.launch import restart_count
+from paratron.distributed.launch import expected_parent, restart_count
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.distributed.watchdog import Watchdog
-from paratron.errors import CheckpointError, ConfigError
+from paratron.errors import CheckpointError, ConfigError, PeerFailure
 from paratron.inference.generate import generate
 from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
@@ -90,11 +90,39 @@ def run_training(config: Config) -> TrainState:
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
         check_logging_settings(config)
-        with deterministic_algorithms(config.training.deterministic_mode, ctx.device):
+        with _save_lock(config, ctx), deterministic_algorithms(config.training.deterministic_mode, ctx.device):
             return _run(config, ctx)
     finally:
         if owned:
             shutdown()
+
+
+@contextlib.contextmanager
+def _save_lock(config: Config, ctx: DistributedContext) -> Iterator[None]:
+    """One job writes in --save at a time (checkpoint/lock.py): a launcher holds the lock for its
+    workers; without one, rank 0 takes it and the other ranks wait to hear that it did."""
+    save = config.checkpoint.save
+    if save is None or held_by_the_launcher():
+        yield
+        return
+    lock, failure = None, None
+    if ctx.is_main:
+        try:
+            lock = SaveLock(Path(save)).acquire()
+        except CheckpointError as exc:
+            failure = exc
+    if dist.is_initialized() and ctx.world_size > 1:
+        failed = torch.tensor([failure is not None], dtype=torch.int32, device=collective_device())
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and failure is None:
+            raise PeerFailure(f"rank 0 could not take the lock of {save}")
+    if failure is not None:
+        raise failure
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _run(config: Config, ctx: DistributedContext) -> TrainState:
@@ -112,7 +140,8 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
     _describe(trainer, resume, n_params, peak_source, say)
     watchdog = None
     if ctx.world_size > 1:
-        watchdog = Watchdog(60 * p.distributed_timeout_minutes, ctx.rank, ctx.world_size, job_store())
+        timeout = 60 * p.distributed_timeout_minutes
+        watchdog = Watchdog(timeout, ctx.rank, ctx.world_size, job_store(), parent=expected_parent())
         trainer.watchdog = watchdog
     if config.logging.log_progress and config.checkpoint.save:
         tokens = trainer.state.consumed_samples * config.data.seq_length
@@ -158,10 +187,16 @@ def _assemble(
     t, c = config.training, config.checkpoint
     layout = resolve_layout(config, ctx.world_size)  # (the settings were validated before the workers started)
     restarted = restarted_from(c)
-    source = restarted or (_paratron_load(config, Path(c.load).expanduser(), ctx, say) if c.load else None)
+    source = restarted or (
+        paratron_checkpoint(Path(c.load).expanduser(), cache_root(config), c.finetune, ctx.local_rank, say)
+        if c.load
+        else None
+    )
     resume = read_checkpoint(source) if source is not None else None
     megatron = resume is not None and restarted is None and source != Path(c.load).expanduser()
-    saved_tokenizer = tokenizer_from_checkpoint(resume) if resume is not None and config.data.sft else None
+    # fine-tuning from a checkpoint: its tokenizer, unless the run names another (a resume rebuilds its own)
+    fine_tuning = resume is not None and (config.data.sft or c.finetune or resume.weights_only)
+    saved_tokenizer = tokenizer_from_checkpoint(resume) if resume is not None and fine_tuning else None
     data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say, saved_tokenizer=saved_tokenizer)
     config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
     with torch.device("meta"):
@@ -205,17 +240,6 @@ def _assemble(
     elif continuing and resume is not None:  # (the weights are in: loaded before the optimizer took its masters)
         trainer.resume_from(resume, weights=False, optimizer_state=not c.no_load_optim)
     return trainer, resume, n_params
-
-
-def _paratron_load(config: Config, load: Path, ctx: DistributedContext, say: Callable[[str], None]) -> Path:
-    """--load as a paratron checkpoint: itself, or a Megatron-LM checkpoint converted once (by each
-    machine's local rank 0, the others waiting) into the data cache."""
-    if detect_format(load) == "paratron":
-        return load
-    finetune = config.checkpoint.finetune
-    target = cache_root(config) / "checkpoints" / cache_name(load, finetune)
-    build_once(target, lambda tmp: megatron_to_paratron(load, tmp, finetune=finetune), ctx.local_rank, say)
-    return target
 
 
 def _describe(
@@ -271,11 +295,12 @@ def _print_sample(config: Config, model, tokenizer, say) -> None:
         config.logging.sample_tokens,
         temperature=temperature,
         top_k=40,
-        eos_id=tokenizer.eod_id,
+        eos_id=tokenizer.stop_ids,
         seed=config.training.seed,
     )
+    ids = ids[:-1] if ids and ids[-1] in tokenizer.stop_ids else ids
     how = "greedy" if temperature <= 0 else f"temperature {temperature:g}, top-k 40"
     say(f"sample ({how}) continuing the prompt:")
     say("-" * 60)
-    say(prompt + tokenizer.decode(i for i in ids if i != tokenizer.eod_id))
+    say(prompt + tokenizer.decode(ids))
     say("-" * 60)

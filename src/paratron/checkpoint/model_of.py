@@ -1,0 +1,108 @@
+"""The model a checkpoint holds, for a run that loads it: `paratron train --load CKPT` (and `evaluate`) build
+that model without model flags, and use its tokenizer when the run names none; `paratron_checkpoint` gives
+train, evaluate and generate a paratron checkpoint for any --load (a Megatron-LM one converted once).
+
+A paratron checkpoint (one converted from Hugging Face included) says its model in meta.json; a Megatron-LM
+checkpoint in its saved args, read as `paratron convert` reads them, tokenizer settings included. Only that much
+is read here (no weights), before any worker starts; the checks of what the run gives against it are
+`config.loading.resolve_settings`'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from paratron.checkpoint.io import CheckpointInfo, holds_checkpoint, read_checkpoint
+from paratron.checkpoint.megatron import cache_name, config_of, detect_format, megatron_to_paratron, open_megatron
+from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
+from paratron.config.loading import Resolution, SavedModel, resolve_settings
+from paratron.data.build import Log, build_once
+from paratron.data.tokenizer import AnyTokenizer, load_tokenizer
+from paratron.errors import ConfigError
+
+MEGATRON_TOKENIZER_ARGS = (
+    "tokenizer_type",
+    "tokenizer_model",
+    "vocab_file",
+    "merge_file",
+    "tiktoken_pattern",
+    "tiktoken_num_special_tokens",
+    "tiktoken_special_tokens",
+)
+"""Megatron-LM args that say which tokenizer a checkpoint was trained with (paratron's settings of the same names)."""
+
+
+def saved_model(load: str, save: str | None = None) -> SavedModel | None:
+    """What the checkpoint at `load` says of its model; None when there is nothing to read yet: `load` is not a
+    directory (the input checks name it), or it is also `save` and holds nothing (the run starts from scratch)."""
+    path = Path(load).expanduser()
+    if not path.is_dir():
+        return None
+    if save is not None and path.resolve() == Path(save).expanduser().resolve() and not holds_checkpoint(path):
+        return None
+    where = f"the checkpoint {load}"
+    if detect_format(path) == "paratron":
+        info = read_checkpoint(path, verify=False)
+        return SavedModel(where, dataclasses.asdict(info.config.model))
+    checkpoint = open_megatron(path)
+    model = config_of(checkpoint.args, f"{checkpoint.folder} args").model
+    return SavedModel(where, dataclasses.asdict(model), megatron_tokenizer(checkpoint.args))
+
+
+def megatron_tokenizer(args: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer settings of Megatron-LM `args` (those it recorded)."""
+    settings = {name: args[name] for name in MEGATRON_TOKENIZER_ARGS if args.get(name) is not None}
+    return settings if settings.get("tokenizer_type") else {}
+
+
+def with_checkpoint(
+    first: Resolution, overrides: dict[str, Any], recipe: str | None, checkpoint_wins: bool = False
+) -> Resolution:
+    """`first` (the settings resolved without a checkpoint) resolved again over the model of the checkpoint it
+    loads, if any. `checkpoint_wins` (Megatron-LM's --use-checkpoint-args): model settings that contradict the
+    checkpoint give way to it, with a note, instead of being refused."""
+    c = first.config.checkpoint
+    if not c.load:
+        if checkpoint_wins:
+            raise ConfigError("--use-checkpoint-args takes the model's settings from the checkpoint: add --load CKPT")
+        return first
+    saved = saved_model(c.load, c.save)
+    if saved is None:
+        return first
+    return resolve_settings(overrides, recipe, saved, checkpoint_wins)
+
+
+def paratron_checkpoint(load: Path, cache: Path, weights_only: bool, local_rank: int = 0, log: Log = print) -> Path:
+    """--load as a paratron checkpoint: itself, or a Megatron-LM checkpoint converted once (by each machine's
+    local rank 0, the others waiting) into the `cache` folder (`data.build.cache_root`), its weights only when
+    `weights_only` (fine-tuning, evaluation, generation)."""
+    if detect_format(load) == "paratron":
+        return load
+    target = cache / "checkpoints" / cache_name(load, weights_only)
+    fix = "free space, or point PARATRON_CACHE (or --data-cache-path) elsewhere"
+    build_once(target, lambda tmp: megatron_to_paratron(load, tmp, finetune=weights_only, fix=fix), local_rank, log)
+    return target
+
+
+def saved_tokenizer(load: Path, info: CheckpointInfo) -> AnyTokenizer | None:
+    """The tokenizer a checkpoint was trained with: the one saved beside a paratron checkpoint (`info`), or the one
+    a Megatron-LM checkpoint's args name (at `load`; its files must be where they were); None when neither says."""
+    tokenizer = tokenizer_from_checkpoint(info)
+    if tokenizer is not None or detect_format(load) == "paratron":
+        return tokenizer
+    args = open_megatron(load).args
+    settings = megatron_tokenizer(args)
+    if not settings:
+        return None
+    return load_tokenizer(
+        settings["tokenizer_type"],
+        settings.get("tokenizer_model"),
+        settings.get("vocab_file"),
+        settings.get("merge_file"),
+        args.get("vocab_size"),
+        tiktoken_pattern=settings.get("tiktoken_pattern"),
+        tiktoken_num_special_tokens=settings.get("tiktoken_num_special_tokens", 1000),
+        tiktoken_special_tokens=settings.get("tiktoken_special_tokens"),
+    )
