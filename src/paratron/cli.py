@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 from paratron.errors import PeerFailure, UserError
 
 if TYPE_CHECKING:  # (the schema itself is imported when a command runs, for start-up speed)
+    from paratron.config.loading import Resolution
     from paratron.config.schema import Config
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
@@ -26,9 +29,6 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
 
 
 Command = Callable[[list[str]], int]
-
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "</s>", "<|endoftext|>")
-"""Where `generate --chat-template` ends the assistant's answer (ChatML, Llama 3, others)."""
 
 
 def command(name: str, summary: str) -> Callable[[Command], Command]:
@@ -42,8 +42,25 @@ def command(name: str, summary: str) -> Callable[[Command], Command]:
 def _usage() -> str:
     lines = ["usage: paratron COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<10} {summary}" for name, (summary, _) in COMMANDS.items()]
-    lines += ["", "`paratron COMMAND --help` describes a command's options."]
+    lines += ["", "`paratron COMMAND --help` describes a command's options; `paratron --version` the version."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed package's version, else (run from a source tree) its pyproject.toml's."""
+    import importlib.metadata  # (start-up speed: only for --version)
+
+    try:
+        return importlib.metadata.version("paratron")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib  # (start-up speed, as above; Python 3.11 and later)
+
+        project = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        return str(tomllib.loads(project.read_text(encoding="utf-8"))["project"]["version"])
+    except (ImportError, OSError, KeyError, ValueError):
+        return "unknown (not installed, and no pyproject.toml beside the source)"
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -60,48 +77,74 @@ def train_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_and_launch(config: Config, argv: list[str]) -> int | None:
+def _check_and_launch(
+    config: Config, argv: list[str], origins: dict[str, str] | None = None
+) -> tuple[int | None, Config]:
     """Validate the settings and the input files before any worker starts; with --nproc N (and not
     started by torchrun) run `paratron ARGV` under torchrun and return its exit code, else None:
-    this process is a worker and goes on."""
+    this process is a worker and goes on, with the settings returned (fitted to this machine's
+    GPUs). `origins`: where settings came from (`Resolution.origins`), for the error line."""
+    from paratron.config.loading import explain_origins
     from paratron.config.validation import validate
-    from paratron.distributed.init import env_world_size, launched_by_torchrun
+    from paratron.distributed.init import env_world_size, fit_to_devices, launched_by_torchrun
     from paratron.distributed.launch import needs_agent, run_under_torchrun, slurm_settings
     from paratron.training.run import check_inputs
 
     torchrun = launched_by_torchrun()
+    resolved = config  # (remembers where its settings came from)
     if not torchrun:
         config = dataclasses.replace(config, parallel=slurm_settings(os.environ, config.parallel))
+        config, argv = fit_to_devices(config, argv)  # (one process per GPU, counted before any starts)
     p = config.parallel
-    validate(config, env_world_size() if torchrun else p.nproc_per_node * p.nnodes)
-    check_inputs(config)
+    try:
+        validate(config, env_world_size() if torchrun else p.nproc_per_node * p.nnodes)
+        check_inputs(config)
+    except UserError as exc:  # say which settings a recipe, a preset or the checkpoint gave
+        raise type(exc)(explain_origins(str(exc), origins or {}, resolved, config)) from None
     if needs_agent(p) and not torchrun:
-        return run_under_torchrun(p, argv)
-    return None
+        from paratron.checkpoint.lock import held_for_the_launch
+
+        with held_for_the_launch(config.checkpoint.save if argv[0] == "train" else None, p):  # one writer
+            return run_under_torchrun(p, argv), config
+    return None, config
 
 
 def train_config(argv: list[str]) -> Config:
-    """The run's settings from `paratron train`'s flags, adjusted where Megatron-LM carries on."""
+    """The run's settings from `paratron train`'s flags (see `train_settings`)."""
+    return train_settings(argv).config
+
+
+def train_settings(argv: list[str]) -> Resolution:
+    """The run's settings from `paratron train`'s flags, over the model of the checkpoint it loads, adjusted
+    where Megatron-LM carries on, with where each came from."""
     from paratron.config.arguments import given_settings, parse_config_arguments
-    from paratron.config.loading import build_config
+    from paratron.config.loading import resolve_settings
+    from paratron.config.schema import MODEL_ARCHITECTURE
 
     recipe, overrides, namespace = parse_config_arguments(train_parser(), argv)
-    config = build_config(overrides, recipe)
-    if "RANK" not in os.environ and config.parallel.nnodes > 1:
+    given = given_settings(overrides, namespace)
+    resolution = resolve_settings(overrides, recipe)
+    if "RANK" not in os.environ and resolution.config.parallel.nnodes > 1:
         quiet_launcher_logs()  # (before torch is imported, below)
-    return _like_megatron(config, given_settings(overrides, namespace))
+    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed: after the line above, brings torch)
+
+    resolution = with_checkpoint(resolution, overrides, recipe, checkpoint_wins="use_checkpoint_args" in given)
+    if resolution.saved is not None:  # (its architecture came from the checkpoint, whatever the flags said)
+        given -= set(MODEL_ARCHITECTURE)
+    return dataclasses.replace(resolution, config=_like_megatron(resolution.config, given, resolution.notes))
 
 
 @command("train", "train a model (launches itself under torchrun with --nproc N)")
 def cmd_train(argv: list[str]) -> int:
-    config = train_config(argv)
-    if config.planning.dry_run:
+    settings = train_settings(argv)
+    if settings.config.planning.dry_run:
         from paratron.planning.dry_run import run_dry_run
 
-        return run_dry_run(config)
-    if config.planning.auto:
-        argv, config = _auto(config, argv)
-    launched = _check_and_launch(config, ["train", *argv])
+        return run_dry_run(settings.config)
+    if settings.config.planning.auto:
+        argv, settings = _auto(settings.config, argv)
+    config = settings.config
+    launched, config = _check_and_launch(config, ["train", *argv], settings.origins)
     if launched is not None:
         return launched
     from paratron.training.run import run_training
@@ -110,10 +153,11 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-def _like_megatron(config: Config, given: set[str]) -> Config:
+def _like_megatron(config: Config, given: set[str], notes_first: Sequence[str] = ()) -> Config:
     """Carry on where Megatron-LM carries on with a warning (printed once, by the launcher or rank 0):
     its setting adjustments, and a --load that names the --save directory before its first checkpoint
-    starts from scratch. A --load elsewhere that holds nothing stays an error (check_inputs)."""
+    starts from scratch. A --load elsewhere that holds nothing stays an error (check_inputs).
+    `notes_first`: how the settings were resolved (`config.loading.Resolution.notes`), printed before."""
     from paratron.checkpoint.io import holds_checkpoint
     from paratron.config.megatron import adjust_like_megatron
 
@@ -127,12 +171,14 @@ def _like_megatron(config: Config, given: set[str]) -> Config:
             )
             config = dataclasses.replace(config, checkpoint=dataclasses.replace(c, load=None))
     if os.environ.get("RANK", "0") == "0":
+        for note in notes_first:
+            print(f"note: {note}", file=sys.stderr)
         for note in notes:
             print(f"warning: {note}", file=sys.stderr)
     return config
 
 
-def _auto(config: Config, argv: list[str]) -> tuple[list[str], Config]:
+def _auto(config: Config, argv: list[str]) -> tuple[list[str], Resolution]:
     """--auto: the planner's top layout for this machine, as flags the workers read too."""
     from paratron.distributed.init import launched_by_torchrun
     from paratron.errors import ConfigError
@@ -149,33 +195,71 @@ def _auto(config: Config, argv: list[str]) -> tuple[list[str], Config]:
         f"--auto: {best.describe()}, predicted {best.prediction.tokens_per_s:,.0f} tokens/s, "
         f"peak {best.peak_memory / 1e9:.2f} GB per rank"
     )
-    return argv, train_config(argv)
+    return argv, train_settings(argv)
+
+
+EVALUATE_TAKES = (
+    ("load", "ckpt_format"),
+    ("data_path", "seq_length", "data_cache_path", "mmap_bin_files"),
+    ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "legacy_tokenizer"),
+    ("tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens", "tokenizer_special_tokens"),
+    ("sft", "chat_template", "sft_pack", "sft_truncation"),
+    ("micro_batch_size", "global_batch_size", "precision"),
+    ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id"),
+    ("rdzv_timeout_seconds", "distributed_backend", "distributed_timeout_minutes"),
+    ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel"),
+    ("context_parallel_size", "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size"),
+)
+"""The settings `paratron evaluate` uses (train's flags): the checkpoint, the data and its tokenizer, the batch and
+the layout it runs at; the model comes from the checkpoint."""
+
+
+def evaluate_parser() -> argparse.ArgumentParser:
+    """train's flags that evaluate uses (EVALUATE_TAKES), and --output."""
+    from paratron.config.arguments import ArgumentParser, Takes, add_config_arguments
+
+    parser = ArgumentParser(prog="paratron evaluate", allow_abbrev=False)
+    takes = Takes(
+        "paratron evaluate",
+        fields=sum(EVALUATE_TAKES, ()),
+        why=(("model", "paratron evaluate takes the model from the checkpoint (--load); drop the model flags"),),
+    )
+    add_config_arguments(parser, takes)
+    parser.usage = "paratron evaluate --load CKPT --data-path FILE... [--sft ...] [--output FILE.json] [flags]"
+    parser.description = (
+        "The per-token loss (and perplexity) of the --load checkpoint over the whole of each --data-path file, "
+        "per file and overall, at any layout (--nproc, tensor and pipeline parallelism). A text or preprocessed "
+        "file is one token stream read in order, in windows of --seq-length + 1 tokens sharing one token (the last "
+        "one shorter, padded): every token but the first is scored once, so a file of n tokens scores n - 1. With "
+        "--sft, the assistant tokens of every conversation (cut to --seq-length as --sft-truncation says). A file "
+        "with nothing to score is an error. Takes train's tokenizer, template and sequence flags; the model "
+        "settings come from the checkpoint."
+    )
+    parser.add_argument("--output", type=Path, metavar="FILE.json", help="Write the losses as JSON here.")
+    return parser
 
 
 @command("evaluate", "per-token loss and perplexity of a saved model over whole files, per file (task)")
 def cmd_evaluate(argv: list[str]) -> int:
     from paratron.config.arguments import parse_config_arguments
     from paratron.config.fields import flag
-    from paratron.config.loading import build_config, override
+    from paratron.config.loading import override, resolve_settings
     from paratron.errors import ConfigError
 
-    parser = train_parser()
-    parser.prog = "paratron evaluate"
-    parser.usage = "paratron evaluate --load CKPT --data-path FILE... [--sft ...] [--output FILE.json] [flags]"
-    parser.description = (
-        "The per-token loss (and perplexity) of the --load checkpoint over every sample of each --data-path file, "
-        "per file and overall, at any layout (--nproc, tensor and pipeline parallelism). Takes train's tokenizer, "
-        "template and sequence flags; the model settings come from the checkpoint."
-    )
-    parser.add_argument("--output", type=Path, metavar="FILE.json", help="Write the losses as JSON here.")
+    parser = evaluate_parser()
     recipe, overrides, namespace = parse_config_arguments(parser, argv)
-    config = build_config(overrides, recipe)
+    resolution = resolve_settings(overrides, recipe)
+    config = resolution.config
     if not config.checkpoint.load:
         raise ConfigError(f"paratron evaluate needs {flag.load} CKPT (the model to evaluate)")
     if not config.data.data_path:
         raise ConfigError(f"paratron evaluate needs {flag.data_path} FILE... (the data to evaluate on)")
-    config = override(config, eval_iters=0, train_iters=1)
-    launched = _check_and_launch(config, ["evaluate", *argv])
+    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed: brings torch)
+
+    resolution = with_checkpoint(resolution, overrides, recipe)  # (validated with the checkpoint's model)
+    # (its weights, no schedule to fit)
+    config = override(resolution.config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True)
+    launched, config = _check_and_launch(config, ["evaluate", *argv], resolution.origins)
     if launched is not None:
         return launched
     from paratron.training.evaluate import run_evaluation
@@ -193,6 +277,7 @@ def cmd_preprocess(argv: list[str]) -> int:
         input_files,
         preprocess,
         read_documents,
+        save_trained_tokenizer,
         tokenizer_from_arguments,
         tokenizer_type_of,
     )
@@ -212,16 +297,17 @@ def cmd_preprocess(argv: list[str]) -> int:
         help="jsonl/json/ndjson files (one document per line), other files (one document each), "
         "or directories of them.",
     )
-    parser.add_argument("--output-prefix", required=True, help="Output path prefix.")
+    parser.add_argument("--output-prefix", required=True, metavar="PREFIX", help="Output path prefix.")
     parser.add_argument(
         "--json-keys",
         nargs="+",
         default=["text"],
+        metavar="KEY",
         help="Keys to extract from each JSON line (one output dataset per key; default: text).",
     )
     add_tokenizer_arguments(parser)
     parser.add_argument("--append-eod", action="store_true", help="End every document with the end-of-document token.")
-    parser.add_argument("--workers", type=int, default=1, help="Tokenizing processes (default: 1).")
+    parser.add_argument("--workers", type=int, default=1, metavar="N", help="Tokenizing processes (default: 1).")
     parser.add_argument(
         "--skip-bad-lines",
         action="store_true",
@@ -238,6 +324,7 @@ def cmd_preprocess(argv: list[str]) -> int:
     parser.add_argument(
         "--chat-template",
         default="tokenizer",
+        metavar="TEMPLATE",
         help="With --sft: tokenizer (the tokenizer folder's own template), chatml, llama3 or a jinja file.",
     )
     args = parser.parse_args(argv)
@@ -253,10 +340,7 @@ def cmd_preprocess(argv: list[str]) -> int:
             d.texts[0] for d in read_documents(files, args.json_keys[:1], PreprocessResult([]), args.skip_bad_lines)
         )
         tokenizer = train_byte_level_bpe(texts, args.vocab_size or 8192)
-        path = Path(f"{args.output_prefix}_tokenizer.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(path.with_name(path.name + ".tmp"))
-        path.with_name(path.name + ".tmp").replace(path)
+        path = save_trained_tokenizer(tokenizer, args.output_prefix)
         print(f"trained a {tokenizer.vocab_size}-entry byte-level BPE: {path}")
     else:
         tokenizer = tokenizer_from_arguments(args)
@@ -307,9 +391,11 @@ def _preprocess_conversations(args) -> int:
 
 @command("generate", "continue a prompt with a saved model")
 def cmd_generate(argv: list[str]) -> int:
-    from paratron.checkpoint.io import read_checkpoint
-    from paratron.checkpoint.pretrained import model_from_checkpoint, tokenizer_from_checkpoint
+    from paratron.checkpoint.io import model_from_checkpoint, read_checkpoint
+    from paratron.checkpoint.model_of import paratron_checkpoint, saved_tokenizer
     from paratron.config.arguments import ArgumentParser
+    from paratron.config.schema import Config
+    from paratron.data.build import cache_root
     from paratron.distributed.init import choose_backend
     from paratron.errors import CheckpointError
     from paratron.inference.generate import generate
@@ -318,17 +404,23 @@ def cmd_generate(argv: list[str]) -> int:
         prog="paratron generate", description="Continue a prompt with a saved model.", allow_abbrev=False
     )
     parser.add_argument(
-        "--load", required=True, help="Checkpoint directory (as given to --save) or one iteration folder."
+        "--load",
+        required=True,
+        metavar="DIR",
+        help="Checkpoint directory (as given to --save) or one iteration folder.",
     )
-    parser.add_argument("--prompt", required=True, help="Text to continue.")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to generate (default: 64).")
+    parser.add_argument("--prompt", required=True, metavar="TEXT", help="Text to continue.")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="Tokens to generate (default: 64).")
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy (default: 0)."
+        "--temperature", type=float, default=0.0, metavar="T", help="Sampling temperature; 0 is greedy (default: 0)."
     )
-    parser.add_argument("--top-k", type=int, default=None, help="Sample only among the k likeliest tokens.")
-    parser.add_argument("--seed", type=int, default=0, help="Seed for sampling (default: 0).")
+    parser.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="Sample only among the k likeliest tokens."
+    )
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help="Seed for sampling (default: 0).")
     parser.add_argument(
         "--chat-template",
+        metavar="TEMPLATE",
         help="Treat the prompt as a user's message: render it with this template (tokenizer, chatml, llama3 or a "
         "jinja file) and print the assistant's answer, up to its end of turn.",
     )
@@ -339,16 +431,19 @@ def cmd_generate(argv: list[str]) -> int:
         raise UserError(f"--temperature {args.temperature}: must be zero (greedy) or more")
     if args.top_k is not None and args.top_k < 1:
         raise UserError(f"--top-k {args.top_k}: must be at least 1")
-    info = read_checkpoint(Path(args.load))
-    tokenizer = tokenizer_from_checkpoint(info)
+    load = Path(args.load).expanduser()
+    aside = functools.partial(print, file=sys.stderr)  # (stdout is the text alone)
+    info = read_checkpoint(paratron_checkpoint(load, cache_root(Config()), True, log=aside))  # (Megatron-LM's too)
+    tokenizer = saved_tokenizer(load, info)
     if tokenizer is None:
-        raise CheckpointError(f"{info.path}: holds no tokenizer (trained on mock data), so text cannot be encoded")
-    prompt = args.prompt
+        raise CheckpointError(f"{args.load}: holds no tokenizer (trained on mock data), so text cannot be encoded")
+    prompt, stop_ids = args.prompt, tokenizer.stop_ids  # (the end tokens the tokenizer's files declare)
     if args.chat_template:
-        from paratron.data.sft import tokenizer_chat_template
+        from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
 
         template = tokenizer_chat_template(args.chat_template, tokenizer)
         prompt = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        stop_ids = chat_stop_ids(template, tokenizer)  # (and the token that ends the template's turns)
     _, device = choose_backend("auto")
     model = model_from_checkpoint(info, device)
     ids = generate(
@@ -357,20 +452,17 @@ def cmd_generate(argv: list[str]) -> int:
         args.max_new_tokens,
         args.temperature,
         args.top_k,
-        eos_id=tokenizer.eod_id,
+        eos_id=stop_ids,
         seed=args.seed,
     )
-    text = tokenizer.decode(i for i in ids if i != tokenizer.eod_id)
-    if args.chat_template:  # the answer, up to the end of its turn
-        print(min((text.split(end)[0] for end in END_OF_TURN), key=len))
-    else:
-        print(args.prompt + text)
+    text = tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_ids else ids)
+    print(text if args.chat_template else args.prompt + text)  # (a chat answer alone, up to its end of turn)
     return 0
 
 
 @command("convert", "convert weights between Hugging Face, Megatron-LM and paratron checkpoints")
 def cmd_convert(argv: list[str]) -> int:
-    from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf
+    from paratron.checkpoint.hf import FAMILY_NAMES, hf_to_paratron, paratron_to_hf
     from paratron.checkpoint.megatron import megatron_to_paratron, paratron_to_megatron
     from paratron.checkpoint.peft import paratron_to_peft
     from paratron.config.arguments import ArgumentParser
@@ -382,8 +474,10 @@ def cmd_convert(argv: list[str]) -> int:
         "  |  --from paratron SRC --to peft DST  |  --from megatron SRC --to paratron|hf DST [--finetune]"
         "  |  --from paratron SRC --to megatron DST [--target-tensor-parallel-size N]"
         " [--target-pipeline-parallel-size M]",
-        description="Convert Llama, Mistral, Qwen2 and GPT-2 weights between a Hugging Face directory "
-        "(config.json + safetensors) and a paratron checkpoint (weights only, for --load); write a LoRA "
+        description=f"Convert {', '.join(list(FAMILY_NAMES.values())[:-1])} and {list(FAMILY_NAMES.values())[-1]} "
+        "weights between a Hugging Face directory (config.json + safetensors: model.safetensors or the shards its "
+        "model.safetensors.index.json names; a field config.json leaves out takes transformers' default for "
+        "the model type) and a paratron checkpoint (weights only, for --load); write a LoRA "
         "checkpoint's adapters as a peft adapter (Llama family), or merged into the base weights; read "
         "Megatron-LM GPT checkpoints (torch and torch_dist formats, any TP/PP) and write its torch format "
         "(docs/megatron-checkpoints.md).",
@@ -418,12 +512,14 @@ def cmd_convert(argv: list[str]) -> int:
         "--target-tensor-parallel-size",
         type=int,
         default=1,
+        metavar="N",
         help="With --to megatron: the tensor-parallel size of the written checkpoint (default 1).",
     )
     parser.add_argument(
         "--target-pipeline-parallel-size",
         type=int,
         default=1,
+        metavar="N",
         help="With --to megatron: the pipeline-parallel size of the written checkpoint (default 1).",
     )
     args = parser.parse_args(argv)
@@ -440,14 +536,15 @@ def cmd_convert(argv: list[str]) -> int:
         raise UserError(f"--from {args.source[0]} {source}: no such directory")
     if formats == ("hf", "paratron"):
         path = hf_to_paratron(source, target)
-        print(f"wrote {path}; train from it with: paratron train --config {target / 'model.yaml'} --load {target} ...")
+        print(f"wrote {path}; train from it with: paratron train --load {target} --finetune ...")
     elif formats == ("paratron", "hf"):
         print(f"wrote {paratron_to_hf(source, target, merge_lora=args.merge_lora)}")
     elif formats == ("paratron", "peft"):
         print(f"wrote {paratron_to_peft(source, target)}; load it with peft.PeftModel.from_pretrained(base, DIR)")
     elif formats == ("megatron", "paratron"):
         path = megatron_to_paratron(source, target, finetune=args.finetune)
-        print(f"wrote {path}; train from it with: paratron train --config {target / 'model.yaml'} --load {target} ...")
+        how = "--finetune" if args.finetune else "(its step; --finetune starts at step 0)"
+        print(f"wrote {path}; train from it with: paratron train --load {target} {how} ...")
     elif formats == ("megatron", "hf"):
         import tempfile  # start-up speed
 
@@ -475,6 +572,7 @@ def cmd_plan(argv: list[str]) -> int:
 @command("schedule", "simulate a pipeline schedule, report its bubble and draw its timeline")
 def cmd_schedule(argv: list[str]) -> int:
     from paratron.config.arguments import ArgumentParser
+    from paratron.config.schema import LoggingConfig
     from paratron.errors import ConfigError
     from paratron.parallel.pipeline.draw import draw_timeline
     from paratron.parallel.pipeline.schedules import (
@@ -502,8 +600,19 @@ def cmd_schedule(argv: list[str]) -> int:
         metavar="V",
         help="Model chunks (virtual stages) per rank; only for interleaved (default: 1).",
     )
+    run_dir = LoggingConfig().run_dir
     parser.add_argument(
-        "--output", type=Path, metavar="PATH", help="PNG to write (default: schedule-NAME-ppN-mM[-vV].png here)."
+        "--output",
+        type=Path,
+        metavar="PATH",
+        help="PNG to write (default: schedule-NAME-ppN-mM[-vV].png in --run-dir).",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path(run_dir),
+        metavar="DIR",
+        help=f"Folder of the default --output, as train's run folder (default: {run_dir}).",
     )
     parser.add_argument("--print", action="store_true", dest="show", help="Also print every rank's operations.")
     args = parser.parse_args(argv)
@@ -529,7 +638,7 @@ def cmd_schedule(argv: list[str]) -> int:
         f"{name}: pp {pp}, {m} micro-batches{chunks}: bubble {timeline.bubble_fraction():.1%} of the step "
         f"({against}); peak live {held} per rank: " + " ".join(map(str, peak_live_activations(schedule)))
     )
-    output = args.output or Path(f"schedule-{name}-pp{pp}-m{m}" + (f"-v{v}" if v > 1 else "") + ".png")
+    output = args.output or args.run_dir / (f"schedule-{name}-pp{pp}-m{m}" + (f"-v{v}" if v > 1 else "") + ".png")
     title = f"{name} schedule: pp {pp}, {m} micro-batches{chunks}; bubble {timeline.bubble_fraction():.1%}"
     print(f"timeline: {draw_timeline(timeline.spans, output, title, '(forward = 1)')}")
     return 0
@@ -556,6 +665,11 @@ def _peer_lost(exc: RuntimeError) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "RANK" in os.environ and argv is None:  # a worker process: it ends with its launcher
+        parent = os.getppid()  # (read before the import below, which takes a while)
+        from paratron.distributed.launch import end_with_launcher  # (start-up speed: workers only)
+
+        end_with_launcher(parent)
     if "RANK" in os.environ and USER_CPP_LOG_LEVEL in os.environ:  # a worker of a quiet launcher
         level = os.environ.pop(USER_CPP_LOG_LEVEL)
         os.environ.pop(CPP_LOG_LEVEL) if not level else os.environ.update({CPP_LOG_LEVEL: level})
@@ -563,9 +677,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
+    if args[0] == "--version":
+        print(f"paratron {version()}")
+        return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
-        print(f"error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        close = difflib.get_close_matches(name, COMMANDS, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        print(f"error: unknown command {name!r}; {hint}commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     try:
         return COMMANDS[name][1](rest)

@@ -1,4 +1,4 @@
-"""The command line end to end, in subprocesses, as a user runs it."""
+"""The command line end to end, in subprocesses as a user runs it (validation messages in process)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from paratron.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["--no-progress-bar", "--no-tensorboard"]
@@ -86,14 +88,18 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
         ),
     ],
 )
-def test_bad_settings_exit_2_with_one_line(args, expected):
-    assert_one_line_error(paratron("train", *args), expected)
+def test_bad_settings_exit_2_with_one_line(args, expected, capsys):
+    """In process: each message is the one `paratron train` prints before any worker starts (the
+    subprocess tests below show that the same line reaches the user's terminal)."""
+    code = main(["train", *args])
+    assert_one_line_error(subprocess.CompletedProcess(args, code, *capsys.readouterr()), expected)
 
 
-def test_help_shows_field_docs():
-    result = paratron("train", "--help")
-    assert result.returncode == 0
-    text = " ".join(result.stdout.split())
+def test_help_shows_field_docs(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
     assert "--hidden-size INT Width of the residual stream. (default: 64)" in text
     assert "--tensor-model-parallel-size INT Tensor-parallel degree" in text
     assert "--fp16 Train in fp16 mixed precision" in text
@@ -392,7 +398,7 @@ def test_preprocess_bad_input_is_one_line(tmp_path):
     assert_one_line_error(result, "x.idx: bytes 0-8 are b'garbage!g', not the MMIDIDX magic")
 
 
-def test_convert_from_hugging_face_and_back(tmp_path):
+def test_convert_from_hugging_face_and_back(tmp_path, capsys):
     import transformers
 
     config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64)
@@ -400,20 +406,16 @@ def test_convert_from_hugging_face_and_back(tmp_path):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
     result = paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron", str(tmp_path / "p"))
     assert result.returncode == 0, result.stderr
-    assert f"--config {tmp_path / 'p' / 'model.yaml'} --load {tmp_path / 'p'}" in result.stdout
+    assert f"train from it with: paratron train --load {tmp_path / 'p'} --finetune" in result.stdout
     result = paratron("convert", "--from", "paratron", str(tmp_path / "p"), "--to", "hf", str(tmp_path / "back"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "back" / "model.safetensors").is_file()
-    assert_one_line_error(
-        paratron("convert", "--from", "hf", str(tmp_path / "nothing"), "--to", "paratron", str(tmp_path / "x")),
-        "no such directory",
-    )
-    assert_one_line_error(
-        paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "hf", str(tmp_path / "x")),
-        "convert hf to paratron, or paratron to hf or peft",
-    )
-    assert_one_line_error(
-        paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron", str(tmp_path / "p")),
-        "already exists and is not empty",
-    )
+    capsys.readouterr()
+    for args, expected in (
+        (["hf", str(tmp_path / "nothing"), "paratron", str(tmp_path / "x")], "no such directory"),
+        (["hf", str(tmp_path / "hf"), "hf", str(tmp_path / "x")], "convert hf to paratron, or paratron to hf or peft"),
+        (["hf", str(tmp_path / "hf"), "paratron", str(tmp_path / "p")], "already exists and is not empty"),
+    ):
+        code = main(["convert", "--from", *args[:2], "--to", *args[2:]])
+        assert_one_line_error(subprocess.CompletedProcess(args, code, *capsys.readouterr()), expected)
     assert not (tmp_path / "x").exists()

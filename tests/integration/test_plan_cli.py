@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from paratron.cli import train_parser
+from paratron.cli import main, train_parser
 from paratron.config.arguments import parse_config_arguments
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import build_config
@@ -87,6 +87,30 @@ def test_mistakes_are_one_line_config_errors(args, message):
     with pytest.raises(ConfigError) as caught:
         run_plan([*LLAMA, *args])
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [["--data-path", "corpus/text_document", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"], []],
+)
+def test_the_best_command_runs_as_printed(capsys, data):
+    """The printed command carries the user's data and tokenizer flags, or --mock-data (said plainly)
+    when there were none: `paratron train` takes it as it is (its dry run validates it)."""
+    shape = ["--model", "debug", "--global-batch-size", "8", "--seq-length", "32", "--hardware", "cpu"]
+    assert run_plan([*shape, "--gpus-per-node", "2", "--top", "1", *data]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    best = next(line for line in printed if line.startswith("best: "))
+    assert best.startswith("best: paratron train --nproc-per-node 2 --model-name debug ")
+    args = best.split(" train ", 1)[1].split()
+    if data:
+        assert args[args.index("--data-path") + 1] == "corpus/text_document" and "--mock-data" not in args
+        assert args[args.index("--tokenizer-type") + 1] == "NullTokenizer"
+        assert printed[-1] == best
+    else:
+        assert "--mock-data" in args
+        assert printed[-1].startswith("(no data was given, so it trains on --mock-data: replace that with --data-path")
+    assert main(["train", *args, "--dry-run", "--world-size", "2"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("dry run: world 2 = ")
 
 
 def test_global_batch_is_required():

@@ -34,7 +34,9 @@ def test_draws_and_reports_the_bubble(tmp_path, monkeypatch, capsys):
     assert where == "timeline: tmp/x.png"
 
 
-def test_default_output_name_and_print(tmp_path, monkeypatch, capsys):
+def test_default_output_goes_into_the_run_folder_and_print(tmp_path, monkeypatch, capsys):
+    """Without --output the PNG goes into the run folder (train's default, runs/latest), never
+    straight into the current folder; --run-dir moves it."""
     monkeypatch.chdir(tmp_path)
     code, out, err = run(
         capsys, "--pp", "2", "--microbatches", "4", "--schedule", "interleaved", "--vpp", "2", "--print"
@@ -43,8 +45,12 @@ def test_default_output_name_and_print(tmp_path, monkeypatch, capsys):
     lines = out.strip().splitlines()
     assert lines[0].startswith("rank 0: F0 ") and lines[1].startswith("rank 1: F0 ")
     assert "theory ((p-1)/v)/(m+(p-1)/v) = 11.1%" in lines[2]
-    assert lines[3] == "timeline: schedule-interleaved-pp2-m4-v2.png"
-    assert (tmp_path / "schedule-interleaved-pp2-m4-v2.png").stat().st_size > 0
+    assert lines[3] == "timeline: runs/latest/schedule-interleaved-pp2-m4-v2.png"
+    assert (tmp_path / "runs" / "latest" / "schedule-interleaved-pp2-m4-v2.png").stat().st_size > 0
+    code, out, err = run(capsys, "--pp", "2", "--microbatches", "2", "--run-dir", str(tmp_path / "mine"))
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == f"timeline: {tmp_path / 'mine' / 'schedule-1f1b-pp2-m2.png'}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "runs"]  # nothing else in the current folder
 
 
 @pytest.mark.parametrize(

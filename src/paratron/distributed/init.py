@@ -11,13 +11,18 @@ import os
 import random
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from paratron.config.fields import flag
+from paratron.config.layout import resolve_layout
+from paratron.config.megatron import RENAMES
+from paratron.config.schema import Config
+from paratron.config.validation import validate
 from paratron.errors import ConfigError
 
 HANG_REPORT_MARGIN_S = 60
@@ -56,6 +61,74 @@ def choose_backend(requested: str = "auto") -> tuple[str, torch.device]:
         torch.cuda.set_device(local_rank)
         return "nccl", torch.device("cuda", local_rank)
     return "gloo", torch.device("cpu")
+
+
+def listed_devices(visible: str) -> int:
+    """How many devices a CUDA_VISIBLE_DEVICES value lets a process see, as CUDA reads it: indices or
+    GPU-/MIG- UUIDs, comma-separated, up to the first entry that names none ("" and "-1" hide them all)."""
+    seen: set[str] = set()
+    for entry in (e.strip() for e in visible.split(",")):
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))) or entry in seen:
+            break
+        seen.add(entry)
+    return len(seen)
+
+
+def visible_devices(backend: str = "auto") -> int | None:
+    """The GPUs this machine's processes may take, one each, for the --distributed-backend: the CUDA
+    devices visible here (CUDA_VISIBLE_DEVICES honoured); None when the processes run on the CPU
+    (gloo, or auto without a GPU), which takes any number of them."""
+    if backend == "gloo":
+        return None
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    most = None if listed is None else listed_devices(listed)
+    count = 0 if most == 0 else torch.cuda.device_count()  # (CUDA is not asked when the list hides every device)
+    count = count if most is None else min(count, most)
+    return None if count == 0 and backend == "auto" else count
+
+
+def fit_to_devices(config: Config, argv: list[str]) -> tuple[Config, list[str]]:
+    """Before any process starts, the processes this node can run: one per GPU. A --nproc above the
+    GPUs is a ConfigError naming them and the fix; a count from a recipe (or the default) runs on the
+    GPUs there are, the global batch kept through more micro-batches per step, with a one-line note,
+    when the rest of the settings stay valid. Returns the settings and the workers' `paratron ARGV`
+    (the new count and global batch added to it); on the CPU both unchanged."""
+    p = config.parallel
+    devices = visible_devices(p.distributed_backend)
+    if devices is None or p.nproc_per_node <= devices:
+        return config, argv
+    if devices == 0:  # (only with nccl asked for: auto runs on the CPU then)
+        raise ConfigError(
+            f"{flag.distributed_backend} nccl: this machine has no GPU visible (CUDA_VISIBLE_DEVICES honoured); use "
+            f"{flag.distributed_backend} gloo or auto to run on the CPU"
+        )
+    options = {flag.nproc_per_node, *(alias for alias, name in RENAMES.items() if name == "nproc_per_node")}
+    given = next((a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in options), None)
+    per_node = " per node" if p.nnodes > 1 else ""
+    have = f"this machine has {devices} GPU{'' if devices == 1 else 's'} visible (CUDA_VISIBLE_DEVICES honoured)"
+    instead = f"{flag.distributed_backend} gloo to run {p.nproc_per_node} processes{per_node} on the CPU"
+    if given is not None:
+        raise ConfigError(f"{given} {p.nproc_per_node}: {have}; use {given} {devices}, or {instead}")
+    batch = resolve_layout(config, p.nproc_per_node * p.nnodes).global_batch_size
+    fitted = replace(
+        config,
+        parallel=replace(p, nproc_per_node=devices),
+        training=replace(config.training, global_batch_size=batch),
+    )
+    try:
+        layout = validate(fitted, devices * p.nnodes)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"the recipe asks for {p.nproc_per_node} processes{per_node} and {have}, on which the run does not fit "
+            f"({exc}); choose a layout for {flag.nproc_per_node} {devices}, or use {instead}"
+        ) from None
+    print(
+        f"note: the recipe asks for {p.nproc_per_node} processes{per_node} and {have}: running {devices}, "
+        f"{layout.num_micro_batches} micro-batches per step for the same global batch of {batch} "
+        f"({flag.distributed_backend} gloo runs {p.nproc_per_node} on the CPU)",
+        file=sys.stderr,
+    )
+    return fitted, [*argv, flag.nproc_per_node, str(devices), flag.global_batch_size, str(batch)]
 
 
 def initialize(backend: str = "auto", timeout_minutes: float = 10.0) -> DistributedContext:

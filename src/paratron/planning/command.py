@@ -3,11 +3,13 @@
     paratron plan --model llama3-70b --global-batch-size 1536 --seq-length 2048 \\
         --hardware h100-80g --nodes 512 --output plans.json
 
-takes train's flags (the model, the batch, precision, data; layout flags are replaced by the
-plan's) and the machine (a --hardware preset, --nodes x --gpus-per-node devices, and any of the
-preset's numbers overridden), prints the best plans as a table with the `paratron train` command
-of the best, and with --output writes plans.json and a PNG of the best plans' time and memory
-(--plot PATH to put it elsewhere). GPU presets plan bf16 unless --precision is given.
+takes train's flags that a plan depends on (the model, the batch, precision; the data and
+tokenizer flags, passed on to the printed command) and the machine (a --hardware preset, --nodes x
+--gpus-per-node devices, and any of the preset's numbers overridden), prints the best plans as a
+table with the `paratron train` command of the best (it runs as printed: without data flags it
+trains on --mock-data, and says so), and with --output writes plans.json and a PNG of the best
+plans' time and memory (--plot PATH to put it elsewhere). GPU presets plan bf16 unless --precision
+is given.
 """
 
 from __future__ import annotations
@@ -18,28 +20,54 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from paratron.config.arguments import ArgumentParser, add_config_arguments, parse_config_arguments
+from paratron.config.arguments import ArgumentParser, Takes, add_config_arguments, parse_config_arguments
 from paratron.config.fields import flag
 from paratron.config.loading import build_config, override
+from paratron.config.schema import LAUNCH_FIELDS
 from paratron.errors import ConfigError
 from paratron.planning.hardware import CPU, hardware_from
 from paratron.planning.report import plot, table, write_json
-from paratron.planning.search import WITHIN, search
+from paratron.planning.search import LAYOUT_FIELDS, WITHIN, search
+
+PLAN_TAKES = (
+    ("model_name", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels"),
+    ("group_query_attention", "num_query_groups", "max_position_embeddings", "position_embedding_type"),
+    ("vocab_size", "untie_embeddings_and_output_weights"),
+    ("activation", "normalization", "add_bias_linear"),
+    ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size"),
+    ("lora_rank", "lora_targets"),
+    ("global_batch_size", "precision", "optimizer", "expert_tensor_parallel_size", "cp_comm_type"),
+    ("data_path", "train_data_path", "valid_data_path", "corpus", "mock_data", "seq_length"),
+    ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"),
+    ("sft", "chat_template"),
+    ("world_size", "hardware", "device_memory_gb", "peak_tflops"),
+)
+"""The settings a plan depends on (train's flags): the model's shape, the batch, precision and optimizer, the
+data (passed on to the printed command) and the machine; the layout is what the plans choose. (Dropout also
+counts in activation memory, but as the presets and recipes set it: its flags belong on the printed command.)"""
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    """train's flags, and the cluster's and the report's."""
+    """train's flags that a plan depends on, and the cluster's and the report's."""
     parser = ArgumentParser(
         prog="paratron plan",
         usage="paratron plan --model NAME --global-batch-size B --seq-length S [--hardware PRESET] [--nodes N] "
         "[--output plans.json] [flags]",
-        description="Rank every parallel layout (tensor, context, expert, data and pipeline parallelism, virtual "
-        "stages, micro-batch size, recomputation, ZeRO stage, pipeline schedule) of a model on a cluster by "
-        "predicted throughput, among those whose memory fits each device (as `paratron train --dry-run` "
-        "predicts it). Takes train's flags for the model and the batch; layout flags are replaced by the plans'.",
+        description="Rank the parallel layouts of a model on a cluster (tensor, context, expert, data and pipeline "
+        "parallelism, virtual stages, micro-batch size, recomputation, ZeRO stage, schedule) by predicted "
+        "throughput, among those that fit each device's memory as `paratron train --dry-run` predicts it. Takes "
+        "train's flags for the model's shape, the batch and the data (passed on to the printed command).",
         allow_abbrev=False,
     )
-    add_config_arguments(parser)
+    layout = "paratron plan chooses the layout itself (each plan sets it); drop it"
+    processes = "paratron plan counts the devices from --nodes and --gpus-per-node; drop it"
+    takes = Takes(
+        "paratron plan",
+        fields=sum(PLAN_TAKES, ()),
+        why=(*((name, layout) for name in LAYOUT_FIELDS), *((name, processes) for name in LAUNCH_FIELDS)),
+        otherwise="the plan does not depend on it; add it to the printed paratron train command instead",
+    )
+    add_config_arguments(parser, takes)
     group = parser.add_argument_group("the cluster (defaults: the --hardware preset's)")
     group.add_argument("--nodes", type=int, default=None, metavar="N", help="Machines (default: 1, or --world-size's).")
     group.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="Devices per machine.")
@@ -77,6 +105,9 @@ def run_plan(argv: Sequence[str]) -> int:
     config = build_config(overrides, recipe)
     if "precision" not in overrides and (config.planning.hardware or "h100-80g") != CPU:
         config = override(config, precision="bf16")
+    no_data = not (config.data.blend_flags() or config.data.corpus or config.data.mock_data or config.data.sft)
+    if no_data:  # (the printed command must run: it trains on synthetic tokens, and says so)
+        config = override(config, mock_data=True)
     hardware = hardware_from(
         config.planning,
         gpus_per_node=args.gpus_per_node,
@@ -101,6 +132,11 @@ def run_plan(argv: Sequence[str]) -> int:
     )
     print(table(plans, args.top))
     print(f"\nbest: {plans[0].command()}")
+    if no_data:
+        print(
+            f"(no data was given, so it trains on {flag.mock_data}: replace that with {flag.data_path} PREFIX "
+            "and the tokenizer's flags to train on yours)"
+        )
     if args.output is not None:
         request = {"argv": list(argv), "world_size": world, "within": args.within, "search_seconds": seconds}
         write_json(args.output, plans, hardware, request, others)

@@ -135,6 +135,17 @@ def scalars(tag: str, value: Any) -> list[tuple[str, float]]:
     return [] if value is None else [(tag, float(value))]
 
 
+def wants_progress_bar(setting: bool | None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> bool:
+    """--progress-bar, or when it is unset whether both streams (the log lines' and the bar's) are
+    terminals: a bar redrawn into a log file (Slurm, nohup, a redirect) buries the log lines. The
+    workers of `paratron train --nproc N` write to the launcher's own streams, so rank 0 sees the
+    terminal the user sees."""
+    if setting is not None:
+        return setting
+    streams = (stdout or sys.stdout, stderr or sys.stderr)
+    return all(callable(getattr(s, "isatty", None)) and s.isatty() for s in streams)
+
+
 class MetricsWriter:
     """Rank 0's sinks. Use as a context manager so files are flushed and closed."""
 
@@ -144,16 +155,17 @@ class MetricsWriter:
         total_iters: int,
         start_iter: int,
         enabled: bool,
-        progress_bar: bool,
+        progress_bar: bool | None,
         tensorboard: bool,
         logging: LoggingConfig | None = None,
         settings: dict[str, Any] | None = None,
     ) -> None:
-        """`logging`: the Megatron-LM logging flags (TensorBoard directory, interval and queue,
-        what it leaves out, wandb); `settings`: the run's configuration, for wandb."""
+        """`progress_bar`: --progress-bar (None: only on a terminal, `wants_progress_bar`); `logging`: the
+        Megatron-LM logging flags (TensorBoard directory, interval and queue, what it leaves out, wandb);
+        `settings`: the run's configuration, for wandb."""
         self.enabled = enabled
         self.total_iters, self.start_iter = total_iters, start_iter
-        self.show_bar = progress_bar
+        self.show_bar = wants_progress_bar(progress_bar) if enabled else False
         self.bar: tqdm | None = None
         self.tb = None
         self.wandb = None
