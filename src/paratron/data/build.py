@@ -25,8 +25,6 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from paratron.config.schema import Config
 from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend, split_ranges
@@ -39,8 +37,8 @@ from paratron.data.preprocess import PreprocessResult, input_files, preprocess, 
 from paratron.data.sft.dataset import SFTDataset
 from paratron.data.sft.sources import sft_sources, unique_task_names, whole_tasks
 from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, tokenizer_for, train_byte_level_bpe
-from paratron.distributed.init import collective_device
-from paratron.errors import DataError, PeerFailure
+from paratron.distributed.init import raise_any_failure
+from paratron.errors import DataError
 
 DEFAULT_BPE_VOCAB = 8192
 MOCK_VOCAB = 4096
@@ -88,13 +86,7 @@ def build_once(path: Path, build: Callable[[Path], None], local_rank: int, log: 
             if tmp.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)
             tmp.unlink(missing_ok=True)
-    if dist.is_initialized():
-        failed = torch.tensor([failure is not None], dtype=torch.int32, device=collective_device())
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() and failure is None:
-            raise PeerFailure(f"another rank failed to build {path}")
-    if failure is not None:
-        raise failure
+    raise_any_failure(failure, f"another rank failed to build {path}")
 
 
 def _digest(*parts: object) -> str:

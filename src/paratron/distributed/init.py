@@ -23,7 +23,7 @@ from paratron.config.layout import resolve_layout
 from paratron.config.megatron import RENAMES
 from paratron.config.schema import Config
 from paratron.config.validation import validate
-from paratron.errors import ConfigError
+from paratron.errors import ConfigError, PeerFailure
 
 HANG_REPORT_MARGIN_S = 60
 """Seconds the process group waits beyond --distributed-timeout-minutes (the watchdog's)."""
@@ -167,6 +167,18 @@ def collective_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def raise_any_failure(failure: BaseException | None, elsewhere: str) -> None:
+    """Every rank learns whether one failed (collective over the world): the one that failed raises
+    its own error, the others PeerFailure(`elsewhere`), so that no rank waits for one that is gone."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failed = torch.tensor([failure is not None], dtype=torch.int32, device=collective_device())
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and failure is None:
+            raise PeerFailure(elsewhere)
+    if failure is not None:
+        raise failure
 
 
 def synchronize(device: torch.device) -> None:

@@ -38,17 +38,17 @@ from paratron.data.checks import check_data_inputs
 from paratron.data.tokenizer import Tokenizer
 from paratron.distributed.init import (
     DistributedContext,
-    collective_device,
     deterministic_algorithms,
     initialize,
     job_store,
+    raise_any_failure,
     seed_everything,
     shutdown,
 )
 from paratron.distributed.launch import expected_parent, restart_count
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.distributed.watchdog import Watchdog
-from paratron.errors import CheckpointError, ConfigError, PeerFailure
+from paratron.errors import CheckpointError, ConfigError
 from paratron.inference.generate import generate
 from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
@@ -111,13 +111,7 @@ def _save_lock(config: Config, ctx: DistributedContext) -> Iterator[None]:
             lock = SaveLock(Path(save)).acquire()
         except CheckpointError as exc:
             failure = exc
-    if dist.is_initialized() and ctx.world_size > 1:
-        failed = torch.tensor([failure is not None], dtype=torch.int32, device=collective_device())
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() and failure is None:
-            raise PeerFailure(f"rank 0 could not take the lock of {save}")
-    if failure is not None:
-        raise failure
+    raise_any_failure(failure, f"rank 0 could not take the lock of {save}")
     try:
         yield
     finally:
