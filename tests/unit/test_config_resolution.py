@@ -192,10 +192,10 @@ def test_a_data_source_on_the_command_line_replaces_the_recipes():
 
 def test_a_shorter_run_scales_the_recipes_schedule_with_a_note(capsys):
     config = train_config(["--config", "debug", "--train-iters", "3"])
-    assert config.lr_schedule.lr_warmup_iters == 0
+    assert config.lr_schedule.lr_warmup_iters == 1
     validate(config, 1)
     assert capsys.readouterr().err == (
-        "note: --lr-warmup-iters 5 (from the recipe debug) does not fit --train-iters 3: scaled to 0 (5 x 3/50)\n"
+        "note: --lr-warmup-iters 5 (from the recipe debug) does not fit --train-iters 3: scaled to 1 (5 x 3/50)\n"
     )
     assert train_config(["--config", "debug"]).lr_schedule.lr_warmup_iters == 5  # the recipe's own run
     assert train_config(["--config", "debug", "--train-iters", "20"]).lr_schedule.lr_warmup_iters == 5  # fits
@@ -220,7 +220,8 @@ def test_evaluate_and_generate_read_a_megatron_lm_checkpoint_as_its_paratron_twi
     evaluates and generates as the paratron checkpoint does, without model or tokenizer flags."""
     monkeypatch.setenv("PARATRON_CACHE", str(tmp_path / "cache"))
     root = llama[0]
-    paratron_to_megatron(root / "ckpt", tmp_path / "megatron")
+    paratron_to_megatron(root / "ckpt", tmp_path / "written")
+    (tmp_path / "written").rename(tmp_path / "megatron")  # (moved: its args name the tokenizer where it was)
     assert (tmp_path / "megatron" / "tokenizer" / "tokenizer.json").is_file()
     seen = {}
     for name, load in (("paratron", root / "ckpt"), ("megatron", tmp_path / "megatron")):
@@ -234,3 +235,28 @@ def test_evaluate_and_generate_read_a_megatron_lm_checkpoint_as_its_paratron_twi
     assert seen["megatron"][0] == seen["paratron"][0] and seen["paratron"][0].startswith("the")
     ours, theirs = seen["paratron"][1], seen["megatron"][1]
     assert theirs["tokens"] == ours["tokens"] > 0 and theirs["loss"] == pytest.approx(ours["loss"], rel=1e-5)
+    # two processes: one converts it into the cache (a fresh one here), the other waits, both evaluate
+    monkeypatch.setenv("PARATRON_CACHE", str(tmp_path / "cache2"))
+    output = tmp_path / "two.json"
+    assert main(["evaluate", "--load", str(tmp_path / "megatron"), *data, "--nproc", "2", "--output", str(output)]) == 0
+    assert json.loads(output.read_text())["loss"] == pytest.approx(ours["loss"], rel=1e-5)
+
+
+def test_a_null_tokenizers_id_count_is_not_the_checkpoints_vocabulary():
+    """NullTokenizer(V) has V + 1 entries (its end-of-document id is V): the checkpoint says V + 1, the run says
+    --vocab-size V, and neither contradicts the other; without --vocab-size the run is asked for it."""
+    saved = SavedModel("the checkpoint m", dataclasses.asdict(ModelConfig(vocab_size=101)))
+    data = {"data_path": ["d"], "tokenizer_type": "NullTokenizer"}
+    assert resolve_settings({**data, "vocab_size": 100}, saved=saved).config.model.vocab_size == 100
+    unsized = resolve_settings(data, saved=saved).config
+    with pytest.raises(ConfigError, match="--tokenizer-type NullTokenizer needs --vocab-size"):
+        validate(unsized, 1, check_data=True)
+
+
+def test_a_hugging_face_folder_given_to_load_is_named_with_its_conversion(llama, capsys):
+    hf = llama[0] / "hf"
+    assert main(["train", "--load", str(hf), "--finetune", "--mock-data"]) == 2
+    assert error_line(capsys) == (
+        f"error: {hf}: a Hugging Face model folder, not a checkpoint; convert it once with paratron convert --from hf "
+        f"{hf} --to paratron CKPT and give --load CKPT"
+    )

@@ -32,7 +32,6 @@ Loading never unpickles arbitrary objects: safetensors, `torch.load(weights_only
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import os
@@ -61,7 +60,6 @@ from paratron.parallel.data.fully_sharded import full_parameter, held_boxes, loc
 from paratron.parallel.sharding import full_shape, gather_full, param_info, whole_box
 from paratron.storage import (
     Space,
-    honour_umask,
     is_disk_full,
     no_space_message,
     save_object,
@@ -75,6 +73,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 SAVE_FIX = "free space or choose another --save"
 CONVERT_FIX = "free space or choose another destination (convert --to FORMAT DIR)"
+CONVERTED = "the converted checkpoint"
+"""What a full disk's line says a conversion to paratron was writing."""
 FILE_SLACK = 8192
 """Bytes a checkpoint file may take beyond its tensors: its header, the filesystem's last block."""
 
@@ -213,7 +213,8 @@ def save_checkpoint(
     fix: str = SAVE_FIX,
 ) -> Path:
     """Write `content` under `root` and wait until it is published; every rank takes part (see
-    `begin_save` for what each rank writes). Without a topology, as a single process. `what` and
+    `begin_save` for what each rank writes). Without a topology, this process alone writes it
+    all, with no collective (a conversion, which one process of a job runs). `what` and
     `fix` word the line of a full disk (a conversion's destination is no --save)."""
     pending = begin_save(root, content, topology, what=what, fix=fix)
     pending.write()
@@ -238,12 +239,7 @@ def begin_save(
     ranks. The first data-parallel replica writes the rank states. A checkpoint that does not fit
     is refused on every rank with the same line (`UserError`) before anything is written."""
     what = what or f"checkpoint iteration {content.iteration}"
-    if topology is None and dist.is_initialized() and dist.get_rank() != 0:
-        # (a single-process save inside a larger job, such as a conversion: rank 0 writes it)
-        content = dataclasses.replace(content, optimizer=None, rank_state=None, tokenizer=None)
-        pending = PendingSave(root, content.iteration, 0, content.config, None, False, {}, files={}, what=what, fix=fix)
-        _raise_on_every_rank(None)
-        return pending
+    collective = topology is not None  # (without one, this process alone: a conversion, which a job runs once)
     topology = topology or Topology(ParallelDims(1))
     pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
     sharded = content.config.parallel.sharding_stage > 0 and topology.size(Axis.DP_CP) > 1
@@ -264,6 +260,7 @@ def begin_save(
         indexed=topology.dims.world_size > 1,
         what=what,
         fix=fix,
+        collective=collective,
     )
     if weights:
         pending.add(weights_file(topology), weights, {"format": "pt"}, "model", shapes)
@@ -285,7 +282,7 @@ def begin_save(
             pending.tmp.mkdir()
         except OSError as error:
             failure = pending.failure(error)
-    _raise_on_every_rank(failure)  # (and the barrier after which every rank may write)
+    _raise_on_every_rank(failure, pending.collective)  # (and the barrier after which every rank may write)
     return pending
 
 
@@ -371,6 +368,8 @@ class PendingSave:
     """This rank's filesystem and its free bytes when the save began."""
     error: str | None = None
     """Why this rank's `write` failed, for `publish` to report on every rank."""
+    collective: bool = True
+    """Every rank of the job takes part (a training checkpoint); False: this process saves alone."""
 
     def add(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict, kind: str, shapes: dict) -> None:
         """A safetensors file of this rank's boxes of kind `kind`."""
@@ -432,7 +431,7 @@ class PendingSave:
         if failure is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
         try:
-            _raise_on_every_rank(failure)
+            _raise_on_every_rank(failure, self.collective)
         except UserError:
             shutil.rmtree(self.tmp, ignore_errors=True)  # (each machine's own, where --save is not shared)
             raise
@@ -456,7 +455,6 @@ class PendingSave:
                 **self.extra_meta,
             }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-            honour_umask(tmp)  # (copied files, a tokenizer's templates, keep their source's mode otherwise)
             if final.exists():  # re-saving an iteration: keep the old one until the new one is in place
                 old = root / f".old-{final.name}-{os.getpid()}"
                 final.replace(old)
@@ -533,9 +531,10 @@ def prune_checkpoints(root: Path, keep: int, retain_interval: int | None = None)
     return doomed
 
 
-def _raise_on_every_rank(failure: str | None) -> None:
-    """Rank 0's verdict on every rank (so also a barrier): nothing, or the same one-line error."""
-    if dist.is_initialized():
+def _raise_on_every_rank(failure: str | None, collective: bool = True) -> None:
+    """Rank 0's verdict on every rank (so also a barrier): nothing, or the same one-line error; a
+    save that is not `collective` raises its own."""
+    if collective and dist.is_initialized():
         verdict = [failure]
         dist.broadcast_object_list(verdict, src=0)
         failure = verdict[0]

@@ -48,12 +48,18 @@ def saved_model(load: str, save: str | None = None) -> SavedModel | None:
         return SavedModel(where, dataclasses.asdict(info.config.model))
     checkpoint = open_megatron(path)
     model = config_of(checkpoint.args, f"{checkpoint.folder} args").model
-    return SavedModel(where, dataclasses.asdict(model), megatron_tokenizer(checkpoint.args))
+    return SavedModel(where, dataclasses.asdict(model), megatron_tokenizer(checkpoint.args, path))
 
 
-def megatron_tokenizer(args: dict[str, Any]) -> dict[str, Any]:
-    """The tokenizer settings of Megatron-LM `args` (those it recorded)."""
+def megatron_tokenizer(args: dict[str, Any], root: Path | None = None) -> dict[str, Any]:
+    """The tokenizer settings of Megatron-LM `args` (those it recorded). A tokenizer file or folder
+    that is no longer where the args say but beside the checkpoint (`root`: a checkpoint moved or
+    copied with its tokenizer, as `paratron convert --to megatron` writes it) is taken from there."""
     settings = {name: args[name] for name in MEGATRON_TOKENIZER_ARGS if args.get(name) is not None}
+    for name in ("tokenizer_model", "vocab_file", "merge_file"):
+        recorded = Path(str(settings.get(name, "")))
+        if name in settings and not recorded.exists() and root is not None and (root / recorded.name).exists():
+            settings[name] = str(root / recorded.name)
     return settings if settings.get("tokenizer_type") else {}
 
 
@@ -88,12 +94,12 @@ def paratron_checkpoint(load: Path, cache: Path, weights_only: bool, local_rank:
 
 def saved_tokenizer(load: Path, info: CheckpointInfo) -> AnyTokenizer | None:
     """The tokenizer a checkpoint was trained with: the one saved beside a paratron checkpoint (`info`), or the one
-    a Megatron-LM checkpoint's args name (at `load`; its files must be where they were); None when neither says."""
+    a Megatron-LM checkpoint's args name (at `load`, or beside it); None when neither says."""
     tokenizer = tokenizer_from_checkpoint(info)
     if tokenizer is not None or detect_format(load) == "paratron":
         return tokenizer
     args = open_megatron(load).args
-    settings = megatron_tokenizer(args)
+    settings = megatron_tokenizer(args, load)
     if not settings:
         return None
     return load_tokenizer(

@@ -102,6 +102,10 @@ DATA_SOURCES = ("data_path", "train_data_path", "valid_data_path", "test_data_pa
 NAMES_A_TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 """Settings by which a run names its tokenizer; a run that names none uses its checkpoint's."""
 
+COUNTED = ("NullTokenizer", "TikTokenizer")
+"""Tokenizers whose ids --vocab-size counts (Megatron-LM's meaning): a checkpoint's vocabulary, which holds
+NullTokenizer's end-of-document id too, is not that count."""
+
 SCHEDULE_LENGTHS = (
     ("train_iters", ("lr_decay_iters", "lr_wsd_decay_iters"), "lr_warmup_iters"),
     ("train_samples", ("lr_decay_samples", "lr_wsd_decay_samples"), "lr_warmup_samples"),
@@ -177,6 +181,8 @@ def resolve_settings(
     merged.update(overrides)
     for name in overrides:
         origins.pop(name, None)
+    if origins.get("vocab_size") == (saved.where if saved else None) and merged.get("tokenizer_type") in COUNTED:
+        del merged["vocab_size"], origins["vocab_size"]  # (there --vocab-size counts the tokenizer's ids)
     config = config_from_flat(merged)
     notes: list[str] = []
     if saved is not None:
@@ -205,6 +211,8 @@ def _keep_architecture(
     for name in schema.MODEL_ARCHITECTURE:
         if origins.get(name) == saved.where or ours[name] == theirs[name]:
             continue
+        if name == "vocab_size" and not config.data.mock_data:
+            continue  # (the tokenizer decides it; the weights' shapes are checked as they load)
         given = as_flag(name, getattr(config.model, name))
         origin = origins.get(name)
         label = "query groups" if name in ("group_query_attention", "num_query_groups") else name.replace("_", " ")
@@ -223,6 +231,8 @@ def _keep_architecture(
     if not checkpoint_wins:
         return config
     kept = {name: getattr(theirs_model, name) for name in schema.MODEL_ARCHITECTURE}
+    if not config.data.mock_data:
+        del kept["vocab_size"]  # (the tokenizer decides it)
     origins.update(dict.fromkeys(kept, saved.where))
     return dataclasses.replace(config, model=dataclasses.replace(config.model, **kept))
 
@@ -251,7 +261,7 @@ def _fit_schedule(
             changes[wsd_name] = _scaled(wsd_name, wsd, ratio, 1, decay, notes)
         warmup = _setting(config, warmup_name)
         if warmup_name in from_recipe and warmup >= decay:
-            changes[warmup_name] = _scaled(warmup_name, warmup, ratio, 0, decay - 1, notes)
+            changes[warmup_name] = _scaled(warmup_name, warmup, ratio, 1, decay - 1, notes)  # (still a warmup)
     return override(config, **changes) if changes else config
 
 
