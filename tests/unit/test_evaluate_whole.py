@@ -4,6 +4,7 @@ refused with one line. Runs in this process through `paratron.cli.main`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paratron.checkpoint import CheckpointContent, save_checkpoint
+from paratron.checkpoint import CheckpointContent, read_checkpoint, save_checkpoint
 from paratron.cli import main
 from paratron.config import build_config
 from paratron.data.indexed import IndexedDatasetWriter
@@ -182,3 +183,41 @@ def test_evaluate_refuses_conversations_with_no_assistant_token_in_reach(setup, 
         f"error: {chats}: none of its 2 conversation(s) has an assistant token within --seq-length 32, so "
         "nothing is scored; give it assistant turns or leave it out of --data-path"
     ]
+
+
+def test_evaluate_reads_documents_as_the_checkpoints_training_did(setup, tmp_path, capsys):
+    """A model trained with --reset-position-ids --reset-attention-mask --eod-mask-loss is scored the
+    same way: each document on its own (positions from 0, attention within it, the end-of-document
+    token's next-token loss left out), checked against running the model on each piece alone."""
+    folder, model = setup["folder"], setup["model"]
+    tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
+    eod = tokenizer.eod_id
+    flags = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    saved = build_config({**dataclasses.asdict(read_checkpoint(folder / "ckpt").config.model), **flags})
+    save_checkpoint(tmp_path / "ckpt", CheckpointContent(0, 0, saved, model, tokenizer=tokenizer))
+    rng = np.random.default_rng(1)
+    with IndexedDatasetWriter(tmp_path / "docs", np.uint16) as writer:
+        ordinary = [t for t in range(tokenizer.vocab_size) if t != eod]
+        documents = [np.append(rng.choice(ordinary, n), eod) for n in (5, 20, 3, 11)]
+        for document in documents:
+            writer.add_document(document)
+    stream = np.concatenate(documents).astype(np.int64)
+    total, count = 0.0, 0
+    for first in range(0, len(stream) - 1, SEQ):
+        inputs, labels = stream[first : first + SEQ], stream[first + 1 : first + SEQ + 1]
+        inputs = inputs[: len(labels)]
+        ends = [i + 1 for i, token in enumerate(inputs) if token == eod or i == len(inputs) - 1]
+        for start, end in zip([0, *ends[:-1]], ends):
+            with torch.no_grad():
+                logits = model(torch.from_numpy(inputs[start:end])[None])[0].double()
+            for j in range(start, end):
+                if inputs[j] != eod:
+                    total += F.cross_entropy(logits[j - start], torch.tensor(labels[j])).item()
+                    count += 1
+    output = tmp_path / "eval.json"
+    load = ["--load", str(tmp_path / "ckpt"), "--data-path", str(tmp_path / "docs"), "--output", str(output)]
+    flags = evaluate_flags(folder, "--micro-batch-size", "2")  # (its tokenizer and batch, this checkpoint)
+    assert main(["evaluate", *flags[3:], *load]) == 0, capsys.readouterr().err
+    result = json.loads(output.read_text())
+    assert result["tokens"] == count == len(stream) - 1 - 3  # (the last end-of-document token predicts nothing)
+    assert result["loss"] == pytest.approx(total / count, abs=1e-6)

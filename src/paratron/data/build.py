@@ -32,7 +32,7 @@ from paratron.data.corpus import files_signature, stdlib_files
 from paratron.data.datasets import MockTokens, SampleSource
 from paratron.data.gpt_dataset import GPTDataset, StreamWindows
 from paratron.data.indexed import IndexedDataset, dataset_exists
-from paratron.data.loader import LoaderSource
+from paratron.data.loader import DocumentLayout, LoaderSource
 from paratron.data.preprocess import PreprocessResult, input_files, preprocess, read_documents
 from paratron.data.sft.dataset import SFTDataset
 from paratron.data.sft.sources import sft_sources, unique_task_names, whole_tasks
@@ -314,6 +314,7 @@ def evaluation_sources(
     tokenizer, tokenizer_id, vocab = builder.tokenizer_and_vocabulary(saved_tokenizer)
     paths = parse_blend(d.data_path).paths
     names = unique_task_names(paths)
+    documents = DocumentLayout.of(d, config.model, tokenizer.eod_id)
     tasks: dict[str, SampleSource] = {}
     if d.sft:
         for name, path, task in zip(names, paths, whole_tasks(config, tokenizer, paths, names)):
@@ -327,7 +328,7 @@ def evaluation_sources(
         return tokenizer, vocab, tasks
     for name, path in zip(names, paths):
         prefix = builder.resolve(path, "--data-path", tokenizer, tokenizer_id)
-        windows = StreamWindows(IndexedDataset(prefix, d.mmap_bin_files), d.seq_length)
+        windows = StreamWindows(IndexedDataset(prefix, d.mmap_bin_files), d.seq_length, documents)
         if windows.trained_tokens_per_epoch == 0:
             count = windows.num_tokens
             raise DataError(

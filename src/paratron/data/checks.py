@@ -38,8 +38,9 @@ def check_loader_settings(config: Config) -> None:
         )
 
 
-def check_data_inputs(config: Config) -> None:
-    """Raise a UserError for the first missing or unusable data or tokenizer file of `config`."""
+def check_data_inputs(config: Config, saved_tokenizer: bool = False) -> None:
+    """Raise a UserError for the first missing or unusable data or tokenizer file of `config`;
+    `saved_tokenizer`: the run uses the tokenizer of the checkpoint it loads (`training.run`)."""
     d = config.data
     raw, preprocessed = bool(d.corpus), False
     for values, blend_flag in d.blend_flags():
@@ -63,7 +64,6 @@ def check_data_inputs(config: Config) -> None:
                 )
     check_loader_settings(config)
     kind = d.resolved_tokenizer_type
-    tuned = bool(config.checkpoint.load and config.checkpoint.finetune)  # (its checkpoint's tokenizer, if it has one)
     if kind in FILE_TOKENIZERS:
         what = FILE_TOKENIZERS[kind]
         if not d.tokenizer_model:
@@ -92,7 +92,9 @@ def check_data_inputs(config: Config) -> None:
             f"{flag.sft} needs an existing tokenizer: {flag.load} a checkpoint saved with one, or give "
             f"{flag.tokenizer_type} HuggingFaceTokenizer {flag.tokenizer_model} PATH"
         )
-    elif kind == "ByteLevelBPE" and not d.sft and (preprocessed or (not raw and not d.mock_data)) and not tuned:
+    elif (
+        kind == "ByteLevelBPE" and not d.sft and (preprocessed or (not raw and not d.mock_data)) and not saved_tokenizer
+    ):
         raise ConfigError(
             f"{flag.tokenizer_type} ByteLevelBPE trains on text, but (some of) the data is "
             f"preprocessed already; name its tokenizer: HuggingFaceTokenizer {flag.tokenizer_model}, "

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from paratron.data.indexed import IndexedDataset
+from paratron.data.loader import DocumentLayout, document_arrays
 from paratron.data.sft.packing import SFTSample
 from paratron.errors import DataError
 from paratron.model.batch import IGNORE_INDEX
@@ -179,11 +180,13 @@ class StreamWindows:
     in the order they were written (documents in file order, with the end-of-document tokens
     preprocessing appended), cut into windows of seq_length + 1 tokens that share one token with
     the next, as training samples are. The last window may be shorter; its missing positions are
-    padding whose labels are IGNORE_INDEX. So every token but the stream's first is predicted
-    exactly once, and `trained_tokens_per_epoch` is the stream's length minus one."""
+    padding whose labels are IGNORE_INDEX; `documents` is how the trained model read documents. So
+    every token but the stream's first is predicted exactly once, and `trained_tokens_per_epoch` is
+    the stream's length minus one."""
 
-    def __init__(self, dataset: IndexedDataset, seq_length: int) -> None:
+    def __init__(self, dataset: IndexedDataset, seq_length: int, documents: DocumentLayout | None = None) -> None:
         self.dataset, self.seq_length = dataset, seq_length
+        self.documents = documents if documents is not None and not documents.plain else None
         self.lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
         self.ends = np.cumsum(self.lengths)
         self.num_tokens = int(self.ends[-1]) if len(self.ends) else 0
@@ -214,4 +217,12 @@ class StreamWindows:
         labels = np.full(self.seq_length, IGNORE_INDEX, dtype=np.int64)
         inputs[:scored], labels[:scored] = window[:-1], window[1:]
         positions = np.arange(self.seq_length, dtype=np.int64)
-        return SFTSample(inputs, labels, positions, np.zeros(self.seq_length, dtype=np.int64))
+        segments = np.zeros(self.seq_length, dtype=np.int64)
+        if (
+            self.documents is not None
+        ):  # (as training read the documents: --reset-*, --eod-mask-loss, document attention)
+            marked, reset, numbered = document_arrays(inputs[None], labels[None], self.documents)
+            labels = marked[0]
+            positions = reset[0] if reset is not None else positions
+            segments = numbered[0] if numbered is not None else segments
+        return SFTSample(inputs, labels, positions, segments)

@@ -75,12 +75,13 @@ class DocumentLayout:
         return not (self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss)
 
 
-def pretraining_batch(tokens: np.ndarray, documents: DocumentLayout) -> Batch:
-    """A micro-batch from samples [B, seq_length + 1]: a document ends with (and includes) its
-    end-of-document token; the next one starts after it."""
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    if documents.plain:
-        return Batch(torch.from_numpy(inputs), torch.from_numpy(labels))
+def document_arrays(
+    inputs: np.ndarray, labels: np.ndarray, documents: DocumentLayout
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """For samples [B, T] of pretraining tokens: the labels (end-of-document tokens' masked with
+    --eod-mask-loss), the positions (restarting at each document with --reset-position-ids, else
+    None) and the segments (documents numbered, with --reset-attention-mask, else None). A document
+    ends with (and includes) its end-of-document token; the next one starts after it."""
     ends = inputs == documents.eod_id
     segments = np.cumsum(ends, axis=1) - ends  # end-of-document tokens before each position
     positions = None
@@ -88,14 +89,23 @@ def pretraining_batch(tokens: np.ndarray, documents: DocumentLayout) -> Batch:
         index = np.arange(inputs.shape[1])
         starts = np.zeros_like(inputs)
         starts[:, 1:] = np.where(ends[:, :-1], index[1:], 0)
-        positions = torch.from_numpy(index - np.maximum.accumulate(starts, axis=1))
+        positions = index - np.maximum.accumulate(starts, axis=1)
     if documents.eod_mask_loss:
         labels = np.where(ends, IGNORE_INDEX, labels)
+    return labels, positions, segments if documents.reset_attention_mask else None
+
+
+def pretraining_batch(tokens: np.ndarray, documents: DocumentLayout) -> Batch:
+    """A micro-batch from samples [B, seq_length + 1] (`document_arrays` says how documents count)."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if documents.plain:
+        return Batch(torch.from_numpy(inputs), torch.from_numpy(labels))
+    labels, positions, segments = document_arrays(inputs, labels, documents)
     return Batch(
         torch.from_numpy(np.ascontiguousarray(inputs)),
         torch.from_numpy(np.ascontiguousarray(labels)),
-        positions,
-        torch.from_numpy(segments) if documents.reset_attention_mask else None,
+        None if positions is None else torch.from_numpy(positions),
+        None if segments is None else torch.from_numpy(segments),
     )
 
 

@@ -43,6 +43,9 @@ from paratron.parallel.model import ParallelModel
 from paratron.parallel.parallelize import parallelize
 from paratron.storage import write_text_atomic
 
+DOCUMENT_SETTINGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+"""How the trained run read the documents of its samples; evaluation reads them the same way."""
+
 
 class _Whole:
     """A task's samples (`SFTSample`s: conversations, or `StreamWindows` of a file), then padding
@@ -116,7 +119,11 @@ def run_evaluation(config: Config, output: Path | None) -> dict[str, Any]:
         assert config.checkpoint.load is not None
         load = Path(config.checkpoint.load).expanduser()
         info = read_checkpoint(paratron_checkpoint(load, cache_root(config), True, ctx.local_rank, say))
-        config = dataclasses.replace(config, model=info.config.model)
+        trained = info.config.data  # (documents are read as training read them)
+        documents = {name: getattr(trained, name) for name in DOCUMENT_SETTINGS}
+        config = dataclasses.replace(
+            config, model=info.config.model, data=dataclasses.replace(config.data, **documents)
+        )
         p = config.parallel
         topology = Topology(
             ParallelDims.from_config(ctx.world_size, p),

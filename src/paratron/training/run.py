@@ -66,15 +66,24 @@ def _duration(seconds: float) -> str:
 
 
 def check_inputs(config: Config) -> None:
-    """Cheap checks of the files a run will read, made before any worker starts: the data and
-    tokenizer files, and the checkpoint to load (it exists and is complete)."""
-    check_data_inputs(config)
-    check_logging_settings(config)
-    load = config.checkpoint.load
+    """Cheap checks of the files a run will read, made before any worker starts: the checkpoint to
+    load (it exists and is complete), and the data and tokenizer files."""
+    load, info = config.checkpoint.load, None
     if load is not None:
         if not Path(load).expanduser().is_dir():
             raise ConfigError(f"{flag.load} {load}: no such checkpoint directory; check the path")
-        check_load(Path(load).expanduser(), config.checkpoint.ckpt_format)  # (paratron's, or Megatron-LM's)
+        if check_load(Path(load).expanduser(), config.checkpoint.ckpt_format) == "paratron":  # (or Megatron-LM's)
+            info = read_checkpoint(Path(load).expanduser(), verify=False)
+    check_data_inputs(config, saved_tokenizer=uses_saved_tokenizer(config, info))
+    check_logging_settings(config)
+
+
+def uses_saved_tokenizer(config: Config, info: CheckpointInfo | None) -> bool:
+    """Whether a run takes the tokenizer saved with the checkpoint it loads: when it fine-tunes from it
+    (--sft, --finetune, or a converted model's weights) and the checkpoint has one; a resume builds its
+    own (the same one, from the same settings). A tokenizer the run names still comes first (`build_data`)."""
+    fine_tuning = info is not None and (config.data.sft or config.checkpoint.finetune or info.weights_only)
+    return fine_tuning and (info.path / "tokenizer.json").is_file()
 
 
 def check_logging_settings(config: Config) -> None:
@@ -188,9 +197,7 @@ def _assemble(
     )
     resume = read_checkpoint(source) if source is not None else None
     megatron = resume is not None and restarted is None and source != Path(c.load).expanduser()
-    # fine-tuning from a checkpoint: its tokenizer, unless the run names another (a resume rebuilds its own)
-    fine_tuning = resume is not None and (config.data.sft or c.finetune or resume.weights_only)
-    saved_tokenizer = tokenizer_from_checkpoint(resume) if resume is not None and fine_tuning else None
+    saved_tokenizer = tokenizer_from_checkpoint(resume) if uses_saved_tokenizer(config, resume) else None
     data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say, saved_tokenizer=saved_tokenizer)
     config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
     with torch.device("meta"):
