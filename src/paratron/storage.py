@@ -15,6 +15,7 @@ could not read a checkpoint; `save_tensors` and `honour_umask` give files the mo
 from __future__ import annotations
 
 import errno
+import io
 import os
 import shutil
 import threading
@@ -145,6 +146,25 @@ def writing(
         raise UserError(no_space_message(what, path, amount, space, fix)) from None
 
 
+FOLDER_SLACK = 1 << 16
+"""Bytes a written folder may take beyond its tensors and files: configs, indexes, headers, meta.json."""
+
+
+@contextmanager
+def new_folder(what: str, destination: Path, needed: int, fix: str = DEFAULT_FIX) -> Iterator[Path]:
+    """Write the folder `destination` (a conversion's) through a temporary one beside it, yielded
+    (made, empty): the space is checked first, a full disk is one line with the partial folder
+    removed, and when the block ends its files get the umask's modes and it is renamed into place."""
+    tmp = destination.with_name(f".{destination.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    check_space(what, destination, needed, fix)
+    with writing(what, destination, needed, fix, partial=tmp):
+        tmp.mkdir(parents=True)
+        yield tmp
+        honour_umask(tmp)  # (copied files, a tokenizer's, keep their source's mode otherwise)
+        tmp.replace(destination)
+
+
 def write_bytes_atomic(path: Path, data: bytes, what: str | None = None, fix: str = DEFAULT_FIX) -> None:
     """Write through a temporary file renamed into place: a stopped writer leaves no half-written
     file, and a full disk says so in one line."""
@@ -159,6 +179,15 @@ def write_bytes_atomic(path: Path, data: bytes, what: str | None = None, fix: st
 def write_text_atomic(path: Path, text: str, what: str | None = None, fix: str = DEFAULT_FIX) -> None:
     """`write_bytes_atomic` of UTF-8 text."""
     write_bytes_atomic(path, text.encode("utf-8"), what, fix)
+
+
+def save_figure(figure: Any, path: Path, what: str, fix: str = DEFAULT_FIX, **options: Any) -> Path:
+    """A matplotlib figure as a PNG at `path`, drawn in memory first (its size is known before the
+    disk is asked for it), then `write_bytes_atomic`; `options` go to `savefig` (dpi, ...)."""
+    picture = io.BytesIO()
+    figure.savefig(picture, format="png", **options)
+    write_bytes_atomic(Path(path), picture.getvalue(), what, fix)
+    return Path(path)
 
 
 def current_umask() -> int:

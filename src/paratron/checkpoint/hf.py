@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from paratron.checkpoint.hf_defaults import (
 )
 from paratron.checkpoint.io import (
     CONVERT_FIX,
+    CONVERTED,
     CheckpointContent,
     read_checkpoint,
     save_checkpoint,
@@ -54,11 +54,11 @@ from paratron.checkpoint.io import (
 )
 from paratron.config.loading import build_config, config_to_dict
 from paratron.config.schema import Config, ModelConfig
-from paratron.data.tokenizer import Tokenizer, copy_tokenizer_files, export_tokenizer
+from paratron.data.tokenizer import Tokenizer, export_tokenizer
 from paratron.errors import CheckpointError, ConfigError
 from paratron.model.gpt import GPT, build_model
 from paratron.model.lora import is_adapter, merge_adapters
-from paratron.storage import check_space, honour_umask, save_tensors, tensor_bytes, writing
+from paratron.storage import FOLDER_SLACK, new_folder, save_tensors, tensor_bytes
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -735,12 +735,10 @@ def hf_to_paratron(source: Path, destination: Path) -> Path:
     hf = read_hf_config(source)
     model = model_from_hf(source)
     config = config_for_hf(hf, str(source / "config.json"))
-    tokenizer = _FileCopy(source / "tokenizer.json") if (source / "tokenizer.json").is_file() else None
-    tmp = destination.with_name(f".{destination.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # (read first: a bad declaration of its special tokens is refused before anything is written)
+    tokenizer = Tokenizer.from_file(source / "tokenizer.json") if (source / "tokenizer.json").is_file() else None
     needed = tensor_bytes(list(model.parameters())) + _file_bytes(source / "tokenizer.json") + FOLDER_SLACK
-    check_space(CONVERTED, destination, needed, CONVERT_FIX)
-    with writing(CONVERTED, destination, needed, CONVERT_FIX, partial=tmp):
+    with new_folder(CONVERTED, destination, needed, CONVERT_FIX) as tmp:
         folder = save_checkpoint(
             tmp,
             CheckpointContent(
@@ -756,7 +754,6 @@ def hf_to_paratron(source: Path, destination: Path) -> Path:
         )
         recipe = {"model": {k: v for k, v in config_to_dict(config)["model"].items() if v is not None}}
         (tmp / "model.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
-        tmp.replace(destination)
     return destination / folder.name
 
 
@@ -773,12 +770,8 @@ def paratron_to_hf(source: Path, destination: Path, merge_lora: bool = False) ->
             "--to peft DIR to write the adapters alone"
         )
     kind = model_type_of(m, info.hf_model_type)
-    tmp = destination.with_name(f".{destination.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     needed = _export_bytes(m) + _file_bytes(info.path / "tokenizer.json") + FOLDER_SLACK
-    check_space(HF_MODEL, destination, needed, CONVERT_FIX)
-    with writing(HF_MODEL, destination, needed, CONVERT_FIX, partial=tmp):
-        tmp.mkdir(parents=True)
+    with new_folder(HF_MODEL, destination, needed, CONVERT_FIX) as tmp:
         with weight_catalog(info) as catalog, _ShardWriter(tmp) as writer:
             for names in _layer_groups(m):  # one layer at a time: never the whole model in memory
                 state = {name: catalog.whole(name).float() for name in names}  # (config.json says float32)
@@ -789,15 +782,11 @@ def paratron_to_hf(source: Path, destination: Path, merge_lora: bool = False) ->
         token_ids = export_tokenizer(info.path, tmp) if (info.path / "tokenizer.json").is_file() else {}
         config = {**hf_config(info.config.model, kind), **token_ids}  # (else transformers assumes its own ids)
         (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-        honour_umask(tmp)  # (copied tokenizer files keep their source's mode otherwise)
-        tmp.replace(destination)
     return destination
 
 
-CONVERTED, HF_MODEL = "the converted checkpoint", "the Hugging Face model"
-"""What a full disk's line says a conversion was writing."""
-FOLDER_SLACK = 1 << 16
-"""Bytes a converted folder may take beyond its weights and tokenizer: config, indexes, meta.json."""
+HF_MODEL = "the Hugging Face model"
+"""What a full disk's line says the conversion to Hugging Face was writing."""
 
 
 def _export_bytes(m: ModelConfig) -> int:
@@ -876,19 +865,3 @@ class _ShardWriter:
 def _refuse_existing(destination: Path) -> None:
     if destination.exists() and any(destination.iterdir()):
         raise CheckpointError(f"{destination}: already exists and is not empty; choose a new directory")
-
-
-class _FileCopy:
-    """A tokenizer stand-in for `save_checkpoint`: saving copies the file as it is, with the chat
-    template and special-token files beside it, and records the special tokens its folder declares
-    (config.json's ids included, which the checkpoint does not keep). Reading them up front refuses
-    a bad declaration before anything is written."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.tokenizer = Tokenizer.from_file(path)
-
-    def save(self, destination: Path) -> None:
-        shutil.copy(self.path, destination)
-        copy_tokenizer_files(self.path.parent, destination.parent)
-        self.tokenizer.save_special_tokens(destination.parent)

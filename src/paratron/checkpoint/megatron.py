@@ -37,7 +37,6 @@ import math
 import pathlib
 import pickle
 import re
-import shutil
 import signal
 import types
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ import yaml
 
 from paratron.checkpoint.io import (
     CONVERT_FIX,
+    CONVERTED,
     TRACKER,
     CheckpointContent,
     file_sha256,
@@ -64,7 +64,7 @@ from paratron.config.schema import Config, ModelConfig
 from paratron.data.tokenizer import export_tokenizer
 from paratron.errors import CheckpointError
 from paratron.model.gpt import build_model
-from paratron.storage import check_space, save_object, save_tensors, tensor_bytes, writing
+from paratron.storage import FOLDER_SLACK, new_folder, save_object, save_tensors, tensor_bytes
 
 try:  # (numpy 2's place of the array rebuild that pickled numpy arrays name)
     from numpy._core.multiarray import _reconstruct
@@ -237,6 +237,11 @@ def detect_format(path: Path) -> str:
         return "paratron"
     megatron_marks = (path / "metadata.json", path / ".metadata", path / TRACKER)
     if not any(mark.is_file() for mark in megatron_marks) and not any(path.glob("mp_rank_*")):
+        if (path / "config.json").is_file():
+            raise CheckpointError(
+                f"{path}: a Hugging Face model folder, not a checkpoint; convert it once with paratron convert "
+                f"--from hf {path} --to paratron CKPT and give --load CKPT"
+            )
         raise CheckpointError(
             f"{path}: no checkpoint here (neither {TRACKER} nor meta.json, nor Megatron-LM's mp_rank_* folders "
             "or metadata.json); check --load"
@@ -801,26 +806,20 @@ def megatron_to_paratron(source: Path, destination: Path, finetune: bool = False
                     f"{list(param.shape)}; the checkpoint's args and weights disagree"
                 )
             param.copy_(state[name])
-    tmp = destination.with_name(f".{destination.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     meta = {"weights_only": finetune, "megatron_source": str(ckpt.folder), "megatron_format": ckpt.format}
     iteration, consumed = (0, 0) if finetune else (ckpt.iteration, ckpt.consumed_samples)
     needed = tensor_bytes(list(names.values())) + tensor_bytes(optimizer or {}) + FOLDER_SLACK
-    check_space(CONVERTED, destination, needed, fix)
-    with writing(CONVERTED, destination, needed, fix, partial=tmp):
+    with new_folder(CONVERTED, destination, needed, fix) as tmp:
         content = CheckpointContent(iteration, consumed, config, model, extra_meta=meta)
         folder = save_checkpoint(tmp, content, what=CONVERTED, fix=fix)
         if optimizer is not None:
             _write_optimizer(folder, optimizer, names, ckpt)
         (tmp / "model.yaml").write_text(yaml.safe_dump(model_recipe(config), sort_keys=False), encoding="utf-8")
-        tmp.replace(destination)
     return destination / folder.name
 
 
-CONVERTED, MEGATRON_CHECKPOINT = "the converted checkpoint", "the Megatron-LM checkpoint"
-"""What a full disk's line says a conversion was writing."""
-FOLDER_SLACK = 1 << 16
-"""Bytes a converted folder may take beyond its tensors: args, indexes, meta.json, file headers."""
+MEGATRON_CHECKPOINT = "the Megatron-LM checkpoint"
+"""What a full disk's line says the conversion to Megatron-LM was writing."""
 
 
 def _write_optimizer(
@@ -873,14 +872,10 @@ def paratron_to_megatron(source: Path, destination: Path, tp: int = 1, pp: int =
         state = {name: catalog.whole(name) for name in catalog.boxes}
     whole = from_paratron(state, m, padded)
     args = megatron_args(info.config, tp, pp, padded, info.iteration, info.consumed_samples)
-    tmp = destination.with_name(f".{destination.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    folder = tmp / f"iter_{info.iteration:07d}"
     per_stage = m.num_layers // pp
     needed = tensor_bytes(whole) + FOLDER_SLACK * tp * pp
-    check_space(MEGATRON_CHECKPOINT, destination, needed, CONVERT_FIX)
-    with writing(MEGATRON_CHECKPOINT, destination, needed, CONVERT_FIX, partial=tmp):
-        tmp.mkdir(parents=True)
+    with new_folder(MEGATRON_CHECKPOINT, destination, needed, CONVERT_FIX) as tmp:
+        folder = tmp / f"iter_{info.iteration:07d}"
         if (info.path / "tokenizer.json").is_file():  # as Megatron-LM's HuggingFaceTokenizer reads a folder
             (tmp / "tokenizer").mkdir()
             export_tokenizer(info.path, tmp / "tokenizer")
@@ -899,7 +894,6 @@ def paratron_to_megatron(source: Path, destination: Path, tp: int = 1, pp: int =
                 content = {"args": args, "checkpoint_version": 3.0, "iteration": info.iteration, "model": model}
                 save_object(content, folder / name / MEGATRON_FILE)
         (tmp / TRACKER).write_text(f"{info.iteration}\n", encoding="utf-8")
-        tmp.replace(destination)
     return destination / folder.name
 
 

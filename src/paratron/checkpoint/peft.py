@@ -16,7 +16,6 @@ and Qwen2 models only: their layers map one to one onto PEFT's target modules.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from paratron.config.schema import ModelConfig
 from paratron.errors import CheckpointError
 from paratron.model.gpt import GPT
 from paratron.model.lora import adapted_layers, add_adapters
-from paratron.storage import check_space, save_tensors, tensor_bytes, writing
+from paratron.storage import FOLDER_SLACK, new_folder, save_tensors, tensor_bytes
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PEFT_PARTS = {"lora_a": "lora_A", "lora_b": "lora_B"}
@@ -109,14 +108,7 @@ def adapter_config(model: ModelConfig, modules: list[str]) -> dict[str, Any]:
 def _write_folder(destination: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Write into a temporary folder, then rename it into place: never a half-written folder (a
     full disk removes it and says so in one line)."""
-    tmp = destination.with_name(f".{destination.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     text = json.dumps(config, indent=2)
-    needed = tensor_bytes(tensors) + sum(len(name) + 128 for name in tensors) + len(text) + 8192
-    what = "the PEFT adapters"
-    check_space(what, destination, needed, CONVERT_FIX)
-    with writing(what, destination, needed, CONVERT_FIX, partial=tmp):
-        tmp.mkdir(parents=True)
+    with new_folder("the PEFT adapters", destination, tensor_bytes(tensors) + FOLDER_SLACK, CONVERT_FIX) as tmp:
         save_tensors(tensors, tmp / ADAPTER_WEIGHTS, {"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(text, encoding="utf-8")
-        tmp.replace(destination)

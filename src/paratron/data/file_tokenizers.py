@@ -94,7 +94,7 @@ class SentencePieceTokenizer:
 
     def save(self, path: Path) -> None:
         """Beside `path` (a checkpoint's tokenizer.json): the model file, as tokenizer.model."""
-        shutil.copy(self.source, Path(path).with_name("tokenizer.model"))
+        shutil.copyfile(self.source, Path(path).with_name("tokenizer.model"))
 
     def spec(self) -> dict:
         return {"type": "sentencepiece", "path": self.source, "kind": self.kind, "legacy": self.legacy,
@@ -201,7 +201,7 @@ class TikTokenizer:
 
     def save(self, path: Path) -> None:
         """Beside `path` (a checkpoint's tokenizer.json): the vocabulary file, as tokenizer_tiktoken.json."""
-        shutil.copy(self.source, Path(path).with_name("tokenizer_tiktoken.json"))
+        shutil.copyfile(self.source, Path(path).with_name("tokenizer_tiktoken.json"))
 
     def spec(self) -> dict:
         pattern, vocab_size, num_special, named = self.settings

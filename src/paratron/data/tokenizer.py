@@ -173,7 +173,7 @@ def copy_tokenizer_files(source: Path, destination: Path) -> None:
     another folder."""
     for name in CARRIED_FILES:
         if (source / name).is_file() and (source / name).resolve() != (destination / name).resolve():
-            shutil.copy(source / name, destination / name)
+            shutil.copyfile(source / name, destination / name)  # (the mode: this umask's, not the source's)
 
 
 def export_tokenizer(folder: Path, destination: Path) -> dict[str, Any]:
@@ -183,7 +183,7 @@ def export_tokenizer(folder: Path, destination: Path) -> dict[str, Any]:
     included, which paratron kept in special_tokens.json). Returns those ids (eos_token_id, ...) for
     the model's config.json."""
     tokenizer = Tokenizer.from_file(folder / "tokenizer.json")
-    shutil.copy(folder / "tokenizer.json", destination / "tokenizer.json")
+    shutil.copyfile(folder / "tokenizer.json", destination / "tokenizer.json")
     copy_tokenizer_files(folder, destination)
     tokenizer_config, generation_config = hf_declarations(tokenizer.special, tokenizer.hf)
     for name, values in (("tokenizer_config.json", tokenizer_config), ("generation_config.json", generation_config)):

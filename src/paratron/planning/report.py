@@ -9,7 +9,6 @@ half-written one, and a full disk says so in one line.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from paratron.planning.hardware import Hardware
 from paratron.planning.memory import CATEGORIES, RankMemory
 from paratron.planning.operations import PARTS
 from paratron.planning.search import Plan, Unpriced
-from paratron.storage import write_bytes_atomic, write_text_atomic
+from paratron.storage import save_figure, write_text_atomic
 
 TIME_PARTS = (*PARTS, "bubble", "optimizer")
 SHORT = {
@@ -150,8 +149,6 @@ def plot(plans: list[Plan], path: Path, top: int = 8) -> Path:
     right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False)
     fig.suptitle("paratron plan: the best layouts")
     fig.tight_layout()
-    picture = io.BytesIO()  # (drawn in memory: its size is known before the disk is asked for it)
-    fig.savefig(picture, format="png", dpi=110)
+    save_figure(fig, Path(path), "the plans' plot", "free space or choose another --plot", dpi=110)
     plt.close(fig)
-    write_bytes_atomic(Path(path), picture.getvalue(), "the plans' plot", "free space or choose another --plot")
     return Path(path)

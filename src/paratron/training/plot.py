@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paratron.storage import write_text_atomic
+from paratron.storage import save_figure, write_text_atomic
 
 
 def _read(path: Path) -> list[dict]:
@@ -39,11 +39,8 @@ def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = run_dir / "loss.png"
-    tmp = run_dir / ".loss.png.tmp"
-    fig.savefig(tmp, format="png")
+    out = save_figure(fig, run_dir / "loss.png", "the loss curve", "free space or choose another --run-dir")
     plt.close(fig)
-    tmp.replace(out)
     return out
 
 
@@ -69,10 +66,8 @@ def plot_expert_load(history: list[tuple[int, np.ndarray]], run_dir: Path) -> Pa
         if layer == 0:
             axis.set_ylabel("expert")
     figure.colorbar(image, ax=list(axes[0]), label="share of the tokens")
-    path, tmp = run_dir / "expert_load.png", run_dir / ".expert_load.png.tmp"
-    figure.savefig(tmp, format="png", dpi=110)
+    path = save_figure(figure, run_dir / "expert_load.png", "the experts' load", "free space", dpi=110)
     plt.close(figure)
-    tmp.replace(path)
     record = {"steps": steps, "shares": shares.tolist(), "experts": experts}
     write_text_atomic(run_dir / "expert_load.json", json.dumps(record) + "\n")
     return path

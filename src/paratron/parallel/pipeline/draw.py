@@ -8,11 +8,10 @@ functions: the runtime imports this module, and most runs never draw.
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
 from pathlib import Path
 
 from paratron.parallel.pipeline.schedules import Span
+from paratron.storage import save_figure, write_text_atomic
 
 _COLOURS = {"F": "#3b75af", "B": "#e1812c", "W": "#3a923a"}
 _NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}
@@ -28,18 +27,6 @@ def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
         return to_rgb(colour)
     mix = 0.6 * chunk / (chunks - 1)
     return tuple(c + (1.0 - c) * mix for c in to_rgb(colour))  # type: ignore[return-value]
-
-
-def _replace_atomically(path: Path, write: Callable[[Path], object]) -> Path:
-    """Write through a temporary file next to `path`, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def draw_timeline(spans: list[list[Span]], path: Path, title: str, unit: str = "") -> Path:
@@ -102,7 +89,7 @@ def draw_timeline(spans: list[list[Span]], path: Path, title: str, unit: str = "
     if handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    return _replace_atomically(path, lambda tmp: fig.savefig(tmp, format="png"))
+    return save_figure(fig, path, "the pipeline timeline", "free space or choose another --output")
 
 
 def write_chrome_trace(path: Path, spans_per_rank: dict[int, list[Span]]) -> Path:
@@ -127,4 +114,5 @@ def write_chrome_trace(path: Path, spans_per_rank: dict[int, list[Span]]) -> Pat
                 }
             )
     text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
-    return _replace_atomically(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    write_text_atomic(Path(path), text, "the pipeline trace")
+    return Path(path)
