@@ -13,6 +13,9 @@
   the restarted workers meet and finish.
 - A hang: rank 1 stops answering at step 3 under --distributed-timeout-minutes 0.05 (3 s); the
   time until the job has ended with every rank's report.
+- A killed launcher: SIGKILL of the launcher's process group once its workers train, --trials
+  times: how long `paratron train --nproc 2`'s workers outlive it, against a plain script's
+  workers under `torchrun --standalone --nproc-per-node 2` (alive or not --outlive s later).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import argparse
 import json
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -137,6 +142,67 @@ def hang(folder: Path) -> dict:
     return {"timeout_s": 3.0, "seconds_to_end": seconds, "exit_code": done.returncode, "reports": reports}
 
 
+SLEEPER = """
+import os, time
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (not ended, not dead awaiting collection), from /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _workers(parent: int) -> list[int]:
+    """The running processes whose parent is `parent`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == parent:
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in found if _running(pid)]
+
+
+def _kill_group_and_watch(command: list[str], ready: str, outlive: float, lines: int = 1) -> float | None:
+    """Start `command` in a process group of its own, SIGKILL the group once `lines` lines matching
+    the pattern `ready` are printed, and return how long its workers outlived it (None: still running
+    `outlive` s later; then killed)."""
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    seen = 0
+    for line in job.stdout:
+        seen += re.search(ready, line) is not None
+        if seen == lines:
+            break
+    workers = _workers(job.pid)
+    os.killpg(job.pid, signal.SIGKILL)
+    killed = time.perf_counter()
+    job.wait()
+    while time.perf_counter() - killed < outlive:
+        if not any(_running(pid) for pid in workers):
+            return time.perf_counter() - killed
+        time.sleep(0.005)
+    for pid in workers:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+    return None
+
+
+def killed_launcher(folder: Path, trials: int, outlive: float) -> dict:
+    script = folder / "sleeper.py"
+    script.write_text(textwrap.dedent(SLEEPER))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    train = [sys.executable, "-m", "paratron", *RUN, "--train-iters", "100000", "--run-dir", str(folder / "killed")]
+    ours = [_kill_group_and_watch([*train, *QUIET], r"^step +1/", outlive) for _ in range(trials)]
+    theirs = [_kill_group_and_watch(torchrun, "", outlive, lines=2) for _ in range(trials)]  # (both pids)
+    return {"trials": trials, "outlive_s": outlive, "paratron_s": ours, "torchrun_s": theirs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16)
@@ -144,6 +210,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--trials", type=int, default=5, help="runs of the torchrun restart, per store setting")
     parser.add_argument("--peer-timeout", type=float, default=60.0)
+    parser.add_argument("--outlive", type=float, default=10.0, help="seconds to watch workers after a kill")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -153,6 +220,7 @@ def main() -> None:
             "restarts": restarts(folder, args.steps, args.kills, args.seed),
             "torchrun_restart": torchrun_restart(folder, args.trials, args.peer_timeout),
             "hang": hang(folder),
+            "killed_launcher": killed_launcher(folder, args.trials, args.outlive),
         }
     print(json.dumps(results, indent=2))
     if args.output:

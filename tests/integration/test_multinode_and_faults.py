@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -212,17 +213,16 @@ class Attempt:
             if tell:
                 self.arrived.put(line)
 
-    def kill(self, seconds: float, after_lines: int, delay: float) -> dict[int, str]:
-        """SIGKILL the launcher's process group `delay` s after its `after_lines`-th line of output, or
-        at `seconds` after the start if that comes first; its workers at that moment (their pids)."""
-        deadline, seen = time.monotonic() + seconds, 0
-        while seen < after_lines and time.monotonic() < deadline and self.process.poll() is None:
+    def kill(self, seconds: float, until: Callable[[str], bool], delay: float) -> dict[int, str]:
+        """SIGKILL the launcher's process group `delay` s after the first line of output `until` accepts,
+        or at `seconds` after the start if that comes first; its workers at that moment (their pids)."""
+        deadline, seen = time.monotonic() + seconds, False
+        while not seen and time.monotonic() < deadline and self.process.poll() is None:
             try:
-                self.arrived.get(timeout=0.02)
-                seen += 1
+                seen = until(self.arrived.get(timeout=0.02))
             except queue.Empty:
                 continue
-        time.sleep(delay if seen == after_lines else 0)
+        time.sleep(delay if seen else 0)
         assert self.process.poll() is None, f"the job ended before its kill:\n{''.join(self.err)[-3000:]}"
         workers = children(self.process.pid)
         os.killpg(self.process.pid, signal.SIGKILL)
@@ -273,7 +273,7 @@ def lock_holder(save: Path) -> int | None:
 
 def test_a_killed_launcher_takes_its_workers_with_it_and_a_save_folder_has_one_writer(tmp_path, calm):
     """Ten times the launcher's process group is SIGKILLed at a seeded random moment (starting up,
-    or a seeded number of output lines into the run: training, saving), and the job is started
+    training or just after a save, never so late that the run could end first), and the job is started
     again with the same flags (the fourth time under plain torchrun, where rank 0 holds the lock).
     Every worker ends with its launcher, a lock left behind is taken over with a note, no
     checkpoint is saved by two jobs, and the run ends with the uninterrupted run's losses."""
@@ -282,15 +282,18 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_a_save_folder_has_one_w
     by_torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     at = flags.index("--nproc")  # (torchrun's --nproc-per-node instead)
     by_torchrun += ["-m", "paratron", *flags[:at], *flags[at + 2 :]]
-    chance = random.Random(15)  # (4 kills while starting, 6 in training or saving, 2 of them after a save)
+    chance = random.Random(15)
+    kinds = chance.sample(["start"] * 3 + ["step"] * 4 + ["save"] * 3, 10)  # (3 saves: at most 6 of 8 steps)
     outputs = []
-    for attempt in range(10):
+    for attempt, kind in enumerate(kinds):
         left = lock_holder(save)
+        resumed = int((save / TRACKER).read_text()) if (save / TRACKER).exists() else 0
         job = Attempt(by_torchrun if attempt == 3 else [sys.executable, "-m", "paratron", *flags])
-        if chance.random() < 0.3:  # while it starts up: the launcher, the lock, the workers
-            workers = job.kill(chance.uniform(0.3, 4.0), 1, 0.0)
-        else:  # at the 4th to 7th line (the first step's, a step's, a save's) and up to 50 ms on
-            workers = job.kill(120.0, chance.randint(4, 7), chance.uniform(0.0, 0.05))
+        if kind == "start" or resumed + 2 >= STEPS:  # starting: the launcher, the lock, the workers, the model
+            workers = job.kill(chance.uniform(0.3, 4.0), lambda line: line.startswith("paratron: world"), 0.0)
+        else:  # up to 50 ms after its first step's line, or after its first save's (never the run's last)
+            first = f"step {resumed + 1}/" if kind == "step" else f"saved checkpoint {save / f'iter_{resumed + 2:07d}'}"
+            workers = job.kill(120.0, lambda line, first=first: line.startswith(first), chance.uniform(0.0, 0.05))
             assert len(workers) == 2, workers
         # within a second (orphans would go on: train, save, finish the run, draw the loss curve)
         assert still_running(workers, within=1.0) == set(), f"attempt {attempt}: workers outlived their launcher"

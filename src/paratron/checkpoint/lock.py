@@ -127,7 +127,7 @@ class SaveLock:
         except OSError as exc:
             raise CheckpointError(
                 f"{flag.save} {self.folder}: cannot take its lock ({exc.strerror or exc}); give a folder this user "
-                "can write"
+                "can write, on a filesystem with space"
             ) from None
         if gone is not None:
             print(
@@ -152,7 +152,10 @@ class SaveLock:
             self._write_over()
             self.owned = True
             return holder
-        raise CheckpointError(f"{flag.save} {self.folder}: its lock comes and goes; is another job starting there?")
+        raise CheckpointError(
+            f"{flag.save} {self.folder}: its lock comes and goes, as if another job were starting there; start again "
+            f"once it has, or give this run another {flag.save} folder"
+        )
 
     def release(self) -> None:
         """Remove the lock if it is still this job's (a taken-over or removed one is left alone)."""

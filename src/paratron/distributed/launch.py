@@ -38,7 +38,8 @@ LAUNCHER_PID_ENV = "PARATRON_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
 """prctl's option (linux/prctl.h): the signal this process gets when its parent ends."""
 
-_parent: int | None = None
+WORKER_PARENT_ENV = "PARATRON_WORKER_PARENT"
+"""Set by `end_with_launcher` in a worker: the parent it started under, which its watchdog watches."""
 
 
 def end_with_launcher(parent: int) -> None:
@@ -49,7 +50,6 @@ def end_with_launcher(parent: int) -> None:
     launcher's (it passes it in LAUNCHER_PID_ENV) or, under plain torchrun, `parent`, the one
     read as the worker started. Elsewhere the watchdog's thread watches the parent pid. A process
     started otherwise (by hand, by srun) is left alone: its parent is no launcher."""
-    global _parent
     if LAUNCHER_PID_ENV not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     if sys.platform.startswith("linux"):
@@ -57,16 +57,16 @@ def end_with_launcher(parent: int) -> None:
 
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    expected = int(os.environ.get(LAUNCHER_PID_ENV, parent))
+    expected = int(os.environ.pop(LAUNCHER_PID_ENV, parent))  # (popped: not this worker's children's launcher)
     if os.getppid() != expected:
         print(f"[rank {os.environ.get('RANK', '?')}] stopped: its launcher is gone", file=sys.stderr, flush=True)
         os._exit(1)
-    _parent = expected
+    os.environ[WORKER_PARENT_ENV] = str(expected)
 
 
 def expected_parent() -> int | None:
     """The parent this worker started under (None outside a launched worker)."""
-    return _parent
+    return int(os.environ[WORKER_PARENT_ENV]) if WORKER_PARENT_ENV in os.environ else None
 
 
 def report_worker_error(message: str) -> None:

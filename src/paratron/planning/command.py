@@ -23,28 +23,25 @@ from pathlib import Path
 from paratron.config.arguments import ArgumentParser, Takes, add_config_arguments, parse_config_arguments
 from paratron.config.fields import flag
 from paratron.config.loading import build_config, override
-from paratron.config.schema import LAUNCH_FIELDS
+from paratron.config.schema import LAUNCH_FIELDS, MODEL_ARCHITECTURE
 from paratron.errors import ConfigError
 from paratron.planning.hardware import CPU, hardware_from
 from paratron.planning.report import plot, table, write_json
 from paratron.planning.search import LAYOUT_FIELDS, WITHIN, search
 
 PLAN_TAKES = (
-    ("model_name", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels"),
-    ("group_query_attention", "num_query_groups", "max_position_embeddings", "position_embedding_type"),
-    ("vocab_size", "untie_embeddings_and_output_weights"),
-    ("activation", "normalization", "add_bias_linear"),
-    ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size"),
-    ("lora_rank", "lora_targets"),
-    ("global_batch_size", "precision", "optimizer", "expert_tensor_parallel_size", "cp_comm_type"),
+    MODEL_ARCHITECTURE,  # (the weights' shapes and the work: the plan builds the model on the meta device)
+    ("model_name", "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by"),  # (memory)
+    ("lora_rank", "lora_alpha", "lora_targets"),
+    ("global_batch_size", "precision", "optimizer", "sgd_momentum", "expert_tensor_parallel_size", "cp_comm_type"),
     ("data_path", "train_data_path", "valid_data_path", "corpus", "mock_data", "seq_length"),
     ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"),
     ("sft", "chat_template"),
     ("world_size", "hardware", "device_memory_gb", "peak_tflops"),
 )
-"""The settings a plan depends on (train's flags): the model's shape, the batch, precision and optimizer, the
-data (passed on to the printed command) and the machine; the layout is what the plans choose. (Dropout also
-counts in activation memory, but as the presets and recipes set it: its flags belong on the printed command.)"""
+"""The settings a plan depends on (train's flags): the model's architecture and what sizes its memory (dropout
+masks, vocabulary padding, adapters), the batch, precision and the optimizer's state, the data (passed on to the
+printed command) and the machine; the layout is what the plans choose."""
 
 
 def plan_parser() -> argparse.ArgumentParser:
