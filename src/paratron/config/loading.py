@@ -181,7 +181,7 @@ def resolve_settings(
     merged.update(overrides)
     for name in overrides:
         origins.pop(name, None)
-    if origins.get("vocab_size") == (saved.where if saved else None) and merged.get("tokenizer_type") in COUNTED:
+    if saved is not None and origins.get("vocab_size") == saved.where and merged.get("tokenizer_type") in COUNTED:
         del merged["vocab_size"], origins["vocab_size"]  # (there --vocab-size counts the tokenizer's ids)
     config = config_from_flat(merged)
     notes: list[str] = []
