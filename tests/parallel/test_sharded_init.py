@@ -19,7 +19,7 @@ import torch.distributed as dist
 from paratron.config import build_config
 from paratron.distributed.init import initialize
 from paratron.distributed.topology import Axis, ParallelDims, Topology
-from paratron.model import gpt
+from paratron.model import init
 from paratron.model.gpt import GPT, build_model
 from paratron.parallel.data.fully_sharded import full_parameter, local_tensor
 from paratron.parallel.sharding import gather_full
@@ -42,7 +42,7 @@ last, when the other shards are resident (a page counts once written). The vocab
 under tensor parallelism."""
 
 BLOCK = 2**16
-"""The init block of these tests (in elements; set on `model.gpt` in every process): the real one,
+"""The init block of these tests (in elements; set on `model.init` in every process): the real one,
 16 MiB, is larger than this model's tensors, whose blocks would then be whole tensors."""
 
 SLACK = 16 * 2**20
@@ -74,7 +74,7 @@ def _noting_peak(materialize: Callable, peaks: list[int]) -> Callable:
 def build_layout(settings: dict) -> dict:
     """Build this rank's part of WIDE at `settings`; returns the peak's growth up to the end of the
     weights' initialization, the shards' bytes and every weight assembled whole."""
-    gpt.INIT_BLOCK_ELEMENTS = BLOCK
+    init.INIT_BLOCK_ELEMENTS = BLOCK
     initialize("gloo")
     config = build_config(dict(WIDE, seed=11, **settings), recipe="debug")
     topology = Topology(
@@ -100,7 +100,7 @@ def build_layout(settings: dict) -> dict:
 
 
 def _check(results: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpt, "INIT_BLOCK_ELEMENTS", BLOCK)
+    monkeypatch.setattr(init, "INIT_BLOCK_ELEMENTS", BLOCK)
     config = build_config(dict(WIDE, seed=11), recipe="debug")
     reference = dict(build_model(config.model, "cpu", seed=11).named_parameters())
     stage = sum(p.numel() * 4 for p in reference.values())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.model import gpt
+from paratron.model import init
 from paratron.parallel.parallelize import fill_from_init
 from paratron.parallel.sharding import ParamInfo, Shard, set_info, take_slice
 
@@ -32,10 +32,10 @@ PARTS = {
 
 @pytest.mark.parametrize("part", PARTS)
 def test_a_rank_part_equals_that_part_of_the_whole_init(part, monkeypatch):
-    monkeypatch.setattr(gpt, "INIT_BLOCK_ELEMENTS", 64)  # (two rows of a 97 x 32 matrix per block)
+    monkeypatch.setattr(init, "INIT_BLOCK_ELEMENTS", 64)  # (two rows of a 97 x 32 matrix per block)
     name, shape, record, local_shape = PARTS[part]
     whole = torch.empty(shape)
-    gpt.init_parameter(name, whole, GPT_FLAVOUR, seed=3)
+    init.init_parameter(name, whole, GPT_FLAVOUR, seed=3)
     param = torch.nn.Parameter(torch.full(local_shape, float("nan")))
     set_info(param, record)
     fill_from_init(name, param, GPT_FLAVOUR, seed=3)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paratron.inference.generate import generate
-from paratron.model import gpt
+from paratron.model import init
 from paratron.model.gpt import KVCache, build_model
 
 from tiny import FLAVOURS, GPT_FLAVOUR, LLAMA_FLAVOUR
@@ -92,24 +92,24 @@ def test_dropout_only_in_training():
 
 def test_rows_of_the_init_equal_those_rows_of_the_whole_init(monkeypatch):
     # a block of 64 elements is two rows of the 97 x 32 embedding: 49 blocks
-    monkeypatch.setattr(gpt, "INIT_BLOCK_ELEMENTS", 64)
+    monkeypatch.setattr(init, "INIT_BLOCK_ELEMENTS", 64)
     name, shape = "embedding.weight", (97, 32)
-    assert gpt.init_block_rows(name, shape) == 2
+    assert init.init_block_rows(name, shape) == 2
     whole = torch.empty(shape)
-    gpt.init_parameter(name, whole, GPT_FLAVOUR, seed=3)
+    init.init_parameter(name, whole, GPT_FLAVOUR, seed=3)
     assert not torch.equal(whole[0:2], whole[2:4])  # (each block draws from its own generator)
     for a, b in [(0, 97), (0, 2), (1, 2), (3, 10), (5, 6), (95, 97), (96, 97), (40, 40)]:
         rows = torch.full((b - a, 32), float("nan"))
-        gpt.init_rows(name, shape, slice(a, b), rows, GPT_FLAVOUR, seed=3)
+        init.init_rows(name, shape, slice(a, b), rows, GPT_FLAVOUR, seed=3)
         assert torch.equal(rows, whole[a:b]), (a, b)
     transposed = torch.empty(32, 97).T  # (a target that is not contiguous)
-    gpt.init_rows(name, shape, slice(3, 97), transposed[3:], GPT_FLAVOUR, seed=3)
+    init.init_rows(name, shape, slice(3, 97), transposed[3:], GPT_FLAVOUR, seed=3)
     assert torch.equal(transposed[3:], whole[3:])
 
 
 def test_a_tensor_within_one_block_is_drawn_by_the_generator_of_its_name():
     name = "layers.0.attention.in_proj.q.weight"
     param = dict(build_model(GPT_FLAVOUR, seed=7).named_parameters())[name]
-    generator = torch.Generator().manual_seed(gpt._stable_seed(7, name))
+    generator = torch.Generator().manual_seed(init._stable_seed(7, name))
     expected = torch.empty(param.shape).normal_(0.0, GPT_FLAVOUR.init_method_std, generator=generator)
     assert torch.equal(param.detach(), expected)

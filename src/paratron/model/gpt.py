@@ -8,17 +8,14 @@ sharded twins without touching this file.
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
 from paratron.model.attention import AttentionCore, TokenPlaces, make_pattern
-from paratron.model.lora import add_adapters, init_adapter, is_adapter
+from paratron.model.init import init_weights
+from paratron.model.lora import add_adapters
 from paratron.model.mlp import MLP, Projections
 from paratron.model.moe import MoELayer
 
@@ -72,26 +69,33 @@ class LayerKVCache:
 
     def __init__(self, max_length: int) -> None:
         self.max_length = max_length
+        self.length = 0
+        """Positions held so far: the next keys and values go after them."""
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the keys and values of the new positions; all of them so far."""
         if self.keys is None:
             shape = (k.size(0), k.size(1), self.max_length, k.size(3))
             self.keys = k.new_empty(shape)
             self.values = v.new_empty(shape)
-        end = start + k.size(2)
+        start, end = self.length, self.length + k.size(2)
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v  # type: ignore[index]
+        self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]  # type: ignore[index]
 
 
 class KVCache:
-    """Per-layer caches plus the number of positions already processed."""
+    """Per-layer caches; `length` is the number of positions already processed."""
 
     def __init__(self, num_layers: int, max_length: int) -> None:
         self.layers = [LayerKVCache(max_length) for _ in range(num_layers)]
-        self.length = 0
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
 
 
 # ---------------------------------------------------------------- attention
@@ -127,7 +131,6 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: LayerKVCache | None = None,
-        start: int = 0,
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         q, k, v = self.in_proj(x)
@@ -141,7 +144,7 @@ class Attention(nn.Module):
             q = apply_rotary(q, *rotary, self.rotary_interleaved)
             k = apply_rotary(k, *rotary, self.rotary_interleaved)
         if cache is not None:
-            k, v = cache.update(k, v, start)
+            k, v = cache.update(k, v)
         y = self.core(q, k, v, places).transpose(1, 2).reshape(B, T, -1)
         return self.output_dropout(self.out_proj(y))
 
@@ -187,10 +190,9 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: LayerKVCache | None = None,
-        start: int = 0,
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rotary, cache, start, places)
+        x = x + self.attention(self.attention_norm(x), rotary, cache, places)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -205,11 +207,10 @@ class TransformerLayers(nn.ModuleList):
         indices: range,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: KVCache | None = None,
-        start: int = 0,
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         for i in indices:
-            x = self[i](x, rotary, cache.layers[i] if cache is not None else None, start, places)
+            x = self[i](x, rotary, cache.layers[i] if cache is not None else None, places)
         return x
 
 
@@ -259,12 +260,9 @@ class GPT(nn.Module):
         token_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         start = cache.length if cache is not None else 0
-        positions, places = self.token_layout(input_ids, start, position_ids, segment_ids, token_index)
+        positions, places = self.token_layout(input_ids, position_ids, segment_ids, token_index, start=start)
         x = self.embed(input_ids, positions)
-        rotary = self.rotary_tables(positions)
-        x = self.layers(x, range(len(self.layers)), rotary, cache, start, places)
-        if cache is not None:
-            cache.length += input_ids.size(1)
+        x = self.layers(x, range(len(self.layers)), self.rotary_tables(positions), cache, places)
         return self.head(x)
 
     # The pieces of forward, in order; a pipeline stage runs some of them on its own layers.
@@ -272,13 +270,15 @@ class GPT(nn.Module):
     @staticmethod
     def token_layout(
         input_ids: torch.Tensor,
-        start: int = 0,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,
+        *,
+        start: int = 0,
     ) -> tuple[torch.Tensor, TokenPlaces]:
         """The positions (for embeddings) and the places in their rows (for attention masks) of the
-        tokens of `input_ids`; the arguments are `forward`'s."""
+        tokens of `input_ids`, the first of them at place `start` (the positions a KV cache already
+        holds); the other arguments are `forward`'s."""
         if token_index is not None:
             places = TokenPlaces(token_index, segment_ids)
         else:
@@ -306,90 +306,15 @@ class GPT(nn.Module):
         return self.output(self.final_norm(x))
 
 
-# ---------------------------------------------------------------- building and initialization
-
-INIT_BLOCK_ELEMENTS = 2**22
-"""Weights are drawn in blocks of whole rows of dimension 0 of about this many elements (16 MiB in
-fp32), each from its own generator: a rank that holds a slice of a tensor draws only the blocks that
-meet its slice, one at a time, never the whole tensor."""
-
-
-def _stable_seed(seed: int, name: str, block: int = 0) -> int:
-    """A generator seed from (seed, name, block); block 0 keeps the seed of the name alone."""
-    key = f"{seed}/{name}" if block == 0 else f"{seed}/{name}/{block}"
-    digest = hashlib.sha256(key.encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_block_rows(name: str, shape: Sequence[int]) -> int:
-    """Rows of dimension 0 in each initialization block of the single-device tensor `name` of
-    `shape` (a 0-D tensor is one row; a LoRA adapter, small, is one block)."""
-    rows = shape[0] if shape else 1
-    if is_adapter(name):
-        return max(1, rows)
-    per_row = math.prod(shape[1:])
-    return max(1, INIT_BLOCK_ELEMENTS // max(1, per_row))
-
-
-def init_rows(name: str, shape: Sequence[int], rows: slice, out: torch.Tensor, config: ModelConfig, seed: int) -> None:
-    """Write rows [rows.start, rows.stop) of dimension 0 of the single-device initialization of
-    parameter `name` (of `shape`) into `out`, drawing only the blocks that meet them, one at a
-    time: every layout, whatever part of the tensor it holds, gets the same values from
-    (seed, name) alone.
-
-    Matrices and embeddings ~ N(0, std); the projections that write into the residual stream
-    (and the experts' output projections) use std / sqrt(2 x layers) (GPT-2/Megatron scaled
-    init); norms start at 1 (at 0 with --apply-layernorm-1p, which applies 1 + weight), biases at 0;
-    LoRA adapters as `model.lora.init_adapter` says.
-    """
-    shape = tuple(shape) or (1,)  # (a 0-D tensor: one row of one element)
-    start, stop, _ = rows.indices(shape[0])
-    with torch.no_grad():
-        out = out.view(1) if out.dim() == 0 else out
-        if name.endswith("bias"):
-            out.zero_()
-            return
-        if name.endswith("norm.weight"):
-            out.fill_(0.0 if config.apply_layernorm_1p else 1.0)  # (1p: the scale applied is 1 + weight)
-            return
-        step = init_block_rows(name, shape)
-        for block in range(start // step, -(-stop // step)):
-            first, last = block * step, min((block + 1) * step, shape[0])
-            lo, hi = max(first, start), min(last, stop)
-            target = out[lo - start : hi - start]
-            direct = (lo, hi) == (first, last) and target.is_contiguous()
-            values = target if direct else out.new_empty((last - first, *shape[1:]))
-            _draw(name, values, config, seed, block)
-            if not direct:
-                target.copy_(values[lo - first : hi - first])
-
-
-def _draw(name: str, block: torch.Tensor, config: ModelConfig, seed: int, index: int) -> None:
-    """Fill `block` (rows of dimension 0, all of the other dimensions) with its own generator."""
-    generator = torch.Generator(device=block.device)
-    generator.manual_seed(_stable_seed(seed, name, index))
-    if init_adapter(name, block, generator):
-        return
-    std = config.init_method_std
-    if name.endswith(("out_proj.weight", "experts.w_out")):
-        std /= math.sqrt(2.0 * config.num_layers)
-    block.normal_(0.0, std, generator=generator)
-
-
-def init_parameter(name: str, param: torch.Tensor, config: ModelConfig, seed: int) -> None:
-    """Initialize one whole (single-device) parameter from (seed, its name) alone: `init_rows`
-    over all its rows, so every layout gets the same weights."""
-    init_rows(name, tuple(param.shape), slice(None), param, config, seed)
+# ---------------------------------------------------------------- building
 
 
 def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> GPT:
-    """Build on the meta device (no memory, no time), then materialize on `device` and initialize."""
+    """Build on the meta device (no memory, no time), then materialize on `device` and initialize
+    (`model.init`: the same weights from `seed` at every layout)."""
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
     model.tie_weights()
-    for name, param in model.named_parameters():
-        init_parameter(name, param, config, seed)
-    for buffer in model.buffers():  # (the MoE router's expert bias and load counters start at zero)
-        buffer.zero_()
+    init_weights(model, config, seed)
     return model

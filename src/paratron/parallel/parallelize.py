@@ -36,7 +36,8 @@ from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSE
 from paratron.distributed.topology import Axis, RankGroup, Topology
 from paratron.errors import ConfigError
 from paratron.model.batch import IGNORE_INDEX
-from paratron.model.gpt import GPT, init_block_rows, init_rows
+from paratron.model.gpt import GPT
+from paratron.model.init import init_block_rows, init_rows
 from paratron.model.loss import token_losses
 from paratron.model.moe import grouped_gemm_available
 from paratron.parallel.context.apply import apply_context_parallel

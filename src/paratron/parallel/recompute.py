@@ -85,11 +85,10 @@ class RecomputedLayers(TransformerLayers):
         indices: range,
         rotary: Any = None,
         cache: KVCache | None = None,
-        start: int = 0,
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         if cache is not None or not torch.is_grad_enabled():
-            return super().forward(x, indices, rotary, cache, start, places)
+            return super().forward(x, indices, rotary, cache, places)
         run = partial(super().forward, rotary=rotary, places=places)
         if self.method == "block":
             recompute = range(indices.start, min(indices.start + self.group, indices.stop))

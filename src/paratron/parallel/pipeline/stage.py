@@ -104,7 +104,7 @@ class StageRunner(nn.Module):
         (positions, segments) from `batch`."""
         model = self.model
         positions, places = model.token_layout(
-            batch.input_ids, 0, batch.position_ids, batch.segment_ids, batch.token_index
+            batch.input_ids, batch.position_ids, batch.segment_ids, batch.token_index
         )
         if self.is_first(chunk):
             x = model.embed(x, positions)
