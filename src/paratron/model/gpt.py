@@ -1,6 +1,7 @@
 """The GPT family (GPT-2/3, Llama, Mistral, Qwen2 shapes) as plain single-device PyTorch.
 
-Read top to bottom: positions, attention, a pre-norm block (its MLP in `model/mlp.py`), the whole model.
+Read top to bottom: positions, the KV cache, attention, a pre-norm block (its MLP in `model/mlp.py`),
+the whole model, and `build_model` (the weights' initialization lives in `model/init.py`).
 Nothing here knows about parallelism. Head counts are derived from weight shapes
 (`view(B, T, -1, head_dim)`), so tensor parallelism can swap `nn.Linear` for its
 sharded twins without touching this file.
