@@ -54,7 +54,7 @@ HF_MODEL = "the Hugging Face model"
 
 
 def _export_bytes(m: ModelConfig) -> int:
-    """The bytes of model `m`'s weights in float32, as `paratron_to_hf` writes them (adapters merged)."""
+    """The bytes of model `m`'s weights in float32, as `write_hf` writes them (adapters merged)."""
     with torch.device("meta"):
         sizes = [p.numel() for name, p in GPT(m).named_parameters() if not is_adapter(name)]
     return 4 * sum(sizes)
