@@ -30,7 +30,7 @@ import torch
 import transformers
 from tokenizers import AddedToken
 
-from paratron.checkpoint.hf import hf_to_paratron
+from paratron.checkpoint.convert import hf_to_paratron
 from paratron.config import build_config
 from paratron.data.corpus import docstring_instructions, stdlib_files
 from paratron.data.tokenizer import train_byte_level_bpe

@@ -462,9 +462,9 @@ def cmd_generate(argv: list[str]) -> int:
 
 @command("convert", "convert weights between Hugging Face, Megatron-LM and paratron checkpoints")
 def cmd_convert(argv: list[str]) -> int:
-    from paratron.checkpoint.hf import FAMILY_NAMES, hf_to_paratron, paratron_to_hf
-    from paratron.checkpoint.megatron import megatron_to_paratron, paratron_to_megatron
-    from paratron.checkpoint.peft import paratron_to_peft
+    from paratron.checkpoint.conversion import ConvertOptions
+    from paratron.checkpoint.convert import UNSUPPORTED, convert, converts
+    from paratron.checkpoint.hf import FAMILY_NAMES
     from paratron.config.arguments import ArgumentParser
 
     parser = ArgumentParser(
@@ -534,31 +534,10 @@ def cmd_convert(argv: list[str]) -> int:
         raise UserError("--target-tensor-parallel-size/--target-pipeline-parallel-size apply to --to megatron only")
     if not source.exists():
         raise UserError(f"--from {args.source[0]} {source}: no such directory")
-    if formats == ("hf", "paratron"):
-        path = hf_to_paratron(source, target)
-        print(f"wrote {path}; train from it with: paratron train --load {target} --finetune ...")
-    elif formats == ("paratron", "hf"):
-        print(f"wrote {paratron_to_hf(source, target, merge_lora=args.merge_lora)}")
-    elif formats == ("paratron", "peft"):
-        print(f"wrote {paratron_to_peft(source, target)}; load it with peft.PeftModel.from_pretrained(base, DIR)")
-    elif formats == ("megatron", "paratron"):
-        path = megatron_to_paratron(source, target, finetune=args.finetune)
-        how = "--finetune" if args.finetune else "(its step; --finetune starts at step 0)"
-        print(f"wrote {path}; train from it with: paratron train --load {target} {how} ...")
-    elif formats == ("megatron", "hf"):
-        import tempfile  # start-up speed
-
-        with tempfile.TemporaryDirectory(dir=target.parent if target.parent.is_dir() else None) as scratch:
-            megatron_to_paratron(source, Path(scratch) / "paratron", finetune=True)
-            print(f"wrote {paratron_to_hf(Path(scratch) / 'paratron', target)}")
-    elif formats == ("paratron", "megatron"):
-        print(f"wrote {paratron_to_megatron(source, target, *layout)}")
-    else:
-        raise UserError(
-            f"--from {formats[0]} --to {formats[1]}: convert hf to paratron, or paratron to hf or peft; "
-            "or megatron to paratron or hf, or paratron to megatron"
-        )
-
+    if not converts(*formats):
+        raise UserError(f"--from {formats[0]} --to {formats[1]}: {UNSUPPORTED}")
+    options = ConvertOptions(args.merge_lora, args.finetune, *layout)
+    print(convert(formats[0], source, formats[1], target, options)[1])
     return 0
 
 

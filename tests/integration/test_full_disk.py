@@ -20,7 +20,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from paratron.checkpoint.hf import paratron_to_hf
+from paratron.checkpoint.convert import paratron_to_hf
 from paratron.checkpoint.io import CheckpointContent, read_checkpoint, save_checkpoint
 from paratron.checkpoint.lock import LOCK_NAME
 from paratron.cli import main

@@ -36,7 +36,7 @@ def losses(checkpoint: str, run_dir: str, overrides: dict) -> list[float]:
 
 
 def test_training_starts_from_converted_weights_at_any_layout(tmp_path):
-    from paratron.checkpoint.hf import hf_to_paratron
+    from paratron.checkpoint.convert import hf_to_paratron
 
     settings = dict(
         vocab_size=128,

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 import transformers  # the reference; installed with the test extras
 
-from paratron.checkpoint import hf, load_pretrained
+from paratron.checkpoint import load_pretrained
+from paratron.checkpoint.convert import paratron_to_hf
+from paratron.checkpoint.hf import write as hf_write
 from paratron.checkpoint.pieces import parse_key
 from paratron.training.run import run_training
 
@@ -120,8 +122,8 @@ def test_tp4_resumes_on_one_process_and_exports_streaming(tmp_path, monkeypatch)
     checkpoint = saved(tmp_path, "tp4-tp1")
     assert_stored_once(checkpoint, weight_files=4, optimizer_files=4)
     # Hugging Face weights assembled from the four ranks' boxes a layer at a time, in files of 20 kB
-    monkeypatch.setattr(hf, "MAX_SHARD_BYTES", 20_000)
-    hf.paratron_to_hf(checkpoint, tmp_path / "hf")
+    monkeypatch.setattr(hf_write, "MAX_SHARD_BYTES", 20_000)
+    paratron_to_hf(checkpoint, tmp_path / "hf")
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 3
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))

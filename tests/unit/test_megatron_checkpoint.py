@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint import megatron as mc
+from paratron.checkpoint.convert import megatron_to_paratron, paratron_to_megatron
 from paratron.checkpoint.io import CheckpointContent, model_from_checkpoint, read_checkpoint, save_checkpoint
 from paratron.config.loading import build_config
 from paratron.errors import CheckpointError
@@ -246,7 +247,7 @@ def _assemble(boxes: list[tuple[str, tuple, tuple, torch.Tensor]]) -> dict[str, 
     out = {}
     for key, tensor in whole.items():
         assert not tensor.isnan().any(), key
-        out.update(mc._unstack({key: tensor}))
+        out.update(mc.unstack({key: tensor}))
     return out
 
 
@@ -260,7 +261,7 @@ def oracle(tmp_path_factory) -> dict[str, Any]:
     for kind in KINDS:  # paratron checkpoints, written to Megatron-LM's legacy format at TP1PP1 and TP2PP2
         source = _paratron_checkpoint(root / f"paratron-{kind}", kind)
         for tp, pp in ((1, 1), (2, 2)):
-            mc.paratron_to_megatron(source, root / f"written-{kind}" / f"tp{tp}pp{pp}", tp, pp)
+            paratron_to_megatron(source, root / f"written-{kind}" / f"tp{tp}pp{pp}", tp, pp)
         written[kind] = str(root / f"written-{kind}")
     start = time.perf_counter()
     results: dict[str, Any] = {}
@@ -302,7 +303,7 @@ def test_megatron_checkpoint_converts_exactly(oracle, tmp_path, kind, layout, fm
     source = oracle["root"] / f"{name}-{fmt}"
     assert mc.detect_format(source) == fmt
     destination = tmp_path / "converted"
-    folder = mc.megatron_to_paratron(source, destination)
+    folder = megatron_to_paratron(source, destination)
     info = read_checkpoint(destination)
     assert (info.iteration, info.consumed_samples, folder.name) == (10, 80, "iter_0000010")
     reference = mc.to_paratron(
@@ -328,7 +329,7 @@ def test_optimizer_state_converts(oracle, tmp_path, kind, layout, fmt):
 
     name = f"{kind}-tp{layout[0]}pp{layout[1]}"
     source = oracle["root"] / f"{name}-{fmt}"
-    mc.megatron_to_paratron(source, tmp_path / "converted")
+    megatron_to_paratron(source, tmp_path / "converted")
     info = read_checkpoint(tmp_path / "converted")
     stored = load_file(str(info.path / "optimizer_tp000_pp000_dp000.safetensors"))
     boxes = [b for r in range(4) for b in oracle[f"boxes/{name}-adam/{r}"]]
@@ -341,7 +342,7 @@ def test_optimizer_state_converts(oracle, tmp_path, kind, layout, fmt):
         for param, tensor in expected.items():
             assert torch.equal(stored[f"{state}/{param}"], tensor), (state, param)
     assert json.loads((info.path / "optimizer.index.json").read_text())["step"] == 1.0
-    finetuned = mc.megatron_to_paratron(source, tmp_path / "weights-only", finetune=True)
+    finetuned = megatron_to_paratron(source, tmp_path / "weights-only", finetune=True)
     assert not list(finetuned.glob("optimizer*")) and read_checkpoint(finetuned).iteration == 0
 
 
@@ -360,7 +361,7 @@ def test_written_legacy_checkpoint_loads_into_megatron_core(oracle, kind):
 def test_round_trip_through_megatron_is_exact(oracle, tmp_path, kind):
     source = oracle["root"] / f"paratron-{kind}"
     back = tmp_path / "back"
-    mc.megatron_to_paratron(oracle["root"] / f"written-{kind}" / "tp2pp2", back)
+    megatron_to_paratron(oracle["root"] / f"written-{kind}" / "tp2pp2", back)
     original, returned = read_checkpoint(source), read_checkpoint(back)
     a = dict(model_from_checkpoint(original).named_parameters())
     b = dict(model_from_checkpoint(returned).named_parameters())
@@ -415,7 +416,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     torch.save({"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": 3, "model": {}},
                folder / "mp_rank_00" / "model_optim_rng.pt")  # fmt: skip
     with pytest.raises(CheckpointError, match=r"mp_rank_01/model_optim_rng.pt: missing"):
-        mc.megatron_to_paratron(tmp_path / "ckpt", tmp_path / "out")
+        megatron_to_paratron(tmp_path / "ckpt", tmp_path / "out")
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("7")
     with pytest.raises(CheckpointError, match="iter_0000007: missing"):
         mc.detect_format(tmp_path / "ckpt")
@@ -460,7 +461,7 @@ def _rewrite(source: Path, destination: Path, change) -> None:
 def test_transformer_engine_names_and_virtual_stages_read_the_same(oracle, tmp_path):
     import io
 
-    plain = dict(model_from_checkpoint(read_checkpoint(mc.megatron_to_paratron(
+    plain = dict(model_from_checkpoint(read_checkpoint(megatron_to_paratron(
         oracle["root"] / "llama-tp2pp2-torch", tmp_path / "plain"))).named_parameters())  # fmt: skip
 
     def engine(_: str, content: dict) -> dict:  # Transformer Engine's fused norms and BytesIO extra state
@@ -472,7 +473,7 @@ def test_transformer_engine_names_and_virtual_stages_read_the_same(oracle, tmp_p
         return {**content, "model": renamed}
 
     _rewrite(oracle["root"] / "llama-tp2pp2-torch", tmp_path / "engine", engine)
-    fused = dict(model_from_checkpoint(read_checkpoint(mc.megatron_to_paratron(
+    fused = dict(model_from_checkpoint(read_checkpoint(megatron_to_paratron(
         tmp_path / "engine", tmp_path / "fused"))).named_parameters())  # fmt: skip
     assert all(torch.equal(plain[n], fused[n]) for n in plain)
 
@@ -493,7 +494,7 @@ def test_transformer_engine_names_and_virtual_stages_read_the_same(oracle, tmp_p
                 "model1": chunks[1]}  # fmt: skip
 
     _rewrite(oracle["root"] / "llama-tp2pp2-torch", tmp_path / "virtual", virtual)
-    interleaved = dict(model_from_checkpoint(read_checkpoint(mc.megatron_to_paratron(
+    interleaved = dict(model_from_checkpoint(read_checkpoint(megatron_to_paratron(
         tmp_path / "virtual", tmp_path / "from-virtual"))).named_parameters())  # fmt: skip
     order = {0: 0, 1: 2, 2: 1, 3: 3}  # (global layer of the plain file -> its place under virtual stages)
     for name, tensor in plain.items():

@@ -14,8 +14,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from paratron.checkpoint.convert import megatron_to_paratron
 from paratron.checkpoint.io import CheckpointInfo, holds_checkpoint, read_checkpoint
-from paratron.checkpoint.megatron import cache_name, config_of, detect_format, megatron_to_paratron, open_megatron
+from paratron.checkpoint.megatron import cache_name, config_of, detect_format, open_megatron
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.loading import Resolution, SavedModel, resolve_settings
 from paratron.data.build import Log, build_once

@@ -8,9 +8,10 @@ checkpoint was converted from). Only the adapters are written, under PEFT's name
     layers.{i}.attention.in_proj.q.lora_a      base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight
     layers.{i}.attention.in_proj.q.lora_b      base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight
 
-(the module part of each name is `checkpoint/hf.py`'s mapping of the layer's weight). Both
-compute W x + (lora_alpha / r) B A x, with the same A [r, in] and B [out, r]. Llama, Mistral
-and Qwen2 models only: their layers map one to one onto PEFT's target modules.
+(the module part of each name is `checkpoint.hf`'s mapping of the layer's weight). Both
+compute W x + (lora_alpha / r) B A x, with the same A [r, in] and B [out, r]. The families whose
+layers map one to one onto PEFT's target modules only (`checkpoint.hf.PEFT_FAMILIES`: Llama,
+Mistral, Qwen2, Qwen3). `write_peft` is the writer `checkpoint.convert` uses.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any
 
 import torch
 
-from paratron.checkpoint.hf import LLAMA_FAMILY, model_type_of, weights_to_hf
-from paratron.checkpoint.io import CONVERT_FIX, CheckpointInfo, read_checkpoint, read_weight
+from paratron.checkpoint.conversion import Converted, ConvertOptions, Tensors
+from paratron.checkpoint.hf import PEFT_FAMILIES, model_type_of, weights_to_hf
 from paratron.config.schema import ModelConfig
 from paratron.errors import CheckpointError
 from paratron.model.gpt import GPT
@@ -33,19 +34,18 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 _PEFT_PARTS = {"lora_a": "lora_A", "lora_b": "lora_B"}
 
 
-def paratron_to_peft(source: Path, destination: Path) -> Path:
-    """Write the LoRA adapters of paratron checkpoint `source` as a PEFT adapter folder."""
-    if destination.exists() and any(destination.iterdir()):
-        raise CheckpointError(f"{destination}: already exists and is not empty; choose a new directory")
-    info = read_checkpoint(source)
-    model = info.config.model
-    if model.lora_rank is None:
+def write_peft(model: Converted, destination: Path, options: ConvertOptions) -> Path:
+    """Write the LoRA adapters of a converted model (a paratron checkpoint's) as a PEFT adapter folder."""
+    source = model.given or model.path
+    m = model.config.model
+    if m.lora_rank is None:
         raise CheckpointError(f"{source}: holds no LoRA adapters; train with --lora-rank")
-    kind = model_type_of(model, info.hf_model_type)
-    if kind not in LLAMA_FAMILY:
-        raise CheckpointError(f"{source}: a {kind} model; PEFT export supports {', '.join(LLAMA_FAMILY)} models")
-    tensors, modules = peft_tensors(info, kind)
-    _write_folder(destination, tensors, adapter_config(model, modules))
+    kind = model_type_of(m, model.hf_model_type)
+    if kind not in PEFT_FAMILIES:
+        raise CheckpointError(f"{source}: a {kind} model; PEFT export supports {', '.join(PEFT_FAMILIES)} models")
+    with model.open_tensors() as opened:
+        tensors, modules = peft_tensors(opened, m, kind)
+    _write_folder(destination, tensors, adapter_config(m, modules), options.fix)
     return destination
 
 
@@ -59,16 +59,16 @@ def checkpoint_layers(model: ModelConfig) -> list[str]:
     return adapted_layers(name for name, _ in skeleton.named_parameters())
 
 
-def peft_tensors(info: CheckpointInfo, kind: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """PEFT's adapter tensors of a checkpoint, and the Hugging Face module names they adapt
+def peft_tensors(opened: Tensors, model: ModelConfig, kind: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """PEFT's adapter tensors of a model's, and the Hugging Face module names they adapt
     (the last part of each: q_proj, ...), sorted."""
     tensors: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
-    for layer in checkpoint_layers(info.config.model):
+    for layer in checkpoint_layers(model):
         module = hf_module(layer, kind)
         modules.add(module.rsplit(".", 1)[-1])
         for ours, theirs in _PEFT_PARTS.items():
-            tensors[f"base_model.model.{module}.{theirs}.weight"] = read_weight(info, f"{layer}.{ours}").contiguous()
+            tensors[f"base_model.model.{module}.{theirs}.weight"] = opened.whole(f"{layer}.{ours}").contiguous()
     return tensors, sorted(modules)
 
 
@@ -105,10 +105,10 @@ def adapter_config(model: ModelConfig, modules: list[str]) -> dict[str, Any]:
     }
 
 
-def _write_folder(destination: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+def _write_folder(destination: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], fix: str) -> None:
     """Write into a temporary folder, then rename it into place: never a half-written folder (a
     full disk removes it and says so in one line)."""
     text = json.dumps(config, indent=2)
-    with new_folder("the PEFT adapters", destination, tensor_bytes(tensors) + FOLDER_SLACK, CONVERT_FIX) as tmp:
+    with new_folder("the PEFT adapters", destination, tensor_bytes(tensors) + FOLDER_SLACK, fix) as tmp:
         save_tensors(tensors, tmp / ADAPTER_WEIGHTS, {"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(text, encoding="utf-8")

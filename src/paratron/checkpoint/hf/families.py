@@ -1,0 +1,177 @@
+"""The Hugging Face families paratron converts, one `Family` row each, and their weight names.
+
+Llama (grouped-query attention, any rotary theta, tied or untied embeddings), Mistral (the same
+layers, with its sliding window), Qwen2 (biases on the query, key and value projections), Qwen3 (a
+norm on each head's queries and keys), GPT-2 (learned positions, LayerNorm, tanh GELU, fused QKV
+stored as Conv1D, i.e. transposed), and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""
+
+from __future__ import annotations
+
+import re
+
+from paratron.checkpoint.hf import layers
+from paratron.checkpoint.hf.family import Family
+
+# paratron name -> Hugging Face name, per family (layer index as {i})
+_LLAMA_NAMES = {
+    "embedding.weight": "model.embed_tokens.weight",
+    "final_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attention.in_proj.{p}.{w}": "model.layers.{i}.self_attn.{p}_proj.{w}",
+    "layers.{i}.attention.out_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.attention.{p}_norm.weight": "model.layers.{i}.self_attn.{p}_norm.weight",
+    "layers.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.mlp.in_proj.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",
+    "layers.{i}.mlp.out_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_MIXTRAL_NAMES = {
+    **{k: v for k, v in _LLAMA_NAMES.items() if ".mlp." not in k},
+    "layers.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+}
+_MIXTRAL_EXPERT = (
+    "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+    "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+    "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+)
+_QWEN_MOE_NAMES = {
+    **_LLAMA_NAMES,
+    "layers.{i}.mlp.router.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.mlp.shared_expert.in_proj.{p}.weight": "model.layers.{i}.mlp.shared_expert.{p}_proj.weight",
+    "layers.{i}.mlp.shared_expert.out_proj.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    "layers.{i}.mlp.shared_expert_gate.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
+_QWEN_MOE_EXPERT = (
+    "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+)
+_GPT2_NAMES = {
+    "embedding.weight": "transformer.wte.weight",
+    "position_embedding.weight": "transformer.wpe.weight",
+    "final_norm.{w}": "transformer.ln_f.{w}",
+    "layers.{i}.attention_norm.{w}": "transformer.h.{i}.ln_1.{w}",
+    "layers.{i}.attention.out_proj.{w}": "transformer.h.{i}.attn.c_proj.{w}",
+    "layers.{i}.mlp_norm.{w}": "transformer.h.{i}.ln_2.{w}",
+    "layers.{i}.mlp.in_proj.up.{w}": "transformer.h.{i}.mlp.c_fc.{w}",
+    "layers.{i}.mlp.out_proj.{w}": "transformer.h.{i}.mlp.c_proj.{w}",
+}
+
+_ROTARY = dict(read_settings=layers.rotary_settings, write_config=layers.rotary_config)
+_QWEN = dict(write_windows=layers.qwen_window_config)
+_QWEN_MOE = dict(
+    read_experts=layers.qwen_experts,
+    write_experts=layers.qwen_expert_config,
+    weight_names=_QWEN_MOE_NAMES,
+    expert_names=_QWEN_MOE_EXPERT,
+)
+
+FAMILIES: dict[str, Family] = {
+    family.model_type: family
+    for family in (
+        Family(
+            "llama",
+            "LlamaForCausalLM",
+            "Llama",
+            _LLAMA_NAMES,
+            **_ROTARY,
+            read_windows=layers.every_layer_windows,
+            write_windows=layers.window_config,
+            fixed_config={"attention_bias": False, "mlp_bias": False},
+            peft=True,
+        ),
+        Family(
+            "mistral",
+            "MistralForCausalLM",
+            "Mistral",
+            _LLAMA_NAMES,
+            **_ROTARY,
+            read_windows=layers.every_layer_windows,
+            write_windows=layers.window_config,
+            peft=True,
+        ),
+        Family(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            "Qwen2",
+            _LLAMA_NAMES,
+            **_ROTARY,
+            **_QWEN,
+            read_windows=layers.upper_layer_windows,
+            qkv_bias=True,
+            peft=True,
+        ),
+        Family(
+            "gpt2",
+            "GPT2LMHeadModel",
+            "GPT-2",
+            _GPT2_NAMES,
+            read_settings=layers.gpt2_settings,
+            write_config=layers.gpt2_config,
+            fused_qkv="transformer.h.{i}.attn.c_attn.{w}",
+            transposed=re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$"),
+        ),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            "Mixtral",
+            _MIXTRAL_NAMES,
+            **_ROTARY,
+            read_windows=layers.every_layer_windows,
+            write_windows=layers.window_config,
+            read_experts=layers.mixtral_experts,
+            write_experts=layers.mixtral_expert_config,
+            expert_names=_MIXTRAL_EXPERT,
+        ),
+        Family(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            "Qwen2-MoE",
+            **_ROTARY,
+            **_QWEN,
+            **_QWEN_MOE,
+            read_windows=layers.even_lower_layer_windows,
+            experts_field="num_experts",
+            shared_expert=True,
+            qkv_bias="qkv_bias",
+        ),
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            "Qwen3",
+            _LLAMA_NAMES,
+            **_ROTARY,
+            **_QWEN,
+            read_windows=layers.upper_layer_windows,
+            qk_norm=True,
+            fixed_config={"attention_bias": False},
+            peft=True,
+        ),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "Qwen3-MoE",
+            **_ROTARY,
+            **_QWEN,
+            **_QWEN_MOE,
+            read_windows=layers.every_layer_windows_when_used,
+            qk_norm=True,
+            fixed_config={"attention_bias": False},
+        ),
+    )
+}
+"""Every family paratron converts, by config.json's model_type (the order error messages list them in)."""
+
+ARCHITECTURES = {kind: family.architecture for kind, family in FAMILIES.items()}
+
+
+def _listed(family: Family) -> tuple[bool, bool]:
+    return family.read_experts is not None, family.transposed is not None
+
+
+FAMILY_NAMES = {family.model_type: family.name for family in sorted(FAMILIES.values(), key=_listed)}
+"""How the documents and `paratron convert --help` name each model_type of ARCHITECTURES (a test holds
+README.md and docs/training.md to this list): dense rotary families first, then GPT-2, then the mixtures."""
+PEFT_FAMILIES = tuple(kind for kind, family in FAMILIES.items() if family.peft)
+"""The families whose LoRA adapters are written as PEFT adapters."""

@@ -1,0 +1,83 @@
+"""Megatron-LM checkpoints of GPT and Llama-style models (megatron-core `GPTModel`) <-> paratron.
+
+Read: Megatron-LM's legacy `torch` format (`latest_checkpointed_iteration.txt`,
+`iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`, or `release/`) at any tensor- and
+pipeline-parallel size, and its `torch_dist` format (torch.distributed.checkpoint files of global
+tensors under Megatron's sharded names, `metadata.json` saying `torch_dist`). Written: the legacy
+format at a chosen TP/PP, with the local layer spec's names.
+
+Optimizer state: Adam's moments and fp32 masters from torch_dist's reshardable formats
+(`optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.KEY`) and from the legacy format's
+non-distributed optimizer (its parameter indices matched to names through Megatron's standard
+weight-decay groups) become paratron's optimizer files (`optimizer_state.py`).
+
+One module per concern: `unpickle` (restricted unpickling), `locate` (format, folders, args),
+`settings` (args <-> model settings), `layout` (fused tensors and TP slices <-> paratron's names),
+`legacy` and `torch_dist` (the two file formats), `convert` (the reader `checkpoint.convert` uses;
+the writer is `legacy.write_megatron`).
+"""
+
+from paratron.checkpoint.megatron.convert import megatron_optimizer, megatron_weights, read_megatron
+from paratron.checkpoint.megatron.layout import (
+    Shapes,
+    from_paratron,
+    fuse_qkv,
+    merge_tp,
+    split_qkv,
+    split_tp,
+    to_paratron,
+    tp_dim,
+)
+from paratron.checkpoint.megatron.legacy import MEGATRON_CHECKPOINT, write_megatron
+from paratron.checkpoint.megatron.locate import (
+    MEGATRON_FILE,
+    RELEASE,
+    MegatronCheckpoint,
+    cache_name,
+    check_load,
+    detect_format,
+    open_megatron,
+)
+from paratron.checkpoint.megatron.settings import (
+    config_of,
+    megatron_args,
+    model_settings,
+    padded_vocab,
+    vocab_size_of,
+)
+from paratron.checkpoint.megatron.torch_dist import unstack
+from paratron.checkpoint.megatron.unpickle import ALLOWED_GLOBALS, MegatronStandIn, safe_load
+from paratron.checkpoint.native import load_converted_optimizer
+
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "MEGATRON_CHECKPOINT",
+    "MEGATRON_FILE",
+    "RELEASE",
+    "MegatronCheckpoint",
+    "MegatronStandIn",
+    "Shapes",
+    "cache_name",
+    "check_load",
+    "config_of",
+    "detect_format",
+    "from_paratron",
+    "fuse_qkv",
+    "load_converted_optimizer",
+    "megatron_args",
+    "megatron_optimizer",
+    "megatron_weights",
+    "merge_tp",
+    "model_settings",
+    "open_megatron",
+    "padded_vocab",
+    "read_megatron",
+    "safe_load",
+    "split_qkv",
+    "split_tp",
+    "to_paratron",
+    "tp_dim",
+    "unstack",
+    "vocab_size_of",
+    "write_megatron",
+]
