@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from paratron.checkpoint.io import BackgroundSave, CheckpointContent, begin_save
 from paratron.config.layout import Layout
 from paratron.config.samples import batch_ramp
 from paratron.config.schema import Config
@@ -42,6 +41,7 @@ from paratron.training.nonfinite import first_report, watching
 from paratron.training.plot import plot_expert_load
 from paratron.training.profiling import StepProfiler, StepTimers, collect_after_step, collect_around_eval
 from paratron.training.resume import Restorer, ResumePlan, TrainState, rollback_plan
+from paratron.training.saving import CheckpointSaver
 from paratron.training.step import StepOptions, StepResult, train_step
 from paratron.training.step_log import StepLogger, StepWindow
 
@@ -67,7 +67,7 @@ class Trainer:
         self.config, self.ctx, self.topology, self.layout = config, ctx, topology, layout
         self.model, self.optimizer, self.data, self.writer = model, optimizer, data, writer
         self.flops_per_token = flops_per_token
-        self.state = state or TrainState()
+        self.state = state if state is not None else TrainState()
         self.watchdog: Watchdog | None = None
         """Told of every step and save; a loop that stops moving is reported (distributed/watchdog.py)."""
         self.progress: ProgressLog | None = None
@@ -94,7 +94,7 @@ class Trainer:
             config, ctx, topology, model, optimizer, self.precision, writer, self.timers, flops_per_token, peak_flops
         )
         self.restorer = Restorer(config, model, optimizer, topology, self.precision, writer.info)
-        self._background: BackgroundSave | None = None
+        self.saver = CheckpointSaver(config, topology, model, optimizer, data.tokenizer, self.restorer, writer)
 
     @property
     def global_batch_size(self) -> int:
@@ -136,7 +136,7 @@ class Trainer:
                         f"stopping after step {iteration} of {self.config.training.train_iters}: {stopping}"
                     )
                     break
-        self.finish_save()
+        self.saver.finish()
         self.model.wait_param_gather()
         if self.logger.expert_load and self.ctx.is_main:
             figure = plot_expert_load(self.logger.expert_load, Path(self.config.logging.run_dir))
@@ -243,7 +243,7 @@ class Trainer:
             self.writer.info(f"{what}; step skipped (--on-nan skip)")
             return False
         if how == "rollback" and save:
-            self.finish_save()
+            self.saver.finish()
             plan = rollback_plan(Path(save))
             if plan.checkpoint is not None:
                 self.writer.info(
@@ -289,7 +289,7 @@ class Trainer:
         c = self.config.checkpoint
         if c.save and ((c.save_interval and iteration % c.save_interval == 0) or final):
             with window.paused():
-                path = self.save(Path(c.save))
+                path = self.saver.save(Path(c.save), self.state)
                 self._moved(iteration)
                 self._log_progress(iteration)
                 self.writer.info(f"{'writing' if c.async_save else 'saved'} checkpoint {path}")
@@ -319,7 +319,7 @@ class Trainer:
         if line is not None:
             self.writer.info(line)
 
-    # ---------------------------------------------------------------- evaluation and checkpoints
+    # ---------------------------------------------------------------- evaluation
 
     def evaluate(self, number: int) -> tuple[float, dict[str, dict[str, float]]]:
         """Per-token mean loss over the `number`-th run of eval_iters global batches of each
@@ -342,30 +342,3 @@ class Trainer:
         reshard(self.model.module)  # (ZeRO-3: the forwards left the root's parameters gathered)
         results = {name: {"loss": s / max(n, 1), "tokens": n} for name, s, n in zip(tasks, losses, tokens)}
         return sum(losses) / max(sum(tokens), 1), results
-
-    def save(self, root: Path) -> Path:
-        """Save a checkpoint; with --async-save start writing it and return (see `finish_save`)."""
-        self.finish_save()
-        self.model.wait_param_gather()
-        content = CheckpointContent(
-            self.state.iteration,
-            self.state.consumed_samples,
-            self.config,
-            self.model.module,
-            self.optimizer,
-            self.data.tokenizer,
-            self.restorer.rank_state(self.state),
-        )
-        pending = begin_save(root, content, self.topology, snapshot=self.config.checkpoint.async_save)
-        if not self.config.checkpoint.async_save:
-            pending.write()
-            return pending.publish()
-        self._background = BackgroundSave(pending)
-        return pending.final
-
-    def finish_save(self) -> None:
-        """Publish the checkpoint being written in the background, if any (every rank)."""
-        if self._background is not None:
-            path = self._background.finish()
-            self._background = None
-            self.writer.info(f"published checkpoint {path} (written in the background)")
