@@ -306,7 +306,7 @@ def _pairing(
 
     def paratron_step() -> torch.Tensor:
         ours.zero_grad()
-        return ours.forward_backward(batches, lambda loss: loss.backward())
+        return ours.forward_backward(batches, backward=lambda loss: loss.backward())
 
     def torch_step() -> None:
         for module in modules:
@@ -528,7 +528,7 @@ def _recorded_steps(ours: Any, batches: list, steps: int) -> list[list[list[Any]
     for _ in range(steps):
         ours.zero_grad()
         dist.barrier()
-        ours.forward_backward(batches, lambda loss: loss.backward())
+        ours.forward_backward(batches, backward=lambda loss: loss.backward())
         spans: list[Any] = [None] * pp
         dist.gather_object(ours.pipeline.spans, spans if rank == 0 else None, dst=0)
         out.append(spans)
@@ -700,7 +700,7 @@ def _bubble_run(args: dict, topology: Any, name: str, split: str, batches: list)
     ours = parallelize(meta, config, topology, torch.device("cpu"))
     for _ in range(args["warmup"]):
         ours.zero_grad()
-        ours.forward_backward(batches, lambda loss: loss.backward())
+        ours.forward_backward(batches, backward=lambda loss: loss.backward())
     steps = _recorded_steps(ours, batches, args["rounds"])
     p2p_ms = _p2p_one_way_ms(batches[0].input_ids.shape + (args["hidden"],))
     result: dict[str, Any] = {}

@@ -149,7 +149,7 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
                 meta = GPT(dataclasses.replace(config.model))
             model = parallelize(meta, config, topology, torch.device("cpu"))
             model.zero_grad()
-            loss = model.forward_backward(batches, lambda loss: loss.backward())
+            loss = model.forward_backward(batches, backward=lambda loss: loss.backward())
             expected_live = peak_live_activations(model.pipeline.schedule)[topology.local_rank(Axis.PP)]
             assert model.pipeline.peak_live == expected_live, f"{key}: activations held"
             if case in ("gpipe", "1f1b"):

@@ -37,7 +37,7 @@ TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class ParallelModel(nn.Module):
     """This rank's model part and the machinery of its training step (see the module docstring).
 
-    Per step: `zero_grad()`, then `forward_backward(micro_batches, weights, backward)`, after which
+    Per step: `zero_grad()`, then `forward_backward(micro_batches, weights=..., backward=...)`, after which
     every gradient is complete and averaged over data-parallel ranks; the optimizer takes it from
     there (`optim.protocol.TrainingOptimizer`)."""
 
@@ -159,8 +159,9 @@ class ParallelModel(nn.Module):
     def forward_backward(
         self,
         batches: list[Batch],
-        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+        *,
         weights: list[torch.Tensor] | None = None,
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     ) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches, micro-batch m's loss being the sum
         of its token losses times `weights[m]` (default: `loss_weights(batches, per_token=False)`),
@@ -174,7 +175,7 @@ class ParallelModel(nn.Module):
             weights, _ = self.loss_weights(batches, per_token=False)
         batches = self._context_parts(batches)
         if self.pipeline is not None:
-            loss = self.pipeline.forward_backward(batches, weights, backward)
+            loss = self.pipeline.forward_backward(batches, weights=weights, backward=backward)
         else:
             loss = torch.zeros((), device=batches[0].device)
             for i, (batch, weight) in enumerate(zip(batches, weights)):

@@ -15,6 +15,9 @@ allocator's peak (`torch.cuda.max_memory_allocated`) is reported beside them.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from paratron.distributed.init import peak_memory_bytes
+from paratron.distributed.topology import Topology
 from paratron.parallel.data.fully_sharded import is_sharded
 from paratron.parallel.data.memory import CATEGORIES, training_state_elements
+from paratron.storage import write_text_atomic
 
 
 class _Saved:
@@ -129,3 +134,33 @@ def format_memory(reports: list[dict[str, Any]]) -> list[str]:
     ]
     widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
     return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in [header] + rows]
+
+
+def report_memory(
+    report: dict[str, Any],
+    topology: Topology,
+    run_dir: Path,
+    main: bool,
+    info: Callable[[str], None],
+) -> None:
+    """After the first step (when the optimizer state exists): rank 0's training state in one line
+    (`report`: this rank's `rank_memory`); when the activations were measured (--log-memory) every
+    rank's, in a table and in memory.json. Collective then: every rank calls it."""
+    mib = {k: (v or 0) / 2**20 for k, v in report.items()}
+    measured = report["activations_peak"] is not None
+    info(
+        f"memory of rank 0 after the first step: parameters {mib['parameters']:,.1f} MiB, gradients "
+        f"{mib['gradients']:,.1f}, master weights {mib['master']:,.1f}, optimizer state "
+        f"{mib['optimizer_state']:,.1f}" + (f", activations (peak) {mib['activations_peak']:,.1f}" if measured else "")
+    )
+    if not measured:
+        return
+    report["coordinates"] = f"tp{topology.tp_rank} pp{topology.pp_rank} dp{topology.dp_rank}"
+    reports = gather_memory(report)
+    if main:
+        path = run_dir / "memory.json"
+        write_text_atomic(path, json.dumps({"unit": "bytes", "ranks": reports}, indent=1) + "\n")
+        info("memory per rank after the first step (MiB; activations: peak bytes saved for backward):")
+        for line in format_memory(reports):
+            info("  " + line)
+        info(f"memory report: {path}")

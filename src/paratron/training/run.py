@@ -23,16 +23,12 @@ from paratron.checkpoint.io import (
     whole_model_state,
 )
 from paratron.checkpoint.lock import SaveLock, held_by_the_launcher
-from paratron.checkpoint.megatron import (
-    check_load,
-    load_converted_optimizer,
-)
-from paratron.checkpoint.model_of import paratron_checkpoint
+from paratron.checkpoint.megatron import check_load
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
-from paratron.config.schema import CheckpointConfig, Config
+from paratron.config.schema import Config
 from paratron.data.build import build_data, cache_root
 from paratron.data.checks import check_data_inputs
 from paratron.data.tokenizer import Tokenizer
@@ -45,7 +41,7 @@ from paratron.distributed.init import (
     seed_everything,
     shutdown,
 )
-from paratron.distributed.launch import expected_parent, restart_count
+from paratron.distributed.launch import expected_parent
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.distributed.watchdog import Watchdog
 from paratron.errors import CheckpointError, ConfigError
@@ -54,10 +50,11 @@ from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
 from paratron.parallel.parallelize import parallelize
 from paratron.training.flops import peak_flops, training_flops_per_token
-from paratron.training.loop import Trainer, TrainState
+from paratron.training.loop import Trainer
 from paratron.training.metrics import MetricsWriter, ProgressLog, require_wandb
 from paratron.training.plot import plot_loss_curve
 from paratron.training.profiling import check_profile_settings, manual_gc
+from paratron.training.resume import ResumePlan, TrainState, plan_resume
 
 
 def _duration(seconds: float) -> str:
@@ -138,9 +135,9 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
     topology.create_groups()
     say = print if ctx.is_main else (lambda *a, **k: None)
     peak, peak_source = peak_flops(ctx.device, config.logging.peak_tflops, config.training.precision)
-    trainer, resume, n_params = _assemble(config, ctx, topology, peak, say)
+    trainer, plan, n_params = _assemble(config, ctx, topology, peak, say)
     config = trainer.config  # (completed with the tokenizer's vocabulary)
-    _describe(trainer, resume, n_params, peak_source, say)
+    _describe(trainer, plan.checkpoint, n_params, peak_source, say)
     watchdog = None
     if ctx.world_size > 1:
         timeout = 60 * p.distributed_timeout_minutes
@@ -170,33 +167,15 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
     return state
 
 
-def restarted_from(c: CheckpointConfig) -> Path | None:
-    """After a restart (--max-restarts), the save directory when it holds a checkpoint of this run:
-    the job goes on from its newest intact one, not from --load again."""
-    if restart_count() == 0 or c.save is None:
-        return None
-    try:
-        read_checkpoint(Path(c.save), verify=False)
-    except CheckpointError:  # (none yet: the run died before its first save)
-        return None
-    return Path(c.save)
-
-
 def _assemble(
     config: Config, ctx: DistributedContext, topology: Topology, peak: float, say: Callable[[str], None]
-) -> tuple[Trainer, CheckpointInfo | None, int]:
-    """Data, model, optimizer and trainer, resumed from --load when asked; also the checkpoint
-    loaded and the single-device parameter count."""
-    t, c = config.training, config.checkpoint
+) -> tuple[Trainer, ResumePlan, int]:
+    """Data, model, optimizer and trainer, going on where the resume plan says; also the plan and
+    the single-device parameter count."""
+    t = config.training
     layout = resolve_layout(config, ctx.world_size)  # (the settings were validated before the workers started)
-    restarted = restarted_from(c)
-    source = restarted or (
-        paratron_checkpoint(Path(c.load).expanduser(), cache_root(config), c.finetune, ctx.local_rank, say)
-        if c.load
-        else None
-    )
-    resume = read_checkpoint(source) if source is not None else None
-    megatron = resume is not None and restarted is None and source != Path(c.load).expanduser()
+    plan = plan_resume(config, cache_root(config), ctx.local_rank, say)
+    resume = plan.checkpoint
     saved_tokenizer = tokenizer_from_checkpoint(resume) if uses_saved_tokenizer(config, resume) else None
     data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say, saved_tokenizer=saved_tokenizer)
     config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
@@ -204,12 +183,11 @@ def _assemble(
         meta = GPT(config.model)
     n_params = sum(q.numel() for q in meta.parameters())
     model = parallelize(meta, config, topology, ctx.device, layout)
-    if resume is not None:
+    if resume is not None:  # (before the optimizer takes its masters)
         load_model_weights(resume, model.module, whole=topology.size(Axis.PP) == 1)
     optimizer = build_optimizer(model, config.optimizer)
     seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
-    continuing = resume is not None and (restarted is not None or (not c.finetune and not resume.weights_only))
-    state = TrainState(resume.iteration, resume.consumed_samples) if continuing and resume else TrainState()
+    state = plan.initial_state()
     writer = MetricsWriter(
         Path(config.logging.run_dir),
         t.train_iters,
@@ -233,14 +211,8 @@ def _assemble(
         peak,
         state,
     )
-    if continuing and resume is not None and megatron:  # (converted: its step and optimizer state, no RNG state)
-        if c.no_load_optim or not load_converted_optimizer(resume.path, optimizer, model.module):
-            say(f"{c.load}: Megatron-LM optimizer state not converted; the optimizer starts fresh")
-        else:  # (Megatron-LM loads its scheduler with the optimizer: the schedule goes on from the samples trained)
-            trainer.state.lr_samples = resume.consumed_samples
-    elif continuing and resume is not None:  # (the weights are in: loaded before the optimizer took its masters)
-        trainer.resume_from(resume, weights=False, optimizer_state=not c.no_load_optim)
-    return trainer, resume, n_params
+    trainer.restore(plan)
+    return trainer, plan, n_params
 
 
 def _describe(

@@ -80,7 +80,8 @@ def train_step(
     model.set_aux_loss_scale(precision.loss_scale / len(batches))  # MoE: the mean over micro-batches
     model.zero_grad()
     with timers.time("forward-backward"):
-        loss = model.forward_backward(batches, precision.backward, weights)  # gradients complete and averaged
+        # (the gradients come back complete and averaged)
+        loss = model.forward_backward(batches, weights=weights, backward=precision.backward)
     if options.empty_unused_memory_level >= 1 and options.device is not None:
         release_unused_memory(options.device)
     experts = take_expert_stats(model)

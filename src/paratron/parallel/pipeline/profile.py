@@ -13,9 +13,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from paratron.distributed.topology import RankGroup
+from paratron.distributed.topology import Axis, RankGroup, Topology
 from paratron.parallel.pipeline.draw import draw_timeline, write_chrome_trace
-from paratron.parallel.pipeline.schedules import Span
+from paratron.parallel.pipeline.runtime import PipelineRuntime
+from paratron.parallel.pipeline.schedules import Span, theoretical_bubble
 
 
 def measured_bubble(spans: list[list[Span]]) -> float:
@@ -39,3 +40,28 @@ def save_profile(
         return None
     png = draw_timeline(everyone, run_dir / "pipeline-timeline.png", title, unit="ms")
     return measured_bubble(everyone), [trace, png]
+
+
+def profile_step(
+    pipeline: PipelineRuntime, iteration: int, run_dir: Path, topology: Topology, main: bool
+) -> str | None:
+    """Save the profile of step `iteration`, which `pipeline` recorded (collective over the first
+    replica's pipeline ranks; other ranks do nothing). Returns the line that reports it on the
+    main rank, None elsewhere."""
+    if topology.dp_rank != 0 or topology.tp_rank != 0:
+        return None
+    schedule = pipeline.schedule
+    title = (
+        f"step {iteration}: {schedule.name}, {schedule.pp} stages x {schedule.chunks} chunk(s), "
+        f"{schedule.microbatches} micro-batches (measured)"
+    )
+    result = save_profile(pipeline.spans, run_dir, topology.pp_rank, topology.group(Axis.PP), main, title)
+    if result is None:
+        return None
+    bubble, files = result
+    theory = theoretical_bubble(schedule.name, schedule.pp, schedule.microbatches, schedule.chunks)
+    return (
+        f"pipeline profile of step {iteration}: bubble {bubble:.1%} of the step measured "
+        f"({theory:.1%} in theory); rank 0 held at most {pipeline.peak_live} micro-batch "
+        f"activations at once; {', '.join(str(f) for f in files)}"
+    )

@@ -74,7 +74,7 @@ class PipelineRuntime:
         return self.pp_ranks[rank]
 
     def forward_backward(
-        self, batches: list[Batch], weights: list[torch.Tensor], backward: Callable[[torch.Tensor], None]
+        self, batches: list[Batch], *, weights: list[torch.Tensor], backward: Callable[[torch.Tensor], None]
     ) -> torch.Tensor:
         """Run the schedule over `batches` (every rank is given all of them); gradients accumulate
         in the parameters. Micro-batch m's loss is the sum of its token losses times `weights[m]`;
