@@ -418,8 +418,8 @@ class Shapes:
     @classmethod
     def of(cls, m: ModelConfig) -> Shapes:
         heads = m.num_attention_heads
-        groups = m.query_groups
-        return cls(heads, groups, m.kv_channels or m.hidden_size // heads, m.activation == "swiglu")
+        groups = m.num_query_groups
+        return cls(heads, groups, m.kv_channels, m.activation == "swiglu")
 
 
 def split_qkv(fused: torch.Tensor, s: Shapes) -> dict[str, torch.Tensor]:
@@ -861,7 +861,7 @@ def paratron_to_megatron(source: Path, destination: Path, tp: int = 1, pp: int =
     if m.num_experts or m.lora_rank is not None or m.attention_type != "causal":
         raise CheckpointError(f"{info.path}: MoE, LoRA and non-causal attention models are not written to Megatron-LM")
     s = Shapes.of(m)
-    if s.groups % tp or m.num_attention_heads % tp or m.ffn_size % tp:
+    if s.groups % tp or m.num_attention_heads % tp or m.ffn_hidden_size % tp:
         raise CheckpointError(
             f"--target-tensor-parallel-size {tp} must divide the query groups ({s.groups}), heads and FFN width"
         )
@@ -931,11 +931,11 @@ def megatron_args(config: Config, tp: int, pp: int, padded: int, iteration: int,
         **{name: value for name, value in extra.items() if value is not None},
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_size,
+        ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=heads,
         group_query_attention=groups != heads,
         num_query_groups=groups,
-        kv_channels=m.kv_channels or m.hidden_size // heads,
+        kv_channels=m.kv_channels,
         max_position_embeddings=m.max_position_embeddings,
         seq_length=config.data.seq_length,
         vocab_size=m.vocab_size,

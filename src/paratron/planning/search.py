@@ -66,7 +66,6 @@ LAYOUT_FIELDS = (
     "recompute_method",
     "recompute_num_layers",
     "zero_stage",
-    "use_distributed_optimizer",
     "overlap_grad_reduce",
     "overlap_param_gather",
 )
@@ -455,7 +454,6 @@ class _Search:
             "recompute_num_layers": None,
             **RECOMPUTE[recompute],
             "zero_stage": zero,
-            "use_distributed_optimizer": False,
             "overlap_grad_reduce": dp_cp > 1,
             "overlap_param_gather": zero in (1, 2) and dp_cp > 1,
         }
