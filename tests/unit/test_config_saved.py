@@ -15,6 +15,7 @@ from paratron.config.arguments import parse_config_arguments
 from paratron.config.fields import all_fields
 from paratron.config.schema import Config, ModelConfig
 from paratron.errors import ConfigError
+from paratron.planning.search import config_arguments
 
 OLD_SAVED = {
     "model": {
@@ -102,3 +103,12 @@ def test_limits_come_from_the_fields():
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate(build_config({**settings, "mock_data": True}), 1)
+
+
+def test_a_printed_command_line_rebuilds_the_config_without_its_derived_settings():
+    config = build_config({"hidden_size": 128, "lora_rank": 2, "lora_targets": "qkv,proj", "profile_ranks": [0, 3]})
+    argv = config_arguments(config)
+    assert "--ffn-hidden-size" not in argv and "--num-query-groups" not in argv
+    assert " ".join(argv).count("--lora-targets qkv proj") == 1
+    _, overrides, _ = parse_config_arguments(train_parser(), argv)
+    assert build_config(overrides) == config
