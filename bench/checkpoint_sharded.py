@@ -134,7 +134,7 @@ def measure(settings: dict, directory: str, rounds: int) -> dict:
     state_tensors = [v for s in optimizer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     shard = sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in params + state_tensors)
     largest = max(torch.Size(full_shape(p)).numel() * p.element_size() for p in params)
-    sharded = config.parallel.sharding_stage > 0 and topology.size(Axis.DP_CP) > 1
+    sharded = config.parallel.zero_stage > 0 and topology.size(Axis.DP_CP) > 1
     kinds = ("save", "load", "dcp_save", "dcp_nosync")
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     peaks: dict[str, list[int]] = {kind: [] for kind in kinds}

@@ -41,7 +41,7 @@ def megatron_round(config, warmup: int, steps: int) -> float:
             num_layers=m.num_layers,
             hidden_size=m.hidden_size,
             num_attention_heads=m.num_attention_heads,
-            ffn_hidden_size=m.ffn_size,
+            ffn_hidden_size=m.ffn_hidden_size,
             vocab_size=m.vocab_size,
             max_sequence_length=m.max_position_embeddings,
             init_method_std=m.init_method_std,

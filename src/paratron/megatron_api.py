@@ -14,10 +14,10 @@ from typing import Any
 from paratron.config.fields import all_fields
 from paratron.config.loading import build_config
 from paratron.config.megatron import from_megatron_dict
+from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.validation import validate
 from paratron.distributed.init import env_world_size, initialize, seed_everything
 from paratron.distributed.topology import ParallelDims, Topology
-from paratron.parallel.parallelize import DTYPES
 
 _ARGS: SimpleNamespace | None = None
 
@@ -48,7 +48,7 @@ def initialize_megatron(
     seed_everything(config.training.seed)
     precision = config.training.precision
     namespace.fp16, namespace.bf16 = precision == "fp16", precision == "bf16"
-    namespace.params_dtype = DTYPES[precision]
+    namespace.params_dtype = PRECISION_DTYPES[precision]
     namespace.world_size = world
     namespace.data_parallel_size = layout.dp
     namespace.config, namespace.topology = config, topology

@@ -113,10 +113,14 @@ def test_the_scripts_train_what_megatron_trains(tmp_path, capsys):
         0.95,
     )
     llama = _config(functional_argv(SCRIPTS["gpt3_mcore_reruns_disable"], tmp_path))
-    assert (llama.model.query_groups, llama.model.ffn_size, llama.parallel.sequence_parallel) == (2, 128, False)
+    assert (llama.model.num_query_groups, llama.model.ffn_hidden_size, llama.parallel.sequence_parallel) == (
+        2,
+        128,
+        False,
+    )
     assert "--sequence-parallel needs --tensor-model-parallel-size above 1; turned off" in capsys.readouterr().err
     swiglu = _config(functional_argv(SCRIPTS["gpt3_mcore_te_tp1_pp4_swiglu"], tmp_path))
-    assert swiglu.model.ffn_size == int(4 * 64 * 2 / 3 / 64) * 64 == 128  # Megatron-LM's SwiGLU width
+    assert swiglu.model.ffn_hidden_size == int(4 * 64 * 2 / 3 / 64) * 64 == 128  # Megatron-LM's SwiGLU width
 
 
 def _run_scripts(root: str) -> dict[str, tuple[int, list[float]]]:

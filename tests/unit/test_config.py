@@ -92,10 +92,10 @@ def test_data_parallel_flags():
     p = parse(
         ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "1000"]
     ).parallel
-    assert (p.sharding_stage, p.overlap_grad_reduce, p.overlap_param_gather, p.ddp_bucket_size) == (1, True, True, 1000)
-    assert parse(["--zero-stage", "3"]).parallel.sharding_stage == 3
-    assert parse(["--use-distributed-optimizer", "--zero-stage", "2"]).parallel.sharding_stage == 2
-    assert parse([]).parallel.sharding_stage == 0
+    assert (p.zero_stage, p.overlap_grad_reduce, p.overlap_param_gather, p.ddp_bucket_size) == (1, True, True, 1000)
+    assert parse(["--zero-stage", "3"]).parallel.zero_stage == 3
+    assert parse(["--use-distributed-optimizer", "--zero-stage", "2"]).parallel.zero_stage == 2
+    assert parse([]).parallel.zero_stage == 0
     with pytest.raises(ConfigError, match=r"--zero-stage: 4 is not one of: 0, 1, 2, 3"):
         parse(["--zero-stage", "4"])
 

@@ -85,7 +85,7 @@ def test_the_same_model_spelled_two_ways_has_one_architecture():
     derived = ModelConfig(hidden_size=64, num_attention_heads=4, activation="swiglu")
     spelled = ModelConfig(hidden_size=64, num_attention_heads=4, activation="swiglu", ffn_hidden_size=128)
     assert derived.architecture() == dataclasses.replace(spelled, num_query_groups=4, kv_channels=16).architecture()
-    assert derived.architecture() != dataclasses.replace(spelled, group_query_attention=True).architecture()
+    assert derived.architecture() != spelled.with_changes(group_query_attention=True).architecture()
     rope = ModelConfig(position_embedding_type="rope")
     assert rope.architecture() == dataclasses.replace(rope, max_position_embeddings=4096).architecture()
     assert ModelConfig().architecture() != ModelConfig(max_position_embeddings=4096).architecture()
@@ -121,7 +121,7 @@ def test_a_contradicting_setting_is_refused_naming_both_values_and_where_it_came
     same = ["--num-query-groups", "2", "--group-query-attention", "--ffn-hidden-size", "64", "--swiglu"]
     other = ["--hidden-dropout", "0.2", "--lora-rank", "4", "--attention-type", "document", "--lr", "0.1"]
     config = train_config(["--load", load, "--finetune", "--mock-data", *same, *other])
-    assert (config.model.hidden_size, config.model.query_groups, config.model.hidden_dropout) == (32, 2, 0.2)
+    assert (config.model.hidden_size, config.model.num_query_groups, config.model.hidden_dropout) == (32, 2, 0.2)
     assert (config.model.lora_rank, config.model.attention_type) == (4, "document")
 
 

@@ -45,9 +45,9 @@ def test_defaults_are_megatron_lms():
 @pytest.mark.parametrize("hidden, width", [(64, 128), (96, 256), (4096, 10880), (5120, 13632)])
 def test_swiglu_without_ffn_hidden_size_is_megatrons_width(hidden, width):
     model = ModelConfig(hidden_size=hidden, num_attention_heads=4, activation="swiglu")
-    assert model.ffn_size == int(4 * hidden * 2 / 3 / 64) * 64 == width
-    assert ModelConfig(hidden_size=hidden, num_attention_heads=4).ffn_size == 4 * hidden
-    assert ModelConfig(hidden_size=hidden, activation="swiglu", ffn_hidden_size=100).ffn_size == 100
+    assert model.ffn_hidden_size == int(4 * hidden * 2 / 3 / 64) * 64 == width
+    assert ModelConfig(hidden_size=hidden, num_attention_heads=4).ffn_hidden_size == 4 * hidden
+    assert ModelConfig(hidden_size=hidden, activation="swiglu", ffn_hidden_size=100).ffn_hidden_size == 100
     if hidden == 64:
         gpt = GPT(dataclasses.replace(model, num_layers=1, vocab_size=32, max_position_embeddings=8))
         widths = {n.split(".")[-2]: p.shape[0] for n, p in gpt.named_parameters() if "mlp.in_proj" in n}
@@ -56,13 +56,15 @@ def test_swiglu_without_ffn_hidden_size_is_megatrons_width(hidden, width):
 
 def test_group_query_attention_as_megatron_reads_it(capsys):
     base = ["--num-attention-heads", "8", "--hidden-size", "64"]
-    assert parse(base).model.query_groups == 8
-    assert parse([*base, "--group-query-attention"]).model.query_groups == 1
-    assert parse([*base, "--group-query-attention", "--num-query-groups", "2"]).model.query_groups == 2
+    assert parse(base).model.num_query_groups == 8
+    assert parse([*base, "--group-query-attention"]).model.num_query_groups == 1
+    assert parse([*base, "--group-query-attention", "--num-query-groups", "2"]).model.num_query_groups == 2
     assert capsys.readouterr().err == ""
-    assert parse([*base, "--num-query-groups", "2"]).model.query_groups == 8
+    assert parse([*base, "--num-query-groups", "2"]).model.num_query_groups == 8
     assert "--num-query-groups 2 is ignored without --group-query-attention" in capsys.readouterr().err
-    assert build_config({"num_query_groups": 2, "num_attention_heads": 8}).model.query_groups == 2  # recipes, presets
+    assert (
+        build_config({"num_query_groups": 2, "num_attention_heads": 8}).model.num_query_groups == 2
+    )  # recipes, presets
 
 
 def test_sequence_parallel_at_tensor_parallel_one_is_turned_off_with_a_warning(capsys):
@@ -219,5 +221,5 @@ def test_a_checkpoint_saved_before_megatron_defaults_keeps_its_model():
     old = config_to_dict(build_config({"activation": "swiglu", "hidden_size": 64}))
     del old["model"]["openai_gelu"]  # (what such a checkpoint's config lacks)
     model = config_from_dict(old).model
-    assert model.openai_gelu and model.ffn_size == 4 * 64
+    assert model.openai_gelu and model.ffn_hidden_size == 4 * 64
     assert not config_from_dict(config_to_dict(build_config({"hidden_size": 64}))).model.openai_gelu

@@ -42,8 +42,8 @@ def megatron_to_paratron(params: dict[str, torch.Tensor], config: ModelConfig) -
     """megatron-core GPTModel parameters (TP 1) under paratron's names: linear_qkv holds, per query
     group, that group's query heads then its key head then its value head; linear_fc1 of a gated MLP
     stacks [gate; up]."""
-    heads, groups = config.num_attention_heads, config.query_groups
-    head_dim = config.kv_channels or config.hidden_size // heads
+    heads, groups = config.num_attention_heads, config.num_query_groups
+    head_dim = config.kv_channels
     per_group = heads // groups
     renames = {
         "embedding.word_embeddings.": "embedding.",
@@ -95,9 +95,9 @@ def megatron_kwargs(config: ModelConfig) -> dict[str, Any]:
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.query_groups,
+        num_query_groups=config.num_query_groups,
         kv_channels=config.kv_channels,
-        ffn_hidden_size=config.ffn_size,
+        ffn_hidden_size=config.ffn_hidden_size,
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type=config.position_embedding_type,

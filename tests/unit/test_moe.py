@@ -15,7 +15,9 @@ from transformers import MixtralConfig, Qwen2MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
-from paratron.config.schema import ModelConfig
+from paratron.config.schema import Config, ModelConfig
+from paratron.config.validation import validate
+from paratron.errors import ConfigError
 from paratron.model.moe import MoELayer, Router, attach_aux_loss, expert_capacity, grouped_gemm_available
 
 H = 32
@@ -478,10 +480,10 @@ def test_load_counts_trained_forwards_once():
 
 
 def test_moe_layers_follow_the_layer_frequency():
-    assert moe_config(num_layers=5, moe_layer_freq="2").moe_layers() == [True, False, True, False, True]
-    assert moe_config(num_layers=3, moe_layer_freq="1").moe_layers() == [True] * 3
-    assert moe_config(num_layers=4, moe_layer_freq="[0,1,1,1]").moe_layers() == [False, True, True, True]
+    assert list(moe_config(num_layers=5, moe_layer_freq="2").moe_layer_pattern) == [True, False, True, False, True]
+    assert list(moe_config(num_layers=3, moe_layer_freq="1").moe_layer_pattern) == [True] * 3
+    assert list(moe_config(num_layers=4, moe_layer_freq="[0,1,1,1]").moe_layer_pattern) == [False, True, True, True]
     for bad in ("[0,1]", "0", "x", "[0,2,1,1]"):
-        with pytest.raises(ValueError, match="moe-layer-freq") as error:
-            moe_config(num_layers=4, moe_layer_freq=bad).moe_layers()
+        with pytest.raises(ConfigError, match="moe-layer-freq") as error:
+            validate(Config(model=moe_config(num_layers=4, moe_layer_freq=bad)), 1, check_data=False)
         assert "\n" not in str(error.value)

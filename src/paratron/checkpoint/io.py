@@ -242,7 +242,7 @@ def begin_save(
     collective = topology is not None  # (without one, this process alone: a conversion, which a job runs once)
     topology = topology or Topology(ParallelDims(1))
     pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
-    sharded = content.config.parallel.sharding_stage > 0 and topology.size(Axis.DP_CP) > 1
+    sharded = content.config.parallel.zero_stage > 0 and topology.size(Axis.DP_CP) > 1
     weights, shapes = weight_boxes(content.model, topology)
     rank_state = content.rank_state if _first_replica(topology) else None
     if snapshot:

@@ -13,7 +13,8 @@ import inspect
 import textwrap
 import types
 import typing
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from paratron.config import schema
@@ -27,11 +28,16 @@ class FieldInfo:
     section: str
     name: str
     base_type: type
-    """int, float, str, bool or list (of str)."""
+    """int, float, str, bool, list (of str) or tuple (of `item_type`)."""
     optional: bool
+    """None is a value it takes: unset, or (a derived setting) worked out when the config is built."""
     choices: tuple[Any, ...] | None
     default: Any
     doc: str
+    limits: Mapping[str, Any] = field(default_factory=dict)
+    """Bounds from the field's metadata: min (inclusive), above and below (exclusive)."""
+    item_type: type = str
+    """The type of a tuple's items."""
 
     @property
     def flag(self) -> str:
@@ -55,7 +61,7 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _describe_type(hint: Any) -> tuple[type, bool, tuple[Any, ...] | None]:
+def _describe_type(hint: Any) -> tuple[type, bool, tuple[Any, ...] | None, type]:
     optional = False
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
@@ -65,10 +71,12 @@ def _describe_type(hint: Any) -> tuple[type, bool, tuple[Any, ...] | None]:
         origin = typing.get_origin(hint)
     if origin is Literal:
         choices = typing.get_args(hint)
-        return type(choices[0]), optional, choices
+        return type(choices[0]), optional, choices, str
     if origin is list:
-        return list, optional, None
-    return hint, optional, None
+        return list, optional, None, str
+    if origin is tuple:
+        return tuple, optional, None, typing.get_args(hint)[0]
+    return hint, optional, None, str
 
 
 @functools.cache
@@ -78,9 +86,12 @@ def section_fields(section: str) -> tuple[FieldInfo, ...]:
     docs = _attribute_docs(cls)
     infos = []
     for f in dataclasses.fields(cls):
-        base, optional, choices = _describe_type(hints[f.name])
+        base, optional, choices, item = _describe_type(hints[f.name])
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-        infos.append(FieldInfo(section, f.name, base, optional, choices, default, docs.get(f.name, "")))
+        optional = optional or bool(f.metadata.get(schema.DERIVED))
+        limits = {k: v for k, v in f.metadata.items() if k in ("min", "above", "below")}
+        doc = docs.get(f.name, "")
+        infos.append(FieldInfo(section, f.name, base, optional, choices, default, doc, limits, item))
     return tuple(infos)
 
 
@@ -133,12 +144,24 @@ def coerce(info: FieldInfo, value: Any, where: str) -> Any:
             value = float(value)
         elif base is list:
             value = [value] if isinstance(value, str) else [str(v) for v in value]
+        elif base is tuple:
+            value = _coerce_items(info.item_type, value)
         else:
             value = str(value) if not isinstance(value, str) else value
     except (TypeError, ValueError):
         kind = {bool: "true or false", int: "an integer", float: "a number", list: "a list"}.get(base, "text")
+        kind = "a list of integers" if base is tuple and info.item_type is int else kind
         raise ConfigError(f"{where}: expected {kind}, got {value!r}") from None
     if info.choices is not None and value not in info.choices:
         options = ", ".join(str(c) for c in info.choices)
         raise ConfigError(f"{where}: {value!r} is not one of: {options}")
     return value
+
+
+def _coerce_items(item_type: type, value: Any) -> tuple[Any, ...]:
+    """A tuple setting from a list or from text (words separated by commas or spaces), in order, each item once."""
+    words = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    parts = [w for v in words for w in (v.replace(",", " ").split() if isinstance(v, str) else [v])]
+    if item_type is int and any(isinstance(p, bool) or isinstance(p, float) for p in parts):
+        raise ValueError
+    return tuple(dict.fromkeys(item_type(p) for p in parts))

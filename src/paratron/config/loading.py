@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from paratron.config import schema
-from paratron.config.fields import all_fields, coerce
+from paratron.config.fields import FieldInfo, all_fields, coerce
 from paratron.config.presets import model_preset
 from paratron.config.samples import sample_based_train_iters
 from paratron.errors import ConfigError
@@ -84,6 +84,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: section '{section}' must be a mapping of settings")
         for key, value in values.items():
             info = fields.get(key)
+            if LEGACY_SETTINGS.get(key) == section:
+                flat[key] = value
+                continue
             if info is None or info.section != section:
                 names = [f.name for f in fields.values() if f.section == section]
                 raise ConfigError(f"{path}: unknown setting {section}.{key}{_did_you_mean(str(key), names)}")
@@ -95,6 +98,10 @@ def _did_you_mean(word: str, options: Any) -> str:
     close = difflib.get_close_matches(word, list(options), n=1)
     return f" (did you mean {close[0]}?)" if close else ""
 
+
+LEGACY_SETTINGS = {"use_distributed_optimizer": "parallel"}
+"""Settings read from flags, recipes and saved configs that fold into another one (section they are read in):
+Megatron-LM's --use-distributed-optimizer is --zero-stage 1 when no other stage is given."""
 
 DATA_SOURCES = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "corpus", "mock_data")
 """The settings that say what a run reads: one given on the command line replaces all of the recipe's."""
@@ -206,7 +213,7 @@ def _keep_architecture(
 ) -> schema.Config:
     """Refuse (or with `checkpoint_wins` undo, with a note) a model setting that gives the checkpoint's model
     another architecture."""
-    theirs_model = dataclasses.replace(schema.ModelConfig(), **saved.model)
+    theirs_model = schema.ModelConfig(**saved.model)
     ours, theirs = config.model.architecture(), theirs_model.architecture()
     for name in schema.MODEL_ARCHITECTURE:
         if origins.get(name) == saved.where or ours[name] == theirs[name]:
@@ -292,7 +299,7 @@ def _shown(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, float):
         return f"{value:g}"
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return " ".join(map(str, value))
     return str(value)
 
@@ -321,16 +328,30 @@ def config_from_flat(values: dict[str, Any]) -> schema.Config:
     """A Config from {setting: value}, each value checked and converted; unset settings keep their defaults."""
     fields = all_fields()
     sections: dict[str, dict[str, Any]] = {section: {} for section in schema.SECTIONS}
-    for name, value in values.items():
+    for name, value in _fold_legacy(values).items():
         info = fields.get(name)
         if info is None:
             raise ConfigError(f"{name}: unknown setting{_did_you_mean(name, fields)}")
         sections[info.section][name] = coerce(info, value, info.flag)
     defaults = schema.Config()
     config = schema.Config(
-        **{section: dataclasses.replace(getattr(defaults, section), **values) for section, values in sections.items()}
+        **{section: type(getattr(defaults, section))(**values) for section, values in sections.items()}
     )
     return _steps_of_samples(config)
+
+
+def _fold_legacy(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with LEGACY_SETTINGS folded into the settings they mean (use_distributed_optimizer: ZeRO stage 1
+    unless a stage above 0 is given)."""
+    if "use_distributed_optimizer" not in values:
+        return values
+    values = dict(values)
+    legacy = FieldInfo("parallel", "use_distributed_optimizer", bool, True, None, False, "")
+    on = coerce(legacy, values.pop("use_distributed_optimizer"), legacy.flag)
+    zero = all_fields()["zero_stage"]
+    if on and not coerce(zero, values.get("zero_stage", zero.default), zero.flag):
+        values["zero_stage"] = 1
+    return values
 
 
 def _steps_of_samples(config: schema.Config) -> schema.Config:
@@ -355,8 +376,21 @@ def override(config: schema.Config, **values: Any) -> schema.Config:
 
 
 def config_to_dict(config: schema.Config) -> dict[str, dict[str, Any]]:
-    """Nested plain-data form (for YAML/JSON dumps and checkpoints)."""
-    return dataclasses.asdict(config)
+    """Nested plain-data form (for YAML/JSON dumps and checkpoints): tuples as lists, and the settings a section
+    derived as None, so that reading it back derives them again."""
+    return {section: settings_of(getattr(config, section)) for section in schema.SECTIONS}
+
+
+def settings_of(section: Any) -> dict[str, Any]:
+    """One section's settings in plain data (see config_to_dict)."""
+    derived = getattr(section, "derived", frozenset())
+    return {
+        f.name: None if f.name in derived else _plain(getattr(section, f.name)) for f in dataclasses.fields(section)
+    }
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def config_from_dict(tree: dict[str, dict[str, Any]]) -> schema.Config:

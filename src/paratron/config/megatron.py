@@ -64,6 +64,16 @@ MAPPED: dict[str, tuple[str, dict[str, Any], str]] = {
 }
 """Flags whose value is translated into a setting's value."""
 
+FOLDED: dict[str, tuple[str, str]] = {
+    "use_distributed_optimizer": (
+        "zero_stage",
+        "Shard master weights and optimizer state over the data-parallel ranks (ZeRO stage 1; sets --zero-stage 1 "
+        "unless given).",
+    ),
+}
+"""Megatron-LM switches that fold into a setting of their own (name -> (that setting, help)); recipes and saved
+configs may hold them too (`config.loading.LEGACY_SETTINGS` reads them)."""
+
 
 @dataclass(frozen=True)
 class Accepted:
@@ -419,6 +429,8 @@ def from_megatron_dict(args: dict[str, Any]) -> dict[str, Any]:
             out[field_name] = values[value]
         elif name in renames:
             out[renames[name]] = value
+        elif name in FOLDED:
+            out[name] = value
         elif name in fields:
             out[name] = value
         elif dashed in ACCEPTED:

@@ -7,15 +7,50 @@ Megatron-LM's argument names where the setting is shared, so `--hidden-size`,
 
 Configs are frozen: once built and validated nothing changes them; a derived value (the
 vocabulary size a tokenizer decides) makes a new config (`config.loading.override`).
+
+Each fact has one typed field. A setting whose default follows from others (the MLP width, the key/value heads, the
+head width) holds None only until its dataclass is built: `__post_init__` fills it in, so a built config always holds
+the value in effect, and remembers which settings it derived. Those are written back as None by
+`config.loading.config_to_dict` (so a saved config, or `override`, derives them again) and derived anew by
+`ModelConfig.with_changes`; `dataclasses.replace` keeps every value as it is, derived ones included, so change a
+setting others derive from with `with_changes`. Which layers hold experts (`ModelConfig.moe_layer_pattern`) is read
+from --moe-layer-freq once, when the model config is built.
+
+Limits live in each field's metadata (`ABOVE_ZERO`, `ZERO_OR_MORE`, `FRACTION`), which `config.validation` reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 """The layers --lora-targets may name (see ModelConfig.lora_targets)."""
+
+ABOVE_ZERO = {"above": 0}
+"""Field metadata: the setting must be above zero when set."""
+
+ZERO_OR_MORE = {"min": 0}
+"""Field metadata: the setting may be zero but not negative."""
+
+FRACTION = {"min": 0, "below": 1}
+"""Field metadata: the setting lies in [0, 1)."""
+
+DERIVED = "derived"
+"""Field metadata key: None means "work it out from the other settings" (done when the dataclass is built)."""
+
+
+def moe_layer_pattern(freq: str, num_layers: int) -> tuple[bool, ...]:
+    """Which of `num_layers` layers --moe-layer-freq makes MoE layers: an integer N (every N-th, from the first) or
+    a list such as [0,1,1,1]; empty for anything else (`config.validation` refuses it)."""
+    text = freq.strip()
+    if text.lstrip("-").isdigit() and int(text) >= 1:
+        return tuple(i % int(text) == 0 for i in range(num_layers))
+    entries = [e.strip() for e in text.strip("[]").split(",")] if text.startswith("[") else []
+    if len(entries) != num_layers or any(e not in ("0", "1") for e in entries):
+        return ()
+    return tuple(e == "1" for e in entries)
 
 
 @dataclass(frozen=True)
@@ -26,17 +61,17 @@ class ModelConfig:
     """Named size from the model registry (debug, gpt2-small, llama3-8b, ...); its values are defaults that the other
     model settings override."""
 
-    num_layers: int = 2
+    num_layers: int = field(default=2, metadata=ABOVE_ZERO)
     """Number of Transformer layers."""
 
-    hidden_size: int = 64
+    hidden_size: int = field(default=64, metadata=ABOVE_ZERO)
     """Width of the residual stream."""
 
-    ffn_hidden_size: int | None = None
+    ffn_hidden_size: int = field(default=None, metadata={**ABOVE_ZERO, DERIVED: True})  # type: ignore[assignment]
     """Width of the MLP's inner layer (default: 4 x hidden size; with SwiGLU int(4 x hidden x 2/3 / 64) x 64, as
     Megatron-LM sizes it)."""
 
-    num_attention_heads: int = 4
+    num_attention_heads: int = field(default=4, metadata=ABOVE_ZERO)
     """Number of attention (query) heads."""
 
     group_query_attention: bool = False
@@ -44,17 +79,17 @@ class ModelConfig:
     command line --num-query-groups counts only with it (Megatron-LM ignores it otherwise, and so does paratron, with a
     warning); recipes, presets and Hugging Face imports may set num_query_groups alone."""
 
-    num_query_groups: int | None = None
+    num_query_groups: int = field(default=None, metadata={**ABOVE_ZERO, DERIVED: True})  # type: ignore[assignment]
     """Number of key/value heads for grouped-query attention (default: one per query head; 1 with
     --group-query-attention)."""
 
-    kv_channels: int | None = None
+    kv_channels: int = field(default=None, metadata={**ABOVE_ZERO, DERIVED: True})  # type: ignore[assignment]
     """Width of each attention head (default: hidden size / attention heads)."""
 
-    max_position_embeddings: int = 1024
+    max_position_embeddings: int = field(default=1024, metadata=ABOVE_ZERO)
     """Longest sequence the model accepts (size of the learned position table)."""
 
-    vocab_size: int | None = None
+    vocab_size: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Vocabulary size; also the size a trained BPE tokenizer aims for (default: the tokenizer's size; a trained BPE
     aims for 8192; mock data uses 4096)."""
 
@@ -63,7 +98,7 @@ class ModelConfig:
     tokens apart; Megatron-LM's 'none', and what --no-position-embedding means for a model without rotary
     embeddings)."""
 
-    rotary_base: float = 10000.0
+    rotary_base: float = field(default=10000.0, metadata=ABOVE_ZERO)
     """Base (theta) of the rotary embedding frequencies."""
 
     rotary_percent: float = 1.0
@@ -78,7 +113,7 @@ class ModelConfig:
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization layer used before attention, before the MLP and at the end."""
 
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = field(default=1e-5, metadata=ABOVE_ZERO)
     """Epsilon of the normalization layers."""
 
     apply_layernorm_1p: bool = False
@@ -111,22 +146,22 @@ class ModelConfig:
     ones), document (earlier tokens of its own packed document; the data marks documents as --reset-attention-mask
     does) or block-sparse (Child et al.'s strided pattern over --sparse-block-size blocks). See docs/attention.md."""
 
-    window_size: int | None = None
+    window_size: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Sliding-window attention: each token attends to itself and the W - 1 tokens before it (Mistral's
     sliding_window)."""
 
-    sparse_block_size: int = 64
+    sparse_block_size: int = field(default=64, metadata=ABOVE_ZERO)
     """Block-sparse attention: tokens per block."""
 
-    sparse_stride: int = 4
+    sparse_stride: int = field(default=4, metadata=ABOVE_ZERO)
     """Block-sparse attention: a token attends to the S most recent blocks (its own included) and to every S-th block
     before them."""
 
-    hidden_dropout: float = 0.1
+    hidden_dropout: float = field(default=0.1, metadata=FRACTION)
     """Dropout probability on the embedding and the outputs of attention and MLP (Megatron-LM's default 0.1; the
     recipes and model presets set 0)."""
 
-    attention_dropout: float = 0.1
+    attention_dropout: float = field(default=0.1, metadata=FRACTION)
     """Dropout probability on the attention weights (Megatron-LM's default 0.1; the recipes and model presets set
     0)."""
 
@@ -143,10 +178,10 @@ class ModelConfig:
     Transformer Engine attention does, so this is accepted and changes nothing; --apply-query-key-layer-scaling
     selects Megatron-LM's unfused attention with its fp32 softmax."""
 
-    init_method_std: float = 0.02
+    init_method_std: float = field(default=0.02, metadata=ABOVE_ZERO)
     """Standard deviation of the normal initial weights (output projections are scaled by 1/sqrt(2 x layers))."""
 
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = field(default=128, metadata=ABOVE_ZERO)
     """Under tensor parallelism the vocabulary is padded to a multiple of this x TP (padding rows are never
     predicted)."""
 
@@ -217,42 +252,46 @@ class ModelConfig:
     lora_alpha: float = 16.0
     """LoRA scaling numerator: the adapter's output is multiplied by alpha / rank."""
 
-    lora_targets: str = "qkv,proj,fc1,fc2"
-    """Comma-separated layers that get LoRA adapters: qkv (query, key and value projections), proj (attention output
-    projection), fc1 (MLP up and gate projections), fc2 (MLP down projection)."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Layers that get LoRA adapters (on the command line separated by commas or spaces: qkv,proj): qkv (query, key
+    and value projections), proj (attention output projection), fc1 (MLP up and gate projections), fc2 (MLP down
+    projection)."""
+
+    def __post_init__(self) -> None:
+        """Fill in the settings left to their derived defaults (Megatron-LM's), and read --moe-layer-freq once."""
+        derived = {name: value for name, value in self._derived_defaults().items() if getattr(self, name) is None}
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_derived", frozenset(derived))
+        object.__setattr__(self, "_moe_layer_pattern", moe_layer_pattern(self.moe_layer_freq, self.num_layers))
+
+    def _derived_defaults(self) -> dict[str, int]:
+        """The MLP width (4h; int(4h x 2/3 / 64) x 64 with SwiGLU, which keeps the parameter count of a 4h GELU MLP),
+        the key/value heads (1 with --group-query-attention alone, else one per query head) and the head width."""
+        swiglu = self.activation == "swiglu"
+        return {
+            "ffn_hidden_size": int(4 * self.hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * self.hidden_size,
+            "num_query_groups": 1 if self.group_query_attention else self.num_attention_heads,
+            "kv_channels": self.hidden_size // max(self.num_attention_heads, 1),
+        }
 
     @property
-    def query_groups(self) -> int:
-        """Key/value heads in effect: --num-query-groups, 1 with --group-query-attention alone, else one per
-        query head."""
-        if self.num_query_groups is not None:
-            return self.num_query_groups
-        return 1 if self.group_query_attention else self.num_attention_heads
+    def derived(self) -> frozenset[str]:
+        """The settings this config worked out itself (they were None when it was built)."""
+        return self._derived  # type: ignore[attr-defined,no-any-return]
 
     @property
-    def ffn_size(self) -> int:
-        """MLP inner width in effect: --ffn-hidden-size, or Megatron-LM's default (4h; int(4h x 2/3 / 64) x 64 with
-        SwiGLU, which keeps the parameter count of a 4h GELU MLP and rounds to 64)."""
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        if self.activation == "swiglu":
-            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
-        return 4 * self.hidden_size
-
-    def moe_layers(self) -> list[bool]:
-        """Which layers are MoE layers (all False without experts), from --moe-layer-freq."""
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Which layers are MoE layers (all False without experts; empty for a --moe-layer-freq that validation
+        refuses)."""
         if not self.num_experts:
-            return [False] * self.num_layers
-        text = self.moe_layer_freq.strip()
-        if text.lstrip("-").isdigit() and int(text) >= 1:
-            return [i % int(text) == 0 for i in range(self.num_layers)]
-        entries = [e.strip() for e in text.strip("[]").split(",")] if text.startswith("[") else []
-        if len(entries) != self.num_layers or any(e not in ("0", "1") for e in entries):
-            raise ValueError(
-                f"--moe-layer-freq {self.moe_layer_freq}: give a positive integer or a list of {self.num_layers} "
-                "0s and 1s such as [0,1,1,1] (one per layer)"
-            )
-        return [e == "1" for e in entries]
+            return (False,) * self.num_layers
+        return self._moe_layer_pattern  # type: ignore[attr-defined,no-any-return]
+
+    def with_changes(self, **changes: Any) -> ModelConfig:
+        """A copy with `changes`, the settings this config derived worked out again from the new values (unless
+        `changes` sets them)."""
+        return dataclasses.replace(self, **{**dict.fromkeys(self.derived), **changes})
 
     def architecture(self) -> dict[str, Any]:
         """Each MODEL_ARCHITECTURE setting's value in effect: a derived default worked out (the MLP width, the
@@ -261,14 +300,11 @@ class ModelConfig:
         spellings of the same model compare equal."""
         rope, experts = self.position_embedding_type == "rope", bool(self.num_experts)
         in_effect: dict[str, Any] = {
-            "ffn_hidden_size": self.ffn_size,
-            "group_query_attention": self.query_groups,
-            "num_query_groups": self.query_groups,
-            "kv_channels": self.kv_channels or self.hidden_size // max(self.num_attention_heads, 1),
+            "group_query_attention": self.num_query_groups,
             "max_position_embeddings": (
                 self.max_position_embeddings if self.position_embedding_type == "learned_absolute" else None
             ),
-            "moe_ffn_hidden_size": self.moe_ffn_hidden_size or self.ffn_size,
+            "moe_ffn_hidden_size": self.moe_ffn_hidden_size or self.ffn_hidden_size,
         }
         values = {name: in_effect.get(name, getattr(self, name)) for name in MODEL_ARCHITECTURE}
         for name in values:
@@ -350,20 +386,20 @@ adapters. Without a flag they too keep the checkpoint's values."""
 class ParallelConfig:
     """How the run is spread over processes."""
 
-    nproc_per_node: int = 1
+    nproc_per_node: int = field(default=1, metadata=ABOVE_ZERO)
     """Processes to start on this machine; paratron train launches itself under torchrun when this is above 1
     (--nproc)."""
 
-    nnodes: int = 1
+    nnodes: int = field(default=1, metadata=ABOVE_ZERO)
     """Machines in the job; run paratron train on each with its --node-rank (under Slurm, read from SLURM_*)."""
 
-    node_rank: int = 0
+    node_rank: int = field(default=0, metadata=ZERO_OR_MORE)
     """This machine's place among --nnodes (0 hosts the rendezvous with --master-addr)."""
 
     master_addr: str | None = None
     """Address of node 0, where the nodes meet (static rendezvous, as torchrun's --master-addr)."""
 
-    master_port: int = 29500
+    master_port: int = field(default=29500, metadata=ABOVE_ZERO)
     """Port on --master-addr where the nodes meet."""
 
     rdzv_endpoint: str | None = None
@@ -373,17 +409,17 @@ class ParallelConfig:
     rdzv_id: str | None = None
     """Name of the job at the rendezvous, the same on every node (default: SLURM_JOB_ID, else fixed)."""
 
-    rdzv_timeout_seconds: float = 900.0
+    rdzv_timeout_seconds: float = field(default=900.0, metadata=ABOVE_ZERO)
     """How long a node waits at the rendezvous for the others before giving up (then exit 2)."""
 
-    max_restarts: int = 0
+    max_restarts: int = field(default=0, metadata=ZERO_OR_MORE)
     """Restart the job this many times when a process dies; each restart resumes from the newest intact checkpoint
     in --save (--save-interval bounds the lost work)."""
 
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = field(default=1, metadata=ABOVE_ZERO)
     """Tensor-parallel degree: ranks that split each layer's matrices."""
 
-    pipeline_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = field(default=1, metadata=ABOVE_ZERO)
     """Pipeline-parallel degree: ranks the layers are cut across."""
 
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"] | None = None
@@ -391,17 +427,17 @@ class ParallelConfig:
     stages; the default when they are set), zb-h1 (zero bubble: weight gradients deferred into the bubble) or zb-v
     (zero bubble over two chunks per rank placed as a V)."""
 
-    num_layers_per_virtual_pipeline_stage: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Layers per virtual stage: each pipeline rank runs several non-adjacent chunks of this many layers (interleaved
     schedule)."""
 
-    virtual_pipeline_model_parallel_size: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Model chunks (virtual stages) per pipeline rank; an alternative to --num-layers-per-virtual-pipeline-stage."""
 
-    decoder_first_pipeline_num_layers: int | None = None
+    decoder_first_pipeline_num_layers: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Layers on the first pipeline stage (it also holds the embeddings); the others share the rest evenly."""
 
-    decoder_last_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Layers on the last pipeline stage (it also holds the output layer and loss); the others share the rest evenly."""
 
     variable_seq_lengths: bool = False
@@ -411,7 +447,7 @@ class ParallelConfig:
     """Split activations along the sequence between tensor-parallel layers (norms and dropout run on shards; needs TP >
     1)."""
 
-    context_parallel_size: int = 1
+    context_parallel_size: int = field(default=1, metadata=ABOVE_ZERO)
     """Context-parallel degree: ranks that split every sequence (each holds chunks i and 2CP - 1 - i of 2CP, which
     balances causal attention) and pass keys and values between them."""
 
@@ -432,7 +468,7 @@ class ParallelConfig:
     expert's rank, uneven splits) or allgather (every rank gathers all tokens, outputs reduce-scattered back;
     Megatron-LM's default)."""
 
-    ddp_bucket_size: int | None = None
+    ddp_bucket_size: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Gradient elements per data-parallel reduction bucket (default: max(40M, 1M x data-parallel size), as in
     Megatron-LM)."""
 
@@ -443,13 +479,10 @@ class ParallelConfig:
     """Reduce gradients after every micro-batch instead of only after the last one of a step (more traffic; ZeRO-2
     always does)."""
 
-    use_distributed_optimizer: bool = False
-    """Shard master weights and optimizer state over the data-parallel ranks (ZeRO stage 1; sets --zero-stage 1 unless
-    given)."""
-
     zero_stage: Literal[0, 1, 2, 3] = 0
     """ZeRO stage: 0 replicates everything; 1 shards optimizer state and master weights; 2 also gradients; 3 also
-    parameters (PyTorch FSDP2)."""
+    parameters (PyTorch FSDP2). Megatron-LM's --use-distributed-optimizer (a flag, or use_distributed_optimizer: true
+    in a recipe or a saved config) means stage 1 when no other stage is given."""
 
     overlap_param_gather: bool = False
     """With the distributed optimizer, gather each bucket's updated parameters behind the next forward (waited for by
@@ -459,15 +492,10 @@ class ParallelConfig:
         """Gradient elements per reduction bucket: --ddp-bucket-size, or Megatron-LM's max(40M, 1M x DP)."""
         return self.ddp_bucket_size or max(40_000_000, 1_000_000 * data_parallel_size)
 
-    @property
-    def sharding_stage(self) -> int:
-        """The ZeRO stage in effect: --zero-stage, or 1 when only --use-distributed-optimizer is given."""
-        return self.zero_stage or (1 if self.use_distributed_optimizer else 0)
-
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend; auto picks NCCL where CUDA exists and gloo otherwise."""
 
-    distributed_timeout_minutes: float = 10.0
+    distributed_timeout_minutes: float = field(default=10.0, metadata=ABOVE_ZERO)
     """How long a collective may wait for the other ranks (raise it when rank 0 tokenizes a large corpus first); a
     training step or save that makes no progress for this long is reported by every rank (which operation, which group,
     which ranks did not arrive) and the job ends."""
@@ -494,25 +522,25 @@ class OptimizerConfig:
     optimizer: Literal["adam", "sgd"] = "adam"
     """Optimizer: adam (AdamW, decoupled weight decay) or sgd (with momentum)."""
 
-    lr: float = 3e-4
+    lr: float = field(default=3e-4, metadata=ZERO_OR_MORE)
     """Peak learning rate."""
 
-    weight_decay: float = 0.01
+    weight_decay: float = field(default=0.01, metadata=ZERO_OR_MORE)
     """Decoupled weight decay, applied to matrices and embeddings, not to biases or norms."""
 
-    adam_beta1: float = 0.9
+    adam_beta1: float = field(default=0.9, metadata=FRACTION)
     """Adam's first-moment decay."""
 
-    adam_beta2: float = 0.999
+    adam_beta2: float = field(default=0.999, metadata=FRACTION)
     """Adam's second-moment decay (Megatron-LM's default; the recipes set 0.95)."""
 
-    adam_eps: float = 1e-8
+    adam_eps: float = field(default=1e-8, metadata=ZERO_OR_MORE)
     """Adam's epsilon."""
 
-    sgd_momentum: float = 0.9
+    sgd_momentum: float = field(default=0.9, metadata=ZERO_OR_MORE)
     """SGD momentum."""
 
-    clip_grad: float = 1.0
+    clip_grad: float = field(default=1.0, metadata=ZERO_OR_MORE)
     """Clip gradients to this global L2 norm (0 turns clipping off)."""
 
     decoupled_lr: float | None = None
@@ -531,10 +559,10 @@ class LRScheduleConfig:
     trained (iteration flags count --global-batch-size samples per step), so the first step runs at
     --lr-warmup-init when there is a warmup."""
 
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = field(default=0, metadata=ZERO_OR_MORE)
     """Iterations of linear warmup from --lr-warmup-init to the peak --lr (iteration-based runs; default 0)."""
 
-    lr_decay_iters: int | None = None
+    lr_decay_iters: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Iterations over which the rate decays to --min-lr, warmup included (iteration-based runs; default:
     --train-iters)."""
 
@@ -543,7 +571,7 @@ class LRScheduleConfig:
     --min-lr at the end of decay), inverse-square-root (--lr x sqrt(warmup / samples), not below --min-lr) or WSD
     (warmup-stable-decay: --lr until the last --lr-wsd-decay-iters/samples of decay, then --lr-wsd-decay-style)."""
 
-    min_lr: float = 0.0
+    min_lr: float = field(default=0.0, metadata=ZERO_OR_MORE)
     """Learning rate at the end of decay (and after it)."""
 
     lr_warmup_fraction: float | None = None
@@ -609,7 +637,7 @@ class DataConfig:
     split: str = "969,30,1"
     """Relative sizes of the train, validation and test splits."""
 
-    seq_length: int = 64
+    seq_length: int = field(default=64, metadata=ABOVE_ZERO)
     """Tokens per training sample."""
 
     tokenizer_type: (
@@ -744,14 +772,14 @@ class DataConfig:
 class TrainingConfig:
     """The training loop."""
 
-    micro_batch_size: int = 4
+    micro_batch_size: int = field(default=4, metadata=ABOVE_ZERO)
     """Samples per micro-batch on each data-parallel rank."""
 
-    global_batch_size: int | None = None
+    global_batch_size: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Samples per optimizer step over all ranks; micro-batches accumulate up to it (default: micro batch x
     data-parallel size)."""
 
-    train_iters: int = 100
+    train_iters: int = field(default=100, metadata=ABOVE_ZERO)
     """Optimizer steps to train for (with --train-samples: derived from it, this value is replaced)."""
 
     train_samples: int | None = None
@@ -779,30 +807,30 @@ class TrainingConfig:
     """Compute precision. --bf16 and --fp16 keep the model's weights in 16 bits with fp32 master weights, fp32
     gradients and fp32 optimizer state; fp16 adds loss scaling."""
 
-    loss_scale: float | None = None
+    loss_scale: float | None = field(default=None, metadata=ABOVE_ZERO)
     """With --fp16: a static loss scale (a power of two); unset, the scale is dynamic (see --initial-loss-scale)."""
 
-    initial_loss_scale: float = 2.0**32
+    initial_loss_scale: float = field(default=2.0**32, metadata=ABOVE_ZERO)
     """With --fp16: the dynamic loss scale to start from; it halves on overflows and doubles after --loss-scale-window
     clean steps."""
 
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = field(default=1.0, metadata=ABOVE_ZERO)
     """With --fp16: the dynamic loss scale never goes below this."""
 
-    loss_scale_window: int = 1000
+    loss_scale_window: int = field(default=1000, metadata=ABOVE_ZERO)
     """With --fp16: steps without overflow after which the dynamic loss scale doubles."""
 
-    hysteresis: int = 2
+    hysteresis: int = field(default=2, metadata=ABOVE_ZERO)
     """With --fp16: overflows tolerated (steps skipped without lowering the scale) before the dynamic loss scale
     halves; refilled when the scale grows."""
 
     seed: int = 1234
     """Seed of weights, data order and dropout; the same seed gives the same run at every layout."""
 
-    eval_interval: int = 100
+    eval_interval: int = field(default=100, metadata=ABOVE_ZERO)
     """Evaluate on the validation split every this many steps (and at the end)."""
 
-    eval_iters: int = 100
+    eval_iters: int = field(default=100, metadata=ZERO_OR_MORE)
     """Global batches per evaluation (Megatron-LM's default)."""
 
     calculate_per_token_loss: bool | None = None
@@ -812,11 +840,11 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     """On SIGTERM or SIGINT, finish the current step, save a checkpoint (with --save) and exit with code 0."""
 
-    exit_duration_in_mins: float | None = None
+    exit_duration_in_mins: float | None = field(default=None, metadata=ABOVE_ZERO)
     """Stop after the first step that ends this many minutes after training started, saving a checkpoint (with
     --save)."""
 
-    exit_interval: int | None = None
+    exit_interval: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Stop after a step whose number is a multiple of this, saving a checkpoint (with --save)."""
 
     on_nan: Literal["stop", "skip", "rollback"] = "stop"
@@ -864,7 +892,7 @@ class TrainingConfig:
     """With full recomputation: uniform (layers in groups of --recompute-num-layers, only each group's input kept) or
     block (only the first --recompute-num-layers layers of each pipeline chunk recomputed)."""
 
-    recompute_num_layers: int | None = None
+    recompute_num_layers: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Layers per recomputed group (uniform) or recomputed layers per pipeline chunk (block); default 1 for uniform."""
 
 
@@ -878,7 +906,7 @@ class CheckpointConfig:
     load: str | None = None
     """Checkpoint directory to resume from (its newest checkpoint)."""
 
-    save_interval: int | None = None
+    save_interval: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Save every this many steps (a final checkpoint is always written when --save is set)."""
 
     finetune: bool = False
@@ -888,11 +916,11 @@ class CheckpointConfig:
     """Write checkpoints in a background thread: training goes on after the weights and optimizer state are copied; the
     checkpoint is published (tracker moved) before the next save and at the end."""
 
-    keep_last: int | None = None
+    keep_last: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Keep only the newest this many checkpoints under --save, deleting older ones after each save (default: keep
     all)."""
 
-    save_retain_interval: int | None = None
+    save_retain_interval: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Keep only the newest checkpoint and those of steps that are multiples of this, deleting the others after each
     save (Megatron-LM's flag; with --keep-last, both rules delete)."""
 
@@ -918,7 +946,7 @@ class LoggingConfig:
     run_dir: str = "runs/latest"
     """Directory for metrics.jsonl, TensorBoard events and the loss plot."""
 
-    log_interval: int = 100
+    log_interval: int = field(default=100, metadata=ABOVE_ZERO)
     """Log metrics every this many steps (Megatron-LM's default)."""
 
     progress_bar: bool | None = None
@@ -929,7 +957,7 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard event files into the run directory."""
 
-    peak_tflops: float | None = None
+    peak_tflops: float | None = field(default=None, metadata=ABOVE_ZERO)
     """Peak TFLOP/s of one device for MFU (default: a table for known GPUs, a quick matmul probe on CPU)."""
 
     log_memory: bool = False
@@ -947,10 +975,10 @@ class LoggingConfig:
     sample_prompt: str | None = None
     """After training, print a continuation of this prompt."""
 
-    sample_tokens: int = 48
+    sample_tokens: int = field(default=48, metadata=ABOVE_ZERO)
     """Tokens generated for --sample-prompt."""
 
-    sample_temperature: float = 0.7
+    sample_temperature: float = field(default=0.7, metadata=ZERO_OR_MORE)
     """Sampling temperature for --sample-prompt (0: greedy); sampling draws from the top 40 tokens with the run's
     seed."""
 
@@ -1028,7 +1056,7 @@ class LoggingConfig:
     profile_step_end: int = 12
     """With --profile: the step profiling stops before (not profiled)."""
 
-    profile_ranks: list[str] = field(default_factory=lambda: ["0"])
+    profile_ranks: tuple[int, ...] = (0,)
     """With --profile: the global ranks that record a trace."""
 
     use_pytorch_profiler: bool = False
@@ -1057,14 +1085,14 @@ class PlanningConfig:
     the meta device through the real parallelization and print its memory (weights, gradients, master weights,
     optimizer state, activations, communication buffers) against the device memory."""
 
-    world_size: int | None = None
+    world_size: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Ranks the --dry-run (or --auto) plans for (default: --nproc, or torchrun's world)."""
 
     hardware: str | None = None
     """Hardware preset for --dry-run, --auto and paratron plan: h100-80g, a100-80g, h200-141g, or cpu (measured on the
     spot); sets the device memory, peak throughput and network speeds."""
 
-    device_memory_gb: float | None = None
+    device_memory_gb: float | None = field(default=None, metadata=ABOVE_ZERO)
     """Memory of one device in GB (10^9 bytes) that --dry-run and paratron plan check each rank against (default: the
     --hardware preset's)."""
 

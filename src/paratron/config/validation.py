@@ -9,6 +9,7 @@ are checked by `data.checks` and the training entry point.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from paratron.config.faults import parse_faults
@@ -17,78 +18,6 @@ from paratron.config.layout import Layout, check_schedule, resolve_layout
 from paratron.config.samples import batch_ramp, schedule_lengths
 from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from paratron.errors import ConfigError
-
-POSITIVE = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "max_position_embeddings",
-    "vocab_size",
-    "rotary_base",
-    "norm_epsilon",
-    "init_method_std",
-    "make_vocab_size_divisible_by",
-    "nproc_per_node",
-    "nnodes",
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "window_size",
-    "sparse_block_size",
-    "sparse_stride",
-    "num_layers_per_virtual_pipeline_stage",
-    "virtual_pipeline_model_parallel_size",
-    "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers",
-    "recompute_num_layers",
-    "seq_length",
-    "micro_batch_size",
-    "global_batch_size",
-    "train_iters",
-    "eval_interval",
-    "log_interval",
-    "save_interval",
-    "sample_tokens",
-    "lr_decay_iters",
-    "peak_tflops",
-    "world_size",
-    "device_memory_gb",
-    "distributed_timeout_minutes",
-    "master_port",
-    "rdzv_timeout_seconds",
-    "ddp_bucket_size",
-    "loss_scale",
-    "initial_loss_scale",
-    "min_loss_scale",
-    "loss_scale_window",
-    "hysteresis",
-    "exit_duration_in_mins",
-    "exit_interval",
-    "keep_last",
-    "save_retain_interval",
-)
-"""Settings that must be above zero when set."""
-
-NON_NEGATIVE = (
-    "node_rank",
-    "max_restarts",
-    "eval_iters",
-    "lr_warmup_iters",
-    "lr",
-    "min_lr",
-    "sample_temperature",
-    "weight_decay",
-    "clip_grad",
-    "adam_eps",
-    "sgd_momentum",
-)
-"""Settings that may be zero but not negative."""
-
-FRACTIONS = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")
-"""Settings in [0, 1)."""
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
@@ -147,20 +76,28 @@ def _check_launch(parallel: ParallelConfig) -> None:
         )
 
 
-def _value(config: Config, name: str) -> Any:
-    return getattr(getattr(config, all_fields()[name].section), name)
-
-
 def _check_bounds(config: Config) -> None:
-    for names, ok, bound in (
-        (POSITIVE, lambda v: v > 0, "at least 1"),
-        (NON_NEGATIVE, lambda v: v >= 0, "zero or more"),
-        (FRACTIONS, lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
-    ):
-        for name in names:
-            value = _value(config, name)
-            if value is not None and not ok(value):
-                raise ConfigError(f"{all_fields()[name].flag} {value}: must be {bound}")
+    """Every setting within the limits of its field's metadata (a derived value is checked where it is used)."""
+    for info in all_fields().values():
+        section = getattr(config, info.section)
+        value = getattr(section, info.name)
+        if not info.limits or value is None or info.name in getattr(section, "derived", ()):
+            continue
+        bound = _broken_bound(info.limits, value)
+        if bound is not None:
+            raise ConfigError(f"{info.flag} {value}: must be {bound}")
+
+
+def _broken_bound(limits: Mapping[str, Any], value: Any) -> str | None:
+    """How `value` must be instead, or None when it is within `limits`."""
+    low, above, below = limits.get("min"), limits.get("above"), limits.get("below")
+    if below is not None:
+        return None if (low is None or low <= value) and value < below else f"in [{low}, {below})"
+    if above is not None and not value > above:
+        return f"at least {above + 1}"
+    if low is not None and not value >= low:
+        return "zero or more" if low == 0 else f"at least {low}"
+    return None
 
 
 def _check_precision(t: TrainingConfig) -> None:
@@ -176,8 +113,8 @@ def _check_precision(t: TrainingConfig) -> None:
 
 
 def _check_model(m: ModelConfig, d: DataConfig) -> None:
-    heads, groups = m.num_attention_heads, m.query_groups
-    if m.kv_channels is None and m.hidden_size % heads:
+    heads, groups = m.num_attention_heads, m.num_query_groups
+    if "kv_channels" in m.derived and m.hidden_size % heads:
         raise ConfigError(
             f"{flag.hidden_size} {m.hidden_size} is not divisible by {flag.num_attention_heads} "
             f"{heads}; change one of them or set {flag.kv_channels}"
@@ -187,7 +124,7 @@ def _check_model(m: ModelConfig, d: DataConfig) -> None:
             f"{flag.num_attention_heads} {heads} is not a multiple of {flag.num_query_groups} "
             f"{groups}; use a divisor of the head count"
         )
-    head_dim = m.kv_channels or m.hidden_size // heads
+    head_dim = m.kv_channels
     if m.position_embedding_type == "rope" and head_dim % 2:
         raise ConfigError(
             f"rotary embeddings need an even head width, got {head_dim}; change {flag.kv_channels} "
@@ -206,12 +143,11 @@ def _check_model(m: ModelConfig, d: DataConfig) -> None:
         raise ConfigError(f"{flag.lora_rank} with {flag.num_experts}: LoRA adapters on experts are not supported yet")
     if m.lora_alpha <= 0:
         raise ConfigError(f"{flag.lora_alpha} {m.lora_alpha:g}: must be positive")
-    targets = [t.strip() for t in m.lora_targets.split(",") if t.strip()]
-    unknown = [t for t in targets if t not in LORA_TARGETS]
-    if unknown or not targets:
+    unknown = [t for t in m.lora_targets if t not in LORA_TARGETS]
+    if unknown or not m.lora_targets:
         raise ConfigError(
-            f"{flag.lora_targets} {m.lora_targets}: {'unknown layer ' + unknown[0] if unknown else 'names no layer'}; "
-            f"choose from {','.join(LORA_TARGETS)}"
+            f"{flag.lora_targets} {','.join(m.lora_targets)}: "
+            f"{'unknown layer ' + unknown[0] if unknown else 'names no layer'}; choose from {','.join(LORA_TARGETS)}"
         )
 
 
@@ -252,7 +188,7 @@ def _check_context_parallel(config: Config, layout: Layout) -> None:
     refusals = (
         (m.attention_dropout > 0, f"{flag.attention_dropout} {m.attention_dropout:g}", "set it to 0"),
         (bool(m.num_experts), f"{flag.num_experts} {m.num_experts}", "use a dense model"),
-        (p.sharding_stage == 3, f"{flag.zero_stage} 3", f"use {flag.zero_stage} 1 or 2"),
+        (p.zero_stage == 3, f"{flag.zero_stage} 3", f"use {flag.zero_stage} 1 or 2"),
         (p.variable_seq_lengths, flag.variable_seq_lengths, "drop it (rows must split evenly)"),
     )
     for refused, what, fix in refusals:
@@ -291,10 +227,11 @@ def _check_experts(m: ModelConfig) -> None:
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
         if (getattr(m, name) or 0) < 0:
             raise ConfigError(f"{getattr(flag, name)} {getattr(m, name):g}: must not be negative")
-    try:
-        m.moe_layers()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    if len(m.moe_layer_pattern) != m.num_layers:
+        raise ConfigError(
+            f"{flag.moe_layer_freq} {m.moe_layer_freq}: give a positive integer or a list of {m.num_layers} "
+            "0s and 1s such as [0,1,1,1] (one per layer)"
+        )
 
 
 def _check_expert_parallel(config: Config, layout: Layout) -> None:
@@ -325,7 +262,7 @@ def _check_expert_parallel(config: Config, layout: Layout) -> None:
             f"{flag.tensor_model_parallel_size} {layout.tp} (experts split like the dense MLP)"
         )
     expert_tp = layout.tp if etp is None else etp
-    ffn = m.moe_ffn_hidden_size or m.ffn_size
+    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
     if ffn % expert_tp:
         raise ConfigError(
             f"{flag.moe_ffn_hidden_size} {ffn} is not divisible by the experts' tensor-parallel size {expert_tp}; "
@@ -349,7 +286,7 @@ def _check_expert_parallel(config: Config, layout: Layout) -> None:
             f"{flag.moe_shared_expert_intermediate_size} {shared} is not divisible by "
             f"{flag.tensor_model_parallel_size} {layout.tp}; choose a multiple"
         )
-    if ep > 1 and p.sharding_stage == 3:
+    if ep > 1 and p.zero_stage == 3:
         raise ConfigError(
             f"{flag.expert_model_parallel_size} {ep} with {flag.zero_stage} 3: experts are sharded by the "
             f"distributed optimizer; use {flag.zero_stage} 1 or 2"
@@ -358,7 +295,7 @@ def _check_expert_parallel(config: Config, layout: Layout) -> None:
 
 def _check_tensor_parallel(config: Config, layout: Layout) -> None:
     m, p = config.model, config.parallel
-    tp, heads, groups = layout.tp, m.num_attention_heads, m.query_groups
+    tp, heads, groups = layout.tp, m.num_attention_heads, m.num_query_groups
     if heads % tp:
         raise ConfigError(
             f"{flag.num_attention_heads} {heads} is not divisible by {flag.tensor_model_parallel_size} "
@@ -369,7 +306,7 @@ def _check_tensor_parallel(config: Config, layout: Layout) -> None:
             f"{flag.num_query_groups} {groups} and {flag.tensor_model_parallel_size} {tp}: one must "
             "divide the other (key/value heads are split over the ranks, or replicated when fewer)"
         )
-    ffn = m.ffn_size
+    ffn = m.ffn_hidden_size
     if ffn % tp:
         raise ConfigError(
             f"{flag.ffn_hidden_size} {ffn} is not divisible by {flag.tensor_model_parallel_size} {tp}; "
@@ -401,11 +338,11 @@ def _check_recompute(t: TrainingConfig) -> None:
 
 def _check_data_parallel(config: Config, layout: Layout) -> None:
     p = config.parallel
-    stage = p.sharding_stage
+    stage = p.zero_stage
     if p.overlap_param_gather and stage not in (1, 2):
         raise ConfigError(
             f"{flag.overlap_param_gather} needs the distributed optimizer: add "
-            f"{flag.use_distributed_optimizer} (or {flag.zero_stage} 1 or 2)"
+            f"--use-distributed-optimizer (or {flag.zero_stage} 1 or 2)"
         )
     schedule = layout.pipeline.schedule
     if stage == 3 and schedule in ("zb-h1", "zb-v"):
@@ -590,7 +527,7 @@ def _check_megatron_model_features(config: Config) -> None:
     m = config.model
     if not 0.0 < m.rotary_percent <= 1.0:
         raise ConfigError(f"{flag.rotary_percent} {m.rotary_percent:g}: must be above 0 and at most 1")
-    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    head_dim = m.kv_channels
     width = int(head_dim * m.rotary_percent)
     if m.position_embedding_type == "rope" and m.rotary_percent < 1.0 and (width < 2 or width % 2):
         raise ConfigError(

@@ -25,7 +25,7 @@ from paratron.model.moe import MoELayer
 
 def rotary_width(config: ModelConfig) -> int:
     """Features of each head that rotate: int(head width x --rotary-percent), as Megatron-LM counts them."""
-    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+    head_dim = config.kv_channels
     return int(head_dim * config.rotary_percent) if config.rotary_percent < 1.0 else head_dim
 
 
@@ -110,8 +110,8 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int = 1) -> None:
         super().__init__()
         heads = config.num_attention_heads
-        groups = config.query_groups
-        self.head_dim = config.kv_channels or config.hidden_size // heads
+        groups = config.num_query_groups
+        self.head_dim = config.kv_channels
         bias = config.add_bias_linear
         widths = {"q": heads * self.head_dim, "k": groups * self.head_dim, "v": groups * self.head_dim}
         self.in_proj = Projections(config.hidden_size, widths, bias or config.add_qkv_bias)
@@ -235,7 +235,7 @@ class GPT(nn.Module):
         self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = TransformerLayers(
-            TransformerBlock(config, moe, number) for number, moe in enumerate(config.moe_layers(), start=1)
+            TransformerBlock(config, moe, number) for number, moe in enumerate(config.moe_layer_pattern, start=1)
         )
         self.final_norm = make_norm(config)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

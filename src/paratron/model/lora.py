@@ -83,14 +83,14 @@ def _targeted_slots(block: nn.Module, targets: tuple[str, ...]) -> Iterator[tupl
         yield mlp, "out_proj"
 
 
-def add_adapters(model: nn.Module, rank: int, alpha: float, targets: str) -> None:
+def add_adapters(model: nn.Module, rank: int, alpha: float, targets: str | tuple[str, ...]) -> None:
     """Put LoRA adapters on the targeted layers of every block of `model.layers` and freeze every
     other parameter. Layers that already have one keep it (so calling twice changes nothing).
     On a model whose weights exist, the new adapters are initialized (A from a generator seeded
     by the adapter's name, B zero); on the meta device, initialization is left to the caller."""
     if rank < 1:
         raise ConfigError(f"--lora-rank {rank}: must be at least 1")
-    chosen = parse_targets(targets)
+    chosen = parse_targets(targets if isinstance(targets, str) else ",".join(targets))
     added: list[nn.Parameter] = []
     for block in model.layers:
         for parent, name in _targeted_slots(block, chosen):

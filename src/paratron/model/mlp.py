@@ -31,7 +31,7 @@ class MLP(nn.Module):
         self, config: ModelConfig, inner: int | None = None, bias: bool | None = None, dropout: float | None = None
     ) -> None:
         super().__init__()
-        hidden, inner = config.hidden_size, inner or config.ffn_size
+        hidden, inner = config.hidden_size, inner or config.ffn_hidden_size
         bias = config.add_bias_linear if bias is None else bias
         self.gated = config.activation == "swiglu"
         self.gelu = "tanh" if config.openai_gelu else "none"  # GPT-2's approximation, or the exact GELU

@@ -231,7 +231,7 @@ class Experts(nn.Module):
         super().__init__()
         assert config.num_experts, "Experts need config.num_experts"
         E, H = config.num_experts, config.hidden_size
-        F_ = config.moe_ffn_hidden_size or config.ffn_size
+        F_ = config.moe_ffn_hidden_size or config.ffn_hidden_size
         self.gated = config.activation == "swiglu"
         self.gelu = "tanh" if config.openai_gelu else "none"
         self.grouped = config.moe_grouped_gemm

@@ -6,7 +6,6 @@ parameter counts (tests/unit/test_registry.py) match the published ones within 0
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ __all__ = [
 
 
 def model_config(name: str, **overrides: Any) -> ModelConfig:
-    return dataclasses.replace(ModelConfig(), **{**model_preset(name), **overrides})
+    return ModelConfig(**{**model_preset(name), **overrides})
 
 
 def count_parameters(config: ModelConfig) -> int:
@@ -39,11 +38,11 @@ def count_parameters(config: ModelConfig) -> int:
 def expert_parameters(config: ModelConfig) -> int:
     """Parameters of one routed expert (its input and output projections)."""
     h = config.hidden_size
-    ffn = config.moe_ffn_hidden_size or config.ffn_size
+    ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
     return (3 if config.activation == "swiglu" else 2) * h * ffn
 
 
 def count_active_parameters(config: ModelConfig) -> int:
     """Parameters one token uses: all of them but the experts it is not routed to."""
     idle = (config.num_experts or 0) - config.moe_router_topk if config.num_experts else 0
-    return count_parameters(config) - sum(config.moe_layers()) * idle * expert_parameters(config)
+    return count_parameters(config) - sum(config.moe_layer_pattern) * idle * expert_parameters(config)

@@ -95,7 +95,7 @@ class ParallelModel(nn.Module):
     @cached_property
     def moe_layers(self) -> dict[int, MoELayer]:
         """This rank's mixture-of-experts layers by their ordinal among the model's MoE layers."""
-        pattern = self.module.config.moe_layers()
+        pattern = self.module.config.moe_layer_pattern
         layers = {}
         for name, module in self.module.named_modules():
             if isinstance(module, MoELayer):

@@ -30,6 +30,7 @@ from torch import nn
 
 from paratron.config.fields import flag
 from paratron.config.layout import Layout, resolve_layout
+from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import Config, ModelConfig
 from paratron.distributed.init import synchronize
 from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSET, RNGStates
@@ -57,9 +58,6 @@ from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratron.parallel.tensor.layers import TPContext
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The compute type of each --precision."""
-
 
 def parallelize(
     model: GPT, config: Config, topology: Topology, device: torch.device, layout: Layout | None = None
@@ -71,7 +69,7 @@ def parallelize(
     if (
         config.model.num_experts
         and config.model.moe_grouped_gemm
-        and not grouped_gemm_available(device, DTYPES[t.precision])
+        and not grouped_gemm_available(device, PRECISION_DTYPES[t.precision])
     ):
         raise ConfigError(
             f"{flag.moe_grouped_gemm}: this device ({device}) has no grouped matmul for {t.precision}; "
@@ -112,7 +110,7 @@ def _tensor_parallel(
         return token_losses, None
     rng = RNGStates(device)
     rng.add(TENSOR_PARALLEL, config.training.seed + TENSOR_PARALLEL_SEED_OFFSET + tp.rank)
-    groups = config.model.query_groups
+    groups = config.model.num_query_groups
     kv_replicas = topology.create_subgroups(Axis.TP, tp.size // groups, "tp-kv-replicas") if groups < tp.size else None
     apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
     vocab_start = shard_of(model.output.weight).start
@@ -165,10 +163,10 @@ def _data_parallel(
         bucket_size=p.gradient_bucket_size(dp),
         overlap_grad_reduce=p.overlap_grad_reduce,
         sync_every_micro_batch=p.ddp_sync_every_micro_batch,
-        zero_stage=p.sharding_stage,
+        zero_stage=p.zero_stage,
         overlap_param_gather=p.overlap_param_gather,
     )
-    compute_dtype = DTYPES[config.training.precision]
+    compute_dtype = PRECISION_DTYPES[config.training.precision]
     units = None
     if _fully_sharded(config, topology):
         units = shard_fully(model, topology.group(Axis.DP), device, root, compute_dtype)
@@ -200,7 +198,7 @@ def _pipeline_runtime(
     divisor = topology.size(Axis.TP) if config.parallel.sequence_parallel else 1
     comm = StageComm(
         groups,
-        DTYPES[config.training.precision],
+        PRECISION_DTYPES[config.training.precision],
         device,
         config.model.hidden_size,
         divisor,
@@ -237,7 +235,7 @@ def _vocab_parallel_token_losses(
 
 def _fully_sharded(config: Config, topology: Topology) -> bool:
     """ZeRO-3 in effect: FSDP2 over more than one data-parallel rank."""
-    return config.parallel.sharding_stage == 3 and topology.group(Axis.DP_CP).size > 1
+    return config.parallel.zero_stage == 3 and topology.group(Axis.DP_CP).size > 1
 
 
 def materialize_shards(model: nn.Module, device: torch.device | str, seed: int) -> None:

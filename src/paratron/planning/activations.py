@@ -85,7 +85,7 @@ class _Shape:
 
     @property
     def head_dim(self) -> int:
-        return self.model.kv_channels or self.h // self.model.num_attention_heads
+        return self.model.kv_channels
 
     @property
     def heads(self) -> int:
@@ -93,7 +93,7 @@ class _Shape:
 
     @property
     def groups(self) -> int:
-        groups = self.model.query_groups
+        groups = self.model.num_query_groups
         return max(groups // self.tp, 1)
 
     @property
@@ -136,7 +136,7 @@ def _mlp(shape: _Shape, moe: bool = False) -> float:
     kept = 4 if m.activation == "swiglu" else 2
     dropout = shape.mask * shape.h * shape.sharded_tokens if m.hidden_dropout > 0 else 0.0
     if not moe:
-        f = m.ffn_size // shape.tp
+        f = m.ffn_hidden_size // shape.tp
         return kept * shape.w * f * shape.tokens + dropout
     return _experts(shape) + dropout
 
@@ -149,7 +149,7 @@ def _experts(shape: _Shape) -> float:
     average, so a rank's figure moves with the routing's balance)."""
     m, w, h = shape.model, shape.w, shape.h
     etp = shape.expert_tp
-    f = (m.moe_ffn_hidden_size or m.ffn_size) // etp
+    f = (m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp
     experts = m.num_experts or 0
     router = (4 if w == 4 else 6) * experts + (0 if w == 4 else w * h)
     per_copy = w * h + 4 * h + 32 + 5 * w * f
@@ -210,7 +210,7 @@ def _input_bytes(shape: _Shape) -> float:
 
 def chunk_bytes(config: Config, layout: Layout, shape: _Shape, stage: int) -> float:
     """One micro-batch's saved activations on model stage `stage` (all of the model without PP)."""
-    t, moe = config.training, config.model.moe_layers()
+    t, moe = config.training, config.model.moe_layer_pattern
     indices = layout.pipeline.ranges[stage]
     layers = len(indices)
     full = [layer_bytes(shape, t.recompute_granularity == "selective", moe[i]) for i in indices]
@@ -282,11 +282,11 @@ def buffer_bytes(
         total += hidden
     if layout.cp > 1 and p.cp_comm_type == "p2p":
         total += 2 * 2 * w * shape.groups * shape.head_dim * shape.tokens
-    zero = p.sharding_stage
+    zero = p.zero_stage
     if zero == 2 and layout.dp * layout.cp > 1:
         total += 4 * min(2 * p.gradient_bucket_size(layout.dp), stage_elements)
     if zero == 3 and layout.dp > 1:
         total += (2 * w + 4) * layer_elements
     if t.recompute_granularity == "full":
-        total += (t.recompute_num_layers or 1) * layer_bytes(shape, False, any(config.model.moe_layers()))
+        total += (t.recompute_num_layers or 1) * layer_bytes(shape, False, any(config.model.moe_layer_pattern))
     return round(total)

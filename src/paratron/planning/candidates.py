@@ -50,9 +50,9 @@ def shapes(config: Config, world: int, gpus_per_node: int) -> Iterator[Shape]:
     heads, key/value groups and MLP width split by TP, CP only for dense models and sequences
     that keep MIN_CONTEXT_TOKENS per rank, EP carved from DP; then each pipeline arrangement."""
     m = config.model
-    heads, groups = m.num_attention_heads, m.query_groups
+    heads, groups = m.num_attention_heads, m.num_query_groups
     for tp in divisors(min(gpus_per_node, world)):
-        ffn = m.ffn_size
+        ffn = m.ffn_hidden_size
         if gpus_per_node % tp or heads % tp or (groups % tp and tp % groups) or ffn % tp:
             continue
         for cp in _context_sizes(config, world // tp):
@@ -95,7 +95,7 @@ def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
 def output_ratio(config: Config, tp: int, cp: int) -> float:
     """The output layer's work in layers' worth (it sits on the last stage)."""
     dense, moe = layer_work(config, tp, cp, 1)
-    share = sum(config.model.moe_layers()) / config.model.num_layers
+    share = sum(config.model.moe_layer_pattern) / config.model.num_layers
     layer = (1 - share) * (dense.linear + dense.scores) + share * (moe.linear + moe.scores)
     vocab = config.model.vocab_size or 0
     return 2 * config.data.seq_length / cp * config.model.hidden_size * vocab / tp / layer

@@ -170,7 +170,7 @@ def data_parallel_tail(
     the exposed parameter all-gather of ZeRO-1/2 (behind the next forward with
     --overlap-param-gather)."""
     p, (dense, expert) = config.parallel, params
-    stage, ep = p.sharding_stage, p.expert_model_parallel_size
+    stage, ep = p.zero_stage, p.expert_model_parallel_size
     groups = [
         (dense, layout.dp * layout.cp, link(hardware, layout.tp, layout.dp * layout.cp)),
         (expert, layout.dp // ep, link(hardware, layout.tp * layout.cp * ep, layout.dp // ep)),
@@ -210,8 +210,8 @@ def _optimizer_time(
         read_write = 3.5 * state.master + 2 * state.optimizer_state if state.master else 3 * state.parameters
         return (read_write + (2 * state.optimizer_state if not state.master else 0)) / (hardware.memory_gbps * 1e9)
     p = config.parallel
-    shard = layout.dp * layout.cp if p.sharding_stage >= 1 else 1
-    expert_shard = max(1, layout.dp // p.expert_model_parallel_size) if p.sharding_stage >= 1 else 1
+    shard = layout.dp * layout.cp if p.zero_stage >= 1 else 1
+    expert_shard = max(1, layout.dp // p.expert_model_parallel_size) if p.zero_stage >= 1 else 1
     elements = params[0] / shard + params[1] / expert_shard
     return elements * OPTIMIZER_BYTES_PER_PARAMETER / (hardware.memory_gbps * 1e9)
 

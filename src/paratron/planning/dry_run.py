@@ -160,7 +160,7 @@ def run_dry_run(config: Config) -> int:
     n_params = count_parameters(config.model)
     print(
         f"dry run: {Topology(dims).describe()}; {n_params / 1e9:,.2f}B parameters, {config.training.precision}, "
-        f"ZeRO stage {config.parallel.sharding_stage}, {layout.num_micro_batches} micro-batch(es) of "
+        f"ZeRO stage {config.parallel.zero_stage}, {layout.num_micro_batches} micro-batch(es) of "
         f"{config.training.micro_batch_size} x {config.data.seq_length} tokens per rank, {kernels.name} kernels"
     )
     print("memory per rank (GB = 10^9 bytes), one line per pipeline stage (its ranks hold tensors of the same shapes):")

@@ -98,7 +98,7 @@ class LocalParameters:
 
 def _counting_model(model: ModelConfig) -> ModelConfig:
     """The model with one layer of each kind it has."""
-    kinds = sorted(set(model.moe_layers()))
+    kinds = sorted(set(model.moe_layer_pattern))
     if len(kinds) == 2:
         return replace(model, num_layers=2, moe_layer_freq="[0,1]")
     return replace(model, num_layers=1, moe_layer_freq="1")
@@ -130,7 +130,7 @@ def local_parameters(model: ModelConfig, tp: int, ep: int, etp: int | None) -> L
                 else (Parts(experts=param.numel()) if is_expert(param) else Parts(dense=param.numel()))
             )
             parts[key] = parts.get(key, Parts()) + one
-    moe = counting.model.moe_layers()
+    moe = counting.model.moe_layer_pattern
     layers = {is_moe: parts[f"layers.{i}"] for i, is_moe in enumerate(moe)}
     tied = not model.untie_embeddings_and_output_weights
     embedding = parts["embedding"] + parts.get("position_embedding", Parts())
@@ -146,7 +146,7 @@ def local_parameters(model: ModelConfig, tp: int, ep: int, etp: int | None) -> L
 
 def _stage_parts(config: Config, layout: Layout, local: LocalParameters, pp_rank: int) -> tuple[Parts, int]:
     """Elements pipeline rank `pp_rank` holds, and its largest layer's."""
-    plan, moe = layout.pipeline, config.model.moe_layers()
+    plan, moe = layout.pipeline, config.model.moe_layer_pattern
     if layout.pp == 1:
         stages = [0]
     else:
@@ -170,7 +170,7 @@ def _state(config: Config, parts: Parts, dp: int, edp: int) -> dict[str, int]:
     """ZeRO's arithmetic (module docstring) over the dense gradients' group (`dp` ranks, with
     context parallelism x CP) and the experts' (`edp`)."""
     p, w = config.parallel, WIDTHS[config.training.precision]
-    zero, fp32 = p.sharding_stage, config.training.precision == "fp32"
+    zero, fp32 = p.zero_stage, config.training.precision == "fp32"
     moments = 2 if config.optimizer.optimizer == "adam" else (1 if config.optimizer.sgd_momentum else 0)
     report = dict.fromkeys(("parameters", "gradients", "master", "optimizer_state"), 0.0)
     for elements, size in ((parts.dense, dp), (parts.experts, edp)):

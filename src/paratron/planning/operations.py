@@ -82,16 +82,16 @@ def layer_work(config: Config, tp: int, cp: int, micro_batch: int) -> tuple[Laye
     """(dense layer, MoE layer) forward work on one rank: tokens b x s / CP, matrices / TP."""
     m, seq = config.model, config.data.seq_length
     h, heads = m.hidden_size, m.num_attention_heads
-    head_dim = m.kv_channels or h // heads
-    kv_per_rank = max(m.query_groups / tp, 1)  # replicated when fewer than TP ranks
+    head_dim = m.kv_channels
+    kv_per_rank = max(m.num_query_groups / tp, 1)  # replicated when fewer than TP ranks
     tokens = micro_batch * seq / cp
     projections = 3 if m.activation == "swiglu" else 2
     attention = 2 * tokens * h * head_dim * (2 * heads / tp + 2 * kv_per_rank)
     scores = 4 * tokens * computed_keys(m, seq) * heads * head_dim / tp
-    dense = 2 * tokens * projections * h * m.ffn_size / tp
+    dense = 2 * tokens * projections * h * m.ffn_hidden_size / tp
     moe = dense
     if m.num_experts:
-        ffn = m.moe_ffn_hidden_size or m.ffn_size
+        ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
         expert_tp = config.parallel.expert_tensor_parallel_size or tp
         routed = 2 * tokens * projections * h * ffn * m.moe_router_topk / expert_tp
         shared = 2 * tokens * projections * h * (m.moe_shared_expert_intermediate_size or 0) / tp
@@ -101,7 +101,7 @@ def layer_work(config: Config, tp: int, cp: int, micro_batch: int) -> tuple[Laye
 
 def stage_layer_kinds(config: Config, layout: Layout) -> list[tuple[int, int]]:
     """Per model stage, its (dense, MoE) layer counts."""
-    moe_of = config.model.moe_layers()
+    moe_of = config.model.moe_layer_pattern
     out, start = [], 0
     for count in layout.pipeline.counts:
         moe = sum(moe_of[start : start + count])
@@ -124,7 +124,7 @@ def _stage_parameters(
     model: ModelConfig, sizes: tuple[int, int, int | None], counts: tuple[int, ...], pp: int
 ) -> list[tuple[int, int]]:
     local = local_parameters(model, *sizes)
-    moe_of, start, out = model.moe_layers(), 0, []
+    moe_of, start, out = model.moe_layer_pattern, 0, []
     for stage, count in enumerate(counts):
         moe = sum(moe_of[start : start + count])
         start += count
@@ -175,7 +175,7 @@ def stage_operations(
             if s in ends:
                 _add(op, part, *ends[s])
             _add(op, part, {"F": message * before, "B": message * after}, {"pipeline_p2p": message * (before + after)})
-            if config.parallel.sharding_stage >= 2:
+            if config.parallel.zero_stage >= 2:
                 extra = comm.sharded(sum(params[s]), dense_count + moe_count, op)
                 _add(op, part, extra, {"data_parallel": sum(extra.values())})
             if not comm.split:  # without zero-bubble W, weight gradients are part of the backward
@@ -251,8 +251,7 @@ class _Comm:
             tp_fwd, tp_bwd = 4 * gather, 6 * gather
         else:  # two all-reduces each way
             tp_fwd = tp_bwd = 2 * all_reduce_time(self.activation, self.tp, tp_link)
-        heads = m.num_attention_heads
-        kv = 2 * self.tokens * max(m.query_groups / self.tp, 1) * (m.kv_channels or m.hidden_size // heads)
+        kv = 2 * self.tokens * max(m.num_query_groups / self.tp, 1) * m.kv_channels
         ring = (
             (self.cp - 1) * p2p_time(kv * self.act_bytes, link(self.hardware, self.tp, self.cp)) if self.cp > 1 else 0
         )
@@ -306,7 +305,7 @@ class _Comm:
         """ZeRO-2: every micro-batch's gradients reduce-scattered behind its backward (all but the
         last bucket). ZeRO-3: each layer's 16-bit weights all-gathered before its forward and its
         backward, prefetched behind the previous layer's compute (the first gather waits)."""
-        stage, over = self.config.parallel.sharding_stage, link(self.hardware, self.tp * self.cp, self.dp * self.cp)
+        stage, over = self.config.parallel.zero_stage, link(self.hardware, self.tp * self.cp, self.dp * self.cp)
         hides = self.hardware.overlaps_communication
         if stage == 2 and params:
             bucket = self.config.parallel.gradient_bucket_size(self.dp)

@@ -109,7 +109,7 @@ _LLAMA = dict(
     decoder_last_pipeline_num_layers=7,
     pipeline_schedule="1f1b",
     micro_batch_size=1,
-    use_distributed_optimizer=True,
+    zero_stage=1,
     overlap_grad_reduce=True,
     overlap_param_gather=True,
 )
@@ -165,7 +165,7 @@ def run_config(run: Run, extra: dict[str, Any] | None = None) -> Config:
 def causal_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     """Model FLOPs counting the attention scores a causal mask computes (half the square)."""
     heads = model.num_attention_heads
-    d_attn = heads * (model.kv_channels or model.hidden_size // heads)
+    d_attn = heads * model.kv_channels
     return 6.0 * matmul_parameters(model) + 6.0 * model.num_layers * seq_length * d_attn
 
 
@@ -263,4 +263,4 @@ def _describe(config: Config, layout: Layout, run: Run | None) -> str:
         pipe += f" ({p.decoder_first_pipeline_num_layers}/{p.decoder_last_pipeline_num_layers} on the ends)"
     if run is not None and run.ran_chunks:
         pipe = f"PP{layout.pp} v{run.ran_chunks} (embedding and loss as stages)"
-    return f"TP{layout.tp} CP{layout.cp} {pipe} DP{layout.dp} mbs{layout.micro_batch_size} ZeRO-{p.sharding_stage}"
+    return f"TP{layout.tp} CP{layout.cp} {pipe} DP{layout.dp} mbs{layout.micro_batch_size} ZeRO-{p.zero_stage}"

@@ -29,7 +29,7 @@ from typing import Any
 
 from paratron.config.fields import all_fields, flag
 from paratron.config.layout import Layout
-from paratron.config.loading import build_config, override
+from paratron.config.loading import build_config, config_to_dict, override
 from paratron.config.schema import LAUNCH_FIELDS, Config
 from paratron.config.validation import validate
 from paratron.errors import ConfigError
@@ -66,7 +66,6 @@ LAYOUT_FIELDS = (
     "recompute_method",
     "recompute_num_layers",
     "zero_stage",
-    "use_distributed_optimizer",
     "overlap_grad_reduce",
     "overlap_param_gather",
 )
@@ -179,7 +178,7 @@ def config_arguments(config: Config) -> list[str]:
             args.append(info.flag if value else "--no-" + info.flag[2:])
         elif value is None:
             raise ConfigError(f"{info.flag}: a plan cannot unset it on the command line; drop it from the recipe")
-        elif info.base_type is list:
+        elif info.base_type in (list, tuple):
             args += [info.flag, *map(str, value)]
         else:
             args += [info.flag, str(value)]
@@ -187,12 +186,8 @@ def config_arguments(config: Config) -> list[str]:
 
 
 def _flat(config: Config) -> dict[str, Any]:
-    """Every setting of `config` by its field name."""
-    return {
-        f.name: getattr(section, f.name)
-        for section in (getattr(config, s.name) for s in dataclasses.fields(config))
-        for f in dataclasses.fields(section)
-    }
+    """Every setting of `config` by its field name, as saved (derived ones None, tuples as lists)."""
+    return {name: value for section in config_to_dict(config).values() for name, value in section.items()}
 
 
 @functools.lru_cache(maxsize=8)
@@ -455,7 +450,6 @@ class _Search:
             "recompute_num_layers": None,
             **RECOMPUTE[recompute],
             "zero_stage": zero,
-            "use_distributed_optimizer": False,
             "overlap_grad_reduce": dp_cp > 1,
             "overlap_param_gather": zero in (1, 2) and dp_cp > 1,
         }

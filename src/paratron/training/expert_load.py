@@ -44,7 +44,7 @@ def take_expert_stats(model: ParallelModel) -> ExpertStats | None:
     if not layers and not model.module.config.num_experts:
         return None
     config = model.module.config
-    count = sum(config.moe_layers())
+    count = sum(config.moe_layer_pattern)
     device = next(model.module.parameters()).device
     tokens = torch.zeros(count, config.num_experts, device=device)
     losses = torch.zeros(2, count, device=device)

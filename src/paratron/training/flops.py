@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import ModelConfig
 from paratron.distributed.init import accelerator_peak_flops, synchronize
 
@@ -27,17 +28,17 @@ def matmul_parameters(config: ModelConfig) -> int:
     routed experts and the shared expert of each MoE layer (active parameters only)."""
     h = config.hidden_size
     heads = config.num_attention_heads
-    groups = config.query_groups
-    head_dim = config.kv_channels or h // heads
+    groups = config.num_query_groups
+    head_dim = config.kv_channels
     projections = 3 if config.activation == "swiglu" else 2
     attention = h * heads * head_dim * 2 + h * groups * head_dim * 2
-    dense = projections * h * config.ffn_size
+    dense = projections * h * config.ffn_hidden_size
     moe = 0
     if config.num_experts:
-        expert = projections * h * (config.moe_ffn_hidden_size or config.ffn_size)
+        expert = projections * h * (config.moe_ffn_hidden_size or config.ffn_hidden_size)
         shared = projections * h * (config.moe_shared_expert_intermediate_size or 0)
         moe = config.num_experts * h + config.moe_router_topk * expert + shared + h * config.moe_shared_expert_gate
-    layers = config.moe_layers()
+    layers = config.moe_layer_pattern
     mlps = sum(moe if is_moe else dense for is_moe in layers)
     return config.num_layers * attention + mlps + h * (config.vocab_size or 0)
 
@@ -54,12 +55,9 @@ def attended_keys(config: ModelConfig, seq_length: int) -> int:
 
 def training_flops_per_token(config: ModelConfig, seq_length: int) -> float:
     heads = config.num_attention_heads
-    d_attn = heads * (config.kv_channels or config.hidden_size // heads)
+    d_attn = heads * config.kv_channels
     keys = attended_keys(config, seq_length)
     return 6.0 * matmul_parameters(config) + 12.0 * config.num_layers * keys * d_attn
-
-
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def probe_peak_flops(

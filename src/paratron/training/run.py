@@ -230,8 +230,8 @@ def _describe(
     if m.lora_rank is not None:
         trained = sum(q.numel() for q in trainer.model.trained_parameters)
         say(
-            f"LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g} on {m.lora_targets}: {trained:,} adapter parameters "
-            "train on this rank; every other weight is frozen"
+            f"LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g} on {','.join(m.lora_targets)}: "
+            f"{trained:,} adapter parameters train on this rank; every other weight is frozen"
         )
     if resume is not None:
         how = (

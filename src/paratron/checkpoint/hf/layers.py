@@ -62,9 +62,9 @@ def rotary_config(m: ModelConfig, family: Family) -> HFConfig:
         "num_hidden_layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.query_groups,
-        "head_dim": m.kv_channels or m.hidden_size // m.num_attention_heads,
-        "intermediate_size": m.ffn_size,
+        "num_key_value_heads": m.num_query_groups,
+        "head_dim": m.kv_channels,
+        "intermediate_size": m.ffn_hidden_size,
         "max_position_embeddings": m.max_position_embeddings,
         "rms_norm_eps": m.norm_epsilon,
         "rope_theta": m.rotary_base,
@@ -114,7 +114,7 @@ def gpt2_config(m: ModelConfig, family: Family) -> HFConfig:
         "n_layer": m.num_layers,
         "n_embd": m.hidden_size,
         "n_head": m.num_attention_heads,
-        "n_inner": m.ffn_size,
+        "n_inner": m.ffn_hidden_size,
         "n_positions": m.max_position_embeddings,
         "layer_norm_epsilon": m.norm_epsilon,
         "activation_function": "gelu_new" if m.openai_gelu else "gelu",
@@ -234,12 +234,12 @@ def qwen_experts(hf: HFConfig, family: Family) -> Settings:
 
 
 def qwen_expert_config(m: ModelConfig, family: Family) -> HFConfig:
-    layers = m.moe_layers()
+    layers = m.moe_layer_pattern
     config = dict(
         **{family.experts_field: m.num_experts},
         num_experts_per_tok=m.moe_router_topk,
         norm_topk_prob=not m.moe_router_pre_softmax,
-        moe_intermediate_size=m.moe_ffn_hidden_size or m.ffn_size,
+        moe_intermediate_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
         decoder_sparse_step=1,
         mlp_only_layers=[i for i, moe in enumerate(layers) if not moe],
         router_aux_loss_coef=m.moe_aux_loss_coeff,

@@ -125,7 +125,7 @@ def _moe_type_of(m: ModelConfig) -> str:
     softmax = m.moe_router_score_function == "softmax"
     shared = m.moe_shared_expert_intermediate_size
     mixtral = not (m.add_qkv_bias or m.qk_layernorm or shared or m.moe_router_pre_softmax)
-    if mixtral and all(m.moe_layers()) and softmax:
+    if mixtral and all(m.moe_layer_pattern) and softmax:
         return "mixtral"
     shared_ok = bool(shared) == m.moe_shared_expert_gate
     if m.add_qkv_bias and not m.qk_layernorm and shared_ok and softmax:

@@ -33,8 +33,8 @@ class Shapes:
     @classmethod
     def of(cls, m: ModelConfig) -> Shapes:
         heads = m.num_attention_heads
-        groups = m.query_groups
-        return cls(heads, groups, m.kv_channels or m.hidden_size // heads, m.activation == "swiglu")
+        groups = m.num_query_groups
+        return cls(heads, groups, m.kv_channels, m.activation == "swiglu")
 
 
 def split_qkv(fused: torch.Tensor, s: Shapes) -> dict[str, torch.Tensor]:

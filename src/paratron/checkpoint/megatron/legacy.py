@@ -197,7 +197,7 @@ def _refuse_unwritable(model: Converted, tp: int, pp: int) -> None:
     if m.num_experts or m.lora_rank is not None or m.attention_type != "causal":
         raise CheckpointError(f"{model.path}: MoE, LoRA and non-causal attention models are not written to Megatron-LM")
     s = Shapes.of(m)
-    if s.groups % tp or m.num_attention_heads % tp or m.ffn_size % tp:
+    if s.groups % tp or m.num_attention_heads % tp or m.ffn_hidden_size % tp:
         raise CheckpointError(
             f"--target-tensor-parallel-size {tp} must divide the query groups ({s.groups}), heads and FFN width"
         )

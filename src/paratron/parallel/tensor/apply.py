@@ -51,8 +51,8 @@ def apply_tensor_parallel(
 ) -> GPT:
     """Replace `model`'s layers in place by their tensor-parallel twins; returns the model."""
     config = model.config
-    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
-    groups = config.query_groups
+    head_dim = config.kv_channels
+    groups = config.num_query_groups
 
     def forked(module: nn.Module) -> nn.Module:
         return Forked(module, rng, TENSOR_PARALLEL) if rng is not None else module
