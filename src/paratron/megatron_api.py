@@ -49,6 +49,7 @@ def initialize_megatron(
     precision = config.training.precision
     namespace.fp16, namespace.bf16 = precision == "fp16", precision == "bf16"
     namespace.params_dtype = PRECISION_DTYPES[precision]
+    namespace.use_distributed_optimizer = p.zero_stage >= 1  # Megatron's name for ZeRO-1 and above
     namespace.world_size = world
     namespace.data_parallel_size = layout.dp
     namespace.config, namespace.topology = config, topology

@@ -422,6 +422,7 @@ def test_megatron_dict_form_and_get_args():
     assert args.num_layers == 3 and args.fp16 and not args.bf16
     assert args.data_parallel_size == 1 and args.tensor_model_parallel_size == 1
     assert args.config.training.precision == "fp16"
+    assert args.use_distributed_optimizer is False and args.zero_stage == 0
     with pytest.raises(ConfigError, match="--fp8-format: Megatron-LM's flag is not supported: paratron has no fp8"):
         from_megatron_dict({"fp8_format": "hybrid"})
     assert from_megatron_dict({"transformer_impl": "local", "data_parallel_sharding_strategy": "optim"}) == {
