@@ -248,7 +248,7 @@ def honour_umask(*paths: Path) -> None:
 
 def save_tensors(tensors: Mapping[str, Any], path: Path, metadata: dict[str, str] | None = None) -> None:
     """A safetensors file with the mode the umask gives (safetensors itself makes it 0600)."""
-    from safetensors.torch import save_file  # (start-up speed: the data pipeline's workers need no torch)
+    from safetensors.torch import save_file  # (start-up speed: workers need no torch; docs/architecture.md)
 
     save_file(dict(tensors), str(path), metadata=metadata)
     honour_umask(Path(path))
@@ -257,7 +257,7 @@ def save_tensors(tensors: Mapping[str, Any], path: Path, metadata: dict[str, str
 def save_object(value: Any, path: Path) -> None:
     """`torch.save` through a Python file, so that a full disk surfaces as its `OSError` (torch's
     own writer reports only a position mismatch)."""
-    import torch  # (start-up speed: the data pipeline's workers need no torch)
+    import torch  # (start-up speed: workers need no torch; docs/architecture.md)
 
     with open(path, "wb") as file:
         torch.save(value, file)
