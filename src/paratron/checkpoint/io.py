@@ -551,11 +551,6 @@ def holds_checkpoint(path: Path) -> bool:
     return any(mark.exists() for mark in marks) or any(path.glob("iter_*"))
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A save directory (follow its tracker) or one iteration folder -> the iteration folder."""
-    return _candidates(path)[0]
-
-
 def _candidates(path: Path) -> list[Path]:
     """Iteration folders to try, best first: the folder itself; or the tracker's, then the other
     complete ones of a save directory, newest first."""

@@ -138,11 +138,6 @@ def is_adapter(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ADAPTER_PARTS
 
 
-def adapter_names(names: Iterable[str]) -> list[str]:
-    """The adapter matrices among parameter `names`, in order."""
-    return [name for name in names if is_adapter(name)]
-
-
 def adapted_layers(names: Iterable[str]) -> list[str]:
     """The layers (name prefixes such as `layers.0.attention.in_proj.q`) that carry an adapter."""
     return [name.removesuffix(".lora_a") for name in names if name.endswith(".lora_a")]
