@@ -18,6 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+try:
+    import tomllib
+except ImportError:  # (Python 3.10)
+    tomllib = None
+
 from paratron.errors import PeerFailure, UserError
 
 if TYPE_CHECKING:  # (the schema itself is imported when a command runs, for start-up speed)
@@ -48,18 +53,16 @@ def _usage() -> str:
 
 def version() -> str:
     """The installed package's version, else (run from a source tree) its pyproject.toml's."""
-    import importlib.metadata  # (start-up speed: only for --version)
+    import importlib.metadata  # (start-up speed, docs/architecture.md: only for --version)
 
     try:
         return importlib.metadata.version("paratron")
     except importlib.metadata.PackageNotFoundError:
         pass
     try:
-        import tomllib  # (start-up speed, as above; Python 3.11 and later)
-
         project = Path(__file__).resolve().parents[2] / "pyproject.toml"
         return str(tomllib.loads(project.read_text(encoding="utf-8"))["project"]["version"])
-    except (ImportError, OSError, KeyError, ValueError):
+    except (AttributeError, OSError, KeyError, ValueError):  # (AttributeError: Python 3.10 has no tomllib)
         return "unknown (not installed, and no pyproject.toml beside the source)"
 
 
@@ -126,7 +129,7 @@ def train_settings(argv: list[str]) -> Resolution:
     resolution = resolve_settings(overrides, recipe)
     if "RANK" not in os.environ and resolution.config.parallel.nnodes > 1:
         quiet_launcher_logs()  # (before torch is imported, below)
-    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed: after the line above, brings torch)
+    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
 
     resolution = with_checkpoint(resolution, overrides, recipe, checkpoint_wins="use_checkpoint_args" in given)
     if resolution.saved is not None:  # (its architecture came from the checkpoint, whatever the flags said)
@@ -254,7 +257,7 @@ def cmd_evaluate(argv: list[str]) -> int:
         raise ConfigError(f"paratron evaluate needs {flag.load} CKPT (the model to evaluate)")
     if not config.data.data_path:
         raise ConfigError(f"paratron evaluate needs {flag.data_path} FILE... (the data to evaluate on)")
-    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed: brings torch)
+    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
 
     resolution = with_checkpoint(resolution, overrides, recipe)  # (validated with the checkpoint's model)
     # (its weights, no schedule to fit)
@@ -646,7 +649,7 @@ def _peer_lost(exc: RuntimeError) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" in os.environ and argv is None:  # a worker process: it ends with its launcher
         parent = os.getppid()  # (read before the import below, which takes a while)
-        from paratron.distributed.launch import end_with_launcher  # (start-up speed: workers only)
+        from paratron.distributed.launch import end_with_launcher  # (start-up speed, docs/architecture.md: torch)
 
         end_with_launcher(parent)
     if "RANK" in os.environ and USER_CPP_LOG_LEVEL in os.environ:  # a worker of a quiet launcher
@@ -672,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         if not _peer_lost(exc):
             raise
-        from paratron.distributed.watchdog import hang_reported  # (lazily, for start-up speed)
+        from paratron.distributed.watchdog import hang_reported  # (start-up speed, docs/architecture.md: torch)
 
         if not hang_reported():  # (else the watchdog's line said it all)
             sign = next(sign for sign in PEER_LOST if sign in str(exc))

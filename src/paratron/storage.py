@@ -1,11 +1,13 @@
 """Writing files: a full disk ends in one line, half-written files are removed, modes follow the umask.
 
 Every writer (checkpoints, conversions, preprocessed data, plans, evaluation results) writes under a
-temporary name renamed into place. When the filesystem fills up (or a quota runs out) on the way,
-`writing` turns the error - an `OSError` with ENOSPC or EDQUOT, or the safetensors or torch error that
-wraps one - into a `UserError` of one line that says what was being written, where, how much it needed
-and how much was free, and removes the partial file or folder. `check_space` refuses before anything
-is written when an estimate of the bytes does not fit.
+temporary name renamed into place: a file through `replacing` (or `write_bytes_atomic` and
+`write_text_atomic`, which add the full-disk line), a folder through `new_folder`. When the
+filesystem fills up (or a quota runs out) on the way, `writing` turns the error - an `OSError` with
+ENOSPC or EDQUOT, or the safetensors or torch error that wraps one - into a `UserError` of one line
+that says what was being written, where, how much it needed and how much was free, and removes the
+partial file or folder. `check_space` refuses before anything is written when an estimate of the
+bytes does not fit.
 
 safetensors creates its files with mode 0600 whatever the umask, so teammates on a shared filesystem
 could not read a checkpoint; `save_tensors` and `honour_umask` give files the mode `open` and
@@ -17,7 +19,9 @@ from __future__ import annotations
 import errno
 import io
 import os
+import secrets
 import shutil
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -165,15 +169,35 @@ def new_folder(what: str, destination: Path, needed: int, fix: str = DEFAULT_FIX
         tmp.replace(destination)
 
 
+def temporary_beside(path: Path) -> Path:
+    """A hidden name in `path`'s folder to write it under before the rename (same folder, so the
+    rename is atomic), naming its writer's host and process plus a random part, so writers sharing
+    the folder (other machines, other threads) never write the same temporary file."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Write the file `path` whole or not at all: the block writes the temporary path yielded
+    (`temporary_beside`), which is renamed over `path` when the block ends, or removed when it
+    fails. The writer creates the file, so it has the mode the umask gives."""
+    tmp = temporary_beside(path)
+    try:
+        yield tmp
+        tmp.replace(path)
+    except BaseException:
+        remove_partial(tmp)
+        raise
+
+
 def write_bytes_atomic(path: Path, data: bytes, what: str | None = None, fix: str = DEFAULT_FIX) -> None:
-    """Write through a temporary file renamed into place: a stopped writer leaves no half-written
-    file, and a full disk says so in one line."""
+    """Write through a temporary file renamed into place (`replacing`): a stopped writer leaves no
+    half-written file, and a full disk says so in one line."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with writing(what or "a file", path, len(data), fix, partial=tmp):
+    with writing(what or "a file", path, len(data), fix), replacing(path) as tmp:
         tmp.write_bytes(data)
-        tmp.replace(path)
 
 
 def write_text_atomic(path: Path, text: str, what: str | None = None, fix: str = DEFAULT_FIX) -> None:
@@ -224,7 +248,7 @@ def honour_umask(*paths: Path) -> None:
 
 def save_tensors(tensors: Mapping[str, Any], path: Path, metadata: dict[str, str] | None = None) -> None:
     """A safetensors file with the mode the umask gives (safetensors itself makes it 0600)."""
-    from safetensors.torch import save_file  # (start-up speed: the data pipeline's workers need no torch)
+    from safetensors.torch import save_file  # (start-up speed: workers need no torch; docs/architecture.md)
 
     save_file(dict(tensors), str(path), metadata=metadata)
     honour_umask(Path(path))
@@ -233,7 +257,7 @@ def save_tensors(tensors: Mapping[str, Any], path: Path, metadata: dict[str, str
 def save_object(value: Any, path: Path) -> None:
     """`torch.save` through a Python file, so that a full disk surfaces as its `OSError` (torch's
     own writer reports only a position mismatch)."""
-    import torch  # (start-up speed: the data pipeline's workers need no torch)
+    import torch  # (start-up speed: workers need no torch; docs/architecture.md)
 
     with open(path, "wb") as file:
         torch.save(value, file)

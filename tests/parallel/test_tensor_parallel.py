@@ -73,19 +73,11 @@ def collectives_by_hand(world: int) -> None:
     assert torch.equal(x.grad, torch.ones(2, 3) * (r + 1))  # identity backward
 
     x = torch.arange(2 * 4 * world, dtype=torch.float32).reshape(2, 4 * world).requires_grad_()
-    y = comm.scatter_to_region(x, group)  # my 4 columns
+    y = comm.scatter_to_sequence(x, group, dim=-1)  # my 4 columns
     assert torch.equal(y, x[:, 4 * r : 4 * r + 4])
     y.backward(torch.full_like(y, float(r + 1)))
     expected = torch.cat([torch.full((2, 4), float(q + 1)) for q in range(world)], dim=1)
     assert torch.equal(x.grad, expected)  # backward gathers every rank's piece
-
-    x = torch.full((2, 2), float(r), requires_grad=True)
-    y = comm.gather_from_region(x, group)
-    assert torch.equal(y, torch.cat([torch.full((2, 2), float(q)) for q in range(world)], dim=1))
-    y.backward(torch.arange(2 * 2 * world, dtype=torch.float32).reshape(2, 2 * world))
-    assert torch.equal(
-        x.grad, torch.arange(2 * 2 * world, dtype=torch.float32).reshape(2, 2 * world)[:, 2 * r : 2 * r + 2]
-    )
 
     # sequence dimension (dim 1 of [batch, seq, hidden])
     x = torch.full((2, 3, 4), float(r + 1), requires_grad=True)

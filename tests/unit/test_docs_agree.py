@@ -69,3 +69,16 @@ def test_convert_help_names_every_hugging_face_family(capsys):
         main(["convert", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text for name in hf.FAMILY_NAMES.values()), text
+
+
+def test_the_architecture_page_names_every_module():
+    """Walks the package as it is, so a module added anywhere under src/paratron needs its line."""
+    page = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([\w./]+)`", page))
+    package = REPO / "src" / "paratron"
+    modules = [path for path in package.rglob("*.py") if path.name != "__init__.py"]
+    folders = [path for path in package.rglob("*") if path.is_dir() and (path / "__init__.py").is_file()]
+    wanted = [path.relative_to(package).as_posix() for path in modules]
+    wanted += [path.relative_to(package).as_posix() + "/" for path in folders if path != package]
+    missing = sorted(name for name in wanted if name not in named and "__pycache__" not in name)
+    assert not missing, f"docs/architecture.md's module map does not name {missing}"

@@ -70,9 +70,9 @@ def test_expert_parallel_is_carved_out_of_data_parallel():
 
 def test_embedding_group_is_first_and_last_stage():
     dims = ParallelDims(world_size=8, tp=2, pp=4)
-    assert dims.embedding_group_ranks() == [[0, 6], [1, 7]]
+    assert dims.group_ranks(Axis.EMBEDDING) == [[0, 6], [1, 7]]
     topo = Topology(dims, rank=7)
-    assert topo.ranks(Axis.EMBEDDING) == [1, 7] and topo.is_last_stage and not topo.is_first_stage
+    assert topo.ranks(Axis.EMBEDDING) == [1, 7] and topo.pp_rank == dims.pp - 1
     assert topo.ranks(Axis.TP) == [6, 7] and topo.local_rank(Axis.TP) == 1 and topo.size(Axis.DP) == 1
 
 

@@ -62,6 +62,7 @@ from paratron.storage import (
     Space,
     is_disk_full,
     no_space_message,
+    replacing,
     save_object,
     save_tensors,
     space_at,
@@ -389,13 +390,12 @@ class PendingSave:
         """This rank's files; a full disk (or another `OSError`) is kept in `error` for `publish`."""
         try:
             for name, (kind, content, metadata) in self.files.items():
-                partial = self.tmp / (name + ".partial")
-                if kind == "safetensors":
-                    save_tensors({n: t.contiguous() for n, t in content.items()}, partial, metadata)
-                else:
-                    save_object(content, partial)
-                self.checksums[name] = file_sha256(partial)
-                partial.replace(self.tmp / name)
+                with replacing(self.tmp / name) as partial:
+                    if kind == "safetensors":
+                        save_tensors({n: t.contiguous() for n, t in content.items()}, partial, metadata)
+                    else:
+                        save_object(content, partial)
+                    self.checksums[name] = file_sha256(partial)
         except Exception as error:
             if not (isinstance(error, OSError) or is_disk_full(error)):
                 raise
@@ -549,11 +549,6 @@ def holds_checkpoint(path: Path) -> bool:
         return False
     marks = (path / TRACKER, path / "meta.json", path / "release")
     return any(mark.exists() for mark in marks) or any(path.glob("iter_*"))
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A save directory (follow its tracker) or one iteration folder -> the iteration folder."""
-    return _candidates(path)[0]
 
 
 def _candidates(path: Path) -> list[Path]:

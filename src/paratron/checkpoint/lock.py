@@ -29,6 +29,7 @@ from pathlib import Path
 from paratron.config.fields import flag
 from paratron.config.schema import ParallelConfig
 from paratron.errors import CheckpointError
+from paratron.storage import replacing
 
 try:
     import fcntl
@@ -212,9 +213,8 @@ class SaveLock:
             scratch.unlink(missing_ok=True)
 
     def _write_over(self) -> None:
-        scratch = self.folder / f".{LOCK_NAME}.{self.me.host}.{self.me.pid}"
-        scratch.write_text(self._content(), encoding="utf-8")
-        scratch.replace(self.path)
+        with replacing(self.path) as scratch:
+            scratch.write_text(self._content(), encoding="utf-8")
 
     def _read(self) -> Holder:
         try:

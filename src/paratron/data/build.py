@@ -17,7 +17,6 @@ import hashlib
 import math
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from paratron.data.sft.sources import sft_sources, unique_task_names, whole_task
 from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, tokenizer_for, train_byte_level_bpe
 from paratron.distributed.init import raise_any_failure
 from paratron.errors import DataError
+from paratron.storage import temporary_beside
 
 DEFAULT_BPE_VOCAB = 8192
 MOCK_VOCAB = 4096
@@ -65,12 +65,13 @@ def build_once(path: Path, build: Callable[[Path], None], local_rank: int, log: 
 
     If the build fails, every rank learns it (instead of waiting for a timeout): the builder
     raises its error, the others raise PeerFailure. With a cache shared between machines the
-    local rank 0 of each builds, into a temporary name of its own; the first rename wins.
+    local rank 0 of each builds, into a temporary name of its own (`storage.temporary_beside`); the first
+    rename wins.
     """
     failure: BaseException | None = None
     if local_rank == 0 and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+        tmp = temporary_beside(path)
         start = time.perf_counter()
         try:
             build(tmp)

@@ -58,7 +58,7 @@ class SentencePieceTokenizer:
     """GPTSentencePieceTokenizer and Llama2Tokenizer: a SentencePiece .model file."""
 
     def __init__(self, path: str | Path | None, kind: str = "GPTSentencePieceTokenizer", legacy: bool = False) -> None:
-        import sentencepiece  # (lazy for start-up speed)
+        import sentencepiece  # (lazy for start-up speed: docs/architecture.md)
 
         file = _model_file(path, kind, "a SentencePiece .model file")
         try:
@@ -137,7 +137,7 @@ class TikTokenizer:
         special_tokens: Sequence[str] | None = None,
         legacy: bool = False,
     ) -> None:
-        import tiktoken  # (lazy for start-up speed)
+        import tiktoken  # (lazy for start-up speed: docs/architecture.md)
 
         file = _model_file(path, "TikTokenizer", "Megatron's tiktoken vocabulary .json")
         if pattern is None and legacy:

@@ -149,7 +149,6 @@ class GPTDataset:
             (tmp / "description.json").write_text(json.dumps(description, indent=2))
 
         build_once(folder, build)
-        self.cache_folder = folder
         self.document_index = np.load(folder / "document_index.npy", mmap_mode="r")
         self.sample_index = np.load(folder / "sample_index.npy", mmap_mode="r")
         self.shuffle_index = np.load(folder / "shuffle_index.npy", mmap_mode="r")

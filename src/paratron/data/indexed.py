@@ -19,7 +19,6 @@ here load with Megatron-LM's reader and the other way round (tests/unit/test_ind
 
 from __future__ import annotations
 
-import os
 import struct
 from array import array
 from collections.abc import Iterable, Iterator
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from paratron.errors import DataError, UserError
-from paratron.storage import space_at, writing
+from paratron.storage import replacing, space_at, temporary_beside, writing
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -76,8 +75,8 @@ class IndexedDatasetWriter:
         self.expected_bytes: int | None = None
         """The finished .bin and .idx, as the caller estimates them (a full disk's line shows it)."""
         self._space = space_at(Path(self.prefix).parent)
-        self._tmp = f".tmp-{os.getpid()}"
-        self._bin = open(f"{self.prefix}.bin{self._tmp}", "wb")
+        self._bin_tmp = temporary_beside(Path(f"{self.prefix}.bin"))
+        self._bin = open(self._bin_tmp, "wb")
         self.lengths = array("i")  # int32, like Megatron
 
     @contextmanager
@@ -123,20 +122,19 @@ class IndexedDatasetWriter:
         if len(lengths) > 1:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         documents = np.arange(len(lengths) + 1, dtype=np.int64)
-        idx_tmp = f"{self.prefix}.idx{self._tmp}"
-        with open(idx_tmp, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<Q", VERSION))
-            f.write(struct.pack("<B", CODES[self.dtype]))
-            f.write(struct.pack("<Q", len(lengths)))
-            f.write(struct.pack("<Q", len(documents)))
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.astype("<i8").tobytes())
-            f.write(documents.astype("<i8").tobytes())
-        # An old index never sits beside the new tokens: drop it before the new .bin lands.
-        Path(f"{self.prefix}.idx").unlink(missing_ok=True)
-        os.replace(f"{self.prefix}.bin{self._tmp}", f"{self.prefix}.bin")
-        os.replace(idx_tmp, f"{self.prefix}.idx")
+        with replacing(Path(f"{self.prefix}.idx")) as idx_tmp:
+            with open(idx_tmp, "wb") as f:
+                f.write(MAGIC)
+                f.write(struct.pack("<Q", VERSION))
+                f.write(struct.pack("<B", CODES[self.dtype]))
+                f.write(struct.pack("<Q", len(lengths)))
+                f.write(struct.pack("<Q", len(documents)))
+                f.write(lengths.astype("<i4").tobytes())
+                f.write(pointers.astype("<i8").tobytes())
+                f.write(documents.astype("<i8").tobytes())
+            # An old index never sits beside the new tokens: drop it before the new .bin lands.
+            Path(f"{self.prefix}.idx").unlink(missing_ok=True)
+            self._bin_tmp.replace(f"{self.prefix}.bin")
 
     def abort(self) -> None:
         """Close and delete the temporary files (after an error or an interruption)."""
@@ -144,8 +142,7 @@ class IndexedDatasetWriter:
             self._bin.close()
         except OSError:  # (what was left in its buffer did not fit: it is closed all the same)
             pass
-        for path in (f"{self.prefix}.bin{self._tmp}", f"{self.prefix}.idx{self._tmp}"):
-            Path(path).unlink(missing_ok=True)
+        self._bin_tmp.unlink(missing_ok=True)  # (the index's is removed where it is written)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self

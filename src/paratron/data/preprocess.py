@@ -292,7 +292,7 @@ def preprocess(
     try:
         writers.extend(IndexedDatasetWriter(p, dtype) for p in prefixes)
         if progress:
-            from tqdm import tqdm  # (lazy for start-up speed of the tokenizing workers)
+            from tqdm import tqdm  # (lazy for start-up speed of the tokenizing workers, docs/architecture.md)
 
             bar = tqdm(
                 total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess", dynamic_ncols=True
@@ -336,7 +336,7 @@ def preprocess(
 
 def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM's tokenizer flags, with the meaning `paratron train` gives them (see DataConfig)."""
-    from paratron.config.fields import all_fields  # (lazy for start-up speed of the tokenizing workers)
+    from paratron.config.fields import all_fields  # (start-up speed of the tokenizing workers: docs/architecture.md)
 
     parser.add_argument(
         "--tokenizer-type",
@@ -394,7 +394,7 @@ def tokenizer_type_of(args: argparse.Namespace) -> str:
 
 def tokenizer_from_arguments(args: argparse.Namespace) -> AnyTokenizer:
     """The existing tokenizer `add_tokenizer_arguments`' flags name."""
-    from paratron.config.schema import DataConfig  # (lazy for start-up speed of the tokenizing workers)
+    from paratron.config.schema import DataConfig  # (start-up speed of the tokenizing workers: docs/architecture.md)
     from paratron.data.tokenizer import tokenizer_for
 
     data = DataConfig(

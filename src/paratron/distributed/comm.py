@@ -5,8 +5,6 @@ Each function is the identity when its group has one rank. Forward and backward 
 
     copy_to_region          forward: identity             backward: all-reduce
     reduce_from_region      forward: all-reduce           backward: identity
-    scatter_to_region       forward: keep my last-dim chunk  backward: all-gather last dim
-    gather_from_region      forward: all-gather last dim  backward: keep my chunk
     scatter_to_sequence     forward: keep my chunk of dim  backward: all-gather dim
     gather_from_sequence    forward: all-gather dim       backward: reduce-scatter dim
     reduce_scatter_to_sequence  forward: reduce-scatter dim  backward: all-gather dim
@@ -161,8 +159,7 @@ def _dual(forward_op: Callable, backward_op: Callable, name: str) -> type:
     return Dual
 
 
-_ScatterToRegion = _dual(split, all_gather, "_ScatterToRegion")
-_GatherFromRegion = _dual(all_gather, split, "_GatherFromRegion")
+_ScatterToSequence = _dual(split, all_gather, "_ScatterToSequence")
 _GatherFromSequence = _dual(all_gather, reduce_scatter, "_GatherFromSequence")
 _ReduceScatterToSequence = _dual(reduce_scatter, all_gather, "_ReduceScatterToSequence")
 
@@ -179,16 +176,8 @@ def reduce_from_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
     return x if _single(group) else _ReduceFromRegion.apply(x, group)
 
 
-def scatter_to_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
-    return x if _single(group) else _ScatterToRegion.apply(x, -1, group)
-
-
-def gather_from_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
-    return x if _single(group) else _GatherFromRegion.apply(x, -1, group)
-
-
 def scatter_to_sequence(x: torch.Tensor, group: RankGroup, dim: int = 1) -> torch.Tensor:
-    return x if _single(group) else _ScatterToRegion.apply(x, dim, group)
+    return x if _single(group) else _ScatterToSequence.apply(x, dim, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: RankGroup, dim: int = 1) -> torch.Tensor:

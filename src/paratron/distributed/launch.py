@@ -11,6 +11,7 @@ together); under Slurm the same comes from SLURM_* (`slurm_settings`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -24,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from torch.distributed import TCPStore
 
 from paratron.config.schema import ParallelConfig
 from paratron.errors import ConfigError
@@ -53,8 +56,6 @@ def end_with_launcher(parent: int) -> None:
     if LAUNCHER_PID_ENV not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     if sys.platform.startswith("linux"):
-        import ctypes  # (start-up speed: only workers need it)
-
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     expected = int(os.environ.pop(LAUNCHER_PID_ENV, parent))  # (popped: not this worker's children's launcher)
@@ -145,7 +146,7 @@ class _RestartNotice:
 
 def _launch_config(settings: ParallelConfig) -> LaunchConfig:
     """The elastic agent's settings for this node."""
-    from torch.distributed.launcher.api import LaunchConfig  # (lazily, for start-up speed, as below)
+    from torch.distributed.launcher.api import LaunchConfig  # (start-up speed: docs/architecture.md)
 
     common = {
         "min_nodes": settings.nnodes,
@@ -178,7 +179,7 @@ def _launch_config(settings: ParallelConfig) -> LaunchConfig:
 
 def run_under_torchrun(settings: ParallelConfig, argv: Sequence[str]) -> int:
     """Run `python -m paratron ARGV` on this node's processes; return the job's exit code."""
-    # (torch's launcher is imported lazily, for start-up speed: workers never need it)
+    # (torch's launcher is imported here, for start-up speed: workers never need it; docs/architecture.md)
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic import metrics
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -226,8 +227,6 @@ def agree_on_the_world(settings: ParallelConfig) -> Any:
     """Static rendezvous: before any process starts, every node publishes its --nnodes and --nproc
     in node 0's store and checks the others'; nodes that disagree (which torch would leave waiting
     for processes that never come) get one line naming each node's settings (ConfigError)."""
-    from torch.distributed import TCPStore  # (lazily, for start-up speed, as above)
-
     store = TCPStore(
         settings.master_addr,
         settings.master_port,

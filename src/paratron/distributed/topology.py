@@ -197,10 +197,6 @@ class ParallelDims:
         size = int(np.prod([shape[a] for a in varying]))
         return grid.transpose(fixed_axes + varying_axes).reshape(-1, size).tolist()
 
-    def embedding_group_ranks(self) -> list[list[int]]:
-        """First and last pipeline stage of every pipeline: they share tied embeddings."""
-        return self.group_ranks(Axis.EMBEDDING)
-
 
 def _checked(axis: Axis) -> Axis:
     if not isinstance(axis, Axis):
@@ -270,14 +266,6 @@ class Topology:
     @property
     def pp_rank(self) -> int:
         return self.coords["pp"]
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.dims.pp - 1
 
     def create_groups(self) -> None:
         """Create every process group of more than one rank. Collective: all ranks call it in the same order."""

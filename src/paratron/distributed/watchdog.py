@@ -109,12 +109,10 @@ class Watchdog:
         self.main = threading.main_thread()
         self.last = time.monotonic()
         self.step: int | None = None
-        self.armed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="paratron-watchdog", daemon=True)
 
     def __enter__(self) -> Watchdog:
-        self.armed = True
         self.last = time.monotonic()
         self._thread.start()
         return self

@@ -120,7 +120,7 @@ def write_json(
 
 def plot(plans: list[Plan], path: Path, top: int = 8) -> Path:
     """Stacked bars of the best plans' step time (by part) and fullest rank's memory (by category)."""
-    import matplotlib  # (lazy for start-up speed: only the plot needs it)
+    import matplotlib  # (lazy for start-up speed, docs/architecture.md: only the plot needs it)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

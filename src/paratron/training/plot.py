@@ -19,7 +19,7 @@ def _read(path: Path) -> list[dict]:
 
 def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
     """Write RUN_DIR/loss.png (train loss per logged step, validation loss per evaluation)."""
-    import matplotlib  # (lazy for start-up speed, as matplotlib is only needed at the end)
+    import matplotlib  # (lazy for start-up speed, docs/architecture.md: needed only at the end)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -46,7 +46,7 @@ def plot_loss_curve(run_dir: Path, title: str = "") -> Path:
 
 def plot_expert_load(history: list[tuple[int, np.ndarray]], run_dir: Path) -> Path:
     """Write expert_load.png and expert_load.json from (step, shares [layers, experts]) records."""
-    import matplotlib  # (lazy for start-up speed, as matplotlib is only needed at the end)
+    import matplotlib  # (lazy for start-up speed, docs/architecture.md: needed only at the end)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -27,6 +27,7 @@ from paratron.config.fields import flag
 from paratron.config.schema import LoggingConfig, TrainingConfig
 from paratron.distributed.init import synchronize
 from paratron.errors import ConfigError
+from paratron.storage import replacing
 
 TIMERS_BY_LEVEL = {
     1: (
@@ -144,9 +145,8 @@ class StepProfiler:
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        profiler.export_chrome_trace(str(tmp))
-        tmp.replace(self.path)
+        with replacing(self.path) as tmp:
+            profiler.export_chrome_trace(str(tmp))
         return self.path
 
 

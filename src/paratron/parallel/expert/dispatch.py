@@ -23,15 +23,13 @@ from paratron.parallel.expert.comm import all_to_all, exchange
 
 
 class Dispatcher:
-    """Runs the local experts of an expert-parallel group; counts the rows it sends to other ranks."""
+    """Runs the local experts of an expert-parallel group."""
 
     def __init__(self, group: RankGroup, num_experts: int) -> None:
         self.group = group
         self.num_experts = num_experts
         self.local_experts = num_experts // group.size
         self.first_expert = group.rank * self.local_experts
-        self.rows_sent = 0
-        """Token rows (of H values) sent to other ranks since creation, both ways (for benchmarks)."""
 
     def __call__(
         self,
@@ -62,7 +60,6 @@ class AllToAllDispatcher(Dispatcher):
         pad = pad_to * ep if pad_to is not None else None
         y = experts(x[order], received.sum(dim=0).tolist(), p[order], pad)
         back = all_to_all(y[torch.argsort(order)], input_splits, output_splits, group)
-        self.rows_sent += 2 * (sum(input_splits) - input_splits[group.rank])
         return sum_by_token(back, token, tokens)
 
 
@@ -89,7 +86,6 @@ class AllGatherDispatcher(Dispatcher):
         every_map = comm.all_gather(routing_map.to(torch.uint8), 0, group).bool()[:, mine]
         pad = pad_to * ep if pad_to is not None else None
         partial = run_experts(every_token, every_prob, every_map, experts, pad)
-        self.rows_sent += 2 * tokens.size(0) * (ep - 1)
         return comm.reduce_scatter_to_sequence(partial, group, dim=0)
 
 

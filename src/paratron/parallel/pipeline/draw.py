@@ -21,7 +21,7 @@ _LABEL_PX_PER_CHAR = 6.0  # a box narrower than its label's characters times thi
 def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
     """Chunk 0 in the full colour, later chunks mixed with more white, so chunks stay apart
     while the kind stays recognisable."""
-    from matplotlib.colors import to_rgb  # (lazy for start-up speed, as in draw_timeline)
+    from matplotlib.colors import to_rgb  # (lazy for start-up speed, docs/architecture.md)
 
     if chunks <= 1:
         return to_rgb(colour)
@@ -31,7 +31,7 @@ def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
 
 def draw_timeline(spans: list[list[Span]], path: Path, title: str, unit: str = "") -> Path:
     """Draw one row per rank (rank 0 on top) with a box per operation; write a PNG to `path`."""
-    # (matplotlib is imported lazily, for start-up speed: most runs never draw)
+    # (matplotlib is imported lazily, for start-up speed: most runs never draw; docs/architecture.md)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
