@@ -28,6 +28,7 @@ from paratron.config.megatron import (
     unknown_megatron_flag_message,
 )
 from paratron.errors import ConfigError
+from paratron.storage import write_text_atomic
 
 _IGNORED = "_accepted_for_compatibility"
 
@@ -301,9 +302,7 @@ def refresh_megatron_doc(path: str) -> None:
     if MEGATRON_DOC_MARK not in text:
         raise ConfigError(f"{path}: the line {MEGATRON_DOC_MARK!r} is missing; put it where the table goes")
     head = text[: text.index(MEGATRON_DOC_MARK) + len(MEGATRON_DOC_MARK)]
-    temporary = doc.with_name(doc.name + ".tmp")
-    temporary.write_text(head + "\n\n" + markdown_megatron(), encoding="utf-8")
-    temporary.replace(doc)
+    write_text_atomic(doc, head + "\n\n" + markdown_megatron())
 
 
 def markdown_megatron() -> str:

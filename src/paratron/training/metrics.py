@@ -24,6 +24,7 @@ from tqdm import tqdm
 from paratron.config.fields import flag
 from paratron.config.schema import LoggingConfig
 from paratron.errors import ConfigError
+from paratron.storage import write_text_atomic
 
 
 def format_step_line(record: dict[str, Any], total_iters: int) -> str:
@@ -97,7 +98,7 @@ def open_wandb(logging: LoggingConfig, run_dir: Path, settings: dict[str, Any]) 
     """Start the wandb run (offline unless WANDB_MODE says otherwise: a cluster node often has no
     network; `wandb sync` uploads later)."""
     require_wandb(logging)
-    import wandb  # (start-up speed, and an optional dependency: imported only when asked for)
+    import wandb  # (start-up speed, docs/architecture.md; an optional dependency, imported only when asked for)
 
     os.environ.setdefault("WANDB_MODE", "offline")
     folder = Path(logging.wandb_save_dir) if logging.wandb_save_dir else run_dir / "wandb"
@@ -120,9 +121,7 @@ def _open_log(path: Path, start_iter: int) -> TextIO:
             for line in path.read_text(encoding="utf-8").splitlines()
             if line.strip() and json.loads(line)["step"] <= start_iter
         ]
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        tmp.replace(path)
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
         return open(path, "a", encoding="utf-8")
     return open(path, "w", encoding="utf-8")
 
@@ -177,7 +176,7 @@ class MetricsWriter:
         self.train_file = _open_log(run_dir / "metrics.jsonl", start_iter)
         self.eval_file = _open_log(run_dir / "eval.jsonl", start_iter)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # (lazy for start-up speed: TensorBoard is heavy)
+            from torch.utils.tensorboard import SummaryWriter  # (start-up speed, docs/architecture.md)
 
             folder = tensorboard_folder(run_dir, self.logging)
             self.tb = SummaryWriter(str(folder), max_queue=self.logging.tensorboard_queue_size)

@@ -20,7 +20,7 @@ from paratron.errors import CheckpointError
 
 
 def dcp_reader(folder: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader  # start-up speed
+    from torch.distributed.checkpoint import FileSystemReader  # (start-up speed, docs/architecture.md)
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -34,7 +34,7 @@ def dcp_reader(folder: Path) -> Any:
                 ) from None
             except (EOFError, OSError, AttributeError, ValueError) as exc:
                 raise CheckpointError(f"{folder / '.metadata'}: unreadable ({exc})") from None
-            from torch.distributed.checkpoint.metadata import StorageMeta  # start-up speed
+            from torch.distributed.checkpoint.metadata import StorageMeta  # (start-up speed, docs/architecture.md)
 
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -50,8 +50,8 @@ _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
 def dist_tensors(ckpt: MegatronCheckpoint, prefix: str = "") -> dict[str, torch.Tensor]:
     """Whole tensors of a torch_dist checkpoint whose keys start with `prefix` (and, for the
     model, are not optimizer entries), read without a process group."""
-    import torch.distributed.checkpoint as dcp  # start-up speed
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # start-up speed
+    import torch.distributed.checkpoint as dcp  # (start-up speed, docs/architecture.md)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # (start-up speed, docs/architecture.md)
 
     reader = dcp_reader(ckpt.folder)
     metadata = reader.read_metadata()
