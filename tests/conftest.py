@@ -21,6 +21,7 @@ from pathlib import Path
 from types import CodeType, ModuleType
 
 import pytest
+import torch
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # tests/multiprocess.py and tests/tiny.py
@@ -34,6 +35,16 @@ SPAWN_MODULES = ("multiprocessing", "torch.multiprocessing", "concurrent.futures
 """Modules whose use in a test's code means processes (ranks, pools)."""
 RANK_RUNNERS = {"run_ranks"}
 """Helpers that run a function on gloo ranks (tests/multiprocess.py, paratron.distributed.local_ranks)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread in the test process, whatever paratron asks for (it gives a process the
+    machine's cores): the tests' models are so small that two threads mostly wait on each other,
+    and on busy cores a step took 25 times longer with two than with one (the same losses). Gloo
+    ranks and subprocesses are fresh interpreters: they keep paratron's own setting."""
+    set_num_threads = torch.set_num_threads
+    set_num_threads(1)
+    torch.set_num_threads = lambda threads: set_num_threads(1)
 
 
 @pytest.fixture(autouse=True, scope="session")
