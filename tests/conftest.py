@@ -83,6 +83,8 @@ def _code_spawns(code: CodeType, namespace: dict, seen: set) -> bool:
             return True  # from subprocess import run
         if _is_spawning_module(value) or (callable(value) and getattr(value, "__name__", "") in RANK_RUNNERS):
             return True
+        if isinstance(value, ModuleType) and any(hasattr(value, r) for r in names & RANK_RUNNERS):
+            return True  # local_ranks.run_ranks(...)
         if inspect.isclass(value) and value.__module__ in sys.modules and _under_tests(value.__init__):
             members = [m for m in vars(value).values() if inspect.isfunction(m)]
             if any(_code_spawns(m.__code__, m.__globals__, seen) for m in members):
@@ -137,7 +139,7 @@ class _Guard:
     def watching(self) -> Iterator[None]:
         guard = self
 
-        def popen(self, args, *rest, **kwargs):
+        def popen(self, args, *rest, **kwargs):  # (the child's start, once Popen has set itself up)
             guard.refuse(f"subprocess.Popen {args!r:.80}")
 
         def start(self):
@@ -146,7 +148,7 @@ class _Guard:
         def refuse_os(name: str):
             return lambda *args, **kwargs: guard.refuse(f"os.{name}")
 
-        patched = [(subprocess.Popen, "__init__", popen), (multiprocessing.process.BaseProcess, "start", start)]
+        patched = [(subprocess.Popen, "_execute_child", popen), (multiprocessing.process.BaseProcess, "start", start)]
         starters = [*SPAWN_CALLS["os"], "system", "popen"]
         patched += [(os, name, refuse_os(name)) for name in starters if hasattr(os, name)]
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]

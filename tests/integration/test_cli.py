@@ -1,7 +1,7 @@
-"""The command line end to end: training, generation, preprocessing and conversion in subprocesses
-as a user runs them; validation messages in process through `paratron.cli.main` (the console
-script's code path), and one subprocess showing that such a message reaches the terminal as the
-exit code 2 and one line."""
+"""The command line end to end: training on several processes and generation in subprocesses as a
+user runs them; what starts no worker (validation messages, conversion, one-process training) in
+process through `paratron.cli.main` (the console script's code path), and one subprocess showing
+that a message reaches the terminal as the exit code 2 and one line."""
 
 from __future__ import annotations
 
@@ -336,11 +336,13 @@ def test_generate_with_a_missing_checkpoint(tmp_path, capsys):
     )
 
 
-def test_preprocess_then_train_on_the_prefix(tmp_path):
+@pytest.mark.spawns  # (the preprocessing workers)
+def test_preprocess_then_train_on_the_prefix(tmp_path, capsys):
     lines = [json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 5}) for i in range(300)]
     (tmp_path / "code.jsonl").write_text("\n".join(lines) + "\n")
     prefix = tmp_path / "out" / "code"
-    result = paratron(
+    result = in_process(
+        capsys,
         "preprocess",
         "--input",
         str(tmp_path / "code.jsonl"),
@@ -355,7 +357,8 @@ def test_preprocess_then_train_on_the_prefix(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "300 documents" in result.stdout and f"wrote {prefix}_text_document.bin" in result.stdout
-    trained = paratron(
+    trained = in_process(
+        capsys,
         "train",
         "--config",
         "debug",
@@ -422,10 +425,14 @@ def test_convert_from_hugging_face_and_back(tmp_path, capsys):
     config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
-    result = paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron", str(tmp_path / "p"))
+    result = in_process(
+        capsys, "convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron", str(tmp_path / "p")
+    )
     assert result.returncode == 0, result.stderr
     assert f"train from it with: paratron train --load {tmp_path / 'p'} --finetune" in result.stdout
-    result = paratron("convert", "--from", "paratron", str(tmp_path / "p"), "--to", "hf", str(tmp_path / "back"))
+    result = in_process(
+        capsys, "convert", "--from", "paratron", str(tmp_path / "p"), "--to", "hf", str(tmp_path / "back")
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "back" / "model.safetensors").is_file()
     for args, expected in (
