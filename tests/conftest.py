@@ -5,7 +5,8 @@ marked `spawns`: `make test-fast` (`pytest -m "not spawns"`) runs every other te
 Most spawning tests are marked here, by what their code (and the helpers and fixtures it uses)
 calls; one that starts processes only inside paratron (a data loader's workers, a pool) carries
 `@pytest.mark.spawns` itself. While `-m "not spawns"` runs, starting a process fails the test with
-one line that says to mark it, so the fast tier stays free of processes.
+one line that says to mark it, so the fast tier stays free of processes. The test process computes
+on one intra-op thread (see `pytest_configure`).
 """
 
 from __future__ import annotations
