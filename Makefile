@@ -1,4 +1,5 @@
-# The two commands a newcomer needs: `make demo` (the main job) and `make test`.
+# The two commands a newcomer needs: `make demo` (the main job) and `make test`; while working,
+# `make test-fast` runs the tests that start no process (`make test` before landing a change).
 # Each creates .venv on first use and installs torch==2.13.0, then paratron: the demo only
 # what paratron needs to run, the tests its test extras too (pytest, ruff and the references
 # the tests compare with: megatron-core, transformers, peft).
@@ -9,7 +10,7 @@ PY     := $(VENV)/bin/python
 RUN_STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo finetune-demo test lint format bench docs setup clean
+.PHONY: demo finetune-demo test test-fast lint format bench docs setup clean
 
 setup: $(TEST_STAMP)
 
@@ -31,6 +32,9 @@ finetune-demo: $(RUN_STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+test-fast: $(TEST_STAMP)
+	$(PY) -m pytest -q -m "not spawns"
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check src tests bench scripts

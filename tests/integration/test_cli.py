@@ -1,4 +1,7 @@
-"""The command line end to end, in subprocesses as a user runs it (validation messages in process)."""
+"""The command line end to end: training on several processes and generation in subprocesses as a
+user runs them; what starts no worker (validation messages, conversion, one-process training) in
+process through `paratron.cli.main` (the console script's code path), and one subprocess showing
+that a message reaches the terminal as the exit code 2 and one line."""
 
 from __future__ import annotations
 
@@ -22,6 +25,13 @@ def paratron(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.C
     return subprocess.run(
         [sys.executable, "-m", "paratron", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def in_process(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """`paratron ARGS` through the console script's entry point, in this process (no interpreter start)."""
+    capsys.readouterr()
+    code = main(list(args))
+    return subprocess.CompletedProcess(args, code, *capsys.readouterr())
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> None:
@@ -90,9 +100,14 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
 )
 def test_bad_settings_exit_2_with_one_line(args, expected, capsys):
     """In process: each message is the one `paratron train` prints before any worker starts (the
-    subprocess tests below show that the same line reaches the user's terminal)."""
-    code = main(["train", *args])
-    assert_one_line_error(subprocess.CompletedProcess(args, code, *capsys.readouterr()), expected)
+    subprocess test below shows that such a line reaches the user's terminal as it is)."""
+    assert_one_line_error(in_process(capsys, "train", *args), expected)
+
+
+def test_a_bad_setting_reaches_the_terminal_as_exit_code_2_and_one_line():
+    """The one validation message checked through a real interpreter: the exit code the shell sees,
+    a single line on stderr, no traceback (the in-process tests check each message)."""
+    assert_one_line_error(paratron("train", "--config", "debug", "--hidden-size", "0"), "--hidden-size 0: must be")
 
 
 def test_help_shows_field_docs(capsys):
@@ -103,7 +118,7 @@ def test_help_shows_field_docs(capsys):
     assert "--hidden-size INT Width of the residual stream. (default: 64)" in text
     assert "--tensor-model-parallel-size INT Tensor-parallel degree" in text
     assert "--fp16 Train in fp16 mixed precision" in text
-    top = paratron("--help")
+    top = in_process(capsys, "--help")
     assert top.returncode == 0 and "train" in top.stdout and "generate" in top.stdout
 
 
@@ -152,7 +167,7 @@ def test_tensor_parallel_training_then_generate(tmp_path):
     assert generated.stdout.startswith("def f1") and len(generated.stdout) > len("def f1")
 
 
-def test_distributed_optimizer_run_saves_each_shard_and_resumes_at_another_layout(tmp_path):
+def test_distributed_optimizer_run_saves_each_shard_and_resumes_at_another_layout(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     result = paratron(
         "train",
@@ -200,7 +215,7 @@ def test_distributed_optimizer_run_saves_each_shard_and_resumes_at_another_layou
     assert result.returncode == 0, result.stderr
     assert "loaded" in result.stdout and "step 3" in result.stdout
     assert_one_line_error(
-        paratron("train", "--config", "debug", "--load", str(tmp_path / "nothing"), *QUIET),
+        in_process(capsys, "train", "--config", "debug", "--load", str(tmp_path / "nothing"), *QUIET),
         "no such checkpoint directory; check the path",
     )
 
@@ -307,24 +322,27 @@ def test_a_data_error_inside_the_workers_exits_2_without_hanging(tmp_path):
     assert_one_line_error(result, "bad.txt: byte 3 of the file is not valid UTF-8")
 
 
-def test_an_empty_data_directory_is_refused_before_launch(tmp_path):
+def test_an_empty_data_directory_is_refused_before_launch(tmp_path, capsys):
     (tmp_path / ".hidden").write_text("not data")
-    result = paratron("train", "--config", "debug", "--nproc", "2", "--no-mock-data", "--data-path", str(tmp_path))
+    args = ["--config", "debug", "--nproc", "2", "--no-mock-data", "--data-path", str(tmp_path)]
+    result = in_process(capsys, "train", *args)
     assert_one_line_error(result, f"--data-path {tmp_path}: no files found")
 
 
-def test_generate_with_a_missing_checkpoint(tmp_path):
+def test_generate_with_a_missing_checkpoint(tmp_path, capsys):
     assert_one_line_error(
-        paratron("generate", "--load", str(tmp_path / "none"), "--prompt", "x"),
+        in_process(capsys, "generate", "--load", str(tmp_path / "none"), "--prompt", "x"),
         "none: no such checkpoint directory; check --load",
     )
 
 
-def test_preprocess_then_train_on_the_prefix(tmp_path):
+@pytest.mark.spawns  # (the preprocessing workers)
+def test_preprocess_then_train_on_the_prefix(tmp_path, capsys):
     lines = [json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 5}) for i in range(300)]
     (tmp_path / "code.jsonl").write_text("\n".join(lines) + "\n")
     prefix = tmp_path / "out" / "code"
-    result = paratron(
+    result = in_process(
+        capsys,
         "preprocess",
         "--input",
         str(tmp_path / "code.jsonl"),
@@ -339,7 +357,8 @@ def test_preprocess_then_train_on_the_prefix(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "300 documents" in result.stdout and f"wrote {prefix}_text_document.bin" in result.stdout
-    trained = paratron(
+    trained = in_process(
+        capsys,
         "train",
         "--config",
         "debug",
@@ -364,9 +383,10 @@ def test_preprocess_then_train_on_the_prefix(tmp_path):
     assert "vocab 512" in trained.stdout and "validation at step 6" in trained.stdout  # the recipe's 512 >= 300
 
 
-def test_preprocess_bad_input_is_one_line(tmp_path):
+def test_preprocess_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "wrong key"}\n')
-    result = paratron(
+    result = in_process(
+        capsys,
         "preprocess",
         "--input",
         str(tmp_path / "bad.jsonl"),
@@ -383,7 +403,8 @@ def test_preprocess_bad_input_is_one_line(tmp_path):
     idx = tmp_path / "x.idx"
     idx.write_bytes(b"garbage!" * 8)
     (tmp_path / "x.bin").write_bytes(b"")
-    result = paratron(
+    result = in_process(
+        capsys,
         "train",
         "--config",
         "debug",
@@ -404,18 +425,20 @@ def test_convert_from_hugging_face_and_back(tmp_path, capsys):
     config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
-    result = paratron("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron", str(tmp_path / "p"))
+    result = in_process(
+        capsys, "convert", "--from", "hf", str(tmp_path / "hf"), "--to", "paratron", str(tmp_path / "p")
+    )
     assert result.returncode == 0, result.stderr
     assert f"train from it with: paratron train --load {tmp_path / 'p'} --finetune" in result.stdout
-    result = paratron("convert", "--from", "paratron", str(tmp_path / "p"), "--to", "hf", str(tmp_path / "back"))
+    result = in_process(
+        capsys, "convert", "--from", "paratron", str(tmp_path / "p"), "--to", "hf", str(tmp_path / "back")
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "back" / "model.safetensors").is_file()
-    capsys.readouterr()
     for args, expected in (
         (["hf", str(tmp_path / "nothing"), "paratron", str(tmp_path / "x")], "no such directory"),
         (["hf", str(tmp_path / "hf"), "hf", str(tmp_path / "x")], "convert hf to paratron, or paratron to hf or peft"),
         (["hf", str(tmp_path / "hf"), "paratron", str(tmp_path / "p")], "already exists and is not empty"),
     ):
-        code = main(["convert", "--from", *args[:2], "--to", *args[2:]])
-        assert_one_line_error(subprocess.CompletedProcess(args, code, *capsys.readouterr()), expected)
+        assert_one_line_error(in_process(capsys, "convert", "--from", *args[:2], "--to", *args[2:]), expected)
     assert not (tmp_path / "x").exists()

@@ -1,8 +1,8 @@
 """Fine-tuning from the command line: `paratron evaluate` against transformers, bad conversations,
 `preprocess --sft`, per-task validation, task shares of a blend, and LoRA export.
 
-Most commands run in this process through `paratron.cli.main` (the code path of the console
-script, minus the interpreter start-up); one bad-input case runs as a subprocess."""
+Every command runs in this process through `paratron.cli.main` (the code path of the console
+script, minus the interpreter start-up): none of them starts a worker."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import peft  # the references; installed with the test extras
 import pytest
 import torch
 import transformers
-from test_cli import QUIET, assert_one_line_error, paratron
+from test_cli import QUIET, assert_one_line_error, in_process
 from tokenizers import AddedToken
 
 from paratron.checkpoint import load_pretrained
@@ -172,13 +172,13 @@ def test_a_bad_conversation_is_named_by_file_and_line(tmp_path, conversations, c
     assert not save.exists()  # nothing half-written
 
 
-def test_a_template_that_fails_to_render_is_named(tmp_path, conversations):
+def test_a_template_that_fails_to_render_is_named(tmp_path, conversations, capsys):
     template = tmp_path / "strict.jinja"
     template.write_text(
         "{% if messages[0]['role'] != 'system' %}{{ raise_exception('needs a system turn') }}{% endif %}"
     )
     flags = sft_flags(conversations, tmp_path / "run", str(conversations / "qa.jsonl"))
-    result = paratron("train", *flags, "--chat-template", str(template))
+    result = in_process(capsys, "train", *flags, "--chat-template", str(template))
     assert_one_line_error(result, "qa.jsonl:1:")
     assert "needs a system turn" in result.stderr
 

@@ -141,7 +141,7 @@ def _run_scripts(root: str) -> dict[str, tuple[int, list[float]]]:
     return results
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 def test_the_scripts_train_two_steps(tmp_path):
     ranks = run_ranks(_run_scripts, WORLD, str(tmp_path), timeout=600)
     for name, (code, losses) in ranks[0].items():

@@ -21,6 +21,7 @@ import pytest
 
 from paratron.checkpoint.io import TRACKER, read_checkpoint
 from paratron.checkpoint.lock import LOCK_NAME
+from paratron.cli import main
 from paratron.distributed.watchdog import Watchdog
 
 from multiprocess import free_port
@@ -90,9 +91,12 @@ def test_two_nodes_over_loopback_train_as_one_node(tmp_path):
     assert not (tmp_path / "node1" / "metrics.jsonl").exists()  # rank 0 writes the metrics
 
 
-def test_a_node_rank_out_of_range_and_an_unreachable_master_are_one_line(tmp_path):
-    code, _, err = finish(start(*RUN, "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", *QUIET))
-    assert code == 2 and err.strip() == "error: --node-rank 2 is out of range for --nnodes 2: use 0 to 1"
+def test_a_node_rank_out_of_range_is_one_line(capsys):
+    assert main([*RUN, "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", *QUIET]) == 2
+    assert capsys.readouterr().err.strip() == "error: --node-rank 2 is out of range for --nnodes 2: use 0 to 1"
+
+
+def test_an_unreachable_master_is_one_line(tmp_path):
     code, _, err = finish(
         start(
             *RUN,

@@ -1,5 +1,5 @@
 """`paratron plan` end to end through `run_plan(argv)` (what the CLI's `plan` command calls), in
-process: it starts no workers."""
+process: it starts no workers; `paratron train --auto` runs the plan it picks (in subprocesses)."""
 
 from __future__ import annotations
 
@@ -136,11 +136,7 @@ def test_train_auto_runs_the_top_plan_for_this_machine(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6
 
 
-def test_train_auto_refuses_layout_flags():
-    run = subprocess.run(
-        [sys.executable, "-m", "paratron", "train", "--config", "debug", "--mock-data", "--nproc", "2", "--auto",
-         "--tensor-model-parallel-size", "2"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 2
-    assert "--auto chooses the layout itself; drop --tensor-model-parallel-size" in run.stderr
+def test_train_auto_refuses_layout_flags(capsys):
+    flags = ["--config", "debug", "--mock-data", "--nproc", "2", "--auto", "--tensor-model-parallel-size", "2"]
+    assert main(["train", *flags]) == 2
+    assert "--auto chooses the layout itself; drop --tensor-model-parallel-size" in capsys.readouterr().err

@@ -65,7 +65,7 @@ def attention_on_ranks(length: int) -> dict[str, float]:
     return worst
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_attention_equals_one_device_for_every_pattern(world):
     """(Chunks of 12 tokens: the window's and block-sparse pattern's pairs run block by block.)"""
@@ -137,7 +137,7 @@ def curves_of_layouts(run_dir: str, layouts: dict[str, dict]) -> dict[str, list[
     }
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_training_equals_one_process(tmp_path, references, world):
     for reference in references.values():
@@ -162,7 +162,7 @@ def resumed(run_dir: str) -> dict[str, list[float]]:
     return losses
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 def test_context_parallel_checkpoint_resumes_exactly_at_cp2_and_cp1(tmp_path):
     losses = run_ranks(resumed, 2, str(tmp_path))[0]
     assert len(losses["straight"]) == 6
@@ -194,7 +194,7 @@ def activation_peaks(run_dir: str, cps: tuple[int, ...]) -> dict[int, list[int]]
     return peaks
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 def test_activation_memory_per_rank_falls_as_one_over_cp(tmp_path):
     whole = activation_peaks(str(tmp_path / "one"), (1,))[1][0]
     split = run_ranks(activation_peaks, 4, str(tmp_path), (2, 4))[0]

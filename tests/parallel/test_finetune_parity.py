@@ -107,7 +107,7 @@ def reference(tmp_path_factory):
     return folder, single
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_finetuning_at_every_layout_equals_one_process(reference, name):
     folder, single = reference

@@ -111,7 +111,7 @@ def curves_of_layouts(run_dir: str, layouts: dict[str, dict]) -> dict[str, list[
     return {name: curves(f"{run_dir}/{name}", layout) for name, layout in layouts.items()}
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 @pytest.mark.parametrize("world", sorted({world for world, _ in LAYOUTS.values()}))
 def test_moe_training_at_every_layout_equals_one_process(tmp_path, single, world):
     assert len(single) == 20 and single[-1]["loss"] < single[0]["loss"] - 0.3
@@ -145,7 +145,7 @@ EP2_TP2 = dict(
 )
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 def test_expert_parallel_checkpoint_resumes_exactly_and_loads_at_ep1_and_ep4(tmp_path):
     """Saved at EP 2 x TP 2 (experts split both ways, ZeRO-1 pieces of both kinds), step 4 of 8."""
     save = str(tmp_path / "ckpt")
@@ -175,7 +175,7 @@ def converted_losses(checkpoint: str, run_dir: str, layout: dict) -> list[float]
     return run_training(build_config(settings, recipe=f"{checkpoint}/model.yaml")).losses
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 def test_training_starts_from_a_converted_mixtral_at_any_layout(tmp_path):
     import torch
     import transformers

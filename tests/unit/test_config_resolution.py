@@ -215,6 +215,7 @@ def test_an_error_caused_by_a_recipe_value_names_the_recipe(capsys):
     )
 
 
+@pytest.mark.spawns  # (paratron starts the workers)
 def test_evaluate_and_generate_read_a_megatron_lm_checkpoint_as_its_paratron_twin(llama, tmp_path, monkeypatch, capsys):
     """A Megatron-LM checkpoint written from a converted Llama (its tokenizer in DST/tokenizer, named by the args)
     evaluates and generates as the paratron checkpoint does, without model or tokenizer flags."""

@@ -7,10 +7,10 @@ They must agree, for every layout the planner may choose."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
+from paratron.cli import main
 from paratron.config import build_config, validate
 from paratron.model.registry import count_parameters, model_config
 from paratron.planning.activations import CPU, CUDA
@@ -115,14 +115,15 @@ def test_zero_stages_shard_what_the_zero_paper_says():
     assert state[3] == pytest.approx(16 / 8, rel=5e-3)
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "paratron", "train", *args], capture_output=True, text=True, timeout=300
-    )
+def _train(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """`paratron train ARGS` in this process (a dry run starts no workers)."""
+    code = main(["train", *args])
+    return subprocess.CompletedProcess(args, code, *capsys.readouterr())
 
 
-def test_dry_run_prints_each_stage_against_the_device_memory():
+def test_dry_run_prints_each_stage_against_the_device_memory(capsys):
     run = _train(
+        capsys,
         "--model", "llama3-8b", "--mock-data", "--seq-length", "4096", "--bf16", "--micro-batch-size", "1",
         "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "4",
         "--use-distributed-optimizer", "--global-batch-size", "256", "--dry-run", "--world-size", "1024",
@@ -136,8 +137,9 @@ def test_dry_run_prints_each_stage_against_the_device_memory():
     assert "fits: the fullest rank" in lines[-1] and "of 80 GB" in lines[-1]
 
 
-def test_a_layout_that_does_not_fit_exits_2_naming_the_stage_and_the_way_out():
+def test_a_layout_that_does_not_fit_exits_2_naming_the_stage_and_the_way_out(capsys):
     run = _train(
+        capsys,
         "--model", "llama3-70b", "--mock-data", "--seq-length", "4096", "--bf16", "--micro-batch-size", "1",
         "--global-batch-size", "64", "--dry-run", "--world-size", "64", "--device-memory-gb", "80",
     )  # fmt: skip
@@ -147,7 +149,7 @@ def test_a_layout_that_does_not_fit_exits_2_naming_the_stage_and_the_way_out():
     assert "Traceback" not in run.stderr
 
 
-def test_an_unknown_hardware_preset_exits_2_listing_the_presets():
-    run = _train("--model", "debug", "--mock-data", "--dry-run", "--world-size", "2", "--hardware", "tpu-v9")
+def test_an_unknown_hardware_preset_exits_2_listing_the_presets(capsys):
+    run = _train(capsys, "--model", "debug", "--mock-data", "--dry-run", "--world-size", "2", "--hardware", "tpu-v9")
     assert run.returncode == 2
     assert "--hardware tpu-v9: unknown preset; choose one of h100-80g" in run.stderr

@@ -293,7 +293,7 @@ def _paratron_logits(folder: Path) -> torch.Tensor:
         return model(tokens())
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
@@ -320,7 +320,7 @@ def test_megatron_checkpoint_converts_exactly(oracle, tmp_path, kind, layout, fm
     print(f"{name} {fmt}: weights max |diff| {worst:.1e}, logits max |diff| {difference:.2e}")
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("layout", [(1, 1), (2, 2)], ids=["tp1pp1", "tp2pp2"])
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
@@ -346,7 +346,7 @@ def test_optimizer_state_converts(oracle, tmp_path, kind, layout, fmt):
     assert not list(finetuned.glob("optimizer*")) and read_checkpoint(finetuned).iteration == 0
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_written_legacy_checkpoint_loads_into_megatron_core(oracle, kind):
     source = oracle["root"] / f"paratron-{kind}"
@@ -356,7 +356,7 @@ def test_written_legacy_checkpoint_loads_into_megatron_core(oracle, kind):
         assert difference < 1e-5, (tp, pp, difference)
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_round_trip_through_megatron_is_exact(oracle, tmp_path, kind):
     source = oracle["root"] / f"paratron-{kind}"
@@ -370,7 +370,7 @@ def test_round_trip_through_megatron_is_exact(oracle, tmp_path, kind):
     assert returned.config.model == original.config.model
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 def test_train_loads_a_megatron_checkpoint(oracle, tmp_path):
     from paratron.checkpoint.io import read_weight
     from paratron.training.run import check_inputs, run_training
@@ -423,7 +423,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     assert pickle.dumps(0)  # (pickle itself untouched)
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 def test_cli_converts_both_ways(oracle, tmp_path, capsys):
     import transformers
 
@@ -457,7 +457,7 @@ def _rewrite(source: Path, destination: Path, change) -> None:
     (destination / "latest_checkpointed_iteration.txt").write_text("10")
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 def test_transformer_engine_names_and_virtual_stages_read_the_same(oracle, tmp_path):
     import io
 

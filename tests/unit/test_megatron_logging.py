@@ -237,7 +237,7 @@ def sharded_records(run_dir: str) -> dict[str, list[dict[str, Any]]]:
     return {name: records_of(Path(run_dir) / name, **SHARDED, **layout) for name, layout in LAYOUTS.items()}
 
 
-@pytest.mark.multiprocess
+@pytest.mark.spawns
 def test_params_norm_and_zeros_count_every_shard_once(tmp_path):
     reference = records_of(tmp_path / "one", **SHARDED)
     assert reference[0]["num_zeros_in_grad"] == (MAX_POSITIONS - SEQ) * HIDDEN

@@ -194,6 +194,7 @@ def test_no_mmap_reads_the_same_tokens(tmp_path):
     assert read.get(3, 2, 0).size == 0
 
 
+@pytest.mark.spawns  # (paratron starts the workers)
 def test_workers_give_the_same_batches_in_the_same_order(tmp_path):
     prefix = _dataset(tmp_path)
     samples = GPTDataset(IndexedDataset(prefix), np.arange(40, dtype=np.int32), 8, 96, 3, tmp_path / "idx",
@@ -243,6 +244,7 @@ def test_cyclic_order_is_megatrons_random_sampler(sharding):
     assert len(set(epoch)) == len(epoch) == 20  # an epoch: 20 distinct samples of the 23 (to a multiple of mbs x DP)
 
 
+@pytest.mark.spawns  # (paratron starts the workers)
 def test_training_loss_is_the_same_with_workers(tmp_path):
     settings = dict(mock_data=True, eval_iters=0, train_iters=3)
     base = run_training(tiny_config(tmp_path / "w0", **settings, num_workers=0)).losses

@@ -26,6 +26,7 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
+@pytest.mark.spawns  # (paratron starts the workers)
 def test_jsonl_and_text_in_order_with_eod_and_workers_agree(tmp_path, tokenizer):
     corpus = tmp_path / "in"
     corpus.mkdir()
@@ -91,6 +92,7 @@ def test_bad_text_files_and_token_ids(tmp_path, tokenizer):
         input_files([str(tmp_path / "missing")])
 
 
+@pytest.mark.spawns  # (paratron starts the workers)
 def test_a_late_error_leaves_nothing_behind(tmp_path, tokenizer):
     records = [{"text": t} for t in DOCS] + [{"nope": 1}]  # fails after several batches were written
     path = write_jsonl(tmp_path / "late.jsonl", records)
