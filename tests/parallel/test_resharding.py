@@ -13,9 +13,9 @@ import transformers  # the reference; installed with the test extras
 
 from paratron.checkpoint import hf, load_pretrained
 from paratron.checkpoint.pieces import parse_key
+from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
-from multiprocess import run_ranks
 from tiny import tiny_config
 
 # vocabulary 97 pads differently at each TP size; 2 key-value heads are replicated at TP 4
