@@ -128,7 +128,7 @@ def torchrun_environment(rank: int, world: int, port: int) -> None:
     )
 
 
-def spawn(worker: Callable[..., None], world: int, *args: Any) -> dict[str, Any]:
+def spawn(worker: Callable[..., None], world: int, *args: Any) -> Any:
     """Run `worker(rank, world, port, *args, out)` on `world` spawned processes and return the JSON
     that rank 0 wrote to `out`. Unlike `run_ranks` there is no time limit: full runs take minutes."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
