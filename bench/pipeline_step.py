@@ -8,8 +8,8 @@
 
 It runs one global batch (forward and backward of every micro-batch, gradients accumulated;
 no optimizer step on either side) of the same model (paratron's GPT code, same seed, untied
-embeddings, fp32, no dropout: bench/common.py) on the same `--pp` gloo processes, cut into the same stages, in
-three pairings:
+embeddings, fp32, no dropout: bench/common.py) on the same `--pp` gloo processes, cut into the
+same stages, in four pairings:
 
     paratron 1f1b                      vs  torch Schedule1F1B
     paratron interleaved, 2 chunks     vs  torch ScheduleInterleaved1F1B, 2 stages per rank

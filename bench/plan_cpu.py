@@ -283,7 +283,7 @@ def predict(names: list[str], machines: dict[int, Any]) -> dict[str, Any]:
 
 LAYER_EFFICIENCY = 0.7
 """The share of a lone layer-shaped matmul's rate (the calibration's) that a whole Transformer layer's
-forward and backward reach on this CPU: from bench/pipeline.py's stage times (a PP 2 stage of 4
+forward and backward reach on this CPU: from bench/pipeline_bubble.py's stage times (a PP 2 stage of 4
 layers, 8 micro-batches of 2 x 128 tokens, about 40 GFLOP in about 0.63 s on one thread, against
 about 90 GFLOP/s for the lone matmul)."""
 

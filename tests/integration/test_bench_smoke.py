@@ -36,6 +36,7 @@ SMOKES = {
     "recompute": [],
     "step_time": [],
     "tensor_parallel": ["all"],
+    "zero_memory": [],
 }
 """Each benchmark and the arguments before --smoke."""
 
