@@ -4,7 +4,7 @@ ring's communication hidden behind attention, and PyTorch's own context-parallel
     python bench/context_parallel.py --output bench/results/context_parallel.json
     python bench/context_parallel.py --budget-gb 2 --long-sequence 131072 \
         --output bench/results/context_parallel_budget.json
-    python bench/context_parallel.py --smoke  # 256 tokens at CP 1 and 2: does it still run?
+    python bench/context_parallel.py --smoke  # 256 tokens at CP 1 and 2 (ring): does it still run?
 
 1. Step time: paratron's trainer on mock data (fp32, gloo on the CPU, the machine's cores shared
    by the processes), one sequence of --seq-length tokens per step split over CP ranks (CP 1: one
@@ -190,9 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--long-sequence", type=int, default=131072)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="context-parallel sizes")
+    parser.add_argument("--comms", nargs="+", default=["p2p", "all_gather"], choices=["p2p", "all_gather"])
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
-    apply_smoke(args, parser, seq_length=256, steps=3, worlds=[2])
+    apply_smoke(args, parser, seq_length=256, steps=3, worlds=[2], comms=["p2p"])
     if args.budget_gb:
         with tempfile.TemporaryDirectory() as root:
             rows = [
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"model": MODEL, "seq_length": args.seq_length, "runs": []}
     with tempfile.TemporaryDirectory() as root:
         results["runs"].append(train(args.seq_length, 1, args.steps, "p2p", f"{root}/cp1"))
-        for cp, comm_type in ((cp, comm) for cp in args.worlds for comm in ("p2p", "all_gather")):
+        for cp, comm_type in ((cp, comm) for cp in args.worlds for comm in args.comms):
             run_dir = f"{root}/cp{cp}-{comm_type}"
             results["runs"].append(run_ranks(train, cp, args.seq_length, cp, args.steps, comm_type, run_dir)[0])
     base = results["runs"][0]["step_s"]

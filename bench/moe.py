@@ -41,6 +41,7 @@ def layer_pair(args: argparse.Namespace, grouped: bool) -> tuple[MoELayer, torch
         num_experts=args.experts,
         moe_router_topk=args.topk,
         moe_grouped_gemm=grouped,
+        **NO_DROPOUT,
     )
     ours = MoELayer(config)
     hf_config = transformers.MixtralConfig(

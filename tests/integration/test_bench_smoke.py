@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))  # the benchmarks import their shared modules (common.py) by name
@@ -48,9 +49,12 @@ def test_every_benchmark_has_a_smoke_run():
 
 @pytest.fixture
 def _restored():
-    """A benchmark may set threads, environment variables or the working directory for its runs."""
+    """A benchmark may set threads, environment variables or the working directory for its runs,
+    and a one-process benchmark may leave its process group (its process would end there)."""
     environment, threads, folder = dict(os.environ), torch.get_num_threads(), os.getcwd()
     yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(environment)
     torch.set_num_threads(threads)

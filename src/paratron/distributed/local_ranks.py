@@ -6,7 +6,7 @@ return values in rank order. If any rank raises, exits or hangs past the timeout
 rank is stopped and one AssertionError lists what happened on each rank.
 
 It is how the tests and benchmarks compare a multi-rank run with one process (gloo on the
-CPU, no torchrun needed), and how a user tries a parallel layout from a script or notebook:
+CPU, no torchrun needed), and how a user tries a parallel layout from a script:
 `fn` calls `paratron.distributed.initialize()` as under torchrun. `fn` and its arguments must
 be picklable (a module-level function), since each rank is a fresh `spawn` process.
 """
