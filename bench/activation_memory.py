@@ -1,6 +1,7 @@
 """Activation memory per transformer layer, counted exactly, against Korthikanti et al. (2022).
 
     .venv/bin/python bench/activation_memory.py
+    .venv/bin/python bench/activation_memory.py --smoke  # TP 2 + SP only: does it still count what docs/memory.md says?
 
 For each model variant (GPT-2 style: LayerNorm, GELU, dropout 0.1; Llama style: RMSNorm, SwiGLU,
 rotary, no dropout), recomputation mode (none, selective, full) and layout (one process; tensor
@@ -24,14 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
+from common import RESULTS, add_smoke_argument, apply_smoke
+from paratron.distributed.local_ranks import run_ranks
 from paratron.storage import write_text_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
 S, B, H, A = 256, 2, 256, 4  # sequence, micro-batch, hidden, heads
 VARIANTS = {
     "gpt": dict(
@@ -226,15 +227,17 @@ def markdown(rows: list[dict], mid: list[dict], psi: float, command: str) -> str
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "activation_memory.json")
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multiprocess import run_ranks
+    parser.add_argument("--output", type=Path, default=RESULTS / "activation_memory.json")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, layouts=["TP2+SP"])
 
     rows = []
-    for layout, (tp, sp) in LAYOUTS.items():
+    for layout in args.layouts:
+        tp, sp = LAYOUTS[layout]
         measured = run_ranks(measure, tp, tp, sp, timeout=900.0)[0]
         for key, value in measured.items():
             variant, mode = key.split("/")
@@ -253,6 +256,9 @@ def main() -> None:
                 f"adjusted {adjusted(variant, mode, tp, sp):.3f})",
                 flush=True,
             )
+    if args.smoke:
+        wrong = [r for r in rows if abs(r["measured"] - r["adjusted"]) > 1e-3 * r["adjusted"]]
+        assert not wrong, f"measured activations differ from docs/memory.md's accounting: {wrong}"
     mid, psi = mid_size_table()
     command = "python bench/activation_memory.py"
     payload = {

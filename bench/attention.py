@@ -2,6 +2,7 @@
 attention call, one process, fp32.
 
     python bench/attention.py --output bench/results/attention.json --plot docs/images/attention_scaling.png
+    python bench/attention.py --smoke  # short sequences in this process: does it still run?
 
 Kinds, each at lengths 1K-16K (batch 1, 8 heads of 64, sliding window W = 512):
 
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from common import add_smoke_argument, apply_smoke
 from paratron.model.attention import Causal, SlidingWindow, TokenPlaces, attend
 
 KINDS = ("causal", "window-dense-mask", "sliding-window")
@@ -89,7 +91,7 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     parser.add_argument("--window", type=int, default=512)
@@ -97,16 +99,21 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--one", nargs=2, metavar=("KIND", "LENGTH"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, lengths="256,512", window=128, rounds=1)
     if args.one:
         print(json.dumps(one(args.one[0], int(args.one[1]), args.window, args.rounds)))
         return
     results = []
     for length in map(int, args.lengths.split(",")):
         for kind in KINDS:
-            command = [sys.executable, __file__, "--one", kind, str(length)]
-            command += ["--window", str(args.window), "--rounds", str(args.rounds)]
-            row = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+            if args.smoke:  # (in this process: the memory figure means nothing, the code runs)
+                row = one(kind, length, args.window, args.rounds)
+            else:
+                command = [sys.executable, __file__, "--one", kind, str(length)]
+                command += ["--window", str(args.window), "--rounds", str(args.rounds)]
+                row = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
             results.append(row)
             print(f"{kind:>18} {length:>6}: {row['seconds']:.3f} s, {row['peak_mb']:.0f} MiB", flush=True)
     for kind in KINDS:  # growth from the shortest to the longest length, against the length's

@@ -3,6 +3,7 @@ time an asynchronous save hides.
 
     .venv/bin/python bench/checkpoint.py
     .venv/bin/python bench/checkpoint.py --hidden-size 768 --layers 8 --rounds 3
+    .venv/bin/python bench/checkpoint.py --smoke  # tiny: does it still save, load and restore?
 
 One process builds a GPT (default: 8 layers, hidden 512, vocabulary 32768: about 42M parameters),
 runs one AdamW step so that the optimizer state exists, then, alternating in each round:
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from common import RESULTS, add_smoke_argument, apply_smoke
 from paratron.checkpoint.io import (
     BackgroundSave,
     CheckpointContent,
@@ -49,8 +51,6 @@ from paratron.model.batch import Batch
 from paratron.model.gpt import GPT
 from paratron.optim.build import build_optimizer
 from paratron.parallel import parallelize
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _size(path: Path) -> int:
@@ -70,15 +70,17 @@ def _trained(config):
     return model, optimizer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--vocab-size", type=int, default=32768)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--directory", type=Path, default=None, help="where to write (default: a temporary folder)")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "checkpoint.json")
-    args = parser.parse_args()
+    parser.add_argument("--output", type=Path, default=RESULTS / "checkpoint.json")
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, layers=2, hidden_size=64, vocab_size=256, rounds=1)
     config = build_config(
         dict(
             num_layers=args.layers,
@@ -154,7 +156,7 @@ def main() -> None:
     command = "python bench/checkpoint.py" + "".join(
         f" --{k.replace('_', '-')} {v}"
         for k, v in vars(args).items()
-        if k not in ("output", "directory") and v != parser.get_default(k)
+        if k not in ("output", "directory", "smoke") and v != parser.get_default(k)
     )
     payload = {
         "command": command,

@@ -4,6 +4,7 @@ against the rank's shard and the model's largest tensor, and the save against
 
     .venv/bin/python bench/checkpoint_sharded.py
     .venv/bin/python bench/checkpoint_sharded.py --layouts tp4 zero3-dp4 --rounds 2
+    .venv/bin/python bench/checkpoint_sharded.py --smoke  # a tiny model at TP 2: does it still run?
 
 For each layout (TP1 on one process, TP2, TP4, ZeRO-3 over four data-parallel ranks), gloo
 processes on this machine build the same GPT (default about 46M parameters: 4 layers, hidden
@@ -32,31 +33,20 @@ import json
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from common import LLAMA_SMALL, RESULTS, SEED, add_smoke_argument, apply_smoke
+from paratron.distributed.local_ranks import run_ranks
 from paratron.storage import write_text_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = dict(
-    num_layers=4,
-    hidden_size=512,
-    num_attention_heads=8,
-    num_query_groups=4,
-    ffn_hidden_size=1536,
-    vocab_size=32768,
-    max_position_embeddings=128,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-)
-RUN = dict(seq_length=64, micro_batch_size=1, mock_data=True, seed=7)
+MODEL = LLAMA_SMALL | dict(vocab_size=32768, max_position_embeddings=128)  # each embedding 67 MB in fp32
+SMOKE_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128)
+SMOKE_MODEL |= dict(vocab_size=256)
+RUN = dict(seq_length=64, micro_batch_size=1, mock_data=True, seed=SEED)
 LAYOUTS = {
     "tp1": (1, {}),
     "tp2": (2, dict(tensor_model_parallel_size=2)),
@@ -229,22 +219,23 @@ def markdown(rows: list[dict], command: str, rounds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--directory", type=Path, default=None, help="where to write (default: a temporary folder)")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "checkpoint_sharded.json")
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multiprocess import run_ranks  # (the test suite's spawner: torchrun's environment per process)
+    parser.add_argument("--output", type=Path, default=RESULTS / "checkpoint_sharded.json")
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, layouts=["tp2"], rounds=1)
+    model = SMOKE_MODEL if args.smoke else {}
 
     rows = []
     for name in args.layouts:
         world, settings = LAYOUTS[name]
         work = Path(tempfile.mkdtemp(dir=args.directory))
         try:
-            per_rank = run_ranks(measure, world, settings, str(work), args.rounds, timeout=1800.0)
+            per_rank = run_ranks(measure, world, model | settings, str(work), args.rounds, timeout=1800.0)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         rows.append(summarize(name, world, per_rank))
@@ -254,7 +245,7 @@ def main() -> None:
         + (f" --layouts {' '.join(args.layouts)}" if args.layouts != list(LAYOUTS) else "")
         + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
     )
-    payload = {"command": command, "model": MODEL, "run": RUN, "torch": torch.__version__, "rows": rows}
+    payload = {"command": command, "model": MODEL | model, "run": RUN, "torch": torch.__version__, "rows": rows}
     write_text_atomic(args.output, json.dumps(payload, indent=1))
     text = markdown(rows, command, args.rounds)
     write_text_atomic(args.output.with_suffix(".md"), text)

@@ -4,6 +4,7 @@ ring's communication hidden behind attention, and PyTorch's own context-parallel
     python bench/context_parallel.py --output bench/results/context_parallel.json
     python bench/context_parallel.py --budget-gb 2 --long-sequence 131072 \
         --output bench/results/context_parallel_budget.json
+    python bench/context_parallel.py --smoke  # 256 tokens at CP 1 and 2 (ring): does it still run?
 
 1. Step time: paratron's trainer on mock data (fp32, gloo on the CPU, the machine's cores shared
    by the processes), one sequence of --seq-length tokens per step split over CP ranks (CP 1: one
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from multiprocess import run_ranks  # noqa: E402  (the test suite's launcher of gloo ranks)
+from common import LLAMA_STYLE, NO_DROPOUT, add_smoke_argument, apply_smoke
+from paratron.distributed.local_ranks import run_ranks
 
 MODEL = dict(
     num_layers=2,
@@ -42,11 +42,9 @@ MODEL = dict(
     num_attention_heads=8,
     num_query_groups=4,
     ffn_hidden_size=256,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    add_bias_linear=False,
+    **LLAMA_STYLE,
     vocab_size=1024,
+    **NO_DROPOUT,
 )
 
 
@@ -182,7 +180,7 @@ def under_budget(seq_length: int, cp: int, budget_gb: float, run_dir: str) -> di
     return {"cp": cp, "trained": True, "losses": losses, "activations_mb": report[0]["activations_peak"] / 2**20}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-length", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=6)
@@ -191,7 +189,11 @@ def main() -> None:
         "--budget-gb", type=float, help="instead: train --long-sequence tokens at CP 1 and 4 under this cap"
     )
     parser.add_argument("--long-sequence", type=int, default=131072)
-    args = parser.parse_args()
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="context-parallel sizes")
+    parser.add_argument("--comms", nargs="+", default=["p2p", "all_gather"], choices=["p2p", "all_gather"])
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, seq_length=256, steps=3, worlds=[2], comms=["p2p"])
     if args.budget_gb:
         with tempfile.TemporaryDirectory() as root:
             rows = [
@@ -209,14 +211,15 @@ def main() -> None:
     results: dict[str, Any] = {"model": MODEL, "seq_length": args.seq_length, "runs": []}
     with tempfile.TemporaryDirectory() as root:
         results["runs"].append(train(args.seq_length, 1, args.steps, "p2p", f"{root}/cp1"))
-        for cp, comm_type in ((2, "p2p"), (2, "all_gather"), (4, "p2p"), (4, "all_gather")):
+        for cp, comm_type in ((cp, comm) for cp in args.worlds for comm in args.comms):
             run_dir = f"{root}/cp{cp}-{comm_type}"
             results["runs"].append(run_ranks(train, cp, args.seq_length, cp, args.steps, comm_type, run_dir)[0])
     base = results["runs"][0]["step_s"]
     for run in results["runs"]:
         run["speedup_vs_cp1"] = base / run["step_s"]
         print(json.dumps(run))
-    results["attention"] = [run_ranks(attention, world, args.seq_length, 5)[0] for world in (2, 4)]
+    rounds = 1 if args.smoke else 5
+    results["attention"] = [run_ranks(attention, world, args.seq_length, rounds)[0] for world in args.worlds]
     for row in results["attention"]:
         print(json.dumps(row))
     if args.output:

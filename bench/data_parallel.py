@@ -2,7 +2,7 @@
 
     python bench/data_parallel.py step --output bench/results/data_parallel.json  # all (~4 min, 2 idle cores)
     python bench/data_parallel.py step --only zero3 --rounds 4 --output bench/results/data_parallel.json
-    python bench/data_parallel.py step --layers 2 --hidden 64 --vocab 512 --seq 32 --rounds 1  # smoke
+    python bench/data_parallel.py step --smoke  # tiny: does it still run, and do both sides train alike?
     python bench/data_parallel.py markdown --output bench/results/data_parallel.json  # the .md again, from the JSON
 
 `step` trains one GPT (paratron's model code, same seed, untied embeddings, fp32, no dropout) on two
@@ -44,7 +44,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from common import PRECISION, SEED, add_smoke_argument, apply_smoke, gpt_settings, spawn, torchrun_environment
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 PAIRINGS = ("ddp", "zero1", "zero3")
@@ -83,16 +84,7 @@ def _config(args: dict, **parallel: Any) -> Any:
 
     return build_config(
         dict(
-            num_layers=args["layers"],
-            hidden_size=args["hidden"],
-            num_attention_heads=args["heads"],
-            ffn_hidden_size=args["ffn"],
-            vocab_size=args["vocab"],
-            max_position_embeddings=args["seq"],
-            make_vocab_size_divisible_by=1,
-            untie_embeddings_and_output_weights=True,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
+            gpt_settings(args),
             seq_length=args["seq"],
             micro_batch_size=args["micro_batch_size"],
             global_batch_size=args["micro_batch_size"] * args["microbatches"] * 2,
@@ -352,14 +344,7 @@ def _pairing(name: str, args: dict, topology: Any, pool: list[Batch]) -> dict:
 
 
 def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    torchrun_environment(rank, world, port)
     import torch.distributed as dist
 
     from paratron.distributed.init import initialize
@@ -390,14 +375,15 @@ def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None
 
 
 def step(args: dict) -> dict:
-    import torch.multiprocessing as mp
+    return spawn(_step_worker, 2, args)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from multiprocess import free_port
 
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.spawn(_step_worker, args=(2, free_port(), args, out.name), nprocs=2)
-        return json.loads(Path(out.name).read_text())
+def check(results: dict, pairings: list[str]) -> None:
+    """--smoke: every pairing's two sides trained alike (the same losses, fp32 rounding apart)."""
+    for name in pairings:
+        for c in results[name]["comparisons"]:
+            if not c["loss_rel_diff_max"] < 1e-4:
+                raise AssertionError(f"{c['paratron']} and {c['peer']} part: {c}")
 
 
 def _commit() -> str:
@@ -487,7 +473,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["step", "markdown"])
     parser.add_argument("--only", nargs="+", default=list(PAIRINGS), choices=PAIRINGS)
@@ -506,19 +492,24 @@ def main() -> None:
     ):
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--bucket-size", type=int, default=1_000_000, help="paratron's ddp_bucket_size (elements)")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--cores", type=int, default=2, help="CPU cores shared by the two processes")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    args = parser.parse_args()
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    tiny = dict(layers=2, hidden=64, heads=4, ffn=128, vocab=256, seq=32, micro_batch_size=2, rounds=1)
+    apply_smoke(args, parser, **tiny, overlap_repeats=1, bucket_size=10_000)
     md_path = args.markdown or (args.output.with_suffix(".md") if args.output else None)
     if args.what == "markdown":
         if not args.output:
             parser.error("markdown needs --output (the JSON to read)")
         md_path.write_text(markdown(json.loads(args.output.read_text())))
         return
-    settings = {k: v for k, v in vars(args).items() if k not in ("what", "output", "markdown")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("what", "output", "markdown", "smoke")}
     results = step(settings)
+    if args.smoke:
+        check(results, args.only)
     from paratron.model.gpt import build_model
 
     n = sum(p.numel() for p in build_model(_config(settings).model, seed=args.seed).parameters())
@@ -529,7 +520,7 @@ def main() -> None:
         "micro_batch_size": args.micro_batch_size,
         "microbatches": args.microbatches,
         "bucket_size": args.bucket_size,
-        "precision": "fp32",
+        "precision": PRECISION,
     }
     results["timing"] = {
         "cores": args.cores,
@@ -538,7 +529,7 @@ def main() -> None:
         "threads_per_process": results.pop("threads_per_process"),
     }
     run = {
-        "command": "python bench/data_parallel.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/data_parallel.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "commit": _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rounds": args.rounds,

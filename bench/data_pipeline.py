@@ -4,6 +4,7 @@
     python bench/data_pipeline.py memory       # peak memory of `paratron preprocess` as the input grows
     python bench/data_pipeline.py index        # GPT sample index over 1M documents vs megatron-core's C++
     python bench/data_pipeline.py all --output bench/results/data_pipeline.json
+    python bench/data_pipeline.py all --smoke  # each part on a megabyte: does it still run?
 
 Inputs are generated into a scratch folder (--scratch, default a temporary directory)
 from the standard library's own source, so the numbers are reproducible anywhere.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import add_smoke_argument, apply_smoke
 from paratron.data.corpus import stdlib_files
 from paratron.data.gpt_dataset import build_sample_indices
 from paratron.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -31,8 +33,9 @@ from paratron.data.preprocess import preprocess
 from paratron.data.tokenizer import train_byte_level_bpe
 
 
-def stdlib_texts() -> list[str]:
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in stdlib_files()]
+def stdlib_texts(limit: int | None = None) -> list[str]:
+    """The standard library's source files (the first `limit` of them), as texts."""
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in list(stdlib_files())[:limit]]
     return [t for t in texts if t]
 
 
@@ -50,11 +53,11 @@ def write_jsonl(path: Path, texts: list[str], target_bytes: int) -> int:
     return written
 
 
-def throughput(scratch: Path, megabytes: int) -> dict:
-    texts = stdlib_texts()
+def throughput(scratch: Path, megabytes: int, files: int | None = None, vocab: int = 8192) -> dict:
+    texts = stdlib_texts(files)
     data = scratch / "throughput.jsonl"
     write_jsonl(data, texts, megabytes << 20)
-    tokenizer = train_byte_level_bpe(iter(texts), 8192)
+    tokenizer = train_byte_level_bpe(iter(texts), vocab)
     documents = [json.loads(line)["text"] for line in data.open(encoding="utf-8")]
     text_mb = sum(len(t.encode()) for t in documents) / 1e6
     result: dict = {"input_mb": data.stat().st_size / 1e6, "text_mb": text_mb}
@@ -126,9 +129,11 @@ def peak_memory_of(command: list[str]) -> tuple[int, float]:
     return peak, time.perf_counter() - start
 
 
-def memory(scratch: Path, sizes_mb: list[int], bpe_sizes_mb: list[int]) -> dict:
-    texts = stdlib_texts()
-    tokenizer = train_byte_level_bpe(iter(texts), 8192)
+def memory(
+    scratch: Path, sizes_mb: list[int], bpe_sizes_mb: list[int], files: int | None = None, vocab: int = 8192
+) -> dict:
+    texts = stdlib_texts(files)
+    tokenizer = train_byte_level_bpe(iter(texts), vocab)
     tokenizer.save(scratch / "tokenizer.json")
     rng = np.random.default_rng(0)
     id_texts = [" ".join(map(str, rng.integers(0, 50000, size=int(rng.integers(50, 2000))))) for _ in range(2000)]
@@ -177,7 +182,7 @@ def memory(scratch: Path, sizes_mb: list[int], bpe_sizes_mb: list[int]) -> dict:
     return {"rows": rows}
 
 
-def index(scratch: Path, documents: int, seq_length: int, repeats: int = 5) -> dict:
+def index(scratch: Path, documents: int, seq_length: int, repeats: int) -> dict:
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 2000, size=documents).astype(np.int32)
     prefix = scratch / "million"
@@ -229,7 +234,7 @@ def _megatron_index_seconds(ds: IndexedDataset, train: np.ndarray, seq_length: i
     return theirs_s
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["throughput", "memory", "index", "all"])
     parser.add_argument("--scratch", type=Path, default=None)
@@ -237,18 +242,24 @@ def main() -> None:
     parser.add_argument("--memory-mb", type=int, nargs="+", default=[200, 2000])
     parser.add_argument("--bpe-memory-mb", type=int, nargs="+", default=[40, 400])
     parser.add_argument("--documents", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=5, help="index: builds timed on each side")
+    parser.add_argument("--files", type=int, default=None, help="standard-library files to read (default: all)")
+    parser.add_argument("--vocab", type=int, default=8192, help="the BPE tokenizer's vocabulary")
     parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args()
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    tiny = dict(throughput_mb=1, memory_mb=[1], bpe_memory_mb=[], documents=20_000, repeats=1, files=40, vocab=512)
+    apply_smoke(args, parser, **tiny)
     with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
         results = {}
         if args.what in ("throughput", "all"):
-            results["throughput"] = throughput(Path(scratch), args.throughput_mb)
+            results["throughput"] = throughput(Path(scratch), args.throughput_mb, args.files, args.vocab)
             print(json.dumps(results["throughput"], indent=2), flush=True)
         if args.what in ("index", "all"):
-            results["index"] = index(Path(scratch), args.documents, 2048)
+            results["index"] = index(Path(scratch), args.documents, 2048, args.repeats)
             print(json.dumps(results["index"], indent=2), flush=True)
         if args.what in ("memory", "all"):
-            results["memory"] = memory(Path(scratch), args.memory_mb, args.bpe_memory_mb)
+            results["memory"] = memory(Path(scratch), args.memory_mb, args.bpe_memory_mb, args.files, args.vocab)
     if args.output:
         args.output.write_text(json.dumps(results, indent=2))
 

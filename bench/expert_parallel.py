@@ -3,6 +3,7 @@
 alltoall dispatcher against allgather.
 
     python bench/expert_parallel.py --output bench/results/expert_parallel.json
+    python bench/expert_parallel.py --smoke  # a few short steps on two processes: does it still run?
 
 Each run is paratron's trainer on mock data (fp32, gloo on the CPU, the machine's cores shared by
 the processes), one micro-batch per rank per step; tokens/s is the median of the logged steps
@@ -26,30 +27,27 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from multiprocess import run_ranks  # noqa: E402  (the test suite's launcher of gloo ranks)
+from common import LLAMA_STYLE, NO_DROPOUT, add_smoke_argument, apply_smoke
+from paratron.distributed.local_ranks import run_ranks
 
 MODEL = dict(
     num_layers=4,
     hidden_size=256,
     num_attention_heads=8,
     num_query_groups=4,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    add_bias_linear=False,
+    **LLAMA_STYLE,
     vocab_size=4096,
     num_experts=8,
     moe_router_topk=2,
     moe_ffn_hidden_size=512,
     moe_aux_loss_coeff=1e-2,
+    **NO_DROPOUT,
 )
 
 
@@ -119,7 +117,7 @@ def _worker(args: dict, layout: dict, run_dir: str) -> int:
 
 def _run(args: argparse.Namespace, world: int, layout: dict, folder: Path, name: str) -> dict[str, Any]:
     """`world` processes of one layout; tokens/s and the bytes every rank sent per step."""
-    settings = {key: value for key, value in vars(args).items() if key != "output"}
+    settings = {key: value for key, value in vars(args).items() if key not in ("output", "smoke")}
     sent = run_ranks(_worker, world, settings, layout, str(folder / name), timeout=900)
     records = [json.loads(line) for line in open(folder / name / "metrics.jsonl")][args.warmup :]
     return {
@@ -139,7 +137,7 @@ def formula(args: argparse.Namespace, ep: int, dispatcher: str) -> float:
     return per_layer * MODEL["num_layers"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
@@ -147,7 +145,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, seq=32, batch=2, steps=3, warmup=1, worlds=[2])
     results: dict[str, Any] = {"settings": {**vars(args), "output": None, **MODEL}, "torch": torch.__version__}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

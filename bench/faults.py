@@ -1,6 +1,7 @@
 """What surviving faults costs, on this machine, against torchrun's own restarts.
 
     python bench/faults.py --output bench/results/faults.json
+    python bench/faults.py --smoke  # one kill, one trial each: does it still run, with its outcomes?
 
 - Restarts: the debug model on 2 processes, --train-iters 16 with a checkpoint every 2 steps,
   once uninterrupted and once with --kills SIGKILLs of a seeded random rank at seeded random steps
@@ -32,6 +33,8 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+from common import add_smoke_argument, apply_smoke
 
 REPO = Path(__file__).resolve().parents[1]
 STORE_PER_ATTEMPT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -203,7 +206,15 @@ def killed_launcher(folder: Path, trials: int, outlive: float) -> dict:
     return {"trials": trials, "outlive_s": outlive, "paratron_s": ours, "torchrun_s": theirs}
 
 
-def main() -> None:
+def check(results: dict) -> None:
+    """--smoke: the run with kills ended as the uninterrupted one, the hang ended with every rank's
+    report, and a killed launcher's workers did not outlive the watch."""
+    assert results["restarts"]["same_losses"], results["restarts"]
+    assert results["hang"]["exit_code"] != 0 and results["hang"]["reports"], results["hang"]
+    assert None not in results["killed_launcher"]["paratron_s"], results["killed_launcher"]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--kills", type=int, default=5)
@@ -212,7 +223,9 @@ def main() -> None:
     parser.add_argument("--peer-timeout", type=float, default=60.0)
     parser.add_argument("--outlive", type=float, default=10.0, help="seconds to watch workers after a kill")
     parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, steps=4, kills=1, trials=1, peer_timeout=30.0, outlive=2.0)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -223,6 +236,8 @@ def main() -> None:
             "killed_launcher": killed_launcher(folder, args.trials, args.outlive),
         }
     print(json.dumps(results, indent=2))
+    if args.smoke:
+        check(results)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=2) + "\n")

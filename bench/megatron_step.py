@@ -9,6 +9,7 @@ round is reported.
 
     python bench/megatron_step.py
     python bench/megatron_step.py --hidden-size 512 --rounds 5
+    python bench/megatron_step.py --smoke  # tiny: does megatron-core still build and train beside it?
 """
 
 from __future__ import annotations
@@ -16,28 +17,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from common import add_smoke_argument, apply_smoke, test_helper
 from paratron.data.build import build_data
 from paratron.distributed.init import initialize
+from step_time import SMOKE, add_model_arguments, bench_config, paratron_round
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the oracle builder the tests use
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from megatron_oracle import cpu_megatron, destroy_oracle, oracle_gpt  # noqa: E402
-from step_time import add_model_arguments, bench_config, paratron_round  # noqa: E402
+oracle = test_helper("megatron_oracle")  # the megatron-core builder the tests use
 
 
 def megatron_round(config, warmup: int, steps: int) -> float:
     """megatron-core's GPTModel with a hand-written loop: the same samples, AdamW and clipping."""
     m, t, o = config.model, config.training, config.optimizer
-    with cpu_megatron():
-        model, _ = oracle_gpt(
+    with oracle.cpu_megatron():
+        model, _ = oracle.oracle_gpt(
             num_layers=m.num_layers,
             hidden_size=m.hidden_size,
             num_attention_heads=m.num_attention_heads,
@@ -73,15 +70,17 @@ def megatron_round(config, warmup: int, steps: int) -> float:
         for i in range(warmup, warmup + steps):
             step(i)
         elapsed = (time.perf_counter() - start) / steps
-        destroy_oracle()
+        oracle.destroy_oracle()
     return elapsed
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
+    add_smoke_argument(parser)
     parser.set_defaults(steps=10, rounds=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, **SMOKE)
     config = bench_config(args)
     ctx = initialize()
     times: dict[str, list[float]] = {"paratron": [], "megatron_core": []}

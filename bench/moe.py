@@ -2,6 +2,7 @@
 whole MoE model's training step against a dense model with the same active parameters.
 
     python bench/moe.py --output bench/results/moe.json
+    python bench/moe.py --smoke  # tiny: does it still run and match Mixtral's block?
 
 1. Layer: forward + backward of `model.moe.MoELayer` (loop over experts, and `--moe-grouped-gemm`)
    and of `transformers.MixtralSparseMoeBlock` with the same weights (so the same routing), on
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import transformers
 
+from common import LLAMA_STYLE, NO_DROPOUT, add_smoke_argument, apply_smoke
 from paratron.config import build_config
 from paratron.config.schema import ModelConfig
 from paratron.model.moe import MoELayer
@@ -39,6 +41,7 @@ def layer_pair(args: argparse.Namespace, grouped: bool) -> tuple[MoELayer, torch
         num_experts=args.experts,
         moe_router_topk=args.topk,
         moe_grouped_gemm=grouped,
+        **NO_DROPOUT,
     )
     ours = MoELayer(config)
     hf_config = transformers.MixtralConfig(
@@ -100,11 +103,9 @@ def model_step(args: argparse.Namespace, folder: Path, name: str, **model: Any) 
         hidden_size=args.hidden,
         num_attention_heads=8,
         num_query_groups=4,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        activation="swiglu",
-        add_bias_linear=False,
+        **LLAMA_STYLE,
         vocab_size=4096,
+        **NO_DROPOUT,
         mock_data=True,
         seq_length=args.seq,
         micro_batch_size=args.batch,
@@ -121,7 +122,7 @@ def model_step(args: argparse.Namespace, folder: Path, name: str, **model: Any) 
     return statistics.median(args.batch * args.seq / r["tokens_per_s"] for r in records)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=512)
@@ -134,7 +135,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    tiny = dict(hidden=64, ffn=128, experts=4, batch=2, seq=32, layers=2, rounds=1, steps=1)
+    apply_smoke(args, parser, **tiny)
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}, "layer": layer_bench(args)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,6 +151,9 @@ def main() -> None:
             "dense_step_s": model_step(args, Path(tmp), "dense", **dense),
         }
     result["model"]["ratio"] = result["model"]["moe_step_s"] / result["model"]["dense_step_s"]
+    if args.smoke:
+        differences = {k: v["max_output_difference"] for k, v in result["layer"].items()}
+        assert all(d < 1e-5 for d in differences.values()), f"paratron's MoE layer and Mixtral's part: {differences}"
     print(json.dumps({"layer": result["layer"], "model": result["model"]}, indent=1))
     if args.output:
         args.output.write_text(json.dumps(result, indent=1) + "\n")

@@ -4,6 +4,7 @@
     python bench/plan_cpu.py --rounds 1 --steps 3 --only w1 dp2 pp2-1f1b          # a quick look
     python bench/plan_cpu.py --from-json bench/results/plan_cpu.json --output ... # predict again, no training
     python bench/plan_cpu.py --from-json X.json --rounds 2 --output X.json      # two more rounds, then predict
+    python bench/plan_cpu.py --smoke                                              # one step of two layouts
 
 One small GPT (fp32, mock data; `MODEL` below) is trained with `paratron train --nproc N` in
 each of the layouts of `LAYOUTS` (world 1, 2 and 4 on this machine's cores: data, tensor,
@@ -42,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from common import NO_DROPOUT, add_smoke_argument, apply_smoke, spawn
 from paratron.storage import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +57,7 @@ MODEL: dict[str, Any] = {
     "vocab_size": 4096,
     "untie_embeddings_and_output_weights": True,
     "global_batch_size": 16,
+    **NO_DROPOUT,
 }
 """The model and batch every layout trains (7.4M parameters; 2,048 tokens per step)."""
 
@@ -225,16 +228,9 @@ def calibrate(
 ) -> dict[str, Any]:
     """Per process count: each process's matmul rate (GFLOP/s, all computing at once: N processes
     share the cores) and the gloo collectives' times (ms) for messages of `sizes` bytes."""
-    import torch.multiprocessing as mp
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multiprocess import free_port
-
     out: dict[str, Any] = {}
     for world in worlds:
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            mp.spawn(_calibrate_worker, args=(world, free_port(), list(sizes), f.name), nprocs=world)
-            ranks = json.loads(Path(f.name).read_text())
+        ranks = spawn(_calibrate_worker, world, list(sizes))
         out[str(world)] = {
             "matmul_gflops_per_process": statistics.median(r["rate"] for r in ranks) / 1e9,
             "collective_ms": ranks[0]["times"] if world > 1 else {},
@@ -287,7 +283,7 @@ def predict(names: list[str], machines: dict[int, Any]) -> dict[str, Any]:
 
 LAYER_EFFICIENCY = 0.7
 """The share of a lone layer-shaped matmul's rate (the calibration's) that a whole Transformer layer's
-forward and backward reach on this CPU: from bench/pipeline.py's stage times (a PP 2 stage of 4
+forward and backward reach on this CPU: from bench/pipeline_bubble.py's stage times (a PP 2 stage of 4
 layers, 8 micro-batches of 2 x 128 tokens, about 40 GFLOP in about 0.63 s on one thread, against
 about 90 GFLOP/s for the lone matmul)."""
 
@@ -433,7 +429,7 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--rounds", type=int, default=None, help="rounds over the layouts (default 2; with --from-json 0: add rounds)"
@@ -469,7 +465,9 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="default: --output with .md")
-    args = parser.parse_args()
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, only=["w1", "dp2"], rounds=1, warmup=1, steps=1, quiet_below=1.0, extra_rounds=0)
 
     if args.from_json:
         results = json.loads(args.from_json.read_text())

@@ -3,6 +3,7 @@ and Megatron-LM's GPT runs on A100s (Narayanan et al. 2021, Tables 1 and 2).
 
     .venv/bin/python bench/plan_published.py                      # every run, with the planner's search
     .venv/bin/python bench/plan_published.py --no-search          # predictions only (seconds)
+    .venv/bin/python bench/plan_published.py --smoke              # the same, checked, results elsewhere
 
 For each run (`paratron.planning.published`, which documents the data and how each run is put
 into paratron's settings): whether its layout fits the device as `paratron train --dry-run` would
@@ -27,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import RESULTS, add_smoke_argument, apply_smoke
 from paratron.planning.hardware import preset
 from paratron.planning.published import RUNS, Run, evaluate
 from paratron.storage import write_text_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION = {"h100-80g": 0, "a100-80g": 3}
 """Preset -> the index in RUNS of the run its matmul efficiency is fitted to."""
 LIMIT = 0.15
@@ -70,12 +71,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-search", action="store_true", help="Skip the planner's search (predictions only).")
     parser.add_argument("--calibrate", action="store_true", help="Refit the presets' matmul efficiency and print it.")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "plan_published.json")
-    args = parser.parse_args()
+    parser.add_argument("--output", type=Path, default=RESULTS / "plan_published.json")
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, no_search=True)
     if args.calibrate:
         for name, index in CALIBRATION.items():
             print(f"{name}: matmul efficiency {fitted_efficiency(RUNS[index]):.3f} (fitted to {RUNS[index].name})")
@@ -98,6 +101,8 @@ def main() -> None:
     payload = {"runs": rows, "checks": checks, "limit": LIMIT}
     payload["markdown"] = text
     write_text_atomic(args.output, json.dumps(payload, indent=1) + "\n")
+    if args.smoke:
+        assert all(checks.values()), f"the planner no longer predicts the published runs: {checks}"
 
 
 if __name__ == "__main__":

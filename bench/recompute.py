@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/recompute.py
     .venv/bin/python bench/recompute.py --rounds 7 --steps 3 --hidden-size 512
+    .venv/bin/python bench/recompute.py --smoke  # tiny: does it still run, with the same losses in every mode?
 
 One process builds the same GPT-2-style model (dropout 0.1, so the attention core keeps its
 quadratic activations) once per mode from the same seed and trains it in fp32 with paratron's
@@ -18,15 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from common import RESULTS, add_smoke_argument, apply_smoke
+from paratron.distributed.local_ranks import run_ranks
 from paratron.storage import write_text_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "none": {},
     "selective": dict(recompute_granularity="selective"),
@@ -95,7 +96,7 @@ def run(args: dict) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=384)
@@ -105,12 +106,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "recompute.json")
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multiprocess import run_ranks
+    parser.add_argument("--output", type=Path, default=RESULTS / "recompute.json")
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    tiny = dict(layers=2, hidden_size=64, heads=2, seq_length=32, micro_batch_size=2, rounds=1, steps=1)
+    apply_smoke(args, parser, **tiny)
 
-    settings = {k: v for k, v in vars(args).items() if k != "output"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "smoke")}
     result = run_ranks(run, 1, settings, timeout=3600.0)[0]
     base = statistics.median(result["none"]["times"])
     rows = []
@@ -131,6 +133,8 @@ def main() -> None:
             f"MiB, losses equal to none: {rows[-1]['same_losses']}",
             flush=True,
         )
+    if args.smoke:
+        assert all(r["same_losses"] for r in rows), "a recomputation mode changed the losses"
     command = "python bench/recompute.py" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in settings.items() if v != parser.get_default(k)
     )

@@ -7,6 +7,7 @@ machine's speed hits both; the reported time is the median over rounds.
 
     python bench/step_time.py                 # defaults below, fp32 on CPU
     python bench/step_time.py --steps 20 --rounds 5 --hidden-size 512
+    python bench/step_time.py --smoke         # tiny: does it still run?
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common import NO_DROPOUT, add_smoke_argument, apply_smoke
 from paratron.config import Config, build_config, resolve_layout
 from paratron.data.build import build_data
 from paratron.distributed.init import initialize
@@ -91,6 +93,12 @@ def plain_round(config, ctx, warmup: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+SMOKE = dict(
+    steps=2, warmup=1, rounds=1, num_layers=2, hidden_size=64, seq_length=32, micro_batch_size=2, vocab_size=256
+)
+"""--smoke: a model of seconds."""
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's rounds and model, shared with bench/megatron_step.py."""
     parser.add_argument("--steps", type=int, default=15)
@@ -120,18 +128,19 @@ def bench_config(args: argparse.Namespace) -> Config:
             lr=3e-4,
             lr_warmup_iters=10,
             lr_decay_iters=1000,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
+            **NO_DROPOUT,
             log_interval=10**9,
             eval_iters=0,
         )
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
-    args = parser.parse_args()
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, **SMOKE)
     config = bench_config(args)
     # (the rounds stop early, after warmup + steps; both loops follow this one schedule)
     ctx = initialize()

@@ -2,6 +2,7 @@
 
     python bench/tensor_parallel.py step      # TP=2 step time: paratron vs PyTorch DTensor TP, 2 gloo processes
     python bench/tensor_parallel.py memory    # parameter bytes per rank at TP 1/2/4/8 (meta device, no processes)
+    python bench/tensor_parallel.py all --smoke  # both, tiny: does it still run and agree with DTensor?
 
 `step` trains the same model (a Llama-shaped GPT from paratron's model code, same seed) in
 two ways on the same two processes: paratron's tensor-parallel layers, and PyTorch's own
@@ -14,44 +15,34 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-MODEL = dict(
-    num_layers=4,
-    hidden_size=512,
-    num_attention_heads=8,
-    num_query_groups=4,
-    ffn_hidden_size=1536,
-    vocab_size=8192,
-    max_position_embeddings=512,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-)
+from common import DATA_SEED, LLAMA_SMALL, PRECISION, SEED, add_smoke_argument, apply_smoke, spawn, torchrun_environment
+
+MODEL = LLAMA_SMALL
+SEQ_LENGTH, MICRO_BATCH = 256, 4
+SMOKE_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128)
+SMOKE_MODEL |= dict(vocab_size=256, seq_length=32, micro_batch_size=2)
 
 
-def _config(sequence_parallel: bool, tp: int, **model):
+def _config(sequence_parallel: bool, tp: int, model: dict):
     from paratron.config import build_config
 
     return build_config(
         dict(
-            MODEL,
-            **model,
+            model,
             tensor_model_parallel_size=tp,
             sequence_parallel=sequence_parallel,
             mock_data=True,
-            seq_length=256,
-            micro_batch_size=4,
-            seed=7,
+            seq_length=model["seq_length"],
+            micro_batch_size=model["micro_batch_size"],
+            seed=SEED,
         )
     )
 
@@ -80,6 +71,8 @@ def _dtensor_model(config, mesh, sequence_parallel: bool):
 
     model = build_model(config.model, seed=config.training.seed)
     seq = Shard(1) if sequence_parallel else Replicate()
+    # the block hands attention x and then its other arguments (rotary tables, cache, ...): only x moves
+    others = (None,) * (len(inspect.signature(model.layers[0].attention.forward).parameters) - 1)
     plan = {
         "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
@@ -105,8 +98,7 @@ def _dtensor_model(config, mesh, sequence_parallel: bool):
                     f"{p}.attention_norm": SequenceParallel(),
                     f"{p}.mlp_norm": SequenceParallel(),
                     f"{p}.attention": PrepareModuleInput(
-                        input_layouts=(Shard(1), None, None, None),
-                        desired_input_layouts=(Replicate(), None, None, None),
+                        input_layouts=(Shard(1), *others), desired_input_layouts=(Replicate(), *others)
                     ),
                     f"{p}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 }
@@ -121,15 +113,8 @@ def _time_steps(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _step_worker(rank: int, world: int, port: int, rounds: int, steps: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+def _step_worker(rank: int, world: int, port: int, rounds: int, steps: int, model: dict, out: str) -> None:
+    torchrun_environment(rank, world, port)
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -143,11 +128,12 @@ def _step_worker(rank: int, world: int, port: int, rounds: int, steps: int, out:
     topology = Topology(ParallelDims(world, tp=world), ctx.rank)
     topology.create_groups()
     mesh = init_device_mesh("cpu", (world,))
-    ids = torch.randint(0, MODEL["vocab_size"], (4, 257), generator=torch.Generator().manual_seed(0))
+    shape = (model["micro_batch_size"], model["seq_length"] + 1)
+    ids = torch.randint(0, model["vocab_size"], shape, generator=torch.Generator().manual_seed(DATA_SEED))
     inputs, labels = ids[:, :-1], ids[:, 1:]
     results = {}
     for sequence_parallel in (False, True):
-        config = _config(sequence_parallel, world)
+        config = _config(sequence_parallel, world, model)
         ours = _paratron_model(config, topology)
         ours_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4)
         theirs = _dtensor_model(config, mesh, sequence_parallel)
@@ -188,7 +174,7 @@ def _step_worker(rank: int, world: int, port: int, rounds: int, steps: int, out:
         # collectives per layer per step: the difference between 2-layer and 1-layer models
         counts = []
         for layers in (1, 2):
-            small = _paratron_model(_config(sequence_parallel, world, num_layers=layers), topology)
+            small = _paratron_model(_config(sequence_parallel, world, dict(model, num_layers=layers)), topology)
             with comm.count_collectives() as counted:
                 small.loss_function(small(inputs), labels).backward()
                 small.finish_grad_sync()
@@ -204,22 +190,13 @@ def _step_worker(rank: int, world: int, port: int, rounds: int, steps: int, out:
     dist.destroy_process_group()
 
 
-def step(rounds: int, steps: int) -> dict:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from multiprocess import free_port
-
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.spawn(_step_worker, args=(2, free_port(), rounds, steps, out.name), nprocs=2)
-        results = json.loads(Path(out.name).read_text())
-    results["model"] = MODEL | {"seq_length": 256, "micro_batch_size": 4, "precision": "fp32"}
+def step(rounds: int, steps: int, model: dict) -> dict:
+    results = spawn(_step_worker, 2, rounds, steps, model)
+    results["model"] = model | {"precision": PRECISION}
     return results
 
 
-def memory(device_gb: float) -> dict:
+def memory(device_gb: float, degrees: tuple[int, ...]) -> dict:
     """Parameter bytes per rank by TP degree, and the largest model whose training state fits a device."""
     from paratron.model.gpt import GPT
     from paratron.model.registry import model_config
@@ -235,13 +212,13 @@ def memory(device_gb: float) -> dict:
 
     rows = []
     base = model_config("llama3-8b")
-    for tp in (1, 2, 4, 8):
+    for tp in degrees:
         n = per_rank(base, tp)
         rows.append({"tp": tp, "params_per_rank": n, "bf16_weights_gb": 2 * n / 1e9, "training_state_gb": 16 * n / 1e9})
 
     # GPT-3-shaped family (Brown et al.): hidden h = 128 x heads, layers = h / 128, 4h MLP.
     largest = []
-    for tp in (1, 2, 4, 8):
+    for tp in degrees:
         best = None
         for heads in range(tp, 513, tp):  # every head count the TP degree divides
             h = 128 * heads
@@ -261,20 +238,25 @@ def memory(device_gb: float) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["step", "memory", "all"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device-gb", type=float, default=80.0)
     parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args()
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, rounds=1, steps=1, device_gb=1.0)
+    model = MODEL | {"seq_length": SEQ_LENGTH, "micro_batch_size": MICRO_BATCH}
+    if args.smoke:
+        model |= SMOKE_MODEL
     results = {}
     if args.what in ("memory", "all"):
-        results["memory"] = memory(args.device_gb)
+        results["memory"] = memory(args.device_gb, (1, 2) if args.smoke else (1, 2, 4, 8))
         print(json.dumps(results["memory"], indent=2), flush=True)
     if args.what in ("step", "all"):
-        results["step"] = step(args.rounds, args.steps)
+        results["step"] = step(args.rounds, args.steps, model)
         print(json.dumps({k: v for k, v in results["step"].items() if k != "model"}, indent=2), flush=True)
     if args.output:
         args.output.write_text(json.dumps(results, indent=2))

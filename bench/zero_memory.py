@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/zero_memory.py                          # N = 1, 2, 4, 8; stages 0-3
     .venv/bin/python bench/zero_memory.py --dp 2 4 --stages 1 2
+    .venv/bin/python bench/zero_memory.py --smoke                  # N = 1, 2: does it still run?
 
 For each data-parallel size N it spawns N gloo processes on this machine; each builds the same
 Llama-shaped GPT (4 layers, hidden 512, vocabulary 8192, untied input and output embeddings, about
@@ -21,29 +22,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
+from common import LLAMA_SMALL, PRECISION, RESULTS, SEED, add_smoke_argument, apply_smoke
+from paratron.distributed.local_ranks import run_ranks
 from paratron.storage import write_text_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = dict(
-    num_layers=4,
-    hidden_size=512,
-    num_attention_heads=8,
-    num_query_groups=4,
-    ffn_hidden_size=1536,
-    vocab_size=8192,
-    max_position_embeddings=512,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    activation="swiglu",
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-)
-RUN = dict(seq_length=128, micro_batch_size=2, mock_data=True, seed=7, ddp_bucket_size=4_000_000)
+MODEL = LLAMA_SMALL
+SMOKE_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128)
+SMOKE_MODEL |= dict(vocab_size=256)
+RUN = dict(seq_length=128, micro_batch_size=2, mock_data=True, seed=SEED, ddp_bucket_size=4_000_000)
 CATEGORIES = ("parameters", "gradients", "master", "optimizer_state")
 FORMULAS = {
     "mixed": ("16 psi", "4 psi + 12 psi/N", "2 psi + 14 psi/N", "16 psi/N"),
@@ -51,7 +41,7 @@ FORMULAS = {
 }
 
 
-def measure(stages: list[int]) -> list[dict]:
+def measure(stages: list[int], shape: dict) -> list[dict]:
     """On one rank (inside a gloo world): this rank's training state at each stage after one step."""
     import torch.distributed as dist
 
@@ -71,13 +61,13 @@ def measure(stages: list[int]) -> list[dict]:
     topology.create_groups()
     tokens = torch.randint(
         0,
-        MODEL["vocab_size"],
+        shape["vocab_size"],
         (RUN["micro_batch_size"], RUN["seq_length"] + 1),
         generator=torch.Generator().manual_seed(rank),
     )
     rows = []
     for stage in stages:
-        config = build_config(dict(MODEL, **RUN, zero_stage=stage))
+        config = build_config(dict(shape, **RUN, zero_stage=stage))
         with torch.device("meta"):
             meta = GPT(config.model)
         psi = sum(p.numel() for p in meta.parameters())
@@ -239,18 +229,19 @@ def reading(entries: list[dict], worst: float) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8], help="data-parallel sizes")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "zero_memory.json")
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multiprocess import run_ranks
+    parser.add_argument("--output", type=Path, default=RESULTS / "zero_memory.json")
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, dp=[1, 2])
+    model = MODEL | SMOKE_MODEL if args.smoke else MODEL
 
     entries = []
     for size in args.dp:
-        per_rank = run_ranks(measure, size, args.stages, timeout=900.0)
+        per_rank = run_ranks(measure, size, args.stages, model, timeout=900.0)
         entries += summarize(size, per_rank)
         for e in entries[-len(args.stages) :]:
             print(
@@ -266,9 +257,9 @@ def main() -> None:
     )
     results = {
         "command": command,
-        "model": MODEL,
+        "model": model,
         "run": RUN,
-        "precision": "fp32",
+        "precision": PRECISION,
         "optimizer": "AdamW",
         "torch": torch.__version__,
         "entries": entries,

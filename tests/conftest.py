@@ -25,7 +25,7 @@ import pytest
 import torch
 
 TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))  # tests/multiprocess.py and tests/tiny.py
+sys.path.insert(0, str(TESTS))  # tests/tiny.py and tests/megatron_oracle.py
 
 SPAWN_CALLS = {
     "subprocess": {"run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput"},
@@ -35,7 +35,7 @@ SPAWN_CALLS = {
 SPAWN_MODULES = ("multiprocessing", "torch.multiprocessing", "concurrent.futures.process")
 """Modules whose use in a test's code means processes (ranks, pools)."""
 RANK_RUNNERS = {"run_ranks"}
-"""Helpers that run a function on gloo ranks (tests/multiprocess.py, paratron.distributed.local_ranks)."""
+"""Helpers that run a function on gloo ranks (paratron.distributed.local_ranks)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -26,11 +26,11 @@ from paratron.checkpoint.lock import LOCK_NAME
 from paratron.cli import main
 from paratron.data.preprocess import save_trained_tokenizer
 from paratron.data.tokenizer import train_byte_level_bpe
+from paratron.distributed.local_ranks import run_ranks
 from paratron.errors import UserError
 from paratron.model.gpt import build_model
 from paratron.storage import is_disk_full, save_object, save_tensors, space_at, write_text_atomic, writing
 
-from multiprocess import run_ranks
 from tiny import WORDS, tiny_config
 
 TRAIN = [

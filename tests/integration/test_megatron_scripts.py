@@ -20,8 +20,7 @@ import yaml
 
 from paratron.cli import main, train_config
 from paratron.config import validate
-
-from multiprocess import run_ranks
+from paratron.distributed.local_ranks import run_ranks
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "megatron"
 FUNCTIONAL = sorted((DATA / "functional").glob("*.yaml"))

@@ -22,9 +22,8 @@ import pytest
 from paratron.checkpoint.io import TRACKER, read_checkpoint
 from paratron.checkpoint.lock import LOCK_NAME
 from paratron.cli import main
+from paratron.distributed.local_ranks import free_port
 from paratron.distributed.watchdog import Watchdog
-
-from multiprocess import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from paratron.checkpoint.io import read_checkpoint
+from paratron.distributed.local_ranks import run_ranks
 from paratron.errors import NonFiniteStop
 from paratron.training.run import run_training
 
-from multiprocess import run_ranks
 from tiny import tiny_config
 
 RUN = dict(train_iters=6, lr_warmup_iters=1, save_interval=2)

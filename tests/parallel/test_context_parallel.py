@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from paratron.distributed.init import initialize
+from paratron.distributed.local_ranks import run_ranks
 from paratron.distributed.topology import RankGroup
 from paratron.model.attention import BlockSparse, Causal, Document, SlidingWindow, TokenPlaces, attend
 from paratron.parallel.context.attention import ContextParallelAttention
 from paratron.parallel.context.split import token_index
 
-from multiprocess import run_ranks
 from tiny import PARITY_RUN, training_records
 
 PATTERNS = {

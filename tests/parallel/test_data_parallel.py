@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
-from multiprocess import run_ranks
 from tiny import tiny_config
 
 STEPS = 20

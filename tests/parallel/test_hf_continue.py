@@ -7,9 +7,8 @@ import torch
 import transformers  # the reference; installed with the test extras
 
 from paratron.config import build_config
+from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
-
-from multiprocess import run_ranks
 
 
 def losses(checkpoint: str, run_dir: str, overrides: dict) -> list[float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from multiprocess import run_ranks
+from paratron.distributed.local_ranks import run_ranks
 
 WORLD = 2
 RANK, ALPHA, TARGETS = 4, 8.0, "qkv,proj,fc1,fc2"

@@ -18,12 +18,12 @@ import pytest
 import torch.distributed as dist
 
 from paratron.config import build_config, validate
+from paratron.distributed.local_ranks import run_ranks
 from paratron.distributed.topology import ParallelDims
 from paratron.planning.activations import CPU
 from paratron.planning.dry_run import dry_run, with_vocabulary
 from paratron.training.run import run_training
 
-from multiprocess import run_ranks
 from tiny import LLAMA_STYLE, QUIET
 
 BASE = dict(

@@ -9,9 +9,9 @@ import pytest
 
 from paratron.config import build_config
 from paratron.distributed.init import initialize
+from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
-from multiprocess import run_ranks
 from tiny import training_records
 
 

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
-from multiprocess import run_ranks
 from tiny import tiny_config
 
 # 8 layers: PP 4 with two virtual stages per rank holds one layer per chunk

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from multiprocess import run_ranks
+from paratron.distributed.local_ranks import run_ranks
 
 MODEL = dict(
     num_layers=4,

@@ -15,9 +15,9 @@ from paratron.checkpoint import load_pretrained
 from paratron.checkpoint.convert import paratron_to_hf
 from paratron.checkpoint.hf import write as hf_write
 from paratron.checkpoint.pieces import parse_key
+from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
-from multiprocess import run_ranks
 from tiny import tiny_config
 
 # vocabulary 97 pads differently at each TP size; 2 key-value heads are replicated at TP 4

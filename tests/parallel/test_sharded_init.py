@@ -18,13 +18,12 @@ import torch.distributed as dist
 
 from paratron.config import build_config
 from paratron.distributed.init import initialize
+from paratron.distributed.local_ranks import run_ranks
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.model import init
 from paratron.model.gpt import GPT, build_model
 from paratron.parallel.data.fully_sharded import full_parameter, local_tensor
 from paratron.parallel.sharding import gather_full
-
-from multiprocess import run_ranks
 
 transform = importlib.import_module("paratron.parallel.parallelize")  # (the module: the package exports its function)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from paratron.distributed.init import initialize
+from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
-from multiprocess import run_ranks
 from tiny import tiny_config
 
 GPT_FLAVOUR = dict(

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from paratron.distributed.local_ranks import run_ranks
 from paratron.parallel.data.memory import paper_bytes, training_state_elements, zero_formula
 
-from multiprocess import run_ranks
 from tiny import tiny_config
 
 SIZE = 2

@@ -28,10 +28,9 @@ from paratron.checkpoint import megatron as mc
 from paratron.checkpoint.convert import megatron_to_paratron, paratron_to_megatron
 from paratron.checkpoint.io import CheckpointContent, model_from_checkpoint, read_checkpoint, save_checkpoint
 from paratron.config.loading import build_config
+from paratron.distributed.local_ranks import run_ranks
 from paratron.errors import CheckpointError
 from paratron.model.gpt import build_model
-
-from multiprocess import run_ranks
 
 VOCAB, PADDED_BY, SEQ, BATCH = 120, 64, 16, 2
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]

@@ -18,12 +18,12 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from paratron.distributed.init import initialize
+from paratron.distributed.local_ranks import run_ranks
 from paratron.errors import ConfigError
 from paratron.model.gpt import build_model
 from paratron.training.flops import bounded_mfu, peak_flops
 from paratron.training.run import check_logging_settings, run_training
 
-from multiprocess import run_ranks
 from tiny import LLAMA_STYLE, tiny_config
 
 STEPS, SEQ, HIDDEN, MAX_POSITIONS = 4, 32, 64, 256  # the debug recipe's model, sequences of 32

@@ -148,7 +148,8 @@ def measure_cpu(gpus_per_node: int, nodes: int = 1) -> Hardware:
         nodes=nodes,
         device_memory_gb=_machine_memory_bytes() / procs / 1e9,
         peak_tflops=peak / 1e12,
-        matmul_efficiency=0.7,  # a layer's matmuls and elementwise work against the probe's best (bench/pipeline.py)
+        # a layer's matmuls and elementwise work against the probe's best (bench/pipeline_bubble.py)
+        matmul_efficiency=0.7,
         intra_node_gbps=_copy_bandwidth() / GLOO_COPIES / 1e9,
         inter_node_gbps=1.25,  # 10 Gb/s Ethernet between machines
         intra_node_latency_us=GLOO_LATENCY_US * crowding,

@@ -43,8 +43,6 @@ from paratron.planning.candidates import (
     zero_bubble_too_long,
     zero_stages,
 )
-from paratron.planning.candidates import balanced_ends as balanced_ends  # (importable from here for bench/pipeline.py)
-from paratron.planning.candidates import output_ratio as output_ratio  # (the same)
 from paratron.planning.cost import StepPrediction, predict_step, step_bound
 from paratron.planning.dry_run import with_vocabulary
 from paratron.planning.hardware import Hardware

@@ -1,9 +1,14 @@
-"""Run a function on N gloo ranks from pytest and report each rank's failure.
+"""Run a function on N local ranks of this machine and report each rank's failure.
 
 `run_ranks(fn, n, *args)` spawns n processes with the torchrun environment variables set
 (RANK, WORLD_SIZE, MASTER_ADDR, ...), calls `fn(*args)` in each, and returns the list of
 return values in rank order. If any rank raises, exits or hangs past the timeout, every
 rank is stopped and one AssertionError lists what happened on each rank.
+
+It is how the tests and benchmarks compare a multi-rank run with one process (gloo on the
+CPU, no torchrun needed), and how a user tries a parallel layout from a script:
+`fn` calls `paratron.distributed.initialize()` as under torchrun. `fn` and its arguments must
+be picklable (a module-level function), since each rank is a fresh `spawn` process.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for the ranks' rendezvous (MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    """One rank: torchrun's environment, then `fn`, its result or traceback sent home."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -43,6 +50,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """`fn(*args)` on `world_size` spawned ranks; their results in rank order, or one
+    AssertionError naming what every failed rank did (raised, exited, or silent past `timeout`)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
