@@ -18,7 +18,7 @@ from paratron.config.schema import Config, ModelConfig
 from paratron.errors import ConfigError, UserError
 from paratron.model.gpt import GPT
 from paratron.model.mlp import MLP
-from paratron.training import loop
+from paratron.training import resume
 from paratron.training.run import run_training
 
 from tiny import tiny_config
@@ -142,7 +142,7 @@ def test_resume_without_rng_and_with_another_schedule(tmp_path, monkeypatch, cap
     run_training(tiny_config(lr_warmup_iters=1, run_dir=tmp_path / "a", train_iters=4, save=str(save), save_interval=2))
     whole = _lrs(tmp_path / "a")
     restored = []
-    monkeypatch.setattr(loop.rng, "restore", lambda *args: restored.append(args))
+    monkeypatch.setattr(resume.rng, "restore", lambda *args: restored.append(args))
     run_training(tiny_config(lr_warmup_iters=1, run_dir=tmp_path / "b", train_iters=4, load=str(save / "iter_0000002")))
     assert len(restored) == 1 and "differs from the checkpoint's" not in capsys.readouterr().out
     run_training(
