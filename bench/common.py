@@ -116,18 +116,6 @@ def test_helper(name: str) -> ModuleType:
     return module
 
 
-def torchrun_environment(rank: int, world: int, port: int) -> None:
-    """What torchrun would set for a spawned worker."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-
-
 def spawn(worker: Callable[..., None], world: int, *args: Any) -> Any:
     """Run `worker(rank, world, port, *args, out)` on `world` spawned processes and return the JSON
     that rank 0 wrote to `out`. Unlike `run_ranks` there is no time limit: full runs take minutes."""

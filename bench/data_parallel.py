@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 
-from common import PRECISION, SEED, add_smoke_argument, apply_smoke, gpt_settings, spawn, torchrun_environment
+from common import PRECISION, SEED, add_smoke_argument, apply_smoke, gpt_settings, spawn
+from paratron.distributed.local_ranks import torchrun_environment
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 PAIRINGS = ("ddp", "zero1", "zero3")

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from common import apply_smoke, spawn, torchrun_environment
+from common import apply_smoke, spawn
+from paratron.distributed.local_ranks import torchrun_environment
 from paratron.planning.candidates import balanced_ends, output_ratio
 from pipeline_common import SMOKE, add_arguments, build, merge_into, microbatches, run_settings
 from plan_cpu import busy_seconds, wait_for_quiet

@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from common import apply_smoke, spawn, torchrun_environment
+from common import apply_smoke, spawn
+from paratron.distributed.local_ranks import torchrun_environment
 from pipeline_common import SMOKE, add_arguments, build, merge_into, microbatches, run_settings
 
 if TYPE_CHECKING:

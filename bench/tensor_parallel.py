@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from common import DATA_SEED, LLAMA_SMALL, PRECISION, SEED, add_smoke_argument, apply_smoke, spawn, torchrun_environment
+from common import DATA_SEED, LLAMA_SMALL, PRECISION, SEED, add_smoke_argument, apply_smoke, spawn
+from paratron.distributed.local_ranks import torchrun_environment
 
 MODEL = LLAMA_SMALL
 SEQ_LENGTH, MICRO_BATCH = 256, 4

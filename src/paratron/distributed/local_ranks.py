@@ -31,8 +31,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
-    """One rank: torchrun's environment, then `fn`, its result or traceback sent home."""
+def torchrun_environment(rank: int, world: int, port: int) -> None:
+    """Set what torchrun would set for local rank `rank` of `world` (rendezvous on 127.0.0.1:`port`)."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -41,6 +41,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    """One rank: torchrun's environment, then `fn`, its result or traceback sent home."""
+    torchrun_environment(rank, world, port)
     try:
         # plain pickle copies tensors by value (the queue's own pickler would share them by file
         # descriptor, which dies with this process)

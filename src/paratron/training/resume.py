@@ -22,8 +22,8 @@ from paratron.checkpoint.io import (
     read_checkpoint,
     weight_catalog,
 )
-from paratron.checkpoint.megatron import load_converted_optimizer
 from paratron.checkpoint.model_of import paratron_checkpoint
+from paratron.checkpoint.native import load_converted_optimizer
 from paratron.checkpoint.optimizer_state import load_optimizer
 from paratron.config.schema import CheckpointConfig, Config
 from paratron.distributed import rng

@@ -47,7 +47,6 @@ from paratron.checkpoint.megatron.settings import (
 )
 from paratron.checkpoint.megatron.torch_dist import unstack
 from paratron.checkpoint.megatron.unpickle import ALLOWED_GLOBALS, MegatronStandIn, safe_load
-from paratron.checkpoint.native import load_converted_optimizer
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -63,7 +62,6 @@ __all__ = [
     "detect_format",
     "from_paratron",
     "fuse_qkv",
-    "load_converted_optimizer",
     "megatron_args",
     "megatron_optimizer",
     "megatron_weights",
