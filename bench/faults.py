@@ -98,6 +98,21 @@ print(f"attempt {attempt} rank {rank}: done", flush=True)
 """
 
 
+def _run_group(command: list[str], timeout: float, env: dict[str, str]) -> str | None:
+    """Run `command` in a process group of its own and return its output; None when it was still
+    running after `timeout` s (then the whole group is killed: torchrun's workers with their agent,
+    which killing the agent alone would leave running)."""
+    job = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True
+    )
+    try:
+        return job.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        return None
+
+
 def torchrun_restart(folder: Path, trials: int, timeout: float) -> dict:
     """`trials` runs of PEER under torchrun --max-restarts 2, with the agent's shared store (torchrun's
     default) and with a store per attempt (what paratron's launcher sets): how many recovered at
@@ -110,16 +125,12 @@ def torchrun_restart(folder: Path, trials: int, timeout: float) -> dict:
     for setting, env in (("shared store (torchrun's default)", {}), ("store per attempt", STORE_PER_ATTEMPT)):
         outcomes = {"first restart": 0, "second restart": 0, "failed": 0, "hung": 0}
         for _ in range(trials):
-            try:
-                done = subprocess.run(
-                    command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
-                )
-            except subprocess.TimeoutExpired:
+            stdout = _run_group(command, timeout, {**os.environ, **env})
+            if stdout is None:
                 outcomes["hung"] += 1
-                continue
-            if "attempt 1 rank 0: done" in done.stdout:
+            elif "attempt 1 rank 0: done" in stdout:
                 outcomes["first restart"] += 1
-            elif "attempt 2 rank 0: done" in done.stdout:
+            elif "attempt 2 rank 0: done" in stdout:
                 outcomes["second restart"] += 1
             else:
                 outcomes["failed"] += 1
@@ -225,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path)
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
-    apply_smoke(args, parser, steps=4, kills=1, trials=1, peer_timeout=30.0, outlive=2.0)
+    apply_smoke(args, parser, steps=4, kills=1, trials=1, peer_timeout=15.0, outlive=2.0)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
