@@ -10,6 +10,7 @@ from paratron.config.faults import Fault, parse_faults
 from paratron.config.schema import ParallelConfig
 from paratron.config.validation import validate
 from paratron.distributed.launch import first_host, needs_agent, slurm_settings
+from paratron.distributed.local_ranks import EPHEMERAL_PORTS, free_port
 from paratron.distributed.topology import Axis, ParallelDims
 from paratron.errors import ConfigError
 
@@ -80,3 +81,12 @@ def test_tensor_then_context_then_expert_groups_stay_inside_a_node(tp, cp, ep):
         assert all(len(g) == size for g in groups)
         if tp * cp * (ep if axis is Axis.EP else 1) <= per_node:
             assert all(len({r // per_node for r in g}) == 1 for g in groups), (axis, groups)
+
+
+def test_a_free_port_is_not_one_an_outgoing_connection_could_be_given():
+    """A node retrying to reach a store not yet listening must not be able to connect to itself."""
+    low = int(EPHEMERAL_PORTS.read_text().split()[0]) if EPHEMERAL_PORTS.is_file() else None
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1  # (drawn, not one fixed port)
+    if low is not None:
+        assert all(10_000 <= port < low for port in ports), (low, sorted(ports))

@@ -16,16 +16,34 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import random
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Where Linux says which ports it hands out as the local end of outgoing connections."""
+
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for the ranks' rendezvous (MASTER_PORT)."""
+    """A TCP port free on 127.0.0.1 now, for the ranks' rendezvous (MASTER_PORT).
+
+    It lies below the range the system hands out to outgoing connections where the system says
+    which that is: a client that keeps connecting to a port nobody listens on yet (a node that
+    starts before the one hosting the store) can be given that very port as its own end, connect
+    to itself and hold it, and the store then fails to listen there."""
+    low = int(EPHEMERAL_PORTS.read_text().split()[0]) if EPHEMERAL_PORTS.is_file() else 0
+    for port in random.Random().sample(range(10_000, low), min(64, max(low - 10_000, 0))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
