@@ -167,8 +167,8 @@ def _guarded(item: pytest.Item) -> bool:
     return "not spawns" in " ".join(expression.split()) and item.get_closest_marker("spawns") is None
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item):
+def _watched(item: pytest.Item):
+    """Run a test phase (setup or call) with the guard on, if the item is guarded."""
     if not _guarded(item):
         return (yield)
     guard = _Guard()
@@ -180,12 +180,10 @@ def pytest_runtest_setup(item: pytest.Item):
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    if not _guarded(item):
-        return (yield)
-    guard = _Guard()
-    with guard.watching():
-        result = yield
-    if guard.started:
-        pytest.fail(guard.message(), pytrace=False)
-    return result
+    return (yield from _watched(item))
