@@ -17,13 +17,19 @@
 - A killed launcher: SIGKILL of the launcher's process group once its workers train, --trials
   times: how long `paratron train --nproc 2`'s workers outlive it, against a plain script's
   workers under `torchrun --standalone --nproc-per-node 2` (alive or not --outlive s later).
+
+Every job runs under a deadline, and once it has ended or been given up on, no process of it is
+left (`end_job`): a trial that hangs is recorded as such and cannot stall the benchmark or leave
+workers behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import queue
 import random
 import re
 import signal
@@ -31,8 +37,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 from common import add_smoke_argument, apply_smoke
 
@@ -42,12 +52,82 @@ RUN = ["train", "--config", "debug", "--nproc", "2", "--lr-warmup-iters", "1", "
 QUIET = ["--no-progress-bar", "--no-tensorboard", "--log-interval", "1"]
 
 
-def paratron(*args: str, timeout: float = 900) -> tuple[float, subprocess.CompletedProcess]:
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "paratron", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+@dataclass
+class Ended:
+    """How a job ended: its exit code (None: still running at its deadline, then killed), output and time."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (not ended, not dead awaiting collection), from /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+JOB_MARK = "PARATRON_BENCH_JOB"
+"""Set in a job's environment, which every process it starts inherits: torch's agent starts each
+worker in a session of its own, and an orphan is reparented, so neither the process group nor the
+parent chain finds them all."""
+
+
+def _marked(mark: str) -> list[int]:
+    """The running processes whose environment holds JOB_MARK=`mark`."""
+    needle = f"{JOB_MARK}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in found if _running(pid)]
+
+
+def start_job(command: list[str], env: dict[str, str] | None = None, **popen: Any) -> tuple[subprocess.Popen, str]:
+    """Start `command` in a session of its own, marked so that `end_job` finds every process of it."""
+    mark = uuid.uuid4().hex
+    job = subprocess.Popen(
+        command, cwd=REPO, env={**(env or os.environ), JOB_MARK: mark}, text=True, start_new_session=True, **popen
     )
-    return time.perf_counter() - start, done
+    return job, mark
+
+
+def end_job(mark: str, within: float = 10.0) -> None:
+    """SIGKILL every process of the job marked `mark` until none is left (a sweep can miss one being
+    started at that moment; the next catches it)."""
+    deadline = time.monotonic() + within
+    while (left := _marked(mark)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def run_job(command: list[str], timeout: float, env: dict[str, str] | None = None) -> Ended:
+    """Run `command` until it ends or `timeout` s pass, its output in files (a worker that outlived
+    it cannot hold a pipe open and stall the reader); then no process of it is left running."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        job, mark = start_job(command, env, stdout=out, stderr=err)
+        try:
+            returncode: int | None = job.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        seconds = time.perf_counter() - start
+        end_job(mark)
+        job.wait()
+        out.seek(0), err.seek(0)
+        return Ended(returncode, out.read(), err.read(), seconds)
+
+
+def paratron(*args: str, timeout: float = 900) -> Ended:
+    return run_job([sys.executable, "-m", "paratron", *args], timeout)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -56,11 +136,11 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def restarts(folder: Path, steps: int, kills: int, seed: int) -> dict:
     common = [*RUN, "--train-iters", str(steps), "--save-interval", "2", *QUIET]
-    calm_s, calm = paratron(*common, "--save", str(folder / "ck0"), "--run-dir", str(folder / "calm"))
+    calm = paratron(*common, "--save", str(folder / "ck0"), "--run-dir", str(folder / "calm"))
     assert calm.returncode == 0, calm.stderr[-2000:]
     chance = random.Random(seed)
     faults = [f"{chance.randrange(2)}:{s}:crash" for s in sorted(chance.randint(1, steps) for _ in range(kills))]
-    faulty_s, faulty = paratron(
+    faulty = paratron(
         *common,
         "--save",
         str(folder / "ck"),
@@ -76,9 +156,9 @@ def restarts(folder: Path, steps: int, kills: int, seed: int) -> dict:
         "steps": steps,
         "kills": kills,
         "faults": faults,
-        "uninterrupted_s": calm_s,
-        "with_kills_s": faulty_s,
-        "extra_s_per_kill": (faulty_s - calm_s) / kills,
+        "uninterrupted_s": calm.seconds,
+        "with_kills_s": faulty.seconds,
+        "extra_s_per_kill": (faulty.seconds - calm.seconds) / kills,
         "same_losses": losses(folder / "faulty") == losses(folder / "calm"),
     }
 
@@ -98,21 +178,6 @@ print(f"attempt {attempt} rank {rank}: done", flush=True)
 """
 
 
-def _run_group(command: list[str], timeout: float, env: dict[str, str]) -> str | None:
-    """Run `command` in a process group of its own and return its output; None when it was still
-    running after `timeout` s (then the whole group is killed: torchrun's workers with their agent,
-    which killing the agent alone would leave running)."""
-    job = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True
-    )
-    try:
-        return job.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
-        return None
-
-
 def torchrun_restart(folder: Path, trials: int, timeout: float) -> dict:
     """`trials` runs of PEER under torchrun --max-restarts 2, with the agent's shared store (torchrun's
     default) and with a store per attempt (what paratron's launcher sets): how many recovered at
@@ -125,12 +190,12 @@ def torchrun_restart(folder: Path, trials: int, timeout: float) -> dict:
     for setting, env in (("shared store (torchrun's default)", {}), ("store per attempt", STORE_PER_ATTEMPT)):
         outcomes = {"first restart": 0, "second restart": 0, "failed": 0, "hung": 0}
         for _ in range(trials):
-            stdout = _run_group(command, timeout, {**os.environ, **env})
-            if stdout is None:
+            ended = run_job(command, timeout, {**os.environ, **env})
+            if ended.returncode is None:
                 outcomes["hung"] += 1
-            elif "attempt 1 rank 0: done" in stdout:
+            elif "attempt 1 rank 0: done" in ended.stdout:
                 outcomes["first restart"] += 1
-            elif "attempt 2 rank 0: done" in stdout:
+            elif "attempt 2 rank 0: done" in ended.stdout:
                 outcomes["second restart"] += 1
             else:
                 outcomes["failed"] += 1
@@ -139,7 +204,7 @@ def torchrun_restart(folder: Path, trials: int, timeout: float) -> dict:
 
 
 def hang(folder: Path) -> dict:
-    seconds, done = paratron(
+    done = paratron(
         *RUN,
         "--train-iters",
         "4",
@@ -153,7 +218,7 @@ def hang(folder: Path) -> dict:
         timeout=300,
     )
     reports = [line for line in done.stderr.splitlines() if line.startswith("[rank ")]
-    return {"timeout_s": 3.0, "seconds_to_end": seconds, "exit_code": done.returncode, "reports": reports}
+    return {"timeout_s": 3.0, "seconds_to_end": done.seconds, "exit_code": done.returncode, "reports": reports}
 
 
 SLEEPER = """
@@ -161,14 +226,6 @@ import os, time
 print(os.getpid(), flush=True)
 time.sleep(600)
 """
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` runs (not ended, not dead awaiting collection), from /proc."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _workers(parent: int) -> list[int]:
@@ -183,37 +240,64 @@ def _workers(parent: int) -> list[int]:
     return [pid for pid in found if _running(pid)]
 
 
-def _kill_group_and_watch(command: list[str], ready: str, outlive: float, lines: int = 1) -> float | None:
+NOT_STARTED = "not started"
+"""A trial whose job printed no sign of its workers before its deadline (then killed)."""
+
+
+def _lines(stream: IO[str]) -> tuple[queue.Queue[str | None], threading.Thread]:
+    """The lines of `stream`, read by a thread of their own (None at its end), so that the caller
+    can wait for one with a deadline."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return lines, reader
+
+
+def _kill_group_and_watch(
+    command: list[str], ready: str, outlive: float, start_within: float, lines: int = 1
+) -> float | str | None:
     """Start `command` in a process group of its own, SIGKILL the group once `lines` lines matching
     the pattern `ready` are printed, and return how long its workers outlived it (None: still running
-    `outlive` s later; then killed)."""
-    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    seen = 0
-    for line in job.stdout:
-        seen += re.search(ready, line) is not None
-        if seen == lines:
+    `outlive` s later; NOT_STARTED: not ready within `start_within` s). Nothing of it is left running."""
+    job, mark = start_job(command, stdout=subprocess.PIPE)
+    (printed, reader), seen, deadline = _lines(job.stdout), 0, time.monotonic() + start_within
+    while seen < lines:
+        try:
+            line = printed.get(timeout=max(deadline - time.monotonic(), 0))
+        except queue.Empty:
+            line = None
+        if line is None:
             break
+        seen += re.search(ready, line) is not None
     workers = _workers(job.pid)
     os.killpg(job.pid, signal.SIGKILL)
     killed = time.perf_counter()
     job.wait()
-    while time.perf_counter() - killed < outlive:
+    outlived: float | str | None = NOT_STARTED if seen < lines else None
+    while outlived is None and time.perf_counter() - killed < outlive:
         if not any(_running(pid) for pid in workers):
-            return time.perf_counter() - killed
+            outlived = time.perf_counter() - killed
         time.sleep(0.005)
-    for pid in workers:
-        if _running(pid):
-            os.kill(pid, signal.SIGKILL)
-    return None
+    end_job(mark)
+    reader.join(timeout=30)  # (every process that could write has gone: the pipe has ended)
+    if not reader.is_alive():  # (closing a pipe another thread reads would wait for that read)
+        job.stdout.close()
+    return outlived
 
 
-def killed_launcher(folder: Path, trials: int, outlive: float) -> dict:
+def killed_launcher(folder: Path, trials: int, outlive: float, start_within: float) -> dict:
     script = folder / "sleeper.py"
     script.write_text(textwrap.dedent(SLEEPER))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     train = [sys.executable, "-m", "paratron", *RUN, "--train-iters", "100000", "--run-dir", str(folder / "killed")]
-    ours = [_kill_group_and_watch([*train, *QUIET], r"^step +1/", outlive) for _ in range(trials)]
-    theirs = [_kill_group_and_watch(torchrun, "", outlive, lines=2) for _ in range(trials)]  # (both pids)
+    ours = [_kill_group_and_watch([*train, *QUIET], r"^step +1/", outlive, start_within) for _ in range(trials)]
+    theirs = [_kill_group_and_watch(torchrun, "", outlive, start_within, lines=2) for _ in range(trials)]  # (both pids)
     return {"trials": trials, "outlive_s": outlive, "paratron_s": ours, "torchrun_s": theirs}
 
 
@@ -222,7 +306,7 @@ def check(results: dict) -> None:
     report, and a killed launcher's workers did not outlive the watch."""
     assert results["restarts"]["same_losses"], results["restarts"]
     assert results["hang"]["exit_code"] != 0 and results["hang"]["reports"], results["hang"]
-    assert None not in results["killed_launcher"]["paratron_s"], results["killed_launcher"]
+    assert all(isinstance(s, float) for s in results["killed_launcher"]["paratron_s"]), results["killed_launcher"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,10 +317,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trials", type=int, default=5, help="runs of the torchrun restart, per store setting")
     parser.add_argument("--peer-timeout", type=float, default=60.0)
     parser.add_argument("--outlive", type=float, default=10.0, help="seconds to watch workers after a kill")
+    parser.add_argument("--start-within", type=float, default=300.0, help="seconds a killed-launcher job has to start")
     parser.add_argument("--output", type=Path)
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
-    apply_smoke(args, parser, steps=4, kills=1, trials=1, peer_timeout=15.0, outlive=2.0)
+    apply_smoke(args, parser, steps=4, kills=1, trials=1, peer_timeout=15.0, outlive=2.0, start_within=120.0)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -244,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
             "restarts": restarts(folder, args.steps, args.kills, args.seed),
             "torchrun_restart": torchrun_restart(folder, args.trials, args.peer_timeout),
             "hang": hang(folder),
-            "killed_launcher": killed_launcher(folder, args.trials, args.outlive),
+            "killed_launcher": killed_launcher(folder, args.trials, args.outlive, args.start_within),
         }
     print(json.dumps(results, indent=2))
     if args.smoke:
