@@ -106,7 +106,7 @@ def test_decoding_with_a_cache_gives_the_logits_of_the_whole_window_run():
     config = dataclasses.replace(LLAMA_FLAVOUR, attention_type="sliding-window", window_size=6)
     model = build_model(config, seed=1).eval()
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
-    from paratron.model.gpt import KVCache
+    from paratron.model.transformer import KVCache
 
     with torch.no_grad():
         whole = model(ids)

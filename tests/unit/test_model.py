@@ -9,7 +9,8 @@ import torch
 
 from paratron.inference.generate import generate
 from paratron.model import init
-from paratron.model.gpt import KVCache, build_model
+from paratron.model.gpt import build_model
+from paratron.model.transformer import KVCache
 
 from tiny import FLAVOURS, GPT_FLAVOUR, LLAMA_FLAVOUR
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from paratron.config import schema
+from paratron.config.limits import DERIVED
 from paratron.errors import ConfigError
 
 
@@ -83,12 +84,14 @@ def _describe_type(hint: Any) -> tuple[type, bool, tuple[Any, ...] | None, type]
 def section_fields(section: str) -> tuple[FieldInfo, ...]:
     cls = type(getattr(schema.Config(), section))
     hints = typing.get_type_hints(cls)
-    docs = _attribute_docs(cls)
+    parts = [c for c in cls.__mro__ if dataclasses.is_dataclass(c)]  # (a section may inherit a part's settings)
+    docs = {name: doc for part in reversed(parts) for name, doc in _attribute_docs(part).items()}
+    own = set(cls.__dict__.get("__annotations__", {}))
     infos = []
-    for f in dataclasses.fields(cls):
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):  # (its own settings first)
         base, optional, choices, item = _describe_type(hints[f.name])
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-        optional = optional or bool(f.metadata.get(schema.DERIVED))
+        optional = optional or bool(f.metadata.get(DERIVED))
         limits = {k: v for k, v in f.metadata.items() if k in ("min", "above", "below")}
         doc = docs.get(f.name, "")
         infos.append(FieldInfo(section, f.name, base, optional, choices, default, doc, limits, item))

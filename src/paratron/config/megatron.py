@@ -51,6 +51,8 @@ RENAMES: dict[str, str] = {
     "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
     "--use-checkpoint-opt_param-scheduler": "use_checkpoint_opt_param_scheduler",
     "--override-opt_param-scheduler": "override_opt_param_scheduler",
+    "--freeze-ViT": "freeze_vision_model",  # (Megatron-LM's examples/multimodal)
+    "--freeze-LM": "freeze_language_model",
 }
 """Other spellings of a setting's flag (Megatron-LM's own included)."""
 

@@ -25,20 +25,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from paratron.config.limits import ABOVE_ZERO, DERIVED, FRACTION, ZERO_OR_MORE
+from paratron.config.vision import VisionSettings
+
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 """The layers --lora-targets may name (see ModelConfig.lora_targets)."""
-
-ABOVE_ZERO = {"above": 0}
-"""Field metadata: the setting must be above zero when set."""
-
-ZERO_OR_MORE = {"min": 0}
-"""Field metadata: the setting may be zero but not negative."""
-
-FRACTION = {"min": 0, "below": 1}
-"""Field metadata: the setting lies in [0, 1)."""
-
-DERIVED = "derived"
-"""Field metadata key: None means "work it out from the other settings" (done when the dataclass is built)."""
 
 
 def moe_layer_pattern(freq: str, num_layers: int) -> tuple[bool, ...]:
@@ -54,8 +45,8 @@ def moe_layer_pattern(freq: str, num_layers: int) -> tuple[bool, ...]:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Transformer architecture."""
+class ModelConfig(VisionSettings):
+    """Transformer architecture (and, with a vision model, the image encoder and projector in front of it)."""
 
     model_name: str | None = None
     """Named size from the model registry (debug, gpt2-small, llama3-8b, ...); its values are defaults that the other
@@ -265,7 +256,7 @@ class ModelConfig:
         object.__setattr__(self, "_derived", frozenset(derived))
         object.__setattr__(self, "_moe_layer_pattern", moe_layer_pattern(self.moe_layer_freq, self.num_layers))
 
-    def _derived_defaults(self) -> dict[str, int]:
+    def _derived_defaults(self) -> dict[str, Any]:
         """The MLP width (4h; int(4h x 2/3 / 64) x 64 with SwiGLU, which keeps the parameter count of a 4h GELU MLP),
         the key/value heads (1 with --group-query-attention alone, else one per query head) and the head width."""
         swiglu = self.activation == "swiglu"
@@ -273,6 +264,7 @@ class ModelConfig:
             "ffn_hidden_size": int(4 * self.hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * self.hidden_size,
             "num_query_groups": 1 if self.group_query_attention else self.num_attention_heads,
             "kv_channels": self.hidden_size // max(self.num_attention_heads, 1),
+            **self._vision_defaults(),
         }
 
     @property
@@ -296,8 +288,8 @@ class ModelConfig:
     def architecture(self) -> dict[str, Any]:
         """Each MODEL_ARCHITECTURE setting's value in effect: a derived default worked out (the MLP width, the
         key/value heads, the head width) and a setting this model does not use (rotary settings without rotary
-        embeddings, expert settings without experts, the position table's size without one) None, so that two
-        spellings of the same model compare equal."""
+        embeddings, expert settings without experts, vision settings without an encoder, the position table's size
+        without one) None, so that two spellings of the same model compare equal."""
         rope, experts = self.position_embedding_type == "rope", bool(self.num_experts)
         in_effect: dict[str, Any] = {
             "group_query_attention": self.num_query_groups,
@@ -308,7 +300,8 @@ class ModelConfig:
         }
         values = {name: in_effect.get(name, getattr(self, name)) for name in MODEL_ARCHITECTURE}
         for name in values:
-            if (name.startswith("rotary_") and not rope) or (name.startswith("moe_") and not experts):
+            unused_vision = not self.has_vision and name in VisionSettings.__dataclass_fields__
+            if (name.startswith("rotary_") and not rope) or (name.startswith("moe_") and not experts) or unused_vision:
                 values[name] = None
         return values
 
@@ -346,6 +339,21 @@ MODEL_ARCHITECTURE: tuple[str, ...] = (
     "moe_router_enable_expert_bias",
     "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
+    "vision_type",
+    "img_h",
+    "img_w",
+    "patch_dim",
+    "vision_num_layers",
+    "vision_hidden_size",
+    "vision_num_attention_heads",
+    "vision_ffn_hidden_size",
+    "vision_norm_epsilon",
+    "vision_pooling_head",
+    "vision_feature_layer",
+    "vision_feature_select",
+    "vision_projection",
+    "vision_projection_bias",
+    "image_token_id",
 )
 """Model settings that define the architecture: the shapes of the weights and the function they compute. A run that
 loads a checkpoint takes them from it, and refuses a different value from a flag, the recipe or --model
@@ -374,6 +382,9 @@ MODEL_ADJUSTABLE: tuple[str, ...] = (
     "lora_rank",
     "lora_alpha",
     "lora_targets",
+    "vision_model",
+    "freeze_vision_model",
+    "freeze_language_model",
 )
 """Model settings a run may change from its checkpoint's: the registry name (only a source of defaults), which keys
 each token attends to (a mask over the same weights, e.g. document masking for packed fine-tuning data), dropout,

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-from paratron.model.gpt import GPT, KVCache
+from paratron.model.gpt import GPT
+from paratron.model.transformer import KVCache
 
 
 def sample_next(

@@ -1,7 +1,8 @@
 """The GPT model family as single-device code, and a registry of named sizes."""
 
-from paratron.model.gpt import GPT, KVCache, build_model
+from paratron.model.gpt import GPT, build_model
 from paratron.model.init import init_parameter
 from paratron.model.registry import MODELS, count_parameters, model_config
+from paratron.model.transformer import KVCache
 
 __all__ = ["GPT", "KVCache", "build_model", "init_parameter", "MODELS", "count_parameters", "model_config"]

@@ -10,7 +10,8 @@ conversation). `--attention-type` picks a pattern from `ATTENTION_TYPES`:
   `sliding_window`);
 - `document`: causal within each packed document (`--reset-attention-mask`, SFT packing);
 - `block-sparse`: Child et al. (2019)'s strided pattern over blocks of `--sparse-block-size`
-  tokens: the `--sparse-stride` S most recent blocks, and every S-th block before them.
+  tokens: the `--sparse-stride` S most recent blocks, and every S-th block before them;
+- `bidirectional` (not a flag's value: the vision encoder's layers): every token sees every token of its row.
 
 A sparse pattern also names, for each block of queries, the blocks of keys it can reach
 (`key_blocks`); `attend` then runs SDPA on just those blocks, so at a fixed window time and
@@ -94,6 +95,8 @@ class AttentionPattern:
     """True when the data must mark the segments of each row (documents)."""
     block: int | None = None
     """Tokens per block of sparse execution (None: dense)."""
+    sees_all: ClassVar[bool] = False
+    """Every query sees every key (no mask at all)."""
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> AttentionPattern:
@@ -186,14 +189,27 @@ class BlockSparse(AttentionPattern):
         return table.masked_fill(table < 0, -1)
 
 
+class Bidirectional(AttentionPattern):
+    """Every token sees every token of its row (an encoder's attention)."""
+
+    name = "bidirectional"
+    sees_all = True
+
+    def allows(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(query + key, dtype=torch.bool)
+
+
 ATTENTION_TYPES: dict[str, type[AttentionPattern]] = {
     cls.name: cls for cls in (Causal, SlidingWindow, Document, BlockSparse)
 }
-"""--attention-type values and their patterns."""
+"""--attention-type values and their patterns (a language model's)."""
+
+PATTERNS: dict[str, type[AttentionPattern]] = {**ATTENTION_TYPES, Bidirectional.name: Bidirectional}
+"""Every pattern by name: the language model's, and the vision encoder's `bidirectional`."""
 
 
 def make_pattern(config: ModelConfig) -> AttentionPattern:
-    return ATTENTION_TYPES[config.attention_type].from_config(config)
+    return PATTERNS[config.attention_type].from_config(config)
 
 
 # ---------------------------------------------------------------- computing it
@@ -293,6 +309,8 @@ def attend(
     segments = None if places is None else places.segments
     if whole_row and segments is None and pattern.causal_up_to(Tk):
         return _sdpa(q, k, v, None, True, dropout)
+    if whole_row and segments is None and pattern.sees_all:
+        return _sdpa(q, k, v, None, False, dropout)
     if whole_row and pattern.block is not None:
         return blocked_attention(pattern, q, k, v, segments, dropout)
     places = places or TokenPlaces.row(Tq, q.device)

@@ -1,218 +1,28 @@
 """The GPT family (GPT-2/3, Llama, Mistral, Qwen2 shapes) as plain single-device PyTorch.
 
-Read top to bottom: positions, the KV cache, attention, a pre-norm block (its MLP in `model/mlp.py`),
-the whole model, and `build_model` (the weights' initialization lives in `model/init.py`).
-Nothing here knows about parallelism. Head counts are derived from weight shapes
-(`view(B, T, -1, head_dim)`), so tensor parallelism can swap `nn.Linear` for its
-sharded twins without touching this file.
+Read top to bottom: the whole model (its blocks, attention and positions in `model/transformer.py`, its MLP in
+`model/mlp.py`, the image side of a vision-language model in `model/vision.py`) and `build_model` (the weights'
+initialization lives in `model/init.py`). Nothing here knows about parallelism.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
-from paratron.model.attention import AttentionCore, TokenPlaces, make_pattern
+from paratron.model.attention import TokenPlaces
 from paratron.model.init import init_weights
 from paratron.model.lora import add_adapters
-from paratron.model.mlp import MLP, Projections
-from paratron.model.moe import MoELayer
-
-# ---------------------------------------------------------------- positions
-
-
-def rotary_width(config: ModelConfig) -> int:
-    """Features of each head that rotate: int(head width x --rotary-percent), as Megatron-LM counts them."""
-    head_dim = config.kv_channels
-    return int(head_dim * config.rotary_percent) if config.rotary_percent < 1.0 else head_dim
-
-
-def rotary_cos_sin(
-    positions: torch.Tensor, width: int, base: float, interleaved: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for rotary embeddings of `width` features, computed in fp32: [T, width] for
-    positions [T], [B, 1, T, width] (one table per row, broadcast over heads) for positions [B, T].
-    Pair k turns at base^(-2k / width) per position; its two features sit at k and k + width/2
-    (halves) or at 2k and 2k + 1 (`interleaved`)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, width, 2, device=positions.device, dtype=torch.float32) / width))
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    if interleaved:
-        angles = angles.repeat_interleave(2, dim=-1)
-    else:
-        angles = torch.cat((angles, angles), dim=-1)
-    if positions.dim() == 2:
-        angles = angles.unsqueeze(1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first cos.size(-1) features of x [B, heads, T, head_dim] by position-dependent angles,
-    pairs (i, i + width/2) or, `interleaved`, (2k, 2k + 1); the other features pass through."""
-    width = cos.size(-1)
-    turned, passed = x[..., :width], x[..., width:]
-    if interleaved:
-        even, odd = turned[..., 0::2], turned[..., 1::2]
-        rotated = torch.stack((-odd, even), dim=-1).flatten(-2)
-    else:
-        first, second = turned.chunk(2, dim=-1)
-        rotated = torch.cat((-second, first), dim=-1)
-    turned = (turned.float() * cos + rotated.float() * sin).to(x.dtype)
-    return torch.cat((turned, passed), dim=-1) if passed.size(-1) else turned
-
-
-# ---------------------------------------------------------------- KV cache (for generation)
-
-
-class LayerKVCache:
-    """Keys and values of one layer for the positions seen so far; allocated on first use."""
-
-    def __init__(self, max_length: int) -> None:
-        self.max_length = max_length
-        self.length = 0
-        """Positions held so far: the next keys and values go after them."""
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the keys and values of the new positions; all of them so far."""
-        if self.keys is None:
-            shape = (k.size(0), k.size(1), self.max_length, k.size(3))
-            self.keys = k.new_empty(shape)
-            self.values = v.new_empty(shape)
-        start, end = self.length, self.length + k.size(2)
-        self.keys[:, :, start:end] = k
-        self.values[:, :, start:end] = v  # type: ignore[index]
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]  # type: ignore[index]
-
-
-class KVCache:
-    """Per-layer caches; `length` is the number of positions already processed."""
-
-    def __init__(self, num_layers: int, max_length: int) -> None:
-        self.layers = [LayerKVCache(max_length) for _ in range(num_layers)]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-
-# ---------------------------------------------------------------- attention
-
-
-class Attention(nn.Module):
-    """Self-attention of the configured pattern (causal, sliding window, ...: `model/attention.py`);
-    grouped-query when there are fewer key/value heads than query heads. `layer_number` (from 1, as
-    Megatron-LM numbers layers) divides the scores under --apply-query-key-layer-scaling."""
-
-    def __init__(self, config: ModelConfig, layer_number: int = 1) -> None:
-        super().__init__()
-        heads = config.num_attention_heads
-        groups = config.num_query_groups
-        self.head_dim = config.kv_channels
-        bias = config.add_bias_linear
-        widths = {"q": heads * self.head_dim, "k": groups * self.head_dim, "v": groups * self.head_dim}
-        self.in_proj = Projections(config.hidden_size, widths, bias or config.add_qkv_bias)
-        self.out_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
-        self.core = AttentionCore(
-            make_pattern(config),
-            config.attention_dropout,
-            layer_scaling=layer_number if config.apply_query_key_layer_scaling else None,
-        )
-        self.rotary_interleaved = config.rotary_interleaved
-        self.output_dropout = nn.Dropout(config.hidden_dropout)
-        # (--qk-layernorm: each head's queries and keys normalized, as Qwen3's q_norm / k_norm)
-        self.q_norm = make_norm(config, self.head_dim) if config.qk_layernorm else None
-        self.k_norm = make_norm(config, self.head_dim) if config.qk_layernorm else None
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: LayerKVCache | None = None,
-        places: TokenPlaces | None = None,
-    ) -> torch.Tensor:
-        q, k, v = self.in_proj(x)
-        B, T = q.shape[:2]  # (not x's: with sequence parallelism x holds only part of the sequence)
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, groups, T, hd]
-        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:
-            q = apply_rotary(q, *rotary, self.rotary_interleaved)
-            k = apply_rotary(k, *rotary, self.rotary_interleaved)
-        if cache is not None:
-            k, v = cache.update(k, v)
-        y = self.core(q, k, v, places).transpose(1, 2).reshape(B, T, -1)
-        return self.output_dropout(self.out_proj(y))
-
-
-# ---------------------------------------------------------------- block and model
-
-
-class LayerNorm1P(nn.LayerNorm):
-    """LayerNorm with zero-centred gamma (--apply-layernorm-1p): the scale applied is 1 + weight."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
-
-
-class RMSNorm1P(nn.RMSNorm):
-    """RMSNorm with zero-centred gamma (--apply-layernorm-1p): the scale applied is 1 + weight."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
-
-
-def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
-    """The model's norm over `size` features (default: the hidden size)."""
-    size = size or config.hidden_size
-    if config.normalization == "RMSNorm":
-        return (RMSNorm1P if config.apply_layernorm_1p else nn.RMSNorm)(size, eps=config.norm_epsilon)
-    return (LayerNorm1P if config.apply_layernorm_1p else nn.LayerNorm)(size, eps=config.norm_epsilon)
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)); in an MoE layer the
-    MLP is a mixture of experts (`model/moe.py`)."""
-
-    def __init__(self, config: ModelConfig, moe: bool = False, layer_number: int = 1) -> None:
-        super().__init__()
-        self.attention_norm = make_norm(config)
-        self.attention = Attention(config, layer_number)
-        self.mlp_norm = make_norm(config)
-        self.mlp = MoELayer(config) if moe else MLP(config)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: LayerKVCache | None = None,
-        places: TokenPlaces | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rotary, cache, places)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class TransformerLayers(nn.ModuleList):
-    """The stack of blocks. `forward` runs a contiguous range of them in order: all of them in
-    the whole model, its own layers in a pipeline stage. (A module of its own, so that
-    recomputation can swap in a stack that recomputes groups of layers.)"""
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        indices: range,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | None = None,
-        places: TokenPlaces | None = None,
-    ) -> torch.Tensor:
-        for i in indices:
-            x = self[i](x, rotary, cache.layers[i] if cache is not None else None, places)
-        return x
+from paratron.model.transformer import (
+    KVCache,
+    TransformerBlock,
+    TransformerLayers,
+    make_norm,
+    rotary_cos_sin,
+    rotary_width,
+)
+from paratron.model.vision import VisionModel
 
 
 class GPT(nn.Module):
@@ -223,6 +33,10 @@ class GPT(nn.Module):
     some tokens of each row (a row split over ranks), `token_index` [T] gives their places in the
     row, and `segment_ids` and `position_ids` cover the whole row. `config.vocab_size` must be
     set. With `config.lora_rank` the chosen linear layers carry LoRA adapters and only those train.
+
+    With a vision encoder (`config.has_vision`) `images` [N, 3, H, W] are the micro-batch's images, whose
+    features take the places of the image placeholders (`model.vision`); --freeze-vision-model and
+    --freeze-language-model leave those parts' weights untrained.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -231,6 +45,7 @@ class GPT(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be set before building the model")
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.vision = VisionModel(config) if config.has_vision else None
         learned = config.position_embedding_type == "learned_absolute"
         self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
@@ -242,6 +57,24 @@ class GPT(nn.Module):
         self.tie_weights()
         if config.lora_rank is not None:
             add_adapters(self, config.lora_rank, config.lora_alpha, config.lora_targets)
+        self.freeze()
+
+    def freeze(self) -> None:
+        """Leave untrained what the config freezes, and the encoder's weights that never run. With LoRA the
+        projector trains whole beside the adapters (LLaVA's LoRA recipe); the encoder stays frozen."""
+        vision, config = self.vision, self.config
+        if vision is None:
+            return
+        if config.lora_rank is not None:
+            vision.projector.requires_grad_(True)
+        frozen = vision.encoder.carried()
+        if config.freeze_vision_model:
+            frozen += list(vision.encoder.parameters())
+        if config.freeze_language_model:
+            image_side = set(vision.parameters())
+            frozen += [p for name, p in self.named_parameters() if p not in image_side and "lora_" not in name]
+        for param in frozen:
+            param.requires_grad_(False)
 
     @property
     def tied(self) -> bool:
@@ -259,10 +92,11 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,
+        images: torch.Tensor | None = None,
     ) -> torch.Tensor:
         start = cache.length if cache is not None else 0
         positions, places = self.token_layout(input_ids, position_ids, segment_ids, token_index, start=start)
-        x = self.embed(input_ids, positions)
+        x = self.embed(input_ids, positions, images)
         x = self.layers(x, range(len(self.layers)), self.rotary_tables(positions), cache, places)
         return self.head(x)
 
@@ -288,9 +122,14 @@ class GPT(nn.Module):
             return places.index, places
         return (position_ids if token_index is None else position_ids[:, token_index]), places
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token (+ learned position) embeddings at `positions` ([T] or [B, T])."""
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, images: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Token embeddings, the images' features in their placeholders' places (with a vision encoder), + learned
+        position embeddings at `positions` ([T] or [B, T])."""
         x = self.embedding(input_ids)
+        if self.vision is not None:
+            x = self.vision(x, input_ids, images)
         if self.position_embedding is not None:
             x = x + self.position_embedding(positions)
         return self.embedding_dropout(x)

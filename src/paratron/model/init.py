@@ -19,6 +19,9 @@ from torch import nn
 from paratron.config.schema import ModelConfig
 from paratron.model.lora import init_adapter, is_adapter
 
+VISION = "vision."
+"""The prefix of the vision encoder's and projector's parameter names."""
+
 INIT_BLOCK_ELEMENTS = 2**22
 """Weights are drawn in blocks of whole rows of dimension 0 of about this many elements (16 MiB in
 fp32), each from its own generator: a rank that holds a slice of a tensor draws only the blocks that
@@ -60,8 +63,8 @@ def init_rows(name: str, shape: Sequence[int], rows: slice, out: torch.Tensor, c
         if name.endswith("bias"):
             out.zero_()
             return
-        if name.endswith("norm.weight"):
-            out.fill_(0.0 if config.apply_layernorm_1p else 1.0)  # (1p: the scale applied is 1 + weight)
+        if name.endswith("norm.weight"):  # (1p: the scale applied is 1 + weight; the vision encoder's are plain)
+            out.fill_(0.0 if config.apply_layernorm_1p and not name.startswith(VISION) else 1.0)
             return
         step = init_block_rows(name, shape)
         for block in range(start // step, -(-stop // step)):
@@ -83,7 +86,7 @@ def _draw(name: str, block: torch.Tensor, config: ModelConfig, seed: int, index:
         return
     std = config.init_method_std
     if name.endswith(("out_proj.weight", "experts.w_out")):
-        std /= math.sqrt(2.0 * config.num_layers)
+        std /= math.sqrt(2.0 * (config.vision_num_layers if name.startswith(VISION) else config.num_layers))
     block.normal_(0.0, std, generator=generator)
 
 

@@ -24,7 +24,7 @@ class Projections(nn.ModuleDict):
 
 
 class MLP(nn.Module):
-    """GELU MLP (GPT) or SwiGLU MLP (Llama): up-projection, activation, down-projection.
+    """GELU MLP (GPT; quick GELU, CLIP's) or SwiGLU MLP (Llama): up-projection, activation, down-projection.
     `inner`, `bias` and `dropout` default to the config's (a shared expert sets its own)."""
 
     def __init__(
@@ -34,6 +34,7 @@ class MLP(nn.Module):
         hidden, inner = config.hidden_size, inner or config.ffn_hidden_size
         bias = config.add_bias_linear if bias is None else bias
         self.gated = config.activation == "swiglu"
+        self.quick = config.activation == "quick_gelu"
         self.gelu = "tanh" if config.openai_gelu else "none"  # GPT-2's approximation, or the exact GELU
         self.in_proj = Projections(hidden, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias)
         self.out_proj = nn.Linear(inner, hidden, bias=bias)
@@ -45,5 +46,5 @@ class MLP(nn.Module):
             h = F.silu(gate) * up
         else:
             (up,) = self.in_proj(x)
-            h = F.gelu(up, approximate=self.gelu)
+            h = up * torch.sigmoid(1.702 * up) if self.quick else F.gelu(up, approximate=self.gelu)
         return self.dropout(self.out_proj(h))

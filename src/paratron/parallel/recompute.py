@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 
 from paratron.distributed.rng import RNGStates
 from paratron.model.attention import TokenPlaces
-from paratron.model.gpt import GPT, KVCache, TransformerLayers
+from paratron.model.gpt import GPT
+from paratron.model.transformer import KVCache, TransformerLayers
 
 
 def _rng_contexts(rng: RNGStates | None) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
