@@ -17,6 +17,7 @@ from paratron.config.fields import all_fields, flag
 from paratron.config.layout import Layout, check_schedule, resolve_layout
 from paratron.config.samples import batch_ramp, schedule_lengths
 from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
+from paratron.config.vision_checks import check_vision_layout, check_vision_model
 from paratron.errors import ConfigError
 
 
@@ -42,8 +43,10 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_launch(config.parallel)
     _check_precision(config.training)
     _check_model(config.model, config.data)
+    check_vision_model(config.model, config.data.seq_length)
     _check_megatron_model_features(config)
     layout = resolve_layout(config, world_size)
+    check_vision_layout(config, layout)
     _check_tensor_parallel(config, layout)
     _check_expert_parallel(config, layout)
     _check_context_parallel(config, layout)

@@ -28,7 +28,7 @@ import numpy as np
 from paratron.config.schema import Config
 from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend, split_ranges
 from paratron.data.corpus import files_signature, stdlib_files
-from paratron.data.datasets import MockTokens, SampleSource
+from paratron.data.datasets import MockTokens, MockVisionSamples, SampleSource
 from paratron.data.gpt_dataset import GPTDataset, StreamWindows
 from paratron.data.indexed import IndexedDataset, dataset_exists
 from paratron.data.loader import DocumentLayout, LoaderSource
@@ -246,11 +246,9 @@ def build_data(
     train_samples, valid_samples, _ = samples_per_split(config, global_batch_size)
     if d.mock_data:
         vocab = config.model.vocab_size or MOCK_VOCAB
-        if d.dataloader_type == "cyclic":  # as Megatron's mock dataset: as many samples as the run reads, reshuffled
-            mock_train = MockTokens(vocab, d.seq_length, seed, max(train_samples, 1))
-            mock_valid = MockTokens(vocab, d.seq_length, seed + 1, max(valid_samples, 1))
-        else:
-            mock_train, mock_valid = MockTokens(vocab, d.seq_length, seed), MockTokens(vocab, d.seq_length, seed + 1)
+        cyclic = d.dataloader_type == "cyclic"  # (as Megatron's mock dataset: as many samples as the run reads)
+        sizes = (max(train_samples, 1), max(valid_samples, 1)) if cyclic else (1 << 40, 1 << 40)
+        mock_train, mock_valid = (_mock(config, vocab, seed + i, size) for i, size in enumerate(sizes))
         return DataBundle(_ordered(config, mock_train, True), _ordered(config, mock_valid, False), None, vocab)
 
     builder = _Builder(config, local_rank, log)
@@ -290,6 +288,15 @@ def build_data(
     train = builder.blend(*train_parts, train_samples, "train")
     valid = builder.blend(*valid_parts, valid_samples, "validation") if config.training.eval_iters > 0 else None
     return DataBundle(_ordered(config, train, True), _ordered(config, valid, False), tokenizer, vocab)
+
+
+def _mock(config: Config, vocab: int, seed: int, size: int) -> SampleSource:
+    """--mock-data: progressions of tokens, with random images for a vision-language model."""
+    m, seq_length = config.model, config.data.seq_length
+    if not m.has_vision:
+        return MockTokens(vocab, seq_length, seed, size)
+    placeholder = m.with_changes(vocab_size=vocab).placeholder_id
+    return MockVisionSamples(vocab, seq_length, seed, (3, m.img_h, m.img_w), m.image_tokens, placeholder, size)
 
 
 def _ordered(config: Config, samples: SampleSource | None, training: bool) -> SampleSource | None:

@@ -28,7 +28,7 @@ import torch
 
 from paratron.config.layout import micro_batches_per_rank
 from paratron.config.schema import DataConfig, ModelConfig
-from paratron.data.datasets import SampleSource
+from paratron.data.datasets import SampleSource, VisionSample
 from paratron.model.attention import ATTENTION_TYPES
 from paratron.model.batch import IGNORE_INDEX, Batch
 
@@ -110,9 +110,15 @@ def pretraining_batch(tokens: np.ndarray, documents: DocumentLayout) -> Batch:
 
 
 def collate(samples: list, documents: DocumentLayout) -> Batch:
-    """One micro-batch of samples: token arrays (pretraining) or `SFTSample`s (fine-tuning)."""
+    """One micro-batch of samples: token arrays (pretraining), `SFTSample`s (fine-tuning) or `VisionSample`s
+    (their images one after another, in the rows' order)."""
     if isinstance(samples[0], np.ndarray):
         return pretraining_batch(np.stack(samples), documents)
+    if isinstance(samples[0], VisionSample):
+        ids, labels, positions, segments, images = zip(*samples)
+        arrays = [None if column[0] is None else torch.from_numpy(np.stack(column)) for column in (positions, segments)]
+        stacked = torch.from_numpy(np.stack(ids)), torch.from_numpy(np.stack(labels))
+        return Batch(*stacked, *arrays, images=torch.cat(images))
     fields = [torch.from_numpy(np.stack(column)) for column in zip(*samples)]
     return Batch(*fields)
 

@@ -30,6 +30,9 @@ class Batch:
     token_index: torch.Tensor | None = None
     """[T'] when the batch holds only some tokens of each row (context parallelism): their places
     in the row; `position_ids` and `segment_ids` then still cover the whole row."""
+    images: torch.Tensor | None = None
+    """[N, 3, H, W] the images of a vision-language micro-batch (float pixel values), in the order their
+    placeholder tokens appear in the rows, row after row (None or N = 0: no image)."""
 
     @property
     def seq_length(self) -> int:
@@ -53,4 +56,5 @@ class Batch:
             move(self.position_ids),
             move(self.segment_ids),
             move(self.token_index),
+            move(self.images),
         )

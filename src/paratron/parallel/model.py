@@ -120,6 +120,7 @@ class ParallelModel(nn.Module):
             position_ids=batch.position_ids,
             segment_ids=batch.segment_ids,
             token_index=batch.token_index,
+            images=batch.images,
         )
         return self.token_loss(logits, batch.labels).sum()
 

@@ -1,11 +1,11 @@
 """Cutting the model into pipeline stages, and running this rank's chunks of it.
 
-The model is cut into pp x chunks consecutive stages of whole layers; chunk c of pipeline
-rank r is stage c x pp + r (under ZB-V: stage r, then stage 2 pp - 1 - r). The first stage also
-holds the embeddings; the last holds the final norm, the output layer and the loss. This rank
-keeps the single-device `GPT` object with every piece it does not hold set to None, so its
-parameters keep their single-device names (initialization, checkpoints and gradient norms read
-names).
+The model is cut into pp x chunks consecutive stages of whole layers; chunk c of pipeline rank r is
+stage c x pp + r (under ZB-V: stage r, then stage 2 pp - 1 - r). The first stage also holds the
+embeddings (and a vision-language model's encoder and projector); the last holds the final norm, the
+output layer and the loss. This rank keeps the single-device `GPT` object with every piece it does
+not hold set to None, so its parameters keep their single-device names (initialization, checkpoints
+and gradient norms read names).
 
 With tied embeddings the last stage keeps its own copy of the embedding matrix as its
 output weight; the two copies start equal (same name, same initialization) and stay equal
@@ -70,6 +70,7 @@ def keep_stage(model: GPT, layout: StageLayout, embedding_group: RankGroup) -> G
             model.layers[i] = None  # type: ignore[assignment]
     if not layout.holds_first:
         model.position_embedding = None
+        model.vision = None  # (the encoder and projector run on the first stage)
         if not (layout.holds_last and model.tied):
             model.embedding = None  # type: ignore[assignment]
     if not layout.holds_last:
@@ -107,6 +108,6 @@ class StageRunner(nn.Module):
             batch.input_ids, batch.position_ids, batch.segment_ids, batch.token_index
         )
         if self.is_first(chunk):
-            x = model.embed(x, positions)
+            x = model.embed(x, positions, batch.images)
         x = model.layers(x, self.layout.ranges[self.layout.stage(chunk)], model.rotary_tables(positions), places=places)
         return model.head(x) if self.is_last(chunk) else x

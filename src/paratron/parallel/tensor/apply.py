@@ -16,18 +16,29 @@
                                  replicated k/v head's B summed over its replicas, like W)
                 row-parallel     A by columns like W, B whole (gradient summed over TP)
                 frozen weights stay frozen
+    vision      the encoder's layers as the language model's (its heads split, never its sequence);
+                patches, positions, norms and the projector whole. Under sequence parallelism the
+                token embedding is reduced whole, the images' features put in, then the rows are
+                cut by sequence (a hook on the vision model)
 
 Works on a model on the meta device, before its weights exist.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
+
+import torch
 from torch import nn
 
+from paratron.config.schema import ModelConfig
+from paratron.distributed import comm
 from paratron.distributed.rng import TENSOR_PARALLEL, Forked, RNGStates
 from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
 from paratron.model.moe import MoELayer
+from paratron.model.vision import encoder_layer_config
 from paratron.parallel.sharding import set_partial_grad
 from paratron.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -51,41 +62,18 @@ def apply_tensor_parallel(
 ) -> GPT:
     """Replace `model`'s layers in place by their tensor-parallel twins; returns the model."""
     config = model.config
-    head_dim = config.kv_channels
-    groups = config.num_query_groups
-
-    def forked(module: nn.Module) -> nn.Module:
-        return Forked(module, rng, TENSOR_PARALLEL) if rng is not None else module
-
-    heads = {"q": (head_dim, config.num_attention_heads), "k": (head_dim, groups), "v": (head_dim, groups)}
     for block in model.layers:
-        attention = block.attention
-        attention.in_proj = ColumnParallelProjections(attention.in_proj, tp, heads)
-        if groups < tp.size:  # a replicated key/value head: its gradient is split over the replicas
-            for name in ("k", "v"):
-                for param in _replicated_rows(attention.in_proj[name]):
-                    set_partial_grad(param, kv_replica_group)
-        attention.out_proj = RowParallelLinear(attention.out_proj, tp)
-        attention.core = forked(attention.core)
-        for norm in (attention.q_norm, attention.k_norm):  # (each rank normalizes its own heads)
-            for param in norm.parameters() if norm is not None else ():
-                set_partial_grad(param, tp.group)
+        _split_block(block, config, tp, rng, kv_replica_group)
+    if model.vision is not None:  # (the encoder's layers split as the language model's, never by sequence)
+        whole = dataclasses.replace(tp, sequence_parallel=False)
+        encoder = model.vision.encoder
+        for block in encoder.layers:
+            _split_block(block, encoder_layer_config(config), whole, rng, None)
+        if tp.sequence_parallel:  # the features join the whole rows, which are then cut by sequence
+            model.vision.register_forward_hook(partial(_to_sequence_shard, group=tp.group))
 
-        mlp = block.mlp
-        dense = not isinstance(mlp, MoELayer)  # (MoE layers are split by parallel/expert)
-        if dense:
-            mlp.in_proj = ColumnParallelProjections(mlp.in_proj, tp, {})
-            mlp.out_proj = RowParallelLinear(mlp.out_proj, tp)
-
-        if tp.sequence_parallel:
-            for norm in (block.attention_norm, block.mlp_norm):
-                for param in norm.parameters():
-                    set_partial_grad(param, tp.group)
-            attention.output_dropout = forked(attention.output_dropout)
-            if dense:
-                mlp.dropout = forked(mlp.dropout)
-
-    model.embedding = VocabParallelEmbedding(model.embedding, tp, divisible_by)
+    embedding_tp = dataclasses.replace(tp, sequence_parallel=False) if model.vision is not None else tp
+    model.embedding = VocabParallelEmbedding(model.embedding, embedding_tp, divisible_by)
     model.output = VocabParallelOutput(model.output, tp, divisible_by)
     model.tie_weights()
     if tp.sequence_parallel:
@@ -93,5 +81,53 @@ def apply_tensor_parallel(
             model.position_embedding = SequenceShardedEmbedding(model.position_embedding, tp)
         for param in model.final_norm.parameters():
             set_partial_grad(param, tp.group)
-        model.embedding_dropout = forked(model.embedding_dropout)
+        model.embedding_dropout = _forked(model.embedding_dropout, rng)
     return model
+
+
+def _split_block(
+    block: nn.Module, config: ModelConfig, tp: TPContext, rng: RNGStates | None, kv_replica_group: RankGroup | None
+) -> None:
+    """One block's attention and (dense) MLP swapped for their tensor-parallel twins, in place."""
+    head_dim = config.kv_channels
+    groups = config.num_query_groups
+
+    def forked(module: nn.Module) -> nn.Module:
+        return _forked(module, rng)
+
+    heads = {"q": (head_dim, config.num_attention_heads), "k": (head_dim, groups), "v": (head_dim, groups)}
+    attention = block.attention
+    attention.in_proj = ColumnParallelProjections(attention.in_proj, tp, heads)
+    if groups < tp.size:  # a replicated key/value head: its gradient is split over the replicas
+        for name in ("k", "v"):
+            for param in _replicated_rows(attention.in_proj[name]):
+                set_partial_grad(param, kv_replica_group)
+    attention.out_proj = RowParallelLinear(attention.out_proj, tp)
+    attention.core = forked(attention.core)
+    for norm in (attention.q_norm, attention.k_norm):  # (each rank normalizes its own heads)
+        for param in norm.parameters() if norm is not None else ():
+            set_partial_grad(param, tp.group)
+
+    mlp = block.mlp
+    dense = not isinstance(mlp, MoELayer)  # (MoE layers are split by parallel/expert)
+    if dense:
+        mlp.in_proj = ColumnParallelProjections(mlp.in_proj, tp, {})
+        mlp.out_proj = RowParallelLinear(mlp.out_proj, tp)
+
+    if tp.sequence_parallel:
+        for norm in (block.attention_norm, block.mlp_norm):
+            for param in norm.parameters():
+                set_partial_grad(param, tp.group)
+        attention.output_dropout = forked(attention.output_dropout)
+        if dense:
+            mlp.dropout = forked(mlp.dropout)
+
+
+def _forked(module: nn.Module, rng: RNGStates | None) -> nn.Module:
+    """`module` run under the tensor-parallel random stream (dropout that differs across TP ranks)."""
+    return Forked(module, rng, TENSOR_PARALLEL) if rng is not None else module
+
+
+def _to_sequence_shard(module: nn.Module, inputs: tuple, output: torch.Tensor, group: RankGroup) -> torch.Tensor:
+    """A forward hook: the merged embeddings [B, T, width] cut to this rank's sequence shard (sequence parallelism)."""
+    return comm.scatter_to_sequence(output, group)
