@@ -106,9 +106,12 @@ class RecomputedLayers(TransformerLayers):
 def apply_recompute(
     model: GPT, granularity: str, method: str | None, num_layers: int | None, rng: RNGStates | None
 ) -> None:
-    """Switch recomputation on in `model` (in place, on the meta device or not)."""
-    if granularity == "selective":
-        for block in model.layers:
-            block.attention.core = Recomputed(block.attention.core, rng)
-        return
-    model.layers = RecomputedLayers(model.layers, method or "uniform", num_layers or 1, rng)
+    """Switch recomputation on in `model` (in place, on the meta device or not): in the language model's layers
+    and a vision encoder's alike."""
+    stacks = [model] + ([model.vision.encoder] if model.vision is not None else [])
+    for stack in stacks:
+        if granularity == "selective":
+            for block in stack.layers:
+                block.attention.core = Recomputed(block.attention.core, rng)
+        else:
+            stack.layers = RecomputedLayers(stack.layers, method or "uniform", num_layers or 1, rng)
