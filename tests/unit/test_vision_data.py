@@ -67,7 +67,7 @@ def _write_json(path: Path, samples: list) -> None:
 
 
 def _write_jsonl(path: Path, samples: list) -> None:
-    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    path.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples), encoding="utf-8")
 
 
 LLAVA = [
@@ -286,6 +286,19 @@ def test_a_broken_image_fails_when_drawn_naming_it(tok, folder):
     (folder / "red.png").write_bytes(data[: len(data) // 2])  # the header survives, the pixels do not
     dataset = VisionSFTDataset(conversations, _settings(tok), 64, tok.pad_id, False, None, 0, "error", "t")
     with pytest.raises(DataError, match="ok.jsonl:1: image .*red.png cannot be decoded"):
+        dataset[0]
+
+
+def test_an_image_the_processor_cannot_take_is_named(tok, folder):
+    Image.new("L", (20, 20), 90).save(folder / "grey.png")
+    answer = {"from": "gpt", "value": "Grey\u2028square."}  # a line separator inside a JSON string
+    sample = {"image": "grey.png", "conversations": [LLAVA[0]["conversations"][0], answer]}
+    _write_jsonl(folder / "grey.jsonl", [sample])
+    strict = ImageProcessor.from_dict({**ImageProcessor.siglip(S).to_dict(), "do_convert_rgb": False})
+    settings = _settings(tok, processor=strict)
+    conversations = read_vision_file(folder / "grey.jsonl", load_chat_template("chatml"), tok, settings)
+    dataset = VisionSFTDataset(conversations, settings, 64, tok.pad_id, False, None, 0, "error", "t")
+    with pytest.raises(DataError, match="grey.jsonl:1: image .*grey.png cannot be processed: it is in mode L, not RGB"):
         dataset[0]
 
 

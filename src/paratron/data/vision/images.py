@@ -81,9 +81,12 @@ def load_pixels(ref: ImageRef, settings: ImageSettings, where: str) -> torch.Ten
     with _open(Path(ref.path), where) as image:
         try:
             image.load()
-            pixels = image_tensors(image, settings.processor, settings.tiling)
         except (OSError, ValueError, SyntaxError) as exc:  # Pillow reports broken data as any of these
             raise DataError(f"{where}: image {ref.path} cannot be decoded ({exc}); replace the file") from None
+        try:
+            pixels = image_tensors(image, settings.processor, settings.tiling)
+        except ValueError as exc:
+            raise DataError(f"{where}: image {ref.path} cannot be processed: {exc}") from None
     if pixels.shape[0] != ref.tiles:  # the file changed since it was counted
         raise DataError(
             f"{where}: image {ref.path} now gives {pixels.shape[0]} tiles, not the {ref.tiles} counted "

@@ -81,7 +81,7 @@ def read_samples(path: Path) -> Iterator[tuple[int, Any]]:
     if text.startswith("[", start):
         yield from _list_samples(text, start + 1, path)
         return
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
         if line.strip():
             yield number, _parse(line, f"{path}:{number}")
 

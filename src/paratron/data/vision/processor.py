@@ -176,7 +176,7 @@ class ImageProcessor:
         if self.do_convert_rgb:
             image = to_rgb(image)
         elif image.mode != "RGB":
-            raise ValueError(f"the image is in mode {image.mode}, not RGB, and do_convert_rgb is false")
+            raise ValueError(f"it is in mode {image.mode}, not RGB, and do_convert_rgb is false; set it true")
         return np.moveaxis(np.asarray(image), -1, 0)
 
     def _resized_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
