@@ -225,6 +225,39 @@ def test_messages_form_and_tiles(tok, folder):
     assert not third.trained[third.ids == settings.image_token_id].any()
 
 
+LLAVA_PROCESSOR_TEMPLATE = (  # chatml over content parts, joined by newlines as the messages form reads them
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{% if p['type'] == 'image' %}{{ '<image>' }}{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+)
+
+
+def test_samples_agree_with_transformers_llava_processor(tok, folder):
+    """Token ids and pixel values as LlavaProcessor makes them (a CLIP processor, 8-pixel patches:
+    4 image tokens per 16-pixel image)."""
+    transformers = pytest.importorskip("transformers")
+    clip = transformers.CLIPImageProcessorPil(size={"shortest_edge": S}, crop_size={"height": S, "width": S})
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.hf)
+    llava = transformers.LlavaProcessor(clip, hf, patch_size=8, vision_feature_select_strategy="full")
+    parts = [
+        {"type": "image", "image": str(folder / "wide.png")},
+        {"type": "text", "text": "Describe both."},
+        {"type": "image", "image": str(folder / "green.png")},
+    ]
+    messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": "Two squares."}]
+    theirs = llava.apply_chat_template(
+        messages, chat_template=LLAVA_PROCESSOR_TEMPLATE, tokenize=True, return_dict=True, return_tensors="np"
+    )
+    _write_jsonl(folder / "chat.jsonl", [{"messages": messages}])
+    settings = ImageSettings(ImageProcessor.from_dict(clip.to_dict()), tok.hf.token_to_id("<image>"), 4)
+    conversations = read_vision_file(folder / "chat.jsonl", load_chat_template("chatml"), tok, settings)
+    assert conversations[0].ids.tolist() == theirs["input_ids"][0].tolist()
+    sample = VisionSFTDataset(conversations, settings, 64, tok.pad_id, False, None, 0, "error", "t")[0]
+    np.testing.assert_allclose(sample.images.numpy(), theirs["pixel_values"], rtol=0, atol=1e-6)
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -344,6 +377,9 @@ def test_image_tokens_must_fit_the_sequence(tok, folder):
     assert len(sample.input_ids) == last + 1 and len(sample.images) == 2 and fits.truncated == 1
     with pytest.raises(DataError, match=f"chat.jsonl:1: its image tokens .* end at token {last + 1}, beyond"):
         VisionSFTDataset([conversation], settings, last, tok.pad_id, False, None, 0, "truncate", "t")
+    other = ImageSettings(settings.processor, settings.image_token_id, TOKENS + 1)
+    with pytest.raises(ValueError, match="chat.jsonl:1: tokenized with other image settings"):
+        VisionSFTDataset([conversation], other, 256, tok.pad_id, False, None, 0, "truncate", "t")
 
 
 def test_a_text_only_sample_has_no_images(tok, folder):

@@ -71,6 +71,9 @@ class VisionSFTDataset(SFTDataset):
 
 
 def _check_images_fit(conversation: VisionConversation, settings: ImageSettings, seq_length: int) -> None:
+    placeholders = int(np.count_nonzero(np.asarray(conversation.ids) == settings.image_token_id))
+    if placeholders != sum(ref.tiles for ref in conversation.images) * settings.tokens_per_image:
+        raise ValueError(f"{conversation.where}: tokenized with other image settings than {settings}")
     end = image_tokens_end(conversation, settings.image_token_id)
     if end > seq_length:
         tiles = sum(ref.tiles for ref in conversation.images)
