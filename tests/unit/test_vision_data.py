@@ -1,4 +1,4 @@
-"""Image-text data: tiling (Megatron-LM's dynamic resolution), LLaVA's files and the messages form
+"""Image-text data: LLaVA's files and the messages form
 (placeholders expanded as Hugging Face's LLaVA processor does, checked against transformers),
 bad input, samples with their pixels, and synthetic samples."""
 
@@ -21,12 +21,8 @@ from paratron.data.vision import (
     ImageSettings,
     ImageTiling,
     VisionSFTDataset,
-    candidate_grids,
-    image_tensors,
     mock_vision_samples,
     read_vision_file,
-    tile_count,
-    tile_grid,
 )
 from paratron.errors import ConfigError, DataError
 
@@ -95,67 +91,6 @@ MESSAGES = {
         {"role": "assistant", "content": [{"type": "text", "text": "A square."}]},
     ]
 }
-
-
-# ---------------------------------------------------------------- tiling
-
-
-@pytest.mark.parametrize(
-    "width, height, max_tiles, grid",
-    [
-        (16, 16, 6, (1, 1)),  # square and small: one tile
-        (32, 32, 6, (2, 2)),  # square and big enough for 2 x 2 (more than half their area)
-        (24, 24, 6, (2, 2)),
-        (23, 22, 6, (1, 1)),  # 506 pixels: less than half of 2 x 2 tiles' 1024
-        (64, 16, 6, (4, 1)),
-        (16, 48, 6, (1, 3)),
-        (40, 17, 6, (2, 1)),  # aspect 2.35: 2 / 1 is the closest with at most 6 tiles
-        (40, 17, 12, (5, 2)),  # ... and 5 / 2 with at most 12
-        (100, 10, 6, (6, 1)),
-        (100, 10, 1, (1, 1)),
-    ],
-)
-def test_tile_grids(width, height, max_tiles, grid):
-    assert tile_grid(width, height, max_tiles, S) == grid
-    tiles = grid[0] * grid[1]
-    assert tile_count(width, height, ImageTiling(max_tiles, use_thumbnail=True), S) == tiles + (tiles > 1)
-    assert tile_count(width, height, ImageTiling(max_tiles), S) == tiles
-    assert tile_count(width, height, None, S) == 1
-
-
-def test_the_grid_is_the_closest_in_aspect_ratio():
-    assert candidate_grids(4) == ((1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (1, 4), (2, 2), (4, 1))
-    for width, height in [(7, 50), (33, 20), (90, 41), (31, 31), (200, 9)]:
-        cols, rows = tile_grid(width, height, 9, S)
-        gap = abs(width / height - cols / rows)
-        assert cols * rows <= 9
-        assert all(abs(width / height - c / r) >= gap for c, r in candidate_grids(9))
-
-
-@pytest.mark.parametrize("processor", [ImageProcessor.siglip(S), ImageProcessor.clip(S)])
-def test_each_tile_is_the_processed_crop(processor):
-    rng = np.random.default_rng(0)
-    picture = Image.fromarray(rng.integers(0, 256, (17, 40, 3), dtype=np.uint8))
-    tensors = image_tensors(picture, processor, ImageTiling(6, use_thumbnail=True))
-    assert tensors.shape == (3, 3, S, S)  # a 2 x 1 grid and the thumbnail
-    grid = picture.resize((2 * S, S), Image.Resampling.BICUBIC)
-    for col in range(2):
-        crop = grid.crop((col * S, 0, (col + 1) * S, S))
-        assert torch.equal(tensors[col], processor(crop))
-    assert torch.equal(tensors[2], processor(picture.resize((S, S), Image.Resampling.BICUBIC)))
-    single = image_tensors(picture, processor, None)
-    assert single.shape == (1, 3, S, S) and torch.equal(single[0], processor(picture))
-    assert image_tensors(picture, processor, ImageTiling(1, use_thumbnail=True)).shape == (1, 3, S, S)
-
-
-def test_tiling_needs_square_images(tok):
-    oblong = ImageProcessor.from_dict(
-        {"image_processor_type": "SiglipImageProcessor", "size": {"height": 8, "width": 12}}
-    )
-    with pytest.raises(ConfigError, match="tiling needs square images, but the image processor makes 8 x 12"):
-        _settings(tok, ImageTiling(4), oblong)
-    with pytest.raises(ValueError, match="max_num_tiles is 0"):
-        ImageTiling(0)
 
 
 # ---------------------------------------------------------------- reading and tokenizing
