@@ -28,7 +28,7 @@ import numpy as np
 from paratron.config.schema import Config
 from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend, split_ranges
 from paratron.data.corpus import files_signature, stdlib_files
-from paratron.data.datasets import MockTokens, MockVisionSamples, SampleSource
+from paratron.data.datasets import MockTokens, SampleSource
 from paratron.data.gpt_dataset import GPTDataset, StreamWindows
 from paratron.data.indexed import IndexedDataset, dataset_exists
 from paratron.data.loader import DocumentLayout, LoaderSource
@@ -36,6 +36,7 @@ from paratron.data.preprocess import PreprocessResult, input_files, preprocess, 
 from paratron.data.sft.dataset import SFTDataset
 from paratron.data.sft.sources import sft_sources, unique_task_names, whole_tasks
 from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, tokenizer_for, train_byte_level_bpe
+from paratron.data.vision import mock_vision_samples
 from paratron.distributed.init import raise_any_failure
 from paratron.errors import DataError
 from paratron.storage import temporary_beside
@@ -296,7 +297,7 @@ def _mock(config: Config, vocab: int, seed: int, size: int) -> SampleSource:
     if not m.has_vision:
         return MockTokens(vocab, seq_length, seed, size)
     placeholder = m.with_changes(vocab_size=vocab).placeholder_id
-    return MockVisionSamples(vocab, seq_length, seed, (3, m.img_h, m.img_w), m.image_tokens, placeholder, size)
+    return mock_vision_samples(vocab, seq_length, placeholder, m.image_tokens, (m.img_h, m.img_w), seed, size)
 
 
 def _ordered(config: Config, samples: SampleSource | None, training: bool) -> SampleSource | None:

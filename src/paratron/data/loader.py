@@ -28,7 +28,8 @@ import torch
 
 from paratron.config.layout import micro_batches_per_rank
 from paratron.config.schema import DataConfig, ModelConfig
-from paratron.data.datasets import SampleSource, VisionSample
+from paratron.data.datasets import SampleSource
+from paratron.data.vision import VisionSample
 from paratron.model.attention import ATTENTION_TYPES
 from paratron.model.batch import IGNORE_INDEX, Batch
 

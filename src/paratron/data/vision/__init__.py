@@ -2,7 +2,7 @@
 Megatron-LM's dynamic-resolution tiling, LLaVA's files and the messages form with image parts,
 and image-text samples (with their pixels) for the loader."""
 
-from paratron.data.vision.dataset import VisionSFTDataset, VisionSFTSample, image_tokens_end
+from paratron.data.vision.dataset import VisionSample, VisionSFTDataset, image_tokens_end
 from paratron.data.vision.images import ImageRef, ImageSettings, image_ref, load_images, load_pixels
 from paratron.data.vision.llava import (
     PLACEHOLDER,
@@ -39,7 +39,7 @@ __all__ = [
     "VisionConversation",
     "VisionRecord",
     "VisionSFTDataset",
-    "VisionSFTSample",
+    "VisionSample",
     "candidate_grids",
     "image_ref",
     "image_tensors",

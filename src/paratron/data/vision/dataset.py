@@ -21,7 +21,7 @@ from paratron.data.vision.llava import VisionConversation
 from paratron.errors import DataError
 
 
-class VisionSFTSample(NamedTuple):
+class VisionSample(NamedTuple):
     """`SFTSample`'s four int64 arrays of seq_length entries, and the images of the row."""
 
     input_ids: np.ndarray
@@ -40,7 +40,7 @@ def image_tokens_end(conversation: VisionConversation, image_token_id: int) -> i
 
 
 class VisionSFTDataset(SFTDataset):
-    """Samples of `seq_length` positions from image-text conversations: `ds[k] -> VisionSFTSample`.
+    """Samples of `seq_length` positions from image-text conversations: `ds[k] -> VisionSample`.
 
     A conversation longer than a sample is truncated as `truncation` says, but never inside or
     before its image tokens: every image token must be an input of the sample."""
@@ -62,12 +62,12 @@ class VisionSFTDataset(SFTDataset):
             _check_images_fit(conversation, settings, seq_length)
         super().__init__(conversations, seq_length, pad_id, pack, num_samples, seed, truncation, name)
 
-    def __getitem__(self, k: int) -> VisionSFTSample:
+    def __getitem__(self, k: int) -> VisionSample:
         sample = super().__getitem__(k)
         conversations = [self.conversations[int(i)] for i in self.bin_of(k)]
         refs = [ref for conversation in conversations for ref in conversation.images]  # type: ignore[attr-defined]
         where = ", ".join(c.where for c in conversations)
-        return VisionSFTSample(*sample, load_images(refs, self.settings, where))
+        return VisionSample(*sample, load_images(refs, self.settings, where))
 
 
 def _check_images_fit(conversation: VisionConversation, settings: ImageSettings, seq_length: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paratron.data.vision.dataset import VisionSFTSample
+from paratron.data.vision.dataset import VisionSample
 from paratron.errors import ConfigError
 from paratron.model.batch import IGNORE_INDEX
 
@@ -19,7 +19,7 @@ MAX_IMAGES = 2
 
 
 class MockVisionSamples:
-    """`len(ds)` and `ds[k] -> VisionSFTSample` of `seq_length` positions (one segment, no padding)."""
+    """`len(ds)` and `ds[k] -> VisionSample` of `seq_length` positions (one segment, no padding)."""
 
     def __init__(
         self,
@@ -27,7 +27,7 @@ class MockVisionSamples:
         seq_length: int,
         image_token_id: int,
         tokens_per_image: int,
-        image_size: int,
+        image_size: int | tuple[int, int],
         seed: int,
         size: int = 1 << 40,
     ) -> None:
@@ -39,13 +39,14 @@ class MockVisionSamples:
                 "raise --seq-length"
             )
         self.vocab_size, self.seq_length, self.seed, self.size = vocab_size, seq_length, seed, size
-        self.image_token_id, self.tokens_per_image, self.image_size = image_token_id, tokens_per_image, image_size
+        self.image_token_id, self.tokens_per_image = image_token_id, tokens_per_image
+        self.image_size = (image_size, image_size) if isinstance(image_size, int) else image_size  # (height, width)
         self.max_images = min(MAX_IMAGES, (seq_length - 1) // tokens_per_image)
 
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, index: int) -> VisionSFTSample:
+    def __getitem__(self, index: int) -> VisionSample:
         rng = np.random.default_rng([self.seed, index])
         images = int(rng.integers(self.max_images + 1))
         text_length = self.seq_length + 1 - images * self.tokens_per_image
@@ -59,9 +60,9 @@ class MockVisionSamples:
             row = np.concatenate([row[:place], run, row[place:]])
         targets = row[1:]
         labels = np.where(targets == self.image_token_id, IGNORE_INDEX, targets)
-        pixels = rng.standard_normal((images, 3, self.image_size, self.image_size), dtype=np.float32)
+        pixels = rng.standard_normal((images, 3, *self.image_size), dtype=np.float32)
         positions = np.arange(self.seq_length, dtype=np.int64)
-        return VisionSFTSample(
+        return VisionSample(
             row[:-1], labels, positions, np.zeros(self.seq_length, dtype=np.int64), torch.from_numpy(pixels)
         )
 
@@ -71,7 +72,7 @@ def mock_vision_samples(
     seq_length: int,
     image_token_id: int,
     tokens_per_image: int,
-    image_size: int,
+    image_size: int | tuple[int, int],
     seed: int,
     size: int = 1 << 40,
 ) -> MockVisionSamples:
