@@ -207,6 +207,7 @@ EVALUATE_TAKES = (
     ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "legacy_tokenizer"),
     ("tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens", "tokenizer_special_tokens"),
     ("sft", "chat_template", "sft_pack", "sft_truncation"),
+    ("image_folder", "image_processor", "use_tiling", "max_num_tiles", "use_thumbnail"),
     ("micro_batch_size", "global_batch_size", "precision"),
     ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id"),
     ("rdzv_timeout_seconds", "distributed_backend", "distributed_timeout_minutes"),

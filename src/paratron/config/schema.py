@@ -724,6 +724,24 @@ class DataConfig:
     sft_truncation: Literal["truncate", "error"] = "truncate"
     """With --sft: a conversation longer than --seq-length is cut to it (counted in the log), or refused (error)."""
 
+    image_folder: str | None = None
+    """With a vision model: the folder the image paths of the --data-path files are relative to (default: each file's
+    own folder)."""
+
+    image_processor: str | None = None
+    """With a vision model: a Hugging Face preprocessor_config.json (or its folder) saying how images become pixel
+    values (default: the --load checkpoint's, else the encoder family's: CLIP's or SigLIP's)."""
+
+    use_tiling: bool = False
+    """With a vision model: cut each image into tiles of the encoder's size on the grid closest to its aspect ratio
+    (Megatron-LM's dynamic resolution); each tile is one image's worth of tokens."""
+
+    max_num_tiles: int = field(default=1, metadata=ABOVE_ZERO)
+    """With --use-tiling: at most this many tiles per image."""
+
+    use_thumbnail: bool = False
+    """With --use-tiling: also the whole image, resized, after its tiles (when there is more than one tile)."""
+
     reset_position_ids: bool = False
     """Pretraining: restart positions at 0 after each end-of-document token (Megatron-LM's flag)."""
 

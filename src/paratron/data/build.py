@@ -37,6 +37,7 @@ from paratron.data.sft.dataset import SFTDataset
 from paratron.data.sft.sources import sft_sources, unique_task_names, whole_tasks
 from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, tokenizer_for, train_byte_level_bpe
 from paratron.data.vision import mock_vision_samples
+from paratron.data.vision.settings import image_token_id
 from paratron.distributed.init import raise_any_failure
 from paratron.errors import DataError
 from paratron.storage import temporary_beside
@@ -54,6 +55,8 @@ class DataBundle:
     vocab_size: int
     valid_tasks: dict[str, SampleSource] | None = None
     """With several fine-tuning files: each one's validation samples, evaluated (and reported) apart."""
+    image_token_id: int | None = None
+    """With a vision model and files: the image placeholder's id the tokenizer declares (the model's must match)."""
 
 
 def cache_root(config: Config) -> Path:
@@ -257,9 +260,9 @@ def build_data(
 
     if d.sft:
         sft = sft_sources(config, tokenizer, train_samples, valid_samples, builder.cache / "indices", builder.once, log)
-        return DataBundle(
-            _ordered(config, sft.train, True), _ordered(config, sft.valid, False), tokenizer, vocab, sft.valid_tasks
-        )
+        image_token = image_token_id(config, tokenizer) if config.model.has_vision else None  # type: ignore[arg-type]
+        train, valid = _ordered(config, sft.train, True), _ordered(config, sft.valid, False)
+        return DataBundle(train, valid, tokenizer, vocab, sft.valid_tasks, image_token)
 
     if d.corpus == "stdlib":
         blends = {"--data-path": Blend([builder.preprocessed(stdlib_files(), False, tokenizer, tokenizer_id)], None)}

@@ -179,6 +179,8 @@ def _assemble(
     saved_tokenizer = tokenizer_from_checkpoint(resume) if uses_saved_tokenizer(config, resume) else None
     data = build_data(config, layout.global_batch_size, ctx.local_rank, log=say, saved_tokenizer=saved_tokenizer)
     config = override(config, vocab_size=data.vocab_size)  # complete: the tokenizer decides the vocabulary
+    if data.image_token_id is not None:  # (and which token stands for an image's features)
+        config = override(config, image_token_id=data.image_token_id)
     with torch.device("meta"):
         meta = GPT(config.model)
     n_params = sum(q.numel() for q in meta.parameters())

@@ -1,11 +1,12 @@
 """The fine-tuning data of a run: the --data-path entries (tasks) turned into samples.
 
-Each entry is a task: a `.jsonl` file of conversations (rendered with --chat-template and
-tokenized on every run; fine for small sets), or the prefix of a `paratron preprocess --sft`
-dataset (tokenized once). As for pretraining, `--data-path A B` cuts each task by --split and
-blends the tasks by their sizes (samples per epoch), `--data-path 0.7 A 0.3 B` by the weights;
-`--train-data-path` / `--valid-data-path` give each split its own tasks, used whole. Every task
-keeps its own validation samples, so evaluation reports a loss per task.
+Each entry is a task: a `.jsonl` file of conversations (rendered with --chat-template and tokenized
+on every run; fine for small sets), or the prefix of a `paratron preprocess --sft` dataset
+(tokenized once). With a vision model, a `.json` or `.jsonl` file of image-text conversations
+(LLaVA's form or the messages form; `data.vision`). As for pretraining, `--data-path A B` cuts each
+task by --split and blends the tasks by their sizes (samples per epoch), `--data-path 0.7 A 0.3 B`
+by the weights; `--train-data-path` / `--valid-data-path` give each split its own tasks, used whole.
+Every task keeps its own validation samples, so evaluation reports a loss per task.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from paratron.data.sft.dataset import ConversationStore, SFTDataset, sft_dataset
 from paratron.data.sft.templates import ChatTemplate, tokenizer_chat_template
 from paratron.data.sft.tokenize import TokenizedConversation, tokenize_file
 from paratron.data.tokenizer import AnyTokenizer, Tokenizer
+from paratron.data.vision.dataset import VisionSFTDataset
+from paratron.data.vision.images import ImageSettings
+from paratron.data.vision.llava import read_vision_file
+from paratron.data.vision.settings import image_settings
 from paratron.errors import DataError
 
 Log = Callable[[str], None]
@@ -55,7 +60,15 @@ def task_name(path: str) -> str:
     return Path(path).stem if Path(path).suffix in (".jsonl", ".json", ".ndjson") else Path(path).name
 
 
-def load_task(path: str, template: ChatTemplate, tokenizer: Tokenizer) -> Sequence[TokenizedConversation]:
+def load_task(
+    path: str, template: ChatTemplate, tokenizer: Tokenizer, images: VisionData | None = None
+) -> Sequence[TokenizedConversation]:
+    """A task's conversations: a preprocessed dataset's, or a file's (with `images`: an image-text file's, its
+    images checked and their placeholders expanded)."""
+    if images is not None:
+        if not Path(path).is_file():
+            raise DataError(f"{path}: not a .json or .jsonl file of image-text conversations; check the path")
+        return read_vision_file(Path(path), template, tokenizer, images.settings, images.folder)
     if sft_dataset_exists(path):
         return ConversationStore(path)
     if Path(path).is_file():
@@ -80,18 +93,20 @@ def sft_sources(
     build_once: BuildOnce,
     log: Log,
 ) -> SFTSources:
-    d, seed = config.data, config.training.seed
+    d = config.data
     template = tokenizer_chat_template(config.data.chat_template, tokenizer)
     assert isinstance(tokenizer, Tokenizer)
+    images = vision_data(config, tokenizer)
 
     def dataset(conversations: Sequence[TokenizedConversation], samples: int | None, name: str) -> SFTDataset:
-        return SFTDataset(
-            conversations, d.seq_length, tokenizer.pad_id, d.sft_pack, samples, seed, d.sft_truncation, name
-        )
+        return make_dataset(config, tokenizer, images, conversations, samples, name)
+
+    def load(path: str) -> Sequence[TokenizedConversation]:
+        return load_task(path, template, tokenizer, images)
 
     if d.data_path:
         blend = parse_blend(d.data_path)
-        tasks = [load_task(p, template, tokenizer) for p in blend.paths]
+        tasks = [load(p) for p in blend.paths]
         names = unique_task_names(blend.paths)
         cuts = [split_ranges(len(task), d.split) for task in tasks]
         train_parts = [_Subset(task, cut[0]) for task, cut in zip(tasks, cuts)]
@@ -99,12 +114,12 @@ def sft_sources(
         weights = blend.weights
     else:
         train_blend, valid_blend = parse_blend(d.train_data_path, "--train-data-path"), None
-        train_parts = [load_task(p, template, tokenizer) for p in train_blend.paths]
+        train_parts = [load(p) for p in train_blend.paths]
         names, weights = unique_task_names(train_blend.paths), train_blend.weights
         valid_parts, valid_names = [], []
         if d.valid_data_path:
             valid_blend = parse_blend(d.valid_data_path, "--valid-data-path")
-            valid_parts = [load_task(p, template, tokenizer) for p in valid_blend.paths]
+            valid_parts = [load(p) for p in valid_blend.paths]
             valid_names = unique_task_names(valid_blend.paths)
     for part, name in zip(train_parts, names):
         if len(part) == 0:
@@ -158,19 +173,42 @@ def _blend(
 
 def whole_tasks(config: Config, tokenizer: AnyTokenizer, paths: list[str], names: list[str]) -> list[SFTDataset]:
     """Each task's conversations once, in order (for evaluation over whole files)."""
-    d = config.data
     template = tokenizer_chat_template(config.data.chat_template, tokenizer)
     assert isinstance(tokenizer, Tokenizer)
+    images = vision_data(config, tokenizer)
     return [
-        SFTDataset(
-            load_task(path, template, tokenizer),
-            d.seq_length,
-            tokenizer.pad_id,
-            d.sft_pack,
-            None,
-            config.training.seed,
-            d.sft_truncation,
-            name,
-        )
+        make_dataset(config, tokenizer, images, load_task(path, template, tokenizer, images), None, name)
         for path, name in zip(paths, names)
     ]
+
+
+@dataclass(frozen=True)
+class VisionData:
+    """A vision-language run's image settings and the folder its files' image paths are relative to."""
+
+    settings: ImageSettings
+    folder: Path | None
+
+
+def vision_data(config: Config, tokenizer: Tokenizer) -> VisionData | None:
+    """The image settings of a run whose model has a vision encoder (None without one)."""
+    if not config.model.has_vision:
+        return None
+    folder = Path(config.data.image_folder) if config.data.image_folder else None
+    return VisionData(image_settings(config, tokenizer), folder)
+
+
+def make_dataset(
+    config: Config,
+    tokenizer: Tokenizer,
+    images: VisionData | None,
+    conversations: Sequence[TokenizedConversation],
+    samples: int | None,
+    name: str,
+) -> SFTDataset:
+    """Samples of one task (with their images' pixels for a vision-language model)."""
+    d, seed = config.data, config.training.seed
+    rest = (d.seq_length, tokenizer.pad_id, d.sft_pack, samples, seed, d.sft_truncation, name)
+    if images is not None:
+        return VisionSFTDataset(conversations, images.settings, *rest)  # type: ignore[arg-type]
+    return SFTDataset(conversations, *rest)

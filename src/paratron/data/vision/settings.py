@@ -1,0 +1,65 @@
+"""A run's image settings from its configuration: the pixel preprocessing, the tiling and the image token.
+
+The image token is what the files declare: --image-token-id, else the tokenizer's `<image>` token; a tokenizer
+without one is refused by name for image-text files (mock data, which has no tokenizer, uses the last id of the
+vocabulary, as the model does).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from paratron.config.fields import flag
+from paratron.config.schema import Config
+from paratron.data.tokenizer import Tokenizer
+from paratron.data.vision.images import ImageSettings
+from paratron.data.vision.llava import PLACEHOLDER
+from paratron.data.vision.processor import ImageProcessor
+from paratron.data.vision.tiling import ImageTiling
+from paratron.errors import ConfigError, DataError
+
+PROCESSOR_FILE = "preprocessor_config.json"
+
+
+def image_token_id(config: Config, tokenizer: Tokenizer) -> int:
+    """The image placeholder's id: --image-token-id, else the tokenizer's `<image>`."""
+    if config.model.image_token_id is not None:
+        return config.model.image_token_id
+    found = tokenizer.hf.token_to_id(PLACEHOLDER)
+    if found is None:
+        raise DataError(
+            f"the tokenizer ({tokenizer.source or 'the run'}'s) has no {PLACEHOLDER} token for images; add one "
+            f"(--tokenizer-special-tokens '{PLACEHOLDER}') or name the image token's id with {flag.image_token_id}"
+        )
+    return int(found)
+
+
+def image_processor(config: Config) -> ImageProcessor:
+    """--image-processor's file, else the --load checkpoint's preprocessor_config.json, else the encoder family's
+    defaults at its image size."""
+    d, m = config.data, config.model
+    given = d.image_processor
+    if given is None and config.checkpoint.load and (Path(config.checkpoint.load) / PROCESSOR_FILE).is_file():
+        given = str(Path(config.checkpoint.load) / PROCESSOR_FILE)
+    if given is not None:
+        processor = ImageProcessor.from_file(Path(given))
+        if processor.output_size != (m.img_h, m.img_w):
+            raise ConfigError(
+                f"{flag.image_processor} {given}: makes {processor.output_size[0]}x{processor.output_size[1]} images, "
+                f"but the encoder takes {m.img_h}x{m.img_w}; use the encoder's own preprocessor_config.json"
+            )
+        return processor
+    if m.img_h != m.img_w:
+        raise ConfigError(
+            f"{flag.img_h} {m.img_h} and {flag.img_w} {m.img_w} differ: give the encoder's preprocessing with "
+            f"{flag.image_processor}"
+        )
+    return ImageProcessor.clip(m.img_h) if m.vision_type == "clip" else ImageProcessor.siglip(m.img_h)
+
+
+def image_settings(config: Config, tokenizer: Tokenizer) -> ImageSettings:
+    """How the run's images become placeholders and pixels."""
+    d = config.data
+    tiling = ImageTiling(d.max_num_tiles, d.use_thumbnail) if d.use_tiling else None
+    token = image_token_id(config, tokenizer)
+    return ImageSettings(image_processor(config), token, config.model.image_tokens, tiling)
