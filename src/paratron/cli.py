@@ -398,8 +398,10 @@ def cmd_generate(argv: list[str]) -> int:
     from paratron.checkpoint.io import model_from_checkpoint, read_checkpoint
     from paratron.checkpoint.model_of import paratron_checkpoint, saved_tokenizer
     from paratron.config.arguments import ArgumentParser
-    from paratron.config.schema import Config
+    from paratron.config.schema import CheckpointConfig, Config
     from paratron.data.build import cache_root
+    from paratron.data.vision.llava import PLACEHOLDER, encode_prompt
+    from paratron.data.vision.settings import image_settings
     from paratron.distributed.init import choose_backend
     from paratron.errors import CheckpointError
     from paratron.inference.generate import generate
@@ -423,6 +425,14 @@ def cmd_generate(argv: list[str]) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="Seed for sampling (default: 0).")
     parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="An image for a vision-language model (repeat for several): each <image> of the prompt, or else one "
+        "before it, stands for one; preprocessed as the checkpoint's preprocessor_config.json says.",
+    )
+    parser.add_argument(
         "--chat-template",
         metavar="TEMPLATE",
         help="Treat the prompt as a user's message: render it with this template (tokenizer, chatml, llama3 or a "
@@ -442,22 +452,25 @@ def cmd_generate(argv: list[str]) -> int:
     if tokenizer is None:
         raise CheckpointError(f"{args.load}: holds no tokenizer (trained on mock data), so text cannot be encoded")
     prompt, stop_ids = args.prompt, tokenizer.stop_ids  # (the end tokens the tokenizer's files declare)
+    if args.image and PLACEHOLDER not in prompt:
+        prompt = f"{PLACEHOLDER}\n" * len(args.image) + prompt
     if args.chat_template:
         from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
 
         template = tokenizer_chat_template(args.chat_template, tokenizer)
-        prompt = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
         stop_ids = chat_stop_ids(template, tokenizer)  # (and the token that ends the template's turns)
     _, device = choose_backend("auto")
     model = model_from_checkpoint(info, device)
+    ids, images = tokenizer.encode(prompt), None
+    if args.image:
+        config = Config(model=model.config, checkpoint=CheckpointConfig(load=str(load)))
+        if not config.model.has_vision:
+            raise UserError(f"--image: the model of {args.load} has no vision encoder; drop --image")
+        settings = image_settings(config, tokenizer)
+        ids, images = encode_prompt(prompt, [Path(p) for p in args.image], tokenizer, settings)
     ids = generate(
-        model,
-        tokenizer.encode(prompt),
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        eos_id=stop_ids,
-        seed=args.seed,
+        model, ids, args.max_new_tokens, args.temperature, args.top_k, eos_id=stop_ids, seed=args.seed, images=images
     )
     text = tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_ids else ids)
     print(text if args.chat_template else args.prompt + text)  # (a chat answer alone, up to its end of turn)

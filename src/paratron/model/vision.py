@@ -127,6 +127,8 @@ class VisionModel(nn.Module):
         feature. A micro-batch without images runs one blank image whose features count zero times: the encoder
         and projector then have gradients (zero) on every rank, so no reduction waits for them."""
         if images is None or images.size(0) == 0:
+            if not torch.is_grad_enabled():  # (evaluation, generation: no gradient to wait for)
+                return embeddings
             blank = embeddings.new_zeros((1, *self.image_shape))
             return embeddings + 0.0 * self.features(blank).sum()
         features = self.features(images)

@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from paratron.data.sft.conversations import Message, messages_of
 from paratron.data.sft.templates import ChatTemplate
 from paratron.data.sft.tokenize import TokenizedConversation, tokenize_conversation
 from paratron.data.tokenizer import Tokenizer
-from paratron.data.vision.images import ImageRef, ImageSettings, image_ref
+from paratron.data.vision.images import ImageRef, ImageSettings, image_ref, load_images
 from paratron.errors import DataError
 
 PLACEHOLDER = "<image>"
@@ -217,6 +218,24 @@ def tokenize_vision_record(
     ids = np.repeat(plain.ids, repeats)
     trained = np.repeat(plain.trained, repeats) & (ids != settings.image_token_id)
     return VisionConversation(ids, trained, record.where, refs)
+
+
+def encode_prompt(
+    text: str, paths: list[Path], tokenizer: Tokenizer, settings: ImageSettings
+) -> tuple[list[int], torch.Tensor]:
+    """A generation prompt with images: its token ids, each `<image>` of `text` (or, when it names none, one per
+    image before the text) expanded to that image's placeholder tokens, and the images' pixels."""
+    if PLACEHOLDER not in text:
+        text = f"{PLACEHOLDER}\n" * len(paths) + text
+    if text.count(PLACEHOLDER) != len(paths):
+        raise DataError(
+            f"the prompt names {text.count(PLACEHOLDER)} {PLACEHOLDER} for {len(paths)} --image; give one each"
+        )
+    refs = [image_ref(path, settings, f"--image {path}") for path in paths]
+    ids = np.asarray(tokenizer.encode(text.replace(PLACEHOLDER, image_token(tokenizer, settings.image_token_id))))
+    repeats = np.ones(len(ids), dtype=np.int64)
+    repeats[ids == settings.image_token_id] = [ref.tiles * settings.tokens_per_image for ref in refs]
+    return np.repeat(ids, repeats).tolist(), load_images(refs, settings, "--image")
 
 
 def image_token(tokenizer: Tokenizer, image_token_id: int) -> str:
