@@ -2,12 +2,15 @@
 at TP2, TP2 with sequence parallelism, PP2 (1f1b and interleaved), ZeRO-1 (with recomputation of every layer, the
 encoder's too) and ZeRO-3, TP2 x PP2 and with the encoder frozen equal the single process within 1e-5 relative.
 --mock-data gives every micro-batch rows with no, one or two images (and some micro-batches none at all), so no
-layout may wait for the encoder's gradients."""
+layout may wait for the encoder's gradients. A resumed TP2 x PP2 run continues bit for bit, and its checkpoint
+loads on one process as the single process's model."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from paratron.checkpoint.pretrained import load_pretrained
 from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
@@ -42,7 +45,9 @@ LAYOUTS = {
         zero_stage=1, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
     ),
     "zero3": dict(zero_stage=3),
-    "tp2-pp2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
+    "tp2-pp2": dict(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True, save_interval=10
+    ),
     "tp2-pp2-frozen": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, freeze_vision_model=True),
 }
 """On four processes (the data-parallel size makes up the rest)."""
@@ -59,14 +64,24 @@ def curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
 @pytest.mark.spawns
 def test_vision_language_loss_curves_equal_single_process_at_every_layout(tmp_path):
     reference = {
-        frozen: run_training(tiny_config(tmp_path / f"single-{frozen}", **VISION, freeze_vision_model=frozen)).losses
-        for frozen in (False, True)
+        frozen: run_training(tiny_config(tmp_path / f"single-{frozen}", **VISION, **saving)).losses
+        for frozen, saving in ((False, {"save": str(tmp_path / "single-ckpt")}), (True, {"freeze_vision_model": True}))
     }
     assert reference[False] != reference[True]  # (freezing the encoder changes what trains)
     runs = {name: dict(VISION, **layout) for name, layout in LAYOUTS.items()}
+    saved = tmp_path / "tp2-pp2-ckpt"
+    runs["tp2-pp2"]["save"] = str(saved)
+    runs["tp2-pp2-resumed"] = dict(runs["tp2-pp2"], load=str(saved / "iter_0000010"), save=None)
     results = run_ranks(curves, 4, str(tmp_path / "four"), runs)[0]
+    resumed = results.pop("tp2-pp2-resumed")
+    assert resumed == results["tp2-pp2"][10:]  # (bit for bit)
     for name, curve in results.items():
         expected = reference["frozen" in name]
         assert len(curve) == 20
         for step, (ours, ref) in enumerate(zip(curve, expected), start=1):
             assert abs(ours - ref) <= 1e-5 * abs(ref), f"{name}: step {step}: {ours} vs {ref}"
+    # the TP2 x PP2 checkpoint loads on one process as the model the single process trained
+    whole, alone = (dict(load_pretrained(path).named_parameters()) for path in (saved, tmp_path / "single-ckpt"))
+    assert whole.keys() == alone.keys() and any(name.startswith("vision.encoder.layers") for name in whole)
+    for name, param in whole.items():
+        assert torch.allclose(param, alone[name], rtol=1e-3, atol=1e-4), name
