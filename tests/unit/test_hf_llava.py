@@ -285,6 +285,7 @@ def test_other_vision_language_designs_are_refused_by_name(tmp_path, capsys, mod
         ({"text_config": {"model_type": "gpt2"}}, "text_config's model_type 'gpt2' is not supported"),
         ({"vision_config": {"model_type": "siglip2_vision_model"}}, "'siglip2_vision_model' is not supported as a"),
         ({"vision_config": {"model_type": "clip_vision_model", "hidden_act": "gelu"}}, "hidden_act 'gelu' is not"),
+        ({"image_token_index": VOCAB}, f"image_token_index {VOCAB} is not an id of the {VOCAB}-token vocabulary"),
     ],
 )
 def test_settings_paratron_cannot_hold_are_refused_by_name(tmp_path, change, expected):
@@ -329,3 +330,20 @@ def test_combining_refusals_are_one_line(tmp_path, capsys):
     assert main([*to_hf, "--vision-model-path", str(tmp_path / "vit")]) == 2
     assert "--vision-model-path applies to --from hf SRC --to paratron DST only" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("part", "field", "default"),
+    [("text_config", "hidden_size", "hidden_size=4096"), ("vision_config", "image_size", "image_size=224")],
+)
+def test_a_nested_field_left_out_is_named_with_its_default(saved, tmp_path, part, field, default):
+    case, folder, reference = saved
+    config = json.loads((folder / "config.json").read_text())
+    config[part] = {name: value for name, value in config[part].items() if name != field}
+    write_config(tmp_path, config)
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and f"has no {part}.{field}, and with transformers' default for a" in message
+    assert f"({part}.{default})" in message, message

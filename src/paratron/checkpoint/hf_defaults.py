@@ -219,6 +219,9 @@ WEIGHT_SHAPING = frozenset(
         "shared_expert_intermediate_size",
         "decoder_sparse_step",
         "mlp_only_layers",
+        "image_size",
+        "patch_size",
+        "vision_use_head",
     }
 )
 """Fields that fix the weights' names and shapes (and the head and expert counts): a default of one of

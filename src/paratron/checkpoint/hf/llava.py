@@ -151,6 +151,19 @@ def check_feature_layer(layer: int, depth: int, setting: str) -> None:
         )
 
 
+def with_language(language: Settings, vision: Settings, source: str) -> Settings:
+    """The whole model's settings: the language model's, with the vision tower's and projector's over them; an image
+    placeholder outside the vocabulary is refused (paratron embeds every token before the images replace theirs)."""
+    settings = {**language, **vision}
+    placeholder, vocab = settings["image_token_id"], settings["vocab_size"]
+    if not 0 <= placeholder < vocab:
+        raise CheckpointError(
+            f"{source}: image_token_index {placeholder} is not an id of the {vocab}-token vocabulary "
+            "(text_config.vocab_size); give the placeholder's id"
+        )
+    return settings
+
+
 def text_config(hf: HFConfig, family: Family, source: str) -> HFConfig:
     """A vision-language config.json's `text_config`, with its model type (the family's first when it names none)."""
     text = hf.get("text_config") or {}

@@ -195,18 +195,36 @@ def _blame(hf: dict[str, Any], source: str, problem: str) -> str:
     """One line for a config.json that does not describe its model, naming the fields it leaves out whose
     transformers defaults shape the weights (the likely cause), or else config.json as a whole."""
     kind = hf["model_type"]
-    suspects = [name for name in with_defaults(hf, kind)[1] if name in WEIGHT_SHAPING]
-    fixed = [name for name in suspects if DEFAULTS[kind][name] is not None]
+    parts = _nested_parts(hf) if FAMILIES[kind].text_families else [("", kind, hf)]
+    suspects = [
+        (where, part_kind, name)
+        for where, part_kind, part in parts
+        for name in with_defaults(part, part_kind)[1]
+        if name in WEIGHT_SHAPING
+    ]
+    fixed = [suspect for suspect in suspects if DEFAULTS[suspect[1]][suspect[2]] is not None]
     suspects = fixed or suspects  # (a derived default, head_dim's say, is to blame only when nothing else is)
     if not suspects:
         return f"{source}: {problem}; correct config.json or give the weights it was saved with"
     many = len(suspects) > 1
-    missing = ", ".join(spelled(kind, name) for name in suspects)
-    defaults = ", ".join(default_text(kind, name) for name in suspects)
+    missing = ", ".join(where + spelled(part_kind, name) for where, part_kind, name in suspects)
+    defaults = ", ".join(where + default_text(part_kind, name) for where, part_kind, name in suspects)
+    kinds = " and ".join(dict.fromkeys(part_kind for _, part_kind, _ in suspects))
     return (
-        f"{source}: has no {missing}, and with transformers' default{'s' * many} for a {kind} model ({defaults}) "
+        f"{source}: has no {missing}, and with transformers' default{'s' * many} for a {kinds} model ({defaults}) "
         f"{problem}; add {'them' if many else 'it'}"
     )
+
+
+def _nested_parts(hf: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """A vision-language config.json's nested configs whose left-out fields shape the weights: (where, model type,
+    the config) of its `text_config` and, when given, its `vision_config` (without one, LLaVA-1.5's tower is whole)."""
+    text = hf.get("text_config") or {}
+    parts = [("text_config.", text.get("model_type", FAMILIES[hf["model_type"]].text_families[0]), text)]
+    vision = hf.get("vision_config")
+    if isinstance(vision, dict):
+        parts.append(("vision_config.", vision.get("model_type", "clip_vision_model"), vision))
+    return parts
 
 
 def config_for_hf(hf: dict[str, Any], source: str) -> Config:

@@ -30,7 +30,7 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
     settings = family.read_settings(hf, family, source)
     if family.text_families:  # (a vision-language model: its language model is a text family's)
         language = model_settings(llava.text_config(hf, family, source), f"{source} (text_config)")
-        return {**language, **settings}
+        return llava.with_language(language, settings, source)
     return settings
 
 
@@ -51,7 +51,7 @@ def family_of(hf: dict[str, Any], source: str) -> Family:
                 f"of those it converts LLaVA's {ARCHITECTURES['llava']} (model_type llava)"
             )
         raise CheckpointError(
-            f"{source}: model_type {kind!r}{named} is not supported; convert one of {', '.join(ARCHITECTURES)}"
+            f"{source}: model_type {kind!r} is not supported; convert one of {', '.join(ARCHITECTURES)}"
         )
     return FAMILIES[kind]
 
