@@ -490,14 +490,16 @@ def cmd_convert(argv: list[str]) -> int:
         usage="paratron convert --from hf SRC --to paratron DST  |  --from paratron SRC --to hf DST [--merge-lora]"
         "  |  --from paratron SRC --to peft DST  |  --from megatron SRC --to paratron|hf DST [--finetune]"
         "  |  --from paratron SRC --to megatron DST [--target-tensor-parallel-size N]"
-        " [--target-pipeline-parallel-size M]",
+        " [--target-pipeline-parallel-size M]"
+        "  |  --from hf LM --vision-model-path VIT --to paratron DST [--vision-feature-layer N ...]",
         description=f"Convert {', '.join(list(FAMILY_NAMES.values())[:-1])} and {list(FAMILY_NAMES.values())[-1]} "
         "weights between a Hugging Face directory (config.json + safetensors: model.safetensors or the shards its "
         "model.safetensors.index.json names; a field config.json leaves out takes transformers' default for "
         "the model type) and a paratron checkpoint (weights only, for --load); write a LoRA "
         "checkpoint's adapters as a peft adapter (Llama family), or merged into the base weights; read "
         "Megatron-LM GPT checkpoints (torch and torch_dist formats, any TP/PP) and write its torch format "
-        "(docs/megatron-checkpoints.md).",
+        "(docs/megatron-checkpoints.md); put a CLIP or SigLIP vision encoder before a language model "
+        "(docs/multimodal.md).",
     )
     parser.add_argument(
         "--from",
@@ -539,9 +541,35 @@ def cmd_convert(argv: list[str]) -> int:
         metavar="N",
         help="With --to megatron: the pipeline-parallel size of the written checkpoint (default 1).",
     )
+    vision = parser.add_argument_group("vision encoder (with --from hf SRC --to paratron DST)")
+    vision.add_argument(
+        "--vision-model-path",
+        type=Path,
+        metavar="DIR",
+        help="A Hugging Face CLIP or SigLIP vision encoder (CLIPVisionModel, SiglipVisionModel, or a CLIPModel or "
+        "SiglipModel, whose vision half is taken) to put before the language model SRC, with a new projector.",
+    )
+    vision.add_argument(
+        "--vision-feature-layer", type=int, metavar="N", help="Its layer that feeds the projector (default -2)."
+    )
+    vision.add_argument(
+        "--vision-feature-select",
+        choices=("default", "full"),
+        help="default: drop CLIP's class token, full: keep every feature (default: default for CLIP, full for SigLIP).",
+    )
+    vision.add_argument("--vision-projection", choices=("mlp", "affine"), help="The new projector (default mlp).")
     args = parser.parse_args(argv)
     formats = (args.source[0], args.target[0])
     source, target = Path(args.source[1]), Path(args.target[1])
+    vision_flags = (args.vision_feature_layer, args.vision_feature_select, args.vision_projection)
+    if args.vision_model_path is None and any(flag is not None for flag in vision_flags):
+        raise UserError(
+            "--vision-feature-layer/--vision-feature-select/--vision-projection apply with --vision-model-path only"
+        )
+    if args.vision_model_path is not None and formats != ("hf", "paratron"):
+        raise UserError("--vision-model-path applies to --from hf SRC --to paratron DST only")
+    if args.vision_model_path is not None and not args.vision_model_path.is_dir():
+        raise UserError(f"--vision-model-path {args.vision_model_path}: no such directory")
     if args.merge_lora and formats != ("paratron", "hf"):
         raise UserError("--merge-lora applies to --from paratron SRC --to hf DST only")
     if args.finetune and formats[0] != "megatron":
@@ -553,7 +581,15 @@ def cmd_convert(argv: list[str]) -> int:
         raise UserError(f"--from {args.source[0]} {source}: no such directory")
     if not converts(*formats):
         raise UserError(f"--from {formats[0]} --to {formats[1]}: {UNSUPPORTED}")
-    options = ConvertOptions(args.merge_lora, args.finetune, *layout)
+    options = ConvertOptions(
+        args.merge_lora,
+        args.finetune,
+        *layout,
+        vision_model_path=args.vision_model_path,
+        vision_feature_layer=args.vision_feature_layer,
+        vision_feature_select=args.vision_feature_select,
+        vision_projection=args.vision_projection,
+    )
     print(convert(formats[0], source, formats[1], target, options)[1])
     return 0
 

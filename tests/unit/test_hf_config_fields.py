@@ -207,7 +207,7 @@ def test_older_files_with_a_top_level_rope_theta_read_as_transformers_reads_them
 
 
 def test_convert_help_lists_every_supported_family(capsys):
-    families = ["Llama", "Mistral", "Qwen2", "Qwen3", "GPT-2", "Mixtral", "Qwen2-MoE", "Qwen3-MoE"]
+    families = ["Llama", "Mistral", "Qwen2", "Qwen3", "GPT-2", "Mixtral", "Qwen2-MoE", "Qwen3-MoE", "LLaVA"]
     assert len(families) == len(ARCHITECTURES)
     with pytest.raises(SystemExit) as done:
         main(["convert", "--help"])

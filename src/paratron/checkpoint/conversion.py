@@ -42,6 +42,15 @@ class ConvertOptions:
     """paratron -> Megatron-LM: the written checkpoint's pipeline-parallel size."""
     fix: str = CONVERT_FIX
     """What a full disk's line tells the user to do (where the caller chose the destination)."""
+    vision_model_path: Path | None = None
+    """Hugging Face -> paratron: a vision encoder folder (CLIP or SigLIP) put before the language model read, with
+    a new projector: one vision-language model."""
+    vision_feature_layer: int | None = None
+    """With `vision_model_path`: the encoder layer whose output feeds the projector (default -2, LLaVA's)."""
+    vision_feature_select: str | None = None
+    """With `vision_model_path`: default (drop CLIP's class token) or full (default: the encoder family's)."""
+    vision_projection: str | None = None
+    """With `vision_model_path`: the new projector, mlp (default) or affine."""
 
 
 class Tensors(Protocol):

@@ -5,6 +5,7 @@ and `paratron convert --from X SRC --to Y DST` is "read with X, write with Y".
     format     reads                                   writes
     paratron   any checkpoint                          a weights (+ optimizer) checkpoint, model.yaml
     hf         config.json + safetensors (`hf`)        config.json + safetensors + tokenizer.json
+               (+ a vision encoder folder, combined)
     megatron   torch and torch_dist, any TP/PP         torch (legacy) at a chosen TP/PP
     peft       -                                       a LoRA checkpoint's adapters
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratron.checkpoint.conversion import Converted, ConvertOptions, refuse_existing
-from paratron.checkpoint.hf import read_hf_model, write_hf
+from paratron.checkpoint.hf import read_hf_folder, write_hf
 from paratron.checkpoint.io import CONVERT_FIX
 from paratron.checkpoint.megatron import read_megatron, write_megatron
 from paratron.checkpoint.native import read_paratron, write_paratron
@@ -57,7 +58,7 @@ class Format:
 
 FORMATS: dict[str, Format] = {
     "paratron": Format(read_paratron, write_paratron, ("hf", "megatron"), _trainable, training_state=True),
-    "hf": Format(read_hf_model, write_hf, ("paratron", "megatron"), _plain),
+    "hf": Format(read_hf_folder, write_hf, ("paratron", "megatron"), _plain),
     "megatron": Format(read_megatron, write_megatron, ("paratron",), _plain),
     "peft": Format(None, write_peft, ("paratron",), _adapters),
 }

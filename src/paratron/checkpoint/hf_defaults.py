@@ -136,6 +136,29 @@ _QWEN3_MOE = dict(
     mlp_only_layers=[],
 )
 
+_LLAVA = dict(
+    image_token_index=32000,
+    image_seq_length=576,
+    projector_hidden_act="gelu",
+    vision_feature_select_strategy="default",
+    multimodal_projector_bias=True,
+    tie_word_embeddings=False,
+)
+_CLIP_VISION = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_channels=3,
+    image_size=224,
+    patch_size=32,
+    hidden_act="quick_gelu",
+    layer_norm_eps=1e-5,
+)
+_SIGLIP_VISION = dict(
+    _CLIP_VISION, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, vision_use_head=True
+)
+
 DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _LLAMA,
     "mistral": _MISTRAL,
@@ -145,12 +168,28 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": _MIXTRAL,
     "qwen2_moe": _QWEN2_MOE,
     "qwen3_moe": _QWEN3_MOE,
+    "llava": _LLAVA,
+    "clip_vision_model": _CLIP_VISION,
+    "siglip_vision_model": _SIGLIP_VISION,
 }
-"""transformers' default of each field paratron reads, per `model_type` (transformers 5's config classes)."""
+"""transformers' default of each field paratron reads, per `model_type` (transformers 5's config classes; a
+vision-language model's `text_config` and `vision_config` are read by the tables of their own model types)."""
+
+LLAVA_VISION_CONFIG = dict(
+    model_type="clip_vision_model",
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    image_size=336,
+    patch_size=14,
+)
+"""The vision tower LlavaConfig builds when config.json has no `vision_config` (LLaVA-1.5's CLIP ViT-L/14-336)."""
 
 ALIASES: dict[str, dict[str, str]] = {
     "mixtral": {"num_experts": "num_local_experts"},
     "qwen3_moe": {"num_experts": "num_local_experts"},
+    "llava": {"image_token_id": "image_token_index"},
 }
 """Second names transformers accepts for a field (its config classes' `attribute_map`), per model type."""
 
@@ -180,6 +219,9 @@ WEIGHT_SHAPING = frozenset(
         "shared_expert_intermediate_size",
         "decoder_sparse_step",
         "mlp_only_layers",
+        "image_size",
+        "patch_size",
+        "vision_use_head",
     }
 )
 """Fields that fix the weights' names and shapes (and the head and expert counts): a default of one of

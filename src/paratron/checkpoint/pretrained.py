@@ -23,8 +23,9 @@ def tokenizer_from_checkpoint(info: CheckpointInfo) -> Tokenizer | None:
 def load_pretrained(path: str | Path, device: torch.device | str = "cpu") -> GPT:
     """The model of a paratron checkpoint (a save directory or one iteration folder) or of a Hugging
     Face model directory (config.json + safetensors, of any family in `checkpoint.hf.FAMILIES`:
-    Llama, Mistral, Qwen2, Qwen3, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE, read by the converters' reader of
-    that format, `hf.read_hf_model`), on one device in eval mode; `model(input_ids)` returns logits."""
+    Llama, Mistral, Qwen2, Qwen3, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE, and the vision-language LLaVA, read by the
+    converters' reader of that format, `hf.read_hf_model`), on one device in eval mode; `model(input_ids)` returns
+    logits (`model(input_ids, images=pixel_values)` for LLaVA)."""
     path = Path(path)
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
         return model_from_hf(path, device)

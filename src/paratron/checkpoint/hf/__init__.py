@@ -10,7 +10,10 @@ the top-k, a shared expert with a sigmoid gate, dense layers where `decoder_spar
 shared expert). A sliding window carries over both ways when every layer has it; a config whose
 layers mix windowed and full attention is refused. Experts are stored one by one on the Hub and
 stacked in paratron (`experts.w_in` = [gate; up] of every expert, `experts.w_out` = their down
-projections).
+projections). The vision-language LLaVA (LlavaForConditionalGeneration: a CLIP or SigLIP vision tower and a
+Linear-GELU-Linear projector before a Llama, Mistral or Qwen2) converts both ways as paratron's vision encoder and
+projector (`llava`); a released language model folder and a released CLIP or SigLIP encoder folder combine into
+one such model with a new projector (`combine`).
 
 `config.json` is read as transformers reads it: a field the file leaves out takes transformers'
 default for its model type (the tables of `hf_defaults`). The weights (model.safetensors, or the
@@ -29,6 +32,7 @@ A converted checkpoint is an ordinary paratron checkpoint at iteration 0 marked 
 flags. The converter also writes `model.yaml`, a recipe with the model's shape.
 """
 
+from paratron.checkpoint.hf.combine import read_combined, read_hf_folder
 from paratron.checkpoint.hf.families import ARCHITECTURES, FAMILIES, FAMILY_NAMES, PEFT_FAMILIES
 from paratron.checkpoint.hf.family import Family
 from paratron.checkpoint.hf.read import INDEX, config_for_hf, model_from_hf, read_hf, read_hf_config, read_hf_model
@@ -51,8 +55,10 @@ __all__ = [
     "model_from_hf",
     "model_settings",
     "model_type_of",
+    "read_combined",
     "read_hf",
     "read_hf_config",
+    "read_hf_folder",
     "read_hf_model",
     "weights_from_hf",
     "weights_to_hf",

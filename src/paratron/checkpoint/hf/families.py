@@ -3,14 +3,15 @@
 Llama (grouped-query attention, any rotary theta, tied or untied embeddings), Mistral (the same
 layers, with its sliding window), Qwen2 (biases on the query, key and value projections), Qwen3 (a
 norm on each head's queries and keys), GPT-2 (learned positions, LayerNorm, tanh GELU, fused QKV
-stored as Conv1D, i.e. transposed), and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+stored as Conv1D, i.e. transposed), the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE, and the
+vision-language LLaVA (a CLIP or SigLIP vision tower and a projector before a Llama, Mistral or Qwen2; `llava`).
 """
 
 from __future__ import annotations
 
 import re
 
-from paratron.checkpoint.hf import layers
+from paratron.checkpoint.hf import layers, llava
 from paratron.checkpoint.hf.family import Family
 
 # paratron name -> Hugging Face name, per family (layer index as {i})
@@ -159,6 +160,16 @@ FAMILIES: dict[str, Family] = {
             qk_norm=True,
             fixed_config={"attention_bias": False},
         ),
+        Family(
+            "llava",
+            "LlavaForConditionalGeneration",
+            "LLaVA",
+            llava.llava_names(_LLAMA_NAMES),
+            read_settings=llava.llava_settings,
+            write_config=llava.llava_config,
+            text_families=("llama", "mistral", "qwen2"),  # (their weights share Llama's names)
+            hub_layouts=llava.LLAVA_LAYOUTS,
+        ),
     )
 }
 """Every family paratron converts, by config.json's model_type (the order error messages list them in)."""
@@ -166,12 +177,13 @@ FAMILIES: dict[str, Family] = {
 ARCHITECTURES = {kind: family.architecture for kind, family in FAMILIES.items()}
 
 
-def _listed(family: Family) -> tuple[bool, bool]:
-    return family.read_experts is not None, family.transposed is not None
+def _listed(family: Family) -> tuple[bool, bool, bool]:
+    return bool(family.text_families), family.read_experts is not None, family.transposed is not None
 
 
 FAMILY_NAMES = {family.model_type: family.name for family in sorted(FAMILIES.values(), key=_listed)}
 """How the documents and `paratron convert --help` name each model_type of ARCHITECTURES (a test holds
-README.md and docs/training.md to this list): dense rotary families first, then GPT-2, then the mixtures."""
+README.md and docs/training.md to this list): dense rotary families first, then GPT-2, then the mixtures, then the
+vision-language families."""
 PEFT_FAMILIES = tuple(kind for kind, family in FAMILIES.items() if family.peft)
 """The families whose LoRA adapters are written as PEFT adapters."""

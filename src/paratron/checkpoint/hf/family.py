@@ -2,9 +2,9 @@
 weights go and how they are laid out, and how its config.json maps to paratron's settings both ways.
 
 A new family is one `Family` row in `families.FAMILIES`. A vision-language family (LLaVA's
-LlavaForConditionalGeneration) fits the same shape: its `read_settings` reads the nested
-`text_config`, and its `weight_names` add the vision tower's and projector's tensors beside the
-language model's.
+LlavaForConditionalGeneration) fits the same shape: its `text_families` read and write the nested
+`text_config`, its `read_settings` and `write_config` the vision tower's and projector's entries, and
+its `weight_names` add the vision tower's and projector's tensors beside the language model's.
 """
 
 from __future__ import annotations
@@ -62,3 +62,9 @@ class Family:
     """Hub weights stored [in, out] (GPT-2's Conv1D layers); paratron's are [out, in]."""
     peft: bool = False
     """Its layers map one to one onto PEFT's LoRA target modules (adapters are exported)."""
+    text_families: tuple[str, ...] = ()
+    """A vision-language family: the model types its `text_config` may have (the first when it names none), whose
+    rows read and write the language model's settings; empty for a text family."""
+    hub_layouts: tuple[tuple[str, str], ...] = ()
+    """Other layouts of the family's weight names in released files, as (regex, replacement) into the names
+    `weight_names` writes; the first that matches a name renames it."""

@@ -16,8 +16,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from paratron.checkpoint.conversion import Converted, ConvertOptions, build_converted, config_from_settings, in_memory
+from paratron.checkpoint.hf.families import FAMILIES
 from paratron.checkpoint.hf.settings import model_settings
-from paratron.checkpoint.hf.weights import IGNORED, weights_from_hf, weights_to_hf
+from paratron.checkpoint.hf.weights import IGNORED, tied_head_name, weights_from_hf, weights_to_hf, written_layout
 from paratron.checkpoint.hf_defaults import DEFAULTS, WEIGHT_SHAPING, default_text, spelled, with_defaults
 from paratron.config.schema import Config, ModelConfig
 from paratron.data.tokenizer import Tokenizer
@@ -71,6 +72,16 @@ def read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """config.json and every tensor of a Hugging Face model directory (model.safetensors, or the shards
     its index names), read once every file opens and the tensors' names and shapes fit the config."""
     hf = read_hf_config(path)
+    files, shapes = weight_shapes(path)
+    layout = written_layout(list(shapes), hf["model_type"], str(path))  # (a family's earlier layouts renamed)
+    source = str(path / "config.json")
+    _check_weights_fit(hf, config_for_hf(hf, source).model, {layout[n]: s for n, s in shapes.items()}, source)
+    return hf, {layout[name]: tensor for name, tensor in load_tensors(files).items()}
+
+
+def weight_shapes(path: Path) -> tuple[list[Path], dict[str, list[int]]]:
+    """The safetensors files of a model directory and the shape of each tensor they hold, read from their headers
+    alone; each tensor must be in the file the index places it in."""
     files, placed = _weight_files(path)
     shapes: dict[str, list[int]] = {}
     holder: dict[str, str] = {}
@@ -82,8 +93,11 @@ def read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             raise CheckpointError(
                 f"{path / file_name}: has no tensor {name}, which {INDEX} places there; fetch it again"
             )
-    source = str(path / "config.json")
-    _check_weights_fit(hf, config_for_hf(hf, source).model, shapes, source)
+    return files, shapes
+
+
+def load_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors `files`, on the CPU."""
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -91,7 +105,7 @@ def read_hf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
                 tensors.update({key: f.get_tensor(key) for key in f.keys()})
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(_unreadable(file, exc)) from None
-    return hf, tensors
+    return tensors
 
 
 def _weight_files(path: Path) -> tuple[list[Path], dict[str, str]]:
@@ -169,7 +183,7 @@ def _check_weights_fit(hf: dict[str, Any], m: ModelConfig, shapes: dict[str, lis
             problem = f"{name} is {shapes[name]} in the weights, {shape} by config.json"
         if problem:
             break
-    tied_head = "lm_head.weight" if not m.untie_embeddings_and_output_weights else None
+    tied_head = tied_head_name(FAMILIES[kind]) if not m.untie_embeddings_and_output_weights else None
     extra = [n for n in shapes if n not in expected and n != tied_head and not IGNORED.search(n)]
     if problem is None and extra:
         problem = f"the weights hold {extra[0]}, which the model of config.json lacks"
@@ -181,18 +195,36 @@ def _blame(hf: dict[str, Any], source: str, problem: str) -> str:
     """One line for a config.json that does not describe its model, naming the fields it leaves out whose
     transformers defaults shape the weights (the likely cause), or else config.json as a whole."""
     kind = hf["model_type"]
-    suspects = [name for name in with_defaults(hf, kind)[1] if name in WEIGHT_SHAPING]
-    fixed = [name for name in suspects if DEFAULTS[kind][name] is not None]
+    parts = _nested_parts(hf) if FAMILIES[kind].text_families else [("", kind, hf)]
+    suspects = [
+        (where, part_kind, name)
+        for where, part_kind, part in parts
+        for name in with_defaults(part, part_kind)[1]
+        if name in WEIGHT_SHAPING
+    ]
+    fixed = [suspect for suspect in suspects if DEFAULTS[suspect[1]][suspect[2]] is not None]
     suspects = fixed or suspects  # (a derived default, head_dim's say, is to blame only when nothing else is)
     if not suspects:
         return f"{source}: {problem}; correct config.json or give the weights it was saved with"
     many = len(suspects) > 1
-    missing = ", ".join(spelled(kind, name) for name in suspects)
-    defaults = ", ".join(default_text(kind, name) for name in suspects)
+    missing = ", ".join(where + spelled(part_kind, name) for where, part_kind, name in suspects)
+    defaults = ", ".join(where + default_text(part_kind, name) for where, part_kind, name in suspects)
+    kinds = " and ".join(dict.fromkeys(part_kind for _, part_kind, _ in suspects))
     return (
-        f"{source}: has no {missing}, and with transformers' default{'s' * many} for a {kind} model ({defaults}) "
+        f"{source}: has no {missing}, and with transformers' default{'s' * many} for a {kinds} model ({defaults}) "
         f"{problem}; add {'them' if many else 'it'}"
     )
+
+
+def _nested_parts(hf: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """A vision-language config.json's nested configs whose left-out fields shape the weights: (where, model type,
+    the config) of its `text_config` and, when given, its `vision_config` (without one, LLaVA-1.5's tower is whole)."""
+    text = hf.get("text_config") or {}
+    parts = [("text_config.", text.get("model_type", FAMILIES[hf["model_type"]].text_families[0]), text)]
+    vision = hf.get("vision_config")
+    if isinstance(vision, dict):
+        parts.append(("vision_config.", vision.get("model_type", "clip_vision_model"), vision))
+    return parts
 
 
 def config_for_hf(hf: dict[str, Any], source: str) -> Config:

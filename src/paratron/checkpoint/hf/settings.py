@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from paratron.checkpoint.hf import llava
 from paratron.checkpoint.hf.families import ARCHITECTURES, FAMILIES
 from paratron.checkpoint.hf.family import Family
 from paratron.checkpoint.hf_defaults import first_wrong_type, with_defaults
@@ -26,7 +27,11 @@ def model_settings(hf: dict[str, Any], source: str = "config.json") -> dict[str,
     if wrong:
         raise CheckpointError(f"{source}: {wrong[0]} is {json.dumps(hf[wrong[0]])}, not {wrong[1]}; correct it")
     hf, _ = with_defaults(hf, family.model_type)
-    return family.read_settings(hf, family, source)
+    settings = family.read_settings(hf, family, source)
+    if family.text_families:  # (a vision-language model: its language model is a text family's)
+        language = model_settings(llava.text_config(hf, family, source), f"{source} (text_config)")
+        return llava.with_language(language, settings, source)
+    return settings
 
 
 def family_of(hf: dict[str, Any], source: str) -> Family:
@@ -38,6 +43,13 @@ def family_of(hf: dict[str, Any], source: str) -> Family:
         raise CheckpointError(f"{source}: has no model_type (one of {', '.join(ARCHITECTURES)}); add {hint}")
     kind = hf["model_type"]
     if kind not in FAMILIES:
+        classes = [a for a in hf.get("architectures") or [] if isinstance(a, str)]
+        named = f" ({classes[0]})" if classes else ""
+        if "vision_config" in hf or any(a.endswith("ForConditionalGeneration") for a in classes):
+            raise CheckpointError(
+                f"{source}: model_type {kind!r}{named} is a vision-language design paratron does not convert; "
+                f"of those it converts LLaVA's {ARCHITECTURES['llava']} (model_type llava)"
+            )
         raise CheckpointError(
             f"{source}: model_type {kind!r} is not supported; convert one of {', '.join(ARCHITECTURES)}"
         )
@@ -47,6 +59,10 @@ def family_of(hf: dict[str, Any], source: str) -> Family:
 def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
     """A Hugging Face `config.json` for paratron model `m` as architecture `kind`."""
     family = FAMILIES[kind]
+    if family.text_families:  # (a vision-language model: its language model's config.json nested)
+        language = {k: v for k, v in hf_config(m, _language_type_of(m)).items() if k not in _TOP_LEVEL_ONLY}
+        written = {"architectures": [family.architecture], "model_type": kind, "text_config": language}
+        return {**written, **family.write_config(m, family), "torch_dtype": "float32"}
     common = {
         "architectures": [family.architecture],
         "model_type": kind,
@@ -55,6 +71,10 @@ def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
         **_window_config(m, family),  # (and refused when the architecture has no such attention)
     }
     return {**common, **family.write_config(m, family)}
+
+
+_TOP_LEVEL_ONLY = ("architectures", "torch_dtype")
+"""Entries of a text family's config.json that a vision-language config.json holds at its top level only."""
 
 
 def _window_config(m: ModelConfig, family: Family) -> dict[str, Any]:
@@ -87,7 +107,22 @@ def _refuse_megatron_only_features(m: ModelConfig) -> None:
 
 
 def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:
-    """The Hugging Face architecture that has exactly paratron model `m`'s layers."""
+    """The Hugging Face architecture that has exactly paratron model `m`'s layers (LLaVA's for a vision-language
+    model; `preferred`, the family the model came from, settles a tie between Llama and Mistral)."""
+    if not m.has_vision:
+        return _language_type_of(m, preferred)
+    llava.refuse_unexportable(m)
+    language = _language_type_of(m)
+    if language not in FAMILIES["llava"].text_families:
+        raise CheckpointError(
+            f"a vision-language model's language model must be Llama, Mistral or Qwen2 for Hugging Face's "
+            f"{ARCHITECTURES['llava']}, and this one is {FAMILIES[language].name}; keep it as a paratron checkpoint"
+        )
+    return "llava"
+
+
+def _language_type_of(m: ModelConfig, preferred: str | None = None) -> str:
+    """The Hugging Face text family that has exactly paratron model `m`'s language model."""
     _refuse_megatron_only_features(m)
     if (
         m.position_embedding_type == "rope"

@@ -76,7 +76,7 @@ def weights_from_hf(
             raise CheckpointError(f"{source}: no Hugging Face name for {name}")
         used.add(hf_name)
         out[name] = _stored(family, hf_name, _take(tensors, hf_name, source))
-    tied_head = "lm_head.weight" if not m.untie_embeddings_and_output_weights else None
+    tied_head = tied_head_name(family) if not m.untie_embeddings_and_output_weights else None
     extra = [n for n in tensors if n not in used and n != tied_head and not IGNORED.search(n)]
     if extra:
         raise CheckpointError(f"{source}: has tensors the converted model would lack ({extra[0]}, ...)")
@@ -111,6 +111,25 @@ def weights_to_hf(state: dict[str, torch.Tensor], kind: str) -> dict[str, torch.
         qkv = [pieces[p].t() if part == "weight" else pieces[p] for p in "qkv"]
         out[family.fused_qkv.format(i=i, w=part)] = torch.cat(qkv, dim=-1).contiguous()
     return out
+
+
+def tied_head_name(family: Family) -> str:
+    """The Hub name of the output layer, which files of a model with tied embeddings may hold or leave out."""
+    return _hf_name("output.weight", family.weight_names) or "lm_head.weight"
+
+
+def written_layout(names: list[str], kind: str, source: str) -> dict[str, str]:
+    """Each Hub weight name of a file -> its name in the layout paratron writes for family `kind` (the same but
+    where the family's `hub_layouts` rename an earlier layout); a weight named twice is refused."""
+    layouts = [(re.compile(pattern), target) for pattern, target in FAMILIES[kind].hub_layouts]
+    renamed: dict[str, str] = {}
+    first: dict[str, str] = {}
+    for name in names:
+        new = next((regex.sub(target, name, count=1) for regex, target in layouts if regex.match(name)), name)
+        if new in first:
+            raise CheckpointError(f"{source}: holds {new} twice (as {first[new]} and {name}); keep one")
+        renamed[name], first[new] = new, name
+    return renamed
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:
