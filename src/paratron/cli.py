@@ -398,7 +398,7 @@ def cmd_generate(argv: list[str]) -> int:
     from paratron.checkpoint.io import model_from_checkpoint, read_checkpoint
     from paratron.checkpoint.model_of import paratron_checkpoint, saved_tokenizer
     from paratron.config.arguments import ArgumentParser
-    from paratron.config.schema import CheckpointConfig, Config
+    from paratron.config.schema import Config
     from paratron.data.build import cache_root
     from paratron.data.vision.llava import PLACEHOLDER, encode_prompt
     from paratron.data.vision.settings import image_settings
@@ -464,7 +464,7 @@ def cmd_generate(argv: list[str]) -> int:
     model = model_from_checkpoint(info, device)
     ids, images = tokenizer.encode(prompt), None
     if args.image:
-        config = Config(model=model.config, checkpoint=CheckpointConfig(load=str(load)))
+        config = Config(model=model.config)
         if not config.model.has_vision:
             raise UserError(f"--image: the model of {args.load} has no vision encoder; drop --image")
         settings = image_settings(config, tokenizer)

@@ -115,11 +115,9 @@ def collate(samples: list, documents: DocumentLayout) -> Batch:
     (their images one after another, in the rows' order)."""
     if isinstance(samples[0], np.ndarray):
         return pretraining_batch(np.stack(samples), documents)
-    if isinstance(samples[0], VisionSample):
-        ids, labels, positions, segments, images = zip(*samples)
-        arrays = [None if column[0] is None else torch.from_numpy(np.stack(column)) for column in (positions, segments)]
-        stacked = torch.from_numpy(np.stack(ids)), torch.from_numpy(np.stack(labels))
-        return Batch(*stacked, *arrays, images=torch.cat(images))
+    if any(isinstance(sample, VisionSample) for sample in samples):  # (evaluation pads with image-less samples)
+        arrays = [torch.from_numpy(np.stack(column)) for column in zip(*(sample[:4] for sample in samples))]
+        return Batch(*arrays, images=torch.cat([s.images for s in samples if isinstance(s, VisionSample)]))
     fields = [torch.from_numpy(np.stack(column)) for column in zip(*samples)]
     return Batch(*fields)
 

@@ -28,8 +28,15 @@ from paratron.errors import DataError
 RECORD_FILE = "special_tokens.json"
 TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 MODEL_FILES = ("generation_config.json", "config.json")
-CARRIED_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
-"""Hugging Face files beside tokenizer.json that a checkpoint keeps: the chat template and the declarations."""
+CARRIED_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "preprocessor_config.json",
+)
+"""Hugging Face files beside tokenizer.json that a checkpoint keeps: the chat template, the declarations, and a
+vision-language model's image preprocessing."""
 EOD_GUESSES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 PAD_GUESSES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
 KINDS = ("eos", "pad", "bos")

@@ -34,13 +34,14 @@ def image_token_id(config: Config, tokenizer: Tokenizer) -> int:
     return int(found)
 
 
-def image_processor(config: Config) -> ImageProcessor:
-    """--image-processor's file, else the --load checkpoint's preprocessor_config.json, else the encoder family's
-    defaults at its image size."""
+def image_processor(config: Config, tokenizer: Tokenizer) -> ImageProcessor:
+    """--image-processor's file, else the preprocessor_config.json beside the tokenizer's file (a Hugging Face
+    folder's, kept in the checkpoints made from it), else the encoder family's defaults at its image size."""
     d, m = config.data, config.model
     given = d.image_processor
-    if given is None and config.checkpoint.load and (Path(config.checkpoint.load) / PROCESSOR_FILE).is_file():
-        given = str(Path(config.checkpoint.load) / PROCESSOR_FILE)
+    beside = Path(tokenizer.source).parent / PROCESSOR_FILE if tokenizer.source else None
+    if given is None and beside is not None and beside.is_file():
+        given = str(beside)
     if given is not None:
         processor = ImageProcessor.from_file(Path(given))
         if processor.output_size != (m.img_h, m.img_w):
@@ -62,4 +63,4 @@ def image_settings(config: Config, tokenizer: Tokenizer) -> ImageSettings:
     d = config.data
     tiling = ImageTiling(d.max_num_tiles, d.use_thumbnail) if d.use_tiling else None
     token = image_token_id(config, tokenizer)
-    return ImageSettings(image_processor(config), token, config.model.image_tokens, tiling)
+    return ImageSettings(image_processor(config, tokenizer), token, config.model.image_tokens, tiling)

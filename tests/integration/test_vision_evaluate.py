@@ -1,0 +1,137 @@
+"""`paratron evaluate` on a LLaVA-format file with real image files reports the loss transformers computes for the
+same samples with its own processor (LlavaProcessor: the tokenizer's chat template, CLIP's image processor, the
+image token expanded), labels -100 outside the assistant's turns: within 1e-5 relative, packed and unpacked on one
+process, and at TP2. The image processor travels from the Hugging Face folder into the converted checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers  # the reference; installed with the test extras
+from PIL import Image
+from test_finetune_cli import CHATML_WITH_GENERATION
+from tokenizers import AddedToken
+
+from paratron.cli import main
+from paratron.data.tokenizer import train_byte_level_bpe
+
+from tiny import WORDS, save_random_hf_model
+
+COLOURS = [(220, 40, 40), (40, 200, 60), (50, 60, 230), (240, 220, 30)]
+SAMPLES = [
+    {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nmu"}, {"from": "gpt", "value": "gamma"}]},
+    {"conversations": [{"from": "human", "value": "epsilon"}, {"from": "gpt", "value": "zeta eta theta"}]},
+    {
+        "image": "b.png",
+        "conversations": [
+            {"from": "human", "value": "iota <image>"},
+            {"from": "gpt", "value": "kappa"},
+            {"from": "human", "value": "mu nu"},
+            {"from": "gpt", "value": "xi omicron pi"},
+        ],
+    },
+    {
+        "image": ["c.png", "d.png"],
+        "conversations": [{"from": "human", "value": "<image> <image>\nrho"}, {"from": "gpt", "value": "sigma"}],
+    },
+]  # fmt: skip
+ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def llava_folder(folder: Path) -> Path:
+    """A random LLaVA (CLIP encoder, Llama with grouped-query attention) with a ChatML tokenizer holding <image>,
+    and CLIP's image processor at 16 pixels, as transformers saves them."""
+    tokenizer = train_byte_level_bpe(iter([" ".join(WORDS)] * 20), 200)
+    tokenizer.hf.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>", "<image>")])
+    folder.mkdir(parents=True)
+    tokenizer.save(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML_WITH_GENERATION, "eos_token": "<|im_end|>"}), encoding="utf-8"
+    )
+    vision = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, patch_size=8)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**vision, image_size=16),
+        text_config=transformers.LlamaConfig(
+            **text, vocab_size=tokenizer.vocab_size, num_key_value_heads=2, max_position_embeddings=256
+        ),
+        image_token_id=tokenizer.hf.token_to_id("<image>"),
+    )
+    save_random_hf_model(transformers.LlavaForConditionalGeneration, config, folder)
+    transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16).save_pretrained(folder)
+    return folder
+
+
+def transformers_loss(folder: Path, images: Path) -> tuple[float, int]:
+    """Per-token mean over the samples, as transformers computes it with its processor."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    image_processor = transformers.CLIPImageProcessor.from_pretrained(folder)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    total, count = 0.0, 0
+    for sample in SAMPLES:
+        messages = [{"role": ROLES[turn["from"]], "content": turn["value"]} for turn in sample["conversations"]]
+        paths = sample.get("image", [])
+        pictures = [Image.open(images / p).convert("RGB") for p in ([paths] if isinstance(paths, str) else paths)]
+        marked = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        inputs = processor(text=text, images=pictures or None, return_tensors="pt")
+        ids = inputs["input_ids"][0]
+        # transformers' assistant mask over the unexpanded ids, each image token repeated as the processor did
+        repeats = torch.tensor(
+            [(ids == image_id).sum() // max(len(pictures), 1) if t == image_id else 1 for t in marked["input_ids"]]
+        )
+        mask = torch.tensor(marked["assistant_masks"]).bool().repeat_interleave(repeats)
+        labels = torch.where(mask, ids, -100)
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], pixel_values=inputs.get("pixel_values")).logits[0]
+        total += torch.nn.functional.cross_entropy(logits[:-1].double(), labels[1:], reduction="sum").item()
+        count += int((labels[1:] != -100).sum())
+    return total / count, count
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> tuple[Path, Path, float, int]:
+    root = tmp_path_factory.mktemp("llava")
+    folder = llava_folder(root / "hf")
+    for name, colour, size in zip("abcd", COLOURS, [(20, 24), (40, 16), (16, 16), (30, 50)]):
+        Image.new("RGB", size, colour).save(root / f"{name}.png")
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(s) + "\n" for s in SAMPLES), encoding="utf-8")
+    assert main(["convert", "--from", "hf", str(folder), "--to", "paratron", str(root / "ckpt")]) == 0
+    return root, data, *transformers_loss(folder, root)
+
+
+def _evaluate(root: Path, data: Path, *flags: str) -> dict:
+    output = root / f"eval{'-'.join(flags)}.json"
+    common = ["--load", str(root / "ckpt"), "--sft", "--data-path", str(data), "--seq-length", "96"]
+    assert main(["evaluate", *common, "--micro-batch-size", "2", *flags, "--output", str(output)]) == 0
+    return json.loads(output.read_text())
+
+
+@pytest.mark.parametrize("packing", ["--sft-pack", "--no-sft-pack"])
+def test_evaluate_equals_transformers_on_images(prepared, packing):
+    root, data, expected, tokens = prepared
+    assert (root / "ckpt").is_dir() and any((root / "ckpt").rglob("preprocessor_config.json"))
+    result = _evaluate(root, data, packing)
+    assert result["tokens"] == tokens
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.spawns
+def test_evaluate_at_tp2_equals_transformers_on_images(prepared):
+    root, data, expected, tokens = prepared
+    result = _evaluate(root, data, "--nproc", "2", "--tensor-model-parallel-size", "2")
+    assert result["tokens"] == tokens and result["loss"] == pytest.approx(expected, rel=1e-5)
