@@ -1,9 +1,9 @@
 """A vision-language model (debug-vit in front of a tiny GPT) trains the same at every layout: 20-step fp32 loss curves
 at TP2, TP2 with sequence parallelism, PP2 (1f1b and interleaved), ZeRO-1 (with recomputation of every layer, the
-encoder's too) and ZeRO-3, TP2 x PP2 and with the encoder frozen equal the single process within 1e-5 relative.
---mock-data gives every micro-batch rows with no, one or two images (and some micro-batches none at all), so no
-layout may wait for the encoder's gradients. A resumed TP2 x PP2 run continues bit for bit, and its checkpoint
-loads on one process as the single process's model."""
+encoder's too) and ZeRO-3, TP2 x PP2, with the encoder frozen, and in front of a mixture of experts at EP2 x TP2
+equal the single process within 1e-5 relative. --mock-data gives every micro-batch rows with no, one or two images
+(and some micro-batches none at all), so no layout may wait for the encoder's gradients. A resumed TP2 x PP2 run
+continues bit for bit, and its checkpoint loads on one process as the single process's model."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ LAYOUTS = {
 }
 """On four processes (the data-parallel size makes up the rest)."""
 
+EXPERTS = dict(num_experts=4, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01)
+"""A mixture-of-experts language model behind the encoder (its own reference run)."""
+
 
 def curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
     """20-step runs one after another in one process group: each run's losses."""
@@ -63,12 +66,14 @@ def curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
 
 @pytest.mark.spawns
 def test_vision_language_loss_curves_equal_single_process_at_every_layout(tmp_path):
+    cases = {"dense": {"save": str(tmp_path / "single-ckpt")}, "frozen": {"freeze_vision_model": True}, "moe": EXPERTS}
     reference = {
-        frozen: run_training(tiny_config(tmp_path / f"single-{frozen}", **VISION, **saving)).losses
-        for frozen, saving in ((False, {"save": str(tmp_path / "single-ckpt")}), (True, {"freeze_vision_model": True}))
+        case: run_training(tiny_config(tmp_path / f"single-{case}", **VISION, **settings)).losses
+        for case, settings in cases.items()
     }
-    assert reference[False] != reference[True]  # (freezing the encoder changes what trains)
+    assert reference["dense"] != reference["frozen"]  # (freezing the encoder changes what trains)
     runs = {name: dict(VISION, **layout) for name, layout in LAYOUTS.items()}
+    runs["moe-ep2-tp2"] = dict(VISION, **EXPERTS, expert_model_parallel_size=2, tensor_model_parallel_size=2)
     saved = tmp_path / "tp2-pp2-ckpt"
     runs["tp2-pp2"]["save"] = str(saved)
     runs["tp2-pp2-resumed"] = dict(runs["tp2-pp2"], load=str(saved / "iter_0000010"), save=None)
@@ -76,7 +81,7 @@ def test_vision_language_loss_curves_equal_single_process_at_every_layout(tmp_pa
     resumed = results.pop("tp2-pp2-resumed")
     assert resumed == results["tp2-pp2"][10:]  # (bit for bit)
     for name, curve in results.items():
-        expected = reference["frozen" in name]
+        expected = reference[next((case for case in ("frozen", "moe") if case in name), "dense")]
         assert len(curve) == 20
         for step, (ours, ref) in enumerate(zip(curve, expected), start=1):
             assert abs(ours - ref) <= 1e-5 * abs(ref), f"{name}: step {step}: {ours} vs {ref}"
