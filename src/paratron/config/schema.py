@@ -1126,6 +1126,11 @@ class PlanningConfig:
     """Memory of one device in GB (10^9 bytes) that --dry-run and paratron plan check each rank against (default: the
     --hardware preset's)."""
 
+    plan_images_per_sample: int = field(default=1, metadata=ABOVE_ZERO)
+    """With a vision model: images per sample that --dry-run, --auto and paratron plan price, the vision encoder's
+    activations and compute on the first pipeline stage growing with them (a micro-batch of b samples runs b x this
+    many images through the encoder)."""
+
     auto: bool = False
     """Choose the parallel layout (tensor, context, pipeline and data parallelism, virtual stages, micro-batch size,
     recomputation, ZeRO stage, schedule) with the planner for this machine and world size, then train with it; the

@@ -22,7 +22,10 @@ Recomputation: selective keeps the attention core's inputs but not its log-sum-e
 each group's input (w·h per token) and recomputes the rest in backward. The first stage adds the
 token ids (8 per token; under TP the local ids and a mask), learned positions (8 per position),
 and every stage the rotary tables (2 x 4 x s x d per micro-batch); the last stage the final norm
-and the loss: the fp32 log-probabilities (4V, V the vocabulary of this rank) and the labels.
+and the loss: the fp32 log-probabilities (4V, V the vocabulary of this rank) and the labels. A
+vision model's first stage adds the encoder's and projector's for the micro-batch's images
+(`vision_bytes`; --plan-images-per-sample per sample): its layers priced as the language model's
+with the encoder's shapes (split by TP, never by sequence), recomputed alike.
 
 Under pipeline parallelism a rank holds several micro-batches at once: the peak is found by
 walking its schedule, adding a chunk's bytes at each forward and releasing them at its backward.
@@ -35,9 +38,11 @@ from dataclasses import dataclass
 
 from paratron.config.layout import Layout
 from paratron.config.schema import Config, ModelConfig
+from paratron.model.vision import encoder_layer_config
 from paratron.parallel.pipeline.schedules import Schedule, build_schedule
 from paratron.parallel.tensor.layers import padded_vocab_size
-from paratron.training.flops import attended_keys
+from paratron.planning.vision import images_per_micro_batch
+from paratron.training.flops import attended_keys, vision_encoder_trains
 
 WIDTHS = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of each --precision's compute type."""
@@ -133,7 +138,7 @@ def _attention(shape: _Shape, selective: bool) -> float:
 
 def _mlp(shape: _Shape, moe: bool = False) -> float:
     m = shape.model
-    kept = 4 if m.activation == "swiglu" else 2
+    kept = {"swiglu": 4, "quick_gelu": 3}.get(m.activation, 2)  # (quick GELU keeps its sigmoid too)
     dropout = shape.mask * shape.h * shape.sharded_tokens if m.hidden_dropout > 0 else 0.0
     if not moe:
         f = m.ffn_hidden_size // shape.tp
@@ -208,29 +213,77 @@ def _input_bytes(shape: _Shape) -> float:
     return shape.w * shape.h * shape.sharded_tokens
 
 
+def _stack_bytes(config: Config, shape: _Shape, full: list[float]) -> tuple[float, int]:
+    """A stack of layers' saved activations (`full`: each one's without full recomputation) under the
+    recomputation settings, and how many of its layers are recomputed."""
+    t, layers = config.training, len(full)
+    if t.recompute_granularity != "full":
+        return sum(full), 0
+    group = t.recompute_num_layers or 1
+    if t.recompute_method == "block":
+        recomputed = min(group, layers)
+        return recomputed * _input_bytes(shape) + sum(full[recomputed:]), recomputed
+    return -(-layers // group) * _input_bytes(shape), layers
+
+
 def chunk_bytes(config: Config, layout: Layout, shape: _Shape, stage: int) -> float:
     """One micro-batch's saved activations on model stage `stage` (all of the model without PP)."""
     t, moe = config.training, config.model.moe_layer_pattern
     indices = layout.pipeline.ranges[stage]
-    layers = len(indices)
     full = [layer_bytes(shape, t.recompute_granularity == "selective", moe[i]) for i in indices]
-    if t.recompute_granularity == "full":
-        group = t.recompute_num_layers or 1
-        if t.recompute_method == "block":
-            recomputed = min(group, layers)
-            kept = recomputed * _input_bytes(shape) + sum(full[recomputed:])
-        else:
-            recomputed, kept = layers, -(-layers // group) * _input_bytes(shape)
-    else:
-        recomputed, kept = 0, sum(full)
-    if recomputed < layers:  # (inside recomputed layers the rotary tables are not kept)
+    kept, recomputed = _stack_bytes(config, shape, full)
+    if recomputed < len(indices):  # (inside recomputed layers the rotary tables are not kept)
         kept += _rotary_bytes(shape)
     last = layout.pp * layout.pipeline.chunks - 1
     if stage == 0:
-        kept += _first_stage_bytes(shape)
+        kept += _first_stage_bytes(shape) + vision_bytes(config, layout, shape.kernels)
     if stage == last:
         kept += _last_stage_bytes(shape, padded_vocab(config, layout.tp))
     return kept
+
+
+def vision_shape(config: Config, layout: Layout, kernels: Kernels) -> _Shape:
+    """One rank's share of the encoder's layers for a micro-batch's images: split by TP, never by sequence."""
+    m = config.model
+    tokens = m.num_patches + int(m.class_token)
+    return _Shape(
+        model=encoder_layer_config(m),
+        tokens=images_per_micro_batch(config, config.training.micro_batch_size) * tokens,
+        seq=tokens,
+        keys=tokens,
+        w=WIDTHS[config.training.precision],
+        tp=layout.tp,
+        expert_tp=layout.tp,
+        sp=False,
+        cp=1,
+        cp_gather=False,
+        kernels=kernels,
+    )
+
+
+def vision_bytes(config: Config, layout: Layout, kernels: Kernels) -> float:
+    """A micro-batch's activations of the vision encoder and projector (first stage): the pixels the patch
+    embedding keeps, the norm before the layers, the layers that run (recomputed as the language model's), the
+    projector's inputs and its activation, and the mask that places the features (a byte per token). A frozen
+    encoder keeps nothing: no gradient passes through it."""
+    m = config.model
+    if not m.has_vision:
+        return 0.0
+    shape, w = vision_shape(config, layout, kernels), WIDTHS[config.training.precision]
+    images = images_per_micro_batch(config, config.training.micro_batch_size)
+    features = images * m.image_tokens
+    projector = w * features * m.vision_hidden_size
+    if m.vision_projection == "mlp":
+        projector += 2 * w * features * m.hidden_size  # (GELU's input, the second linear's input)
+    placed = config.training.micro_batch_size * config.data.seq_length
+    if not vision_encoder_trains(m):
+        return projector + placed
+    selective = config.training.recompute_granularity == "selective"
+    layers, _ = _stack_bytes(config, shape, [layer_bytes(shape, selective)] * m.vision_run_layers)
+    pixels = w * images * 3 * m.img_h * m.img_w
+    statistic = 4 if kernels.fp32_norm_statistics else w
+    pre_norm = (w * shape.h + 2 * statistic) * shape.tokens if m.class_token else 0.0
+    return pixels + pre_norm + layers + projector + placed
 
 
 @functools.lru_cache(maxsize=4096)

@@ -3,8 +3,8 @@ model, their pipeline arrangements, micro-batch sizes and ZeRO stages; and, when
 world sizes that would.
 
 Pure enumeration over the config's sizes, kept apart from `search`, which validates, sizes and
-prices what this yields (the only work counted here is the output layer's, in layers' worth, to
-balance the end stages).
+prices what this yields (the only work counted here is the output layer's and a vision model's
+encoder's, in layers' worth, to balance the end stages).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from paratron.config.layout import layer_counts
 from paratron.config.schema import Config
 from paratron.planning.operations import layer_work
+from paratron.planning.vision import images_per_micro_batch, vision_work
+from paratron.training.flops import vision_encoder_trains
 
 MAX_MICRO_BATCH = 16
 
@@ -48,12 +50,15 @@ def divisors(n: int) -> list[int]:
 def shapes(config: Config, world: int, gpus_per_node: int) -> Iterator[Shape]:
     """Parallel sizes that divide the world and the model: TP (and EP x TP) inside a node,
     heads, key/value groups and MLP width split by TP, CP only for dense models and sequences
-    that keep MIN_CONTEXT_TOKENS per rank, EP carved from DP; then each pipeline arrangement."""
+    that keep MIN_CONTEXT_TOKENS per rank, EP carved from DP; then each pipeline arrangement. A vision
+    model's encoder needs TP to divide its heads and MLP width too, and takes no CP."""
     m = config.model
     heads, groups = m.num_attention_heads, m.num_query_groups
     for tp in divisors(min(gpus_per_node, world)):
         ffn = m.ffn_hidden_size
         if gpus_per_node % tp or heads % tp or (groups % tp and tp % groups) or ffn % tp:
+            continue
+        if m.has_vision and (m.vision_num_attention_heads % tp or m.vision_ffn_hidden_size % tp):
             continue
         for cp in _context_sizes(config, world // tp):
             for ep in _expert_sizes(config, tp, gpus_per_node):
@@ -64,7 +69,7 @@ def shapes(config: Config, world: int, gpus_per_node: int) -> Iterator[Shape]:
 
 def _context_sizes(config: Config, most: int) -> list[int]:
     seq, m = config.data.seq_length, config.model
-    if m.num_experts or m.attention_dropout > 0:
+    if m.num_experts or m.attention_dropout > 0 or m.has_vision:
         return [1]
     return [c for c in divisors(most) if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_TOKENS)]
 
@@ -81,7 +86,8 @@ def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
     if pp == 1:
         yield shape
         return
-    first, last = balanced_ends(layers, pp, round(output_ratio(config, shape.tp, shape.cp), 1))
+    output, vision = (round(ratio(config, shape.tp, shape.cp), 1) for ratio in (output_ratio, vision_ratio))
+    first, last = balanced_ends(layers, pp, output, vision)
     if first is not None or layers % pp == 0:
         for schedule in ("1f1b", "zb-h1"):
             yield dataclasses.replace(shape, schedule=schedule, first=first, last=last)
@@ -92,19 +98,34 @@ def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
         yield dataclasses.replace(shape, schedule="zb-v", chunks=2)
 
 
-def output_ratio(config: Config, tp: int, cp: int) -> float:
-    """The output layer's work in layers' worth (it sits on the last stage)."""
+def _layer_forward(config: Config, tp: int, cp: int) -> float:
+    """A language-model layer's forward work for one sample (dense and MoE layers in their proportion)."""
     dense, moe = layer_work(config, tp, cp, 1)
     share = sum(config.model.moe_layer_pattern) / config.model.num_layers
-    layer = (1 - share) * (dense.linear + dense.scores) + share * (moe.linear + moe.scores)
+    return (1 - share) * (dense.linear + dense.scores) + share * (moe.linear + moe.scores)
+
+
+def output_ratio(config: Config, tp: int, cp: int) -> float:
+    """The output layer's work in layers' worth (it sits on the last stage)."""
     vocab = config.model.vocab_size or 0
-    return 2 * config.data.seq_length / cp * config.model.hidden_size * vocab / tp / layer
+    return 2 * config.data.seq_length / cp * config.model.hidden_size * vocab / tp / _layer_forward(config, tp, cp)
+
+
+def vision_ratio(config: Config, tp: int, cp: int) -> float:
+    """A vision model's encoder and projector in layers' worth (they sit on the first stage): a sample's images'
+    forward, a third of it when the encoder is frozen (it runs no backward; a layer's backward is twice its forward)."""
+    m = config.model
+    if not m.has_vision:
+        return 0.0
+    work = vision_work(config, tp, images_per_micro_batch(config, 1)).forward(m.vision_run_layers)
+    return work / (1 if vision_encoder_trains(m) else 3) / _layer_forward(config, tp, cp)
 
 
 @functools.lru_cache(maxsize=1024)
-def balanced_ends(layers: int, pp: int, output: float) -> tuple[int | None, int | None]:
+def balanced_ends(layers: int, pp: int, output: float, vision: float = 0.0) -> tuple[int | None, int | None]:
     """First and last stage layer counts that minimise the largest stage's work (layers, plus
-    `output` on the last stage); (None, None) when the even split is as good or the only one."""
+    `output` on the last stage and `vision` on the first); (None, None) when the even split is as good or the
+    only one."""
     best: tuple[tuple[float, int], tuple[int | None, int | None]] | None = None
     options: list[tuple[int | None, int | None]] = [(None, None)]
     options += [(f, lst) for f in range(1, layers) for lst in range(1, layers - f + 1)]
@@ -115,7 +136,7 @@ def balanced_ends(layers: int, pp: int, output: float) -> tuple[int | None, int 
             counts = layer_counts(layers, pp, first, last)
         except ValueError:
             continue
-        work = max(max(counts[:-1]), counts[-1] + output)
+        work = max(counts[0] + vision, max(counts[1:-1], default=0), counts[-1] + output)
         key = (work, 0 if first is None else 1 + abs(counts[0] - counts[-1]))
         if best is None or key < best[0]:
             best = (key, (first, last))

@@ -33,6 +33,7 @@ PLAN_TAKES = (
     MODEL_ARCHITECTURE,  # (the weights' shapes and the work: the plan builds the model on the meta device)
     ("model_name", "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by"),  # (memory)
     ("lora_rank", "lora_alpha", "lora_targets"),
+    ("vision_model", "freeze_vision_model", "freeze_language_model", "plan_images_per_sample"),
     ("global_batch_size", "precision", "optimizer", "sgd_momentum", "expert_tensor_parallel_size", "cp_comm_type"),
     ("data_path", "train_data_path", "valid_data_path", "corpus", "mock_data", "seq_length"),
     ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"),
@@ -40,8 +41,9 @@ PLAN_TAKES = (
     ("world_size", "hardware", "device_memory_gb", "peak_tflops"),
 )
 """The settings a plan depends on (train's flags): the model's architecture and what sizes its memory (dropout
-masks, vocabulary padding, adapters), the batch, precision and the optimizer's state, the data (passed on to the
-printed command) and the machine; the layout is what the plans choose."""
+masks, vocabulary padding, adapters, a vision encoder, what trains and the images a sample brings), the batch,
+precision and the optimizer's state, the data (passed on to the printed command) and the machine; the layout is what
+the plans choose."""
 
 
 def plan_parser() -> argparse.ArgumentParser:

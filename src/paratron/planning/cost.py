@@ -24,7 +24,7 @@ from paratron.planning.activations import WIDTHS, pipeline_schedule
 from paratron.planning.hardware import Hardware, all_gather_time, all_reduce_time, link, reduce_scatter_time
 from paratron.planning.memory import RankMemory
 from paratron.planning.operations import PARTS, rank_stages, stage_operations, stage_parameters
-from paratron.training.flops import training_flops_per_token
+from paratron.training.flops import training_flops_per_token, vision_flops_per_image
 
 OPTIMIZER_BYTES_PER_PARAMETER = 34
 """Adam over fp32 masters, memory bound: read master, gradient and both moments, write them back,
@@ -38,7 +38,8 @@ write the 16-bit weight, read the gradient again for its norm."""
 class Throughput:
     tokens_per_s: float
     model_tflops_per_device: float
-    """Model FLOPs (`training_flops_per_token`, recomputation not counted) per second per device."""
+    """Model FLOPs (`training_flops_per_token`, and a vision model's `vision_flops_per_image`; recomputation not
+    counted) per second per device."""
     mfu: float
     bubble_fraction: float
     """The idle share of the pipeline phase on the rank that finishes last."""
@@ -100,6 +101,7 @@ def predict_step(
     spent["data_parallel"] += after[rank][0]
     tokens = layout.global_batch_size * config.data.seq_length
     flops = training_flops_per_token(config.model, config.data.seq_length) * tokens
+    flops += vision_flops_per_image(config.model) * layout.global_batch_size * config.planning.plan_images_per_sample
     per_device = flops / ends[rank] / layout.world_size
     bubble = max(0.0, ends[rank] - sum(spent.values()) - after[rank][1])  # (= finish - busy, to rounding)
     return StepPrediction(

@@ -41,6 +41,7 @@ from paratron.parallel.parallelize import parallelize
 from paratron.planning.activations import CPU, CUDA, Kernels, activation_peak, buffer_bytes
 from paratron.planning.hardware import hardware_from
 from paratron.planning.memory import CATEGORIES, RankMemory
+from paratron.planning.vision import images_per_micro_batch
 
 META = torch.device("meta")
 
@@ -158,10 +159,17 @@ def run_dry_run(config: Config) -> int:
     elapsed = time.perf_counter() - started
     dims = ParallelDims(world, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=config.parallel.expert_model_parallel_size)
     n_params = count_parameters(config.model)
+    images = images_per_micro_batch(config, config.training.micro_batch_size) if config.model.has_vision else 0
     print(
         f"dry run: {Topology(dims).describe()}; {n_params / 1e9:,.2f}B parameters, {config.training.precision}, "
         f"ZeRO stage {config.parallel.zero_stage}, {layout.num_micro_batches} micro-batch(es) of "
-        f"{config.training.micro_batch_size} x {config.data.seq_length} tokens per rank, {kernels.name} kernels"
+        f"{config.training.micro_batch_size} x {config.data.seq_length} tokens per rank"
+        + (
+            f" and {images} image(s) ({flag.plan_images_per_sample} {planning.plan_images_per_sample})"
+            if images
+            else ""
+        )
+        + f", {kernels.name} kernels"
     )
     print("memory per rank (GB = 10^9 bytes), one line per pipeline stage (its ranks hold tensors of the same shapes):")
     for line in format_roles(roles, device_gb):

@@ -12,6 +12,8 @@ and prices the training state of each pipeline rank from those counts with ZeRO'
     stage 3    fp32 weight shards (the masters) and gradients / N, weights gathered per layer
 
 (P: elements this rank trains, w: bytes of the compute type; frozen weights have weights only).
+A vision-language model's encoder and projector are counted on the first pipeline stage, as
+`keep_stage` places them (the encoder's carried layers and a frozen encoder: weights only).
 tests/unit/test_dry_run.py checks it against the dry run's built shards. Activations and
 transient buffers come from `planning/activations.py`, as in the dry run.
 """
@@ -94,10 +96,11 @@ class LocalParameters:
     embedding: Parts  # token and learned position embeddings
     head: Parts  # final norm, and the output layer when it is not the embedding
     output_copy: Parts  # the tied output layer a last pipeline stage holds of its own
+    vision: Parts = Parts()  # a vision-language model's encoder and projector (first stage)
 
 
 def _counting_model(model: ModelConfig) -> ModelConfig:
-    """The model with one layer of each kind it has."""
+    """The model with one layer of each kind it has (and its whole vision encoder: its layers are few)."""
     kinds = sorted(set(model.moe_layer_pattern))
     if len(kinds) == 2:
         return replace(model, num_layers=2, moe_layer_freq="[0,1]")
@@ -141,6 +144,7 @@ def local_parameters(model: ModelConfig, tp: int, ep: int, etp: int | None) -> L
         embedding=embedding,
         head=head,
         output_copy=parts["embedding"] if tied else Parts(),
+        vision=parts.get("vision", Parts()),
     )
 
 
@@ -160,7 +164,7 @@ def _stage_parts(config: Config, layout: Layout, local: LocalParameters, pp_rank
             layer = local.moe_layer if moe[i] else local.dense_layer
             total, largest = total + layer, max(largest, layer.trained + layer.frozen)
         if stage == 0:
-            total = total + local.embedding
+            total = total + local.embedding + local.vision
         if stage == last:
             total = total + local.head + (local.output_copy if layout.pp > 1 else Parts())
     return total, largest

@@ -7,7 +7,8 @@ arithmetic of FLOPs and message bytes.
 
 Each operation costs its compute (FLOPs at `Hardware.flops`: matmuls / TP, attention scores over
 the keys each query computes / (TP x CP), the output layer and loss on the last stage;
-recomputation repeats forward work in B) plus the communication it cannot hide:
+recomputation repeats forward work in B; a vision model's encoder and projector on the first stage, forward only
+where the encoder is frozen) plus the communication it cannot hide:
 
 - tensor parallelism: two all-reduces of the micro-batch's activations per layer in forward and two
   in backward; under sequence parallelism two all-gathers and two reduce-scatters in forward, and in
@@ -29,6 +30,7 @@ of that, all-to-all (n-1)/n bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -46,7 +48,8 @@ from paratron.planning.hardware import (
     reduce_scatter_time,
 )
 from paratron.planning.memory import Parts, local_parameters
-from paratron.training.flops import attended_keys
+from paratron.planning.vision import images_per_micro_batch, vision_work
+from paratron.training.flops import attended_keys, vision_encoder_trains
 
 PARTS = ("compute", "tensor_parallel", "context_parallel", "expert_parallel", "pipeline_p2p", "data_parallel")
 """What one micro-batch's operations spend their time on (the step adds the bubble and the optimizer)."""
@@ -112,8 +115,8 @@ def stage_layer_kinds(config: Config, layout: Layout) -> list[tuple[int, int]]:
 
 def stage_parameters(config: Config, layout: Layout) -> list[tuple[int, int]]:
     """Per model stage, the (dense, expert) elements one rank trains, counted on the real shards
-    (`memory.local_parameters`): its layers, the embedding on the first stage, the head (and a tied
-    output layer's copy) on the last."""
+    (`memory.local_parameters`): its layers, the embedding (and a vision encoder and projector) on the first
+    stage, the head (and a tied output layer's copy) on the last."""
     p = config.parallel
     sizes = (layout.tp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     return _stage_parameters(config.model, sizes, layout.pipeline.counts, layout.pp)
@@ -129,7 +132,7 @@ def _stage_parameters(
         moe = sum(moe_of[start : start + count])
         start += count
         parts = local.dense_layer * (count - moe) + local.moe_layer * moe
-        parts = parts + (local.embedding if stage == 0 else Parts())
+        parts = parts + (local.embedding + local.vision if stage == 0 else Parts())
         parts = parts + (
             local.head + (local.output_copy if pp > 1 else Parts()) if stage == len(counts) - 1 else Parts()
         )
@@ -161,6 +164,8 @@ def stage_operations(
     ends = (
         {0: comm.embedding(), stages - 1: comm.output()} if stages > 1 else {0: _sum(comm.embedding(), comm.output())}
     )
+    if config.model.has_vision:
+        ends[0] = _sum(ends[0], comm.vision(layout, block))
     ops, parts, seen = [], [], {}
     for s, (dense_count, moe_count) in enumerate(stage_layer_kinds(config, layout)):
         here = _rank_of(layout, s)
@@ -282,6 +287,39 @@ class _Comm:
         sp = self.config.parallel.sequence_parallel
         ops = {"F": lookup + reduce / (2 if sp else 1), "B": lookup + (reduce / 2 if sp else 0.0), "W": 0.0}
         return ops, {"compute": 2 * lookup, "tensor_parallel": ops["F"] + ops["B"] - 2 * lookup}
+
+    def vision(self, layout: Layout, block: int | None) -> tuple[dict[str, float], dict[str, float]]:
+        """The first stage's vision encoder and projector for a micro-batch's images: the encoder's layers as the
+        language model's (split by TP, never by sequence; recomputed alike), their forward only when the encoder
+        is frozen (no gradient passes through it); the patch embedding and the projector whole on each TP rank."""
+        m, rate = self.config.model, self.hardware.flops
+        work = vision_work(self.config, self.tp, images_per_micro_batch(self.config, layout.micro_batch_size))
+        layer, trains = LayerWork(work.linear, work.scores, False), vision_encoder_trains(m)
+        whole_rows = dataclasses.replace(self.config.parallel, sequence_parallel=False)
+        encoder = dataclasses.replace(
+            self,
+            config=dataclasses.replace(self.config, parallel=whole_rows),
+            cp=1,
+            tokens=work.activation / m.vision_hidden_size,
+            activation=work.activation * self.act_bytes,
+        )
+        ops, parts = {"F": 0.0, "B": 0.0, "W": 0.0}, dict.fromkeys(PARTS, 0.0)
+        full = self.config.training.recompute_granularity == "full"
+        for (_, again), count in _recomputed(full, block, m.vision_run_layers, 0).items():
+            times, spent = encoder.layer(layer, bool(again))
+            if not trains:
+                times = {"F": times["F"], "B": 0.0, "W": 0.0}
+                tp_link = link(self.hardware, 1, self.tp)
+                spent = {"compute": layer.linear / rate + layer.scores / rate}
+                spent["tensor_parallel"] = 2 * all_reduce_time(encoder.activation, self.tp, tp_link)
+            _add(ops, parts, {k: count * t for k, t in times.items()}, {n: count * t for n, t in spent.items()})
+        ends = {
+            "F": (work.patches + work.projector_in + work.projector_out) / rate,
+            "B": (work.projector_out + work.projector_in * trains) / rate,
+            "W": (work.patches * trains + work.projector_in + work.projector_out) / rate,
+        }
+        _add(ops, parts, ends, {"compute": sum(ends.values())})
+        return ops, parts
 
     def output(self) -> tuple[dict[str, float], dict[str, float]]:
         """The last stage's output layer (a vocabulary-parallel matmul) and the cross-entropy over it."""

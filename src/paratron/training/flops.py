@@ -60,6 +60,39 @@ def training_flops_per_token(config: ModelConfig, seq_length: int) -> float:
     return 6.0 * matmul_parameters(config) + 12.0 * config.num_layers * keys * d_attn
 
 
+def vision_encoder_trains(config: ModelConfig) -> bool:
+    """The encoder's weights take gradients: neither --freeze-vision-model nor LoRA (which freezes the encoder and
+    trains the projector whole) leaves it frozen."""
+    return config.has_vision and not config.freeze_vision_model and config.lora_rank is None
+
+
+def vision_flops_per_image(config: ModelConfig) -> float:
+    """Training FLOPs of one image through the vision encoder and the projector (0 without an encoder).
+
+    Counted as the language model's: 2 per multiply-add, forward + backward. The encoder's layers that run
+    (`config.vision_run_layers`) see T = patches (+ CLIP's class token) tokens: 6 x (4 w^2 + 2 w f) x T for their
+    projections and MLP and 12 x T^2 x w for the attention scores and their product with the values (w the
+    encoder's width, f its MLP width). The patch embedding is a matmul of 3 p^2 x w weights over the patches whose
+    input (pixels) takes no gradient: 4 x weights x patches. The projector runs over the image tokens. A frozen
+    encoder runs forward only (nothing in it needs a gradient), and the projector's first matmul then takes no input
+    gradient."""
+    if not config.has_vision:
+        return 0.0
+    width, ffn = config.vision_hidden_size, config.vision_ffn_hidden_size
+    tokens = config.num_patches + int(config.class_token)
+    layers = config.vision_run_layers
+    trains = vision_encoder_trains(config)
+    passes = 6.0 if trains else 2.0  # (forward; + input and weight gradients)
+    layer_weights = 4 * width * width + 2 * width * ffn
+    encoder = passes * layers * (layer_weights * tokens + 2 * tokens * tokens * width)
+    patch_weights = 3 * config.patch_dim**2 * width
+    encoder += (4.0 if trains else 2.0) * patch_weights * config.num_patches
+    lm = config.hidden_size
+    second = lm * lm if config.vision_projection == "mlp" else 0  # (its input comes from trained weights)
+    projector = (6.0 if trains else 4.0) * width * lm + 6.0 * second
+    return encoder + projector * config.image_tokens
+
+
 def probe_peak_flops(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
