@@ -14,6 +14,9 @@ from paratron.config.validation import validate
 from paratron.errors import ConfigError
 from paratron.model.attention import Bidirectional, allowed
 from paratron.model.gpt import build_model
+from paratron.training.flops import training_flops_per_token, vision_flops_per_image
+
+from tiny import training_records
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=101, hidden_dropout=0.0)
 
@@ -109,3 +112,15 @@ def test_encoder_attention_sees_the_whole_image_and_clip_uses_quick_gelu():
     x = torch.randn(3, 32)
     up = mlp.in_proj.up(x)
     assert torch.allclose(mlp(x), mlp.out_proj(up * torch.sigmoid(1.702 * up)))
+
+
+def test_throughput_counts_the_encoders_flops(tmp_path):
+    settings = dict(TINY, vision_model="debug-vit", mock_data=True, seq_length=40, train_iters=2, micro_batch_size=4)
+    quiet = dict(progress_bar=False, tensorboard=False, log_interval=1, eval_iters=0, run_dir=str(tmp_path))
+    records = training_records({**settings, **quiet})
+    config = build_config(settings).model
+    per_token, per_image = training_flops_per_token(config, 40), vision_flops_per_image(config)
+    assert len(records) == 2 and per_image > 0
+    for record in records:
+        expected = per_token * record["tokens_per_s"] + per_image * record["images_per_s"]
+        assert record["images_per_s"] > 0 and record["tflops_per_device"] * 1e12 == pytest.approx(expected, rel=1e-9)

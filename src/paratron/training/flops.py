@@ -9,7 +9,8 @@ Training FLOPs per token = 6 x P_matmul + 12 x L x s x d_attn, where
 attention term counts QK^T and attention x V over the full s x s square, like Megatron-LM, with
 s the sequence length; a sparse pattern counts the keys it computes (a window of W: min(W, s);
 block-sparse: its S local blocks and every S-th block before them).
-Recomputation does not change model FLOPs: MFU measures useful work.
+Recomputation does not change model FLOPs: MFU measures useful work. A vision-language model adds its images'
+encoder and projector FLOPs (`vision_flops_per_image`), counted per image (tile) the step ran.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ class StepResult:
     """Which module went non-finite first (filled in by the loop's diagnosis)."""
     num_zeros_in_grad: torch.Tensor | None = None
     """Zero entries of the whole model's gradients (with --log-num-zeros-in-grad; None otherwise)."""
+    images: int = 0
+    """Images (tiles) in this rank's micro-batches (a vision-language model's; for its FLOPs)."""
 
 
 @dataclass
@@ -109,7 +111,8 @@ def train_step(
         precision.update(overflow)
     if options.empty_unused_memory_level >= 2 and options.device is not None:
         release_unused_memory(options.device)
-    return StepResult(loss, grad_norm, overflow, trained, experts, nonfinite, num_zeros_in_grad=zeros)
+    images = sum(batch.images.size(0) for batch in batches if batch.images is not None)
+    return StepResult(loss, grad_norm, overflow, trained, experts, nonfinite, num_zeros_in_grad=zeros, images=images)
 
 
 def count_zeros(grads: GradsForNorm) -> torch.Tensor:

@@ -22,7 +22,7 @@ from paratron.optim.mixed_precision import Precision
 from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.model import ParallelModel
 from paratron.training.expert_load import ExpertStats, reduce_expert_stats
-from paratron.training.flops import bounded_mfu
+from paratron.training.flops import bounded_mfu, vision_flops_per_image
 from paratron.training.metrics import MetricsWriter
 from paratron.training.profiling import StepTimers
 from paratron.training.resume import TrainState
@@ -39,6 +39,8 @@ class StepWindow:
         self.steps = 0
         self.samples = 0
         """Samples the steps consumed (their global batches, which a --rampup-batch-size ramp grows)."""
+        self.images = 0
+        """Images (tiles) in this rank's micro-batches of those steps."""
         self.experts: ExpertStats | None = None
         self.start = time.perf_counter()
 
@@ -47,6 +49,7 @@ class StepWindow:
         self.trained_tokens += result.trained_tokens
         self.steps += 1
         self.samples += samples
+        self.images += result.images
         if result.experts is not None:
             if self.experts is None:
                 self.experts = result.experts
@@ -59,6 +62,7 @@ class StepWindow:
         self.trained_tokens.zero_()
         self.steps = 0
         self.samples = 0
+        self.images = 0
         self.experts = None
         self.start = time.perf_counter() if at is None else at
 
@@ -96,6 +100,7 @@ class StepLogger:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.writer, self.timers = writer, timers
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.flops_per_image = vision_flops_per_image(config.model)
         self.peak_raised = False
         """A step went faster than the peak used for MFU, and the peak was raised (said once)."""
         self.expert_load: list[tuple[int, np.ndarray]] = []  # (step, token shares [MoE layers, experts])
@@ -109,7 +114,9 @@ class StepLogger:
         tokens_per_s = window.samples * self.config.data.seq_length / seconds
         trained = window.trained_tokens.clone()
         comm.all_reduce(trained, self.topology.group(Axis.DP))
-        flops_per_device = self.flops_per_token * tokens_per_s / self.ctx.world_size
+        images_per_s = self.images_per_s(window, seconds)
+        flops = self.flops_per_token * tokens_per_s + self.flops_per_image * images_per_s
+        flops_per_device = flops / self.ctx.world_size
         record = {
             "step": iteration,
             "loss": loss,
@@ -124,6 +131,8 @@ class StepLogger:
             "skipped_iterations": state.skipped_iterations,
             "iteration-time": seconds / window.steps,
         }
+        if self.flops_per_image:
+            record["images_per_s"] = images_per_s
         record.update(self.megatron_metrics(result, window, flops_per_device))
         if self.precision.scaler is not None:
             record["loss_scale"] = self.precision.scaler.scale
@@ -137,6 +146,14 @@ class StepLogger:
         if not math.isfinite(loss):
             self.writer.info(f"step {iteration}: the loss is {loss}; see docs/troubleshooting.md (NaN)")
         window.restart()
+
+    def images_per_s(self, window: StepWindow, seconds: float) -> float:
+        """Images the window's steps ran through the vision encoder, over every data-parallel rank, per second."""
+        if not self.flops_per_image:
+            return 0.0
+        count = torch.tensor(float(window.images), dtype=torch.float64, device=self.ctx.device)
+        comm.all_reduce(count, self.topology.group(Axis.DP))
+        return float(count.item()) / seconds
 
     def megatron_metrics(self, result: StepResult, window: StepWindow, flops_per_device: float) -> dict[str, Any]:
         """What the Megatron-LM logging flags add to a logged step's record (collectives: every rank
