@@ -229,11 +229,21 @@ def _describe(
         f"{config.data.seq_length} tokens = {trainer.plan.num_micro_batches} micro-batch(es) of "
         f"{t.micro_batch_size} per rank; peak {peak / 1e12:.3f} TFLOP/s/device ({peak_source})"
     )
+    trained = sum(q.numel() for q in trainer.model.trained_parameters)
     if m.lora_rank is not None:
-        trained = sum(q.numel() for q in trainer.model.trained_parameters)
+        what = "adapter and projector parameters" if m.has_vision else "adapter parameters"
         say(
             f"LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g} on {','.join(m.lora_targets)}: "
-            f"{trained:,} adapter parameters train on this rank; every other weight is frozen"
+            f"{trained:,} {what} train on this rank; every other weight is frozen"
+        )
+    elif m.has_vision:
+        frozen = [
+            part for part, on in (("encoder", m.freeze_vision_model), ("language model", m.freeze_language_model)) if on
+        ]
+        say(
+            f"vision: {m.vision_model or 'own encoder'} ({m.vision_num_layers} layers, width {m.vision_hidden_size}, "
+            f"{m.image_tokens} tokens per image); {trained:,} parameters train on this rank"
+            + (f" (frozen: {', '.join(frozen)})" if frozen else "")
         )
     if resume is not None:
         how = (
