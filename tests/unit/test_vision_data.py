@@ -20,8 +20,8 @@ from paratron.data.vision import (
     ImageProcessor,
     ImageSettings,
     ImageTiling,
+    MockVisionSamples,
     VisionSFTDataset,
-    mock_vision_samples,
     read_vision_file,
 )
 from paratron.errors import ConfigError, DataError
@@ -327,7 +327,7 @@ def test_a_text_only_sample_has_no_images(tok, folder):
 
 
 def test_mock_samples(tok):
-    mock = mock_vision_samples(vocab_size=50, seq_length=40, image_token_id=7, tokens_per_image=6, image_size=8, seed=3)
+    mock = MockVisionSamples(vocab_size=50, seq_length=40, image_token_id=7, tokens_per_image=6, image_size=8, seed=3)
     counts = set()
     for k in range(30):
         sample = mock[k]
@@ -339,7 +339,7 @@ def test_mock_samples(tok):
         assert not (sample.labels == 7).any() and (sample.labels != IGNORE_INDEX).sum() >= 40 - 6 * 2 - 1
         assert torch.equal(mock[k].images, sample.images) and np.array_equal(mock[k].input_ids, sample.input_ids)
     assert counts == {0, 1, 2}
-    other = mock_vision_samples(50, 40, 7, 6, 8, seed=4)
+    other = MockVisionSamples(50, 40, 7, 6, 8, seed=4)
     assert any(not np.array_equal(other[k].input_ids, mock[k].input_ids) for k in range(5))
     with pytest.raises(ConfigError, match="--seq-length 6 cannot hold one image's 6 tokens"):
-        mock_vision_samples(50, 6, 7, 6, 8, 0)
+        MockVisionSamples(50, 6, 7, 6, 8, 0)

@@ -36,7 +36,7 @@ from paratron.data.preprocess import PreprocessResult, input_files, preprocess, 
 from paratron.data.sft.dataset import SFTDataset
 from paratron.data.sft.sources import sft_sources, unique_task_names, whole_tasks
 from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, tokenizer_for, train_byte_level_bpe
-from paratron.data.vision import mock_vision_samples
+from paratron.data.vision import MockVisionSamples
 from paratron.data.vision.settings import image_token_id
 from paratron.distributed.init import raise_any_failure
 from paratron.errors import DataError
@@ -300,7 +300,7 @@ def _mock(config: Config, vocab: int, seed: int, size: int) -> SampleSource:
     if not m.has_vision:
         return MockTokens(vocab, seq_length, seed, size)
     placeholder = m.with_changes(vocab_size=vocab).placeholder_id
-    return mock_vision_samples(vocab, seq_length, placeholder, m.image_tokens, (m.img_h, m.img_w), seed, size)
+    return MockVisionSamples(vocab, seq_length, placeholder, m.image_tokens, (m.img_h, m.img_w), seed, size)
 
 
 def _ordered(config: Config, samples: SampleSource | None, training: bool) -> SampleSource | None:

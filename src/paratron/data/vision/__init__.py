@@ -16,7 +16,7 @@ from paratron.data.vision.llava import (
     record_of,
     tokenize_vision_record,
 )
-from paratron.data.vision.mock import MockVisionSamples, mock_vision_samples
+from paratron.data.vision.mock import MockVisionSamples
 from paratron.data.vision.processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageProcessor, to_rgb
 from paratron.data.vision.tiling import (
     ImageTiling,
@@ -48,7 +48,6 @@ __all__ = [
     "iter_vision_file",
     "load_images",
     "load_pixels",
-    "mock_vision_samples",
     "read_samples",
     "read_vision_file",
     "read_vision_records",

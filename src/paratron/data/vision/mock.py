@@ -65,16 +65,3 @@ class MockVisionSamples:
         return VisionSample(
             row[:-1], labels, positions, np.zeros(self.seq_length, dtype=np.int64), torch.from_numpy(pixels)
         )
-
-
-def mock_vision_samples(
-    vocab_size: int,
-    seq_length: int,
-    image_token_id: int,
-    tokens_per_image: int,
-    image_size: int | tuple[int, int],
-    seed: int,
-    size: int = 1 << 40,
-) -> MockVisionSamples:
-    """Synthetic image-text samples for --mock-data with a vision model (see the module docstring)."""
-    return MockVisionSamples(vocab_size, seq_length, image_token_id, tokens_per_image, image_size, seed, size)
