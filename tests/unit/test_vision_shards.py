@@ -10,13 +10,15 @@ import pickle
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from tokenizers import AddedToken
 
+from paratron.config import build_config
 from paratron.data.sft import load_chat_template
-from paratron.data.sft.sources import VisionData, load_task
+from paratron.data.sft.sources import VisionData, load_task, whole_tasks
 from paratron.data.tokenizer import Tokenizer, train_byte_level_bpe
 from paratron.data.vision import ImageProcessor, ImageSettings, VisionSFTDataset, load_images, read_vision_file
 from paratron.data.vision.shards import CAPTION_INSTRUCTION, expand_braces
@@ -157,6 +159,8 @@ def test_caption_vqa_messages_and_bare_turns(tmp_path, tok, images):
         for name, data in [(name, data), (f"{k}.json", json.dumps(s).encode())]
     ]
     tar += [("f.jpg", _png(BLUE)), ("f.txt", b"A blue square.")]  # a caption as text (PNG bytes as .jpg)
+    big = b'{"caption": "A big one."}' + b" " * (1 << 20)  # past what is read with the index: read when needed
+    tar += [("g.webp", _png(GREEN)), ("g.json", big)]
     got = _load(_write_tar(tmp_path / "forms.tar", tar), tok, images)
 
     def chat(question: str, answer: str) -> dict:
@@ -170,6 +174,7 @@ def test_caption_vqa_messages_and_bare_turns(tmp_path, tok, images):
         ([RED], {"conversations": turns}),
         ([RED], chat("<image>\nWhat is?", "A blue square.")),
         ([BLUE], chat(caption, "A blue square.")),
+        ([GREEN], chat(caption, "A big one.")),
     ]
     _same_as_jsonl(tmp_path, expected, got, tok, images)
 
@@ -291,6 +296,15 @@ BAD_SAMPLES = [
 ]
 
 
+def test_a_broken_image_fails_when_drawn_naming_shard_and_member(tmp_path, tok, images):
+    data = _png(RED, (64, 64))
+    shard = _write_tar(tmp_path / "a.tar", [("k.png", data[: len(data) // 2]), ("k.txt", b"A cap.")])
+    conversations = _load(shard, tok, images)  # the header is whole
+    dataset = VisionSFTDataset(conversations, images.settings, 64, tok.pad_id, False, None, 0, "error", "t")
+    with pytest.raises(DataError, match=r"a.tar: sample k: image .*a.tar#k.png cannot be decoded"):
+        dataset[0]
+
+
 @pytest.mark.parametrize("files,message", BAD_SAMPLES)
 def test_bad_samples_name_shard_and_key(tmp_path, tok, images, files, message):
     with pytest.raises(DataError, match=message):
@@ -305,6 +319,10 @@ def test_bad_shards_and_energon_folders(tmp_path, tok, images):
         archive.addfile(tarfile.TarInfo("k.txt"), io.BytesIO(b""))
     with pytest.raises(DataError, match="z.tar: not an uncompressed tar file"):
         _load(tmp_path / "z.tar", tok, images)
+    whole = _write_tar(tmp_path / "w.tar", [("k.png", _png(RED)), ("k.txt", b"A cap."), ("l.txt", b"x" * 600)])
+    (tmp_path / "cut.tar").write_bytes(whole.read_bytes()[:2000])  # ends inside the last member's header or data
+    with pytest.raises(DataError, match="cut.tar: a damaged tar file"):
+        _load(tmp_path / "cut.tar", tok, images)
     _write_tar(tmp_path / "shard_001.tar", [("k.png", _png(RED)), ("k.txt", b"A cap.")])
     with pytest.raises(DataError, match=r"shard_002.tar: no such shard \(from --data-path"):
         _load(tmp_path / "shard_{001..002}.tar", tok, images)
@@ -337,3 +355,37 @@ def test_bad_shards_and_energon_folders(tmp_path, tok, images):
     (tmp_path / "e" / ".nv-meta" / "split.yaml").unlink()
     with pytest.raises(DataError, match=r"split.yaml: missing; .*energon prepare"):
         _load(tmp_path / "e", tok, images)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_runs_tasks_from_shards_equal_those_from_a_jsonl_file(tmp_path, tok, pack):
+    """Through the run's own settings (image processor, tokens per image of the configured encoder): the samples
+    of a shard folder and of an Energon folder equal the .jsonl file's, pixels included."""
+    model = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=tok.vocab_size)
+    settings = dict(vision_model="debug-vit", sft=True, seq_length=160, chat_template="chatml", sft_pack=pack)
+    config = build_config({**model, **settings}, recipe="debug")
+    files = [_llava_files(*sample) for sample in LLAVA]
+    _write_tar(tmp_path / "wds" / "shard_000.tar", files[0] + files[1] + files[2])
+    interleaved = "sample_type: {__module__: megatron.energon, __class__: SimilarityInterleavedSample}\n"
+    splits = "split_parts: {train: [shard_000.tar]}\n"
+    _energon(
+        tmp_path / "wds", interleaved + "field_map: {texts: 'json[conversations]'}\n", splits, {"shard_000.tar": 3}
+    )
+    (tmp_path / "plain").mkdir()
+    _write_tar(tmp_path / "plain" / "shard_000.tar", files[0] + files[1] + files[2])
+    lines = []
+    for n, (_, colours, sample) in enumerate(LLAVA):
+        names = [f"img{n}_{i}.png" for i in range(len(colours))]
+        for name, colour in zip(names, colours):
+            (tmp_path / name).write_bytes(_png(colour))
+        lines.append(json.dumps({**sample, "image": names}) + "\n")
+    (tmp_path / "chat.jsonl").write_text("".join(lines))
+    paths = [str(tmp_path / "chat.jsonl"), str(tmp_path / "plain"), str(tmp_path / "wds")]
+    reference, *others = whole_tasks(config, tok, paths, ["jsonl", "plain", "energon"])
+    assert len(reference) > 0 and reference.settings.tokens_per_image == config.model.image_tokens
+    for dataset in others:
+        assert len(dataset) == len(reference)
+        for k in range(len(reference)):
+            mine, theirs = dataset[k], reference[k]
+            assert all(np.array_equal(a, b) for a, b in zip(mine[:4], theirs[:4]))
+            assert mine.images.shape[0] > 0 and torch.equal(mine.images, theirs.images)

@@ -13,6 +13,7 @@ A --data-path entry `FOLDER` reads the split `train`; `FOLDER:val` (or any split
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -158,7 +159,10 @@ def shard_counts(folder: Path) -> tuple[dict[str, int], Path] | None:
             counts = info.get("shard_counts") if isinstance(info, dict) else None
             if not isinstance(counts, dict):
                 raise DataError(f"{path}: no shard_counts mapping; rerun `energon prepare` on {folder}")
-            return {str(k): int(v) for k, v in counts.items()}, path
+            try:
+                return {str(k): int(v) for k, v in counts.items()}, path
+            except (TypeError, ValueError):
+                raise DataError(f"{path}: a shard count is not a number; rerun `energon prepare` on {folder}") from None
     return None
 
 
@@ -167,7 +171,7 @@ def energon_samples(folder: Path, split: str) -> Iterator[ShardSample]:
     shards, exclude = split_shards(folder, split)
     counts = shard_counts(folder)
     for shard in shards:
-        name, found = shard.relative_to(folder).as_posix(), 0
+        name, found = Path(os.path.relpath(shard, folder)).as_posix(), 0
         for sample in iter_shard_samples(shard):
             found += 1
             if f"{name}/{sample.key}" not in exclude:

@@ -32,14 +32,16 @@ from paratron.errors import DataError
 
 CAPTION_INSTRUCTION = "Describe the image briefly."
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"})
-TEXT_EXTENSIONS = ("json", "txt")
+TEXT_READ_AT_ONCE = 1 << 20
+"""Parts other than images up to this size are read with the index; larger ones (video, audio) only if asked for."""
 _BRACES = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(\d+)\.\.(\d+)$")
 
 
 @dataclass(frozen=True)
 class ShardPart:
-    """One file of a sample: its name in the shard and where its bytes are (text parts are read at once)."""
+    """One file of a sample: its name in the shard and where its bytes are (small parts other than images are
+    read at once, into `text`)."""
 
     name: str
     offset: int
@@ -122,7 +124,7 @@ def iter_shard_samples(shard: Path) -> Iterator[ShardSample]:
     seen: set[str] = set()
     sample: ShardSample | None = None
     with archive:
-        for member in archive:
+        for member in _members(archive, shard):
             if not member.isfile():
                 continue
             key, ext = _split_name(member.name, shard)
@@ -136,11 +138,22 @@ def iter_shard_samples(shard: Path) -> Iterator[ShardSample]:
                 seen.add(key)
                 sample = ShardSample(shard, key)
             text = None
-            if not is_image_part(ext):
+            if not is_image_part(ext) and member.size <= TEXT_READ_AT_ONCE:
                 text = archive.extractfile(member).read()  # type: ignore[union-attr]
             sample.parts[ext] = ShardPart(member.name, member.offset_data, member.size, text)
     if sample is not None:
         yield sample
+
+
+def _members(archive: tarfile.TarFile, shard: Path) -> Iterator[tarfile.TarInfo]:
+    while True:
+        try:
+            member = archive.next()
+        except (tarfile.TarError, OSError) as exc:
+            raise DataError(f"{shard}: a damaged tar file ({exc}); write the shard again") from None
+        if member is None:
+            return
+        yield member
 
 
 def is_image_part(ext: str) -> bool:
@@ -159,8 +172,13 @@ def _split_name(name: str, shard: Path) -> tuple[str, str]:
 def decode_text(sample: ShardSample, ext: str) -> Any:
     """The part `ext` decoded: JSON for a json extension, else UTF-8 text."""
     part = sample.parts[ext]
+    data = part.text
+    if data is None:
+        with open(sample.shard, "rb") as file:
+            file.seek(part.offset)
+            data = file.read(part.size)
     try:
-        text = (part.text or b"").decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise DataError(f"{sample.where}: {part.name} is not valid UTF-8; save it as UTF-8") from None
     if not ext.lower().endswith("json"):
