@@ -3,9 +3,11 @@
 Each entry is a task: a `.jsonl` file of conversations (rendered with --chat-template and tokenized
 on every run; fine for small sets), or the prefix of a `paratron preprocess --sft` dataset
 (tokenized once). With a vision model, a `.json` or `.jsonl` file of image-text conversations
-(LLaVA's form or the messages form; `data.vision`). As for pretraining, `--data-path A B` cuts each
-task by --split and blends the tasks by their sizes (samples per epoch), `--data-path 0.7 A 0.3 B`
-by the weights; `--train-data-path` / `--valid-data-path` give each split its own tasks, used whole.
+(LLaVA's form or the messages form; `data.vision`), webdataset shards (a `.tar`, a folder of them or
+a pattern `shard_{000..003}.tar`) or a Megatron-Energon folder (`FOLDER` or `FOLDER:SPLIT`).
+As for pretraining, `--data-path A B` cuts each task by --split and blends the tasks by their sizes
+(samples per epoch), `--data-path 0.7 A 0.3 B` by the weights; `--train-data-path` / `--valid-data-path`
+give each split its own tasks, used whole.
 Every task keeps its own validation samples, so evaluation reports a loss per task.
 """
 
@@ -26,9 +28,11 @@ from paratron.data.sft.templates import ChatTemplate, tokenizer_chat_template
 from paratron.data.sft.tokenize import TokenizedConversation, tokenize_file
 from paratron.data.tokenizer import AnyTokenizer, Tokenizer
 from paratron.data.vision.dataset import VisionSFTDataset
+from paratron.data.vision.energon import energon_folder, read_energon
 from paratron.data.vision.images import ImageSettings
 from paratron.data.vision.llava import read_vision_file
 from paratron.data.vision.settings import image_settings
+from paratron.data.vision.shards import is_shard_source, read_shards
 from paratron.errors import DataError
 
 Log = Callable[[str], None]
@@ -63,11 +67,19 @@ def task_name(path: str) -> str:
 def load_task(
     path: str, template: ChatTemplate, tokenizer: Tokenizer, images: VisionData | None = None
 ) -> Sequence[TokenizedConversation]:
-    """A task's conversations: a preprocessed dataset's, or a file's (with `images`: an image-text file's, its
-    images checked and their placeholders expanded)."""
+    """A task's conversations: a preprocessed dataset's, or a file's (with `images`: an image-text file's, webdataset
+    shards' or a Megatron-Energon folder's, its images checked and their placeholders expanded)."""
     if images is not None:
+        energon = energon_folder(path)
+        if energon is not None:
+            return read_energon(*energon, template, tokenizer, images.settings)
+        if is_shard_source(path):
+            return read_shards(path, template, tokenizer, images.settings)
         if not Path(path).is_file():
-            raise DataError(f"{path}: not a .json or .jsonl file of image-text conversations; check the path")
+            raise DataError(
+                f"{path}: not a .json or .jsonl file of image-text conversations, webdataset shards or an Energon "
+                "folder; check the path"
+            )
         return read_vision_file(Path(path), template, tokenizer, images.settings, images.folder)
     if sft_dataset_exists(path):
         return ConversationStore(path)

@@ -3,6 +3,7 @@ header) and their pixels (decoded only when the sample is drawn, in a data-loade
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,12 +48,19 @@ class ImageRef:
 
     path: str
     tiles: int
+    member: tuple[int, int] | None = None
+    """For an image inside a tar shard: (offset, size) of its bytes in the shard `shard`, and `path`
+    reads "SHARD#MEMBER"."""
+    shard: str = ""
 
 
-def _open(path: Path, where: str) -> Image.Image:
-    """The opened image (header read, pixels not yet decoded), or a DataError naming `where`."""
-    fix = "fix the path in the data file or --image-folder"
+def _open(path: Path, where: str, member: tuple[int, int] | None = None, shard: str = "") -> Image.Image:
+    """The opened image (header read, pixels not yet decoded), or a DataError naming `where`.
+    With `member`, the image is the bytes at (offset, size) of the tar shard `shard`."""
+    fix = "fix the path in the data file or --image-folder" if member is None else "replace it in the shard"
     try:
+        if member is not None:
+            return Image.open(io.BytesIO(_read_member(Path(shard), *member)))
         return Image.open(path)
     except FileNotFoundError:
         raise DataError(f"{where}: image {path} does not exist; {fix}") from None
@@ -66,19 +74,31 @@ def _open(path: Path, where: str) -> Image.Image:
         raise DataError(f"{where}: image {path} cannot be read ({exc.strerror or exc}); {fix}") from None
 
 
-def image_ref(path: Path, settings: ImageSettings, where: str) -> ImageRef:
-    """Check that `path` is a readable image and count its tiles, reading only its header."""
-    with _open(path, where) as image:
+def _read_member(shard: Path, offset: int, size: int) -> bytes:
+    with open(shard, "rb") as file:
+        file.seek(offset)
+        data = file.read(size)
+    if len(data) != size:  # a short read is an OSError to the caller, as for a damaged file
+        raise OSError(f"the shard ends {size - len(data)} byte(s) before the image does")
+    return data
+
+
+def image_ref(
+    path: Path, settings: ImageSettings, where: str, member: tuple[int, int] | None = None, shard: str = ""
+) -> ImageRef:
+    """Check that `path` is a readable image and count its tiles, reading only its header.
+    With `member`, `path` names the image "SHARD#MEMBER" and its bytes are at (offset, size) of `shard`."""
+    with _open(path, where, member, shard) as image:
         width, height = image.size
     if width < 1 or height < 1:
         raise DataError(f"{where}: image {path} is {width} x {height} pixels, so it holds nothing; replace it")
     tiles = tile_count(width, height, settings.tiling, settings.pixel_shape[1])
-    return ImageRef(str(path), tiles)
+    return ImageRef(str(path), tiles, member, shard)
 
 
 def load_pixels(ref: ImageRef, settings: ImageSettings, where: str) -> torch.Tensor:
     """float32 [ref.tiles, 3, H, W]: the image decoded and processed (tiled when tiling is on)."""
-    with _open(Path(ref.path), where) as image:
+    with _open(Path(ref.path), where, ref.member, ref.shard) as image:
         try:
             image.load()
         except (OSError, ValueError, SyntaxError) as exc:  # Pillow reports broken data as any of these

@@ -203,6 +203,18 @@ def tokenize_vision_record(
 ) -> VisionConversation:
     """Check the record's images, render and tokenize it, and expand each image's placeholder."""
     refs = tuple(image_ref(_resolve(path, image_folder), settings, record.where) for path in record.images)
+    return tokenize_with_images(record, refs, template, tokenizer, settings)
+
+
+def tokenize_with_images(
+    record: VisionRecord,
+    refs: tuple[ImageRef, ...],
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    settings: ImageSettings,
+) -> VisionConversation:
+    """Render and tokenize the record, its images already checked (`refs`, in placeholder order),
+    and expand each image's placeholder; shared by files and shards."""
     token = image_token(tokenizer, settings.image_token_id)
     messages = [{**m, "content": m["content"].replace(PLACEHOLDER, token)} for m in record.messages]
     plain = tokenize_conversation(messages, template, tokenizer, record.where)
