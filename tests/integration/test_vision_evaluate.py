@@ -135,3 +135,17 @@ def test_evaluate_at_tp2_equals_transformers_on_images(prepared):
     root, data, expected, tokens = prepared
     result = _evaluate(root, data, "--nproc", "2", "--tensor-model-parallel-size", "2")
     assert result["tokens"] == tokens and result["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_missing_image_is_one_line_naming_file_and_line(prepared, tmp_path, capsys):
+    root, _, _, _ = prepared
+    bad = tmp_path / "bad.jsonl"
+    lines = [SAMPLES[1], {"image": "gone.png", "conversations": SAMPLES[0]["conversations"]}]
+    bad.write_text("".join(json.dumps(s) + "\n" for s in lines), encoding="utf-8")
+    capsys.readouterr()
+    code = main(
+        ["evaluate", "--load", str(root / "ckpt"), "--sft", "--data-path", str(bad), "--image-folder", str(root)]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"{bad}:2" in err and "gone.png" in err, err
