@@ -37,6 +37,7 @@ SMOKES = {
     "recompute": [],
     "step_time": [],
     "tensor_parallel": ["all"],
+    "vision": [],
     "zero_memory": [],
 }
 """Each benchmark and the arguments before --smoke."""
