@@ -46,7 +46,7 @@ from paratron.data.vision import ImageProcessor
 from paratron.distributed.init import initialize
 from paratron.distributed.local_ranks import run_ranks
 from paratron.model.gpt import GPT, build_model
-from paratron.planning.candidates import balanced_ends, output_ratio
+from paratron.planning.candidates import balanced_ends, output_ratio, vision_ratio
 from paratron.planning.dry_run import dry_run, kernels_for
 from paratron.planning.memory import predict_memory
 from paratron.training.run import run_training
@@ -378,7 +378,7 @@ def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
     """Part 3: per-stage memory at PP2, even split and the planner's split: built (dry run), predicted (the
     planner's formulas), measured (two processes, --log-memory)."""
     even = build_config(run_settings(args, (None, None), "unused"))
-    planner_split = balanced_ends(args.layers, 2, round(output_ratio(even, 1, 1), 1))
+    planner_split = balanced_ends(args.layers, 2, output_ratio(even, 1, 1), vision_ratio(even, 1, 1))
     splits = {"even": (None, None)}
     if planner_split != (None, None):
         splits["planner"] = planner_split
