@@ -9,6 +9,7 @@ import torch
 
 from paratron.cli import main
 from paratron.config import build_config
+from paratron.config.loading import SavedModel, resolve_settings, settings_of
 from paratron.config.schema import ModelConfig
 from paratron.config.validation import validate
 from paratron.errors import ConfigError
@@ -124,3 +125,13 @@ def test_throughput_counts_the_encoders_flops(tmp_path):
     for record in records:
         expected = per_token * record["tokens_per_s"] + per_image * record["images_per_s"]
         assert record["images_per_s"] > 0 and record["tflops_per_device"] * 1e12 == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_run_that_loads_a_checkpoint_freezes_what_its_own_flags_say():
+    stage_one = ModelConfig(**TINY, vision_model="debug-vit", freeze_vision_model=True, freeze_language_model=True)
+    saved = SavedModel("the checkpoint S1", settings_of(stage_one))
+    stage_two = resolve_settings({"freeze_vision_model": True}, saved=saved).config.model
+    assert stage_two.freeze_vision_model and not stage_two.freeze_language_model
+    assert (
+        stage_two.vision_model == "debug-vit" and stage_two.hidden_size == 32
+    )  # (the model itself is the checkpoint's)

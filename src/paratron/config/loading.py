@@ -171,7 +171,7 @@ def resolve_settings(
         f"--model {model_name}" if "model_name" in overrides else f"model_name {model_name} in the recipe {recipe}"
     )
     layers = [
-        (saved.where if saved else "", saved.model if saved else {}),
+        (saved.where if saved else "", _carried(saved.model) if saved else {}),
         (named_by, model_preset(model_name) if model_name else {}),
         (f"the recipe {recipe}", from_yaml),
     ]
@@ -196,6 +196,11 @@ def resolve_settings(
         config = _keep_architecture(config, saved, origins, checkpoint_wins, notes)
     config = _fit_schedule(config, overrides, from_yaml, f"the recipe {recipe}", notes)
     return Resolution(config, origins, notes, saved)
+
+
+def _carried(model: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's model settings a run that loads it takes as its defaults (all but `MODEL_PER_RUN`)."""
+    return {name: value for name, value in model.items() if name not in schema.MODEL_PER_RUN}
 
 
 def _check_saved_tokenizer(saved: SavedModel) -> None:
