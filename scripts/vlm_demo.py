@@ -5,16 +5,17 @@
    and three questions with one-word or two-word answers (its colour, its shape, its place), in LLaVA's json
    form: a training set and a held-out set of other pictures; and a byte-level BPE tokenizer trained on their
    words, with ChatML's tokens and an <image> token;
-2. a small GPT (4 layers, width 64) behind the debug-vit encoder (2 layers, width 32, 16 patches of 8x8 pixels)
-   and LLaVA's two-layer projector; the encoder keeps its random weights and is never trained (a stand-in for
-   a pretrained CLIP: its features carry the pixels, and the projector learns to read them);
-3. three `paratron train --sft` stages, each loading the previous one's checkpoint (`--load ... --finetune`):
-   stage 0 the language model alone, on the same captions and questions with the scene written out in words
+2. a small GPT (2 layers, width 64) behind the debug-vit encoder (16 patches of 8x8 pixels, width 32) and
+   LLaVA's two-layer projector; the encoder keeps its random weights and is never trained (a stand-in for a
+   pretrained CLIP: its features still carry the pixels, and the projector learns to read them);
+3. three `paratron train --sft` runs, each from the previous one's checkpoint (`--load ... --finetune`):
+   stage 0 the language model alone, on the captions and questions with the scene written out in words
    instead of a picture (LLaVA starts from a pretrained language model); stage 1 the projector alone, on the
    captions (`--freeze-vision-model --freeze-language-model`, LLaVA's feature alignment); stage 2 the projector
    and the language model, on the questions (`--freeze-vision-model`, LLaVA's instruction tuning);
-4. before and after each stage, the held-out questions answered greedily (in this process, as `paratron
-   generate --image` answers them) and the exact-match accuracy per kind of question, with one example.
+4. before and after each stage: which parts of the model its weights changed, the held-out pictures' captions
+   and answers generated greedily (as `paratron generate --image` makes them) and their exact-match accuracy
+   per kind of question, with one picture's answers.
 """
 
 from __future__ import annotations
@@ -313,11 +314,11 @@ def report(when: str, answerer: Answerer, heldout: list[tuple[str, Scene]], fold
     scores = accuracy(answers, heldout)
     per_kind = ", ".join(f"{kind} {scores[kind]:.0%}" for kind in KINDS)
     print(f"held-out accuracy {when}: answers {scores['answers']:.0%} ({per_kind}), captions {scores['caption']:.0%}")
-    name, scene = heldout[0]
+    name, scene = heldout[-1]  # (the batch's last row: one that would show its pictures out of order)
     for kind, (question, answer) in scene.prompts.items():
         said = answerer.answer(question, folder / name, new_tokens(kind))
-        if said != answers[kind][0]:
-            raise RuntimeError(f"{name}: generate answers {said!r} to {question!r}, the batch {answers[kind][0]!r}")
+        if said != answers[kind][-1]:
+            raise RuntimeError(f"{name}: generate answers {said!r} to {question!r}, the batch {answers[kind][-1]!r}")
         print(f"  {name} ({scene.caption}): {question} -> {said!r} (right: {answer!r})")
 
 
