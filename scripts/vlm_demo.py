@@ -252,7 +252,7 @@ STAGES = (
     Stage("stage 1", "the projector alone, on the captions", "captions.json",
           ("--freeze-vision-model", "--freeze-language-model"), 150, 3e-3),
     Stage("stage 2", "the projector and the language model, on the questions", "questions.json",
-          ("--freeze-vision-model", "--no-freeze-language-model"), 250, 2e-3),
+          ("--freeze-vision-model", "--no-freeze-language-model"), 500, 3e-3),
 )  # fmt: skip
 """(Both freezing flags are given: a run that loads a checkpoint keeps the checkpoint's value of a flag it omits.)"""
 PARTS = ("vision encoder", "projector", "language model")
