@@ -1,6 +1,6 @@
 """`make vlm-demo` (scripts/vlm_demo.py) still works: its pictures and files are what paratron reads as LLaVA's
-form, and its --smoke run (a few pictures, a few steps per stage) goes through every stage and reports
-accuracies, its batched answers agreeing with the library's generation."""
+form, and its --smoke run (a few pictures, a few steps per stage) goes through every stage, trains in each
+only the parts it names, and reports accuracies, its batched answers agreeing with the library's generation."""
 
 from __future__ import annotations
 
@@ -55,4 +55,7 @@ def test_smoke_run(tmp_path: Path) -> None:
     )
     assert [when for when, _, _ in reports] == ["before stage 0", "after stage 0", "after stage 1", "after stage 2"]
     assert all(0 <= int(answers) <= 100 and 0 <= int(captions) <= 100 for _, answers, captions in reports)
+    changed = re.findall(r"weights (stage \d) changed: (.*)", run.stdout)  # each stage trains its parts alone
+    trained = ["language model", "projector", "projector, language model"]
+    assert changed == [(f"stage {n}", parts) for n, parts in enumerate(trained)]
     assert re.search(r"time per stage: stage 0 \d+s, stage 1 \d+s, stage 2 \d+s", run.stdout)
