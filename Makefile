@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 RUN_STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo finetune-demo test test-fast lint format bench docs setup clean
+.PHONY: demo finetune-demo vlm-demo test test-fast lint format bench docs setup clean
 
 setup: $(TEST_STAMP)
 
@@ -29,6 +29,9 @@ demo: $(RUN_STAMP)
 
 finetune-demo: $(RUN_STAMP)
 	$(PY) scripts/finetune_demo.py
+
+vlm-demo: $(RUN_STAMP)
+	$(PY) scripts/vlm_demo.py
 
 test: lint
 	$(PY) -m pytest -q
