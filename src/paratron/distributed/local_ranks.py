@@ -8,7 +8,15 @@ rank is stopped and one AssertionError lists what happened on each rank.
 It is how the tests and benchmarks compare a multi-rank run with one process (gloo on the
 CPU, no torchrun needed), and how a user tries a parallel layout from a script:
 `fn` calls `paratron.distributed.initialize()` as under torchrun. `fn` and its arguments must
-be picklable (a module-level function), since each rank is a fresh `spawn` process.
+be picklable (a module-level function), since each rank is a fresh process that imports it.
+
+Where the system can fork (Linux, macOS), ranks are forked from multiprocessing's fork server,
+which imported torch and paratron's trainer once (`PRELOADED`): a rank then starts in a fraction
+of a second, where a fresh interpreter spends seconds of CPU importing torch, the larger part of
+a small test's time. Elsewhere each rank is a `spawn` process. Either way a rank gets the
+caller's environment, working directory and import path as they are at the call (though what is
+read only as a process starts, such as the C library's MALLOC_* settings, is the server's: a
+benchmark that sets those spawns its processes itself).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+PRELOADED = ["torch", "paratron.training.run"]
+"""What the fork server imports once for every rank it starts."""
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 """Where Linux says which ports it hands out as the local end of outgoing connections."""
 
@@ -61,8 +71,23 @@ def torchrun_environment(rank: int, world: int, port: int) -> None:
     )
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
-    """One rank: torchrun's environment, then `fn`, its result or traceback sent home."""
+def rank_context() -> Any:
+    """The multiprocessing context ranks start in: the fork server with `PRELOADED` imported
+    where there is one, else `spawn`."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)  # (read when the server starts: at the first call)
+    return context
+
+
+def _worker(
+    rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, environment: dict[str, str]
+) -> None:
+    """One rank: the caller's environment (a forked rank has the fork server's, from its start)
+    and torchrun's, then `fn`, its result or traceback sent home."""
+    os.environ.clear()
+    os.environ.update(environment)
     torchrun_environment(rank, world, port)
     try:
         # plain pickle copies tensors by value (the queue's own pickler would share them by file
@@ -75,11 +100,12 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """`fn(*args)` on `world_size` spawned ranks; their results in rank order, or one
     AssertionError naming what every failed rank did (raised, exited, or silent past `timeout`)."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
+    environment = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, environment), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
