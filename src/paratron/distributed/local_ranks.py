@@ -28,6 +28,7 @@ import random
 import socket
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,52 @@ def rank_context() -> Any:
     return context
 
 
+class CallerOutput:
+    """The caller's standard output and error as they are at the call (a terminal, a log, a test's
+    capture), carried to a rank as duplicated file descriptors: a forked rank would otherwise write
+    where the fork server's pointed when it started."""
+
+    def __init__(self, fds: tuple[int | None, ...] = (1, 2)) -> None:
+        self.fds = tuple(fd if fd is not None and _is_open(fd) else None for fd in fds)
+
+    def __reduce__(self) -> tuple[Callable, tuple]:  # (only while a process starts: DupFd needs it)
+        return CallerOutput._arrived, tuple(None if fd is None else reduction.DupFd(fd) for fd in self.fds)
+
+    @staticmethod
+    def _arrived(*duplicates: Any) -> CallerOutput:
+        received = CallerOutput(())
+        received.fds = tuple(None if d is None else d.detach() for d in duplicates)
+        return received
+
+    def attach(self) -> None:
+        """In the rank: write to the caller's output and error."""
+        for target, fd in zip((1, 2), self.fds):
+            if fd is not None and fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _worker(
-    rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, environment: dict[str, str]
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    results: Any,
+    environment: dict[str, str],
+    output: CallerOutput,
 ) -> None:
-    """One rank: the caller's environment (a forked rank has the fork server's, from its start)
-    and torchrun's, then `fn`, its result or traceback sent home."""
+    """One rank: the caller's environment and output (a forked rank has the fork server's, from
+    its start) and torchrun's environment, then `fn`, its result or traceback sent home."""
+    output.attach()
     os.environ.clear()
     os.environ.update(environment)
     torchrun_environment(rank, world, port)
@@ -103,9 +145,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0)
     ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
-    environment = dict(os.environ)
+    environment, output = dict(os.environ), CallerOutput()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, environment), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, environment, output), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
