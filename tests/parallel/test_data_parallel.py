@@ -119,11 +119,15 @@ def reduced_shards(mode: str, scatter_by_all_reduce: bool) -> list[torch.Tensor]
     ]
 
 
+def reduced_shards_both_ways(mode: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`reduced_shards` by the reduce-scatter and by its all-reduce form, on one process group."""
+    return reduced_shards(mode, False), reduced_shards(mode, True)
+
+
 @pytest.mark.parametrize("mode", ["reduce-scatter", "reduce-scatter-shard"])
 def test_reduce_scatter_and_its_all_reduce_form_give_the_same_shards(mode):
     """The suite runs on gloo, where shards come from an all-reduce; NCCL runs the reduce-scatter."""
-    scattered = run_ranks(reduced_shards, 2, mode, False)
-    all_reduced = run_ranks(reduced_shards, 2, mode, True)
+    scattered, all_reduced = zip(*run_ranks(reduced_shards_both_ways, 2, mode))
     for rank in range(2):
         assert len(scattered[rank]) == len(all_reduced[rank]) > 0
         for a, b in zip(scattered[rank], all_reduced[rank]):

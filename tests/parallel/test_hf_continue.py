@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers  # the reference; installed with the test extras
 
 from paratron.config import build_config
+from paratron.distributed.init import initialize
 from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
@@ -34,7 +34,15 @@ def losses(checkpoint: str, run_dir: str, overrides: dict) -> list[float]:
     return run_training(config).losses
 
 
+def losses_at_layouts(checkpoint: str, run_dir: str, layouts: dict[str, dict]) -> dict[str, list[float]]:
+    """Each layout's losses, one after the other on one process group (one spawn for all)."""
+    initialize("gloo")
+    return {name: losses(checkpoint, f"{run_dir}/{name}", overrides) for name, overrides in layouts.items()}
+
+
 def test_training_starts_from_converted_weights_at_any_layout(tmp_path):
+    import transformers  # the reference (imported here: the spawned ranks need not load it)
+
     from paratron.checkpoint.convert import hf_to_paratron
 
     settings = dict(
@@ -52,9 +60,11 @@ def test_training_starts_from_converted_weights_at_any_layout(tmp_path):
     hf_to_paratron(tmp_path / "hf", tmp_path / "converted")
     checkpoint = str(tmp_path / "converted")
     single = losses(checkpoint, str(tmp_path / "single"), {})
-    tp2 = run_ranks(losses, 2, checkpoint, str(tmp_path / "tp2"), dict(tensor_model_parallel_size=2))[0]
-    pp2 = run_ranks(losses, 2, checkpoint, str(tmp_path / "pp2"), dict(pipeline_model_parallel_size=2))[0]
-    assert tp2 == pytest.approx(single, rel=1e-5) and pp2 == pytest.approx(single, rel=1e-5)
+    layouts = {"tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2)}
+    results = run_ranks(losses_at_layouts, 2, checkpoint, str(tmp_path), layouts)[0]
+    assert list(results) == list(layouts)
+    for name, ours in results.items():
+        assert ours == pytest.approx(single, rel=1e-5), name
     fresh = build_config(
         dict(
             mock_data=True,

@@ -175,6 +175,12 @@ def converted_losses(checkpoint: str, run_dir: str, layout: dict) -> list[float]
     return run_training(build_config(settings, recipe=f"{checkpoint}/model.yaml")).losses
 
 
+def converted_losses_at_layouts(checkpoint: str, run_dir: str, layouts: dict[str, dict]) -> dict[str, list[float]]:
+    """Each layout's losses, one after the other on one process group (one spawn for all)."""
+    initialize("gloo")
+    return {name: converted_losses(checkpoint, f"{run_dir}/{name}", layout) for name, layout in layouts.items()}
+
+
 @pytest.mark.spawns
 def test_training_starts_from_a_converted_mixtral_at_any_layout(tmp_path):
     import torch
@@ -199,11 +205,14 @@ def test_training_starts_from_a_converted_mixtral_at_any_layout(tmp_path):
     hf_to_paratron(tmp_path / "hf", tmp_path / "converted")
     checkpoint = str(tmp_path / "converted")
     single = converted_losses(checkpoint, str(tmp_path / "single"), {})
-    pp2 = run_ranks(converted_losses, 2, checkpoint, str(tmp_path / "pp2"), dict(pipeline_model_parallel_size=2))[0]
-    assert pp2 == pytest.approx(single, rel=1e-5)
-    tp2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
-    assert run_ranks(converted_losses, 2, checkpoint, str(tmp_path / "tp2"), tp2)[0] == pytest.approx(single, rel=1e-5)
-    ep2 = dict(expert_model_parallel_size=2)
-    assert run_ranks(converted_losses, 2, checkpoint, str(tmp_path / "ep2"), ep2)[0] == pytest.approx(single, rel=1e-5)
+    layouts = {
+        "pp2": dict(pipeline_model_parallel_size=2),
+        "tp2": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+        "ep2": dict(expert_model_parallel_size=2),
+    }
+    results = run_ranks(converted_losses_at_layouts, 2, checkpoint, str(tmp_path), layouts)[0]
+    assert list(results) == list(layouts)
+    for name, losses in results.items():
+        assert losses == pytest.approx(single, rel=1e-5), name
     fresh = converted_losses(checkpoint, str(tmp_path / "fresh"), dict(load=None))
     assert fresh[0] != pytest.approx(single[0], rel=0.05)  # the converted weights were used

@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 
 import torch
-import transformers  # the reference; installed with the test extras
 
 from paratron.checkpoint import load_pretrained
 from paratron.checkpoint.convert import paratron_to_hf
 from paratron.checkpoint.hf import write as hf_write
 from paratron.checkpoint.pieces import parse_key
+from paratron.distributed.init import initialize
 from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
@@ -48,6 +48,17 @@ def curve(run_dir: str, overrides: dict) -> list[float]:
     return run_training(tiny_config(run_dir, **MODEL, **overrides)).losses
 
 
+def curves(root: str, runs: list[tuple[str, dict]]) -> list[list[float]]:
+    """Several runs one after the other on one process group (one spawn for all of them)."""
+    initialize("gloo")
+    return [curve(f"{root}/{name}", overrides) for name, overrides in runs]
+
+
+def curves_at(world: int, root: str, runs: list[tuple[str, dict]]) -> list[list[float]]:
+    """`curves` on `world` spawned ranks (rank 0's losses), or in this process for one rank."""
+    return run_ranks(curves, world, root, runs)[0] if world > 1 else curves(root, runs)
+
+
 def assert_continues(resumed: list[float], straight: list[float], what: str, tolerance: float = TOLERANCE) -> None:
     assert len(resumed) == len(straight) - SAVED_AT
     for step, (a, b) in enumerate(zip(resumed, straight[SAVED_AT:]), start=SAVED_AT + 1):
@@ -63,15 +74,19 @@ def reshard(
 def reshard_to_several(
     tmp_path, name: str, before: dict, world_before: int, afters: list[tuple[dict, int]], tolerance: float = TOLERANCE
 ) -> None:
-    """One run saved at `before`, resumed at each layout of `afters` ((settings, world size) pairs)."""
+    """One run saved at `before`, resumed at each layout of `afters` ((settings, world size) pairs).
+    The resumes at `world_before` follow the saving run on its process group; those at another
+    world size share one process group per size."""
     save = str(tmp_path / f"{name}-ckpt")
-    straight = run_ranks(
-        curve, world_before, str(tmp_path / f"{name}-a"), dict(before, save=save, save_interval=SAVED_AT)
-    )[0]
     checkpoint = f"{save}/iter_{SAVED_AT:07d}"
-    for i, (after, world_after) in enumerate(afters):
-        resumed = run_ranks(curve, world_after, str(tmp_path / f"{name}-b{i}"), dict(after, load=checkpoint))[0]
-        assert_continues(resumed, straight, f"{name} -> {after}", tolerance)
+    resumes = [(f"{name}-b{i}", dict(after, load=checkpoint), world) for i, (after, world) in enumerate(afters)]
+    losses: dict[str, list[float]] = {}
+    for world in dict.fromkeys([world_before, *(world for _, world in afters)]):
+        runs = [(f"{name}-a", dict(before, save=save, save_interval=SAVED_AT))] if world == world_before else []
+        runs += [(run, overrides) for run, overrides, at in resumes if at == world]
+        losses.update(zip((run for run, _ in runs), curves_at(world, str(tmp_path), runs)))
+    for (after, _), (run, _, _) in zip(afters, resumes):
+        assert_continues(losses[run], losses[f"{name}-a"], f"{name} -> {after}", tolerance)
 
 
 def test_tp2_pp2_resumes_as_pp4(tmp_path):
@@ -118,6 +133,8 @@ def assert_stored_once(checkpoint: Path, weight_files: int, optimizer_files: int
 
 
 def test_tp4_resumes_on_one_process_and_exports_streaming(tmp_path, monkeypatch):
+    import transformers  # the reference (imported here: the spawned ranks need not load it)
+
     reshard(tmp_path, "tp4-tp1", dict(tensor_model_parallel_size=4, sequence_parallel=True), 4, {}, 1)
     checkpoint = saved(tmp_path, "tp4-tp1")
     assert_stored_once(checkpoint, weight_files=4, optimizer_files=4)

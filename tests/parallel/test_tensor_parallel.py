@@ -250,17 +250,17 @@ def test_tensor_parallel_training_with_dropout_is_reproducible_and_consistent(tm
     overrides = dict(
         train_iters=6, tensor_model_parallel_size=2, sequence_parallel=True, hidden_dropout=0.2, attention_dropout=0.2
     )
-    first = run_ranks(train_curve, 2, str(tmp_path / "a"), overrides)
-    second = run_ranks(train_curve, 2, str(tmp_path / "b"), overrides)
-    assert first[0] == first[1] == second[0]  # ranks agree on the loss; the run repeats exactly
+    (first, second), (first_on_1, second_on_1) = run_ranks(train_curves, 2, str(tmp_path), [overrides, overrides])
+    assert first == first_on_1 and second == second_on_1  # ranks agree on the loss
+    assert first == second  # the run repeats exactly
 
 
 def test_tensor_parallel_resume_is_exact_and_reshards_weights(tmp_path):
     common = dict(tensor_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1, lr_decay_iters=10)
-    straight = run_ranks(train_curve, 2, str(tmp_path / "straight"), dict(common, train_iters=10))[0]
     save = str(tmp_path / "ckpt")
-    first = run_ranks(train_curve, 2, str(tmp_path / "a"), dict(common, train_iters=5, save=save))[0]
-    second = run_ranks(train_curve, 2, str(tmp_path / "b"), dict(common, train_iters=10, load=save, save=save))[0]
+    runs = [dict(common, train_iters=10), dict(common, train_iters=5, save=save)]
+    runs.append(dict(common, train_iters=10, load=save, save=save))
+    straight, first, second = run_ranks(train_curves, 2, str(tmp_path / "tp"), runs)[0]
     assert first + second == straight  # per-rank optimizer and dropout streams came back exactly
 
     # at TP 1 the optimizer state follows too (test_resharding.py checks the curve); from step 10
