@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from paratron.distributed.topology import RankGroup
 
+PARENT_POLL_S = 0.1
+"""How often a launched worker checks that its launcher still runs (cheap: one getppid)."""
 REPORT_KEY = "paratron/hang/{rank}"
 SPOKE_KEY = "paratron/hang-reported/{rank}"
 ANSWER_WAIT_S = 5.0
@@ -127,7 +129,9 @@ class Watchdog:
             self.step = step
 
     def _watch(self) -> None:
-        poll = min(5.0 if self.parent is None else 1.0, max(0.2, self.timeout_s / 10))
+        # a worker watching its launcher looks often (the kernel's parent-death signal can miss: it follows the
+        # launcher thread that started the worker, not the process), else as often as the timeout needs
+        poll = PARENT_POLL_S if self.parent is not None else min(5.0, max(0.2, self.timeout_s / 10))
         while True:
             if self.parent is not None and os.getppid() != self.parent:  # (adopted: the launcher is gone)
                 print(f"[rank {self.rank}] stopped: its launcher (pid {self.parent}) is gone", file=sys.stderr)
