@@ -400,7 +400,7 @@ def cmd_generate(argv: list[str]) -> int:
     from paratron.config.arguments import ArgumentParser
     from paratron.config.schema import Config
     from paratron.data.build import cache_root
-    from paratron.data.vision.llava import PLACEHOLDER, encode_prompt
+    from paratron.data.vision.llava import encode_prompt, with_placeholders
     from paratron.data.vision.settings import image_settings
     from paratron.distributed.init import choose_backend
     from paratron.errors import CheckpointError
@@ -452,8 +452,7 @@ def cmd_generate(argv: list[str]) -> int:
     if tokenizer is None:
         raise CheckpointError(f"{args.load}: holds no tokenizer (trained on mock data), so text cannot be encoded")
     prompt, stop_ids = args.prompt, tokenizer.stop_ids  # (the end tokens the tokenizer's files declare)
-    if args.image and PLACEHOLDER not in prompt:
-        prompt = f"{PLACEHOLDER}\n" * len(args.image) + prompt
+    prompt = with_placeholders(prompt, len(args.image))  # (inside the user's turn when a template renders it)
     if args.chat_template:
         from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
 

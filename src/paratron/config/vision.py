@@ -163,6 +163,12 @@ class VisionSettings:
         return int(vocab) - 1
 
     @property
+    def encoder_trains(self) -> bool:
+        """The encoder's weights take gradients: neither --freeze-vision-model nor LoRA (which freezes the encoder and
+        trains the projector whole) leaves it frozen."""
+        return self.has_vision and not self.freeze_vision_model and getattr(self, "lora_rank", None) is None
+
+    @property
     def class_token(self) -> bool:
         """The encoder puts a class token before the patches (CLIP)."""
         return self.vision_type == "clip"

@@ -67,9 +67,7 @@ class GPT(nn.Module):
             return
         if config.lora_rank is not None:
             vision.projector.requires_grad_(True)
-        frozen = vision.encoder.carried()
-        if config.freeze_vision_model:
-            frozen += list(vision.encoder.parameters())
+        frozen = vision.encoder.carried() if config.encoder_trains else list(vision.encoder.parameters())
         if config.freeze_language_model:
             image_side = set(vision.parameters())
             frozen += [p for name, p in self.named_parameters() if p not in image_side and "lora_" not in name]

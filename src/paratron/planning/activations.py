@@ -42,7 +42,7 @@ from paratron.model.vision import encoder_layer_config
 from paratron.parallel.pipeline.schedules import Schedule, build_schedule
 from paratron.parallel.tensor.layers import padded_vocab_size
 from paratron.planning.vision import images_per_micro_batch
-from paratron.training.flops import attended_keys, vision_encoder_trains
+from paratron.training.flops import attended_keys
 
 WIDTHS = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of each --precision's compute type."""
@@ -276,7 +276,7 @@ def vision_bytes(config: Config, layout: Layout, kernels: Kernels) -> float:
     if m.vision_projection == "mlp":
         projector += 2 * w * features * m.hidden_size  # (GELU's input, the second linear's input)
     placed = config.training.micro_batch_size * config.data.seq_length
-    if not vision_encoder_trains(m):
+    if not m.encoder_trains:
         return projector + placed
     selective = config.training.recompute_granularity == "selective"
     layers, _ = _stack_bytes(config, shape, [layer_bytes(shape, selective)] * m.vision_run_layers)

@@ -18,7 +18,6 @@ from paratron.config.layout import layer_counts
 from paratron.config.schema import Config
 from paratron.planning.operations import layer_work
 from paratron.planning.vision import images_per_micro_batch, vision_work
-from paratron.training.flops import vision_encoder_trains
 
 MAX_MICRO_BATCH = 16
 
@@ -118,7 +117,7 @@ def vision_ratio(config: Config, tp: int, cp: int) -> float:
     if not m.has_vision:
         return 0.0
     work = vision_work(config, tp, images_per_micro_batch(config, 1)).forward(m.vision_run_layers)
-    return work / (1 if vision_encoder_trains(m) else 3) / _layer_forward(config, tp, cp)
+    return work / (1 if m.encoder_trains else 3) / _layer_forward(config, tp, cp)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -49,7 +49,7 @@ from paratron.planning.hardware import (
 )
 from paratron.planning.memory import Parts, local_parameters
 from paratron.planning.vision import images_per_micro_batch, vision_work
-from paratron.training.flops import attended_keys, vision_encoder_trains
+from paratron.training.flops import attended_keys
 
 PARTS = ("compute", "tensor_parallel", "context_parallel", "expert_parallel", "pipeline_p2p", "data_parallel")
 """What one micro-batch's operations spend their time on (the step adds the bubble and the optimizer)."""
@@ -294,7 +294,7 @@ class _Comm:
         is frozen (no gradient passes through it); the patch embedding and the projector whole on each TP rank."""
         m, rate = self.config.model, self.hardware.flops
         work = vision_work(self.config, self.tp, images_per_micro_batch(self.config, layout.micro_batch_size))
-        layer, trains = LayerWork(work.linear, work.scores, False), vision_encoder_trains(m)
+        layer, trains = LayerWork(work.linear, work.scores, False), m.encoder_trains
         whole_rows = dataclasses.replace(self.config.parallel, sequence_parallel=False)
         encoder = dataclasses.replace(
             self,

@@ -61,12 +61,6 @@ def training_flops_per_token(config: ModelConfig, seq_length: int) -> float:
     return 6.0 * matmul_parameters(config) + 12.0 * config.num_layers * keys * d_attn
 
 
-def vision_encoder_trains(config: ModelConfig) -> bool:
-    """The encoder's weights take gradients: neither --freeze-vision-model nor LoRA (which freezes the encoder and
-    trains the projector whole) leaves it frozen."""
-    return config.has_vision and not config.freeze_vision_model and config.lora_rank is None
-
-
 def vision_flops_per_image(config: ModelConfig) -> float:
     """Training FLOPs of one image through the vision encoder and the projector (0 without an encoder).
 
@@ -82,7 +76,7 @@ def vision_flops_per_image(config: ModelConfig) -> float:
     width, ffn = config.vision_hidden_size, config.vision_ffn_hidden_size
     tokens = config.num_patches + int(config.class_token)
     layers = config.vision_run_layers
-    trains = vision_encoder_trains(config)
+    trains = config.encoder_trains
     passes = 6.0 if trains else 2.0  # (forward; + input and weight gradients)
     layer_weights = 4 * width * width + 2 * width * ffn
     encoder = passes * layers * (layer_weights * tokens + 2 * tokens * tokens * width)

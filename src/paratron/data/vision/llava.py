@@ -232,13 +232,17 @@ def tokenize_with_images(
     return VisionConversation(ids, trained, record.where, refs)
 
 
+def with_placeholders(text: str, images: int) -> str:
+    """`text` as a prompt for `images` images: as it is when it places `<image>` itself, else one before it each."""
+    return text if PLACEHOLDER in text or not images else f"{PLACEHOLDER}\n" * images + text
+
+
 def encode_prompt(
     text: str, paths: list[Path], tokenizer: Tokenizer, settings: ImageSettings
 ) -> tuple[list[int], torch.Tensor]:
     """A generation prompt with images: its token ids, each `<image>` of `text` (or, when it names none, one per
     image before the text) expanded to that image's placeholder tokens, and the images' pixels."""
-    if PLACEHOLDER not in text:
-        text = f"{PLACEHOLDER}\n" * len(paths) + text
+    text = with_placeholders(text, len(paths))
     if text.count(PLACEHOLDER) != len(paths):
         raise DataError(
             f"the prompt names {text.count(PLACEHOLDER)} {PLACEHOLDER} for {len(paths)} --image; give one each"

@@ -65,10 +65,9 @@ def apply_tensor_parallel(
     for block in model.layers:
         _split_block(block, config, tp, rng, kv_replica_group)
     if model.vision is not None:  # (the encoder's layers split as the language model's, never by sequence)
-        whole = dataclasses.replace(tp, sequence_parallel=False)
-        encoder = model.vision.encoder
-        for block in encoder.layers:
-            _split_block(block, encoder_layer_config(config), whole, rng, None)
+        whole, layer_config = dataclasses.replace(tp, sequence_parallel=False), encoder_layer_config(config)
+        for block in model.vision.encoder.layers:
+            _split_block(block, layer_config, whole, rng, None)
         if tp.sequence_parallel:  # the features join the whole rows, which are then cut by sequence
             model.vision.register_forward_hook(partial(_to_sequence_shard, group=tp.group))
 
