@@ -38,7 +38,7 @@ def read_conversations(path: Path) -> Iterator[tuple[int, list[Message]]]:
             text = _decode(raw, where)
             if not text.strip():
                 continue
-            yield number, messages_of(_parse(text, where), where)
+            yield number, messages_of(parse_line(text, where), where)
 
 
 def messages_of(record: Any, where: str) -> list[Message]:
@@ -65,7 +65,8 @@ def _decode(raw: bytes, where: str) -> str:
         raise DataError(f"{where}: byte {exc.start} of the line is not valid UTF-8; save the file as UTF-8") from None
 
 
-def _parse(text: str, where: str) -> Any:
+def parse_line(text: str, where: str) -> Any:
+    """One JSON lines record; a line that is not JSON is one line naming `where` (file:line)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paratron.data.sft.conversations import Message, messages_of
+from paratron.data.sft.conversations import Message, messages_of, parse_line
 from paratron.data.sft.templates import ChatTemplate
 from paratron.data.sft.tokenize import TokenizedConversation, tokenize_conversation
 from paratron.data.tokenizer import Tokenizer
@@ -84,7 +84,7 @@ def read_samples(path: Path) -> Iterator[tuple[int, Any]]:
         return
     for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
         if line.strip():
-            yield number, _parse(line, f"{path}:{number}")
+            yield number, parse_line(line, f"{path}:{number}")
 
 
 def _list_samples(text: str, index: int, path: Path) -> Iterator[tuple[int, Any]]:
@@ -108,13 +108,6 @@ def _list_samples(text: str, index: int, path: Path) -> Iterator[tuple[int, Any]
         else:
             where = f"{path}:{line + text.count(chr(10), counted, index)}"
             raise DataError(f"{where}: expected ',' or ']' after a sample of the JSON list; fix the file")
-
-
-def _parse(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{where}: not valid JSON ({exc.msg}, column {exc.colno}); write one sample per line") from None
 
 
 def read_vision_records(path: Path) -> Iterator[VisionRecord]:
