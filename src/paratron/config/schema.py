@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from paratron.config.inference import InferenceConfig
 from paratron.config.limits import ABOVE_ZERO, DERIVED, FRACTION, ZERO_OR_MORE
 from paratron.config.vision import VisionSettings
 
@@ -1154,6 +1155,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     planning: PlanningConfig = field(default_factory=PlanningConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
 
 
 SECTIONS: tuple[str, ...] = (
@@ -1166,4 +1168,5 @@ SECTIONS: tuple[str, ...] = (
     "checkpoint",
     "logging",
     "planning",
+    "inference",
 )
