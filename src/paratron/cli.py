@@ -393,87 +393,70 @@ def _preprocess_conversations(args) -> int:
     return 0
 
 
-@command("generate", "continue a prompt with a saved model")
+GENERATE_TAKES = (
+    ("load", "ckpt_format", "data_cache_path", "precision"),
+    ("image_processor", "use_tiling", "max_num_tiles", "use_thumbnail"),
+    ("kv_cache_gb", "kv_cache_tokens", "kv_block_size", "max_batch_tokens", "max_running_requests"),
+    ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id"),
+    ("rdzv_timeout_seconds", "distributed_backend", "distributed_timeout_minutes"),
+    ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+)
+"""The settings `paratron generate` uses (train's flags): the checkpoint, its precision, the images' preprocessing,
+the engine's KV cache and batching, and the layout it runs at; the model and tokenizer come from the checkpoint."""
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """train's flags that generate uses (GENERATE_TAKES), and its own (prompts, sampling, output)."""
+    from paratron.config.arguments import ArgumentParser, Takes, add_config_arguments
+    from paratron.inference.generate_options import add_generate_arguments  # (start-up speed: torch)
+
+    parser = ArgumentParser(prog="paratron generate", allow_abbrev=False)
+    takes = Takes(
+        "paratron generate",
+        fields=sum(GENERATE_TAKES, ()),
+        why=(("model", "paratron generate takes the model from the checkpoint (--load); drop the model flags"),),
+    )
+    add_config_arguments(parser, takes)
+    add_generate_arguments(parser)
+    parser.usage = (
+        "paratron generate --load CKPT (--prompt TEXT... | --prompt-file FILE | --chat) [sampling flags] [flags]"
+    )
+    parser.description = (
+        "Continue prompts with a saved model (a paratron or Megatron-LM checkpoint, or a Hugging Face folder) at any "
+        "layout (--nproc, tensor and pipeline parallelism). All prompts run together in the inference engine "
+        "(continuous batching) and are printed in order; a lone prompt is streamed as it is generated; --chat holds "
+        "a conversation read from standard input."
+    )
+    return parser
+
+
+@command("generate", "continue prompts, or hold a conversation, with a saved model")
 def cmd_generate(argv: list[str]) -> int:
-    from paratron.checkpoint.io import model_from_checkpoint, read_checkpoint
-    from paratron.checkpoint.model_of import paratron_checkpoint, saved_tokenizer
-    from paratron.config.arguments import ArgumentParser
-    from paratron.config.schema import Config
-    from paratron.data.build import cache_root
-    from paratron.data.vision.llava import encode_prompt, with_placeholders
-    from paratron.data.vision.settings import image_settings
-    from paratron.distributed.init import choose_backend
-    from paratron.errors import CheckpointError
-    from paratron.inference.generate import generate
+    from paratron.config.arguments import parse_config_arguments
+    from paratron.config.loading import override, resolve_settings
+    from paratron.errors import ConfigError
+    from paratron.inference.generate_options import generate_options
 
-    parser = ArgumentParser(
-        prog="paratron generate", description="Continue a prompt with a saved model.", allow_abbrev=False
-    )
-    parser.add_argument(
-        "--load",
-        required=True,
-        metavar="DIR",
-        help="Checkpoint directory (as given to --save) or one iteration folder.",
-    )
-    parser.add_argument("--prompt", required=True, metavar="TEXT", help="Text to continue.")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="Tokens to generate (default: 64).")
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="Sampling temperature; 0 is greedy (default: 0)."
-    )
-    parser.add_argument(
-        "--top-k", type=int, default=None, metavar="K", help="Sample only among the k likeliest tokens."
-    )
-    parser.add_argument("--seed", type=int, default=0, metavar="N", help="Seed for sampling (default: 0).")
-    parser.add_argument(
-        "--image",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="An image for a vision-language model (repeat for several): each <image> of the prompt, or else one "
-        "before it, stands for one; preprocessed as the checkpoint's preprocessor_config.json says.",
-    )
-    parser.add_argument(
-        "--chat-template",
-        metavar="TEMPLATE",
-        help="Treat the prompt as a user's message: render it with this template (tokenizer, chatml, llama3 or a "
-        "jinja file) and print the assistant's answer, up to its end of turn.",
-    )
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    if args.temperature < 0:
-        raise UserError(f"--temperature {args.temperature}: must be zero (greedy) or more")
-    if args.top_k is not None and args.top_k < 1:
-        raise UserError(f"--top-k {args.top_k}: must be at least 1")
-    load = Path(args.load).expanduser()
-    aside = functools.partial(print, file=sys.stderr)  # (stdout is the text alone)
-    info = read_checkpoint(paratron_checkpoint(load, cache_root(Config()), True, log=aside))  # (Megatron-LM's too)
-    tokenizer = saved_tokenizer(load, info)
-    if tokenizer is None:
-        raise CheckpointError(f"{args.load}: holds no tokenizer (trained on mock data), so text cannot be encoded")
-    prompt, stop_ids = args.prompt, tokenizer.stop_ids  # (the end tokens the tokenizer's files declare)
-    prompt = with_placeholders(prompt, len(args.image))  # (inside the user's turn when a template renders it)
-    if args.chat_template:
-        from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
+    recipe, overrides, namespace = parse_config_arguments(generate_parser(), argv)
+    options = generate_options(namespace, sys.stdin)  # (files read and flags checked before any worker starts)
+    resolution = resolve_settings(overrides, recipe)
+    if not resolution.config.checkpoint.load:
+        raise ConfigError("paratron generate needs --load CKPT (the model to generate with)")
+    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
 
-        template = tokenizer_chat_template(args.chat_template, tokenizer)
-        prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        stop_ids = chat_stop_ids(template, tokenizer)  # (and the token that ends the template's turns)
-    _, device = choose_backend("auto")
-    model = model_from_checkpoint(info, device)
-    ids, images = tokenizer.encode(prompt), None
-    if args.image:
-        config = Config(model=model.config)
-        if not config.model.has_vision:
-            raise UserError(f"--image: the model of {args.load} has no vision encoder; drop --image")
-        settings = image_settings(config, tokenizer)
-        ids, images = encode_prompt(prompt, [Path(p) for p in args.image], tokenizer, settings)
-    ids = generate(
-        model, ids, args.max_new_tokens, args.temperature, args.top_k, eos_id=stop_ids, seed=args.seed, images=images
+    resolution = with_checkpoint(resolution, overrides, recipe)  # (validated with the checkpoint's model)
+    config = resolution.config
+    positions = config.model.max_position_embeddings or config.data.seq_length
+    # (no data or schedule: the training checks see a one-step run on mock data within the model's context)
+    config = override(
+        config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True, mock_data=True, seq_length=positions
     )
-    text = tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_ids else ids)
-    print(text if args.chat_template else args.prompt + text)  # (a chat answer alone, up to its end of turn)
-    return 0
+    launched, config = _check_and_launch(config, ["generate", *argv], resolution.origins)
+    if launched is not None:
+        return launched
+    from paratron.inference.generate_command import run_generate
+
+    return run_generate(config, options, sys.stdin)
 
 
 @command("convert", "convert weights between Hugging Face, Megatron-LM and paratron checkpoints")
