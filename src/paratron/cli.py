@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -433,30 +432,16 @@ def generate_parser() -> argparse.ArgumentParser:
 @command("generate", "continue prompts, or hold a conversation, with a saved model")
 def cmd_generate(argv: list[str]) -> int:
     from paratron.config.arguments import parse_config_arguments
-    from paratron.config.loading import override, resolve_settings
-    from paratron.errors import ConfigError
+    from paratron.inference.generate_command import generate_settings, run_generate  # (start-up speed: torch)
     from paratron.inference.generate_options import generate_options
 
     recipe, overrides, namespace = parse_config_arguments(generate_parser(), argv)
     options = generate_options(namespace, sys.stdin)  # (files read and flags checked before any worker starts)
-    resolution = resolve_settings(overrides, recipe)
-    if not resolution.config.checkpoint.load:
-        raise ConfigError("paratron generate needs --load CKPT (the model to generate with)")
-    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
-
-    resolution = with_checkpoint(resolution, overrides, recipe)  # (validated with the checkpoint's model)
-    config = resolution.config
-    positions = config.model.max_position_embeddings or config.data.seq_length
-    # (no data or schedule: the training checks see a one-step run on mock data within the model's context)
-    config = override(
-        config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True, mock_data=True, seq_length=positions
-    )
-    launched, config = _check_and_launch(config, ["generate", *argv], resolution.origins)
+    resolution = generate_settings(overrides, recipe)
+    launched, config = _check_and_launch(resolution.config, ["generate", *argv], resolution.origins)
     if launched is not None:
         return launched
-    from paratron.inference.generate_command import run_generate
-
-    return run_generate(config, options, sys.stdin)
+    return run_generate(config, options, sys.stdin, precision_given="precision" in overrides)
 
 
 @command("convert", "convert weights between Hugging Face, Megatron-LM and paratron checkpoints")

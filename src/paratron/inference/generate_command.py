@@ -15,12 +15,17 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 
+from paratron.checkpoint.model_of import is_hf_folder, paratron_checkpoint, saved_model, with_checkpoint
+from paratron.config.fields import flag
+from paratron.config.loading import Resolution, override, resolve_settings
 from paratron.config.schema import Config
+from paratron.data.build import cache_root
 from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
 from paratron.data.vision.llava import encode_prompt, with_placeholders
 from paratron.data.vision.settings import image_settings
@@ -30,6 +35,11 @@ from paratron.inference.engine import Engine
 from paratron.inference.generate_options import SAMPLING_FLAGS, GenerateOptions, Prompt, read_prompt_lines
 from paratron.inference.loading import open_engine
 from paratron.inference.params import Completion, RequestError, RequestOutput, SamplingParams
+
+
+def _aside(message: str) -> None:
+    """Progress goes to standard error, so that standard output is the generated text alone."""
+    print(message, file=sys.stderr)
 
 KEEP_ALIVE_S = 1.0
 """While waiting for the user's next line, the controller lets the other ranks know it is alive this often."""
@@ -47,12 +57,34 @@ class Request:
     """The prompt's text for plain continuations (printed before them); empty for chat answers."""
 
 
-def run_generate(config: Config, options: GenerateOptions, stdin: TextIO) -> int:
-    """Open the --load checkpoint's engine on this process's ranks and generate (controller) or follow (others)."""
+def generate_settings(overrides: dict[str, Any], recipe: str | None) -> Resolution:
+    """The settings of `paratron generate`'s flags over the model of the --load checkpoint, as a one-step run on mock
+    data for the layout's checks. A Hugging Face folder is converted once into the cache and that copy is loaded
+    (the checks of a run's inputs take paratron and Megatron-LM checkpoints)."""
+    resolution = resolve_settings(overrides, recipe)
+    if not resolution.config.checkpoint.load:
+        raise ConfigError(f"paratron generate needs {flag.load} CKPT (the model to generate with)")
+    load = Path(resolution.config.checkpoint.load).expanduser()
+    if load.is_dir() and is_hf_folder(load):
+        converted = str(paratron_checkpoint(load, cache_root(resolution.config), True, log=_aside))
+        resolution = resolve_settings({**overrides, "load": converted}, recipe, saved_model(converted))
+    else:
+        resolution = with_checkpoint(resolution, overrides, recipe)
+    config = resolution.config
+    positions = config.model.max_position_embeddings or config.data.seq_length
+    config = override(
+        config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True, mock_data=True, seq_length=positions
+    )
+    return replace(resolution, config=config)
+
+
+def run_generate(config: Config, options: GenerateOptions, stdin: TextIO, precision_given: bool = False) -> int:
+    """Open the --load checkpoint's engine on this process's ranks and generate (controller) or follow (others);
+    the checkpoint's precision unless `precision_given` (--bf16, --fp16, --fp32)."""
     owned = not dist.is_initialized()
     initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
-        engine = open_engine(config, log=functools.partial(print, file=sys.stderr))  # (stdout is the text alone)
+        engine = open_engine(config, log=_aside, precision_given=precision_given)
         if not engine.is_controller:
             engine.follow()
             return 0
@@ -167,13 +199,13 @@ class Generation:
 
     def run(self, requests: Sequence[Request], on_output: Callable[[RequestOutput], None] | None = None) -> list:
         """Queue every request, step the engine until all are done; the final outputs in the requests' order."""
-        ids = []
-        for request in requests:
+        for request in requests:  # (all checked before any is queued)
             try:
-                ids.append(self.engine.add_request(request.ids, request.params, images=request.images))
+                self.engine.check_request(request.ids, request.params)
             except RequestError as exc:
-                flag = SAMPLING_FLAGS.get(exc.param, exc.param)
-                raise UserError(f"{request.prompt.where}: {flag}: {exc.message}") from None
+                flag_name = SAMPLING_FLAGS.get(exc.param, exc.param)
+                raise UserError(f"{request.prompt.where}: {flag_name} {exc.message}") from None
+        ids = [self.engine.add_request(r.ids, r.params, images=r.images) for r in requests]
         latest: dict[str, RequestOutput] = {}
         while self.engine.has_work():
             for output in self.engine.step():

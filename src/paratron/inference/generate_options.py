@@ -79,7 +79,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument(
         "--prompt-file",
         metavar="FILE",
-        help="Prompts from a file: .jsonl, one {\"prompt\": TEXT} or {\"messages\": [...]} a line (a conversation, "
+        help='Prompts from a file: .jsonl, one {"prompt": TEXT} or {"messages": [...]} a line (a conversation, '
         "answered through the chat template); any other file, one prompt a line. `-` reads standard input (also "
         "read when no prompt is given and it is not a terminal): lines of text, or JSON lines when the first line "
         "starts with {. All prompts run together in the engine; their outputs are printed in order.",
@@ -109,8 +109,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument(
         "--jsonl",
         action="store_true",
-        help="Print one JSON object a prompt ({\"prompt\", \"completions\": [{\"text\", \"token_ids\", "
-        "\"finish_reason\", \"logprobs\"}]}) instead of the text.",
+        help='Print one JSON object a prompt ({"prompt", "completions": [{"text", "token_ids", '
+        '"finish_reason", "logprobs"}]}) instead of the text.',
     )
     _add_sampling_arguments(parser.add_argument_group("sampling"))
 
@@ -248,8 +248,8 @@ def _json_prompt(line: str, where: str) -> Prompt:
         return Prompt(where, record["prompt"])
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: neither a \"prompt\" string nor a \"messages\" list; {form}")
+        raise DataError(f'{where}: neither a "prompt" string nor a "messages" list; {form}')
     for message in messages:
         if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
-            raise DataError(f"{where}: a message without a \"role\" and a \"content\": {json.dumps(message)}; {form}")
+            raise DataError(f'{where}: a message without a "role" and a "content": {json.dumps(message)}; {form}')
     return Prompt(where, messages=tuple(messages))
