@@ -28,6 +28,7 @@ SMOKES = {
     "expert_parallel": [],
     "faults": [],
     "finetune": [],
+    "generate": [],
     "megatron_step": [],
     "moe": [],
     "pipeline_bubble": [],
