@@ -41,6 +41,7 @@ def _aside(message: str) -> None:
     """Progress goes to standard error, so that standard output is the generated text alone."""
     print(message, file=sys.stderr)
 
+
 KEEP_ALIVE_S = 1.0
 """While waiting for the user's next line, the controller lets the other ranks know it is alive this often."""
 
@@ -117,14 +118,16 @@ class Generation:
             )
         self.engine, self.options, self.config = engine, options, config
         self.tokenizer = engine.tokenizer
-        self.chat_stop_ids: tuple[int, ...] = ()
 
     @functools.cached_property
     def template(self) -> Any:
-        """The chat template (--chat-template, default the tokenizer's own) and the ids that end its turns."""
-        template = tokenizer_chat_template(self.options.chat_template or "tokenizer", self.tokenizer)
-        self.chat_stop_ids = chat_stop_ids(template, self.tokenizer)
-        return template
+        """The chat template: --chat-template, by default the tokenizer's own."""
+        return tokenizer_chat_template(self.options.chat_template or "tokenizer", self.tokenizer)
+
+    @functools.cached_property
+    def turn_stop_ids(self) -> tuple[int, ...]:
+        """The ids that end an answer: the template's end of turn and the tokenizer's end tokens."""
+        return chat_stop_ids(self.template, self.tokenizer)
 
     def complete(self, prompts: Sequence[Prompt]) -> None:
         """Continue every prompt (one batch in the engine); stream a lone one, else print them in order."""
@@ -176,26 +179,27 @@ class Generation:
             raise UserError(f"{prompt.where}: an empty prompt; give some text to continue")
         params = replace(self.options.sampling, max_tokens=self.new_tokens(prompt, len(ids)))
         if prompt.messages is not None or self.options.chat_template:
-            params = replace(params, stop_token_ids=self.chat_stop_ids)
+            params = replace(params, stop_token_ids=self.turn_stop_ids)
         return Request(prompt, ids, params, pixels, echo)
 
     def new_tokens(self, prompt: Prompt, prompt_tokens: int) -> int:
         """--max-new-tokens if the context has room for it (else a one-line refusal with the numbers); when not
         given, the default (all the room left, in a conversation) shortened to the room left."""
-        context = self.engine.max_model_len
+        context, given = self.engine.max_model_len, self.options.max_tokens_given
         room = context - prompt_tokens
-        asked = self.options.sampling.max_tokens
-        if self.options.max_tokens_given and asked > room or room < 1:
-            fix = f"ask for at most {room} (--max-new-tokens)" if room > 0 else "shorten it"
-            if self.options.chat:
-                fix = "start a new conversation" if room < 1 else fix
+        asked = self.options.sampling.max_tokens if given else 1
+        if room < 1 or asked > room:
+            if room > 0:
+                fix = f"ask for at most {room} (--max-new-tokens)"
+            else:
+                fix = "start a new conversation" if self.options.chat else "shorten it"
             raise UserError(
-                f"{prompt.where}: {prompt_tokens} prompt tokens + {asked if self.options.max_tokens_given else 1} new "
-                f"ones exceed the model's context of {context} tokens; {fix}"
+                f"{prompt.where}: {prompt_tokens} prompt tokens + {asked} new ones exceed the model's context of "
+                f"{context} tokens; {fix}"
             )
-        if self.options.max_tokens_given:
+        if given:
             return asked
-        return room if self.options.chat else min(asked, room)
+        return room if self.options.chat else min(self.options.sampling.max_tokens, room)
 
     def run(self, requests: Sequence[Request], on_output: Callable[[RequestOutput], None] | None = None) -> list:
         """Queue every request, step the engine until all are done; the final outputs in the requests' order."""
