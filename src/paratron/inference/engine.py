@@ -91,6 +91,8 @@ class Engine:
             raise RequestError("request_id", f"{request_id!r} is already running; give each request its own id")
         prompt = [int(t) for t in prompt_ids]
         self.check_request(prompt, params)
+        if images is not None and not self.runner.model.config.has_vision:
+            raise RequestError("images", "this model has no vision encoder; send text alone")
         scored = params.prompt_logprobs is not None
         sequences = []
         for index in range(params.n):
