@@ -441,7 +441,7 @@ def cmd_generate(argv: list[str]) -> int:
     launched, config = _check_and_launch(resolution.config, ["generate", *argv], resolution.origins)
     if launched is not None:
         return launched
-    return run_generate(config, options, sys.stdin, precision_given="precision" in overrides)
+    return run_generate(config, options, sys.stdin, precision=overrides.get("precision"))
 
 
 @command("convert", "convert weights between Hugging Face, Megatron-LM and paratron checkpoints")

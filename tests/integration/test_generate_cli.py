@@ -19,6 +19,7 @@ from tokenizers import AddedToken
 from paratron.checkpoint.convert import paratron_to_megatron
 from paratron.cli import main
 from paratron.data.tokenizer import train_byte_level_bpe
+from paratron.inference import generate_command
 from paratron.inference.engine import Engine
 
 from tiny import WORDS
@@ -227,3 +228,18 @@ def test_two_tensor_parallel_ranks_generate_as_one_process(llama, capsys):
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert [json.loads(line) for line in result.stdout.splitlines()] == [json.loads(x) for x in expected.splitlines()]
+
+
+def test_the_checkpoint_precision_unless_a_flag_names_one(llama, capsys, monkeypatch):
+    opened, open_engine = [], generate_command.open_engine
+
+    def recording(*args, **kwargs):
+        engine = open_engine(*args, **kwargs)
+        opened.append(engine.runner.dtype)
+        return engine
+
+    monkeypatch.setattr(generate_command, "open_engine", recording)
+    args = ["--load", str(llama / "ckpt"), "--prompt", PROMPTS[0], "--max-new-tokens", "4"]
+    for flags in ([], ["--bf16"], ["--fp16"], ["--fp32"], ["--precision", "bf16"]):
+        generate(capsys, *args, *flags)
+    assert opened == [torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16]

@@ -79,13 +79,13 @@ def generate_settings(overrides: dict[str, Any], recipe: str | None) -> Resoluti
     return replace(resolution, config=config)
 
 
-def run_generate(config: Config, options: GenerateOptions, stdin: TextIO, precision_given: bool = False) -> int:
+def run_generate(config: Config, options: GenerateOptions, stdin: TextIO, precision: str | None = None) -> int:
     """Open the --load checkpoint's engine on this process's ranks and generate (controller) or follow (others);
-    the checkpoint's precision unless `precision_given` (--bf16, --fp16, --fp32)."""
+    in the checkpoint's precision unless `precision` (--bf16, --fp16, --fp32) says."""
     owned = not dist.is_initialized()
     initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
-        engine = open_engine(config, log=_aside, precision_given=precision_given)
+        engine = open_engine(config, log=_aside, precision=precision)
         if not engine.is_controller:
             engine.follow()
             return 0
