@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from PIL import Image
+from test_vision_evaluate import llava_folder
 from tokenizers import AddedToken
 
 from paratron.checkpoint.convert import paratron_to_megatron
@@ -243,3 +245,32 @@ def test_the_checkpoint_precision_unless_a_flag_names_one(llama, capsys, monkeyp
     for flags in ([], ["--bf16"], ["--fp16"], ["--fp32"], ["--precision", "bf16"]):
         generate(capsys, *args, *flags)
     assert opened == [torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16]
+
+
+def test_an_image_prompt_is_answered_as_transformers_llava_does(llama, tmp_path, capsys):
+    folder = llava_folder(tmp_path / "hf")
+    Image.new("RGB", (20, 24), (220, 40, 40)).save(tmp_path / "a.png")
+    assert main(["convert", "--from", "hf", str(folder), "--to", "paratron", str(tmp_path / "ckpt")]) == 0
+    args = ["--load", str(tmp_path / "ckpt"), "--image", str(tmp_path / "a.png"), "--chat-template", "tokenizer"]
+    records = jsonl(capsys, *args, "--prompt", "mu", "--prompt", "nu xi", "--max-new-tokens", "6")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    processor = transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessor.from_pretrained(folder),
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    for record, prompt in zip(records, ["mu", "nu xi"], strict=True):
+        messages = [{"role": "user", "content": f"<image>\n{prompt}"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=text, images=[Image.open(tmp_path / "a.png").convert("RGB")], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        expected = out[0, inputs["input_ids"].size(1) :].tolist()
+        assert record["completions"][0]["token_ids"] == expected
+        assert len(expected) > 2, expected  # (an answer, not an end of turn at once)
+    assert "has no vision encoder" in one_line_error(
+        capsys, "--load", str(llama / "ckpt"), "--image", str(tmp_path / "a.png"), "--prompt", "x"
+    )
