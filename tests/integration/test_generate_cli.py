@@ -274,3 +274,22 @@ def test_an_image_prompt_is_answered_as_transformers_llava_does(llama, tmp_path,
     assert "has no vision encoder" in one_line_error(
         capsys, "--load", str(llama / "ckpt"), "--image", str(tmp_path / "a.png"), "--prompt", "x"
     )
+
+
+def test_a_lone_prompt_is_streamed_as_its_tokens_come(llama, capsys, monkeypatch):
+    args = ["generate", "--load", str(llama / "ckpt"), "--prompt", PROMPTS[1], "--max-new-tokens", "12"]
+    steps = []
+    step = Engine.step
+
+    def counted(self):
+        outputs = step(self)
+        steps.append(len(stdout.getvalue()))  # (what was printed before this step's output)
+        return outputs
+
+    stdout = io.StringIO()
+    monkeypatch.setattr(Engine, "step", counted)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(args) == 0
+    text = stdout.getvalue()
+    assert text.startswith(PROMPTS[1]) and text.endswith("\n") and len(text) > len(PROMPTS[1]) + 1
+    assert steps[0] == len(PROMPTS[1]) and len(set(steps)) > 3  # (the prompt first, then the text step by step)
