@@ -170,7 +170,8 @@ class Generation:
         pixels = None
         if images:
             if not self.config.model.has_vision:
-                raise ConfigError(f"--image: the model of {self.config.checkpoint.load} has no vision encoder")
+                load = self.config.checkpoint.load
+                raise ConfigError(f"--image: the model of {load} has no vision encoder; drop --image")
             settings = image_settings(self.config, self.tokenizer)
             ids, pixels = encode_prompt(text, images, self.tokenizer, settings)
         else:
