@@ -113,6 +113,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         '"finish_reason", "logprobs"}]}) instead of the text.',
     )
     _add_sampling_arguments(parser.add_argument_group("sampling"))
+    parser.add_argument_group("precision").add_argument(
+        "--fp32", dest="precision", action="store_const", const="fp32", default=argparse.SUPPRESS,
+        help="Compute in fp32 (default: the checkpoint's precision; --bf16 and --fp16 choose those).",
+    )  # fmt: skip
 
 
 def _add_sampling_arguments(group: Any) -> None:
@@ -128,7 +132,7 @@ def _add_sampling_arguments(group: Any) -> None:
     )
     floats = (
         ("--temperature", "T", "0 is greedy; above 0 divides the logits before sampling"),
-        ("--top-p", "P", "sample among the likeliest tokens whose probabilities sum to P (nucleus)"),
+        ("--top-p", "P", "nucleus sampling: sample among the likeliest tokens whose probabilities sum to P"),
         ("--min-p", "P", "drop tokens less likely than P times the likeliest one's probability"),
         ("--repetition-penalty", "R", "above 1 makes every token of the prompt and completion less likely"),
         ("--frequency-penalty", "F", "subtracted from a token's logit once per time the completion holds it"),
@@ -136,8 +140,13 @@ def _add_sampling_arguments(group: Any) -> None:
     )
     for flag, metavar, text in floats:
         name = flag[2:].replace("-", "_")
+        default = getattr(defaults, name)
         group.add_argument(
-            flag, type=float, default=getattr(defaults, name), metavar=metavar, help=f"{text.capitalize()}."
+            flag,
+            type=float,
+            default=default,
+            metavar=metavar,
+            help=f"{text[0].upper()}{text[1:]} (default: {default}).",
         )
     group.add_argument("--top-k", type=int, default=0, metavar="K", help="Sample among the K likeliest (0: all).")
     group.add_argument(
@@ -159,10 +168,6 @@ def _add_sampling_arguments(group: Any) -> None:
         help="Print each generated token's log-probability (the model's own, before temperature and penalties) "
         "and its K likeliest alternatives (0: none).",
     )
-    group.add_argument(
-        "--fp32", dest="precision", action="store_const", const="fp32", default=argparse.SUPPRESS,
-        help="Compute in fp32 (default: the checkpoint's precision; --bf16 and --fp16 choose those).",
-    )  # fmt: skip
 
 
 def generate_options(namespace: argparse.Namespace, stdin: TextIO) -> GenerateOptions:
