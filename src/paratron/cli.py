@@ -530,9 +530,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 @command("serve", "serve a saved model over HTTP with OpenAI's API (completions, chat), batching requests")
 def cmd_serve(argv: list[str]) -> int:
-    from paratron.config.arguments import given_settings, parse_config_arguments
-    from paratron.config.fields import flag
-    from paratron.config.loading import resolve_settings
+    from paratron.config.arguments import parse_config_arguments
     from paratron.errors import ConfigError
 
     recipe, overrides, namespace = parse_config_arguments(serve_parser(), argv)
@@ -540,19 +538,14 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError(f"--port {namespace.port}: must be between 0 (a free port) and 65535")
     if namespace.api_key is not None and not namespace.api_key.strip():
         raise ConfigError("--api-key: empty; give a key, or leave it out to serve without one")
-    resolution = resolve_settings(overrides, recipe)
-    if not resolution.config.checkpoint.load:
-        raise ConfigError(f"paratron serve needs {flag.load} CKPT (the model to serve)")
-    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
+    from paratron.inference.serving import run_server, serve_settings  # (start-up speed, docs/architecture.md: torch)
 
-    resolution = with_checkpoint(resolution, overrides, recipe)
+    resolution = serve_settings(overrides, recipe)
     launched, config = _check_and_launch(resolution.config, ["serve", *argv], resolution.origins)
     if launched is not None:
         return launched
-    from paratron.inference.serving import run_server
-
     log = functools.partial(print, flush=True)
-    precision_given = "precision" in given_settings(overrides, namespace)
+    precision_given = "precision" in overrides
     args = (namespace.host, namespace.port, namespace.api_key, namespace.served_model_name, log, precision_given)
     run_server(config, *args)
     return 0

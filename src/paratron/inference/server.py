@@ -286,7 +286,7 @@ def _validation_error(_: Request, exc: RequestValidationError) -> Response:
 
 def _handlers() -> dict:
     return {
-        RequestError: lambda _, exc: _error(exc.status, exc.message, exc.param),
+        RequestError: lambda _, exc: _error(exc.status, str(exc), exc.param),
         UserError: lambda _, exc: _error(400, str(exc)),
         RequestValidationError: _validation_error,
         Unauthorized: lambda _, exc: _error(
