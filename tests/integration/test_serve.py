@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -199,3 +200,51 @@ def test_tensor_parallel_server_answers_as_one_process(server, checkpoint, tmp_p
         assert "tensor 2 x pipeline 1" in parallel.out.read_text()
     finally:
         parallel.terminate()  # (the launcher reports the end of its workers as an interruption)
+
+
+TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {docs}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_evaluation_harness_through_the_server_equals_its_hf_model(server, checkpoint, tmp_path):
+    """The harness' own `local-completions` model (remote tokenizer) against its `hf` model on the exported
+    checkpoint: the same loglikelihood per choice (1e-4) and the same accuracy."""
+    import lm_eval  # (slow to import: only here)
+    from lm_eval.tasks import TaskManager
+
+    from paratron.cli import main
+
+    assert main(["convert", "--from", "paratron", str(checkpoint), "--to", "hf", str(tmp_path / "hf")]) == 0
+    rng = random.Random(0)
+    words = PROMPTS[2].split() + PROMPTS[3].split()
+    with open(tmp_path / "docs.jsonl", "w") as docs:
+        for _ in range(12):
+            question = " ".join(rng.choice(words) for _ in range(rng.randint(1, 5)))
+            choices = [" " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) for _ in range(3)]
+            docs.write(json.dumps({"question": question, "choices": choices, "answer": rng.randrange(3)}) + "\n")
+    (tmp_path / "tiny_choice.yaml").write_text(TASK.format(docs=tmp_path / "docs.jsonl"))
+    tasks = TaskManager(include_path=str(tmp_path))
+    common = dict(tasks=["tiny_choice"], task_manager=tasks, log_samples=True)
+    hf = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32", device="cpu", batch_size=4, **common
+    )
+    served = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url={server.url}/v1/completions,model=tiny,tokenizer_backend=remote,num_concurrent=4",
+        **common,
+    )
+    assert served["results"]["tiny_choice"]["acc,none"] == hf["results"]["tiny_choice"]["acc,none"]
+    expected = [[r[0][0] for r in s["resps"]] for s in hf["samples"]["tiny_choice"]]
+    got = [[r[0][0] for r in s["resps"]] for s in served["samples"]["tiny_choice"]]
+    assert len(got) == 12 and got == [pytest.approx(e, abs=1e-4) for e in expected]
