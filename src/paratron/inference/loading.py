@@ -57,10 +57,10 @@ def checkpoint_dtype(load: Path, info: CheckpointInfo) -> torch.dtype:
     return stored if stored != torch.float32 else PRECISION_DTYPES[info.config.training.precision]
 
 
-def open_engine(config: Config, log: Log = print, precision_given: bool = False) -> Engine:
+def open_engine(config: Config, log: Log = print, precision: str | None = None) -> Engine:
     """The engine of `config.checkpoint.load` (a paratron or Megatron-LM checkpoint or a Hugging Face folder) at
     `config`'s tensor x pipeline layout over every rank of the process group (collective). The weights keep the
-    checkpoint's precision unless `precision_given` (then `config.training.precision`)."""
+    checkpoint's precision (`checkpoint_dtype`) unless `precision` (fp32, bf16, fp16: the user's flag) says."""
     assert config.checkpoint.load is not None
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -74,7 +74,7 @@ def open_engine(config: Config, log: Log = print, precision_given: bool = False)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     info = read_checkpoint(paratron_checkpoint(load, cache_root(config), True, local_rank, log))
     tokenizer = saved_tokenizer(load, info)
-    dtype = PRECISION_DTYPES[config.training.precision] if precision_given else checkpoint_dtype(load, info)
+    dtype = PRECISION_DTYPES[precision] if precision is not None else checkpoint_dtype(load, info)
     model_config = info.config.model
     if tokenizer is not None and model_config.vocab_size is None:
         model_config = dataclasses.replace(model_config, vocab_size=tokenizer.vocab_size)
@@ -134,7 +134,7 @@ def _engine(
         tokens = int(settings.kv_cache_gb * 1e9 // per_token)
     else:
         tokens = max(context, min(settings.max_running_requests * context, DEFAULT_CACHE_TOKENS))
-    if tokens < block:
+    if tokens < block and settings.kv_cache_tokens is None:
         raise ConfigError(f"--kv-cache-gb {settings.kv_cache_gb}: too small for one block of the KV cache; give more")
     blocks = torch.tensor([-(-tokens // block)], device=device)
     if groups.model.size > 1:
