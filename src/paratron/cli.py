@@ -545,8 +545,8 @@ def cmd_serve(argv: list[str]) -> int:
     if launched is not None:
         return launched
     log = functools.partial(print, flush=True)
-    precision_given = "precision" in overrides
-    args = (namespace.host, namespace.port, namespace.api_key, namespace.served_model_name, log, precision_given)
+    precision = config.training.precision if "precision" in overrides else None  # (else the checkpoint's)
+    args = (namespace.host, namespace.port, namespace.api_key, namespace.served_model_name, log, precision)
     run_server(config, *args)
     return 0
 

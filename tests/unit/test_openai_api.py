@@ -4,12 +4,14 @@ engine's answers through them, errors, limits and the API key; the log-probabili
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 import torch
 import transformers
 from starlette.testclient import TestClient
 
+from paratron.cli import main
 from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
 from paratron.inference.openai_api import TokenTexts, completion_logprobs
 from paratron.inference.params import SamplingParams, TokenLogprob
@@ -239,3 +241,41 @@ def test_completion_logprobs_block():
     assert block["tokens"] == ["ab", "de"] and block["text_offset"] == [4, 6]
     assert block["top_logprobs"] == [{"c": -0.1, "ab": -0.5}, {"c": -0.2, "de": -9999.0}]
     assert block["token_logprobs"] == [-0.5, -9999.0]
+
+
+def test_an_engine_failure_answers_500_and_health_says_so(folder, monkeypatch):
+    engine = engine_of(folder)
+
+    def broken_step():
+        raise RuntimeError("a broken kernel")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    with TestClient(build_app(engine, ServerSettings("tiny"))) as client:
+        response = client.post("/v1/completions", json={"prompt": "alpha", "max_tokens": 2})
+        assert response.status_code == 500
+        assert (
+            response.json()["error"]["type"] == "server_error"
+            and "a broken kernel" in response.json()["error"]["message"]
+        )
+        assert client.post("/v1/completions", json={"prompt": "alpha"}).status_code == 500
+        assert client.get("/health").status_code == 503 and client.get("/health").json()["status"] == "failed"
+
+
+def test_serve_refuses_bad_flags_in_one_line(folder, capsys):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    cases = [
+        (["--port", "70000"], "--port 70000: must be between 0"),
+        (["--port", port], f"--port {port}: already in use on 127.0.0.1"),
+        (["--hidden-size", "64"], "--hidden-size: paratron serve takes the model from the checkpoint"),
+        (["--api-key", " "], "--api-key: empty"),
+    ]
+    try:
+        for flags, expected in cases:
+            assert main(["serve", "--load", str(folder), *flags]) == 2
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert expected in lines[-1] and not any("Traceback" in line for line in lines)
+    finally:
+        taken.close()

@@ -115,9 +115,10 @@ def run_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log: Log = print,
-    precision_given: bool = False,
+    precision: str | None = None,
 ) -> None:
-    """Serve `config.checkpoint.load` at `config`'s layout (every rank of the job calls this) until terminated."""
+    """Serve `config.checkpoint.load` at `config`'s layout (every rank of the job calls this) until terminated;
+    in the checkpoint's precision unless `precision` (fp32, bf16, fp16: the user's flag) says."""
     owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     sock = None
@@ -129,7 +130,7 @@ def run_server(
             except ConfigError as exc:
                 failure = exc
         raise_any_failure(failure, "rank 0 could not listen; see its message")
-        engine = open_engine(config, log if ctx.is_main else (lambda *a, **k: None), precision_given)
+        engine = open_engine(config, log if ctx.is_main else (lambda *a, **k: None), precision)
         if not engine.is_controller:
             signal.signal(signal.SIGTERM, _finish_quietly)  # (the controller ends the engine, and then this rank)
             engine.follow()
