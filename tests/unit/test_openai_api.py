@@ -117,6 +117,13 @@ def test_streamed_completions_equal_whole_ones(client):
         assert reasons[index] == choice["finish_reason"]
 
 
+def test_null_fields_take_their_defaults(client, reference):
+    nulls = {"n": None, "stop": None, "seed": None, "logprobs": None, "top_p": None, "user": None}
+    body = client.post("/v1/completions", json={"prompt": PROMPTS[1], "temperature": 0, **nulls}).json()
+    assert body["choices"][0]["text"] == greedy(reference, reference.tokenizer.encode(PROMPTS[1]), 16)[0]
+    assert body["choices"][0]["logprobs"] is None
+
+
 def test_seeds_reproduce_and_differ(client):
     request = {"prompt": PROMPTS[0], "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 11, "ignore_eos": True}
     first = [c["text"] for c in client.post("/v1/completions", json=request).json()["choices"]]

@@ -10,9 +10,10 @@ OpenAI's body, `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from paratron.data.sft import ChatTemplate
 from paratron.inference.params import RequestError, SamplingParams, TokenLogprob
@@ -56,6 +57,12 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     """Not supported: refused when not empty."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, values: Any) -> Any:
+        """Clients send null for a field they leave at its default; OpenAI reads it so."""
+        return {k: v for k, v in values.items() if v is not None} if isinstance(values, dict) else values
+
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
@@ -72,7 +79,7 @@ class _Sampling(BaseModel):
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
-            top_k=max(self.top_k, 0),
+            top_k=0 if self.top_k == -1 else self.top_k,
             top_p=self.top_p,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
@@ -109,7 +116,15 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    def prompts(self, encode: Any) -> list[list[int]]:
+    def prompt_texts(self, prompts: list[list[int]], decode: Callable[[list[int]], str]) -> list[str]:
+        """The prompts' texts as echo repeats them: as the client wrote them, decoded where it sent token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, str) for p in self.prompt):
+            return [str(p) for p in self.prompt]
+        return [decode(p) for p in prompts]
+
+    def prompts(self, encode: Callable[[str], list[int]]) -> list[list[int]]:
         """The prompts as token ids (`encode`: text -> ids); an empty prompt is refused by the engine."""
         if self.suffix:
             raise RequestError("suffix", "not supported by this server (no fill-in-the-middle); drop it")
@@ -160,7 +175,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
 
-    def prompt(self, template: ChatTemplate, encode: Any) -> list[int]:
+    def prompt(self, template: ChatTemplate, encode: Callable[[str], list[int]]) -> list[int]:
         """The conversation rendered by the chat template, up to the assistant's turn, as token ids."""
         if self.tools:
             raise RequestError("tools", "not supported by this server; drop them")
@@ -198,7 +213,7 @@ class DetokenizeRequest(BaseModel):
 class TokenTexts:
     """Each token's text as the responses show it (the token decoded alone), remembered."""
 
-    def __init__(self, decode: Any) -> None:
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode = decode
         self.known: dict[int, str] = {}
 

@@ -66,7 +66,9 @@ class Serving:
             self.template = tokenizer_chat_template(settings.chat_template, self.tokenizer)
             self.end_ids = chat_stop_ids(self.template, self.tokenizer)
         except UserError as exc:
-            self.template_error = str(exc)
+            if settings.chat_template != "tokenizer":  # (one the user named must work)
+                raise
+            self.template_error = f"{exc} (the server serves completions only)"
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
@@ -147,7 +149,10 @@ async def _answer(reply: Reply, request: Request, stream: bool) -> Response:
     """The reply to a submitted request: streamed, or whole once every prompt is done (aborted if the client
     leaves first)."""
     serving = _serving(request)
-    abort = lambda: serving.engine_thread.abort(reply.submission.request_ids)  # noqa: E731
+
+    def abort() -> None:
+        serving.engine_thread.abort(reply.submission.request_ids)
+
     if stream:
         return _EngineStream(reply.events(), abort)
     collecting = asyncio.ensure_future(reply.whole())
@@ -175,9 +180,7 @@ async def completions(body: api.CompletionRequest, request: Request) -> Response
     serving.check_limits(prompts, body.n, "prompt")
     params = body.params(serving.max_tokens(body.max_tokens, prompts))
     submission = await serving.submit(prompts, params)
-    texts = [body.prompt] if isinstance(body.prompt, str) else [serving.tokenizer.decode(p) for p in prompts]
-    if isinstance(body.prompt, list) and all(isinstance(p, str) for p in body.prompt):
-        texts = list(body.prompt)
+    texts = body.prompt_texts(prompts, serving.tokenizer.decode)
     reply = CompletionReply(submission, body, serving.settings.model_name, serving.texts, texts)
     return await _answer(reply, request, body.stream)
 
@@ -278,10 +281,18 @@ def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     if not where:
         return _error(400, f"the body {first['msg'].lower()}: send a JSON object")
-    field = where[0]
+    fields = [part for part in where if not _type_tag(part)] or where
     shown = repr(first.get("input"))
     shown = shown if len(shown) < 80 else shown[:77] + "..."
-    return _error(400, f"{'.'.join(where)}: {first['msg']} (got {shown})", field)
+    if len(fields) < len(where):  # (a union's members each refused it)
+        return _error(400, f"{'.'.join(fields)}: {shown} is of none of the types it takes", fields[0])
+    return _error(400, f"{'.'.join(fields)}: {first['msg']} (got {shown})", fields[0])
+
+
+def _type_tag(part: str) -> bool:
+    """Whether a part of a pydantic error's location names a member of a union type (`str`, `list[int]`), not a
+    field."""
+    return part in ("str", "int", "float", "bool") or "[" in part
 
 
 def _handlers() -> dict:

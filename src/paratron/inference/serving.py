@@ -10,6 +10,7 @@ ranks' `follow()` return; the process then exits 0.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import signal
 import socket
 import sys
@@ -67,7 +68,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        if exc.errno in (98, 48):  # EADDRINUSE (Linux, macOS)
+        if exc.errno == errno.EADDRINUSE:
             raise ConfigError(
                 f"--port {port}: already in use on {host}; choose another, or --port 0 for a free one"
             ) from None
