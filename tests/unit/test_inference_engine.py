@@ -15,10 +15,12 @@ from paratron.checkpoint.convert import hf_to_paratron
 from paratron.checkpoint.pretrained import load_pretrained
 from paratron.config import build_config
 from paratron.config.inference import InferenceConfig
+from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.inference.engine import Engine
 from paratron.inference.loading import engine_for_model, open_engine
 from paratron.inference.params import RequestError, SamplingParams
 from paratron.inference.sampling import apply_penalties, filtered
+from paratron.inference.text import IncrementalText
 
 from tiny import save_random_hf_model
 
@@ -250,3 +252,19 @@ def test_a_checkpoint_runs_in_its_precision(llama, tmp_path):
         eng.generate([prompt], SamplingParams(max_tokens=5))[0].completions[0].token_ids
         == expected[0, len(prompt) :].tolist()
     )
+
+
+def test_text_grows_token_by_token_as_the_whole_decodes():
+    text = "naïve café — 東京 🙂 ok, héllo wörld! " * 3
+    tokenizer = train_byte_level_bpe(iter([text] * 20), 300)
+    ids = tokenizer.encode(text)
+    growing = IncrementalText(tokenizer, ())
+    seen = []
+    for token in ids:
+        assert growing.add(token) is None
+        seen.append(growing.final())
+    assert growing.text == tokenizer.decode(ids) and "\ufffd" not in "".join(seen)
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+    stopping = IncrementalText(tokenizer, ("東京 🙂", "zz"))
+    found = next(s for s in (stopping.add(t) for t in ids) if s is not None)
+    assert found == "東京 🙂" and stopping.text == "naïve café — "
