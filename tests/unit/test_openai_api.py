@@ -225,6 +225,8 @@ def test_api_key(folder):
             response = client.get("/v1/models", headers=headers)
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
             assert client.post("/tokenize", json={"prompt": "a"}, headers=headers).status_code == 401
+        for route in ("/docs", "/openapi.json", "/redoc"):
+            assert client.get(route).status_code == 404
         models = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
 

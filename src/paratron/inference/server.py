@@ -321,7 +321,15 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         finally:
             await asyncio.get_running_loop().run_in_executor(None, serving.engine_thread.stop)
 
-    app = FastAPI(title="paratron", lifespan=lifespan, exception_handlers=_handlers())
+    # (no /docs, /redoc or /openapi.json: every route but /health is behind the key, and these would not be)
+    app = FastAPI(
+        title="paratron",
+        lifespan=lifespan,
+        exception_handlers=_handlers(),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.serving = serving
     app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])
