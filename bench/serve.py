@@ -1,4 +1,4 @@
-"""Serving throughput and latency: `paratron serve` under 1, 8 and 64 concurrent streaming clients.
+"""Serving throughput and latency: `paratron serve` under 1, 4, 8, 16 and 64 concurrent streaming clients.
 
 One server process serves a random Llama-shaped model (fp32, big enough that its compute, not HTTP, sets the pace
 on a CPU) from a Hugging Face folder. The same requests (prompts cut from the Python standard library's sources,
@@ -180,8 +180,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=64, help="Requests in each run (default: 64).")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64, help="New tokens per request (default: 64).")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64], help="Concurrent clients per run.")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="The server's compute threads.")
+    parser.add_argument(
+        "--clients", type=int, nargs="+", default=[1, 4, 8, 16, 64], help="Concurrent clients of each run."
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="The server's compute threads (default: 1, the clients run on the same machine and take the others).",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "serve.json")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
