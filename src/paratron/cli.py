@@ -512,8 +512,15 @@ def serve_parser() -> argparse.ArgumentParser:
         "model over several devices. SIGTERM lets running requests finish, then exits."
     )
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1, this machine).")
-    server.add_argument("--port", type=int, default=8000, help="Port to listen on; 0 picks a free one (default: 8000).")
+    server.add_argument(
+        "--host",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="Address to listen on (default: 127.0.0.1, this machine).",
+    )
+    server.add_argument(
+        "--port", type=int, default=8000, metavar="N", help="Port to listen on; 0 picks a free one (default: 8000)."
+    )
     server.add_argument(
         "--api-key",
         default=os.environ.get("PARATRON_API_KEY"),
