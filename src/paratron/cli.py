@@ -516,7 +516,7 @@ def serve_parser() -> argparse.ArgumentParser:
         "--host",
         default="127.0.0.1",
         metavar="ADDRESS",
-        help="Address to listen on (default: 127.0.0.1, this machine).",
+        help="Address to listen on (default: 127.0.0.1).",
     )
     server.add_argument(
         "--port", type=int, default=8000, metavar="N", help="Port to listen on; 0 picks a free one (default: 8000)."
