@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,8 +27,9 @@ from starlette.types import Receive, Scope, Send
 from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
 from paratron.errors import UserError
 from paratron.inference import openai_api as api
+from paratron.inference.engine import Engine
 from paratron.inference.engine_thread import ACCEPTED, EngineFailed, EngineThread, Submission
-from paratron.inference.params import RequestError
+from paratron.inference.params import RequestError, SamplingParams
 from paratron.inference.replies import ChatReply, CompletionReply, Reply
 
 
@@ -52,7 +52,7 @@ class Unauthorized(Exception):
 class Serving:
     """What the routes share: the engine's thread, the tokenizer, the request limits and the chat template."""
 
-    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
         self.settings, self.engine_thread = settings, EngineThread(engine)
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         limits = engine.settings
@@ -99,7 +99,7 @@ class Serving:
                 f"holds {self.max_model_len}; --max-prompt-tokens sets the limit)",
             )
 
-    async def submit(self, prompts: list[list[int]], params: Any) -> Submission:
+    async def submit(self, prompts: list[list[int]], params: SamplingParams) -> Submission:
         """Hand the prompts to the engine; once it took them all, their submission (else its refusal, raised)."""
         submission = Submission(prompts, params, asyncio.get_running_loop())
         self.engine_thread.submit(submission)
@@ -308,7 +308,7 @@ def _handlers() -> dict:
     }
 
 
-def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
+def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     """The application over `engine` (its controller rank); the engine's thread runs while the application does
     and closes the engine when it stops."""
     serving = Serving(engine, settings)

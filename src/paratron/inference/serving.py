@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 import uvicorn
+from fastapi import FastAPI
 
 from paratron.checkpoint.model_of import is_hf_folder, paratron_checkpoint, saved_model, with_checkpoint
 from paratron.config.fields import flag
@@ -29,6 +30,7 @@ from paratron.config.schema import Config
 from paratron.data.build import Log, cache_root
 from paratron.distributed.init import initialize, raise_any_failure, shutdown
 from paratron.errors import ConfigError
+from paratron.inference.engine import Engine
 from paratron.inference.loading import open_engine
 from paratron.inference.server import ServerSettings, build_app
 
@@ -96,7 +98,7 @@ def _finish_quietly(signum: int, frame: Any) -> None:
     one, so that a terminated server ends with exit code 0."""
 
 
-def serve_http(app: Any, sock: socket.socket, on_ready: Callable[[], None]) -> None:
+def serve_http(app: FastAPI, sock: socket.socket, on_ready: Callable[[], None]) -> None:
     """Serve `app` on `sock` until SIGTERM or SIGINT, then shut down gracefully."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=None)
     server = _Server(config, on_ready)
@@ -146,7 +148,7 @@ def run_server(
 
 
 def _serve_engine(
-    engine: Any,
+    engine: Engine,
     sock: socket.socket,
     config: Config,
     host: str,
