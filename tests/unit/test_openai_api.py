@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import pytest
 import torch
@@ -288,3 +289,13 @@ def test_serve_refuses_bad_flags_in_one_line(folder, capsys):
             assert expected in lines[-1] and not any("Traceback" in line for line in lines)
     finally:
         taken.close()
+
+
+def test_an_idle_engine_keeps_the_other_ranks_waiting_about_every_second(folder, monkeypatch):
+    engine = engine_of(folder)
+    calls = []
+    monkeypatch.setattr(engine, "keep_alive", lambda: calls.append(time.monotonic()))
+    with TestClient(build_app(engine, ServerSettings("tiny"))) as client:
+        time.sleep(3.2)
+        assert client.post("/v1/completions", json={"prompt": "alpha", "max_tokens": 2}).status_code == 200
+    assert 2 <= len(calls) <= 4 and all(0.9 < b - a < 2 for a, b in zip(calls, calls[1:]))
