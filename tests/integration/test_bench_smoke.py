@@ -36,6 +36,7 @@ SMOKES = {
     "plan_cpu": [],
     "plan_published": [],
     "recompute": [],
+    "serve": [],
     "step_time": [],
     "tensor_parallel": ["all"],
     "vision": [],
