@@ -29,11 +29,11 @@ from paratron.model.attention import AttentionPattern
 @dataclass
 class DecodeBatch:
     """The decoding sequences of a step, batched: their rows in the step, their keys' slots [S, L] padded to the
-    longest, and the mask of the keys each may see [S, 1, 1, L]."""
+    longest, and the mask of the keys each may see [S, 1, 1, L] (None: all of them)."""
 
     rows: torch.Tensor
     slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -56,8 +56,10 @@ def step_attention(plan: StepPlan, pattern: AttentionPattern) -> tuple[DecodeBat
         places = torch.arange(int(lengths.max()), device=lengths.device)
         present = places[None, :] < lengths[:, None]
         index = (starts[:, None] + places[None, :]).masked_fill(~present, 0)
-        mask = present & pattern.allows((lengths - 1)[:, None], places[None, :])
-        batch = DecodeBatch(plan.seq_rows[decoding], plan.key_slots[index], mask[:, None, None, :])
+        mask = (present & pattern.allows((lengths - 1)[:, None], places[None, :]))[:, None, None, :]
+        if bool(present.all()) and pattern.causal_up_to(places.numel()):  # (equal lengths, every key seen: no mask)
+            mask = None
+        batch = DecodeBatch(plan.seq_rows[decoding], plan.key_slots[index], mask)
     prompts = []
     rest = ~decoding
     fields = [t[rest].tolist() for t in (plan.seq_rows, plan.seq_tokens, plan.seq_keys, plan.seq_lengths)]

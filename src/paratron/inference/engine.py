@@ -261,13 +261,17 @@ class Engine:
         """Draw the next token of every sequence that reached its end; finish what is done."""
         touched = set()
         sampled = logits[len(rows["prompt"]) :]
-        for (_, sequence, _), row in zip(rows["sample"], sampled):
+        argmax = sampled.argmax(dim=-1).tolist()  # (greedy rows without penalties: one call for the step)
+        for (_, sequence, _), row, best in zip(rows["sample"], sampled, argmax):
             params = sequence.params
-            seen = generated = row.new_empty(0, dtype=torch.long)
-            if params.penalized:
-                seen = torch.tensor(sequence.tokens, device=row.device)
-                generated = seen[sequence.prompt_length :]
-            token = sample_token(row, params, sequence.generator, seen, generated)
+            if params.greedy and not params.penalized:
+                token = best
+            else:
+                seen = generated = row.new_empty(0, dtype=torch.long)
+                if params.penalized:
+                    seen = torch.tensor(sequence.tokens, device=row.device)
+                    generated = seen[sequence.prompt_length :]
+                token = sample_token(row, params, sequence.generator, seen, generated)
             sequence.tokens.append(token)
             sequence.completion.token_ids.append(token)
             if params.logprobs is not None:
