@@ -11,10 +11,11 @@ is read here (no weights), before any worker starts; the checks of what the run 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any
 
-from paratron.checkpoint.convert import megatron_to_paratron
+from paratron.checkpoint.convert import hf_to_paratron, megatron_to_paratron
 from paratron.checkpoint.io import CheckpointInfo, holds_checkpoint, read_checkpoint
 from paratron.checkpoint.megatron import cache_name, config_of, detect_format, open_megatron
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
@@ -81,10 +82,31 @@ def with_checkpoint(
     return resolve_settings(overrides, recipe, saved, checkpoint_wins)
 
 
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder (config.json and weights), not a checkpoint of paratron's or Megatron-LM's."""
+    checkpoint_marks = ("meta.json", "latest_checkpointed_iteration.txt", "metadata.json", ".metadata")
+    return (
+        (path / "config.json").is_file()
+        and not any((path / mark).exists() for mark in checkpoint_marks)
+        and not any(path.glob("iter_*"))
+    )
+
+
+def hf_cache_name(source: Path) -> str:
+    """The name of a Hugging Face folder's converted copy in the data cache: its path and when its files changed."""
+    stamps = sorted(f"{f.name}:{f.stat().st_mtime_ns}" for f in source.iterdir() if f.is_file())
+    key = hashlib.sha256(f"{source.resolve()}|{'|'.join(stamps)}".encode()).hexdigest()[:16]
+    return f"hf-{source.name}-{key}"
+
+
 def paratron_checkpoint(load: Path, cache: Path, weights_only: bool, local_rank: int = 0, log: Log = print) -> Path:
-    """--load as a paratron checkpoint: itself, or a Megatron-LM checkpoint converted once (by each machine's
-    local rank 0, the others waiting) into the `cache` folder (`data.build.cache_root`), its weights only when
-    `weights_only` (fine-tuning, evaluation, generation)."""
+    """--load as a paratron checkpoint: itself, or a Megatron-LM checkpoint or a Hugging Face model folder converted
+    once (by each machine's local rank 0, the others waiting) into the `cache` folder (`data.build.cache_root`), a
+    Megatron-LM one's weights only when `weights_only` (fine-tuning, evaluation, generation)."""
+    if is_hf_folder(load):
+        target = cache / "checkpoints" / hf_cache_name(load)
+        build_once(target, lambda tmp: hf_to_paratron(load, tmp), local_rank, log)
+        return target
     if detect_format(load) == "paratron":
         return load
     target = cache / "checkpoints" / cache_name(load, weights_only)

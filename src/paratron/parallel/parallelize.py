@@ -22,6 +22,7 @@ Order (as in torchtitan), each step a module swap or a cut on the meta device un
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -77,6 +78,43 @@ def parallelize(
         )
     if topology.size(Axis.CP) > 1:
         apply_context_parallel(model, topology.group(Axis.CP), config.parallel.cp_comm_type)
+    token_loss, rng = _model_parallel(model, config, topology, device)
+    if t.recompute_granularity is not None:
+        apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
+    stage = _cut_stage(model, layout, topology) if topology.size(Axis.PP) > 1 else None
+    if not _fully_sharded(config, topology):  # (ZeRO-3 shards on the meta device, then fills only its shards)
+        materialize(model, device, t.seed)
+    gradients, flat = _data_parallel(model, config, topology, device, stage.runner if stage else None)
+    pipeline = None
+    if stage is not None:
+        pipeline = _pipeline_runtime(stage, config, topology, device, token_loss, gradients)
+    return ParallelModel(model, topology, token_loss, gradients, pipeline, flat, rng)
+
+
+def parallelize_for_inference(
+    model: GPT,
+    config: Config,
+    topology: Topology,
+    ranges: list[range],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> GPT:
+    """This rank's part of `model` (on the meta device) for inference: the tensor-parallel swap (no sequence
+    parallelism), its pipeline stage of the layer `ranges` cut out, and its memory allocated in `dtype`, empty,
+    for a checkpoint's weights (no initialization, no fp32 copy); in eval mode."""
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, sequence_parallel=False))
+    _model_parallel(model, config, topology, device)
+    pp = topology.size(Axis.PP)
+    if pp > 1:
+        keep_stage(model, StageLayout(pp, 1, topology.pp_rank, ranges), topology.group(Axis.EMBEDDING))
+    _allocate(model, device, dtype)  # (shared parameters stay shared: tied embeddings too)
+    return model.eval()
+
+
+def _model_parallel(
+    model: GPT, config: Config, topology: Topology, device: torch.device
+) -> tuple[TokenLoss, RNGStates | None]:
+    """Step 1's tensor and expert parallelism (see `_tensor_parallel`)."""
     token_loss, rng = _tensor_parallel(model, config, topology, device)
     if config.model.num_experts:
         p = config.parallel
@@ -88,16 +126,7 @@ def parallelize(
             p.moe_token_dispatcher_type,
             rng,
         )
-    if t.recompute_granularity is not None:
-        apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
-    stage = _cut_stage(model, layout, topology) if topology.size(Axis.PP) > 1 else None
-    if not _fully_sharded(config, topology):  # (ZeRO-3 shards on the meta device, then fills only its shards)
-        materialize(model, device, t.seed)
-    gradients, flat = _data_parallel(model, config, topology, device, stage.runner if stage else None)
-    pipeline = None
-    if stage is not None:
-        pipeline = _pipeline_runtime(stage, config, topology, device, token_loss, gradients)
-    return ParallelModel(model, topology, token_loss, gradients, pipeline, flat, rng)
+    return token_loss, rng
 
 
 def _tensor_parallel(
@@ -209,15 +238,17 @@ def _pipeline_runtime(
     )
 
 
-def _allocate(model: nn.Module, device: torch.device | str) -> None:
-    """Like `Module.to_empty`, but keeping shared parameters shared and their records."""
+def _allocate(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+    """Like `Module.to_empty`, but keeping shared parameters shared and their records (floating-point parameters
+    in `dtype` when given)."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, param in list(module._parameters.items()):
             if param is None:
                 continue
             if id(param) not in made:
-                new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), param.requires_grad)
+                kind = dtype if dtype is not None and param.is_floating_point() else param.dtype
+                new = nn.Parameter(torch.empty(param.shape, dtype=kind, device=device), param.requires_grad)
                 copy_info(param, new)
                 made[id(param)] = new
             module._parameters[key] = made[id(param)]

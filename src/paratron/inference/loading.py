@@ -1,0 +1,137 @@
+"""Engines from checkpoints (`open_engine`) and from models already built (`engine_for_model`).
+
+A checkpoint's model is built for inference at the run's tensor x pipeline layout: the plain model on the meta
+device, the tensor-parallel swap (without sequence parallelism), this rank's pipeline stage cut out, then memory
+allocated in the checkpoint's precision (or the one asked for) and filled from the checkpoint: never initialized
+at random nor held in fp32 first. The KV cache takes the memory the settings give it, in the model's precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratron.checkpoint.io import CheckpointInfo, load_model_weights, read_checkpoint, weight_catalog
+from paratron.checkpoint.model_of import paratron_checkpoint, saved_tokenizer
+from paratron.config.inference import InferenceConfig
+from paratron.config.layout import resolve_layout
+from paratron.config.precision import PRECISION_DTYPES
+from paratron.config.schema import Config, ModelConfig
+from paratron.data.build import Log, cache_root
+from paratron.distributed import comm
+from paratron.distributed.init import collective_device
+from paratron.distributed.topology import Axis, ParallelDims, Topology
+from paratron.errors import ConfigError
+from paratron.inference.engine import Engine
+from paratron.inference.kv_cache import PagedKVCache, bytes_per_token
+from paratron.inference.runner import ModelRunner, ReplicaGroups
+from paratron.model.gpt import GPT
+from paratron.parallel.model import ParallelModel
+from paratron.parallel.parallelize import parallelize_for_inference
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+DEFAULT_CACHE_TOKENS = 65536
+"""The KV cache's size when no setting gives one: room for --max-running-requests requests of the whole context,
+but at most this many tokens (and at least one whole context)."""
+
+
+def stored_dtype(info: CheckpointInfo) -> torch.dtype:
+    """The precision a checkpoint's weights are stored in (that of its token embedding, or its first tensor)."""
+    with weight_catalog(info) as catalog:
+        name = "embedding.weight" if "embedding.weight" in catalog.boxes else next(iter(catalog.boxes))
+        box = catalog.boxes[name][0]
+        code = catalog.handle(box.file).get_slice(box.key).get_dtype()
+    return SAFETENSORS_DTYPES.get(code, torch.float32)
+
+
+def open_engine(config: Config, log: Log = print, precision_given: bool = False) -> Engine:
+    """The engine of `config.checkpoint.load` (a paratron or Megatron-LM checkpoint or a Hugging Face folder) at
+    `config`'s tensor x pipeline layout over every rank of the process group (collective). The weights keep the
+    checkpoint's precision unless `precision_given` (then `config.training.precision`)."""
+    assert config.checkpoint.load is not None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    p = config.parallel
+    if world != p.tensor_model_parallel_size * p.pipeline_model_parallel_size:
+        raise ConfigError(
+            f"inference runs one model replica: --nproc {world} must equal --tensor-model-parallel-size "
+            f"{p.tensor_model_parallel_size} x --pipeline-model-parallel-size {p.pipeline_model_parallel_size}"
+        )
+    load = Path(config.checkpoint.load).expanduser()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    info = read_checkpoint(paratron_checkpoint(load, cache_root(config), True, local_rank, log))
+    tokenizer = saved_tokenizer(load, info)
+    dtype = PRECISION_DTYPES[config.training.precision] if precision_given else stored_dtype(info)
+    model_config = info.config.model
+    if tokenizer is not None and model_config.vocab_size is None:
+        model_config = dataclasses.replace(model_config, vocab_size=tokenizer.vocab_size)
+    config = dataclasses.replace(config, model=model_config)
+    topology = Topology(ParallelDims.from_config(world, config.parallel), rank)
+    topology.create_groups()
+    layout = resolve_layout(config, world)
+    device = collective_device()
+    with torch.device("meta"):
+        model = GPT(model_config)
+    model = parallelize_for_inference(model, config, topology, layout.pipeline.ranges, device, dtype)
+    load_model_weights(info, model, whole=topology.size(Axis.PP) == 1)
+    name = load.name if load.name and not load.name.startswith("iter_") else load.resolve().parent.name
+    return _engine(model, model_config, tokenizer, config.inference, _groups(topology), dtype, name)
+
+
+def engine_for_model(
+    model: GPT | ParallelModel,
+    tokenizer: object,
+    settings: InferenceConfig,
+    topology: Topology | None = None,
+    model_name: str = "paratron",
+) -> Engine:
+    """An engine over a model already built: a single-device `GPT`, or this rank's part of a training run's
+    `ParallelModel` (with its `topology`; each data-parallel replica runs its own engine)."""
+    module = model.module if isinstance(model, ParallelModel) else model
+    assert isinstance(module, GPT)
+    groups = _groups(topology) if topology is not None else ReplicaGroups.single()
+    dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
+    return _engine(module, module.config, tokenizer, settings, groups, dtype, model_name)
+
+
+def _groups(topology: Topology) -> ReplicaGroups:
+    return ReplicaGroups(topology.group(Axis.MODEL), topology.group(Axis.TP), topology.group(Axis.PP))
+
+
+def _engine(
+    model: GPT,
+    config: ModelConfig,
+    tokenizer: object,
+    settings: InferenceConfig,
+    groups: ReplicaGroups,
+    dtype: torch.dtype,
+    name: str,
+) -> Engine:
+    """The KV cache sized from `settings` (the same number of blocks on every rank of the replica), the runner,
+    the engine."""
+    device = next(p.device for p in model.parameters())
+    heads = max(1, config.num_query_groups // groups.tensor.size)
+    layers = [i for i, layer in enumerate(model.layers) if layer is not None]
+    per_token = bytes_per_token(len(layers), heads, config.kv_channels, dtype)
+    block = settings.kv_block_size
+    context = config.max_position_embeddings
+    if settings.kv_cache_tokens is not None:
+        tokens = settings.kv_cache_tokens
+    elif settings.kv_cache_gb is not None:
+        tokens = int(settings.kv_cache_gb * 1e9 // per_token)
+    else:
+        tokens = max(context, min(settings.max_running_requests * context, DEFAULT_CACHE_TOKENS))
+    if tokens < block:
+        raise ConfigError(f"--kv-cache-gb {settings.kv_cache_gb}: too small for one block of the KV cache; give more")
+    blocks = torch.tensor([-(-tokens // block)], device=device)
+    if groups.model.size > 1:
+        comm.all_reduce(blocks, groups.model, op=dist.ReduceOp.MIN)
+    num_blocks = int(blocks)
+    cache = PagedKVCache(layers, len(model.layers), num_blocks, block, heads, config.kv_channels, dtype, device)
+    runner = ModelRunner(model, groups, cache, config.vocab_size)
+    return Engine(runner, tokenizer, settings, context, num_blocks, name)
