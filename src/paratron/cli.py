@@ -280,6 +280,9 @@ def cmd_evaluate(argv: list[str]) -> int:
     resolution = with_checkpoint(resolution, overrides, recipe)  # (validated with the checkpoint's model)
     # (its weights, no schedule to fit)
     config = override(resolution.config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True)
+    if names is not None:  # (tasks read no files of samples: the settings are checked as a run on mock data's)
+        context = config.model.max_position_embeddings or config.data.seq_length
+        config = override(config, mock_data=True, seq_length=min(config.data.seq_length, context))
     launched, config = _check_and_launch(config, ["evaluate", *argv], resolution.origins)
     if launched is not None:
         return launched

@@ -206,7 +206,7 @@ class ParatronLM(TemplateLM):
             for indices in groups.values():
                 gen_kwargs = requests[indices[0]].args[1]
                 params, until = self.sampling_params(gen_kwargs, eos)
-                context_room = self.engine.max_model_len - params.max_tokens
+                context_room = self.max_length - params.max_tokens  # (as `hf`: the context and the generation)
                 prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=context_room) for i in indices]
                 for first in range(0, len(prompts), self.batch_size):
                     outputs = self.engine.generate(prompts[first : first + self.batch_size], params)
@@ -223,10 +223,10 @@ class ParatronLM(TemplateLM):
         kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
         max_tokens = int(kwargs.pop("max_gen_toks"))
-        if not 0 < max_tokens < self.engine.max_model_len:
+        if not 0 < max_tokens < self.max_length:
             raise UserError(
-                f"max_gen_toks {max_tokens}: generations need 1 to {self.engine.max_model_len - 1} tokens "
-                f"(the model's context is {self.engine.max_model_len})"
+                f"max_gen_toks {max_tokens}: a generation takes 1 to {self.max_length - 1} tokens, leaving room for "
+                f"its context in the model's {self.max_length}"
             )
         do_sample = bool(kwargs.pop("do_sample", False))
         kwargs.pop("max_length", None)

@@ -26,6 +26,7 @@ from paratron.distributed.topology import Topology
 from paratron.errors import ConfigError
 from paratron.inference.harness import ParatronLM
 from paratron.inference.loading import engine_for_model, open_engine
+from paratron.parallel.model import ParallelModel
 from paratron.storage import write_text_atomic
 
 T = TypeVar("T")
@@ -140,11 +141,12 @@ def run_tasks(
     limit: int | None = None,
     output: Path | None = None,
     bootstrap_iters: int = 100_000,
+    log_samples: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any] | None:
     """`paratron evaluate --tasks`: the --load checkpoint on the harness' tasks at config's layout (every rank of
-    the model takes part). Prints the results table and writes `output` (JSON) on rank 0; returns the results there,
-    None elsewhere."""
+    the model takes part). Prints the results table and writes `output` (JSON) on rank 0; returns the results there
+    (with each document's requests and answers under "samples" with `log_samples`), None elsewhere."""
     manager = task_manager(names, include_path, ("--tasks", "--include-path"))
     owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
@@ -152,7 +154,7 @@ def run_tasks(
         say = log if ctx.is_main else (lambda *a, **k: None)
         engine = open_engine(config, log=say)
         results = on_controller(
-            engine, lambda: evaluate_engine(engine, names, manager, num_fewshot, limit, bootstrap_iters)
+            engine, lambda: evaluate_engine(engine, names, manager, num_fewshot, limit, bootstrap_iters, log_samples)
         )
         if results is None:
             return None
@@ -179,8 +181,17 @@ class TrainingTasks:
         self.manager: TaskManager | None = None
         """The task index, built on first use on the rank that runs the harness."""
 
-    def evaluate(self, model: Any, tokenizer: Any, topology: Topology) -> dict[str, float]:
-        """The tasks' metrics (`task_metrics`) on the replica's controller that ran them; {} on every other rank."""
+    def evaluate(self, model: ParallelModel, tokenizer: Any, topology: Topology) -> dict[str, float]:
+        """The tasks' metrics (`task_metrics`) on the replica's controller that ran them; {} on every other rank.
+        The model runs in evaluation mode (no dropout), and goes back to the mode it was in."""
+        training = model.module.training
+        model.module.eval()
+        try:
+            return self._run(model, tokenizer, topology)
+        finally:
+            model.module.train(training)
+
+    def _run(self, model: ParallelModel, tokenizer: Any, topology: Topology) -> dict[str, float]:
         s = self.settings
         engine = engine_for_model(model, tokenizer, s, topology)
 
