@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-from harness_tasks import CONTEXT, TASKS, checkpoints, write_tasks
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from test_cli import assert_one_line_error, in_process
 
+from harness_tasks import CONTEXT, TASKS, checkpoints, write_tasks
 from paratron.checkpoint import load_pretrained
 from paratron.config import build_config
 from paratron.config.inference import InferenceConfig
