@@ -28,6 +28,7 @@ SMOKES = {
     "expert_parallel": [],
     "faults": [],
     "finetune": [],
+    "harness": [],
     "megatron_step": [],
     "moe": [],
     "pipeline_bubble": [],

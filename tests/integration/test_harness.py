@@ -169,6 +169,15 @@ def test_evaluate_refuses_a_missing_include_path(made, capsys, tmp_path):
         (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--nproc", "2"], "drop --sequence-parallel"),
         (["--zero-stage", "3", "--nproc", "2"], "does not run --zero-stage 3; drop --zero-stage"),
         (["--context-parallel-size", "2", "--nproc", "2"], "drop --context-parallel-size"),
+        (
+            ["--num-experts", "2", "--expert-model-parallel-size", "2", "--nproc", "2"],
+            "drop --expert-model-parallel-size",
+        ),
+        (
+            ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--nproc", "2"]
+            + ["--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "4"],
+            "does not run virtual pipeline stages; drop --num-layers-per-virtual-pipeline-stage",
+        ),
     ],
 )
 def test_train_refuses_what_the_engine_cannot_run(made, capsys, tmp_path, flags, expected):
