@@ -5,9 +5,9 @@ Both score the same multiple-choice task (a local YAML task over a jsonl file: a
 continuations) on the same Llama-shaped model (a random Hugging Face Llama converted for paratron, so both read the
 same weights), fp32, on CPU threads. Each side is timed around `lm_eval.simple_evaluate` (the task built, every
 loglikelihood request answered, the metrics computed), after a warm-up run on a few documents; the sides take turns
-for `--rounds` runs each and the best run of each counts (a machine shared with other work slows some runs).
-Requests per second count the harness' loglikelihood requests (documents x choices). The two sides must agree: the same accuracy, and
-each request's log-likelihood within 1e-4.
+for `--rounds` runs each and the best run of each counts (a machine shared with other work slows some runs; the CPU
+seconds the process spent are recorded too). Requests per second count the harness' loglikelihood requests
+(documents x choices). The two sides must agree: the same accuracy, and each request's log-likelihood within 1e-4.
 
     python bench/harness.py --output bench/results/harness.json
     python bench/harness.py --smoke  # tiny model, a few documents
@@ -105,12 +105,14 @@ def prepare(folder: Path, args: argparse.Namespace) -> tuple[Path, Path, Path]:
 
 
 def timed(model: Any, tasks: Path, limit: int | None) -> tuple[float, dict[str, Any]]:
-    """Seconds of one `simple_evaluate` of the task on `model`, and its results (with the samples)."""
+    """Seconds of one `simple_evaluate` of the task on `model`, and its results (with the samples and the CPU
+    seconds the process spent, all threads together, as "cpu_s")."""
     manager = task_manager(["bench_choice"], tasks, ("--tasks", "--include-path"))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     results = simple_evaluate(
         model=model, tasks=["bench_choice"], task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=True
     )
+    results["cpu_s"] = time.process_time() - cpu
     return time.perf_counter() - start, results
 
 
@@ -131,9 +133,14 @@ def measure(models: dict[str, Any], tasks: Path, rounds: int) -> dict[str, dict[
 def summary(name: str, seconds: float, results: dict[str, Any]) -> dict[str, Any]:
     samples = sorted(results["samples"]["bench_choice"], key=lambda s: s["doc_id"])
     requests = sum(len(s["resps"]) for s in samples)
-    print(f"{name:9} {requests / seconds:8.1f} loglikelihood requests/s ({requests} in {seconds:.2f} s)", flush=True)
+    cpu = results["cpu_s"]
+    print(
+        f"{name:9} {requests / seconds:8.1f} loglikelihood requests/s ({requests} in {seconds:.2f} s, "
+        f"{cpu:.2f} s of CPU)"
+    )
     return {
         "seconds": seconds,
+        "cpu_s": cpu,
         "requests": requests,
         "requests_per_s": requests / seconds,
         "acc": results["results"]["bench_choice"]["acc,none"],
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     tiny = dict(docs=6, context_words=12, choice_words=3, vocab=300, hidden_size=64, ffn_hidden_size=128)
     apply_smoke(args, parser, **tiny, num_layers=2, heads=4, kv_heads=2, seq_length=128, hf_batch_size=8, rounds=1)
     torch.set_num_threads(args.threads)
-    result: dict[str, Any] = {"settings": vars(args) | {"output": str(args.output)}}
+    result: dict[str, Any] = {"settings": vars(args) | {"output": args.output.name}}
     with tempfile.TemporaryDirectory() as tmp:
         tasks, checkpoint, hf = prepare(Path(tmp), args)
         settings = InferenceConfig(max_batch_tokens=args.max_batch_tokens)

@@ -1,7 +1,8 @@
 """lm-evaluation-harness tasks on paratron's inference engine: the same per-sample numbers as the harness' own `hf`
 model on the same weights, `paratron evaluate --tasks` end to end, `train --eval-tasks`, and the refusals.
 
-Everything runs in this process (the harness in process, the CLI through `paratron.cli.main`)."""
+Everything runs in this process (the harness in process, the CLI through `paratron.cli.main`); `simple_evaluate` runs
+`git` (and torch's environment report) for its results' header, so the tests that evaluate are marked `spawns`."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def answers(results: dict, task: str) -> list:
     return [sample["resps"] for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("fewshot", [None, 3])  # (3 examples make contexts longer than the model's context)
 def test_the_same_numbers_as_the_harness_hf_model(made, fewshot):
     manager = task_manager(TASKS, made["tasks"], ("--tasks", "--include-path"))
@@ -88,6 +90,7 @@ def test_a_prompt_is_cut_from_the_left_to_the_context(made):
         model._loglikelihood_tokens([(("x", "y"), long[:1], long[:CONTEXT])])
 
 
+@pytest.mark.spawns
 def test_evaluate_tasks_on_the_command_line(made, tmp_path, capsys):
     output = tmp_path / "results.json"
     args = ["--load", str(made["checkpoint"]), "--tasks", "tiny_choice,tiny_rolling", "--include-path"]
@@ -103,6 +106,7 @@ def test_evaluate_tasks_on_the_command_line(made, tmp_path, capsys):
     assert "samples" not in saved
 
 
+@pytest.mark.spawns
 def test_train_logs_task_metrics(made, tmp_path):
     """With lr 0 the model does not move: the metrics logged at every evaluation are the checkpoint's."""
     checkpoint = made["checkpoint"]

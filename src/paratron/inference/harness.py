@@ -39,8 +39,9 @@ SAMPLING_KWARGS = (
 )
 """The harness' generation arguments (a task's `generation_kwargs`) that map onto `SamplingParams` fields."""
 
-Pair = tuple[tuple[str, str], list[int], list[int]]
-"""A loglikelihood request as `TemplateLM` hands it on: (context, continuation), their token ids."""
+Pair = tuple[tuple[str, str] | None, list[int], list[int]]
+"""A loglikelihood request as `TemplateLM` hands it on: (context, continuation), their token ids (None for the text
+of a rolling window, which is not cached alone)."""
 
 
 def encode_text(tokenizer: Any, text: str, special_tokens: bool) -> list[int]:
@@ -157,11 +158,11 @@ class ParatronLM(TemplateLM):
         """Each continuation's log-probability after its context (cut from the left to `max_length` + 1 tokens in
         all), and whether greedy decoding would have produced it."""
         prompts = []
-        for (_, continuation), context_ids, continuation_ids in requests:
+        for _, context_ids, continuation_ids in requests:
             if not 0 < len(continuation_ids) <= self.max_length:
                 raise UserError(
-                    f"a continuation of {len(continuation_ids)} tokens ({continuation[:40]!r}) does not fit the "
-                    f"model's {self.max_length} tokens of context"
+                    f"a continuation of {len(continuation_ids)} tokens ({self.tok_decode(continuation_ids)[:40]!r}) "
+                    f"does not fit the model's {self.max_length} tokens of context"
                 )
             prompts.append((context_ids + continuation_ids)[-(self.max_length + 1) :])
         with tqdm(total=len(prompts), desc="paratron loglikelihood", disable=disable_tqdm) as progress:
@@ -169,7 +170,8 @@ class ParatronLM(TemplateLM):
         results = []
         for (pair, _, continuation_ids), output in zip(requests, outputs):
             answer = continuation_score(output, len(continuation_ids))
-            self.cache_hook.add_partial("loglikelihood", pair, answer)
+            if pair is not None:
+                self.cache_hook.add_partial("loglikelihood", pair, answer)
             results.append(answer)
         return results
 
@@ -184,7 +186,7 @@ class ParatronLM(TemplateLM):
                 make_disjoint_window,
                 get_rolling_token_windows(ids, self.prefix_token_id, self.max_length, context_len=1),
             ):
-                windows.append(((text, ""), context, continuation))
+                windows.append((None, context, continuation))
                 owners.append(index)
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
         totals = [0.0] * len(requests)
