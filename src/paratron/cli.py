@@ -213,10 +213,9 @@ EVALUATE_TAKES = (
     ("rdzv_timeout_seconds", "distributed_backend", "distributed_timeout_minutes"),
     ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel"),
     ("context_parallel_size", "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size"),
-    ("kv_cache_gb", "kv_cache_tokens", "kv_block_size", "max_batch_tokens", "max_running_requests"),
 )
 """The settings `paratron evaluate` uses (train's flags): the checkpoint, the data and its tokenizer, the batch and
-the layout it runs at, the inference engine's cache and batching (--tasks); the model comes from the checkpoint."""
+the layout it runs at; the model comes from the checkpoint."""
 
 
 def evaluate_parser() -> argparse.ArgumentParser:
