@@ -1,5 +1,6 @@
 """lm-evaluation-harness tasks give the same numbers at tensor and pipeline parallel layouts as on one process:
-`paratron evaluate --tasks`' `run_tasks` on a checkpoint, and `train --eval-tasks` on the training model."""
+`paratron evaluate --tasks`' `run_tasks` on a checkpoint, and `train --eval-tasks` on the training model (also with
+two data-parallel replicas)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ def at_layouts(checkpoint: str, tasks: str, run_dir: str) -> dict[str, Any]:
     for name, overrides in LAYOUTS.items():
         found[name] = tasks_at(str(Path(checkpoint) / "iter_0000000"), tasks, overrides)
         found[f"train-{name}"] = trained_metrics(checkpoint, tasks, f"{run_dir}/{name}", overrides)
+    found["train-dp2"] = trained_metrics(checkpoint, tasks, f"{run_dir}/dp2", {})  # (the first replica runs them)
     return found
 
 
@@ -95,11 +97,12 @@ def test_tasks_give_the_same_numbers_at_tensor_and_pipeline_parallel_layouts(tmp
     trained = trained_metrics(str(checkpoint.parent), tasks, str(tmp_path / "single"), {})
     assert trained and trained[0]["tasks/tiny_choice/acc"] == single["metrics"]["tiny_choice"]["acc,none"]
     found = run_ranks(at_layouts, 2, str(checkpoint.parent), tasks, str(tmp_path))
-    assert found[1] == {name: None for name in LAYOUTS} | {f"train-{name}": [] for name in LAYOUTS}
+    assert found[1] == {name: None for name in LAYOUTS} | {f"train-{name}": [] for name in [*LAYOUTS, "dp2"]}
     for name in LAYOUTS:
         ours = found[0][name]
         assert ours["answers"]["tiny_answer"] == single["answers"]["tiny_answer"], name
         for task in ("tiny_choice", "tiny_rolling"):
             assert ours["answers"][task] == pytest.approx(single["answers"][task], abs=1e-4), (name, task)
             assert ours["metrics"][task] == pytest.approx(single["metrics"][task], rel=1e-5), (name, task)
+    for name in [*LAYOUTS, "dp2"]:
         assert found[0][f"train-{name}"] == [pytest.approx(trained[0], rel=1e-5)], name
