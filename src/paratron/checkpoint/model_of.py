@@ -119,7 +119,7 @@ def saved_tokenizer(load: Path, info: CheckpointInfo) -> AnyTokenizer | None:
     """The tokenizer a checkpoint was trained with: the one saved beside a paratron checkpoint (`info`), or the one
     a Megatron-LM checkpoint's args name (at `load`, or beside it); None when neither says."""
     tokenizer = tokenizer_from_checkpoint(info)
-    if tokenizer is not None or detect_format(load) == "paratron":
+    if tokenizer is not None or is_hf_folder(load) or detect_format(load) == "paratron":
         return tokenizer
     args = open_megatron(load).args
     settings = megatron_tokenizer(args, load)

@@ -24,6 +24,7 @@ from paratron.inference.params import Completion, RequestError, RequestOutput, S
 from paratron.inference.runner import ModelRunner
 from paratron.inference.sampling import sample_token, seeded_generator, token_logprobs
 from paratron.inference.scheduler import Scheduled, Scheduler, Sequence
+from paratron.inference.text import IncrementalText
 
 
 @dataclass
@@ -90,6 +91,8 @@ class Engine:
             raise RequestError("request_id", f"{request_id!r} is already running; give each request its own id")
         prompt = [int(t) for t in prompt_ids]
         self.check_request(prompt, params)
+        if images is not None and not self.runner.model.config.has_vision:
+            raise RequestError("images", "this model has no vision encoder; send text alone")
         scored = params.prompt_logprobs is not None
         sequences = []
         for index in range(params.n):
@@ -98,7 +101,8 @@ class Engine:
                 seed = params.seed + index if params.seed is not None else self._seeds.getrandbits(62)
                 generator = seeded_generator(seed, self.runner.device)
             completion = Completion(index, logprobs=[] if params.logprobs is not None else None)
-            sequence = Sequence(request_id, params, list(prompt), len(prompt), completion, generator, images)
+            text = IncrementalText(self.tokenizer, params.stop)  # type: ignore[arg-type]
+            sequence = Sequence(request_id, params, list(prompt), len(prompt), completion, text, generator, images)
             sequence.score_prompt = scored and index == 0
             sequences.append(sequence)
             self.scheduler.add(sequence)
@@ -286,19 +290,11 @@ class Engine:
             completion.finish_reason, completion.stop_reason = "stop", token
         elif len(completion.token_ids) >= params.max_tokens or len(sequence.tokens) >= self.max_model_len:
             completion.finish_reason = "length"
-        ids = completion.token_ids[:-1] if completion.stop_reason is not None else completion.token_ids
-        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""  # type: ignore[attr-defined]
-        found = [(text.find(s), s) for s in params.stop if s in text]
-        if found:
-            at, stop = min(found)
-            text, completion.finish_reason, completion.stop_reason = text[:at], "stop", stop
+        stop = sequence.text.add(token) if completion.stop_reason is None else None  # (a stop token has no text)
+        if stop is not None:
+            completion.finish_reason, completion.stop_reason = "stop", stop
         if completion.finished:
-            completion.text = text
+            completion.text = sequence.text.text
             self.scheduler.remove(sequence)
-            return
-        held = len(text) - len(text.rstrip("\ufffd"))  # (an unfinished character)
-        for stop in params.stop:  # (the start of a stop string)
-            held = max(held, next((k for k in range(len(stop) - 1, 0, -1) if text.endswith(stop[:k])), 0))
-        final = text[: len(text) - held]
-        if final.startswith(completion.text):
-            completion.text = final
+        else:
+            completion.text = sequence.text.final()

@@ -1,4 +1,8 @@
-"""Autoregressive generation with a KV cache: greedy, or temperature with optional top-k."""
+"""One prompt continued on one device: the run's closing sample and scripts that hold a model in memory.
+
+A thin use of the engine (`inference.engine`) for a single request; `paratron generate` and the server drive the
+engine directly, many requests at a time.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +10,10 @@ from collections.abc import Iterable
 
 import torch
 
+from paratron.config.inference import InferenceConfig
+from paratron.inference.loading import engine_for_model
+from paratron.inference.params import SamplingParams
 from paratron.model.gpt import GPT
-from paratron.model.transformer import KVCache
-
-
-def sample_next(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Next token ids [B] from last-position logits [B, V]; temperature 0 means greedy."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()
@@ -35,35 +27,26 @@ def generate(
     seed: int | None = None,
     images: torch.Tensor | None = None,
 ) -> list[int]:
-    """Continue `prompt_ids`; returns only the new tokens, the last of them the stop id if one was
-    generated. `eos_id` is the id, or the ids, that stop generation (a tokenizer's `stop_ids`: its
-    end-of-document token and every end token its model declares, e.g. Llama 3's three).
+    """Continue `prompt_ids`; returns only the new tokens, the last of them the stop id if one was generated.
+    `eos_id` is the id, or the ids, that stop generation (a tokenizer's `stop_ids`).
 
-    The prompt is cut from the left if prompt + new tokens exceed the model's positions. A vision-language model
-    takes the prompt's `images` [N, 3, H, W] (their placeholders in the prompt; such a prompt is never cut).
-    """
+    For a sample that always fits, the prompt is cut from the left when prompt + new tokens exceed the model's
+    positions (the new tokens to one less than them). A vision-language model takes the prompt's `images`
+    [N, 3, H, W] (their placeholders in the prompt; such a prompt is never cut)."""
     stop_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id or ())
-    device = next(model.parameters()).device
     limit = model.config.max_position_embeddings
     max_new_tokens = max(0, min(max_new_tokens, limit - 1))
     if images is not None and len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(f"a prompt of {len(prompt_ids)} tokens with images leaves no room in {limit} positions")
     prompt_ids = prompt_ids[-(limit - max_new_tokens) :] or stop_ids[:1] or [0]
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    cache = KVCache(len(model.layers), len(prompt_ids) + max_new_tokens)
-    pixels = None if images is None else images.to(device)
-    logits = model(torch.tensor([prompt_ids], device=device), cache, images=pixels)[:, -1]
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_k, generator)
-        out.append(int(token))
-        if out[-1] in stop_ids:
-            break
-        logits = model(token.view(1, 1), cache)[:, -1]
-    model.train(was_training)
-    return out
+    if max_new_tokens == 0:
+        return []
+    params = SamplingParams(
+        max_tokens=max_new_tokens, temperature=temperature, top_k=top_k or 0, seed=seed, stop_token_ids=stop_ids
+    )
+    settings = InferenceConfig(kv_cache_tokens=len(prompt_ids) + max_new_tokens)
+    engine = engine_for_model(model, None, settings)
+    engine.add_request(prompt_ids, params, images=images)
+    while engine.has_work():
+        outputs = engine.step()
+    return outputs[-1].completions[0].token_ids

@@ -98,10 +98,11 @@ class PagedPlaces(TokenPlaces):
 
 
 class PagedLayerCache:
-    """One layer's keys and values: [num_blocks x block_size, key/value heads, head width] each."""
+    """One layer's keys and values: [key/value heads, num_blocks x block_size, head width] each (heads first, so
+    that the keys gathered for a step come out contiguous, as attention reads them)."""
 
     def __init__(self, slots: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.keys = torch.zeros(slots, heads, head_dim, dtype=dtype, device=device)
+        self.keys = torch.zeros(heads, slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.plan: StepPlan | None = None
 
@@ -110,10 +111,10 @@ class PagedLayerCache:
         step's tokens attend over, [1, heads, K, head_dim]."""
         plan = self.plan
         assert plan is not None, "PagedKVCache.prepare(plan) before running the layers"
-        self.keys[plan.slots] = k[0].transpose(0, 1).to(self.keys.dtype)
-        self.values[plan.slots] = v[0].transpose(0, 1).to(self.values.dtype)
-        keys = self.keys[plan.key_slots].transpose(0, 1).unsqueeze(0)
-        values = self.values[plan.key_slots].transpose(0, 1).unsqueeze(0)
+        self.keys.index_copy_(1, plan.slots, k[0].to(self.keys.dtype))
+        self.values.index_copy_(1, plan.slots, v[0].to(self.values.dtype))
+        keys = self.keys.index_select(1, plan.key_slots).unsqueeze(0)
+        values = self.values.index_select(1, plan.key_slots).unsqueeze(0)
         return keys, values
 
 

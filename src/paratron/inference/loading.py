@@ -9,6 +9,7 @@ at random nor held in fp32 first. The KV cache takes the memory the settings giv
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint.io import CheckpointInfo, load_model_weights, read_checkpoint, weight_catalog
-from paratron.checkpoint.model_of import paratron_checkpoint, saved_tokenizer
+from paratron.checkpoint.model_of import is_hf_folder, paratron_checkpoint, saved_tokenizer
 from paratron.config.inference import InferenceConfig
 from paratron.config.layout import resolve_layout
 from paratron.config.precision import PRECISION_DTYPES
@@ -40,19 +41,26 @@ DEFAULT_CACHE_TOKENS = 65536
 but at most this many tokens (and at least one whole context)."""
 
 
-def stored_dtype(info: CheckpointInfo) -> torch.dtype:
-    """The precision a checkpoint's weights are stored in (that of its token embedding, or its first tensor)."""
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_dtype(load: Path, info: CheckpointInfo) -> torch.dtype:
+    """The precision a checkpoint's model runs in: a Hugging Face folder's `dtype` (`torch_dtype`); the precision of
+    the run that saved a paratron or Megatron-LM checkpoint, or that of its stored weights when they are narrower."""
+    if is_hf_folder(load):
+        hf = json.loads((load / "config.json").read_text(encoding="utf-8"))
+        return HF_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), torch.float32)
     with weight_catalog(info) as catalog:
         name = "embedding.weight" if "embedding.weight" in catalog.boxes else next(iter(catalog.boxes))
         box = catalog.boxes[name][0]
-        code = catalog.handle(box.file).get_slice(box.key).get_dtype()
-    return SAFETENSORS_DTYPES.get(code, torch.float32)
+        stored = SAFETENSORS_DTYPES.get(catalog.handle(box.file).get_slice(box.key).get_dtype(), torch.float32)
+    return stored if stored != torch.float32 else PRECISION_DTYPES[info.config.training.precision]
 
 
-def open_engine(config: Config, log: Log = print, precision_given: bool = False) -> Engine:
+def open_engine(config: Config, log: Log = print, precision: str | None = None) -> Engine:
     """The engine of `config.checkpoint.load` (a paratron or Megatron-LM checkpoint or a Hugging Face folder) at
     `config`'s tensor x pipeline layout over every rank of the process group (collective). The weights keep the
-    checkpoint's precision unless `precision_given` (then `config.training.precision`)."""
+    checkpoint's precision (`checkpoint_dtype`) unless `precision` (fp32, bf16, fp16: the user's flag) says."""
     assert config.checkpoint.load is not None
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -66,7 +74,7 @@ def open_engine(config: Config, log: Log = print, precision_given: bool = False)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     info = read_checkpoint(paratron_checkpoint(load, cache_root(config), True, local_rank, log))
     tokenizer = saved_tokenizer(load, info)
-    dtype = PRECISION_DTYPES[config.training.precision] if precision_given else stored_dtype(info)
+    dtype = PRECISION_DTYPES[precision] if precision is not None else checkpoint_dtype(load, info)
     model_config = info.config.model
     if tokenizer is not None and model_config.vocab_size is None:
         model_config = dataclasses.replace(model_config, vocab_size=tokenizer.vocab_size)
@@ -126,7 +134,7 @@ def _engine(
         tokens = int(settings.kv_cache_gb * 1e9 // per_token)
     else:
         tokens = max(context, min(settings.max_running_requests * context, DEFAULT_CACHE_TOKENS))
-    if tokens < block:
+    if tokens < block and settings.kv_cache_tokens is None:
         raise ConfigError(f"--kv-cache-gb {settings.kv_cache_gb}: too small for one block of the KV cache; give more")
     blocks = torch.tensor([-(-tokens // block)], device=device)
     if groups.model.size > 1:

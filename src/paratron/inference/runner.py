@@ -61,7 +61,8 @@ class ModelRunner:
 
     def __init__(self, model: GPT, groups: ReplicaGroups, cache: PagedKVCache, vocab_size: int) -> None:
         self.model, self.groups, self.cache, self.vocab_size = model, groups, cache, vocab_size
-        self.layers = [i for i, layer in enumerate(model.layers) if layer is not None]
+        held = [i for i, layer in enumerate(model.layers) if layer is not None]
+        self.layers = range(held[0], held[-1] + 1) if held else range(0)  # (a stage's layers are consecutive)
         self.device = next(p.device for p in model.parameters())
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
 

@@ -16,6 +16,7 @@ import torch
 
 from paratron.inference.kv_cache import BlockPool
 from paratron.inference.params import Completion, SamplingParams
+from paratron.inference.text import IncrementalText
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Sequence:
     tokens: list[int]
     prompt_length: int
     completion: Completion
+    text: IncrementalText
     generator: torch.Generator | None = None
     images: torch.Tensor | None = None
     score_prompt: bool = False

@@ -6,6 +6,9 @@ tensor parallelism can swap `nn.Linear` for its sharded twins without touching t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,6 +61,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
 
 # ---------------------------------------------------------------- KV cache (for generation)
+
+
+class LayerCache(Protocol):
+    """What attention asks of a layer's KV cache: take the new keys and values, give back all it attends over (the
+    contiguous `LayerKVCache` below; the inference engine's paged one, `inference.kv_cache`)."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class LayerCaches(Protocol):
+    """Every layer's cache, by layer number."""
+
+    @property
+    def layers(self) -> Sequence[LayerCache | None]: ...
 
 
 class LayerKVCache:
@@ -126,7 +143,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: LayerKVCache | None = None,
+        cache: LayerCache | None = None,
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         q, k, v = self.in_proj(x)
@@ -185,7 +202,7 @@ class TransformerBlock(nn.Module):
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: LayerKVCache | None = None,
+        cache: LayerCache | None = None,
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rotary, cache, places)
@@ -202,7 +219,7 @@ class TransformerLayers(nn.ModuleList):
         x: torch.Tensor,
         indices: range,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: LayerCaches | None = None,
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         for i in indices:

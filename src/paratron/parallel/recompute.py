@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from paratron.distributed.rng import RNGStates
 from paratron.model.attention import TokenPlaces
 from paratron.model.gpt import GPT
-from paratron.model.transformer import KVCache, TransformerLayers
+from paratron.model.transformer import LayerCaches, TransformerLayers
 
 
 def _rng_contexts(rng: RNGStates | None) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -85,7 +85,7 @@ class RecomputedLayers(TransformerLayers):
         x: torch.Tensor,
         indices: range,
         rotary: Any = None,
-        cache: KVCache | None = None,
+        cache: LayerCaches | None = None,
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         if cache is not None or not torch.is_grad_enabled():
