@@ -19,6 +19,7 @@ from paratron.checkpoint import load_pretrained
 from paratron.config import build_config
 from paratron.config.inference import InferenceConfig
 from paratron.data.tokenizer import Tokenizer
+from paratron.errors import UserError
 from paratron.inference.harness import ParatronLM
 from paratron.inference.loading import engine_for_model
 from paratron.inference.tasks import evaluate_engine, task_manager
@@ -202,3 +203,17 @@ def test_train_refuses_an_unknown_task_before_it_starts(made, capsys, tmp_path):
         in_process(capsys, "train", *flags), "--eval-tasks: no task named nope in lm-evaluation-harness"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_generation_arguments_map_onto_sampling_params(made):
+    model = ParatronLM(engine_of(made["checkpoint"]), max_gen_toks=20)
+    params, until = model.sampling_params({"until": ["\n"], "max_gen_toks": 5}, "</eos>")
+    assert (params.max_tokens, params.temperature, params.stop, until) == (5, 0.0, ("\n", "</eos>"), ["\n", "</eos>"])
+    sampled, _ = model.sampling_params({"do_sample": True, "temperature": 0.7, "top_p": 0.9, "seed": 3}, "")
+    assert (sampled.temperature, sampled.top_p, sampled.seed, sampled.max_tokens) == (0.7, 0.9, 3, 20)
+    greedy, _ = model.sampling_params({"do_sample": False, "temperature": 0.7}, "")
+    assert greedy.temperature == 0.0
+    with pytest.raises(UserError, match="generation_kwargs num_beams: not supported"):
+        model.sampling_params({"num_beams": 4}, "")
+    with pytest.raises(UserError, match="max_gen_toks 47: a generation takes 1 to 46 tokens"):
+        model.sampling_params({"max_gen_toks": 47}, "")

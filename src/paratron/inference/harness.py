@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from paratron.errors import UserError
-from paratron.inference.params import RequestOutput, SamplingParams
+from paratron.inference.params import Completion, RequestOutput, SamplingParams
 
 SAMPLING_KWARGS = (
     "temperature",
@@ -51,6 +51,15 @@ def encode_text(tokenizer: Any, text: str, special_tokens: bool) -> list[int]:
     if special_tokens and isinstance(hf, HFTokenizer):
         return hf.encode(text, add_special_tokens=True).ids
     return list(tokenizer.encode(text))
+
+
+def decode_text(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+    """The text of `ids`; with `skip_special_tokens`, without the tokenizer.json's special tokens (as transformers'
+    `decode(..., skip_special_tokens=True)`)."""
+    hf = getattr(tokenizer, "hf", None)
+    if skip_special_tokens and isinstance(hf, HFTokenizer):
+        return hf.decode(list(ids), skip_special_tokens=True)
+    return tokenizer.decode(list(ids))
 
 
 def score_prompts(
@@ -142,13 +151,14 @@ class ParatronLM(TemplateLM):
     ) -> list[int]:
         """As `hf`'s: special tokens unless told otherwise (or the text begins with the beginning-of-text token)."""
         special = add_special_tokens if add_special_tokens is not None else self.add_bos_token
-        if add_special_tokens is None and has_bos_prefix(string, self.tok_decode([self.prefix_token_id])):
+        if add_special_tokens is None and has_bos_prefix(string, self.tok_decode([self.prefix_token_id], False)):
             special = False
         ids = encode_text(self.tokenizer, string, special is not False)
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
-    def tok_decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens))
+    def tok_decode(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """As `hf`'s: special tokens left out unless asked for."""
+        return decode_text(self.tokenizer, tokens, skip_special_tokens)
 
     # ---------------------------------------------------------------- requests
 
@@ -203,7 +213,7 @@ class ParatronLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(repr(sorted(request.args[1].items())), []).append(index)
-        eos = self.tok_decode([self.eot_token_id])
+        eos = self.tok_decode([self.eot_token_id], False)
         with tqdm(total=len(requests), desc="paratron generate_until", disable=disable_tqdm) as progress:
             for indices in groups.values():
                 gen_kwargs = requests[indices[0]].args[1]
@@ -213,11 +223,19 @@ class ParatronLM(TemplateLM):
                 for first in range(0, len(prompts), self.batch_size):
                     outputs = self.engine.generate(prompts[first : first + self.batch_size], params)
                     for i, output in zip(indices[first : first + self.batch_size], outputs):
-                        text = postprocess_generated_text(output.completions[0].text, until, None)
+                        text = postprocess_generated_text(self.completion_text(output.completions[0]), until, None)
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
                         results[i] = text
                     progress.update(len(outputs))
         return [text or "" for text in results]
+
+    def completion_text(self, completion: Completion) -> str:
+        """The completion's tokens decoded whole, less the stop token that ended it (as `hf` decodes its output; the
+        engine's own text holds back a last character still incomplete, which `hf` shows as a replacement)."""
+        tokens = completion.token_ids
+        if completion.finish_reason == "stop" and isinstance(completion.stop_reason, int):
+            tokens = tokens[:-1]
+        return self.tok_decode(tokens)
 
     def sampling_params(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[SamplingParams, list[str]]:
         """A task's generation arguments as `SamplingParams`, and its stop strings (the end-of-text token's text
