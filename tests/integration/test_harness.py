@@ -7,6 +7,7 @@ Everything runs in this process (the harness in process, the CLI through `paratr
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from paratron.data.tokenizer import Tokenizer
 from paratron.errors import UserError
 from paratron.inference.harness import ParatronLM
 from paratron.inference.loading import engine_for_model
-from paratron.inference.tasks import evaluate_engine, task_manager
+from paratron.inference.tasks import evaluate_engine, kept_alive, task_manager
 from paratron.training.run import run_training
 
 
@@ -217,3 +218,31 @@ def test_generation_arguments_map_onto_sampling_params(made):
         model.sampling_params({"num_beams": 4}, "")
     with pytest.raises(UserError, match="max_gen_toks 47: a generation takes 1 to 46 tokens"):
         model.sampling_params({"max_gen_toks": 47}, "")
+
+
+def test_the_waiting_ranks_hear_from_the_controller_between_requests():
+    """`kept_alive`: keep_alive every `every_s` while the harness does other work, never during a generate."""
+
+    class Engine:
+        def __init__(self) -> None:
+            self.beats, self.during_generate, self.generating = 0, 0, False
+
+        def keep_alive(self) -> None:
+            self.beats += 1
+            self.during_generate += self.generating
+
+        def generate(self, prompts, params):
+            self.generating = True
+            time.sleep(0.2)
+            self.generating = False
+            return ["done"]
+
+    engine = Engine()
+    with kept_alive(engine, every_s=0.02) as shared:
+        time.sleep(0.2)
+        beats = engine.beats
+        assert shared.generate([[1]], None) == ["done"]
+    assert beats >= 3 and engine.during_generate == 0
+    settled = engine.beats
+    time.sleep(0.1)
+    assert engine.beats == settled  # (the thread ended with the context)

@@ -7,9 +7,11 @@ task index (its own tasks and an --include-path folder of YAML files) before any
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,6 +32,9 @@ from paratron.parallel.model import ParallelModel
 from paratron.storage import write_text_atomic
 
 T = TypeVar("T")
+
+KEEP_ALIVE_S = 2.0
+"""How often the controller tells the model's other ranks, waiting in a collective, that it is still there."""
 
 TRAINING_FLAGS = (flag.eval_tasks, flag.eval_tasks_include_path)
 """The flags that name `train`'s tasks and their folder, for error lines."""
@@ -82,6 +87,42 @@ def on_controller(engine: Any, work: Callable[[], T]) -> T | None:
         engine.close()
 
 
+class _TakingTurns:
+    """The engine as the harness' model uses it: its `generate` waits for the keep-alive thread's turn to end."""
+
+    def __init__(self, engine: Any, lock: threading.Lock) -> None:
+        self._engine, self._lock = engine, lock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._engine.generate(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def kept_alive(engine: Any, every_s: float = KEEP_ALIVE_S) -> Iterator[Any]:
+    """The engine, with a thread telling its waiting ranks every `every_s` seconds that the controller is still
+    there (`Engine.keep_alive`) whenever no `generate` runs: building a task (its dataset, few-shot examples) or
+    scoring its answers can take longer than a collective may wait. The engine itself is not thread-safe: the two
+    take turns."""
+    lock, done = threading.Lock(), threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            with lock:
+                engine.keep_alive()
+
+    thread = threading.Thread(target=beat, name="engine keep-alive", daemon=True)
+    thread.start()
+    try:
+        yield _TakingTurns(engine, lock)
+    finally:
+        done.set()
+        thread.join()
+
+
 def evaluate_engine(
     engine: Any,
     names: Sequence[str],
@@ -91,16 +132,18 @@ def evaluate_engine(
     bootstrap_iters: int = 100_000,
     log_samples: bool = False,
 ) -> dict[str, Any]:
-    """The harness' results dictionary for `names` on the engine's model (call on the controller)."""
-    results = simple_evaluate(
-        model=ParatronLM(engine),
-        tasks=list(names),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        bootstrap_iters=bootstrap_iters,
-        log_samples=log_samples,
-    )
+    """The harness' results dictionary for `names` on the engine's model (call on the controller; the model's other
+    ranks are kept waiting while the harness builds its tasks and scores its answers, `kept_alive`)."""
+    with kept_alive(engine) as shared:
+        results = simple_evaluate(
+            model=ParatronLM(shared),
+            tasks=list(names),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            bootstrap_iters=bootstrap_iters,
+            log_samples=log_samples,
+        )
     assert results is not None  # (None only on ranks other than 0 of the harness' own distribution)
     return results
 
