@@ -15,6 +15,7 @@ from harness_tasks import TASKS, checkpoints, write_tasks
 from paratron.config import build_config
 from paratron.distributed.init import initialize
 from paratron.distributed.local_ranks import run_ranks
+from paratron.inference import tasks as inference_tasks
 from paratron.inference.tasks import run_tasks
 from paratron.training.run import run_training
 
@@ -80,8 +81,10 @@ def trained_metrics(checkpoint: str, tasks: str, run_dir: str, overrides: dict) 
 
 
 def at_layouts(checkpoint: str, tasks: str, run_dir: str) -> dict[str, Any]:
-    """run_tasks and a training run at each layout, one after the other on one process group."""
+    """run_tasks and a training run at each layout, one after the other on one process group; the controller's
+    keep-alive messages come every 10 ms, between the harness' requests."""
     initialize("gloo")
+    inference_tasks.KEEP_ALIVE_S = 0.01
     found: dict[str, Any] = {}
     for name, overrides in LAYOUTS.items():
         found[name] = tasks_at(str(Path(checkpoint) / "iter_0000000"), tasks, overrides)

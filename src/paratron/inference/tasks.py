@@ -102,12 +102,13 @@ class _TakingTurns:
 
 
 @contextlib.contextmanager
-def kept_alive(engine: Any, every_s: float = KEEP_ALIVE_S) -> Iterator[Any]:
+def kept_alive(engine: Any, every_s: float | None = None) -> Iterator[Any]:
     """The engine, with a thread telling its waiting ranks every `every_s` seconds that the controller is still
     there (`Engine.keep_alive`) whenever no `generate` runs: building a task (its dataset, few-shot examples) or
     scoring its answers can take longer than a collective may wait. The engine itself is not thread-safe: the two
-    take turns."""
+    take turns. `every_s`: default `KEEP_ALIVE_S`."""
     lock, done = threading.Lock(), threading.Event()
+    every_s = every_s or KEEP_ALIVE_S
 
     def beat() -> None:
         while not done.wait(every_s):
