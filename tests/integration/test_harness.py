@@ -19,7 +19,7 @@ from harness_tasks import CONTEXT, TASKS, checkpoints, write_tasks
 from paratron.checkpoint import load_pretrained
 from paratron.config import build_config
 from paratron.config.inference import InferenceConfig
-from paratron.data.tokenizer import Tokenizer
+from paratron.data.tokenizer import NullTokenizer, Tokenizer
 from paratron.errors import UserError
 from paratron.inference.harness import ParatronLM
 from paratron.inference.loading import engine_for_model
@@ -246,3 +246,13 @@ def test_the_waiting_ranks_hear_from_the_controller_between_requests():
     settled = engine.beats
     time.sleep(0.1)
     assert engine.beats == settled  # (the thread ended with the context)
+
+
+@pytest.mark.parametrize("tokenizer", [None, NullTokenizer(100)])
+def test_a_model_without_a_text_tokenizer_is_refused(tokenizer):
+    class Engine:
+        model_name, max_model_len = "ckpt", 64
+
+    Engine.tokenizer = tokenizer
+    with pytest.raises(UserError, match="ckpt has no tokenizer that reads text"):
+        ParatronLM(Engine())

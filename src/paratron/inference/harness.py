@@ -24,6 +24,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
+from paratron.data.tokenizer import NullTokenizer
 from paratron.errors import UserError
 from paratron.inference.params import Completion, RequestOutput, SamplingParams
 
@@ -108,6 +109,11 @@ class ParatronLM(TemplateLM):
         on (default the engine's context less one); `max_gen_toks`: a generation's length unless the task says;
         `add_bos_token`, `prefix_token_id`: as the harness' `hf` model's arguments of those names."""
         super().__init__()
+        if engine.tokenizer is None or isinstance(engine.tokenizer, NullTokenizer):
+            raise UserError(
+                f"{engine.model_name} has no tokenizer that reads text (trained on --mock-data or token ids?); "
+                "harness tasks are text: load a checkpoint saved with one"
+            )
         if batch_size < 1:
             raise UserError(f"batch_size {batch_size}: give 1 or more requests per engine call")
         self.engine = engine
