@@ -2,7 +2,7 @@
 # `make test-fast` runs the tests that start no process (`make test` before landing a change).
 # Each creates .venv on first use and installs torch==2.13.0, then paratron: the demo only
 # what paratron needs to run, the tests its test extras too (pytest, ruff and the references
-# the tests compare with: megatron-core, transformers, peft).
+# the tests compare with: megatron-core, transformers, peft, the openai client, lm-evaluation-harness).
 
 PYTHON ?= python3
 VENV   := .venv

@@ -435,86 +435,137 @@ def _preprocess_conversations(args) -> int:
     return 0
 
 
-@command("generate", "continue a prompt with a saved model")
+GENERATE_TAKES = (
+    ("load", "ckpt_format", "data_cache_path", "precision"),
+    ("image_processor", "use_tiling", "max_num_tiles", "use_thumbnail"),
+    ("kv_cache_gb", "kv_cache_tokens", "kv_block_size", "max_batch_tokens", "max_running_requests"),
+    ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id"),
+    ("rdzv_timeout_seconds", "distributed_backend", "distributed_timeout_minutes"),
+    ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+)
+"""The settings `paratron generate` uses (train's flags): the checkpoint, its precision, the images' preprocessing,
+the engine's KV cache and batching, and the layout it runs at; the model and tokenizer come from the checkpoint."""
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """train's flags that generate uses (GENERATE_TAKES), and its own (prompts, sampling, output)."""
+    from paratron.config.arguments import ArgumentParser, Takes, add_config_arguments
+    from paratron.inference.generate_options import add_generate_arguments  # (start-up speed: torch)
+
+    parser = ArgumentParser(prog="paratron generate", allow_abbrev=False)
+    takes = Takes(
+        "paratron generate",
+        fields=sum(GENERATE_TAKES, ()),
+        why=(("model", "paratron generate takes the model from the checkpoint (--load); drop the model flags"),),
+    )
+    add_config_arguments(parser, takes)
+    add_generate_arguments(parser)
+    parser.usage = (
+        "paratron generate --load CKPT (--prompt TEXT... | --prompt-file FILE | --chat) [sampling flags] [flags]"
+    )
+    parser.description = (
+        "Continue prompts with a saved model (a paratron or Megatron-LM checkpoint, or a Hugging Face folder) at any "
+        "layout (--nproc, tensor and pipeline parallelism). All prompts run together in the inference engine "
+        "(continuous batching) and are printed in order; a lone prompt is streamed as it is generated; --chat holds "
+        "a conversation read from standard input."
+    )
+    return parser
+
+
+@command("generate", "continue prompts, or hold a conversation, with a saved model")
 def cmd_generate(argv: list[str]) -> int:
-    from paratron.checkpoint.io import model_from_checkpoint, read_checkpoint
-    from paratron.checkpoint.model_of import paratron_checkpoint, saved_tokenizer
-    from paratron.config.arguments import ArgumentParser
-    from paratron.config.schema import Config
-    from paratron.data.build import cache_root
-    from paratron.data.vision.llava import encode_prompt, with_placeholders
-    from paratron.data.vision.settings import image_settings
-    from paratron.distributed.init import choose_backend
-    from paratron.errors import CheckpointError
-    from paratron.inference.generate import generate
+    from paratron.config.arguments import parse_config_arguments
+    from paratron.inference.generate_command import generate_settings, run_generate  # (start-up speed: torch)
+    from paratron.inference.generate_options import generate_options
 
-    parser = ArgumentParser(
-        prog="paratron generate", description="Continue a prompt with a saved model.", allow_abbrev=False
-    )
-    parser.add_argument(
-        "--load",
-        required=True,
-        metavar="DIR",
-        help="Checkpoint directory (as given to --save) or one iteration folder.",
-    )
-    parser.add_argument("--prompt", required=True, metavar="TEXT", help="Text to continue.")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="Tokens to generate (default: 64).")
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="Sampling temperature; 0 is greedy (default: 0)."
-    )
-    parser.add_argument(
-        "--top-k", type=int, default=None, metavar="K", help="Sample only among the k likeliest tokens."
-    )
-    parser.add_argument("--seed", type=int, default=0, metavar="N", help="Seed for sampling (default: 0).")
-    parser.add_argument(
-        "--image",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="An image for a vision-language model (repeat for several): each <image> of the prompt, or else one "
-        "before it, stands for one; preprocessed as the checkpoint's preprocessor_config.json says.",
-    )
-    parser.add_argument(
-        "--chat-template",
-        metavar="TEMPLATE",
-        help="Treat the prompt as a user's message: render it with this template (tokenizer, chatml, llama3 or a "
-        "jinja file) and print the assistant's answer, up to its end of turn.",
-    )
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    if args.temperature < 0:
-        raise UserError(f"--temperature {args.temperature}: must be zero (greedy) or more")
-    if args.top_k is not None and args.top_k < 1:
-        raise UserError(f"--top-k {args.top_k}: must be at least 1")
-    load = Path(args.load).expanduser()
-    aside = functools.partial(print, file=sys.stderr)  # (stdout is the text alone)
-    info = read_checkpoint(paratron_checkpoint(load, cache_root(Config()), True, log=aside))  # (Megatron-LM's too)
-    tokenizer = saved_tokenizer(load, info)
-    if tokenizer is None:
-        raise CheckpointError(f"{args.load}: holds no tokenizer (trained on mock data), so text cannot be encoded")
-    prompt, stop_ids = args.prompt, tokenizer.stop_ids  # (the end tokens the tokenizer's files declare)
-    prompt = with_placeholders(prompt, len(args.image))  # (inside the user's turn when a template renders it)
-    if args.chat_template:
-        from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
+    recipe, overrides, namespace = parse_config_arguments(generate_parser(), argv)
+    options = generate_options(namespace, sys.stdin)  # (files read and flags checked before any worker starts)
+    resolution = generate_settings(overrides, recipe)
+    launched, config = _check_and_launch(resolution.config, ["generate", *argv], resolution.origins)
+    if launched is not None:
+        return launched
+    return run_generate(config, options, sys.stdin, precision=overrides.get("precision"))
 
-        template = tokenizer_chat_template(args.chat_template, tokenizer)
-        prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        stop_ids = chat_stop_ids(template, tokenizer)  # (and the token that ends the template's turns)
-    _, device = choose_backend("auto")
-    model = model_from_checkpoint(info, device)
-    ids, images = tokenizer.encode(prompt), None
-    if args.image:
-        config = Config(model=model.config)
-        if not config.model.has_vision:
-            raise UserError(f"--image: the model of {args.load} has no vision encoder; drop --image")
-        settings = image_settings(config, tokenizer)
-        ids, images = encode_prompt(prompt, [Path(p) for p in args.image], tokenizer, settings)
-    ids = generate(
-        model, ids, args.max_new_tokens, args.temperature, args.top_k, eos_id=stop_ids, seed=args.seed, images=images
+
+SERVE_TAKES = (
+    ("load", "ckpt_format", "precision", "chat_template"),
+    ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id"),
+    ("rdzv_timeout_seconds", "distributed_backend", "distributed_timeout_minutes"),
+    ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+    ("kv_cache_gb", "kv_cache_tokens", "kv_block_size", "max_batch_tokens", "max_running_requests"),
+    ("max_request_tokens", "max_request_n", "max_prompt_tokens"),
+)
+"""The settings `paratron serve` uses (train's flags): the checkpoint and its precision, the chat template, the
+launch and the layout, the engine's KV cache and batching, the server's request limits; the model and its
+tokenizer come from the checkpoint."""
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """train's flags that serve uses (SERVE_TAKES), and the server's own."""
+    from paratron.config.arguments import ArgumentParser, Takes, add_config_arguments
+
+    parser = ArgumentParser(prog="paratron serve", allow_abbrev=False)
+    takes = Takes(
+        "paratron serve",
+        fields=sum(SERVE_TAKES, ()),
+        why=(
+            ("model", "paratron serve takes the model from the checkpoint (--load); drop the model flags"),
+            ("data", "paratron serve uses the checkpoint's tokenizer; drop the data and tokenizer flags"),
+        ),
     )
-    text = tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_ids else ids)
-    print(text if args.chat_template else args.prompt + text)  # (a chat answer alone, up to its end of turn)
+    add_config_arguments(parser, takes)
+    parser.usage = "paratron serve --load CKPT [--port 8000] [--host 127.0.0.1] [--api-key KEY] [flags]"
+    parser.description = (
+        "Serve the --load checkpoint (paratron, Megatron-LM or a Hugging Face folder) over HTTP with OpenAI's API: "
+        "/v1/completions, /v1/chat/completions (the tokenizer's chat template, or --chat-template), /v1/models, "
+        "/health, and the tokenizer routes lm-evaluation-harness reads (/tokenize, /detokenize, /tokenizer_info). "
+        "Requests are batched continuously by the engine; --nproc with tensor and pipeline parallelism spreads the "
+        "model over several devices. SIGTERM lets running requests finish, then exits."
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--host",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="Address to listen on (default: 127.0.0.1).",
+    )
+    server.add_argument(
+        "--port", type=int, default=8000, metavar="N", help="Port to listen on; 0 picks a free one (default: 8000)."
+    )
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("PARATRON_API_KEY"),
+        metavar="KEY",
+        help="Require `Authorization: Bearer KEY` on every route but /health (default: $PARATRON_API_KEY, else none).",
+    )
+    server.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="The model's name in /v1/models and in requests (default: the checkpoint folder's name).",
+    )
+    return parser
+
+
+@command("serve", "serve a saved model over HTTP with OpenAI's API (completions, chat), batching requests")
+def cmd_serve(argv: list[str]) -> int:
+    from paratron.config.arguments import parse_config_arguments
+    from paratron.errors import ConfigError
+
+    recipe, overrides, namespace = parse_config_arguments(serve_parser(), argv)
+    if not 0 <= namespace.port <= 65535:
+        raise ConfigError(f"--port {namespace.port}: must be between 0 (a free port) and 65535")
+    if namespace.api_key is not None and not namespace.api_key.strip():
+        raise ConfigError("--api-key: empty; give a key, or leave it out to serve without one")
+    from paratron.inference.serving import run_server, serve_settings  # (start-up speed, docs/architecture.md: torch)
+
+    resolution = serve_settings(overrides, recipe)
+    launched, config = _check_and_launch(resolution.config, ["serve", *argv], resolution.origins)
+    if launched is not None:
+        return launched
+    log = functools.partial(print, flush=True)
+    precision = config.training.precision if "precision" in overrides else None  # (else the checkpoint's)
+    args = (namespace.host, namespace.port, namespace.api_key, namespace.served_model_name, log, precision)
+    run_server(config, *args)
     return 0
 
 

@@ -332,7 +332,7 @@ def test_an_empty_data_directory_is_refused_before_launch(tmp_path, capsys):
 def test_generate_with_a_missing_checkpoint(tmp_path, capsys):
     assert_one_line_error(
         in_process(capsys, "generate", "--load", str(tmp_path / "none"), "--prompt", "x"),
-        "none: no such checkpoint directory; check --load",
+        f"--load {tmp_path / 'none'}: no such checkpoint directory; check the path",
     )
 
 

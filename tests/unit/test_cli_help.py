@@ -138,8 +138,10 @@ def test_options_name_their_values(capsys, command):
             assert metavar.split()[0] != option[2:].replace("-", "_").upper(), match.group(0)
     if command == "generate":
         shown = {m.group(1): m.group(2) for m in OPTION.finditer(text)}
-        assert shown["--load"] == "DIR" and shown["--prompt"] == "TEXT" and shown["--max-new-tokens"] == "N"
-        assert all(shown[o] for o in ("--temperature", "--top-k", "--seed", "--chat-template"))
+        assert shown["--prompt"] == "TEXT" and shown["--prompt-file"] == "FILE" and shown["--max-new-tokens"] == "N"
+        sampling = ("--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--stop", "--n", "--logprobs")
+        assert all(shown[o] for o in (*sampling, "--chat-template", "--load", "--kv-cache-gb"))
+        assert shown["--chat"] is None and "--tensor-model-parallel-size" in shown and "--hidden-size" not in shown
 
 
 def test_a_mistyped_command_gets_the_nearest(capsys):

@@ -206,21 +206,21 @@ class Engine:
     def _plan(self, work: list[Scheduled]) -> tuple[StepPlan, dict[str, list[tuple[int, Sequence, int]]]]:
         """The step as one row; and its logit rows: ("sample" | "prompt", [(row, sequence, position)])."""
         block = self.pool.block_size
-        columns: dict[str, list[np.ndarray]] = {name: [] for name in StepPlan.INDEX_FIELDS}
+        columns: dict[str, list[np.ndarray]] = {"input_ids": [], "positions": [], "slots": [], "key_slots": []}
+        per_sequence: dict[str, list[int]] = {"seq_rows": [], "seq_tokens": [], "seq_keys": [], "seq_lengths": []}
         rows: dict[str, list[tuple[int, Sequence, int]]] = {"prompt": [], "sample": []}
-        offset, images = 0, []
-        for number, item in enumerate(work):
+        offset, keys, images = 0, 0, []
+        for item in work:
             sequence, start, end = item.sequence, item.start, item.start + item.count
             table = np.asarray(sequence.blocks, dtype=np.int64)
             every = np.arange(end, dtype=np.int64)
             slots = table[every // block] * block + every % block
             columns["input_ids"].append(np.asarray(sequence.tokens[start:end], dtype=np.int64))
             columns["positions"].append(every[start:])
-            columns["sequence"].append(np.full(item.count, number, dtype=np.int64))
             columns["slots"].append(slots[start:])
             columns["key_slots"].append(slots)
-            columns["key_positions"].append(every)
-            columns["key_sequence"].append(np.full(end, number, dtype=np.int64))
+            for name, value in zip(per_sequence, (offset, item.count, keys, end)):
+                per_sequence[name].append(value)
             if sequence.score_prompt:  # (position p scores token p + 1, once: not again after a preemption)
                 scored = self._requests[sequence.request_id].prompt_logprobs or [None]
                 first, last = max(start, len(scored) - 1), min(end, sequence.prompt_length - 1)
@@ -229,9 +229,12 @@ class Engine:
                 rows["sample"].append((offset + item.count - 1, sequence, end - 1))
             if sequence.images is not None and start == 0:
                 images.append(sequence.images)
-            offset += item.count
+            offset, keys = offset + item.count, keys + end
         device = self.runner.device
         tensors = {name: torch.from_numpy(np.concatenate(parts)).to(device) for name, parts in columns.items()}
+        tensors |= {
+            name: torch.tensor(values, dtype=torch.long, device=device) for name, values in per_sequence.items()
+        }
         logit_rows = [r for r, _, _ in rows["prompt"]] + [r for r, _, _ in rows["sample"]]
         pixels = torch.cat(images).to(device) if images else None
         plan = StepPlan(**tensors, logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device), images=pixels)

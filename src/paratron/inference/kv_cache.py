@@ -6,9 +6,8 @@ offset p % block_size (its "slot"). Blocks are taken as a sequence grows and giv
 requests of any length share the memory without padding, and one that finishes frees room at once.
 
 An engine step runs the new tokens of several sequences as one row (`StepPlan`): each layer writes the new keys
-and values to their slots, gathers the keys of every sequence of the step, and attends under a mask that lets a
-token see only the earlier tokens of its own sequence (and only what the model's attention pattern allows: a
-sliding window, say). Two sides:
+and values to their slots, then each sequence's tokens attend over its own keys (`inference.attention`). Two
+sides:
 
 - `BlockPool` (the controller rank): which blocks are free;
 - `PagedKVCache` (every rank, for the layers it runs): the tensors, and the step's slots (`prepare`).
@@ -16,11 +15,9 @@ sliding window, say). Two sides:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-
-from paratron.model.attention import AttentionPattern, TokenPlaces
 
 
 class BlockPool:
@@ -52,54 +49,47 @@ class BlockPool:
 
 @dataclass
 class StepPlan:
-    """One engine step, as every rank runs it: the new tokens of the step's sequences side by side in one row.
+    """One engine step, as every rank runs it: the new tokens of the step's S sequences side by side in one row.
 
-    Tensors are on the device; `key_*` list, sequence after sequence, every position each sequence holds after
-    the step (its cached tokens and its new ones)."""
+    Tensors are on the device. `key_slots` lists, sequence after sequence, the slots of every position each sequence
+    holds after the step (its cached tokens and its new ones); the `seq_*` fields say where each sequence's part of
+    the row and of `key_slots` lies."""
 
     input_ids: torch.Tensor
     """[T] the new tokens."""
     positions: torch.Tensor
     """[T] their positions in their sequences."""
-    sequence: torch.Tensor
-    """[T] which of the step's sequences each belongs to (0, 1, ...)."""
     slots: torch.Tensor
     """[T] where their keys and values go (block x block_size + offset)."""
     key_slots: torch.Tensor
     """[K] the slots of every key the step's tokens may attend to."""
-    key_positions: torch.Tensor
-    """[K] those keys' positions in their sequences."""
-    key_sequence: torch.Tensor
-    """[K] and their sequences."""
+    seq_rows: torch.Tensor
+    """[S] each sequence's first token in the row."""
+    seq_tokens: torch.Tensor
+    """[S] its new tokens (1 for a decoding sequence; a prompt, or a piece of it, otherwise)."""
+    seq_keys: torch.Tensor
+    """[S] where its keys start in `key_slots`."""
+    seq_lengths: torch.Tensor
+    """[S] its keys: positions 0 .. length - 1."""
     logit_rows: torch.Tensor
     """[R] the tokens whose next-token logits the step returns (a sequence's last, and prompt tokens to score)."""
     images: torch.Tensor | None = None
     """[N, 3, H, W] the images whose placeholders are among the new tokens, in order (vision-language models)."""
+    attention: dict = field(default_factory=dict, repr=False, compare=False)
+    """What attention works out once per step for every layer (`inference.attention`)."""
 
-    INDEX_FIELDS = ("input_ids", "positions", "sequence", "slots", "key_slots", "key_positions", "key_sequence")
-
-
-class PagedPlaces(TokenPlaces):
-    """The places of a step's tokens for attention: the mask lets a token see the keys of its own sequence at
-    positions its model's pattern allows (causal, a sliding window, ...)."""
-
-    def __init__(self, plan: StepPlan) -> None:
-        super().__init__(plan.positions, None, whole_row=False)
-        self.plan = plan
-
-    def mask(self, pattern: AttentionPattern, keys: int) -> torch.Tensor:
-        plan = self.plan
-
-        def make() -> torch.Tensor:
-            allowed = pattern.allows(plan.positions[:, None], plan.key_positions[None, :])
-            return (allowed & (plan.sequence[:, None] == plan.key_sequence[None, :]))[None, None]
-
-        return self.cached(("paged", pattern), make)
+    SIZED = {
+        "T": ("input_ids", "positions", "slots"),
+        "K": ("key_slots",),
+        "S": ("seq_rows", "seq_tokens", "seq_keys", "seq_lengths"),
+        "R": ("logit_rows",),
+    }
+    """The index fields by the size they share (in the order they travel)."""
 
 
 class PagedLayerCache:
     """One layer's keys and values: [key/value heads, num_blocks x block_size, head width] each (heads first, so
-    that the keys gathered for a step come out contiguous, as attention reads them)."""
+    that the keys gathered for a sequence come out contiguous, as attention reads them)."""
 
     def __init__(self, slots: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.keys = torch.zeros(heads, slots, head_dim, dtype=dtype, device=device)
@@ -107,15 +97,13 @@ class PagedLayerCache:
         self.plan: StepPlan | None = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's new keys and values k, v [1, heads, T, head_dim]; return every key and value the
-        step's tokens attend over, [1, heads, K, head_dim]."""
+        """Store the step's new keys and values k, v [1, heads, T, head_dim] in their slots (attention then reads
+        each sequence's keys from the cache: `inference.attention.PagedAttention`)."""
         plan = self.plan
         assert plan is not None, "PagedKVCache.prepare(plan) before running the layers"
         self.keys.index_copy_(1, plan.slots, k[0].to(self.keys.dtype))
         self.values.index_copy_(1, plan.slots, v[0].to(self.values.dtype))
-        keys = self.keys.index_select(1, plan.key_slots).unsqueeze(0)
-        values = self.values.index_select(1, plan.key_slots).unsqueeze(0)
-        return keys, values
+        return k, v
 
 
 class PagedKVCache:

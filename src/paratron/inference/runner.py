@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
-from paratron.inference.kv_cache import PagedKVCache, PagedPlaces, StepPlan
+from paratron.inference.attention import PagedAttention, paged_cores
+from paratron.inference.kv_cache import PagedKVCache, StepPlan
+from paratron.model.attention import make_pattern
 from paratron.model.gpt import GPT
 
 STEP, IDLE, CLOSE = 0, 1, 2
@@ -63,6 +65,8 @@ class ModelRunner:
         self.model, self.groups, self.cache, self.vocab_size = model, groups, cache, vocab_size
         held = [i for i, layer in enumerate(model.layers) if layer is not None]
         self.layers = range(held[0], held[-1] + 1) if held else range(0)  # (a stage's layers are consecutive)
+        pattern = make_pattern(model.config)
+        self.cores = {i: PagedAttention(pattern, cache.layers[i]) for i in self.layers}  # type: ignore[arg-type]
         self.device = next(p.device for p in model.parameters())
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
 
@@ -116,7 +120,8 @@ class ModelRunner:
         else:
             x = torch.empty(1, len(plan.input_ids), model.config.hidden_size, dtype=self.dtype, device=self.device)
             dist.recv(x, src=groups.pipeline.ranks[groups.pipeline.rank - 1])
-        x = model.layers(x, self.layers, model.rotary_tables(positions), self.cache, PagedPlaces(plan))
+        with paged_cores(model.layers, self.cores):
+            x = model.layers(x, self.layers, model.rotary_tables(positions), self.cache)
         if not groups.last_stage:
             dist.send(x.contiguous(), dst=groups.pipeline.ranks[groups.pipeline.rank + 1])
             return None
@@ -132,30 +137,33 @@ class ModelRunner:
         if group.size == 1:
             return
         images = plan.images if plan is not None else None
-        sizes = [len(plan.input_ids), len(plan.key_slots), len(plan.logit_rows)] if plan is not None else [0, 0, 0]
+        sizes = [len(getattr(plan, names[0])) if plan is not None else 0 for names in StepPlan.SIZED.values()]
         image_shape = list(images.shape) if images is not None else [0, 0, 0, 0]
         header = torch.tensor([kind, *sizes, *image_shape], dtype=torch.long, device=self.device)
         self._broadcast(header)
         if plan is None:
             return
-        self._broadcast(torch.cat([getattr(plan, name) for name in StepPlan.INDEX_FIELDS] + [plan.logit_rows]))
+        self._broadcast(torch.cat([getattr(plan, name) for names in StepPlan.SIZED.values() for name in names]))
         if images is not None:
             self._broadcast(images.to(self.device, torch.float32).contiguous())
 
     def _receive(self) -> tuple[int, StepPlan | None]:
-        header = torch.empty(8, dtype=torch.long, device=self.device)
+        header = torch.empty(1 + len(StepPlan.SIZED) + 4, dtype=torch.long, device=self.device)
         self._broadcast(header)
-        kind, t, k, r, *image_shape = header.tolist()
+        kind, *rest = header.tolist()
+        sizes, image_shape = rest[: len(StepPlan.SIZED)], rest[len(StepPlan.SIZED) :]
         if kind != STEP:
             return kind, None
-        flat = torch.empty(4 * t + 3 * k + r, dtype=torch.long, device=self.device)
+        lengths = [size for size, names in zip(sizes, StepPlan.SIZED.values()) for _ in names]
+        flat = torch.empty(sum(lengths), dtype=torch.long, device=self.device)
         self._broadcast(flat)
-        parts = list(flat.split([t, t, t, t, k, k, k, r]))
+        names = [name for names in StepPlan.SIZED.values() for name in names]
+        fields = dict(zip(names, flat.split(lengths)))
         images = None
         if image_shape[0]:
             images = torch.empty(image_shape, dtype=torch.float32, device=self.device)
             self._broadcast(images)
-        return kind, StepPlan(*parts[:7], logit_rows=parts[7], images=images)
+        return kind, StepPlan(**fields, images=images)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=self.groups.controller, group=self.groups.model.process_group)

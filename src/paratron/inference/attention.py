@@ -1,0 +1,117 @@
+"""Attention of an engine step: each sequence's new tokens over that sequence's keys in the paged cache.
+
+A step's row holds the new tokens of many sequences; one masked attention over every key of the step would cost
+(tokens x keys of all sequences), quadratic in the number of sequences. Instead:
+
+- the decoding sequences (one new token each) attend together, as a batch with one row per sequence, over their
+  own keys gathered from the cache and padded to the longest (padding masked out): cost (sequences x longest);
+- each other sequence (a prompt, or a piece of one) attends alone over its own keys (SDPA's causal kernel when it
+  is a whole prompt the pattern treats as causal).
+
+The model's attention pattern (causal, sliding window, block-sparse) decides which keys each token sees.
+`PagedAttention` takes the place of a layer's attention core while the engine runs a step (`paged_cores`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratron.inference.kv_cache import PagedLayerCache, StepPlan
+from paratron.model.attention import AttentionPattern
+
+
+@dataclass
+class DecodeBatch:
+    """The decoding sequences of a step, batched: their rows in the step, their keys' slots [S, L] padded to the
+    longest, and the mask of the keys each may see [S, 1, 1, L]."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class Prompt:
+    """A sequence with several new tokens: its rows, its keys' slots, and its mask (None: causal)."""
+
+    rows: slice
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def step_attention(plan: StepPlan, pattern: AttentionPattern) -> tuple[DecodeBatch | None, list[Prompt]]:
+    """How the step's tokens attend (worked out once per step, for every layer)."""
+    if "layout" in plan.attention:
+        return plan.attention["layout"]
+    decoding = plan.seq_tokens == 1
+    batch = None
+    if bool(decoding.any()):
+        lengths, starts = plan.seq_lengths[decoding], plan.seq_keys[decoding]
+        places = torch.arange(int(lengths.max()), device=lengths.device)
+        present = places[None, :] < lengths[:, None]
+        index = (starts[:, None] + places[None, :]).masked_fill(~present, 0)
+        mask = present & pattern.allows((lengths - 1)[:, None], places[None, :])
+        batch = DecodeBatch(plan.seq_rows[decoding], plan.key_slots[index], mask[:, None, None, :])
+    prompts = []
+    rest = ~decoding
+    fields = [t[rest].tolist() for t in (plan.seq_rows, plan.seq_tokens, plan.seq_keys, plan.seq_lengths)]
+    for row, count, start, length in zip(*fields):
+        mask = None
+        if not (count == length and pattern.causal_up_to(length)):  # (a whole prompt the causal kernel serves)
+            queries = torch.arange(length - count, length, device=plan.key_slots.device)
+            mask = pattern.allows(queries[:, None], torch.arange(length, device=queries.device)[None, :])[None, None]
+        prompts.append(Prompt(slice(row, row + count), plan.key_slots[start : start + length], mask))
+    plan.attention["layout"] = (batch, prompts)
+    return batch, prompts
+
+
+class PagedAttention(nn.Module):
+    """A layer's attention over the paged cache during an engine step (see the module docstring)."""
+
+    def __init__(self, pattern: AttentionPattern, cache: PagedLayerCache) -> None:
+        super().__init__()
+        self.pattern, self.cache = pattern, cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, places: object = None) -> torch.Tensor:
+        """q [1, heads, T, head_dim] of the step's tokens (their keys and values already in the cache); the
+        attention output [1, heads, T, head_dim]."""
+        plan = self.cache.plan
+        assert plan is not None
+        keys, values = self.cache.keys, self.cache.values  # [groups, slots, head_dim]
+        gqa = keys.size(0) != q.size(1)
+        out = torch.empty_like(q)
+        batch, prompts = step_attention(plan, self.pattern)
+        if batch is not None:
+            s, length = batch.slots.shape
+            flat = batch.slots.flatten()
+            k_batch = keys.index_select(1, flat).view(-1, s, length, keys.size(-1)).transpose(0, 1)
+            v_batch = values.index_select(1, flat).view(-1, s, length, keys.size(-1)).transpose(0, 1)
+            q_batch = q[0, :, batch.rows].transpose(0, 1).unsqueeze(2)  # [S, heads, 1, head_dim]
+            y = F.scaled_dot_product_attention(q_batch, k_batch, v_batch, attn_mask=batch.mask, enable_gqa=gqa)
+            out[0, :, batch.rows] = y[:, :, 0].transpose(0, 1)
+        for prompt in prompts:
+            k_seq = keys.index_select(1, prompt.slots).unsqueeze(0)
+            v_seq = values.index_select(1, prompt.slots).unsqueeze(0)
+            out[:, :, prompt.rows] = F.scaled_dot_product_attention(
+                q[:, :, prompt.rows], k_seq, v_seq, attn_mask=prompt.mask, is_causal=prompt.mask is None, enable_gqa=gqa
+            )
+        return out
+
+
+@contextlib.contextmanager
+def paged_cores(layers: nn.ModuleList, cores: dict[int, PagedAttention]) -> Iterator[None]:
+    """The layers' attention cores swapped for `cores` (layer number -> core) while the step runs."""
+    saved = {i: layers[i].attention.core for i in cores}
+    for i, core in cores.items():
+        layers[i].attention.core = core
+    try:
+        yield
+    finally:
+        for i, core in saved.items():
+            layers[i].attention.core = core
