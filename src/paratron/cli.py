@@ -229,7 +229,11 @@ def evaluate_parser() -> argparse.ArgumentParser:
         why=(("model", "paratron evaluate takes the model from the checkpoint (--load); drop the model flags"),),
     )
     add_config_arguments(parser, takes)
-    parser.usage = "paratron evaluate --load CKPT --data-path FILE... [--sft ...] [--output FILE.json] [flags]"
+    parser.usage = (
+        "paratron evaluate --load CKPT --data-path FILE... [--sft ...] [--output FILE.json] [flags]\n"
+        "       paratron evaluate --load CKPT --tasks NAME[,NAME...] [--num-fewshot K] [--include-path DIR] "
+        "[--limit N] [--output FILE.json] [flags]"
+    )
     parser.description = (
         "The per-token loss (and perplexity) of the --load checkpoint over the whole of each --data-path file, "
         "per file and overall, at any layout (--nproc, tensor and pipeline parallelism). A text or preprocessed "
@@ -237,9 +241,20 @@ def evaluate_parser() -> argparse.ArgumentParser:
         "one shorter, padded): every token but the first is scored once, so a file of n tokens scores n - 1. With "
         "--sft, the assistant tokens of every conversation (cut to --seq-length as --sft-truncation says). A file "
         "with nothing to score is an error. Takes train's tokenizer, template and sequence flags; the model "
-        "settings come from the checkpoint."
+        "settings come from the checkpoint. With --tasks, lm-evaluation-harness tasks instead (no --data-path): "
+        "the harness runs in this process on the inference engine, prints its results table and writes its results "
+        "JSON to --output."
     )
-    parser.add_argument("--output", type=Path, metavar="FILE.json", help="Write the losses as JSON here.")
+    parser.add_argument("--output", type=Path, metavar="FILE.json", help="Write the losses (or task results) here.")
+    tasks = parser.add_argument_group("lm-evaluation-harness tasks")
+    tasks.add_argument(
+        "--tasks", metavar="NAME[,NAME...]", help="Run these harness tasks (or groups) instead of the loss over files."
+    )
+    tasks.add_argument(
+        "--num-fewshot", type=int, metavar="K", help="Few-shot examples in each prompt (default: each task's own)."
+    )
+    tasks.add_argument("--include-path", metavar="DIR", help="A folder of your own task YAML files.")
+    tasks.add_argument("--limit", type=int, metavar="N", help="Score at most N documents of each task.")
     return parser
 
 
@@ -256,20 +271,47 @@ def cmd_evaluate(argv: list[str]) -> int:
     config = resolution.config
     if not config.checkpoint.load:
         raise ConfigError(f"paratron evaluate needs {flag.load} CKPT (the model to evaluate)")
-    if not config.data.data_path:
+    names = _task_names(config, namespace) if namespace.tasks is not None else None
+    if names is None and not config.data.data_path:
         raise ConfigError(f"paratron evaluate needs {flag.data_path} FILE... (the data to evaluate on)")
     from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
 
     resolution = with_checkpoint(resolution, overrides, recipe)  # (validated with the checkpoint's model)
     # (its weights, no schedule to fit)
     config = override(resolution.config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True)
+    if names is not None:  # (tasks read no files of samples: the settings are checked as a run on mock data's)
+        context = config.model.max_position_embeddings or config.data.seq_length
+        config = override(config, mock_data=True, seq_length=min(config.data.seq_length, context))
     launched, config = _check_and_launch(config, ["evaluate", *argv], resolution.origins)
     if launched is not None:
         return launched
+    if names is not None:
+        from paratron.inference.tasks import run_tasks
+
+        n = namespace
+        run_tasks(config, names, n.num_fewshot, n.include_path, n.limit, n.output)
+        return 0
     from paratron.training.evaluate import run_evaluation
 
     run_evaluation(config, namespace.output)
     return 0
+
+
+def _task_names(config: Config, namespace: argparse.Namespace) -> tuple[str, ...]:
+    """`paratron evaluate --tasks`' task names, checked (with its other flags) before any worker starts."""
+    from paratron.config.fields import flag
+    from paratron.errors import ConfigError
+    from paratron.inference.tasks import task_manager, task_names
+
+    if config.data.data_path:
+        raise ConfigError(f"paratron evaluate takes --tasks or {flag.data_path}, not both; drop one")
+    if namespace.num_fewshot is not None and namespace.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot {namespace.num_fewshot}: give 0 or more")
+    if namespace.limit is not None and namespace.limit < 1:
+        raise ConfigError(f"--limit {namespace.limit}: give 1 or more documents")
+    names = task_names(namespace.tasks)
+    task_manager(names, namespace.include_path, ("--tasks", "--include-path"))
+    return names
 
 
 @command("preprocess", "tokenize text or jsonl into a Megatron-LM indexed dataset (.bin/.idx)")

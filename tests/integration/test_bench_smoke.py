@@ -29,6 +29,7 @@ SMOKES = {
     "faults": [],
     "finetune": [],
     "generate": [],
+    "harness": [],
     "megatron_step": [],
     "moe": [],
     "pipeline_bubble": [],

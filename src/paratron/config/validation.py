@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from paratron.config.eval_tasks import check_eval_tasks
 from paratron.config.faults import parse_faults
 from paratron.config.fields import all_fields, flag
 from paratron.config.layout import Layout, check_schedule, resolve_layout
@@ -54,6 +55,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_data_parallel(config, layout)
     _check_lr_schedule(config)
     _check_sample_based(config, layout)
+    check_eval_tasks(config, layout)
     parse_faults(config.training.fault_inject, world_size)
     if check_data:
         _check_data(config.data, config.training, config.model)

@@ -10,6 +10,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -36,7 +37,7 @@ from paratron.training.evaluate import task_loss_sums
 from paratron.training.exit import ExitConditions
 from paratron.training.faults import AttemptFault
 from paratron.training.memory import SavedActivations, rank_memory, report_memory
-from paratron.training.metrics import MetricsWriter, ProgressLog, tensorboard_folder
+from paratron.training.metrics import TASK_PREFIX, MetricsWriter, ProgressLog, tensorboard_folder
 from paratron.training.nonfinite import first_report, watching
 from paratron.training.plot import plot_expert_load
 from paratron.training.profiling import StepProfiler, StepTimers, collect_after_step, collect_around_eval
@@ -44,6 +45,9 @@ from paratron.training.resume import Restorer, ResumePlan, TrainState, rollback_
 from paratron.training.saving import CheckpointSaver
 from paratron.training.step import StepOptions, StepResult, train_step
 from paratron.training.step_log import StepLogger, StepWindow
+
+if TYPE_CHECKING:  # (imported when --eval-tasks first runs, for start-up speed: lm_eval)
+    from paratron.inference.tasks import TrainingTasks
 
 
 class Trainer:
@@ -95,6 +99,8 @@ class Trainer:
         )
         self.restorer = Restorer(config, model, optimizer, topology, self.precision, writer.info)
         self.saver = CheckpointSaver(config, topology, model, optimizer, data.tokenizer, self.restorer, writer)
+        self.eval_tasks: TrainingTasks | None = None
+        """--eval-tasks' runner, made at the first evaluation."""
 
     @property
     def global_batch_size(self) -> int:
@@ -127,8 +133,9 @@ class Trainer:
                     continue
                 stopping = exits.reason(iteration)
                 last = iteration == end
-                if iteration % self.config.logging.log_interval == 0 or last or stopping:
-                    self.logger.log(iteration, lr, result, window, self.state)
+                tasks = self._evaluate_tasks(iteration, last, window)
+                if iteration % self.config.logging.log_interval == 0 or last or stopping or tasks is not None:
+                    self.logger.log(iteration, lr, result, window, self.state, tasks)
                 self._evaluate(iteration, last, window)
                 self._save(iteration, last or bool(stopping), window)
                 if stopping and not last:
@@ -284,6 +291,22 @@ class Trainer:
                     release_unused_memory(self.ctx.device)
                 self.state.val_losses.append(loss)
                 self.writer.log_eval(iteration, loss, tasks if len(tasks) > 1 or self.config.data.sft else None)
+
+    def _evaluate_tasks(self, iteration: int, last: bool, window: StepWindow) -> dict[str, float] | None:
+        """--eval-tasks every --eval-interval steps and at the end: the harness' metrics as the step's record
+        keys (`tasks/<task>/<metric>`; {} on the ranks that do not log them); None when not due."""
+        t = self.config.training
+        if not self.config.inference.eval_tasks or not (iteration % t.eval_interval == 0 or last):
+            return None
+        if self.eval_tasks is None:
+            from paratron.inference.tasks import TrainingTasks  # (start-up speed, docs/architecture.md: lm_eval)
+
+            self.eval_tasks = TrainingTasks(self.config.inference)
+        with window.paused():
+            self._moved(iteration)
+            metrics = self.eval_tasks.evaluate(self.model, self.data.tokenizer, self.topology)
+            self._moved(iteration)
+        return {f"{TASK_PREFIX}{key}": value for key, value in metrics.items()}
 
     def _save(self, iteration: int, final: bool, window: StepWindow) -> None:
         c = self.config.checkpoint

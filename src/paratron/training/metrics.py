@@ -26,6 +26,10 @@ from paratron.config.schema import LoggingConfig
 from paratron.errors import ConfigError
 from paratron.storage import write_text_atomic
 
+TASK_PREFIX = "tasks/"
+"""Keys of a step's record holding `train --eval-tasks`' metrics (`tasks/<task>/<metric>`); TensorBoard and wandb
+get them under this name, not under train/."""
+
 
 def format_step_line(record: dict[str, Any], total_iters: int) -> str:
     norm = "skipped" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"
@@ -46,6 +50,9 @@ def format_step_line(record: dict[str, Any], total_iters: int) -> str:
     if "moe_load_balance" in record:
         aux, z, load = record["moe_aux_loss"], record["moe_z_loss"], record["moe_load_balance"]
         line += f" | MoE aux {aux:.4f} z {z:.4f} load {load:.2f}"
+    for key, value in record.items():
+        if key.startswith(TASK_PREFIX):
+            line += f" | {key[len(TASK_PREFIX) :]} {value:.4f}"
     return line
 
 
@@ -241,7 +248,7 @@ class MetricsWriter:
             tag: number
             for key, value in record.items()
             if key != "step" and key not in self.hidden and (timers or not is_timer(key))
-            for tag, number in scalars(f"train/{key}", value)
+            for tag, number in scalars(key if key.startswith(TASK_PREFIX) else f"train/{key}", value)
         }
         self._scalars(record["step"], shown)
         if self.bar is not None:

@@ -73,6 +73,10 @@ def check_inputs(config: Config) -> None:
             info = read_checkpoint(Path(load).expanduser(), verify=False)
     check_data_inputs(config, saved_tokenizer=uses_saved_tokenizer(config, info))
     check_logging_settings(config)
+    if config.inference.eval_tasks:  # (names the harness does not know, before training starts)
+        from paratron.inference.tasks import TRAINING_FLAGS, task_manager  # (start-up speed, docs/architecture.md)
+
+        task_manager(config.inference.eval_tasks, config.inference.eval_tasks_include_path, TRAINING_FLAGS)
 
 
 def uses_saved_tokenizer(config: Config, info: CheckpointInfo | None) -> bool:

@@ -105,9 +105,20 @@ class StepLogger:
         """A step went faster than the peak used for MFU, and the peak was raised (said once)."""
         self.expert_load: list[tuple[int, np.ndarray]] = []  # (step, token shares [MoE layers, experts])
 
-    def log(self, iteration: int, lr: float, result: StepResult, window: StepWindow, state: TrainState) -> None:
-        """Log the window's steps (the last one's `result`) and empty the window."""
+    def log(
+        self,
+        iteration: int,
+        lr: float,
+        result: StepResult,
+        window: StepWindow,
+        state: TrainState,
+        extra: dict[str, float] | None = None,
+    ) -> None:
+        """Log the window's steps (the last one's `result`) and empty the window; `extra`: more of the step's
+        metrics (`train --eval-tasks`' `tasks/<task>/<metric>`), in the same record."""
         if not window.steps:  # only a non-finite step since the last line, and it said so
+            for key, value in (extra or {}).items():
+                self.writer.info(f"step {iteration}: {key} {value:.4f}")
             return
         loss = self.dp_mean(window.loss / window.steps)
         seconds = window.seconds()
@@ -141,6 +152,7 @@ class StepLogger:
             if self.config.logging.log_expert_load:
                 tokens = np.asarray(record["moe_tokens_per_expert"], dtype=np.float64)
                 self.expert_load.append((iteration, tokens / np.maximum(tokens.sum(axis=1, keepdims=True), 1)))
+        record.update(extra or {})
         state.losses.append(loss)
         self.writer.log_step(record)
         if not math.isfinite(loss):
