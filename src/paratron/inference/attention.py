@@ -85,35 +85,46 @@ class PagedAttention(nn.Module):
         attention output [1, heads, T, head_dim]."""
         plan = self.cache.plan
         assert plan is not None
-        keys, values = self.cache.keys, self.cache.values  # [groups, slots, head_dim]
-        gqa = keys.size(0) != q.size(1)
-        out = torch.empty_like(q)
+        keys, values = self.cache.keys, self.cache.values  # [slots, groups, head_dim]
+        gqa = keys.size(1) != q.size(1)
         batch, prompts = step_attention(plan, self.pattern)
+        if batch is not None and not prompts:  # (decoding only: the batch's rows are the step's, in order)
+            y = self._decode(q[0].transpose(0, 1).unsqueeze(2), keys, values, batch, gqa)
+            return y[:, :, 0].transpose(0, 1).unsqueeze(0)
+        out = torch.empty_like(q)
         if batch is not None:
-            s, length = batch.slots.shape
-            flat = batch.slots.flatten()
-            k_batch = keys.index_select(1, flat).view(-1, s, length, keys.size(-1)).transpose(0, 1)
-            v_batch = values.index_select(1, flat).view(-1, s, length, keys.size(-1)).transpose(0, 1)
-            q_batch = q[0, :, batch.rows].transpose(0, 1).unsqueeze(2)  # [S, heads, 1, head_dim]
-            y = F.scaled_dot_product_attention(q_batch, k_batch, v_batch, attn_mask=batch.mask, enable_gqa=gqa)
+            y = self._decode(q[0, :, batch.rows].transpose(0, 1).unsqueeze(2), keys, values, batch, gqa)
             out[0, :, batch.rows] = y[:, :, 0].transpose(0, 1)
         for prompt in prompts:
-            k_seq = keys.index_select(1, prompt.slots).unsqueeze(0)
-            v_seq = values.index_select(1, prompt.slots).unsqueeze(0)
+            k_seq = keys.index_select(0, prompt.slots).transpose(0, 1).unsqueeze(0)
+            v_seq = values.index_select(0, prompt.slots).transpose(0, 1).unsqueeze(0)
             out[:, :, prompt.rows] = F.scaled_dot_product_attention(
                 q[:, :, prompt.rows], k_seq, v_seq, attn_mask=prompt.mask, is_causal=prompt.mask is None, enable_gqa=gqa
             )
         return out
 
+    @staticmethod
+    def _decode(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: DecodeBatch, gqa: bool
+    ) -> torch.Tensor:
+        """Attention of the decoding sequences' queries [S, heads, 1, head_dim] over their own keys."""
+        s, length = batch.slots.shape
+        flat = batch.slots.flatten()
+        k = keys.index_select(0, flat).view(s, length, *keys.shape[1:]).transpose(1, 2)  # [S, groups, L, head_dim]
+        v = values.index_select(0, flat).view(s, length, *values.shape[1:]).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, enable_gqa=gqa)
+
 
 @contextlib.contextmanager
 def paged_cores(layers: nn.ModuleList, cores: dict[int, PagedAttention]) -> Iterator[None]:
-    """The layers' attention cores swapped for `cores` (layer number -> core) while the step runs."""
-    saved = {i: layers[i].attention.core for i in cores}
-    for i, core in cores.items():
-        layers[i].attention.core = core
+    """The layers' attention cores swapped for `cores` (layer number -> core) while the step runs. (Through the
+    modules' child tables: `Module.__setattr__`'s checks cost a per-step tenth of a millisecond per layer.)"""
+    tables = {i: layers[i].attention._modules for i in cores}
+    saved = {i: table["core"] for i, table in tables.items()}
+    for i, table in tables.items():
+        table["core"] = cores[i]
     try:
         yield
     finally:
-        for i, core in saved.items():
-            layers[i].attention.core = core
+        for i, table in tables.items():
+            table["core"] = saved[i]

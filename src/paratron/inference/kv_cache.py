@@ -88,11 +88,11 @@ class StepPlan:
 
 
 class PagedLayerCache:
-    """One layer's keys and values: [key/value heads, num_blocks x block_size, head width] each (heads first, so
-    that the keys gathered for a sequence come out contiguous, as attention reads them)."""
+    """One layer's keys and values: [num_blocks x block_size, key/value heads, head width] each (slot-major: the
+    keys gathered for a step are whole rows of memory)."""
 
     def __init__(self, slots: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.keys = torch.zeros(heads, slots, head_dim, dtype=dtype, device=device)
+        self.keys = torch.zeros(slots, heads, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.plan: StepPlan | None = None
 
@@ -101,8 +101,8 @@ class PagedLayerCache:
         each sequence's keys from the cache: `inference.attention.PagedAttention`)."""
         plan = self.plan
         assert plan is not None, "PagedKVCache.prepare(plan) before running the layers"
-        self.keys.index_copy_(1, plan.slots, k[0].to(self.keys.dtype))
-        self.values.index_copy_(1, plan.slots, v[0].to(self.values.dtype))
+        self.keys.index_copy_(0, plan.slots, k[0].transpose(0, 1).to(self.keys.dtype))
+        self.values.index_copy_(0, plan.slots, v[0].transpose(0, 1).to(self.values.dtype))
         return k, v
 
 
