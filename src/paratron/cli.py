@@ -267,33 +267,42 @@ def cmd_evaluate(argv: list[str]) -> int:
 
     parser = evaluate_parser()
     recipe, overrides, namespace = parse_config_arguments(parser, argv)
+    if namespace.tasks is not None:
+        return _evaluate_tasks(argv, recipe, overrides, namespace)
     resolution = resolve_settings(overrides, recipe)
     config = resolution.config
     if not config.checkpoint.load:
         raise ConfigError(f"paratron evaluate needs {flag.load} CKPT (the model to evaluate)")
-    names = _task_names(config, namespace) if namespace.tasks is not None else None
-    if names is None and not config.data.data_path:
+    if not config.data.data_path:
         raise ConfigError(f"paratron evaluate needs {flag.data_path} FILE... (the data to evaluate on)")
     from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
 
     resolution = with_checkpoint(resolution, overrides, recipe)  # (validated with the checkpoint's model)
     # (its weights, no schedule to fit)
     config = override(resolution.config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True)
-    if names is not None:  # (tasks read no files of samples: the settings are checked as a run on mock data's)
-        context = config.model.max_position_embeddings or config.data.seq_length
-        config = override(config, mock_data=True, seq_length=min(config.data.seq_length, context))
     launched, config = _check_and_launch(config, ["evaluate", *argv], resolution.origins)
     if launched is not None:
         return launched
-    if names is not None:
-        from paratron.inference.tasks import run_tasks
-
-        n = namespace
-        run_tasks(config, names, n.num_fewshot, n.include_path, n.limit, n.output)
-        return 0
     from paratron.training.evaluate import run_evaluation
 
     run_evaluation(config, namespace.output)
+    return 0
+
+
+def _evaluate_tasks(argv: list[str], recipe: str | None, overrides: dict, namespace: argparse.Namespace) -> int:
+    """`paratron evaluate --tasks`: lm-evaluation-harness tasks on the engine of the --load checkpoint."""
+    from paratron.config.loading import resolve_settings
+    from paratron.inference.loading import engine_settings  # (start-up speed, docs/architecture.md: torch)
+    from paratron.inference.tasks import run_tasks
+
+    names = _task_names(resolve_settings(overrides, recipe).config, namespace)
+    aside = functools.partial(print, file=sys.stderr)
+    resolution = engine_settings(overrides, recipe, "evaluate", "the model to evaluate", aside)
+    launched, config = _check_and_launch(resolution.config, ["evaluate", *argv], resolution.origins)
+    if launched is not None:
+        return launched
+    n = namespace
+    run_tasks(config, names, n.num_fewshot, n.include_path, n.limit, n.output)
     return 0
 
 

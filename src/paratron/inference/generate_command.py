@@ -15,17 +15,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.model_of import is_hf_folder, paratron_checkpoint, saved_model, with_checkpoint
-from paratron.config.fields import flag
-from paratron.config.loading import Resolution, override, resolve_settings
+from paratron.config.loading import Resolution
 from paratron.config.schema import Config
-from paratron.data.build import cache_root
 from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
 from paratron.data.vision.llava import encode_prompt, with_placeholders
 from paratron.data.vision.settings import image_settings
@@ -33,7 +29,7 @@ from paratron.distributed.init import initialize, shutdown
 from paratron.errors import CheckpointError, ConfigError, UserError
 from paratron.inference.engine import Engine
 from paratron.inference.generate_options import SAMPLING_FLAGS, GenerateOptions, Prompt, read_prompt_lines
-from paratron.inference.loading import open_engine
+from paratron.inference.loading import engine_settings, open_engine
 from paratron.inference.params import Completion, RequestError, RequestOutput, SamplingParams
 
 
@@ -59,24 +55,8 @@ class Request:
 
 
 def generate_settings(overrides: dict[str, Any], recipe: str | None) -> Resolution:
-    """The settings of `paratron generate`'s flags over the model of the --load checkpoint, as a one-step run on mock
-    data for the layout's checks. A Hugging Face folder is converted once into the cache and that copy is loaded
-    (the checks of a run's inputs take paratron and Megatron-LM checkpoints)."""
-    resolution = resolve_settings(overrides, recipe)
-    if not resolution.config.checkpoint.load:
-        raise ConfigError(f"paratron generate needs {flag.load} CKPT (the model to generate with)")
-    load = Path(resolution.config.checkpoint.load).expanduser()
-    if load.is_dir() and is_hf_folder(load):
-        converted = str(paratron_checkpoint(load, cache_root(resolution.config), True, log=_aside))
-        resolution = resolve_settings({**overrides, "load": converted}, recipe, saved_model(converted))
-    else:
-        resolution = with_checkpoint(resolution, overrides, recipe)
-    config = resolution.config
-    positions = config.model.max_position_embeddings or config.data.seq_length
-    config = override(
-        config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True, mock_data=True, seq_length=positions
-    )
-    return replace(resolution, config=config)
+    """The settings of `paratron generate`'s flags over the model of the --load checkpoint (`engine_settings`)."""
+    return engine_settings(overrides, recipe, "generate", "the model to generate with", _aside)
 
 
 def run_generate(config: Config, options: GenerateOptions, stdin: TextIO, precision: str | None = None) -> int:

@@ -11,15 +11,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from paratron.checkpoint.io import CheckpointInfo, load_model_weights, read_checkpoint, weight_catalog
-from paratron.checkpoint.model_of import is_hf_folder, paratron_checkpoint, saved_tokenizer
+from paratron.checkpoint.model_of import (
+    is_hf_folder,
+    paratron_checkpoint,
+    saved_model,
+    saved_tokenizer,
+    with_checkpoint,
+)
+from paratron.config.fields import flag
 from paratron.config.inference import InferenceConfig
 from paratron.config.layout import resolve_layout
+from paratron.config.loading import Resolution, override, resolve_settings
 from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import Config, ModelConfig
 from paratron.data.build import Log, cache_root
@@ -55,6 +65,28 @@ def checkpoint_dtype(load: Path, info: CheckpointInfo) -> torch.dtype:
         box = catalog.boxes[name][0]
         stored = SAFETENSORS_DTYPES.get(catalog.handle(box.file).get_slice(box.key).get_dtype(), torch.float32)
     return stored if stored != torch.float32 else PRECISION_DTYPES[info.config.training.precision]
+
+
+def engine_settings(overrides: dict[str, Any], recipe: str | None, command: str, purpose: str, log: Log) -> Resolution:
+    """The settings of a command that runs the engine (`paratron generate | serve | evaluate --tasks`) over the
+    model of its --load checkpoint, as a one-step run on mock data for the layout's checks (the engine reads no
+    samples). A Hugging Face folder is converted once into the cache and that copy is loaded. `purpose` says what
+    the checkpoint is for, in the line that asks for one."""
+    resolution = resolve_settings(overrides, recipe)
+    if not resolution.config.checkpoint.load:
+        raise ConfigError(f"paratron {command} needs {flag.load} CKPT ({purpose})")
+    load = Path(resolution.config.checkpoint.load).expanduser()
+    if load.is_dir() and is_hf_folder(load):
+        converted = str(paratron_checkpoint(load, cache_root(resolution.config), True, log=log))
+        resolution = resolve_settings({**overrides, "load": converted}, recipe, saved_model(converted))
+    else:
+        resolution = with_checkpoint(resolution, overrides, recipe)
+    config = resolution.config
+    positions = config.model.max_position_embeddings or config.data.seq_length
+    config = override(
+        config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True, mock_data=True, seq_length=positions
+    )
+    return dataclasses.replace(resolution, config=config)
 
 
 def open_engine(config: Config, log: Log = print, precision: str | None = None) -> Engine:
@@ -97,14 +129,16 @@ def engine_for_model(
     settings: InferenceConfig,
     topology: Topology | None = None,
     model_name: str = "paratron",
+    progress: Callable[[], None] | None = None,
 ) -> Engine:
     """An engine over a model already built: a single-device `GPT`, or this rank's part of a training run's
-    `ParallelModel` (with its `topology`; each data-parallel replica runs its own engine)."""
+    `ParallelModel` (with its `topology`; each data-parallel replica runs its own engine). `progress` is called at
+    every step and keep-alive, on every rank (`ModelRunner`)."""
     module = model.module if isinstance(model, ParallelModel) else model
     assert isinstance(module, GPT)
     groups = _groups(topology) if topology is not None else ReplicaGroups.single()
     dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
-    return _engine(module, module.config, tokenizer, settings, groups, dtype, model_name)
+    return _engine(module, module.config, tokenizer, settings, groups, dtype, model_name, progress)
 
 
 def _groups(topology: Topology) -> ReplicaGroups:
@@ -119,6 +153,7 @@ def _engine(
     groups: ReplicaGroups,
     dtype: torch.dtype,
     name: str,
+    progress: Callable[[], None] | None = None,
 ) -> Engine:
     """The KV cache sized from `settings` (the same number of blocks on every rank of the replica), the runner,
     the engine."""
@@ -141,5 +176,5 @@ def _engine(
         comm.all_reduce(blocks, groups.model, op=dist.ReduceOp.MIN)
     num_blocks = int(blocks)
     cache = PagedKVCache(layers, len(model.layers), num_blocks, block, heads, config.kv_channels, dtype, device)
-    runner = ModelRunner(model, groups, cache, config.vocab_size)
+    runner = ModelRunner(model, groups, cache, config.vocab_size, progress)
     return Engine(runner, tokenizer, settings, context, num_blocks, name)

@@ -11,6 +11,7 @@ Messages go over the replica's model-parallel group as device tensors, so the sa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +62,18 @@ class ReplicaGroups:
 class ModelRunner:
     """This rank's part of the model (a `GPT`, or the pieces of it a pipeline stage keeps) and its KV cache."""
 
-    def __init__(self, model: GPT, groups: ReplicaGroups, cache: PagedKVCache, vocab_size: int) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        groups: ReplicaGroups,
+        cache: PagedKVCache,
+        vocab_size: int,
+        progress: Callable[[], None] | None = None,
+    ) -> None:
+        """`progress` is called at every message between the ranks (a step, or the controller's keep-alive): a
+        training run's watchdog hears that its ranks move while they evaluate tasks."""
         self.model, self.groups, self.cache, self.vocab_size = model, groups, cache, vocab_size
+        self.progress = progress or (lambda: None)
         held = [i for i, layer in enumerate(model.layers) if layer is not None]
         self.layers = range(held[0], held[-1] + 1) if held else range(0)  # (a stage's layers are consecutive)
         pattern = make_pattern(model.config)
@@ -78,6 +89,7 @@ class ModelRunner:
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Run one step on every rank; the logits [R, vocab] (fp32) of the plan's rows, on the controller."""
+        self.progress()
         self._send(STEP, plan)
         logits = self._execute(plan)
         if not self.groups.last_stage:  # (the controller is on the first stage)
@@ -88,6 +100,7 @@ class ModelRunner:
 
     def idle(self) -> None:
         """Tell the other ranks there is nothing to run yet (they wait in a collective that must not time out)."""
+        self.progress()
         self._send(IDLE)
 
     def close(self) -> None:
@@ -99,6 +112,7 @@ class ModelRunner:
         """Run the controller's steps until it closes."""
         while True:
             kind, plan = self._receive()
+            self.progress()
             if kind == CLOSE:
                 return
             if kind == STEP:

@@ -9,52 +9,31 @@ ranks' `follow()` return; the process then exits 0.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import uvicorn
 from fastapi import FastAPI
 
-from paratron.checkpoint.model_of import is_hf_folder, paratron_checkpoint, saved_model, with_checkpoint
-from paratron.config.fields import flag
-from paratron.config.loading import Resolution, override, resolve_settings
+from paratron.config.loading import Resolution
 from paratron.config.schema import Config
-from paratron.data.build import Log, cache_root
+from paratron.data.build import Log
 from paratron.distributed.init import initialize, raise_any_failure, shutdown
 from paratron.errors import ConfigError
 from paratron.inference.engine import Engine
-from paratron.inference.loading import open_engine
+from paratron.inference.loading import engine_settings, open_engine
 from paratron.inference.server import ServerSettings, build_app
 
 
 def serve_settings(overrides: dict[str, Any], recipe: str | None) -> Resolution:
-    """The settings of `paratron serve`'s flags over the model of the --load checkpoint, as a one-step run on mock
-    data for the launch's checks (the server reads no data). A Hugging Face folder is converted once into the
-    cache and that copy is served."""
-    resolution = resolve_settings(overrides, recipe)
-    if not resolution.config.checkpoint.load:
-        raise ConfigError(f"paratron serve needs {flag.load} CKPT (the model to serve)")
-    load = Path(resolution.config.checkpoint.load).expanduser()
-    if load.is_dir() and is_hf_folder(load):
-        aside = lambda message: print(message, file=sys.stderr)  # noqa: E731
-        converted = str(paratron_checkpoint(load, cache_root(resolution.config), True, log=aside))
-        resolution = resolve_settings({**overrides, "load": converted}, recipe, saved_model(converted))
-    else:
-        resolution = with_checkpoint(resolution, overrides, recipe)
-    config = resolution.config
-    positions = config.model.max_position_embeddings or config.data.seq_length
-    config = override(
-        config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True, mock_data=True, seq_length=positions
-    )
-    return dataclasses.replace(resolution, config=config)
+    """The settings of `paratron serve`'s flags over the model of the --load checkpoint (`engine_settings`)."""
+    return engine_settings(overrides, recipe, "serve", "the model to serve", lambda line: print(line, file=sys.stderr))
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

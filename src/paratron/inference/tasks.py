@@ -225,19 +225,24 @@ class TrainingTasks:
         self.manager: TaskManager | None = None
         """The task index, built on first use on the rank that runs the harness."""
 
-    def evaluate(self, model: ParallelModel, tokenizer: Any, topology: Topology) -> dict[str, float]:
+    def evaluate(
+        self, model: ParallelModel, tokenizer: Any, topology: Topology, progress: Callable[[], None] | None = None
+    ) -> dict[str, float]:
         """The tasks' metrics (`task_metrics`) on the replica's controller that ran them; {} on every other rank.
-        The model runs in evaluation mode (no dropout), and goes back to the mode it was in."""
+        The model runs in evaluation mode (no dropout), and goes back to the mode it was in. `progress` is told of
+        every engine step and keep-alive, on every rank (the run's watchdog)."""
         training = model.module.training
         model.module.eval()
         try:
-            return self._run(model, tokenizer, topology)
+            return self._run(model, tokenizer, topology, progress)
         finally:
             model.module.train(training)
 
-    def _run(self, model: ParallelModel, tokenizer: Any, topology: Topology) -> dict[str, float]:
+    def _run(
+        self, model: ParallelModel, tokenizer: Any, topology: Topology, progress: Callable[[], None] | None
+    ) -> dict[str, float]:
         s = self.settings
-        engine = engine_for_model(model, tokenizer, s, topology)
+        engine = engine_for_model(model, tokenizer, s, topology, progress=progress)
 
         def run() -> dict[str, float]:
             if topology.dp_rank != 0:

@@ -7,6 +7,7 @@ step records is `training/step_log.py`'s, how a run continues or rolls back `tra
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -304,7 +305,8 @@ class Trainer:
             self.eval_tasks = TrainingTasks(self.config.inference)
         with window.paused():
             self._moved(iteration)
-            metrics = self.eval_tasks.evaluate(self.model, self.data.tokenizer, self.topology)
+            moved = functools.partial(self._moved, iteration)  # (the watchdog hears every engine step)
+            metrics = self.eval_tasks.evaluate(self.model, self.data.tokenizer, self.topology, moved)
             self._moved(iteration)
         return {f"{TASK_PREFIX}{key}": value for key, value in metrics.items()}
 
