@@ -49,21 +49,28 @@ def step_attention(plan: StepPlan, pattern: AttentionPattern) -> tuple[DecodeBat
     """How the step's tokens attend (worked out once per step, for every layer)."""
     if "layout" in plan.attention:
         return plan.attention["layout"]
-    decoding = plan.seq_tokens == 1
+    fields = (plan.seq_rows, plan.seq_tokens, plan.seq_keys, plan.seq_lengths)
+    rows, tokens, starts, lengths = (list(f) for f in torch.stack(fields).tolist())  # (one read to the host)
+    decoding = [i for i, count in enumerate(tokens) if count == 1]
     batch = None
-    if bool(decoding.any()):
-        lengths, starts = plan.seq_lengths[decoding], plan.seq_keys[decoding]
-        places = torch.arange(int(lengths.max()), device=lengths.device)
-        present = places[None, :] < lengths[:, None]
-        index = (starts[:, None] + places[None, :]).masked_fill(~present, 0)
-        mask = (present & pattern.allows((lengths - 1)[:, None], places[None, :]))[:, None, None, :]
-        if bool(present.all()) and pattern.causal_up_to(places.numel()):  # (equal lengths, every key seen: no mask)
-            mask = None
-        batch = DecodeBatch(plan.seq_rows[decoding], plan.key_slots[index], mask)
+    if decoding:
+        everyone = len(decoding) == len(tokens)
+        pick = None if everyone else torch.tensor(decoding, device=plan.seq_rows.device)
+        key_lengths = plan.seq_lengths if pick is None else plan.seq_lengths[pick]
+        key_starts = plan.seq_keys if pick is None else plan.seq_keys[pick]
+        longest = max(lengths[i] for i in decoding)
+        places = torch.arange(longest, device=key_lengths.device)
+        index = key_starts[:, None] + places[None, :]
+        mask = None
+        if len({lengths[i] for i in decoding}) > 1 or not pattern.causal_up_to(longest):
+            present = places[None, :] < key_lengths[:, None]
+            index = index.masked_fill(~present, 0)
+            mask = (present & pattern.allows((key_lengths - 1)[:, None], places[None, :]))[:, None, None, :]
+        batch_rows = plan.seq_rows if pick is None else plan.seq_rows[pick]
+        batch = DecodeBatch(batch_rows, plan.key_slots[index], mask)
     prompts = []
-    rest = ~decoding
-    fields = [t[rest].tolist() for t in (plan.seq_rows, plan.seq_tokens, plan.seq_keys, plan.seq_lengths)]
-    for row, count, start, length in zip(*fields):
+    for i in sorted(set(range(len(tokens))) - set(decoding)):
+        row, count, start, length = rows[i], tokens[i], starts[i], lengths[i]
         mask = None
         if not (count == length and pattern.causal_up_to(length)):  # (a whole prompt the causal kernel serves)
             queries = torch.arange(length - count, length, device=plan.key_slots.device)

@@ -231,14 +231,14 @@ class Engine:
                 images.append(sequence.images)
             offset, keys = offset + item.count, keys + end
         device = self.runner.device
-        tensors = {name: torch.from_numpy(np.concatenate(parts)).to(device) for name, parts in columns.items()}
-        tensors |= {
-            name: torch.tensor(values, dtype=torch.long, device=device) for name, values in per_sequence.items()
-        }
-        logit_rows = [r for r, _, _ in rows["prompt"]] + [r for r, _, _ in rows["sample"]]
+        fields = {name: np.concatenate(parts) for name, parts in columns.items()}
+        fields |= {name: np.asarray(values, dtype=np.int64) for name, values in per_sequence.items()}
+        fields["logit_rows"] = np.asarray([r for r, _, _ in rows["prompt"] + rows["sample"]], dtype=np.int64)
+        names = [name for group in StepPlan.SIZED.values() for name in group]
+        flat = torch.from_numpy(np.concatenate([fields[name] for name in names])).to(device)  # (one copy over)
+        tensors = dict(zip(names, flat.split([len(fields[name]) for name in names])))
         pixels = torch.cat(images).to(device) if images else None
-        plan = StepPlan(**tensors, logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device), images=pixels)
-        return plan, rows
+        return StepPlan(**tensors, images=pixels), rows
 
     def _score_prompts(self, rows: dict[str, list[tuple[int, Sequence, int]]], logits: torch.Tensor) -> set[str]:
         """Record the prompt tokens' log-probabilities the step computed (they come first among its rows)."""
