@@ -33,6 +33,7 @@ import transformers
 from tokenizers import AddedToken
 
 from common import NO_DROPOUT, add_smoke_argument, apply_smoke
+from llama_common import save_random_llama
 from paratron.checkpoint.convert import hf_to_paratron
 from paratron.config import build_config
 from paratron.data.corpus import docstring_instructions, stdlib_files
@@ -65,18 +66,7 @@ def prepare(folder: Path, args: argparse.Namespace) -> list[dict[str, str]]:
     hf.mkdir()
     tokenizer.save(hf / "tokenizer.json")
     (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.ffn_hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.seq_length,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    save_random_llama(hf, args, tokenizer.vocab_size, args.seq_length, args.kv_heads)
     hf_to_paratron(hf, folder / "paratron")
     return data
 

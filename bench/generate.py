@@ -30,6 +30,7 @@ import torch
 import transformers
 
 from common import RESULTS, SEED, add_smoke_argument, apply_smoke
+from llama_common import save_random_llama
 from paratron.checkpoint.convert import hf_to_paratron
 from paratron.checkpoint.io import model_from_checkpoint, read_checkpoint
 from paratron.config.inference import InferenceConfig
@@ -40,18 +41,8 @@ from paratron.inference.params import SamplingParams
 
 def build_models(folder: Path, args: argparse.Namespace) -> tuple[transformers.PreTrainedModel, Engine]:
     """The random Llama in transformers and, converted, in paratron's engine (KV cache for every sequence)."""
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.ffn_hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.prompt_tokens + args.new_tokens,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(SEED)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder / "hf")
+    positions = args.prompt_tokens + args.new_tokens
+    save_random_llama(folder / "hf", args, args.vocab, positions, args.kv_heads, seed=SEED)
     hf_to_paratron(folder / "hf", folder / "paratron")
     reference = transformers.LlamaForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32).eval()
     model = model_from_checkpoint(read_checkpoint(folder / "paratron"), torch.device("cpu")).eval()

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 
 from common import RESULTS, add_smoke_argument, apply_smoke
+from llama_common import save_random_llama
 from paratron.checkpoint import load_pretrained
 from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf
 from paratron.config.inference import InferenceConfig
@@ -88,18 +88,7 @@ def prepare(folder: Path, args: argparse.Namespace) -> tuple[Path, Path, Path]:
     made.mkdir()
     tokenizer.save(made / "tokenizer.json")
     (made / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}), encoding="utf-8")
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.ffn_hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.seq_length,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(made)
+    save_random_llama(made, args, tokenizer.vocab_size, args.seq_length, args.kv_heads)
     checkpoint = hf_to_paratron(made, folder / "paratron")
     return tasks, checkpoint, paratron_to_hf(checkpoint, folder / "hf")
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import requests
 import torch
-import transformers
 
 from common import RESULTS, add_smoke_argument, apply_smoke
+from llama_common import save_random_llama
 from paratron.data.corpus import stdlib_files
 from paratron.data.tokenizer import train_byte_level_bpe
 
@@ -55,21 +55,10 @@ def model_folder(folder: Path, args: argparse.Namespace) -> tuple[list[list[int]
     folder.mkdir(parents=True)
     tokenizer.save(folder / "tokenizer.json")
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.ffn_hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads // 2,
-        max_position_embeddings=args.prompt_tokens + args.max_tokens + 16,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eod_id,
+    positions = args.prompt_tokens + args.max_tokens + 16
+    model = save_random_llama(
+        folder, args, tokenizer.vocab_size, positions, args.heads // 2, bos_token_id=None, eos_token_id=tokenizer.eod_id
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(folder)
     parameters = sum(p.numel() for p in model.parameters())
     prompts = []
     for text in texts[: 4 * args.requests]:
