@@ -20,6 +20,7 @@ from typing import Any
 
 from paratron.inference.engine import Engine
 from paratron.inference.params import RequestOutput, SamplingParams
+from paratron.inference.runner import KEEP_ALIVE_S
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def snapshot(output: RequestOutput) -> RequestOutput:
 class EngineThread:
     """Runs `engine` in a thread of its own, for the handlers of one server."""
 
-    def __init__(self, engine: Engine, idle_s: float = 1.0) -> None:
+    def __init__(self, engine: Engine, idle_s: float = KEEP_ALIVE_S) -> None:
         self.engine, self.idle_s = engine, idle_s
         self.inbox: queue.Queue = queue.Queue()
         self.live: dict[str, tuple[Submission, int]] = {}

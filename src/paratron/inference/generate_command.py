@@ -31,6 +31,7 @@ from paratron.inference.engine import Engine
 from paratron.inference.generate_options import SAMPLING_FLAGS, GenerateOptions, Prompt, read_prompt_lines
 from paratron.inference.loading import engine_settings, open_engine
 from paratron.inference.params import Completion, RequestError, RequestOutput, SamplingParams
+from paratron.inference.runner import KEEP_ALIVE_S
 
 
 def _aside(message: str) -> None:
@@ -38,7 +39,6 @@ def _aside(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-KEEP_ALIVE_S = 1.0
 """While waiting for the user's next line, the controller lets the other ranks know it is alive this often."""
 
 

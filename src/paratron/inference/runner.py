@@ -27,6 +27,10 @@ from paratron.model.gpt import GPT
 STEP, IDLE, CLOSE = 0, 1, 2
 """What a message from the controller says: run this plan, nothing to do yet, stop following."""
 
+KEEP_ALIVE_S = 1.0
+"""How often an idle controller tells the other ranks it is still there (`Engine.keep_alive`): a server waiting for
+requests, a chat waiting for its next line, the harness building its tasks."""
+
 
 @dataclass(frozen=True)
 class ReplicaGroups:

@@ -28,13 +28,12 @@ from paratron.distributed.topology import Topology
 from paratron.errors import ConfigError
 from paratron.inference.harness import ParatronLM
 from paratron.inference.loading import engine_for_model, open_engine
+from paratron.inference.runner import KEEP_ALIVE_S
 from paratron.parallel.model import ParallelModel
 from paratron.storage import write_text_atomic
 
 T = TypeVar("T")
 
-KEEP_ALIVE_S = 2.0
-"""How often the controller tells the model's other ranks, waiting in a collective, that it is still there."""
 
 TRAINING_FLAGS = (flag.eval_tasks, flag.eval_tasks_include_path)
 """The flags that name `train`'s tasks and their folder, for error lines."""
