@@ -1,4 +1,5 @@
-"""`paratron train | evaluate | preprocess | generate | convert | plan | schedule`: the command line.
+"""`paratron train | evaluate | preprocess | generate | serve | convert | plan | schedule | debug | doctor | inspect`:
+the command line.
 
 User mistakes (UserError) print one line and exit 2; internal failures keep their
 traceback and exit 1. Each command imports what it needs when it runs, for start-up speed:
@@ -775,6 +776,27 @@ def cmd_schedule(argv: list[str]) -> int:
     title = f"{name} schedule: pp {pp}, {m} micro-batches{chunks}; bubble {timeline.bubble_fraction():.1%}"
     print(f"timeline: {draw_timeline(timeline.spans, output, title, '(forward = 1)')}")
     return 0
+
+
+@command("debug", "compare two layouts step by step and name the first module or gradient where they part")
+def cmd_debug(argv: list[str]) -> int:
+    from paratron.debugging.compare import run_debug
+
+    return run_debug(argv)
+
+
+@command("doctor", "what this machine can do: versions, devices, interconnect, a collective probe, warnings")
+def cmd_doctor(argv: list[str]) -> int:
+    from paratron.debugging.doctor import run_doctor
+
+    return run_doctor(argv)
+
+
+@command("inspect", "what a checkpoint holds (configuration, layout, step, tensors, optimizer state); --diff two")
+def cmd_inspect(argv: list[str]) -> int:
+    from paratron.debugging.inspect import run_inspect
+
+    return run_inspect(argv)
 
 
 CPP_LOG_LEVEL, USER_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL", "PARATRON_USER_CPP_LOG_LEVEL"

@@ -17,6 +17,7 @@ LAYERS = [
     "optim",
     "data",
     "checkpoint",
+    "debugging",
     "inference",
     "training",
     "planning",

@@ -888,6 +888,20 @@ class TrainingConfig:
     2), skip (go on with the next batch) or rollback (reload the newest checkpoint of --save and go on without the
     offending batch)."""
 
+    loss_spike_zscore: float | None = field(default=None, metadata=ABOVE_ZERO)
+    """Treat a step whose loss lies more than this many standard deviations above the mean of the last
+    --loss-spike-window steps' losses as a loss spike and act on it as --on-spike says (off by default; 4 to 6 is
+    usual). Judged only once the window is full."""
+
+    loss_spike_window: int = field(default=50, metadata=ABOVE_ZERO)
+    """With --loss-spike-zscore: the number of recent steps whose losses give the mean and standard deviation a
+    step's loss is measured against (spikes themselves are left out of it)."""
+
+    on_spike: Literal["warn", "skip", "rollback"] = "warn"
+    """With --loss-spike-zscore, after a loss spike: warn (name the step, its loss and z-score, and apply it), skip
+    (do not apply the step; go on with the next batch) or rollback (reload the newest checkpoint of --save and go on
+    without the offending batch), as --on-nan does."""
+
     check_for_nan_in_loss_and_grad: bool = True
     """Check every step's gradient norm for NaN or infinity and act on it as --on-nan says (the default, as in
     Megatron-LM). --no-check-for-nan-in-loss-and-grad turns the check off as Megatron-LM does: a non-finite step is
@@ -1078,6 +1092,28 @@ class LoggingConfig:
     """Append to progress.txt in --save: a line when the job starts and one per saved checkpoint with the job's and
     the cumulative throughput (TFLOP/s per device), the floating-point operations and tokens so far (Megatron-LM's
     format)."""
+
+    log_layer_stats: int = field(default=0, metadata=ZERO_OR_MORE)
+    """Every this many steps, record per layer the activation RMS and largest magnitude, the gradient norm, the
+    update-to-weight ratio (and, for MoE layers, the router's entropy) in metrics.jsonl and TensorBoard, under
+    single-device layer names at any layout (0: off)."""
+
+    straggler_threshold: float | None = field(default=None, metadata=ABOVE_ZERO)
+    """Time every rank's step and, per process group, the time it waits in collectives; every log interval name the
+    ranks whose compute time is more than this fraction above the median (0.2: 20% slower) and the groups they delay
+    (off by default: timing the collectives costs a device synchronization around each on GPUs)."""
+
+    dump_batches: int = field(default=0, metadata=ZERO_OR_MORE)
+    """Write the first this many global training batches, decoded as text with their loss masks and document
+    boundaries, to batches.txt (and batches.jsonl) in the run directory before training starts (0: none)."""
+
+    debug_capture: str | None = None
+    """Write every module's forward output and every parameter's gradient of each step, under single-device names, to
+    this folder (what `paratron debug compare` reads; its runs set it)."""
+
+    debug_capture_elements: int = field(default=4096, metadata=ABOVE_ZERO)
+    """With --debug-capture: the most elements kept of each captured tensor (a fixed, layout-independent sample of
+    its single-device elements when it holds more)."""
 
     profile: bool = False
     """Record a PyTorch profiler trace (CPU activity, and CUDA activity on GPUs) of steps [--profile-step-start,
