@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -291,3 +292,32 @@ def deterministic_algorithms(enabled: bool, device: torch.device) -> Iterator[No
         yield
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def accelerator_facts() -> dict[str, Any]:
+    """What the CUDA runtime says about this machine, as plain data (for `paratron doctor`): the CUDA,
+    cuDNN and NCCL versions torch was built with, each visible GPU (name, memory, compute capability,
+    multiprocessors) and which pairs can reach each other's memory directly (peer access, the NVLink or
+    PCIe path NCCL's P2P transport takes). Without CUDA: versions None and no GPUs. Asks no device for
+    a context, so every process may call it."""
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    nccl = None
+    if available and dist.is_nccl_available():
+        built = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, built)) if isinstance(built, tuple) else str(built)
+    gpus = []
+    for index in range(count):
+        properties = torch.cuda.get_device_properties(index)
+        gpus.append(
+            {
+                "index": index,
+                "name": properties.name,
+                "memory_bytes": int(properties.total_memory),
+                "compute_capability": f"{properties.major}.{properties.minor}",
+                "multiprocessors": int(properties.multi_processor_count),
+            }
+        )
+    peer = [[a == b or bool(torch.cuda.can_device_access_peer(a, b)) for b in range(count)] for a in range(count)]
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"cuda": torch.version.cuda, "cudnn": cudnn, "nccl": nccl, "gpus": gpus, "peer_access": peer}
