@@ -22,6 +22,7 @@ SMOKES = {
     "attention": [],
     "checkpoint": [],
     "checkpoint_sharded": [],
+    "collectives": [],
     "context_parallel": [],
     "data_parallel": ["step"],
     "data_pipeline": ["all"],

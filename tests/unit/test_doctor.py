@@ -161,6 +161,7 @@ def test_warnings_from_the_gpu_node():
     )
     assert found[5].startswith("NCCL_DEBUG=INFO logs every connection")
     assert len(found) == 6
+    assert warnings_for([gpu_rank(0, environment={})], "nccl", "cuda") == []  # (one GPU: nothing to overlap)
     mixed = [gpu_rank(0), gpu_rank(1)]
     mixed[1]["gpus"] = [{**gpu, "name": "NVIDIA A100"} for gpu in mixed[1]["gpus"]]
     assert warnings_for(mixed, "nccl", "cuda") == [
@@ -214,6 +215,9 @@ def test_the_report_has_the_calibration_format():
     assert "  all_gather          2  one         4 KiB     100.0 us   0.041 GB/s   0.020 GB/s" in text
     assert text.endswith("no warnings")
     gpus = assemble([gpu_rank(0), gpu_rank(1)], "nccl", "cuda", compute, [], probe, [])
+    text = render({**gpus, "ranks": [{**gpus["ranks"][0], "topology": "\tGPU0\tGPU1\nGPU0\t X \tNV18"}]})
+    assert "interconnect\n  node-a:\n    \tGPU0\tGPU1\n    GPU0\t X \tNV18\n" in text
+    assert "    cuda:1 NVIDIA H100, 80.0 GB, compute capability 9.0, 132 SMs" in text
     assert [(d["index"], d["name"], d["memory_gb"]) for d in gpus["devices"]] == [
         (0, "NVIDIA H100", 80.0),
         (1, "NVIDIA H100", 80.0),

@@ -102,15 +102,15 @@ def host_warnings(host: str, local: list[dict[str, Any]], backend: str, device_t
     return found
 
 
-def environment_warnings(environment: dict[str, str], device_type: str, nodes: int) -> list[str]:
-    """Rank 0's variables that slow a job down, and the one GPU jobs need set."""
+def environment_warnings(environment: dict[str, str], device_type: str, nodes: int, world: int) -> list[str]:
+    """Rank 0's variables that slow a job down, and the one jobs of several GPUs need set."""
     found = []
     for name, why in SLOWING_VARIABLES.items():
         if name == "NCCL_IB_DISABLE" and nodes == 1:
             continue
         if environment.get(name, "0").strip() not in ("", "0"):
             found.append(f"{name}={environment[name]} {why}; unset it unless you need it")
-    if device_type == "cuda" and "CUDA_DEVICE_MAX_CONNECTIONS" not in environment:
+    if device_type == "cuda" and world > 1 and "CUDA_DEVICE_MAX_CONNECTIONS" not in environment:
         found.append(
             "CUDA_DEVICE_MAX_CONNECTIONS is unset: the GPU may then reorder a layer's tensor-parallel communication "
             "behind later kernels, which overlapping it with compute relies on not happening (as in Megatron-LM); "
@@ -138,7 +138,7 @@ def warnings_for(ranks: list[dict[str, Any]], backend: str, device_type: str) ->
             continue  # (a launcher may give each process its own device this way)
         values = [facts["environment"].get(name) for facts in ranks]
         found += differences(ranks, name, values, "set it alike on every node")
-    return found + environment_warnings(ranks[0]["environment"], device_type, len(hosts))
+    return found + environment_warnings(ranks[0]["environment"], device_type, len(hosts), len(ranks))
 
 
 def gpu_of(facts: dict[str, Any]) -> str | None:

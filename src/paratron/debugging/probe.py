@@ -137,11 +137,17 @@ def timed_mean(call: Callable, device: torch.device, warmup: int, iters: int) ->
 
 
 def probe_collectives(
-    node_of_rank: list[int], device: torch.device, max_bytes: int, iters: int, ops: tuple[str, ...] = OPS
+    node_of_rank: list[int],
+    device: torch.device,
+    max_bytes: int,
+    iters: int,
+    ops: tuple[str, ...] = OPS,
+    sizes: list[int] | None = None,
 ) -> list[Measurement]:
-    """Every operation of `ops` at every message size up to `max_bytes` and every group size
-    (`group_sizes`) on the job's ranks, `iters` timed iterations each. `node_of_rank`: the node each
-    rank runs on (whether a group spans nodes). Every rank calls it; every rank gets the results."""
+    """Every operation of `ops` at every message size up to `max_bytes` (`message_sizes`, or just
+    `sizes`) and every group size (`group_sizes`) on the job's ranks, `iters` timed iterations each.
+    `node_of_rank`: the node each rank runs on (whether a group spans nodes). Every rank calls it;
+    every rank gets the results."""
     world, rank = dist.get_world_size(), dist.get_rank()
     warmup = max(2, iters // 4)
     plan: list[tuple[str, int, bool, int]] = []
@@ -155,7 +161,7 @@ def probe_collectives(
         members = next((b for b in blocks if rank in b), None)
         group = groups[blocks.index(members)] if members is not None else None
         for op in ops:
-            for size in message_sizes(max_bytes):
+            for size in sizes or message_sizes(max_bytes):
                 count = elements(size, size_of_group)
                 plan.append((op, size_of_group, spans, count * ELEMENT.itemsize))
                 if members is None:  # (a rank left over when the world does not split evenly: it waits)
