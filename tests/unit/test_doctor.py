@@ -262,7 +262,8 @@ def test_no_probe_measures_nothing(capsys: pytest.CaptureFixture):
         (["--max-bytes", "nonsense"], "--max-bytes nonsense: not a size"),
         (["--max-bytes", "2"], "--max-bytes 2: below one 4-byte element"),
         (["--output", "{tmp}"], "--output {tmp}: a directory; name a file in it"),
-        (["--output", "{tmp}/file/doctor.json"], "--output {tmp}/file/doctor.json: {tmp}/file is a file"),
+        (["--output", "{tmp}/file/doctor.json"], "--output {tmp}/file/doctor.json: cannot write in {tmp}/file ("),
+        (["--output", "/proc/doctor/doctor.json"], "--output /proc/doctor/doctor.json: cannot write in /proc/doctor ("),
         (["--nproc", "two"], "argument --nproc: invalid int value: 'two'"),
     ],
 )

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,16 +106,19 @@ def parse_bytes(text: str) -> int:
 
 
 def check_output(path: Path) -> None:
-    """Before anything runs: --output names a file that can be written (its folder may be made)."""
+    """Before anything runs: --output names a file that can be written (its folder is made if
+    missing, and a trial file written and removed there)."""
     if path.is_dir():
         raise ConfigError(f"--output {path}: a directory; name a file in it, e.g. {path / 'doctor.json'}")
     folder = path.absolute().parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        raise ConfigError(f"--output {path}: {folder} is a file, not a directory; choose another path")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"--output {path}: {folder} is not writable; choose another path")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"--output {path}: cannot write in {folder} ({exc.strerror or exc}); choose another path"
+        ) from None
 
 
 def parse_options(argv: list[str]) -> DoctorOptions:
@@ -124,7 +128,7 @@ def parse_options(argv: list[str]) -> DoctorOptions:
         raise ConfigError(f"--nproc {namespace.nproc}: must be at least 1")
     if namespace.iters is not None and namespace.iters < 1:
         raise ConfigError(f"--iters {namespace.iters}: must be at least 1")
-    if namespace.output is not None:
+    if namespace.output is not None and os.environ.get("RANK", "0") == "0":  # (rank 0 writes it)
         check_output(namespace.output)
     max_bytes = None if namespace.max_bytes is None else parse_bytes(namespace.max_bytes)
     return DoctorOptions(
