@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(raw)
     check(rows, raw["sizes"])
     print(
-        f"all-reduce bus bandwidth, {WORLD} gloo ranks ({raw['threads']} threads each), fp32, median of {args.rounds}"
+        f"all-reduce bus bandwidth, {WORLD} gloo ranks, torch threads per rank {raw['threads']}, fp32, median of "
+        f"{args.rounds} rounds"
     )
     print(f"{'bytes':>10} {'probe GB/s':>11} {'plain GB/s':>11} {'ratio':>7}")
     for row in rows:

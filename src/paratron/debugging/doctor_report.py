@@ -192,7 +192,8 @@ def device_lines(report: dict[str, Any]) -> list[str]:
         local = sum(f["host"] == facts["host"] for f in report["ranks"])
         lines.append(
             f"  {facts['host']}: {facts['cpu']}, {facts['cores']} cores ({facts['usable_cores']} usable), "
-            f"{local} process{'' if local == 1 else 'es'} x {facts['torch_threads']} torch threads, memory "
+            f"{local} process{'' if local == 1 else 'es'} x {facts['torch_threads']} torch "
+            f"thread{'' if facts['torch_threads'] == 1 else 's'}, memory "
             f"{'?' if memory is None else f'{memory / 1e9:.1f} GB'}, "
             f"/dev/shm {'none' if shm is None else size_text(shm)}"
         )
