@@ -184,6 +184,9 @@ def test_only_variables_that_change_behaviour_are_reported():
 def test_the_backend_follows_the_gpus(monkeypatch):
     monkeypatch.setattr(doctor, "visible_devices", lambda backend: None)
     assert doctor_backend("auto", 4) == "gloo"
+    monkeypatch.setattr(doctor, "visible_devices", lambda backend: None if backend == "auto" else 0)
+    with pytest.raises(ConfigError, match=r"--backend nccl: this machine has no GPU visible .*; use --backend gloo"):
+        doctor_backend("nccl", 1)
     monkeypatch.setattr(doctor, "visible_devices", lambda backend: 2)
     assert doctor_backend("auto", 2) == "nccl"
     assert doctor_backend("auto", 4) == "gloo"  # (and the report warns)
@@ -222,6 +225,14 @@ def test_the_report_has_the_calibration_format():
         (0, "NVIDIA H100", 80.0),
         (1, "NVIDIA H100", 80.0),
     ]
+
+
+def test_nodes_are_listed_in_rank_order_whatever_the_placement():
+    ranks = [facts(0, host="b"), facts(1, host="a"), facts(2, host="b", local=1), facts(3, host="a", local=1)]
+    report = assemble(ranks, "gloo", "cpu", None, [], {}, [])
+    assert [d["host"] for d in report["devices"]] == ["b", "a"]
+    assert (report["nodes"], report["ranks_per_node"]) == (2, 2)
+    assert "probes: skipped (--no-probe)" in render(report)
 
 
 def test_small_formats():

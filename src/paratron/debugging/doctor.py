@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from paratron.config.arguments import ArgumentParser
 from paratron.config.schema import ParallelConfig
-from paratron.debugging.doctor_report import render, warnings_for
+from paratron.debugging.doctor_report import first_rank_of_each_host, render, warnings_for
 from paratron.debugging.machine import rank_facts
 from paratron.debugging.probe import (
     ELEMENT,
@@ -143,6 +143,11 @@ def doctor_backend(requested: str, local_processes: int) -> str:
     gpus = visible_devices("nccl" if requested == "nccl" else "auto")
     if requested == "gloo" or gpus is None:
         return "gloo"
+    if gpus == 0:  # (only with nccl asked for: auto takes the CPU then)
+        raise ConfigError(
+            "--backend nccl: this machine has no GPU visible (CUDA_VISIBLE_DEVICES honoured); use --backend gloo or "
+            "auto to probe the CPU"
+        )
     if local_processes <= gpus:
         return "nccl"
     if requested == "nccl":
@@ -246,10 +251,6 @@ def devices_of(ranks: list[dict[str, Any]], device_type: str) -> list[dict[str, 
                 }
             )
     return devices
-
-
-def first_rank_of_each_host(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return list({facts["host"]: facts for facts in reversed(ranks)}.values())[::-1]
 
 
 def assemble(

@@ -49,6 +49,14 @@ def by_host(ranks: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return hosts
 
 
+def first_rank_of_each_host(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each node's first rank's facts (the node's own: CPU, memory, GPUs, topology), in rank order."""
+    first: dict[str, dict[str, Any]] = {}
+    for facts in ranks:
+        first.setdefault(facts["host"], facts)
+    return list(first.values())
+
+
 def differences(ranks: list[dict[str, Any]], what: str, values: list[Any], fix: str) -> list[str]:
     """One warning if `values` (one per rank) are not all alike: each value with its hosts and ranks."""
     holders: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -161,7 +169,7 @@ def render(report: dict[str, Any]) -> str:
     ]
     lines += [f"  {key:<12} {value}" for key, value in report["versions"].items() if value is not None]
     lines += ["", "devices", *device_lines(report)]
-    topology = [(f["host"], f["topology"], f["peer_access"]) for f in report["ranks"] if f["local_rank"] == 0]
+    topology = [(f["host"], f["topology"], f["peer_access"]) for f in first_rank_of_each_host(report["ranks"])]
     if any(text or peers for _, text, peers in topology):
         lines += ["", "interconnect"]
         for host, text, peers in topology:
@@ -186,7 +194,7 @@ def render(report: dict[str, Any]) -> str:
 
 def device_lines(report: dict[str, Any]) -> list[str]:
     lines = []
-    for facts in [f for f in report["ranks"] if f["local_rank"] == 0]:
+    for facts in first_rank_of_each_host(report["ranks"]):
         memory = facts["memory_bytes"]
         shm = facts["shm_bytes"]
         local = sum(f["host"] == facts["host"] for f in report["ranks"])
