@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from paratron.cli import main
 from paratron.debugging import doctor
@@ -16,6 +18,7 @@ from paratron.debugging.doctor import FORMAT, assemble, doctor_backend, parse_by
 from paratron.debugging.doctor_report import rank_list, render, size_text, warnings_for
 from paratron.debugging.machine import environment
 from paratron.debugging.probe import OPS, Measurement, bus_factor, elements, group_sizes, message_sizes
+from paratron.distributed.init import accelerator_facts
 from paratron.errors import ConfigError
 
 GIB = 1 << 30
@@ -170,6 +173,30 @@ def test_warnings_from_the_gpu_node():
     ]
 
 
+def test_accelerator_facts_are_plain_data(monkeypatch):
+    """The CUDA runtime's answers (faked: two GPUs, no peer access between them) become plain data."""
+    properties = SimpleNamespace(
+        name="NVIDIA H100", total_memory=80 * 10**9, major=9, minor=0, multi_processor_count=132
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    found = accelerator_facts()
+    assert found["nccl"] == "2.21.5"
+    assert found["gpus"][1] == {
+        "index": 1,
+        "name": "NVIDIA H100",
+        "memory_bytes": 80 * 10**9,
+        "compute_capability": "9.0",
+        "multiprocessors": 132,
+    }
+    assert found["peer_access"] == [[True, False], [False, True]]
+    assert json.loads(json.dumps(found)) == found
+
+
 def test_only_variables_that_change_behaviour_are_reported():
     given = {
         "NCCL_ALGO": "Ring",
@@ -221,6 +248,7 @@ def test_the_report_has_the_calibration_format():
     text = render({**gpus, "ranks": [{**gpus["ranks"][0], "topology": "\tGPU0\tGPU1\nGPU0\t X \tNV18"}]})
     assert "interconnect\n  node-a:\n    \tGPU0\tGPU1\n    GPU0\t X \tNV18\n" in text
     assert "    cuda:1 NVIDIA H100, 80.0 GB, compute capability 9.0, 132 SMs" in text
+    assert "interconnect\n  node-a:\n    GPU 0: peer access to [1]\n    GPU 1: peer access to [0]\n" in render(gpus)
     assert [(d["index"], d["name"], d["memory_gb"]) for d in gpus["devices"]] == [
         (0, "NVIDIA H100", 80.0),
         (1, "NVIDIA H100", 80.0),

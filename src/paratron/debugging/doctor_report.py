@@ -170,13 +170,13 @@ def render(report: dict[str, Any]) -> str:
     lines += [f"  {key:<12} {value}" for key, value in report["versions"].items() if value is not None]
     lines += ["", "devices", *device_lines(report)]
     topology = [(f["host"], f["topology"], f["peer_access"]) for f in first_rank_of_each_host(report["ranks"])]
-    if any(text or peers for _, text, peers in topology):
+    if any(text or len(peers) > 1 for _, text, peers in topology):  # (one GPU: nothing to connect)
         lines += ["", "interconnect"]
         for host, text, peers in topology:
             lines.append(f"  {host}:")
             if text:
                 lines += [f"    {line}" for line in text.splitlines()]
-            elif peers:
+            elif len(peers) > 1:
                 lines += [
                     f"    GPU {a}: peer access to {[b for b, ok in enumerate(row) if ok and b != a]}"
                     for a, row in enumerate(peers)
