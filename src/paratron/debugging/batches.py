@@ -28,7 +28,7 @@ from paratron.model.batch import IGNORE_INDEX, Batch
 from paratron.storage import write_text_atomic
 
 TEXT, RECORDS = "batches.txt", "batches.jsonl"
-UNTRAINED_OPEN, UNTRAINED_CLOSE, BOUNDARY = "⟦", "⟧", " ‖ "
+UNTRAINED_OPEN, UNTRAINED_CLOSE, BOUNDARY = "⟦", "⟧", "‖"
 """The text's marks: ⟦untrained tokens⟧, and ‖ where a new document or conversation starts."""
 
 
@@ -130,42 +130,49 @@ def _runs(flags: np.ndarray) -> list[list[int]]:
 
 
 def sample_text(record: SampleRecord, joiner: str) -> str:
-    """The sample as text: ⟦untrained⟧ runs, ‖ at document starts, image placeholders collapsed."""
-    trained_target = [bool(m) for m in record.loss_mask[:-1]]  # token t is predicted at position t - 1
-    trained_target.insert(0, trained_target[0] if trained_target else False)  # (the first, never a target: as its next)
+    """The sample as text: ⟦untrained⟧ runs, ‖ at document starts, image placeholders collapsed; pieces joined by
+    `joiner` (nothing for a text tokenizer's pieces, a space for bare ids)."""
+    trained = [bool(m) for m in record.loss_mask[:-1]]  # token t is predicted at position t - 1
+    trained.insert(0, trained[0] if trained else False)  # (the first, never a target: marked as its next)
     starts = set(record.document_starts)
     images = {start: end for start, end in record.image_tokens or []}
     out: list[str] = []
-    untrained = False
+    run: list[str] = []
+    run_trained = True
+
+    def flush() -> None:
+        if run:
+            text = joiner.join(run)
+            out.append(text if run_trained else f"{UNTRAINED_OPEN}{text}{UNTRAINED_CLOSE}")
+            run.clear()
+
     t = 0
     while t < len(record.pieces):
         if t in starts:
-            out.append(UNTRAINED_CLOSE + BOUNDARY if untrained else BOUNDARY)
-            untrained = False
-        if not trained_target[t] and not untrained:
-            out.append(UNTRAINED_OPEN)
-            untrained = True
-        elif trained_target[t] and untrained:
-            out.append(UNTRAINED_CLOSE)
-            untrained = False
+            flush()
+            out.append(BOUNDARY if joiner else f" {BOUNDARY} ")
+        if trained[t] != run_trained:
+            flush()
+            run_trained = trained[t]
         if t in images:
-            out.append(f"<image x{images[t] - t}>")
+            run.append(f"<image x{images[t] - t}>")
             t = images[t]
             continue
-        out.append(record.pieces[t] + joiner)
+        run.append(record.pieces[t])
         t += 1
-    return "".join(out).rstrip() + (UNTRAINED_CLOSE if untrained else "")
+    flush()
+    return joiner.join(out)
 
 
 def header(source: BatchSource, count: int, first_step: int, seq_length: int) -> list[str]:
     d = source.documents
-    eod = d.eod_id if d.eod_id is not None else "none (no tokenizer)"
+    eod = d.eod_id if d.eod_id is not None else "none"
     on = {True: "on", False: "off"}
     return [
         f"# the first {count} global training batch(es), steps {first_step}..{first_step + count - 1}, "
         f"{seq_length} tokens per sample, as the loader feeds them",
         f"# {UNTRAINED_OPEN}...{UNTRAINED_CLOSE}: tokens not trained (no loss on predicting them); "
-        f"{BOUNDARY.strip()}: a new document or conversation starts; <image xN>: N image placeholder tokens",
+        f"{BOUNDARY}: a new document or conversation starts; <image xN>: N image placeholder tokens",
         f"# end-of-document id {eod}; position ids reset per document: {on[d.reset_position_ids]}; attention reset "
         f"per document: {on[d.reset_attention_mask]}; end-of-document loss masked: {on[d.eod_mask_loss]}",
     ]

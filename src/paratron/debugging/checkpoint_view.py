@@ -127,6 +127,7 @@ def _paratron_view(path: Path, verify: bool) -> CheckpointView:
     view.tensor_files = _weight_files(info.path)
     view.optimizer = _paratron_optimizer(info.path)
     view.training_state = _rank_states(info, meta)
+    view.notes += [f"passed over (as --load does): {problem}" for problem in info.passed_over]
     if info.weights_only:
         view.notes.append("weights only: training from it starts at step 0")
     if info.hf_model_type:
