@@ -62,7 +62,7 @@ def test_pretraining_dump_is_the_loaders_batches_with_documents(tmp_path):
     assert "end-of-document loss masked: on" in text and "== step 3 (global batch at consumed sample 8) ==" in text
     # token 4 (after the end-of-document at 3) is not trained: its prediction at 3 is masked
     assert "-- sample 4 (data-parallel rank 0, micro-batch 0): 10/12 positions trained, 3 document(s)\n" in text
-    assert "\n14 15 16 0 ‖ ⟦18⟧ 19 20 21 0 ‖ ⟦23⟧ 24 25\n" in text
+    assert "\n14 15 16 0 ‖ ⟦18⟧ 19 20 21 0 ‖ ⟦23⟧ 24 25 26\n" in text
 
 
 def sft_config(tmp_path):

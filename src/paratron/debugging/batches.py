@@ -6,7 +6,8 @@ A global batch is gathered as the data-parallel ranks together read it (`data.lo
 micro-batch, rank after rank, each through the same `collate` and `DocumentLayout`), so the dump is the same at
 every layout. The loss mask is the labels' (`model.batch.IGNORE_INDEX` untrained): position t predicts token t+1,
 so in the text a token is marked untrained when its prediction is not trained (a prompt's tokens, padding, the
-token after an end-of-document with --eod-mask-loss); a row's first token, never predicted, is marked as its next.
+token after an end-of-document with --eod-mask-loss); a trained target that is not the next input (a packed
+conversation's last token, a row's last label) is shown where it is predicted.
 
 Only reads: the samples are indexed as the loader indexes them, nothing is consumed or cached (no step is spent).
 """
@@ -129,13 +130,28 @@ def _runs(flags: np.ndarray) -> list[list[int]]:
     return [[int(a), int(b)] for a, b in zip(edges[::2], edges[1::2])]
 
 
-def sample_text(record: SampleRecord, joiner: str) -> str:
+def shown_tokens(record: SampleRecord, piece: Callable[[int], str]) -> list[tuple[str, bool, bool]]:
+    """(piece, trained, starts a document) of each token the text shows: the inputs, token t trained when position
+    t - 1 is trained to predict it (a row's first token, never predicted, marked as its next); and where a trained
+    target is not the next input (a conversation's last token, the row's last label) that target itself, trained."""
+    ids, labels, n = record.input_ids, record.labels, len(record.input_ids)
+    starts = set(record.document_starts)
+    shown: list[tuple[str, bool, bool]] = []
+    for t in range(n):
+        if t and labels[t - 1] != IGNORE_INDEX and labels[t - 1] != ids[t]:
+            shown.append((piece(labels[t - 1]), True, False))
+        trained = labels[t - 1] == ids[t] if t else n > 1 and labels[0] == ids[1]
+        shown.append((record.pieces[t], trained, t in starts))
+    if n and labels[-1] != IGNORE_INDEX:
+        shown.append((piece(labels[-1]), True, False))
+    return shown
+
+
+def sample_text(record: SampleRecord, joiner: str, piece: Callable[[int], str]) -> str:
     """The sample as text: ⟦untrained⟧ runs, ‖ at document starts, image placeholders collapsed; pieces joined by
     `joiner` (nothing for a text tokenizer's pieces, a space for bare ids)."""
-    trained = [bool(m) for m in record.loss_mask[:-1]]  # token t is predicted at position t - 1
-    trained.insert(0, trained[0] if trained else False)  # (the first, never a target: marked as its next)
-    starts = set(record.document_starts)
     images = {start: end for start, end in record.image_tokens or []}
+    image_piece = piece(record.input_ids[next(iter(images))]) if images else None
     out: list[str] = []
     run: list[str] = []
     run_trained = True
@@ -146,20 +162,24 @@ def sample_text(record: SampleRecord, joiner: str) -> str:
             out.append(text if run_trained else f"{UNTRAINED_OPEN}{text}{UNTRAINED_CLOSE}")
             run.clear()
 
-    t = 0
-    while t < len(record.pieces):
-        if t in starts:
+    count = 0
+    for text, trained, starts in shown_tokens(record, piece):
+        is_image = image_piece is not None and text == image_piece  # (a run of placeholders shown as one mark)
+        if count and not is_image:
+            run.append(f"<image x{count}>")
+            count = 0
+        if starts:
             flush()
             out.append(BOUNDARY if joiner else f" {BOUNDARY} ")
-        if trained[t] != run_trained:
+        if trained != run_trained:
             flush()
-            run_trained = trained[t]
-        if t in images:
-            run.append(f"<image x{images[t] - t}>")
-            t = images[t]
-            continue
-        run.append(record.pieces[t])
-        t += 1
+            run_trained = trained
+        if is_image:
+            count += 1
+        else:
+            run.append(text)
+    if count:
+        run.append(f"<image x{count}>")
     flush()
     return joiner.join(out)
 
@@ -195,7 +215,7 @@ def dump_batches(source: BatchSource, count: int, consumed: int, run_dir: Path, 
                 f"-- sample {index} (data-parallel rank {rank}, micro-batch {micro}): {trained}/{seq_length} "
                 f"positions trained, {documents} document(s)"
             )
-            lines.append(sample_text(record, joiner))
+            lines.append(sample_text(record, joiner, lambda token: _piece(source.tokenizer, token)))
             records.append(vars(record))
         consumed += source.global_batch_at(consumed)
     run_dir.mkdir(parents=True, exist_ok=True)
