@@ -14,8 +14,8 @@ from paratron.config import build_config
 from paratron.data.build import build_data
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
 from paratron.data.tokenizer import Tokenizer
-from paratron.debugging.batches import RECORDS, TEXT, BatchSource, dump_batches
-from paratron.model.batch import IGNORE_INDEX
+from paratron.debugging.batches import RECORDS, TEXT, BatchSource, dump_batches, sample_record, sample_text
+from paratron.model.batch import IGNORE_INDEX, Batch
 
 from tiny import write_conversations
 
@@ -117,3 +117,20 @@ def test_train_command_writes_the_dump(tmp_path, capsys):
     records = [json.loads(line) for line in open(tmp_path / RECORDS)]
     assert [r["sample"] for r in records] == list(range(8)) and {len(r["input_ids"]) for r in records} == {16}
     assert (tmp_path / TEXT).read_text().count("\n-- sample ") == 8
+
+
+def test_image_placeholders_and_targets_past_the_inputs():
+    """A vision row: its run of image tokens is one mark, untrained like the prompt; a conversation's last target
+    (not the next input) and the row's last label are shown where they are predicted."""
+    image = 9
+    ids = torch.tensor([[1, image, image, image, 5, 6, 7, 3, 3]])
+    labels = torch.tensor([[-100, -100, -100, -100, 6, 7, 2, -100, -100]])
+    segments = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1, 1]])
+    source = BatchSource([], 1, 1, lambda _: 1, image_token_id=image)
+    record = sample_record(source, 1, (0, 0, 0), Batch(ids, labels, segment_ids=segments), 0)
+    assert record.image_tokens == [[1, 4]] and record.document_starts == [7]
+    assert record.loss_mask == [0, 0, 0, 0, 1, 1, 1, 0, 0]
+    assert sample_text(record, " ", str) == "⟦1 <image x3> 5⟧ 6 7 2 ‖ ⟦3 3⟧"
+    labels[0, -1] = 4  # (a trained last label: the token after the row)
+    record = sample_record(source, 1, (0, 0, 0), Batch(ids, labels, segment_ids=segments), 0)
+    assert sample_text(record, " ", str).endswith("‖ ⟦3 3⟧ 4")

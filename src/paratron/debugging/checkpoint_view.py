@@ -222,8 +222,9 @@ def _paratron_optimizer(folder: Path) -> dict[str, Any]:
     state: dict[str, Any] = {kind: len(names) for kind, names in sorted(kinds.items())}
     if not kinds:
         state["state"] = "older format (flat pieces)"
-    if record.get("step") is not None:
-        state["step"] = record["step"]
+    step = record.get("step")
+    if step is not None:
+        state["step"] = int(step) if float(step).is_integer() else step
     return state
 
 

@@ -119,7 +119,7 @@ def record(view: CheckpointView, rows: list[TensorRow], total: int) -> dict[str,
         "optimizer": view.optimizer,
         "training_state": view.training_state,
         "files": [vars(f) for f in view.files],
-        "tensor_count": total,
+        "tensor_count": total if total >= 0 else None,
         "tensors": [vars(r) for r in rows],
         "notes": view.notes,
         "damaged": [f"{f.name} ({f.status})" for f in view.damaged],
@@ -153,13 +153,15 @@ def text_lines(facts: dict[str, Any]) -> list[str]:
         lines.append("training state: " + "; ".join(facts["training_state"]))
     lines.append(f"files ({len(facts['files'])}):")
     lines += [f"  {f['status']:<11} {_size(f['size']):>9}  {f['name']}" for f in facts["files"]]
-    lines += _tensor_table(facts["tensors"], facts["tensor_count"])
+    lines += _tensor_table(facts["tensors"], -1 if facts["tensor_count"] is None else facts["tensor_count"])
     damaged = facts["damaged"]
     lines.append(f"DAMAGED: {', '.join(damaged)}" if damaged else "intact")
     return lines
 
 
 def _tensor_table(rows: list[dict[str, Any]], total: int) -> list[str]:
+    if total < 0:
+        return ["tensors: unreadable (see the note above)"]
     lines = [
         f"tensors: {total}"
         + (f" (first {len(rows)} shown; --tensors all lists every one)" if len(rows) < total else "")
@@ -219,7 +221,7 @@ def run_inspect(argv: list[str]) -> int:
         if not view.damaged:
             raise
         view.notes.append(f"tensors unreadable: {error}")
-        rows, total = [], 0
+        rows, total = [], -1
     facts = record(view, rows, total)
     _print(facts if args.json else text_lines(facts), args.json)
     return 1 if facts["damaged"] else 0

@@ -165,6 +165,11 @@ def _row(t: TensorDifference, width: int) -> str:
     return f"  {t.name:<{width}}  {t.status:<14} {what:<28} {numbers}"
 
 
+def _finite(value: float | None) -> float | str | None:
+    """A number JSON can hold ("inf" where a tensor of zeros became non-zero)."""
+    return "inf" if value is not None and math.isinf(value) else value
+
+
 def diff_record(a: CheckpointView, b: CheckpointView, diff: CheckpointDiff) -> dict[str, Any]:
     """The diff as JSON-ready facts."""
     return {
@@ -173,5 +178,5 @@ def diff_record(a: CheckpointView, b: CheckpointView, diff: CheckpointDiff) -> d
         "identical": diff.identical,
         "counters": {name: [value_a, value_b] for name, value_a, value_b in diff.counters},
         "settings": {key: [value_a, value_b] for key, value_a, value_b in diff.settings},
-        "tensors": [vars(t) for t in diff.tensors],
+        "tensors": [{**vars(t), "max_rel": _finite(t.max_rel)} for t in diff.tensors],
     }
