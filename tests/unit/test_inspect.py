@@ -6,6 +6,7 @@ through the CLI)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from paratron.checkpoint.convert import hf_to_paratron, paratron_to_megatron
 from paratron.cli import main
+from paratron.debugging import inspect_diff
 from paratron.debugging.inspect import tensor_checksum
 
 from tiny import save_random_hf_model
@@ -142,3 +144,20 @@ def test_checksum_is_of_the_values():
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     assert tensor_checksum(t) == tensor_checksum(t.t().contiguous().t().contiguous())
     assert tensor_checksum(t) != tensor_checksum(t.to(torch.bfloat16))
+
+
+def test_tensor_comparison_in_chunks(monkeypatch):
+    monkeypatch.setattr(inspect_diff, "CHUNK", 7)  # (several chunks, the largest difference in the last)
+    a = torch.linspace(-2.0, 3.0, 50)
+    b = a.clone()
+    b[45] += 0.25
+    result = inspect_diff.compare_tensors(a, b, "w")
+    assert result.status == inspect_diff.VALUES and result.max_abs == pytest.approx(0.25)
+    assert result.max_rel == pytest.approx(0.25 / 3.0)
+    same = inspect_diff.compare_tensors(a, a.to(torch.bfloat16).float(), "w")
+    assert same.status == inspect_diff.VALUES and 0 < same.max_abs < 0.02
+    assert inspect_diff.compare_tensors(a, a.clone(), "w").status == inspect_diff.SAME
+    assert inspect_diff.compare_tensors(a, a.double(), "w").status == inspect_diff.DTYPE
+    assert inspect_diff.compare_tensors(a, a[:10], "w").status == inspect_diff.SHAPE
+    b[3] = float("nan")
+    assert math.isnan(inspect_diff.compare_tensors(a, b, "w").max_abs)

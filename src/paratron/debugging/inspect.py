@@ -45,7 +45,7 @@ class TensorRow:
 def tensor_checksum(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes in row-major order, 16 hex digits."""
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(raw.cpu().numpy()).hexdigest()[:16]  # (the array's buffer, not a copy of it)
 
 
 def tensor_rows(view: CheckpointView, limit: int | None) -> tuple[list[TensorRow], int]:

@@ -63,24 +63,36 @@ class CheckpointDiff:
         return not (self.differing or self.settings or self.counters)
 
 
+CHUNK = 1 << 20
+"""Elements compared at once (8 MiB of float64 per operand)."""
+
+
 def natural_key(name: str) -> list[Any]:
     """Sort key that puts layers.10 after layers.9."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def compare_tensors(a: torch.Tensor, b: torch.Tensor, name: str) -> TensorDifference:
-    """One pair of tensors of the same name: shape, dtype, and (same shape) the largest differences."""
+    """One pair of tensors of the same name: shape, dtype, and (same shape) the largest differences, computed in
+    float64 a chunk at a time (memory: the two tensors and a few chunks)."""
     result = TensorDifference(name, SAME, list(a.shape), list(b.shape), dtype_name(a), dtype_name(b))
     if a.shape != b.shape:
         result.status = SHAPE
         return result
-    wide_a, wide_b = a.detach().to(torch.float64), b.detach().to(torch.float64)
-    if a.numel():
-        result.max_abs = float((wide_a - wide_b).abs().max())
-        scale = float(wide_a.abs().max())
-        result.max_rel = result.max_abs / scale if scale > 0 else (0.0 if result.max_abs == 0 else math.inf)
-    values_equal = torch.equal(wide_a, wide_b) if a.numel() else True
-    if not values_equal:
+    flat_a, flat_b = a.detach().reshape(-1), b.detach().reshape(-1)
+    max_abs, scale, equal = 0.0, 0.0, True
+    for start in range(0, flat_a.numel(), CHUNK):
+        chunk_a = flat_a[start : start + CHUNK].to(torch.float64)
+        chunk_b = flat_b[start : start + CHUNK].to(torch.float64)
+        equal = equal and torch.equal(chunk_a, chunk_b)
+        difference = float((chunk_a - chunk_b).abs().max())
+        if not math.isnan(max_abs):  # (a NaN anywhere stays the answer)
+            max_abs = difference if math.isnan(difference) else max(max_abs, difference)
+        scale = max(scale, float(chunk_a.abs().nan_to_num(0.0, 0.0, 0.0).max()))
+    if flat_a.numel():
+        result.max_abs = max_abs
+        result.max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    if not equal:
         result.status = VALUES
     elif a.dtype != b.dtype:
         result.status = DTYPE
@@ -166,8 +178,10 @@ def _row(t: TensorDifference, width: int) -> str:
 
 
 def _finite(value: float | None) -> float | str | None:
-    """A number JSON can hold ("inf" where a tensor of zeros became non-zero)."""
-    return "inf" if value is not None and math.isinf(value) else value
+    """A number JSON can hold ("inf" where a tensor of zeros became non-zero, "nan" where a value is not a number)."""
+    if value is not None and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def diff_record(a: CheckpointView, b: CheckpointView, diff: CheckpointDiff) -> dict[str, Any]:
@@ -178,5 +192,5 @@ def diff_record(a: CheckpointView, b: CheckpointView, diff: CheckpointDiff) -> d
         "identical": diff.identical,
         "counters": {name: [value_a, value_b] for name, value_a, value_b in diff.counters},
         "settings": {key: [value_a, value_b] for key, value_a, value_b in diff.settings},
-        "tensors": [{**vars(t), "max_rel": _finite(t.max_rel)} for t in diff.tensors],
+        "tensors": [{**vars(t), "max_abs": _finite(t.max_abs), "max_rel": _finite(t.max_rel)} for t in diff.tensors],
     }
