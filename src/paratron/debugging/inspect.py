@@ -168,7 +168,7 @@ def _tensor_table(rows: list[dict[str, Any]], total: int) -> list[str]:
     ]
     if rows:
         width = max(len(r["name"]) for r in rows)
-        lines.append(f"  {'name':<{width}}  {'shape':<18} {'dtype':<9} {'sha256[:16]':<16}  check")
+        lines.append(f"  {'name':<{width}}  {'shape':<18} {'dtype':<9} {'sha256[:16]':<16}  its file's checksum")
         lines += [
             f"  {r['name']:<{width}}  {str(r['shape']):<18} {r['dtype']:<9} {r['checksum']:<16}  {r['check']}"
             for r in rows
