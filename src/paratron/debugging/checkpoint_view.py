@@ -4,7 +4,7 @@ consumed samples, tokenizer, optimizer and other training state, its files with 
 checked, and its tensors under single-device names, opened one at a time.
 
 Formats are recognized as `--load` recognizes them (`model_of.is_hf_folder`, `megatron.detect_format`); the
-tensors come from the readers of `paratron convert`'s table (`convert.FORMATS`), so a Megatron-LM or Hugging Face
+tensors come from the readers of `paratron convert`'s table (`checkpoint.convert`), so a Megatron-LM or Hugging Face
 checkpoint lists the names paratron would load it under, and any two checkpoints can be compared tensor by tensor.
 """
 
@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from paratron.checkpoint.conversion import ConvertOptions, Tensors, checkpoint_tensors, in_memory
-from paratron.checkpoint.convert import FORMATS
+from paratron.checkpoint.hf import read_hf_folder
 from paratron.checkpoint.io import TRACKER, WEIGHTS_INDEX, CheckpointInfo, file_sha256, read_checkpoint
 from paratron.checkpoint.megatron import detect_format, megatron_optimizer, megatron_weights, open_megatron
 from paratron.checkpoint.megatron.settings import config_of
@@ -126,7 +126,7 @@ def _paratron_view(path: Path, verify: bool) -> CheckpointView:
     view.files = _check_files(info.path, meta.get("files", {}), verify)
     view.tensor_files = _weight_files(info.path)
     view.optimizer = _paratron_optimizer(info.path)
-    view.training_state = _rank_states(info, meta)
+    view.training_state = _rank_states(info)
     view.notes += [f"passed over (as --load does): {problem}" for problem in info.passed_over]
     if info.weights_only:
         view.notes.append("weights only: training from it starts at step 0")
@@ -228,7 +228,7 @@ def _paratron_optimizer(folder: Path) -> dict[str, Any]:
     return state
 
 
-def _rank_states(info: CheckpointInfo, meta: dict[str, Any]) -> list[str]:
+def _rank_states(info: CheckpointInfo) -> list[str]:
     """The per-rank training state files (RNG, loss scaler, counters), described from the first one's keys."""
     files = sorted(info.path.glob("training_state_tp*.pt"))
     if not files:
@@ -279,7 +279,8 @@ def _megatron_view(path: Path) -> CheckpointView:
         with in_memory(megatron_weights(ckpt, config.model))() as opened:
             yield opened
 
-    root = path if ckpt.folder != path else ckpt.folder.parent
+    root = path if ckpt.folder != path else ckpt.folder.parent  # (the save folder, for files the args name)
+    others = sorted(p.name for p in path.glob("iter_*") if p.is_dir() and p != ckpt.folder) if root == path else []
     view = CheckpointView(
         given=path,
         path=ckpt.folder,
@@ -288,7 +289,7 @@ def _megatron_view(path: Path) -> CheckpointView:
         open_tensors=tensors,
         iteration=ckpt.iteration,
         consumed_samples=ckpt.consumed_samples,
-        other_iterations=sorted(p.name for p in root.glob("iter_*") if p.is_dir() and p != ckpt.folder),
+        other_iterations=others,
         precision="bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32",
     )
     view.layout = {
@@ -324,7 +325,7 @@ def _megatron_view(path: Path) -> CheckpointView:
 
 
 def _hf_view(path: Path) -> CheckpointView:
-    model = FORMATS["hf"].read(path, ConvertOptions())  # type: ignore[misc]
+    model = read_hf_folder(path, ConvertOptions(), tokenizer=False)
     hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     view = CheckpointView(
         given=path,

@@ -152,6 +152,10 @@ def diff_lines(a: CheckpointView, b: CheckpointView, diff: CheckpointDiff, limit
     lines.append(
         f"tensors: {both} in both ({same} identical), {only_a} only in A, {only_b} only in B; {len(differing)} differ"
     )
+    measured = [t for t in differing if t.max_abs is not None and not math.isnan(t.max_abs)]
+    if measured:
+        worst = max(measured, key=lambda t: t.max_abs or 0.0)
+        lines.append(f"largest difference: {worst.name} (max abs {worst.max_abs:.3e}, max rel {worst.max_rel:.3e})")
     shown = differing if limit is None else differing[:limit]
     if shown:
         width = max(len(t.name) for t in shown)
