@@ -32,6 +32,7 @@ from paratron.config.schema import Config
 from paratron.data.build import build_data, cache_root
 from paratron.data.checks import check_data_inputs
 from paratron.data.tokenizer import Tokenizer
+from paratron.debugging.batches import BatchSource, dump_batches
 from paratron.distributed.init import (
     DistributedContext,
     deterministic_algorithms,
@@ -142,6 +143,8 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
     trainer, plan, n_params = _assemble(config, ctx, topology, peak, say)
     config = trainer.config  # (completed with the tokenizer's vocabulary)
     _describe(trainer, plan.checkpoint, n_params, peak_source, say)
+    if config.logging.dump_batches and ctx.is_main:  # (the other ranks go on: the dump reads, it consumes nothing)
+        say(f"batches: {_dump_batches(trainer)}")
     watchdog = None
     if ctx.world_size > 1:
         timeout = 60 * p.distributed_timeout_minutes
@@ -260,6 +263,23 @@ def _describe(
         for problem in resume.passed_over:
             say(f"warning: passed over a damaged checkpoint: {problem}")
         say(f"loaded {resume.path}: {how}")
+
+
+def _dump_batches(trainer: Trainer) -> Path:
+    """--dump-batches N: the next N global batches the run trains on, decoded, into the run directory."""
+    config, data, ramp = trainer.config, trainer.data, trainer.ramp
+    source = BatchSource(
+        data.train,
+        trainer.plan.micro_batch_size,
+        trainer.plan.dp_size,
+        ramp.batch_at if ramp is not None else lambda _: trainer.global_batch_size,
+        trainer.documents,
+        data.tokenizer,
+        data.image_token_id,
+    )
+    state = trainer.state
+    run_dir = Path(config.logging.run_dir)
+    return dump_batches(source, config.logging.dump_batches, state.consumed_samples, run_dir, state.iteration + 1)
 
 
 def _report(config: Config, state: TrainState, run_dir: Path, elapsed: float, title: str, say) -> None:
