@@ -39,6 +39,7 @@ SMOKES = {
     "recompute": [],
     "serve": [],
     "step_time": [],
+    "stragglers": [],
     "tensor_parallel": ["all"],
     "vision": [],
     "zero_memory": [],

@@ -21,6 +21,8 @@ def test_a_slow_rank_is_named_and_both_ranks_profiles_are_merged(tmp_path):
     run = tmp_path / "run"
     args = ["train", "--config", "debug", "--nproc", "2", "--train-iters", "9", "--log-interval", "3"]
     args += ["--eval-iters", "0", "--lr-warmup-iters", "1", "--run-dir", str(run), "--no-progress-bar"]
+    # steps of ~0.1 s (hidden 256, 128 tokens): a shared machine's jitter stays well under 50% of them
+    args += ["--hidden-size", "256", "--seq-length", "128"]
     args += ["--fault-inject", "1:3:slow", "--straggler-threshold", "0.5"]
     args += ["--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0", "1"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -40,10 +42,10 @@ def test_a_slow_rank_is_named_and_both_ranks_profiles_are_merged(tmp_path):
     assert sorted(records) == [3, 6, 9]
     slow, quiet = records[3], records[6]
     assert slow["straggler/ranks"] == [1] and slow["straggler/rank1/delays"] == "dp group [0, 1]"
-    assert slow["straggler/rank1/compute_s"] > 0.5  # the 2 s sleep over 3 steps
-    assert slow["straggler/rank0/wait_s"] > 0.5  # rank 0 waited it out in the gradient all-reduce
+    # the 2 s sleep over 3 steps: 0.67 s a step more for rank 1, which rank 0 waited out in the gradient all-reduce
+    assert slow["straggler/rank1/compute_s"] - quiet["straggler/rank1/compute_s"] > 0.5
+    assert slow["straggler/rank0/wait_s"] > 0.5
     assert quiet["straggler/ranks"] == [] and records[9]["straggler/ranks"] == []
-    assert quiet["straggler/rank1/compute_s"] < 0.5
 
     (merged_line,) = [line for line in result.stdout.splitlines() if "merged into one timeline" in line]
     merged = json.loads(Path(merged_line.rsplit(": ", 1)[1]).read_text())
@@ -60,5 +62,5 @@ def test_a_slow_rank_is_named_and_both_ranks_profiles_are_merged(tmp_path):
     start0, end0 = steps[pid["rank 0"], "ProfilerStep#3"]
     start1, end1 = steps[pid["rank 1"], "ProfilerStep#3"]
     # both left step 2's all-reduce together and step 3's together (rank 0 waiting out rank 1's 2 s sleep)
-    assert abs(start0 - start1) < 100_000 and abs(end0 - end1) < 100_000  # microseconds
+    assert abs(start0 - start1) < 300_000 and abs(end0 - end1) < 300_000  # microseconds
     assert end1 - start1 > 2_000_000

@@ -89,3 +89,35 @@ def test_the_merged_file_is_written_whole_and_bad_traces_are_one_line_errors(tmp
         read_trace(tmp_path / "other.json")
     with pytest.raises(TraceError, match="no trace to merge"):
         merge_traces({})
+
+
+def test_rank_0_reads_the_traces_it_sees_and_is_sent_the_others(tmp_path, monkeypatch):
+    """Two ranks without a shared disk, seen from rank 0: rank 1's path is not there, so its JSON comes
+    over the default group (torch.distributed's calls stood in for)."""
+    from paratron.training import profiling
+
+    mine = tmp_path / "profile_rank0.json"
+    mine.write_text(json.dumps(rank_trace(1, 0.0)))
+    elsewhere = "/nonexistent/node1/profile_rank1.json"
+    asked = []
+    fake = profiling.dist
+    monkeypatch.setattr(fake, "is_initialized", lambda: True)
+    monkeypatch.setattr(fake, "get_world_size", lambda: 2)
+    monkeypatch.setattr(fake, "get_rank", lambda: 0)
+
+    def all_gather_object(out: list, obj: object) -> None:
+        out[:] = [obj, elsewhere]
+
+    def broadcast_object_list(objs: list, src: int) -> None:
+        asked.append(list(objs[0]))
+
+    def gather_object(obj: object, out: list, dst: int) -> None:
+        out[:] = [obj, json.dumps(rank_trace(2, 5.0))]
+
+    monkeypatch.setattr(fake, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(fake, "broadcast_object_list", broadcast_object_list)
+    monkeypatch.setattr(fake, "gather_object", gather_object)
+    traces = profiling.gather_traces(mine)
+    assert asked == [[1]]  # rank 0 asked rank 1 alone to send its trace
+    assert sorted(traces) == [0, 1]
+    assert named(merge_traces(traces), "ProfilerStep#2") == {0: 10.0, PID_STRIDE: 15.0}

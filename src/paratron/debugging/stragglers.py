@@ -8,17 +8,19 @@ these figures (one small all-gather) and rank 0 names each rank whose compute ti
 the threshold above the median, with the groups whose other members waited longest for it.
 
 The instrument: while training runs, the functions paratron calls on `torch.distributed`
-(all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, barrier, send/recv, isend/irecv,
+(all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, barrier, send/recv,
 batch_isend_irecv and their object and single-tensor forms) are replaced by timed wrappers. A
-blocking call is timed around itself; an asynchronous one (async_op=True, isend, irecv) returns
-its Work behind a proxy whose wait() is timed. Time is charged to the call's group, named as the
-Topology names it ("dp group [0, 1]"; the default group is "world"), and only while a training
-step runs on the thread that runs it. torch's own internal calls (all_gather_object's all_gather)
-go to the original functions and are not counted twice. On a device whose collectives run
-asynchronously (CUDA), the device is synchronized before each blocking call and after each
-call and wait, so that the measured time is the collective's and not queued compute; an
-asynchronous wait on such a device also counts compute still queued when it began (an upper
-bound of the wait). These synchronizations happen only while the detector is on.
+blocking call is timed around itself; an asynchronous one (async_op=True, batch_isend_irecv)
+returns its Work behind a proxy whose wait() is timed. isend and irecv stay torch's own: a
+P2POp must name them (torch checks), and paratron posts them through batch_isend_irecv. Time is
+charged to the call's group, named as the Topology names it ("dp group [0, 1]"; the default
+group is "world"), and only while a training step runs on the thread that runs it. torch's own
+internal calls (all_gather_object's all_gather) go to the original functions and are not counted
+twice. On a device whose collectives run asynchronously (CUDA), the device is synchronized
+before each blocking call and after each call and wait, so that the measured time is the
+collective's and not queued compute; an asynchronous wait on such a device also counts compute
+still queued when it began (an upper bound of the wait). These synchronizations happen only
+while the detector is on.
 """
 
 from __future__ import annotations
@@ -61,9 +63,6 @@ TIMED_CALLS = (
     "recv",
 )
 """torch.distributed's functions that block unless called with async_op=True."""
-
-ASYNC_CALLS = ("isend", "irecv")
-"""torch.distributed's functions that always return a Work to wait on."""
 
 MIN_EXCESS_S = 0.01
 """Seconds per step a rank must also be above the median to be named: a few milliseconds of scheduling
@@ -266,11 +265,10 @@ def wrapped_collectives(
 ) -> Iterator[None]:
     """Within: torch.distributed's collectives replaced by timed wrappers that `charge(group, seconds)`
     while `measuring()`; the originals are back afterwards."""
-    originals = {name: getattr(dist, name) for name in (*TIMED_CALLS, *ASYNC_CALLS) if hasattr(dist, name)}
+    originals = {name: getattr(dist, name) for name in TIMED_CALLS if hasattr(dist, name)}
+    wrappers = {name: _timed(fn, charge, measuring, device) for name, fn in originals.items()}
     originals["batch_isend_irecv"] = dist.batch_isend_irecv
-    wrappers = {name: _timed(name, fn, charge, measuring, device) for name, fn in originals.items()}
-    unwrap = {wrappers[name]: originals[name] for name in ASYNC_CALLS if name in wrappers}
-    wrappers["batch_isend_irecv"] = _timed_batch(originals["batch_isend_irecv"], unwrap, charge, measuring, device)
+    wrappers["batch_isend_irecv"] = _timed_batch(dist.batch_isend_irecv, charge, measuring, device)
     for name, wrapper in wrappers.items():
         setattr(dist, name, wrapper)
     try:
@@ -281,18 +279,17 @@ def wrapped_collectives(
 
 
 def _timed(
-    name: str, call: Callable, charge: Callable[[Any, float], None], measuring: Callable[[], bool], device: torch.device
+    call: Callable, charge: Callable[[Any, float], None], measuring: Callable[[], bool], device: torch.device
 ) -> Callable:
-    """`call` timed: blocking, around the call; asynchronous, at its Work's wait()."""
+    """`call` timed: blocking, around the call; with async_op, at its Work's wait()."""
     signature = inspect.signature(call)
-    always_async = name in ASYNC_CALLS
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         if not measuring():
             return call(*args, **kwargs)
         bound = signature.bind_partial(*args, **kwargs).arguments
         group = bound.get("group")
-        if always_async or bound.get("async_op", False):
+        if bound.get("async_op", False):
             work = call(*args, **kwargs)
             return None if work is None else TimedWork(work, group, charge, device)
         synchronize(device)
@@ -308,17 +305,11 @@ def _timed(
 
 
 def _timed_batch(
-    call: Callable,
-    unwrap: dict[Callable, Callable],
-    charge: Callable[[Any, float], None],
-    measuring: Callable[[], bool],
-    device: torch.device,
+    call: Callable, charge: Callable[[Any, float], None], measuring: Callable[[], bool], device: torch.device
 ) -> Callable:
-    """batch_isend_irecv with every returned Work's wait() timed (the ops' own isend/irecv untimed)."""
+    """batch_isend_irecv with every returned Work's wait() timed."""
 
     def timed(p2p_op_list: list[Any]) -> Any:
-        for op in p2p_op_list:  # (torch checks the ops are its own isend/irecv)
-            op.op = unwrap.get(op.op, op.op)
         works = call(p2p_op_list)
         if not measuring() or not works:
             return works

@@ -5,8 +5,8 @@ The profiler records steps [--profile-step-start, --profile-step-end) on the --p
 activity always and CUDA activity when the run is on a CUDA device, each step marked by a
 `ProfilerStep#N` range, and writes one Chrome trace per rank into the TensorBoard directory. The
 profiled steps open with a barrier of every rank (marked in the traces, to align them by), and
-close with rank 0 merging the ranks' traces into one timeline (`debugging/trace.py`), those it
-cannot see on its own disk sent over the default group.
+close with rank 0 merging the traces of two or more profiled ranks into one timeline
+(`debugging/trace.py`), those it cannot see on its own disk sent over the default group.
 
 Timers are wall-clock (`time.perf_counter`) around parts of the step, with the device
 synchronized at each boundary so that queued kernels are charged to the part that queued them
@@ -173,7 +173,7 @@ class StepProfiler:
                 profiler.export_chrome_trace(str(tmp))
             written = self.path
         traces = gather_traces(written)
-        if traces:
+        if len(traces) > 1:  # (one rank's trace is its own timeline already)
             try:
                 self.merged = write_merged(traces, self.merged_path)
                 print(f"profile of every rank, merged into one timeline: {self.merged}")
