@@ -20,6 +20,7 @@ from paratron.debugging.stragglers import (
     wrapped_collectives,
 )
 from paratron.distributed.topology import ParallelDims, Topology
+from paratron.training.metrics import scalars
 
 CPU = torch.device("cpu")
 TP01, TP23, DP02, DP13 = "tp group [0, 1]", "tp group [2, 3]", "dp group [0, 2]", "dp group [1, 3]"
@@ -152,3 +153,9 @@ def test_the_detector_is_off_without_a_threshold_or_on_one_rank():
         pass
     assert not off.enabled and off.steps == 0
     assert off.report(3, print) == {}
+
+
+def test_tensorboard_gets_the_figures_and_not_the_group_names():
+    assert scalars("train/straggler/rank1/delays", "dp group [0, 1]") == []
+    assert scalars("straggler/ranks", [1, 3]) == [("straggler/ranks/0", 1.0), ("straggler/ranks/1", 3.0)]
+    assert scalars("train/straggler/rank1/compute_s", 0.25) == [("train/straggler/rank1/compute_s", 0.25)]
