@@ -40,6 +40,7 @@ SMOKES = {
     "recompute": [],
     "serve": [],
     "step_time": [],
+    "stragglers": [],
     "tensor_parallel": ["all"],
     "vision": [],
     "zero_memory": [],

@@ -21,6 +21,7 @@ from paratron.config.schema import Config
 from paratron.data.build import DataBundle
 from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
+from paratron.debugging.stragglers import StragglerDetector
 from paratron.distributed.init import DistributedContext, release_unused_memory
 from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Topology
@@ -88,6 +89,7 @@ class Trainer:
         self.skip_batch_at: set[int] = set()  # iterations whose batch a rollback leaves out
         self.timers = StepTimers(lg.timing_log_level, ctx.device)  # --timing-log-level's timers of this rank
         self.profiler = StepProfiler(lg, ctx.rank, ctx.device, tensorboard_folder(Path(lg.run_dir), lg))
+        self.stragglers = StragglerDetector(lg.straggler_threshold, topology, ctx.device)
         self.step_options = StepOptions(
             check_nonfinite=t.check_for_nan_in_loss_and_grad,
             count_zeros=lg.log_num_zeros_in_grad,
@@ -98,6 +100,7 @@ class Trainer:
         self.logger = StepLogger(
             config, ctx, topology, model, optimizer, self.precision, writer, self.timers, flops_per_token, peak_flops
         )
+        self.logger.stragglers = self.stragglers
         self.restorer = Restorer(config, model, optimizer, topology, self.precision, writer.info)
         self.saver = CheckpointSaver(config, topology, model, optimizer, data.tokenizer, self.restorer, writer)
         self.eval_tasks: TrainingTasks | None = None
@@ -122,7 +125,7 @@ class Trainer:
         end = stop_after or self.config.training.train_iters
         first = self.state.iteration + 1
         window = StepWindow(self.ctx.device)
-        with ExitConditions(self.config.training, self.ctx.device) as exits:
+        with ExitConditions(self.config.training, self.ctx.device) as exits, self.stragglers.instrumented():
             iteration = first - 1
             while iteration < end:
                 iteration += 1
@@ -174,6 +177,7 @@ class Trainer:
         step_start = time.perf_counter()
         with (
             SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations,
+            self.stragglers.timing(),
             self.fault.at(iteration, self.model.module),
         ):
             result = train_step(

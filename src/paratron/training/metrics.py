@@ -135,7 +135,9 @@ def _open_log(path: Path, start_iter: int) -> TextIO:
 
 def scalars(tag: str, value: Any) -> list[tuple[str, float]]:
     """TensorBoard's scalars of one metrics record entry: a number as itself, a list (per MoE layer,
-    per expert) as one scalar per entry, tagged by its position (tag/0, tag/0/3, ...); None as none."""
+    per expert) as one scalar per entry, tagged by its position (tag/0, tag/0/3, ...); None or text as none."""
+    if isinstance(value, str):
+        return []
     if isinstance(value, (list, tuple)):
         return [pair for i, item in enumerate(value) for pair in scalars(f"{tag}/{i}", item)]
     return [] if value is None else [(tag, float(value))]

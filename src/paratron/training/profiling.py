@@ -3,7 +3,10 @@ per-step timers (--timing-log-level) and manual garbage collection (--manual-gc)
 
 The profiler records steps [--profile-step-start, --profile-step-end) on the --profile-ranks, CPU
 activity always and CUDA activity when the run is on a CUDA device, each step marked by a
-`ProfilerStep#N` range, and writes one Chrome trace per rank into the TensorBoard directory.
+`ProfilerStep#N` range, and writes one Chrome trace per rank into the TensorBoard directory. The
+profiled steps open with a barrier of every rank (marked in the traces, to align them by), and
+close with rank 0 merging the traces of two or more profiled ranks into one timeline
+(`debugging/trace.py`), those it cannot see on its own disk sent over the default group.
 
 Timers are wall-clock (`time.perf_counter`) around parts of the step, with the device
 synchronized at each boundary so that queued kernels are charged to the part that queued them
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +29,7 @@ import torch.distributed as dist
 
 from paratron.config.fields import flag
 from paratron.config.schema import LoggingConfig, TrainingConfig
+from paratron.debugging.trace import SYNC_MARK, TraceError, read_trace, write_merged
 from paratron.distributed.init import synchronize
 from paratron.errors import ConfigError
 from paratron.storage import replacing
@@ -111,19 +116,34 @@ class StepProfiler:
         self.enabled = logging.profile and rank in profile_ranks(logging)
         self.rank, self.device = rank, device
         self.path = folder / f"profile_rank{rank}_steps{self.start}-{self.end}.pt.trace.json"
+        self.merged_path = folder / f"profile_merged_steps{self.start}-{self.end}.json"
+        self.merged: Path | None = None
+        """The merged trace of every profiled rank, once rank 0 has written it."""
+        self._profiling = logging.profile
+        self._recording = False  # (every rank: the profiled steps have begun and are not merged yet)
         self._profiler: torch.profiler.profile | None = None
         self._step_range: contextlib.AbstractContextManager | None = None
 
     def begin(self, iteration: int) -> None:
-        """Before step `iteration`: start recording at the first profiled step, mark the step."""
-        if not self.enabled or not self.start <= iteration < self.end:
+        """Before step `iteration`: start recording at the first profiled step (every rank leaving a
+        barrier together, marked in the traces), mark the step."""
+        if not self._profiling or not self.start <= iteration < self.end:
             return
-        if self._profiler is None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-            self._profiler.__enter__()
+        if not self._recording:
+            self._recording = True
+            if self.enabled:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if self.device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+                self._profiler.__enter__()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()
+            if self.enabled:
+                with torch.profiler.record_function(SYNC_MARK):
+                    pass
+        if not self.enabled:
+            return
         self._step_range = torch.profiler.record_function(f"ProfilerStep#{iteration}")
         self._step_range.__enter__()
 
@@ -134,20 +154,53 @@ class StepProfiler:
             synchronize(self.device)
             self._step_range.__exit__(None, None, None)
             self._step_range = None
-        if self._profiler is None or iteration < self.end - 1:
+        if not self._recording or iteration < self.end - 1:
             return None
         return self.close()
 
     def close(self) -> Path | None:
-        """Stop recording and write the trace, if one is being recorded."""
-        if self._profiler is None:
+        """Stop recording, write this rank's trace (its path, None on a rank not profiled) and merge
+        every rank's (collective: every rank calls it at the same step)."""
+        if not self._recording:
             return None
-        profiler, self._profiler = self._profiler, None
-        profiler.__exit__(None, None, None)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(self.path) as tmp:
-            profiler.export_chrome_trace(str(tmp))
-        return self.path
+        self._recording = False
+        written = None
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.__exit__(None, None, None)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with replacing(self.path) as tmp:
+                profiler.export_chrome_trace(str(tmp))
+            written = self.path
+        traces = gather_traces(written)
+        if len(traces) > 1:  # (one rank's trace is its own timeline already)
+            try:
+                self.merged = write_merged(traces, self.merged_path)
+                print(f"profile of every rank, merged into one timeline: {self.merged}")
+            except TraceError as exc:
+                print(f"rank {self.rank}: the ranks' profiles were not merged: {exc}")
+        return written
+
+
+def gather_traces(written: Path | None) -> dict[int, dict]:
+    """On rank 0, every rank's trace (rank -> parsed JSON), read from the path each rank wrote or,
+    where rank 0 does not see that path (no shared disk), sent over the default group; {} elsewhere.
+    Collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {0: read_trace(written)} if written is not None else {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    paths: list[str | None] = [None] * world
+    dist.all_gather_object(paths, None if written is None else str(written))
+    unseen = [[r for r, p in enumerate(paths) if p is not None and not Path(p).is_file()] if rank == 0 else None]
+    dist.broadcast_object_list(unseen, src=0)
+    text = written.read_text() if written is not None and rank in unseen[0] else None
+    texts: list[str | None] | None = [None] * world if rank == 0 else None
+    dist.gather_object(text, texts, dst=0)
+    if rank != 0 or texts is None:
+        return {}
+    traces = {r: read_trace(Path(p)) for r, p in enumerate(paths) if p is not None and r not in unseen[0]}
+    traces.update({r: json.loads(t) for r, t in enumerate(texts) if t is not None})
+    return traces
 
 
 def profile_ranks(logging: LoggingConfig) -> set[int]:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.config.schema import Config
+from paratron.debugging.stragglers import StragglerDetector
 from paratron.distributed import comm
 from paratron.distributed.init import DistributedContext, memory_now, peak_memory_bytes
 from paratron.distributed.topology import Axis, Topology
@@ -104,6 +105,8 @@ class StepLogger:
         self.peak_raised = False
         """A step went faster than the peak used for MFU, and the peak was raised (said once)."""
         self.expert_load: list[tuple[int, np.ndarray]] = []  # (step, token shares [MoE layers, experts])
+        self.stragglers: StragglerDetector | None = None
+        """--straggler-threshold's detector, whose figures each record carries (collective)."""
 
     def log(
         self,
@@ -145,6 +148,8 @@ class StepLogger:
         if self.flops_per_image:
             record["images_per_s"] = images_per_s
         record.update(self.megatron_metrics(result, window, flops_per_device))
+        if self.stragglers is not None:
+            record.update(self.stragglers.report(iteration, self.writer.info))
         if self.precision.scaler is not None:
             record["loss_scale"] = self.precision.scaler.scale
         if window.experts is not None:

@@ -1,0 +1,66 @@
+"""--straggler-threshold and --profile on two ranks, as a user runs them: a rank made slow for one
+step (--fault-inject RANK:STEP:slow) is named with the group it delays, on that log interval only,
+and the profiled steps of both ranks come out as one timeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.spawns
+def test_a_slow_rank_is_named_and_both_ranks_profiles_are_merged(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--config", "debug", "--nproc", "2", "--train-iters", "9", "--log-interval", "3"]
+    args += ["--eval-iters", "0", "--lr-warmup-iters", "1", "--run-dir", str(run), "--no-progress-bar"]
+    # steps of ~0.1 s (hidden 256, 128 tokens): a shared machine's jitter stays well under 50% of them
+    args += ["--hidden-size", "256", "--seq-length", "128"]
+    args += ["--fault-inject", "1:3:slow", "--straggler-threshold", "0.5"]
+    args += ["--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0", "1"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "paratron", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+
+    lines = [line for line in result.stdout.splitlines() if "stragglers:" in line]
+    assert len(lines) == 1, result.stdout  # the intervals ending at steps 6 and 9 name no one
+    assert re.fullmatch(
+        r"step 3: stragglers: rank 1 computes [\d.]+ s/step, \d+% above the median [\d.]+ s/step; "
+        r"delays dp group \[0, 1\] \(its peers waited [\d.]+ s/step\)",
+        lines[0],
+    ), lines[0]
+    records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(records) == [3, 6, 9]
+    slow, quiet = records[3], records[6]
+    assert slow["straggler/ranks"] == [1] and slow["straggler/rank1/delays"] == "dp group [0, 1]"
+    # the 2 s sleep over 3 steps: 0.67 s a step more for rank 1, which rank 0 waited out in the gradient all-reduce
+    assert slow["straggler/rank1/compute_s"] - quiet["straggler/rank1/compute_s"] > 0.5
+    assert slow["straggler/rank0/wait_s"] > 0.5
+    assert quiet["straggler/ranks"] == [] and records[9]["straggler/ranks"] == []
+
+    (merged_line,) = [line for line in result.stdout.splitlines() if "merged into one timeline" in line]
+    merged = json.loads(Path(merged_line.rsplit(": ", 1)[1]).read_text())
+    assert Path(merged_line.rsplit(": ", 1)[1]).name == "profile_merged_steps2-4.json"
+    rows = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}
+    pid = {name: number for number, name in rows.items()}
+    assert {"rank 0", "rank 1"} <= set(pid)
+    steps = {
+        (e["pid"], e["name"]): (e["ts"], e["ts"] + e["dur"])
+        for e in merged["traceEvents"]
+        if e.get("ph") == "X" and e.get("name") in ("ProfilerStep#2", "ProfilerStep#3")
+    }
+    assert set(steps) == {(pid[f"rank {r}"], f"ProfilerStep#{s}") for r in (0, 1) for s in (2, 3)}
+    start0, end0 = steps[pid["rank 0"], "ProfilerStep#3"]
+    start1, end1 = steps[pid["rank 1"], "ProfilerStep#3"]
+    # both left step 2's all-reduce together and step 3's together (rank 0 waiting out rank 1's 2 s sleep)
+    assert abs(start0 - start1) < 300_000 and abs(end0 - end1) < 300_000  # microseconds
+    assert end1 - start1 > 2_000_000
