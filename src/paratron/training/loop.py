@@ -21,6 +21,7 @@ from paratron.config.schema import Config
 from paratron.data.build import DataBundle
 from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
+from paratron.debugging.capture import install_capture
 from paratron.distributed.init import DistributedContext, release_unused_memory
 from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Topology
@@ -88,12 +89,17 @@ class Trainer:
         self.skip_batch_at: set[int] = set()  # iterations whose batch a rollback leaves out
         self.timers = StepTimers(lg.timing_log_level, ctx.device)  # --timing-log-level's timers of this rank
         self.profiler = StepProfiler(lg, ctx.rank, ctx.device, tensorboard_folder(Path(lg.run_dir), lg))
+        self.capture = install_capture(
+            config, topology, model, lambda: self.precision.loss_scale, layout.global_batch_size
+        )
+        """--debug-capture: records each step's module outputs and gradients (debugging/capture.py)."""
         self.step_options = StepOptions(
             check_nonfinite=t.check_for_nan_in_loss_and_grad,
             count_zeros=lg.log_num_zeros_in_grad,
             timers=self.timers,
             empty_unused_memory_level=t.empty_unused_memory_level,
             device=ctx.device,
+            after_grads=self.capture.gradients if self.capture is not None else None,
         )
         self.logger = StepLogger(
             config, ctx, topology, model, optimizer, self.precision, writer, self.timers, flops_per_token, peak_flops
@@ -175,6 +181,7 @@ class Trainer:
         with (
             SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations,
             self.fault.at(iteration, self.model.module),
+            self.capture.step(iteration) if self.capture is not None else contextlib.nullcontext(),
         ):
             result = train_step(
                 self.model,
