@@ -125,14 +125,13 @@ class DebugCapture:
         self.gpt = next(m for m in model.module.modules() if isinstance(m, GPT))
         self.names = single_device_names(self.gpt)
         self.modules = {name: m for m in self.gpt.modules() if (name := self.names.get(id(m)))}
-        self.params = [
-            (f"{self.names[id(m)]}.{n}".lstrip("."), p)
-            for m in self.gpt.modules()
-            for n, p in m.named_parameters(recurse=False)
-            if id(m) in self.names
-        ]
+        self.param_names: dict[int, tuple[int, str]] = {}
+        """id(parameter) -> (its place, its single-device name); a tied weight keeps its first name."""
+        for module in self.gpt.modules():
+            for local, param in module.named_parameters(recurse=False) if id(module) in self.names else ():
+                name = f"{self.names[id(module)]}.{local}".lstrip(".")
+                self.param_names.setdefault(id(param), (len(self.param_names), name))
         self.armed = False
-        self.step_number = 0
         self.seen: set[str] = set()
         self.outputs: list[tuple[str, torch.Tensor, Tables, bool, int]] = []
         self.pieces: list[Piece] = []
@@ -236,7 +235,7 @@ class DebugCapture:
     @contextlib.contextmanager
     def step(self, iteration: int) -> Iterator[None]:
         """Record the forward outputs and gradients of one training step, then write them (collective)."""
-        self.armed, self.step_number = True, iteration
+        self.armed = True
         self.seen, self.outputs, self.pieces = set(), [], []
         try:
             yield
@@ -256,10 +255,9 @@ class DebugCapture:
         """Take this rank's pieces of the step's gradients (after `prepare_grads`, before unscaling)."""
         if not self.armed:
             return
-        names = {id(p): (i, name) for i, (name, p) in enumerate(self.params)}
         scale = self.loss_scale()
         for piece in optimizer.pieces():
-            found = names.get(id(piece.param))
+            found = self.param_names.get(id(piece.param))
             grad = piece.master.grad
             info = param_info(piece.param)
             if found is None or grad is None or info.pipeline_duplicate or not self._owns_gradient(piece.param):
@@ -303,32 +301,37 @@ class DebugCapture:
     def _write(self, iteration: int, captured: list[Captured]) -> None:
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tensors = {f"{c.kind}/{c.name}": c.values.contiguous() for c in captured}
-        entries = [
-            {
-                "kind": c.kind,
-                "name": c.name,
-                "shape": list(c.shape),
-                "rms": c.rms,
-                "max_abs": c.max_abs,
-                "disagreement": c.disagreement,
-                "notes": c.notes,
-            }
-            for c in captured
-        ]
-        path = step_file(self.folder, iteration)
-        with replacing(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"entries": json.dumps(entries)})
-        index_path = self.folder / INDEX_FILE
-        index = json.loads(index_path.read_text()) if index_path.exists() else {"steps": []}
         world = dist.get_world_size() if dist.is_initialized() else 1
-        index.update(elements=self.limit, world_size=world, run=self.identity)
-        index["steps"] = sorted(set(index["steps"]) | {iteration})
-        index["names"] = [f"{c.kind}/{c.name}" for c in captured]
-        index["shapes"] = {f"{c.kind}/{c.name}": list(c.shape) for c in captured}
-        with replacing(index_path) as tmp:
-            tmp.write_text(json.dumps(index, indent=1))
+        write_capture(self.folder, iteration, captured, self.limit, {"world_size": world, "run": self.identity})
+
+
+def write_capture(folder: Path, step: int, captured: list[Captured], limit: int, about: dict[str, Any]) -> None:
+    """One step's captured tensors as a safetensors file (their kept elements; shapes and statistics in its
+    metadata), and the folder's index.json (steps, names in order, shapes, elements kept, `about` the run)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {f"{c.kind}/{c.name}": c.values.contiguous() for c in captured}
+    entries = [
+        {
+            "kind": c.kind,
+            "name": c.name,
+            "shape": list(c.shape),
+            "rms": c.rms,
+            "max_abs": c.max_abs,
+            "disagreement": c.disagreement,
+            "notes": c.notes,
+        }
+        for c in captured
+    ]
+    with replacing(step_file(folder, step)) as tmp:
+        save_file(tensors, str(tmp), metadata={"entries": json.dumps(entries)})
+    index_path = folder / INDEX_FILE
+    index = json.loads(index_path.read_text()) if index_path.exists() else {"steps": []}
+    index.update(about, elements=limit)
+    index["steps"] = sorted(set(index["steps"]) | {step})
+    index["names"] = [f"{c.kind}/{c.name}" for c in captured]
+    index["shapes"] = {f"{c.kind}/{c.name}": list(c.shape) for c in captured}
+    with replacing(index_path) as tmp:
+        tmp.write_text(json.dumps(index, indent=1))
 
 
 def _param_tables(param: torch.Tensor, shape: tuple[int, ...]) -> Tables:

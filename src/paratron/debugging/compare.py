@@ -25,7 +25,7 @@ from typing import Any
 
 from paratron.config.arguments import ArgumentParser, add_config_arguments, parse_config_arguments
 from paratron.config.fields import section_fields
-from paratron.config.loading import as_flag, resolve_settings
+from paratron.config.loading import LEGACY_SETTINGS, as_flag, resolve_settings
 from paratron.config.validation import validate
 from paratron.debugging.capture import INDEX_FILE, run_identity
 from paratron.debugging.compare_report import DEFAULT_TOL, compare_captures, format_report
@@ -130,6 +130,7 @@ def single_process_flags(flags: Sequence[str]) -> list[str]:
     """`flags` without the settings of the layout (the `parallel` section's, whatever the spelling)."""
     parser = _train_parser("A")
     layout = {info.name for info in section_fields("parallel")}
+    layout |= {name for name, section in LEGACY_SETTINGS.items() if section == "parallel"}
     actions = parser._option_string_actions
     out: list[str] = []
     i = 0

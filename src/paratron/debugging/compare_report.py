@@ -159,6 +159,8 @@ def compare_captures(a: Path, b: Path, tol: float) -> Report:
     if index_b["elements"] != limit:
         raise DataError(f"{a} keeps {limit} elements per tensor, {b} {index_b['elements']}: capture both alike")
     steps = [s for s in index_b["steps"] if s in set(index_a["steps"])]
+    if not steps:
+        raise DataError(f"{a} (steps {index_a['steps']}) and {b} (steps {index_b['steps']}) share no captured step")
     report = Report(tol, steps)
     for step in steps:
         mine, reference = read_step(a, step), {(e.kind, e.name): e for e in read_step(b, step)}
