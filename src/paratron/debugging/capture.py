@@ -142,6 +142,8 @@ class DebugCapture:
     # ---------------------------------------------------------------- hooks
 
     def _install(self, defect: str | None, parallel: bool) -> list[Any]:
+        """A recording hook on every module that has a single-device name (a projection's parts are
+        recorded through it, a mixture of experts as a whole), and the test defect's hook first."""
         handles = []
         perturbs = defect is not None and parallel and (self.tp == 1 or self.tp_rank == self.tp - 1)
         skipped: set[int] = set()
@@ -160,6 +162,9 @@ class DebugCapture:
         return handles
 
     def _recorder(self, name: str, inner: nn.Module) -> Callable[..., None]:
+        """The forward hook of module `name` (`inner`: the module inside any wrapper): keeps its first
+        output of the step with the tables that place it in the single-device tensor."""
+
         def record(module: nn.Module, inputs: Any, output: Any) -> None:
             if not self.armed or not self.records_forward or name in self.seen:
                 return
