@@ -262,3 +262,15 @@ def test_captures_of_two_runs_in_process(tmp_path: Path) -> None:
     other = compare_captures(tmp_path / "seed" / "c", tmp_path / "plain" / "c", 1e-4).first
     assert other is not None and (other.step, other.phase, other.name) == (1, "forward", "embedding")
     assert math.isfinite(other.rel_diff) and other.rel_diff > 0.1
+
+
+def test_a_shape_that_differs_parts_and_reports_as_plain_json(tmp_path: Path) -> None:
+    _write(tmp_path / "b", 1, _model_tensors(1))
+    wider = _model_tensors(1)
+    wider["forward/output"] = torch.zeros(1, 4, 17)
+    _write(tmp_path / "a", 1, wider)
+    report = compare_captures(tmp_path / "a", tmp_path / "b", 1e-4)
+    assert report.first is not None and report.first.name == "output"
+    assert report.first.note == "shapes differ: (1, 4, 17) vs (1, 4, 16)"
+    plain = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert plain["first"]["rel_diff"] is None and plain["first"]["element"] is None

@@ -73,7 +73,19 @@ class Report:
     only_in_one: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The report as plain JSON values (an infinite difference, of shapes that differ, as null)."""
+        return _plain(asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    """`value` with every non-finite float as None (JSON has no infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def read_step(folder: Path, step: int) -> list[Entry]:
@@ -163,32 +175,37 @@ def compare_captures(a: Path, b: Path, tol: float) -> Report:
         raise DataError(f"{a} (steps {index_a['steps']}) and {b} (steps {index_b['steps']}) share no captured step")
     report = Report(tol, steps)
     for step in steps:
-        mine, reference = read_step(a, step), {(e.kind, e.name): e for e in read_step(b, step)}
-        theirs = {(e.kind, e.name) for e in mine}
-        report.only_in_one += sorted({f"{k}/{n} (only in B)" for k, n in reference if (k, n) not in theirs})
-        rows: dict[str, dict[str, Any]] = {}
-        floors = {
-            kind: SCALE_FLOOR * max((e.max_abs for e in reference.values() if e.kind == kind), default=0.0)
-            for kind in ("forward", "gradient")
-        }
-        for entry in _in_order(mine):
-            ref = reference.get((entry.kind, entry.name))
-            if ref is None:
-                report.only_in_one.append(f"{entry.kind}/{entry.name} (only in A)")
-                continue
-            found = difference(step, entry, ref, limit, floors[entry.kind])
-            report.compared += 1
-            if report.first is None and (found.rel_diff > tol or found.disagreement > 0):
-                report.first = found
-            layer = _layer_of(entry.name)
-            row = rows.setdefault(layer, {"step": step, "layer": layer, "forward": None, "gradient": 0.0})
-            if entry.kind == "gradient":
-                row["gradient"] = max(row["gradient"], found.rel_diff)
-            elif entry.name == layer or not layer.startswith("layers."):  # (a block's output; the ends' largest)
-                row["forward"] = max(row["forward"] or 0.0, found.rel_diff)
-        report.layers += sorted(rows.values(), key=lambda r: block_of(r["layer"]) if r["layer"] != "head" else 10**6)
+        _compare_step(report, step, read_step(a, step), read_step(b, step), limit)
     report.only_in_one = sorted(set(report.only_in_one))
     return report
+
+
+def _compare_step(report: Report, step: int, mine: list[Entry], reference: list[Entry], limit: int) -> None:
+    """One step into `report`: its tensors in the reference's order, the first that parts, a row per layer."""
+    theirs = {(e.kind, e.name): e for e in mine}
+    known = {(e.kind, e.name) for e in reference}
+    report.only_in_one += [f"{kind}/{name} (only in A)" for kind, name in theirs if (kind, name) not in known]
+    floors = {
+        kind: SCALE_FLOOR * max((e.max_abs for e in reference if e.kind == kind), default=0.0)
+        for kind in ("forward", "gradient")
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    for ref in _in_order(reference):
+        entry = theirs.get((ref.kind, ref.name))
+        if entry is None:
+            report.only_in_one.append(f"{ref.kind}/{ref.name} (only in B)")
+            continue
+        found = difference(step, entry, ref, limit, floors[ref.kind])
+        report.compared += 1
+        if report.first is None and (found.rel_diff > report.tol or found.disagreement > 0):
+            report.first = found
+        layer = _layer_of(ref.name)
+        row = rows.setdefault(layer, {"step": step, "layer": layer, "forward": None, "gradient": 0.0})
+        if ref.kind == "gradient":
+            row["gradient"] = max(row["gradient"], found.rel_diff)
+        elif ref.name == layer or not layer.startswith("layers."):  # (a block's output; the ends' largest)
+            row["forward"] = max(row["forward"] or 0.0, found.rel_diff)
+    report.layers += rows.values()
 
 
 def _number(value: float | None) -> str:
