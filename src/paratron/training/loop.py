@@ -87,12 +87,12 @@ class Trainer:
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.fault = AttemptFault(t.fault_inject, restart_count(), ctx.rank)
         self.skip_batch_at: set[int] = set()  # iterations whose batch a rollback leaves out
-        self.timers = StepTimers(lg.timing_log_level, ctx.device)  # --timing-log-level's timers of this rank
-        self.profiler = StepProfiler(lg, ctx.rank, ctx.device, tensorboard_folder(Path(lg.run_dir), lg))
         self.capture = install_capture(
             config, topology, model, lambda: self.precision.loss_scale, layout.global_batch_size
         )
         """--debug-capture: records each step's module outputs and gradients (debugging/capture.py)."""
+        self.timers = StepTimers(lg.timing_log_level, ctx.device)  # --timing-log-level's timers of this rank
+        self.profiler = StepProfiler(lg, ctx.rank, ctx.device, tensorboard_folder(Path(lg.run_dir), lg))
         self.step_options = StepOptions(
             check_nonfinite=t.check_for_nan_in_loss_and_grad,
             count_zeros=lg.log_num_zeros_in_grad,
@@ -179,9 +179,9 @@ class Trainer:
         self.profiler.begin(iteration)
         step_start = time.perf_counter()
         with (
+            self.capture.step(iteration) if self.capture is not None else contextlib.nullcontext(),
             SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations,
             self.fault.at(iteration, self.model.module),
-            self.capture.step(iteration) if self.capture is not None else contextlib.nullcontext(),
         ):
             result = train_step(
                 self.model,
