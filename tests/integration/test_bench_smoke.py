@@ -26,6 +26,7 @@ SMOKES = {
     "context_parallel": [],
     "data_parallel": ["step"],
     "data_pipeline": ["all"],
+    "debug_compare": [],
     "expert_parallel": [],
     "faults": [],
     "finetune": [],

@@ -56,6 +56,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_lr_schedule(config)
     _check_sample_based(config, layout)
     check_eval_tasks(config, layout)
+    _check_debug_capture(config)
     parse_faults(config.training.fault_inject, world_size)
     if check_data:
         _check_data(config.data, config.training, config.model)
@@ -538,4 +539,21 @@ def _check_megatron_model_features(config: Config) -> None:
         raise ConfigError(
             f"{flag.rotary_percent} {m.rotary_percent:g} rotates {width} of each head's {head_dim} features; "
             "choose a fraction that gives a positive even number"
+        )
+
+
+def _check_debug_capture(config: Config) -> None:
+    """--debug-capture maps every rank's piece to the single-device tensor for the layouts it knows:
+    tensor, sequence, pipeline (every schedule), context and data parallelism with ZeRO stages 0-2."""
+    p = config.parallel
+    if not config.logging.debug_capture:
+        return
+    if p.zero_stage == 3:
+        raise ConfigError(
+            f"{flag.debug_capture} does not read ZeRO stage 3's sharded gradients; compare with {flag.zero_stage} 2"
+        )
+    if p.expert_model_parallel_size > 1:
+        raise ConfigError(
+            f"{flag.debug_capture} does not assemble experts split over ranks; compare with "
+            f"{flag.expert_model_parallel_size} 1"
         )

@@ -21,6 +21,7 @@ from paratron.config.schema import Config
 from paratron.data.build import DataBundle
 from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
+from paratron.debugging.capture import install_capture
 from paratron.debugging.stragglers import StragglerDetector
 from paratron.distributed.init import DistributedContext, release_unused_memory
 from paratron.distributed.launch import restart_count
@@ -87,6 +88,10 @@ class Trainer:
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.fault = AttemptFault(t.fault_inject, restart_count(), ctx.rank)
         self.skip_batch_at: set[int] = set()  # iterations whose batch a rollback leaves out
+        self.capture = install_capture(
+            config, topology, model, lambda: self.precision.loss_scale, layout.global_batch_size
+        )
+        """--debug-capture: records each step's module outputs and gradients (debugging/capture.py)."""
         self.timers = StepTimers(lg.timing_log_level, ctx.device)  # --timing-log-level's timers of this rank
         self.profiler = StepProfiler(lg, ctx.rank, ctx.device, tensorboard_folder(Path(lg.run_dir), lg))
         self.stragglers = StragglerDetector(lg.straggler_threshold, topology, ctx.device)
@@ -96,6 +101,7 @@ class Trainer:
             timers=self.timers,
             empty_unused_memory_level=t.empty_unused_memory_level,
             device=ctx.device,
+            after_grads=self.capture.gradients if self.capture is not None else None,
         )
         self.logger = StepLogger(
             config, ctx, topology, model, optimizer, self.precision, writer, self.timers, flops_per_token, peak_flops
@@ -176,6 +182,7 @@ class Trainer:
         self.profiler.begin(iteration)
         step_start = time.perf_counter()
         with (
+            self.capture.step(iteration) if self.capture is not None else contextlib.nullcontext(),
             SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations,
             self.stragglers.timing(),
             self.fault.at(iteration, self.model.module),

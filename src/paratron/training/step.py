@@ -15,6 +15,7 @@ of micro-batches) computes the gradient of the same loss:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,9 @@ class StepOptions:
     timers: StepTimers | None = None
     empty_unused_memory_level: int = 0
     device: torch.device | None = None
+    after_grads: Callable[[TrainingOptimizer], None] | None = None
+    """Called with the optimizer once it holds the step's reduced gradients, before unscaling and clipping
+    (--debug-capture reads them there)."""
 
 
 def train_step(
@@ -90,6 +94,8 @@ def train_step(
     with timers.time("optimizer"):
         with timers.time("all-grads-sync"):
             optimizer.prepare_grads()
+        if options.after_grads is not None:
+            options.after_grads(optimizer)
         grads = optimizer.grads_for_norm()
         with timers.time("optimizer-unscale-and-check-inf"):
             overflow = precision.unscale(grads.tensors, grads.group)

@@ -1,0 +1,70 @@
+"""`paratron debug compare` end to end: tensor parallelism agrees with one process; a defect planted
+in one tensor-parallel layer, or in a module of the second pipeline stage, is named exactly.
+
+The single-process reference is trained once (--keep) and reused by the other compares (--reference)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = "--config debug --micro-batch-size 4 --global-batch-size 8 --seq-length 16"
+
+
+def compare(*args: str, defect: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
+    env.pop("PARATRON_DEBUG_DEFECT", None)
+    if defect is not None:
+        env["PARATRON_DEBUG_DEFECT"] = defect
+    command = [sys.executable, "-m", "paratron", "debug", "compare", "--steps", "2", *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    folder = tmp_path_factory.mktemp("compare") / "kept"
+    output = folder.parent / "agree.json"
+    done = compare(
+        "--keep", str(folder), "--output", str(output), "--", f"{TINY} --nproc 2 --tensor-model-parallel-size 2"
+    )
+    return folder, done
+
+
+@pytest.mark.spawns
+def test_tensor_parallel_agrees_with_one_process(kept: tuple[Path, subprocess.CompletedProcess]) -> None:
+    folder, done = kept
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert done.stdout.startswith("the runs agree:") and "layers.1" in done.stdout
+    report = json.loads((folder.parent / "agree.json").read_text())
+    assert report["first"] is None and report["steps"] == [1, 2] and report["compared"] > 100
+    assert not report["only_in_one"]
+    assert max(row["forward"] for row in report["layers"]) < 1e-5
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize(
+    "layout,defect",
+    [
+        ("--nproc 2 --tensor-model-parallel-size 2", "layers.1.mlp.in_proj.up"),
+        ("--nproc 2 --pipeline-model-parallel-size 2", "layers.1.mlp_norm"),
+    ],
+    ids=["tensor-parallel", "pipeline-stage-1"],
+)
+def test_a_planted_defect_is_named(kept: tuple[Path, subprocess.CompletedProcess], layout: str, defect: str) -> None:
+    folder, first = kept
+    assert first.returncode == 0, first.stderr
+    reference = str(folder / "B" / "capture")
+    output = folder.parent / f"{defect}.json"
+    done = compare("--reference", reference, "--output", str(output), "--", f"{TINY} {layout}", defect=defect)
+    assert done.returncode == 1, done.stderr + done.stdout
+    assert done.stdout.startswith(f"the runs part at step 1, forward, {defect}: rel. diff "), done.stdout
+    first = json.loads(output.read_text())["first"]
+    assert (first["step"], first["phase"], first["name"]) == (1, "forward", defect)
+    assert 1e-3 < first["rel_diff"] < 2e-2  # (a 1e-2 defect on all, or on one rank's part, of the output)
