@@ -19,6 +19,8 @@ from torch import nn
 from paratron.config.faults import Fault, parse_faults
 
 SLOW_SECONDS = 2.0
+SPIKE_SCALE = 30.0
+"""A spike fault multiplies the step's logits by this (the loss jumps; its gradients with it)."""
 
 
 def fault_of_attempt(specs: list[str], attempt: int, rank: int) -> Fault | None:
@@ -32,7 +34,8 @@ def fault_of_attempt(specs: list[str], attempt: int, rank: int) -> Fault | None:
 def injected(fault: Fault | None, step: int, module: nn.Module) -> Iterator[None]:
     """Around one training step: fire `fault` if this is its step. crash and hang happen before
     the step, slow sleeps before it, nan makes the forward output of the first layer with weights
-    that runs NaN during it."""
+    that runs NaN during it, spike scales the logits (or, on a pipeline stage without the output
+    layer, its first layer's output) by SPIKE_SCALE during it."""
     if fault is None or fault.step != step:
         yield
         return
@@ -43,7 +46,15 @@ def injected(fault: Fault | None, step: int, module: nn.Module) -> Iterator[None
             time.sleep(3600)
     if fault.kind == "slow":
         time.sleep(SLOW_SECONDS)
-    handles = _poison_first_called(module) if fault.kind == "nan" else []
+    handles = []
+    if fault.kind == "nan":
+        handles = _poison_first_called(module, float("nan"))
+    elif fault.kind == "spike":
+        output = getattr(module, "output", None)
+        scale = _scaled(SPIKE_SCALE)
+        handles = (
+            [output.register_forward_hook(scale)] if output is not None else _poison_first_called(module, SPIKE_SCALE)
+        )
     try:
         yield
     finally:
@@ -51,19 +62,27 @@ def injected(fault: Fault | None, step: int, module: nn.Module) -> Iterator[None
             handle.remove()
 
 
-def _poison_first_called(module: nn.Module) -> list[Any]:
+def _scaled(factor: float) -> Any:
+    """A forward hook that multiplies a layer's output (its first tensor) by `factor`."""
+
+    def scale(layer: nn.Module, inputs: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (output[0] * factor, *output[1:])
+        return output * factor
+
+    return scale
+
+
+def _poison_first_called(module: nn.Module, factor: float) -> list[Any]:
     """Forward hooks on every layer with weights of `module`: the first one to run (the embedding
-    on the first pipeline stage) has its output, its first tensor, multiplied by NaN from then on."""
+    on the first pipeline stage) has its output, its first tensor, multiplied by `factor` from then on."""
     chosen: list[nn.Module] = []
+    scale = _scaled(factor)
 
     def poison(layer: nn.Module, inputs: Any, output: Any) -> Any:
         if not chosen:
             chosen.append(layer)
-        if layer is not chosen[0]:
-            return None
-        if isinstance(output, tuple):
-            return (output[0] * float("nan"), *output[1:])
-        return output * float("nan")
+        return scale(layer, inputs, output) if layer is chosen[0] else None
 
     leaves = [m for m in module.modules() if not any(m.children()) and any(True for _ in m.parameters(False))]
     return [leaf.register_forward_hook(poison) for leaf in leaves]
