@@ -40,7 +40,7 @@ def skipped(tmp_path_factory) -> list[dict]:
     return spiked_run(tmp_path_factory.mktemp("skip"), "skip")
 
 
-def test_a_skipped_spike_is_said_counted_and_leaves_the_weights_as_they_were(skipped, capsys):
+def test_a_skipped_spike_is_said_counted_and_leaves_the_weights_as_they_were(skipped):
     spike = skipped[SPIKE_STEP - 1]
     assert spike["step"] == SPIKE_STEP and spike["loss_spike"] > 50 and spike["loss"] > 2 * skipped[0]["loss"]
     assert [r.get("loss_spike") for r in skipped].count(None) == len(skipped) - 1
