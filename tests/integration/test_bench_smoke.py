@@ -28,6 +28,7 @@ SMOKES = {
     "expert_parallel": [],
     "faults": [],
     "finetune": [],
+    "layer_stats": [],
     "generate": [],
     "harness": [],
     "megatron_step": [],

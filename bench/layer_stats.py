@@ -1,0 +1,154 @@
+"""What per-layer statistics cost (`--log-layer-stats N`): step time with them off, every 10 steps and every step.
+
+    .venv/bin/python bench/layer_stats.py
+    .venv/bin/python bench/layer_stats.py --rounds 7 --layers 12
+    .venv/bin/python bench/layer_stats.py --smoke  # tiny: does it still run, with the same losses in every mode?
+
+This process builds the same GPT-2-style model once per mode from the same seed and trains it in fp32 with paratron's
+training step on the same batches, as the trainer does: on a recording step the statistics watch the forwards, take
+the gradients and the update, and are reduced into the step's record (`LayerStats.finish`, then the record is
+serialized as for metrics.jsonl). The statistics only read, so every mode must give the same losses. Rounds of
+--every steps (10) alternate the modes, so drift in the machine's speed hits all of them; the time reported is the
+median over rounds of the mean step time.
+
+Writes bench/results/layer_stats.json and .md (a section for BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from common import RESULTS, add_smoke_argument, apply_smoke
+from paratron.storage import write_text_atomic
+
+
+def modes(every: int) -> dict[str, int]:
+    """Each mode's --log-layer-stats: off, every `every` steps (rounds of that many steps: one recording step each)
+    and every step."""
+    return {"off": 0, f"every {every}": every, "every 1": 1}
+
+
+def run(args: dict) -> dict:
+    """In this process (one rank): per mode, the mean step time of every round and the losses."""
+    from paratron.config import build_config
+    from paratron.debugging.layer_stats import LayerStats
+    from paratron.distributed.topology import ParallelDims, Topology
+    from paratron.model.batch import Batch
+    from paratron.model.gpt import GPT
+    from paratron.optim.build import build_optimizer
+    from paratron.optim.mixed_precision import Precision
+    from paratron.parallel.parallelize import parallelize
+    from paratron.training.step import StepOptions, train_step
+
+    torch.set_num_threads(args["threads"])
+    topology = Topology(ParallelDims(1), 0)
+    topology.create_groups()
+    config = build_config(
+        dict(
+            num_layers=args["layers"],
+            hidden_size=args["hidden_size"],
+            num_attention_heads=args["heads"],
+            seq_length=args["seq_length"],
+            max_position_embeddings=args["seq_length"],
+            vocab_size=8192,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            mock_data=True,
+            seed=3,
+        )
+    )
+    models = {}
+    for mode, every in modes(args["every"]).items():
+        with torch.device("meta"):
+            meta = GPT(config.model)
+        model = parallelize(meta, config, topology, torch.device("cpu"))
+        optimizer = build_optimizer(model, config.optimizer)
+        models[mode] = (model, optimizer, LayerStats(model, optimizer, sequence_parallel=False, every=every))
+    tokens = torch.randint(
+        0, 8192, (args["micro_batch_size"], args["seq_length"] + 1), generator=torch.Generator().manual_seed(0)
+    )
+    batches = [Batch(tokens[:, :-1], tokens[:, 1:])]
+    precision = Precision("fp32")
+    result = {mode: {"times": [], "losses": [], "keys": 0} for mode in models}
+
+    def step(mode: str) -> None:
+        model, optimizer, stats = models[mode]
+        number = len(result[mode]["losses"]) + 1
+        options = StepOptions(layer_stats=stats if stats.due(number) else None)
+        loss = train_step(model, optimizer, batches, precision, 1.0, options=options).loss
+        if options.layer_stats is not None:
+            record = {"step": number, **options.layer_stats.finish()}
+            json.dumps(record)  # (as the record is written to metrics.jsonl)
+            result[mode]["keys"] = len(record) - 1
+        result[mode]["losses"].append(float(loss))
+
+    for _ in range(args["rounds"]):
+        for mode in models:
+            started = time.perf_counter()
+            for _ in range(args["every"]):
+                step(mode)
+            result[mode]["times"].append((time.perf_counter() - started) / args["every"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--every", type=int, default=10, help="the sparse mode's --log-layer-stats (steps per round)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=RESULTS / "layer_stats.json")
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    apply_smoke(args, parser, layers=2, hidden_size=32, heads=2, seq_length=16, micro_batch_size=2, rounds=1, every=2)
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "smoke")}
+    result = run(settings)
+    base = statistics.median(result["off"]["times"])
+    rows = []
+    for mode, r in result.items():
+        median = statistics.median(r["times"])
+        same = r["losses"] == result["off"]["losses"]
+        rows.append(dict(mode=mode, step_s=median, ratio=median / base, keys=r["keys"], same_losses=same))
+        print(f"{mode:8s} {median:.4f} s/step ({median / base:.3f}x), {r['keys']} keys, same losses: {same}")
+    assert all(r["same_losses"] for r in rows), "recording layer statistics changed the losses"
+    assert rows[0]["keys"] == 0 and rows[1]["keys"] == rows[2]["keys"] > 4 * args.layers, "statistics went missing"
+    command = "python bench/layer_stats.py" + "".join(
+        f" --{k.replace('_', '-')} {v}" for k, v in settings.items() if v != parser.get_default(k)
+    )
+    payload = {"command": command, "settings": settings, "torch": torch.__version__, "rows": rows, "raw": result}
+    lines = [
+        "## Per-layer statistics: their cost in step time",
+        "",
+        f"`{command}` (writes bench/results/layer_stats.json): a GPT-2-style model ({args.layers} layers, hidden "
+        f"{args.hidden_size}, {args.heads} heads, sequence {args.seq_length}, micro-batch {args.micro_batch_size}), "
+        f"fp32, one process, {args.threads} threads, paratron's training step; median over {args.rounds} alternating "
+        f"rounds of {args.every} steps of the mean step time. A recording step also reduces the statistics into the "
+        "step's record.",
+        "",
+        "| --log-layer-stats | step time (s) | vs off | statistics per record | losses equal to off |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['step_s']:.4f} | {r['ratio']:.3f} | {r['keys']} | "
+            f"{'yes' if r['same_losses'] else 'no'} |"
+        )
+    text = "\n".join(lines) + "\n"
+    write_text_atomic(args.output, json.dumps(payload, indent=1))
+    write_text_atomic(args.output.with_suffix(".md"), text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
