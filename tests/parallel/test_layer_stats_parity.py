@@ -1,8 +1,8 @@
 """Per-layer statistics (--log-layer-stats) are the single process's at other layouts: activation RMS and largest
 magnitude, gradient norms, update ratios and router entropies of every layer of a mixture-of-experts model with tied
 embeddings, within fp32 tolerance, at tensor x sequence x interleaved pipeline parallelism (the tied output weight a
-pipeline duplicate, the logits split by vocabulary) and at expert x data parallelism with ZeRO-2 and tensor
-parallelism without sequence parallelism (the residual stream held twice)."""
+pipeline duplicate, the logits split by vocabulary), at expert x data parallelism with ZeRO-2 and tensor parallelism
+without sequence parallelism (the residual stream held twice), and at ZeRO-3 (FSDP2's shards) x tensor parallelism."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ LAYOUTS = {
         num_layers_per_virtual_pipeline_stage=1,
     ),
     "ep2-dp2-zero2-tp2": dict(expert_model_parallel_size=2, zero_stage=2, tensor_model_parallel_size=2),
+    "dp2-zero3-tp2": dict(zero_stage=3, tensor_model_parallel_size=2),
 }
 
 
@@ -61,7 +62,7 @@ def layer_records(run_dir: str, layout: dict) -> list[dict]:
 
 
 def records_of_layouts(run_dir: str) -> dict[str, list[dict]]:
-    """Each layout's records, one after the other on one process group (one spawn for both)."""
+    """Each layout's records, one after the other on one process group (one spawn for all)."""
     initialize("gloo")
     return {name: layer_records(f"{run_dir}/{name}", layout) for name, layout in LAYOUTS.items()}
 

@@ -262,7 +262,7 @@ class LayerStats:
         parameter_sums = self.sums[: len(self.names), 2:5].clone()
         activations = self.sums.clone()
         activations[: len(self.names), 2:] = 0
-        if self.group is not None and self.weights is not None:  # (no weights: this rank holds every gradient whole)
+        if self.group is not None:  # (the gradient norm's group: every rank of it holds some of the gradients)
             both = torch.cat([parameter_sums, params.unsqueeze(1)], dim=1)
             comm.all_reduce(both, self.group)
             parameter_sums, params = both[:, :3], both[:, 3]
