@@ -4,11 +4,12 @@
     .venv/bin/python bench/layer_stats.py --rounds 7 --layers 12
     .venv/bin/python bench/layer_stats.py --smoke  # tiny: does it still run, with the same losses in every mode?
 
-This process builds the same GPT-2-style model once per mode from the same seed and trains it in fp32 with paratron's
-training step on the same batches, as the trainer does: on a recording step the statistics watch the forwards, take
-the gradients and the update, and are reduced into the step's record (`LayerStats.finish`, then the record is
-serialized as for metrics.jsonl). The statistics only read, so every mode must give the same losses. Rounds of
---every steps (10) alternate the modes, so drift in the machine's speed hits all of them; the time reported is the
+This process trains a GPT-2-style model in fp32 with paratron's training step, as the trainer does: on a recording
+step the statistics watch the forwards, take the gradients and the update, and are reduced into the step's record
+(`LayerStats.finish`, then the record is serialized as for metrics.jsonl). The statistics only read: a fresh model per
+mode, from the same seed, must give the same losses on the same batches. The times come from one model (so that
+where each model's memory happens to lie does not weigh in), in rounds of --every steps (10) of each mode in turn,
+each round beginning with the next mode, so drift in the machine's speed hits all of them; the time reported is the
 median over rounds of the mean step time.
 
 Writes bench/results/layer_stats.json and .md (a section for BENCHMARKS.md).
@@ -21,6 +22,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,36 +65,44 @@ def run(args: dict) -> dict:
             seed=3,
         )
     )
-    models = {}
-    for mode, every in modes(args["every"]).items():
+
+    def build() -> tuple:
         with torch.device("meta"):
             meta = GPT(config.model)
         model = parallelize(meta, config, topology, torch.device("cpu"))
-        optimizer = build_optimizer(model, config.optimizer)
-        models[mode] = (model, optimizer, LayerStats(model, optimizer, sequence_parallel=False, every=every))
+        return model, build_optimizer(model, config.optimizer)
+
     tokens = torch.randint(
         0, 8192, (args["micro_batch_size"], args["seq_length"] + 1), generator=torch.Generator().manual_seed(0)
     )
     batches = [Batch(tokens[:, :-1], tokens[:, 1:])]
     precision = Precision("fp32")
-    result = {mode: {"times": [], "losses": [], "keys": 0} for mode in models}
+    every = modes(args["every"])
+    result = {mode: {"times": [], "losses": [], "keys": 0} for mode in every}
 
-    def step(mode: str) -> None:
-        model, optimizer, stats = models[mode]
-        number = len(result[mode]["losses"]) + 1
+    def step(model: Any, optimizer: Any, stats: Any, number: int, mode: str) -> float:
         options = StepOptions(layer_stats=stats if stats.due(number) else None)
-        loss = train_step(model, optimizer, batches, precision, 1.0, options=options).loss
+        loss = float(train_step(model, optimizer, batches, precision, 1.0, options=options).loss)
         if options.layer_stats is not None:
             record = {"step": number, **options.layer_stats.finish()}
             json.dumps(record)  # (as the record is written to metrics.jsonl)
             result[mode]["keys"] = len(record) - 1
-        result[mode]["losses"].append(float(loss))
+        return loss
 
-    for _ in range(args["rounds"]):
-        for mode in models:
+    # the losses: a fresh model per mode, the same steps
+    for mode, n in every.items():
+        model, optimizer = build()
+        stats = LayerStats(model, optimizer, sequence_parallel=False, every=n)
+        result[mode]["losses"] = [step(model, optimizer, stats, i, mode) for i in range(1, args["every"] + 1)]
+    # the times: one model, rounds of each mode in turn (each round begins with the next mode)
+    model, optimizer = build()
+    stats = {mode: LayerStats(model, optimizer, sequence_parallel=False, every=n) for mode, n in every.items()}
+    names = list(every)
+    for round_ in range(args["rounds"]):
+        for mode in names[round_ % 3 :] + names[: round_ % 3]:
             started = time.perf_counter()
-            for _ in range(args["every"]):
-                step(mode)
+            for i in range(1, args["every"] + 1):
+                step(model, optimizer, stats[mode], i, mode)
             result[mode]["times"].append((time.perf_counter() - started) / args["every"])
     return result
 
@@ -100,13 +110,13 @@ def run(args: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--every", type=int, default=10, help="the sparse mode's --log-layer-stats (steps per round)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, default=RESULTS / "layer_stats.json")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
@@ -132,9 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"`{command}` (writes bench/results/layer_stats.json): a GPT-2-style model ({args.layers} layers, hidden "
         f"{args.hidden_size}, {args.heads} heads, sequence {args.seq_length}, micro-batch {args.micro_batch_size}), "
-        f"fp32, one process, {args.threads} threads, paratron's training step; median over {args.rounds} alternating "
-        f"rounds of {args.every} steps of the mean step time. A recording step also reduces the statistics into the "
-        "step's record.",
+        f"fp32, one process, {args.threads} thread(s), paratron's training step on one model; median over "
+        f"{args.rounds} rounds of {args.every} steps of each mode in turn of the mean step time. A recording step also "
+        "reduces the statistics into the step's record. Losses: a fresh model per mode, the same steps.",
         "",
         "| --log-layer-stats | step time (s) | vs off | statistics per record | losses equal to off |",
         "|---|---:|---:|---:|---|",

@@ -61,10 +61,21 @@ def layer_records(run_dir: str, layout: dict) -> list[dict]:
     ]
 
 
-def records_of_layouts(run_dir: str) -> dict[str, list[dict]]:
-    """Each layout's records, one after the other on one process group (one spawn for all)."""
+SPIKED = dict(
+    LAYOUTS["tp2-sp-pp2-interleaved"],
+    loss_spike_zscore=6.0,
+    loss_spike_window=2,
+    on_spike="skip",
+    fault_inject=["2:3:spike"],  # (rank 2: tensor-parallel rank 0 of the last stage, which holds the whole vocabulary)
+)
+"""A loss spike on one rank of four: every rank must judge the global loss and withhold the step together."""
+
+
+def records_of_layouts(run_dir: str) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Each layout's records, and the spiked run's, one after the other on one process group (one spawn for all)."""
     initialize("gloo")
-    return {name: layer_records(f"{run_dir}/{name}", layout) for name, layout in LAYOUTS.items()}
+    layouts = {name: layer_records(f"{run_dir}/{name}", layout) for name, layout in LAYOUTS.items()}
+    return layouts, training_records(settings(f"{run_dir}/spiked", **SPIKED))
 
 
 @pytest.mark.spawns
@@ -80,9 +91,14 @@ def test_layer_statistics_at_other_layouts_equal_one_process(tmp_path):
         squares = sum(value**2 for key, value in r.items() if key.endswith("/grad_norm") and key != "grad_norm")
         assert squares**0.5 == pytest.approx(r["grad_norm"], rel=1e-5)
     assert all(0 < r[f"{PREFIX}layers.1/router_entropy"] < 1.3863 for r in single)  # (below log 4: not uniform)
-    for name, ours in run_ranks(records_of_layouts, 4, str(tmp_path))[0].items():
+    layouts, spiked = run_ranks(records_of_layouts, 4, str(tmp_path))[0]
+    for name, ours in layouts.items():
         assert [r["step"] for r in ours] == [1, 2, 3], name
         for mine, theirs in zip(ours, single):
             assert set(mine) == set(theirs), name
             for key, value in theirs.items():
                 assert mine[key] == pytest.approx(value, rel=2e-5, abs=1e-7), f"{name} step {mine['step']}: {key}"
+    assert [r.get("loss_spike") is not None for r in spiked] == [False, False, True]
+    assert [r["skipped_iterations"] for r in spiked] == [0, 0, 1] and spiked[2]["loss"] > 2 * spiked[1]["loss"]
+    assert {v for k, v in spiked[2].items() if k.endswith("/update_ratio")} == {0.0}  # (withheld on every rank)
+    assert spiked[1][f"{PREFIX}layers.0/act_rms"] == pytest.approx(single[1][f"{PREFIX}layers.0/act_rms"], rel=2e-5)

@@ -1,4 +1,5 @@
-"""The loss-spike detector (debugging/loss_spike.py): its window, z-score and decisions, and the settings' checks."""
+"""The loss-spike detector (debugging/loss_spike.py): its window, z-score and decisions; the settings' checks and the
+spike fault of drills."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from paratron.config import build_config
 from paratron.config.faults import parse_faults
 from paratron.config.validation import validate
 from paratron.debugging.loss_spike import SpikeDetector
+from paratron.distributed.topology import RankGroup
 from paratron.errors import ConfigError
+from paratron.training.faults import SPIKE_SCALE, AttemptFault, check_spike_fault
 
 
 def test_nothing_is_judged_before_the_window_is_full():
@@ -85,3 +89,38 @@ def test_spike_is_a_fault_kind():
     assert parse_faults(["0:15:spike"])[0].kind == "spike"
     with pytest.raises(ConfigError, match="KIND one of crash, hang, nan, slow, spike"):
         parse_faults(["0:15:spikes"])
+
+
+class Stage(torch.nn.Module):
+    """A pipeline stage's model part: with the output layer (the last stage) or without."""
+
+    def __init__(self, last: bool) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4)
+        self.output = torch.nn.Linear(4, 8) if last else None
+
+
+def test_a_spike_fault_must_name_a_rank_that_computes_logits():
+    solo = RankGroup.solo()
+    with pytest.raises(
+        ConfigError, match=r"^--fault-inject 0:3:spike: rank 0 computes no logits .* last pipeline stage$"
+    ):
+        check_spike_fault(["0:3:spike"], 0, 0, Stage(last=False), solo)
+    check_spike_fault(["0:3:spike"], 0, 0, Stage(last=True), solo)
+    check_spike_fault(["1:3:spike"], 0, 0, Stage(last=False), solo)  # (another rank's: that one checks)
+    check_spike_fault(["0:3:nan", "0:3:spike"], 0, 0, Stage(last=False), solo)  # (the second attempt's)
+    with pytest.raises(ConfigError):
+        check_spike_fault(["0:3:nan", "0:3:spike"], 1, 0, Stage(last=False), solo)
+
+
+def test_a_spike_fault_scales_the_logits_of_its_step_only():
+    stage = Stage(last=True)
+    x = torch.randn(3, 4)
+    plain = stage.output(stage.norm(x))
+    fault = AttemptFault(["0:2:spike"], 0, 0)
+    with fault.at(1, stage):
+        assert torch.equal(stage.output(stage.norm(x)), plain)
+    with fault.at(2, stage):
+        assert torch.allclose(stage.output(stage.norm(x)), SPIKE_SCALE * plain)
+    with fault.at(2, stage):  # (fired once: a rollback that passes the step again does not fire it again)
+        assert torch.equal(stage.output(stage.norm(x)), plain)

@@ -26,7 +26,7 @@ from paratron.debugging.layer_stats import LayerStats
 from paratron.debugging.loss_spike import Spike, SpikeDetector
 from paratron.distributed.init import DistributedContext, release_unused_memory
 from paratron.distributed.launch import restart_count
-from paratron.distributed.topology import Topology
+from paratron.distributed.topology import Axis, Topology
 from paratron.distributed.watchdog import Watchdog
 from paratron.errors import NonFiniteStop
 from paratron.model.batch import Batch
@@ -39,7 +39,7 @@ from paratron.parallel.pipeline.profile import profile_step
 from paratron.parallel.pipeline.schedules import build_schedule
 from paratron.training.evaluate import task_loss_sums
 from paratron.training.exit import ExitConditions
-from paratron.training.faults import AttemptFault
+from paratron.training.faults import AttemptFault, check_spike_fault
 from paratron.training.memory import SavedActivations, rank_memory, report_memory
 from paratron.training.metrics import TASK_PREFIX, MetricsWriter, ProgressLog, tensorboard_folder
 from paratron.training.nonfinite import first_report, watching
@@ -88,6 +88,7 @@ class Trainer:
         self.documents = DocumentLayout.of(d, config.model, tokenizer.eod_id if tokenizer is not None else None)
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.fault = AttemptFault(t.fault_inject, restart_count(), ctx.rank)
+        check_spike_fault(t.fault_inject, restart_count(), ctx.rank, model.module, topology.group(Axis.WORLD))
         self.skip_batch_at: set[int] = set()  # iterations whose batch a rollback leaves out
         self.timers = StepTimers(lg.timing_log_level, ctx.device)  # --timing-log-level's timers of this rank
         self.profiler = StepProfiler(lg, ctx.rank, ctx.device, tensorboard_folder(Path(lg.run_dir), lg))
