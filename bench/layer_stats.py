@@ -21,13 +21,24 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from common import RESULTS, add_smoke_argument, apply_smoke
+from paratron.config import build_config
+from paratron.debugging.layer_stats import LayerStats
+from paratron.distributed.topology import ParallelDims, Topology
+from paratron.model.batch import Batch
+from paratron.model.gpt import GPT
+from paratron.optim.build import build_optimizer
+from paratron.optim.mixed_precision import Precision
+from paratron.optim.protocol import TrainingOptimizer
+from paratron.parallel.model import ParallelModel
+from paratron.parallel.parallelize import parallelize
 from paratron.storage import write_text_atomic
+from paratron.training.step import StepOptions, train_step
 
 
 def modes(every: int) -> dict[str, int]:
@@ -36,26 +47,14 @@ def modes(every: int) -> dict[str, int]:
     return {"off": 0, f"every {every}": every, "every 1": 1}
 
 
-def run(args: dict) -> dict:
-    """In this process (one rank): per mode, the mean step time of every round and the losses."""
-    from paratron.config import build_config
-    from paratron.debugging.layer_stats import LayerStats
-    from paratron.distributed.topology import ParallelDims, Topology
-    from paratron.model.batch import Batch
-    from paratron.model.gpt import GPT
-    from paratron.optim.build import build_optimizer
-    from paratron.optim.mixed_precision import Precision
-    from paratron.parallel.parallelize import parallelize
-    from paratron.training.step import StepOptions, train_step
-
-    torch.set_num_threads(args["threads"])
+def model_builder(args: dict) -> Callable[[], tuple[ParallelModel, TrainingOptimizer]]:
+    """What builds the benchmark's model and its optimizer, the same each time (one process)."""
     topology = Topology(ParallelDims(1), 0)
     topology.create_groups()
+    shape = dict(num_layers=args["layers"], hidden_size=args["hidden_size"], num_attention_heads=args["heads"])
     config = build_config(
         dict(
-            num_layers=args["layers"],
-            hidden_size=args["hidden_size"],
-            num_attention_heads=args["heads"],
+            shape,
             seq_length=args["seq_length"],
             max_position_embeddings=args["seq_length"],
             vocab_size=8192,
@@ -66,12 +65,19 @@ def run(args: dict) -> dict:
         )
     )
 
-    def build() -> tuple:
+    def build() -> tuple[ParallelModel, TrainingOptimizer]:
         with torch.device("meta"):
             meta = GPT(config.model)
         model = parallelize(meta, config, topology, torch.device("cpu"))
         return model, build_optimizer(model, config.optimizer)
 
+    return build
+
+
+def run(args: dict) -> dict:
+    """In this process (one rank): per mode, the mean step time of every round and the losses."""
+    torch.set_num_threads(args["threads"])
+    build = model_builder(args)
     tokens = torch.randint(
         0, 8192, (args["micro_batch_size"], args["seq_length"] + 1), generator=torch.Generator().manual_seed(0)
     )
@@ -80,7 +86,7 @@ def run(args: dict) -> dict:
     every = modes(args["every"])
     result = {mode: {"times": [], "losses": [], "keys": 0} for mode in every}
 
-    def step(model: Any, optimizer: Any, stats: Any, number: int, mode: str) -> float:
+    def step(model: ParallelModel, optimizer: TrainingOptimizer, stats: LayerStats, number: int, mode: str) -> float:
         options = StepOptions(layer_stats=stats if stats.due(number) else None)
         loss = float(train_step(model, optimizer, batches, precision, 1.0, options=options).loss)
         if options.layer_stats is not None:
