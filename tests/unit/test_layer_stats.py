@@ -5,10 +5,12 @@ after the step, and torch's own entropy of the router's distributions."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from paratron.debugging.layer_stats import LayerStats, finish_statistics, layer_names, layer_of
 from paratron.distributed.topology import ParallelDims, Topology
@@ -18,6 +20,7 @@ from paratron.model.moe import MoELayer
 from paratron.optim.build import build_optimizer
 from paratron.optim.mixed_precision import Precision
 from paratron.parallel import parallelize
+from paratron.training.run import run_training
 from paratron.training.step import StepOptions, train_step
 
 from tiny import tiny_config
@@ -126,3 +129,17 @@ def test_router_entropy_is_the_mean_entropy_of_the_token_distributions(tmp_path)
     assert record["layers/layers.1/router_entropy"] == pytest.approx(expected, rel=1e-5)
     assert 0 < expected < math.log(4) + 1e-6
     assert "layers/layers.0/router_entropy" not in record  # (a dense layer)
+
+
+def test_recording_steps_are_logged_to_metrics_and_tensorboard(tmp_path):
+    """--log-layer-stats 2 with --log-interval 5: steps 2 and 4 record statistics (and are logged for them), step 5
+    is logged for the interval, without them."""
+    config = tiny_config(tmp_path, train_iters=5, log_interval=5, log_layer_stats=2, tensorboard=True)
+    run_training(config)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "layers/layers.1/act_rms" in r) for r in records] == [(2, True), (4, True), (5, False)]
+    events = EventAccumulator(str(next((tmp_path / "tensorboard").glob("events.out.tfevents.*"))))
+    logged = events.Reload().Scalars("train/layers/layers.1/grad_norm")
+    assert [(e.step, e.value) for e in logged] == [
+        (r["step"], pytest.approx(r["layers/layers.1/grad_norm"])) for r in records[:2]
+    ]
