@@ -543,7 +543,7 @@ def _check_megatron_model_features(config: Config) -> None:
 
 
 def _check_loss_spikes(config: Config) -> None:
-    """--loss-spike-zscore's window must give a standard deviation, and --on-spike rollback a checkpoint to go back to."""
+    """--loss-spike-zscore's window must give a standard deviation, --on-spike rollback a checkpoint to go back to."""
     t = config.training
     if t.loss_spike_zscore is None:
         return
