@@ -30,6 +30,7 @@ SMOKES = {
     "expert_parallel": [],
     "faults": [],
     "finetune": [],
+    "layer_stats": [],
     "generate": [],
     "harness": [],
     "megatron_step": [],

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from paratron.config.fields import flag
 from paratron.errors import ConfigError
 
-KINDS = ("crash", "hang", "nan", "slow")
+KINDS = ("crash", "hang", "nan", "slow", "spike")
 _SPEC = re.compile(r"^(\d+):(\d+):(\w+)$")
 
 

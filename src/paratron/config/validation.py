@@ -58,6 +58,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     check_eval_tasks(config, layout)
     _check_debug_capture(config)
     parse_faults(config.training.fault_inject, world_size)
+    _check_loss_spikes(config)
     if check_data:
         _check_data(config.data, config.training, config.model)
     return layout
@@ -556,4 +557,21 @@ def _check_debug_capture(config: Config) -> None:
         raise ConfigError(
             f"{flag.debug_capture} does not assemble experts split over ranks; compare with "
             f"{flag.expert_model_parallel_size} 1"
+        )
+
+
+def _check_loss_spikes(config: Config) -> None:
+    """--loss-spike-zscore's window must give a standard deviation, --on-spike rollback a checkpoint to go back to."""
+    t = config.training
+    if t.loss_spike_zscore is None:
+        return
+    if t.loss_spike_window < 2:
+        raise ConfigError(
+            f"{flag.loss_spike_window} {t.loss_spike_window}: a loss spike is judged against the spread of at least "
+            f"2 recent losses; give {flag.loss_spike_window} 2 or more (50 by default)"
+        )
+    if t.on_spike == "rollback" and not config.checkpoint.save:
+        raise ConfigError(
+            f"{flag.on_spike} rollback reloads the newest checkpoint of {flag.save}: give {flag.save} DIR "
+            f"(and {flag.save_interval} N), or choose {flag.on_spike} warn or skip"
         )

@@ -14,11 +14,18 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from paratron.config.faults import Fault, parse_faults
+from paratron.config.fields import flag
+from paratron.distributed import comm
+from paratron.distributed.topology import RankGroup
+from paratron.errors import ConfigError
 
 SLOW_SECONDS = 2.0
+SPIKE_SCALE = 30.0
+"""A spike fault multiplies the step's logits by this (the loss jumps; its gradients with it)."""
 
 
 def fault_of_attempt(specs: list[str], attempt: int, rank: int) -> Fault | None:
@@ -32,7 +39,7 @@ def fault_of_attempt(specs: list[str], attempt: int, rank: int) -> Fault | None:
 def injected(fault: Fault | None, step: int, module: nn.Module) -> Iterator[None]:
     """Around one training step: fire `fault` if this is its step. crash and hang happen before
     the step, slow sleeps before it, nan makes the forward output of the first layer with weights
-    that runs NaN during it."""
+    that runs NaN during it, spike scales the logits by SPIKE_SCALE during it."""
     if fault is None or fault.step != step:
         yield
         return
@@ -43,7 +50,11 @@ def injected(fault: Fault | None, step: int, module: nn.Module) -> Iterator[None
             time.sleep(3600)
     if fault.kind == "slow":
         time.sleep(SLOW_SECONDS)
-    handles = _poison_first_called(module) if fault.kind == "nan" else []
+    handles = []
+    if fault.kind == "nan":
+        handles = _poison_first_called(module, float("nan"))
+    elif fault.kind == "spike":  # (its rank computes logits: `check_spike_fault`)
+        handles = [module.output.register_forward_hook(_scaled(SPIKE_SCALE))]
     try:
         yield
     finally:
@@ -51,22 +62,48 @@ def injected(fault: Fault | None, step: int, module: nn.Module) -> Iterator[None
             handle.remove()
 
 
-def _poison_first_called(module: nn.Module) -> list[Any]:
+def _scaled(factor: float) -> Any:
+    """A forward hook that multiplies a layer's output (its first tensor) by `factor`."""
+
+    def scale(layer: nn.Module, inputs: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (output[0] * factor, *output[1:])
+        return output * factor
+
+    return scale
+
+
+def _poison_first_called(module: nn.Module, factor: float) -> list[Any]:
     """Forward hooks on every layer with weights of `module`: the first one to run (the embedding
-    on the first pipeline stage) has its output, its first tensor, multiplied by NaN from then on."""
+    on the first pipeline stage) has its output, its first tensor, multiplied by `factor` from then on."""
     chosen: list[nn.Module] = []
+    scale = _scaled(factor)
 
     def poison(layer: nn.Module, inputs: Any, output: Any) -> Any:
         if not chosen:
             chosen.append(layer)
-        if layer is not chosen[0]:
-            return None
-        if isinstance(output, tuple):
-            return (output[0] * float("nan"), *output[1:])
-        return output * float("nan")
+        return scale(layer, inputs, output) if layer is chosen[0] else None
 
     leaves = [m for m in module.modules() if not any(m.children()) and any(True for _ in m.parameters(False))]
     return [leaf.register_forward_hook(poison) for leaf in leaves]
+
+
+def check_spike_fault(specs: list[str], attempt: int, rank: int, module: nn.Module, world: RankGroup) -> None:
+    """A spike fault scales logits, which only the ranks holding the output layer compute: ConfigError, the same
+    one line on every rank (one all-reduce over `world`), when this attempt's names a rank without it (a pipeline
+    stage before the last); nothing to do for other faults."""
+    faults = parse_faults(specs)
+    fault = faults[attempt] if attempt < len(faults) else None
+    if fault is None or fault.kind != "spike":
+        return
+    device = next(module.parameters()).device
+    missing = torch.tensor(float(fault.rank == rank and getattr(module, "output", None) is None), device=device)
+    comm.all_reduce(missing, world)
+    if missing.item():
+        raise ConfigError(
+            f"{flag.fault_inject} {fault.rank}:{fault.step}:spike: rank {fault.rank} computes no logits (its pipeline "
+            "stage is not the last); name a rank of the last pipeline stage"
+        )
 
 
 class AttemptFault:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from paratron.config.layout import Layout
@@ -22,10 +23,12 @@ from paratron.data.build import DataBundle
 from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
 from paratron.debugging.capture import install_capture
+from paratron.debugging.layer_stats import LayerStats
+from paratron.debugging.loss_spike import Spike, SpikeDetector
 from paratron.debugging.stragglers import StragglerDetector
 from paratron.distributed.init import DistributedContext, release_unused_memory
 from paratron.distributed.launch import restart_count
-from paratron.distributed.topology import Topology
+from paratron.distributed.topology import Axis, Topology
 from paratron.distributed.watchdog import Watchdog
 from paratron.errors import NonFiniteStop
 from paratron.model.batch import Batch
@@ -38,7 +41,7 @@ from paratron.parallel.pipeline.profile import profile_step
 from paratron.parallel.pipeline.schedules import build_schedule
 from paratron.training.evaluate import task_loss_sums
 from paratron.training.exit import ExitConditions
-from paratron.training.faults import AttemptFault
+from paratron.training.faults import AttemptFault, check_spike_fault
 from paratron.training.memory import SavedActivations, rank_memory, report_memory
 from paratron.training.metrics import TASK_PREFIX, MetricsWriter, ProgressLog, tensorboard_folder
 from paratron.training.nonfinite import first_report, watching
@@ -87,6 +90,7 @@ class Trainer:
         self.documents = DocumentLayout.of(d, config.model, tokenizer.eod_id if tokenizer is not None else None)
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.fault = AttemptFault(t.fault_inject, restart_count(), ctx.rank)
+        check_spike_fault(t.fault_inject, restart_count(), ctx.rank, model.module, topology.group(Axis.WORLD))
         self.skip_batch_at: set[int] = set()  # iterations whose batch a rollback leaves out
         self.capture = install_capture(
             config, topology, model, lambda: self.precision.loss_scale, layout.global_batch_size
@@ -111,6 +115,12 @@ class Trainer:
         self.saver = CheckpointSaver(config, topology, model, optimizer, data.tokenizer, self.restorer, writer)
         self.eval_tasks: TrainingTasks | None = None
         """--eval-tasks' runner, made at the first evaluation."""
+        self.layer_stats = LayerStats(model, optimizer, config.parallel.sequence_parallel, lg.log_layer_stats)
+        self.spikes = SpikeDetector(t.loss_spike_zscore, t.loss_spike_window) if t.loss_spike_zscore else None
+        self.spike: Spike | None = None
+        """The loss spike of the step just run (--loss-spike-zscore), if it was one."""
+        if self.spikes is not None:
+            self.step_options.withhold = self._judge_loss
 
     @property
     def global_batch_size(self) -> int:
@@ -141,11 +151,15 @@ class Trainer:
                 if result.nonfinite and self._after_nonfinite(iteration, result.nonfinite_where, window):
                     iteration = self.state.iteration  # rolled back: go on after the checkpoint
                     continue
+                spike, self.spike = self.spike, None
+                if spike is not None and self._after_spike(spike, window):
+                    iteration = self.state.iteration
+                    continue
                 stopping = exits.reason(iteration)
                 last = iteration == end
-                tasks = self._evaluate_tasks(iteration, last, window)
-                if iteration % self.config.logging.log_interval == 0 or last or stopping or tasks is not None:
-                    self.logger.log(iteration, lr, result, window, self.state, tasks)
+                extra = self._step_extra(self._evaluate_tasks(iteration, last, window), spike)
+                if iteration % self.config.logging.log_interval == 0 or last or stopping or extra is not None:
+                    self.logger.log(iteration, lr, result, window, self.state, extra)
                 self._evaluate(iteration, last, window)
                 self._save(iteration, last or bool(stopping), window)
                 if stopping and not last:
@@ -171,6 +185,7 @@ class Trainer:
             self.skip_batch_at.discard(iteration)
             state.consumed_samples += self._plan_at(state.consumed_samples).global_batch_size
         plan = self._plan_at(state.consumed_samples)
+        self.step_options.layer_stats = self.layer_stats if self.layer_stats.due(iteration) else None
         with self.timers.time("batch-generator"):
             batches = micro_batches(self.data.train, plan, state.consumed_samples, self.ctx.device, self.documents)
         pipeline = self.model.pipeline
@@ -216,7 +231,7 @@ class Trainer:
         state = self.state
         state.iteration = iteration
         state.consumed_samples += plan.global_batch_size
-        if not (result.skipped or result.nonfinite):  # (as Megatron-LM: the schedule moves with applied steps)
+        if not (result.skipped or result.nonfinite or result.withheld):  # (as Megatron-LM: moves with applied steps)
             state.lr_samples += plan.global_batch_size
         if not result.nonfinite:  # (a non-finite loss would hide the interval's others)
             window.add(result, plan.global_batch_size)
@@ -262,21 +277,57 @@ class Trainer:
             self.writer.info(f"{what}; step skipped (--on-nan skip)")
             return False
         if how == "rollback" and save:
-            self.saver.finish()
-            plan = rollback_plan(Path(save))
-            if plan.checkpoint is not None:
-                self.writer.info(
-                    f"{what}; back to {plan.checkpoint.path}, without this step's batch (--on-nan rollback)"
-                )
-                self.restore(plan)
-                self.skip_batch_at.add(iteration)
-                self.writer.rewind(plan.checkpoint.iteration)
-                window.restart()
+            if self._roll_back(iteration, what, "--on-nan rollback", window):
                 return True
             what += "; no checkpoint in --save to roll back to"
         elif how == "rollback":
             what += "; --on-nan rollback needs --save"
         raise NonFiniteStop(f"{what}; stopped (--on-nan {how})")
+
+    def _roll_back(self, iteration: int, what: str, why: str, window: StepWindow) -> bool:
+        """Reload the newest checkpoint of --save and go on without step `iteration`'s batch (False: there is none)."""
+        self.saver.finish()
+        plan = rollback_plan(Path(self.config.checkpoint.save or ""))
+        if plan.checkpoint is None:
+            return False
+        self.writer.info(f"{what}; back to {plan.checkpoint.path}, without this step's batch ({why})")
+        self.restore(plan)
+        self.skip_batch_at.add(iteration)
+        self.writer.rewind(plan.checkpoint.iteration)
+        window.restart()
+        if self.spikes is not None:
+            self.spikes.rewind(plan.checkpoint.iteration)
+        return True
+
+    def _judge_loss(self, loss: torch.Tensor) -> bool:
+        """--loss-spike-zscore, before the optimizer steps: the step's global loss judged (the same on every rank);
+        True withholds the step (--on-spike skip or rollback)."""
+        assert self.spikes is not None
+        self.spike = self.spikes.judge(self.state.iteration + 1, self.logger.dp_mean(loss))
+        return self.spike is not None and self.config.training.on_spike != "warn"
+
+    def _after_spike(self, spike: Spike, window: StepWindow) -> bool:
+        """--on-spike after a loss spike: say it, then the step stays applied (warn), is skipped, or training goes
+        back to the newest checkpoint without the batch (True: rolled back; skipped when there is no checkpoint)."""
+        how, what = self.config.training.on_spike, spike.describe()
+        if how == "rollback" and self._roll_back(spike.step, what, "--on-spike rollback", window):
+            return True
+        if how != "warn":
+            self.state.skipped_iterations += 1
+        self.writer.info(f"{what}; {spike.outcome(how, self.state.skipped_iterations)}")
+        return False
+
+    def _step_extra(self, tasks: dict[str, float] | None, spike: Spike | None) -> dict[str, float] | None:
+        """What a step adds to its record beyond the usual (which makes it a logged step): --eval-tasks' metrics,
+        --log-layer-stats' statistics (collective), the z-score of a loss spike; None when nothing."""
+        extra = dict(tasks) if tasks is not None else None
+        stats = self.step_options.layer_stats
+        if stats is not None:
+            extra = {**(extra or {}), **stats.finish()}
+            self.step_options.layer_stats = None
+        if spike is not None:
+            extra = {**(extra or {}), "loss_spike": spike.zscore}
+        return extra
 
     def _after_step(self, iteration: int, window: StepWindow) -> None:
         """--profile's trace after its last step (not part of the steps' speed), --manual-gc."""

@@ -15,11 +15,13 @@ of micro-batches) computes the gradient of the same loss:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from paratron.debugging.layer_stats import LayerStats
 from paratron.distributed import comm
 from paratron.distributed.init import release_unused_memory
 from paratron.model.batch import Batch
@@ -53,6 +55,8 @@ class StepResult:
     """Zero entries of the whole model's gradients (with --log-num-zeros-in-grad; None otherwise)."""
     images: int = 0
     """Images (tiles) in this rank's micro-batches (a vision-language model's; for its FLOPs)."""
+    withheld: bool = False
+    """`StepOptions.withhold` kept the step from being applied (a loss spike under --on-spike skip or rollback)."""
 
 
 @dataclass
@@ -69,6 +73,12 @@ class StepOptions:
     after_grads: Callable[[TrainingOptimizer], None] | None = None
     """Called with the optimizer once it holds the step's reduced gradients, before unscaling and clipping
     (--debug-capture reads them there)."""
+    layer_stats: LayerStats | None = None
+    """This step's per-layer statistics (--log-layer-stats, on the steps it records): it watches the forwards and is
+    given the gradients before clipping and the weights after the update."""
+    withhold: Callable[[torch.Tensor], bool] | None = None
+    """Asked with the step's loss before the optimizer steps (--loss-spike-zscore; every rank asks): True keeps the
+    step from being applied."""
 
 
 def train_step(
@@ -85,9 +95,11 @@ def train_step(
     weights, trained = model.loss_weights(batches, per_token_loss)
     model.set_aux_loss_scale(precision.loss_scale / len(batches))  # MoE: the mean over micro-batches
     model.zero_grad()
-    with timers.time("forward-backward"):
+    stats = options.layer_stats
+    with timers.time("forward-backward"), stats.watch() if stats is not None else contextlib.nullcontext():
         # (the gradients come back complete and averaged)
         loss = model.forward_backward(batches, weights=weights, backward=precision.backward)
+    withheld = options.withhold is not None and options.withhold(loss)
     if options.empty_unused_memory_level >= 1 and options.device is not None:
         release_unused_memory(options.device)
     experts = take_expert_stats(model)
@@ -100,6 +112,8 @@ def train_step(
         with timers.time("optimizer-unscale-and-check-inf"):
             overflow = precision.unscale(grads.tensors, grads.group)
         grad_norm, nonfinite, zeros = None, False, None
+        if not overflow and stats is not None:
+            stats.take_grads(grads)
         if not overflow:
             with timers.time("optimizer-clip-main-grad"):
                 grad_norm = clip_grad_norm(grads.tensors, clip_grad, grads.group, grads.weights)
@@ -108,9 +122,11 @@ def train_step(
             if options.count_zeros:
                 with timers.time("optimizer-count-zeros"):
                     zeros = count_zeros(grads)
-            if not nonfinite:
+            if not (nonfinite or withheld):
                 with timers.time("optimizer-inner-step"):
                     optimizer.step()
+                if stats is not None:
+                    stats.take_update()
                 with timers.time("optimizer-copy-main-to-model-params"):
                     optimizer.after_step()
                 update_expert_biases(model, experts)
@@ -118,7 +134,9 @@ def train_step(
     if options.empty_unused_memory_level >= 2 and options.device is not None:
         release_unused_memory(options.device)
     images = sum(batch.images.size(0) for batch in batches if batch.images is not None)
-    return StepResult(loss, grad_norm, overflow, trained, experts, nonfinite, num_zeros_in_grad=zeros, images=images)
+    result = StepResult(loss, grad_norm, overflow, trained, experts, nonfinite, num_zeros_in_grad=zeros, images=images)
+    result.withheld = withheld
+    return result
 
 
 def count_zeros(grads: GradsForNorm) -> torch.Tensor:
