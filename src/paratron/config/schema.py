@@ -930,8 +930,9 @@ class TrainingConfig:
 
     fault_inject: list[str] = field(default_factory=list)
     """Faults for drills and tests, RANK:STEP:KIND each, KIND one of crash (the process dies by SIGKILL), hang (it
-    stops answering), nan (its forward output turns NaN) or slow (it sleeps 2 s); the first fires in the first run,
-    the next after the first restart, and so on."""
+    stops answering), nan (its forward output turns NaN), slow (it sleeps 2 s) or spike (its logits are scaled by 30
+    for that step, so the loss jumps; a rank of the last pipeline stage); the first fires in the first run, the next
+    after the first restart, and so on."""
 
     recompute_granularity: Literal["full", "selective"] | None = None
     """Recompute activations in backward instead of keeping them: full (whole layers, see --recompute-method) or
