@@ -334,8 +334,7 @@ class DebugCapture:
             )
 
     def _owns_gradient(self, param: torch.Tensor) -> bool:
-        coords = dict(self.topology.coords, cp=self.cp_rank)
-        return owns_gradient(param_info(param), is_sharded(param), self.zero_stage, coords)
+        return owns_gradient(param_info(param), is_sharded(param), self.zero_stage, self.topology.coords)
 
     def _gather(self, pieces: list[Piece]) -> list[Captured]:
         everyone: list[Any] = [pieces]
