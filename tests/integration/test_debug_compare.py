@@ -1,5 +1,7 @@
-"""`paratron debug compare` end to end: tensor parallelism agrees with one process; a defect planted
-in one tensor-parallel layer, or in a module of the second pipeline stage, is named exactly.
+"""`paratron debug compare` end to end on a model whose second layer is a mixture of experts: tensor
+parallelism, expert parallelism and ZeRO stage 3 agree with one process; a defect planted in one
+tensor-parallel layer, in a module of the second pipeline stage, or in a router whose experts are
+split over two ranks is named exactly.
 
 The single-process reference is trained once (--keep) and reused by the other compares (--reference)."""
 
@@ -14,16 +16,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = "--config debug --micro-batch-size 4 --global-batch-size 8 --seq-length 16"
+TINY = (
+    "--config debug --model-name debug-moe --moe-layer-freq [0,1] --moe-shared-expert-intermediate-size 32 "
+    "--micro-batch-size 4 --global-batch-size 8 --seq-length 16"
+)
 
 
-def compare(*args: str, defect: str | None = None) -> subprocess.CompletedProcess:
+def compare(*args: str, defect: str | None = None, steps: int = 2) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
     env.pop("PARATRON_DEBUG_DEFECT", None)
     if defect is not None:
         env["PARATRON_DEBUG_DEFECT"] = defect
-    command = [sys.executable, "-m", "paratron", "debug", "compare", "--steps", "2", *args]
+    command = [sys.executable, "-m", "paratron", "debug", "compare", "--steps", str(steps), *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -50,19 +55,42 @@ def test_tensor_parallel_agrees_with_one_process(kept: tuple[Path, subprocess.Co
 
 @pytest.mark.spawns
 @pytest.mark.parametrize(
+    "layout", ["--expert-model-parallel-size 2", "--zero-stage 3"], ids=["expert-parallel", "zero-3"]
+)
+def test_experts_and_zero3_agree_with_one_process(kept: tuple[Path, subprocess.CompletedProcess], layout: str) -> None:
+    """Experts split over two ranks, and FSDP2's sharded parameters and gradients, assemble to the
+    single-device tensors: every router's logits and weights, every expert's gradient."""
+    folder, first = kept
+    assert first.returncode == 0, first.stderr
+    output = folder.parent / f"{layout.split()[0][2:]}.json"
+    done = compare(
+        "--reference", str(folder / "B" / "capture"), "--output", str(output), "--", f"{TINY} --nproc 2 {layout}"
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads(output.read_text())
+    names = json.loads((folder / "B" / "capture" / "index.json").read_text())["names"]
+    assert {"forward/layers.1.mlp.router.logits", "gradient/layers.1.mlp.experts.w_out"} <= set(names)
+    assert report["first"] is None and not report["only_in_one"] and report["compared"] == 2 * len(names)
+    assert max(row["gradient"] for row in report["layers"]) < 1e-5
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize(
     "layout,defect",
     [
-        ("--nproc 2 --tensor-model-parallel-size 2", "layers.1.mlp.in_proj.up"),
+        ("--nproc 2 --tensor-model-parallel-size 2", "layers.0.mlp.in_proj.up"),
         ("--nproc 2 --pipeline-model-parallel-size 2", "layers.1.mlp_norm"),
+        ("--nproc 2 --expert-model-parallel-size 2", "layers.1.mlp.router"),
     ],
-    ids=["tensor-parallel", "pipeline-stage-1"],
+    ids=["tensor-parallel", "pipeline-stage-1", "expert-parallel-router"],
 )
 def test_a_planted_defect_is_named(kept: tuple[Path, subprocess.CompletedProcess], layout: str, defect: str) -> None:
     folder, first = kept
     assert first.returncode == 0, first.stderr
     reference = str(folder / "B" / "capture")
     output = folder.parent / f"{defect}.json"
-    done = compare("--reference", reference, "--output", str(output), "--", f"{TINY} {layout}", defect=defect)
+    # (one step: the defect parts the runs at step 1)
+    done = compare("--reference", reference, "--output", str(output), "--", f"{TINY} {layout}", defect=defect, steps=1)
     assert done.returncode == 1, done.stderr + done.stdout
     assert done.stdout.startswith(f"the runs part at step 1, forward, {defect}: rel. diff "), done.stdout
     first = json.loads(output.read_text())["first"]

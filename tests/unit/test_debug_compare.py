@@ -1,4 +1,5 @@
-"""`paratron debug compare` in one process: the kept elements, the assembly of ranks' pieces, the
+"""`paratron debug compare` in one process: the kept elements, the assembly of ranks' pieces (experts
+split over expert-parallel ranks among them), which rank's gradient counts, the router's record, the
 report's order and tolerance, the flags of the two runs and the one-line refusals."""
 
 from __future__ import annotations
@@ -9,13 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tests.tiny import tiny_config
 
 from paratron.cli import main
-from paratron.debugging.capture import block_of, write_capture
+from paratron.config.validation import validate
+from paratron.debugging.capture import _perturbing, block_of, step_file, write_capture
 from paratron.debugging.capture_sample import (
     Captured,
     assemble,
+    owns_gradient,
+    param_tables,
     position_table,
     range_table,
     sample_indices,
@@ -24,6 +29,8 @@ from paratron.debugging.capture_sample import (
 from paratron.debugging.compare import last_error_line, parse_compare, resolve_run, same_model, single_process_flags
 from paratron.debugging.compare_report import compare_captures, format_report
 from paratron.errors import ConfigError, DataError
+from paratron.model.moe import Router, Routing
+from paratron.parallel.sharding import ParamInfo, Shard, set_info, take_slice
 from paratron.training.run import run_training
 
 LIMIT = 64
@@ -274,3 +281,126 @@ def test_a_shape_that_differs_parts_and_reports_as_plain_json(tmp_path: Path) ->
     assert report.first.note == "shapes differ: (1, 4, 17) vs (1, 4, 16)"
     plain = json.loads(json.dumps(report.to_json(), allow_nan=False))
     assert plain["first"]["rel_diff"] is None and plain["first"]["element"] is None
+
+
+def _expert_rank_pieces(full: torch.Tensor, tp: int, ep: int, edp: int, zero_stage: int, cp: int = 1) -> list:
+    """Every rank's gradient piece of stacked experts' w_in [E, 2F, H] (gate rows, then up rows) when
+    `ep` ranks hold E / ep experts each, split over `tp` tensor-parallel ranks, and `edp` replicas hold
+    each expert (ZeRO 1: each replica one half of the flat local tensor)."""
+    E, rows, _ = full.shape
+    pieces = []
+    for cp_rank in range(cp):
+        for e in range(ep):
+            for d in range(edp):
+                for t in range(tp):
+                    layout = tuple(Shard(1, t2 * rows // 2 // tp, rows // 2 // tp, rows, blocks=2) for t2 in range(tp))
+                    info = ParamInfo(
+                        shard=layout[t] if tp > 1 else None,
+                        layout=layout if tp > 1 else None,
+                        expert_shard=Shard(0, e * E // ep, E // ep, E) if ep > 1 else None,
+                    )
+                    param = torch.empty(E // ep, rows // tp, full.size(2))
+                    set_info(param, info)
+                    coords = {"tp": t, "cp": cp_rank, "dp": e + ep * d, "edp": d}
+                    if not owns_gradient(info, False, zero_stage, coords):
+                        continue
+                    local = take_slice(full, param)
+                    start, end = 0, local.numel()
+                    if zero_stage:
+                        start, end = local.numel() * d // edp, local.numel() * (d + 1) // edp
+                    flat = local.reshape(-1)[start:end]
+                    tables = param_tables(param, full.shape)
+                    pieces.append(
+                        take_piece("gradient", "w_in", (1, 0), flat, tables, full.shape, 512, (start, end), param.shape)
+                    )
+    return pieces
+
+
+@pytest.mark.parametrize(
+    "tp,ep,edp,zero_stage,cp",
+    [(1, 2, 1, 0, 1), (2, 2, 2, 0, 1), (1, 4, 2, 1, 1), (2, 2, 1, 1, 2), (1, 2, 2, 0, 2)],
+    ids=["ep2", "tp2-ep2-edp2", "ep4-edp2-zero1", "tp2-ep2-zero1-cp2", "ep2-edp2-cp2"],
+)
+def test_experts_split_over_ranks_assemble_once(tp: int, ep: int, edp: int, zero_stage: int, cp: int) -> None:
+    """Each element of an expert's gradient is counted exactly once, from the right rank's experts."""
+    full = torch.randn(4, 2 * 4, 3, generator=torch.Generator().manual_seed(5))
+    pieces = _expert_rank_pieces(full, tp, ep, edp, zero_stage, cp)
+    (captured,) = assemble(pieces, 512)
+    assert torch.equal(captured.values, full.reshape(-1))
+    assert captured.rms == pytest.approx(float(full.double().square().mean().sqrt()), rel=1e-12)
+    assert not captured.notes and sum(p.count for p in pieces) == full.numel()
+
+
+def test_which_rank_counts_a_gradient() -> None:
+    dense, expert = ParamInfo(), ParamInfo(expert_shard=Shard(0, 2, 2, 4))
+    owners = {
+        (info is expert, zero, sharded): [
+            (dp, edp, cp)
+            for dp, edp in ((0, 0), (1, 0), (2, 1), (3, 1))  # EP 2 x EDP 2
+            for cp in (0, 1)
+            if owns_gradient(info, sharded, zero, {"tp": 0, "dp": dp, "edp": edp, "cp": cp})
+        ]
+        for info in (dense, expert)
+        for zero, sharded in ((0, False), (1, False), (3, True))
+    }
+    assert owners[False, 0, False] == [(0, 0, 0)]
+    assert owners[True, 0, False] == [(0, 0, 0), (1, 0, 0)]  # (each expert-parallel rank's own experts)
+    assert len(owners[False, 1, False]) == 8 and owners[True, 1, False] == [(0, 0, 0), (1, 0, 0), (2, 1, 0), (3, 1, 0)]
+    assert owners[False, 3, True] == [(0, 0, 0), (1, 0, 0), (2, 1, 0), (3, 1, 0)]  # (FSDP2 rows: not over CP)
+    split = ParamInfo(shard=Shard(0, 2, 2, 4), layout=(Shard(0, 0, 2, 4), Shard(0, 2, 2, 4)))
+    assert [t for t in range(2) if owns_gradient(split, False, 0, {"tp": t})] == [1]
+
+
+def test_a_planted_router_defect_scales_its_expert_weights() -> None:
+    probs = torch.tensor([[0.25, 0.75]])
+    routing = Routing(probs, probs > 0, torch.tensor([1, 1]), torch.zeros(()), torch.zeros(()))
+    hook = _perturbing("layers.0.mlp.router", "layers.0.mlp.router", Router.__new__(Router))
+    out = hook(None, (), routing)
+    assert torch.allclose(out.probs, probs * 1.01) and out.routing_map is routing.routing_map
+
+
+def test_router_logits_and_expert_weights_are_recorded(tmp_path: Path) -> None:
+    """A mixture-of-experts run records each router's logits and its top-2 weights [1, T, E] (the
+    weights are the softmax of the two largest logits), never the routed experts' rows."""
+    config = tiny_config(
+        tmp_path,
+        train_iters=1,
+        debug_capture=str(tmp_path / "c"),
+        debug_capture_elements=LIMIT,
+        model_name="debug-moe",
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=32,
+        vocab_size=97,
+        seq_length=16,
+        micro_batch_size=2,
+    )
+    run_training(config)
+    index = json.loads((tmp_path / "c" / "index.json").read_text())
+    names = index["names"]
+    assert (
+        index["shapes"]["forward/layers.1.mlp.router"]
+        == [1, 16, 4]
+        == index["shapes"]["forward/layers.1.mlp.router.logits"]
+    )
+    assert names.index("forward/layers.1.mlp.router.logits") < names.index("forward/layers.1.mlp.router")
+    assert names.index("forward/layers.1.mlp.shared_expert.in_proj.up") < names.index("forward/layers.1.mlp")
+    assert not [n for n in names if n.startswith("forward/") and ".experts" in n]
+    assert "gradient/layers.1.mlp.experts.w_in" in names
+    tensors = load_file(str(step_file(tmp_path / "c", 1)))
+    logits = tensors["forward/layers.1.mlp.router.logits"].view(16, 4)
+    top = logits.topk(2, dim=-1)
+    expected = torch.zeros(16, 4).scatter(1, top.indices, torch.softmax(top.values, dim=-1))
+    torch.testing.assert_close(tensors["forward/layers.1.mlp.router"].view(16, 4), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_capture_folder_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_text("x")
+    experts = dict(model_name="debug-moe", expert_model_parallel_size=2, debug_capture=str(tmp_path / "c"))
+    validate(tiny_config(tmp_path, **experts), world_size=2)  # (experts split over ranks are captured)
+    validate(tiny_config(tmp_path, zero_stage=3, debug_capture=str(tmp_path / "c")), world_size=2)
+    with pytest.raises(ConfigError, match=r"^--debug-capture .*taken is a file; give a folder"):
+        validate(tiny_config(tmp_path, debug_capture=str(tmp_path / "taken")), world_size=1)

@@ -9,6 +9,7 @@ are checked by `data.checks` and the training entry point.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -544,20 +545,11 @@ def _check_megatron_model_features(config: Config) -> None:
 
 
 def _check_debug_capture(config: Config) -> None:
-    """--debug-capture maps every rank's piece to the single-device tensor for the layouts it knows:
-    tensor, sequence, pipeline (every schedule), context and data parallelism with ZeRO stages 0-2."""
-    p = config.parallel
-    if not config.logging.debug_capture:
-        return
-    if p.zero_stage == 3:
-        raise ConfigError(
-            f"{flag.debug_capture} does not read ZeRO stage 3's sharded gradients; compare with {flag.zero_stage} 2"
-        )
-    if p.expert_model_parallel_size > 1:
-        raise ConfigError(
-            f"{flag.debug_capture} does not assemble experts split over ranks; compare with "
-            f"{flag.expert_model_parallel_size} 1"
-        )
+    """--debug-capture maps every rank's piece to the single-device tensor at every layout (tensor,
+    sequence, pipeline, context, expert and data parallelism, ZeRO stages 0-3); its folder must be one."""
+    folder = config.logging.debug_capture
+    if folder and os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(f"{flag.debug_capture} {folder} is a file; give a folder (new or one of earlier captures)")
 
 
 def _check_loss_spikes(config: Config) -> None:

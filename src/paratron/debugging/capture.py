@@ -7,23 +7,34 @@ data-parallel rank 0), taken at each module's first call of the step outside aut
 (so activation recomputation does not record twice; evaluation runs outside the step). The
 modules recorded are those whose output is [B, T, hidden] (norms, blocks, attention, MLP,
 row-parallel layers, embeddings, dropouts), the outputs of column-parallel layers (each
-projection of a fused query/key/value or gate/up, the output layer) and attention cores; the
-inside of a mixture-of-experts layer is not (its output, whole after the combine, is). Each
+projection of a fused query/key/value or gate/up, the output layer) and attention cores. Each
 rank's part is mapped to the single-device tensor: column splits on the last dimension, the
 sequence-parallel split of the sequence, context parallelism's load-balanced chunks. The
 tensor-parallel ranks' copies of a replicated output are checked to agree: a difference is a
 divergence at that module (one rank's part of a row-parallel layer gone wrong, say).
 
+Inside a mixture-of-experts layer: the router, as `NAME.logits` (each token's score of every
+expert, [B, T, E], recomputed from the router's input and weight with its own operations) and
+`NAME` (its output: each token's weights of its chosen experts, [B, T, E]); the shared expert and
+its projections like a dense MLP; the layer's output, whole after the combine. The routed experts
+themselves are not recorded: their input and output rows are routed copies of tokens, grouped by
+expert (padded to capacity), and under expert parallelism each lies on the rank of its expert,
+mixed with the tokens of that rank's other data-parallel peers; placing them in single-device
+order would take every rank's routing map. The router's decisions, the layer's combined output
+and the experts' weight gradients (compared whole) cover them.
+
 Gradients are read after the optimizer's `prepare_grads` (the step's reduced gradients as the
 optimizer steps them, unscaled): reduced over data (and context) parallelism, partial sums
-completed, pieces of ZeRO stage 1 and 2 shards, tensor-parallel slices, zero-bubble deferred
-weight gradients; a tied embedding's last-stage copy counts once. ZeRO stage 3 and expert
-parallelism are refused (config validation).
+completed, pieces of ZeRO stage 1 and 2 shards, ZeRO stage 3's rows (the local part of FSDP2's
+reduce-scattered gradient, a DTensor), tensor-parallel slices, expert-parallel ranks' experts (one
+expert-data-parallel replica of each), zero-bubble deferred weight gradients; a tied embedding's
+last-stage copy counts once.
 
 Test switch (not a user setting): the environment variable PARATRON_DEBUG_DEFECT=NAME multiplies
-the forward output of the module NAME (a single-device name) by 1 + 1e-2 in runs of more than
-one process, on the last tensor-parallel rank only when TP > 1 and on the pipeline stage that
-holds it, so that tests can plant a layout bug and check that `paratron debug compare` finds it.
+the forward output of the module NAME (a single-device name; of a router: its expert weights) by
+1 + 1e-2 in runs of more than one process, on the last tensor-parallel rank only when TP > 1 and
+on the pipeline stage that holds it, so that tests can plant a layout bug and check that
+`paratron debug compare` finds it.
 """
 
 from __future__ import annotations
@@ -42,20 +53,31 @@ from safetensors.torch import save_file
 from torch import nn
 
 from paratron.config.schema import Config
-from paratron.debugging.capture_sample import Captured, Piece, Tables, assemble, position_table, range_table, take_piece
+from paratron.debugging.capture_sample import (
+    Captured,
+    Piece,
+    Tables,
+    assemble,
+    owns_gradient,
+    param_tables,
+    position_table,
+    range_table,
+    take_piece,
+)
 from paratron.distributed.rng import Forked
 from paratron.distributed.topology import Axis, Topology
 from paratron.model.attention import AttentionCore
 from paratron.model.gpt import GPT
 from paratron.model.mlp import Projections
-from paratron.model.moe import MoELayer
+from paratron.model.moe import Experts, Router, Routing
 from paratron.model.transformer import TransformerLayers
 from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.context.attention import ContextParallelAttention
 from paratron.parallel.context.split import token_index
+from paratron.parallel.data.fully_sharded import is_sharded, local_tensor
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.recompute import Recomputed
-from paratron.parallel.sharding import boxes, full_shape, param_info, place, shard_of
+from paratron.parallel.sharding import boxes, full_shape, param_info
 from paratron.parallel.tensor.layers import ColumnParallelLinear, ColumnParallelProjections
 from paratron.storage import replacing
 
@@ -131,6 +153,12 @@ class DebugCapture:
             for local, param in module.named_parameters(recurse=False) if id(module) in self.names else ():
                 name = f"{self.names[id(module)]}.{local}".lstrip(".")
                 self.param_names.setdefault(id(param), (len(self.param_names), name))
+        self.weight_infos = {
+            id(m): param_info(m.weight)
+            for m in self.gpt.modules()
+            if isinstance(getattr(m, "weight", None), nn.Parameter)
+        }
+        """id(module) -> its weight's record, taken now: FSDP2 swaps in unsharded weights without it during forward."""
         self.armed = False
         self.seen: set[str] = set()
         self.outputs: list[tuple[str, torch.Tensor, Tables, bool, int]] = []
@@ -143,7 +171,7 @@ class DebugCapture:
 
     def _install(self, defect: str | None, parallel: bool) -> list[Any]:
         """A recording hook on every module that has a single-device name (a projection's parts are
-        recorded through it, a mixture of experts as a whole), and the test defect's hook first."""
+        recorded through it; not the routed experts), and the test defect's hook first."""
         handles = []
         perturbs = defect is not None and parallel and (self.tp == 1 or self.tp_rank == self.tp - 1)
         skipped: set[int] = set()
@@ -152,7 +180,9 @@ class DebugCapture:
             if id(module) in skipped or name is None or module is self.gpt or isinstance(module, TransformerLayers):
                 continue
             inner = _inner(module)
-            if isinstance(inner, (Projections, ColumnParallelProjections, MoELayer)):
+            if isinstance(inner, Experts):
+                continue
+            if isinstance(inner, (Projections, ColumnParallelProjections)):
                 skipped.update(id(m) for m in inner.modules() if m is not inner)
             if module is not inner:
                 skipped.add(id(inner))
@@ -175,6 +205,9 @@ class DebugCapture:
                 for (part, linear), tensor in zip(inner.items(), output):
                     self._keep(f"{name}.{part}", tensor, self._column_tables(linear, tensor))
                 return
+            if isinstance(inner, Router) and isinstance(output, Routing):
+                self._keep_routing(name, inner, inputs[0], output)
+                return
             tensor = output[0] if isinstance(output, tuple) else output
             if isinstance(inner, (AttentionCore, ContextParallelAttention)):
                 self._keep(name, tensor, self._head_tables(name, tensor))
@@ -196,6 +229,19 @@ class DebugCapture:
         tables, split = layout
         self.outputs.append((name, tensor[:1].detach().clone(), tables, split or self.tp_rank == 0, len(self.outputs)))
 
+    def _keep_routing(self, name: str, router: Router, tokens: torch.Tensor, routing: Routing) -> None:
+        """A router's logits and expert weights of the tokens [B x T, ...] it routed (the whole local
+        sequence of each sample: tensor parallelism gathers it, so every tensor-parallel rank holds a copy)."""
+        length = self.seq_length // self.cp
+        sequence = self._sequence_table(length)
+        if sequence is None or tokens.size(0) % length:
+            return
+        with torch.no_grad():
+            logits = tokens[:length].float() @ router.weight.float().t()
+        tables = ([None, sequence[0], None], False)
+        self._keep(f"{name}.logits", logits.unsqueeze(0), tables)
+        self._keep(name, routing.probs[:length].unsqueeze(0), tables)
+
     def _sequence_table(self, length: int) -> tuple[torch.Tensor | None, bool] | None:
         """The sequence dimension's table for a local length (None: not a sequence this maps), and
         whether tensor parallelism splits it."""
@@ -211,10 +257,11 @@ class DebugCapture:
         sequence = self._sequence_table(tensor.size(1)) if tensor.dim() == 3 else None
         if sequence is None or sequence[1]:
             return None
-        shard = shard_of(linear.weight) if isinstance(linear, ColumnParallelLinear) else None
-        if shard is None:
+        info = self.weight_infos.get(id(linear)) if isinstance(linear, ColumnParallelLinear) else None
+        shard = info.shard if info is not None else None
+        if info is None or shard is None:
             return [None, sequence[0], None], False
-        layout = param_info(linear.weight).layout or (shard,)
+        layout = info.layout or (shard,)
         pairs = [(w[0], m[0]) for w, m in boxes((tensor.size(-1),), shard)]
         return [None, sequence[0], range_table(shard.full_size, pairs)], layout.index(shard) == self.tp_rank
 
@@ -225,7 +272,8 @@ class DebugCapture:
         if sequence is None or attention is None:
             return None
         query = _inner(attention.in_proj)["q"] if isinstance(_inner(attention.in_proj), nn.ModuleDict) else None
-        shard = shard_of(query.weight) if query is not None else None
+        info = self.weight_infos.get(id(query)) if query is not None else None
+        shard = info.shard if info is not None else None
         if shard is None:
             return [None, None, sequence[0], None], False
         width = tensor.size(-1)
@@ -263,13 +311,13 @@ class DebugCapture:
         scale = self.loss_scale()
         for piece in optimizer.pieces():
             found = self.param_names.get(id(piece.param))
-            grad = piece.master.grad
+            grad = None if piece.master.grad is None else local_tensor(piece.master.grad)
             info = param_info(piece.param)
             if found is None or grad is None or info.pipeline_duplicate or not self._owns_gradient(piece.param):
                 continue
             order, name = found
             shape = full_shape(piece.param)
-            tables = _param_tables(piece.param, shape)
+            tables = param_tables(piece.param, shape)
             key = (block_of(name), order)
             self.pieces.append(
                 take_piece(
@@ -286,13 +334,7 @@ class DebugCapture:
             )
 
     def _owns_gradient(self, param: torch.Tensor) -> bool:
-        """Whether this rank's copy counts: one tensor-parallel holder of each slice, one data-parallel
-        replica without ZeRO (with it every rank holds a different shard)."""
-        shard = shard_of(param)
-        layout = param_info(param).layout
-        tp_first = self.tp_rank == 0 if shard is None else (layout or (shard,)).index(shard) == self.tp_rank
-        data_first = self.zero_stage > 0 or (self.topology.dp_rank == 0 and self.cp_rank == 0)
-        return tp_first and data_first
+        return owns_gradient(param_info(param), is_sharded(param), self.zero_stage, self.topology.coords)
 
     def _gather(self, pieces: list[Piece]) -> list[Captured]:
         everyone: list[Any] = [pieces]
@@ -339,25 +381,13 @@ def write_capture(folder: Path, step: int, captured: list[Captured], limit: int,
         tmp.write_text(json.dumps(index, indent=1))
 
 
-def _param_tables(param: torch.Tensor, shape: tuple[int, ...]) -> Tables:
-    """A parameter's tables from its place in the single-device tensor (tensor-parallel slice, expert shard)."""
-    if param_info(param).shard is None and param_info(param).expert_shard is None:
-        return [None] * len(shape)
-    per_dim: list[list[tuple[slice, slice]]] = [[] for _ in shape]
-    for whole, mine in place(param):
-        for dim, (w, m) in enumerate(zip(whole, mine)):
-            w = slice(*w.indices(shape[dim])[:2])
-            m = slice(*m.indices(param.shape[dim])[:2])
-            if (w, m) not in per_dim[dim]:
-                per_dim[dim].append((w, m))
-    return [range_table(shape[d], pairs) for d, pairs in enumerate(per_dim)]
-
-
 def _perturbing(name: str, defect: str, inner: nn.Module) -> Callable[..., Any]:
     """A forward hook that plants the test defect in `defect`'s output (a projection's part through its parent)."""
 
     def perturb(module: nn.Module, inputs: Any, output: Any) -> Any:
         if name == defect:
+            if isinstance(output, Routing):
+                return dataclasses.replace(output, probs=output.probs * DEFECT_FACTOR)
             if isinstance(output, tuple):
                 return (output[0] * DEFECT_FACTOR, *output[1:])
             return output * DEFECT_FACTOR

@@ -5,7 +5,8 @@ A tensor of the single-device model is described by its full shape; a rank holds
 described per dimension by a table from single-device coordinate to local coordinate (-1 where
 the rank holds nothing; None: the whole dimension, in order). Tensor-parallel column splits,
 sequence-parallel and context-parallel sequence splits, vocabulary padding and expert shards
-are all such tables, so one routine serves every layout. The kept elements are a fixed choice
+are all such tables, so one routine serves every layout (`param_tables` for a parameter; which
+rank's copy of a gradient counts: `owns_gradient`). The kept elements are a fixed choice
 of flat indices of the single-device tensor (all of them when it is small), the same in every
 run, so two layouts compare element by element; exact statistics of the whole tensor (rms,
 largest magnitude) travel with them, so a difference outside the kept elements still shows.
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from paratron.parallel.sharding import ParamInfo, param_info, place
 
 SAMPLE_SEED = 1234
 """The seed of the kept elements' choice (with the tensor's size: the same choice in every run)."""
@@ -176,3 +179,35 @@ def assemble(pieces: Sequence[Piece], limit: int) -> list[Captured]:
             captured.disagreement = 0.0
         out.append(captured)
     return sorted(out, key=lambda c: c.key)
+
+
+def owns_gradient(info: ParamInfo, fully_sharded: bool, zero_stage: int, coords: dict[str, int]) -> bool:
+    """Whether a rank at `coords` (tp, dp, edp, cp) counts its copy of a parameter's gradient, so that
+    every element is counted once: one tensor-parallel holder of each slice; without ZeRO one
+    data-parallel replica (an expert's: one expert-data-parallel replica of that rank's experts);
+    with ZeRO 1 and 2 every rank's shard (an expert's shards span the expert-data-parallel group
+    only, so the context-parallel ranks share them); with ZeRO 3 (`fully_sharded`: FSDP2's rows)
+    every data-parallel rank's rows, which the context-parallel ranks share (FSDP2 shards over the
+    data-parallel group only)."""
+    shard, tp_rank, cp_rank = info.shard, coords.get("tp", 0), coords.get("cp", 0)
+    tp_first = tp_rank == 0 if shard is None else (info.layout or (shard,)).index(shard) == tp_rank
+    if zero_stage in (1, 2):
+        return tp_first and (info.expert_shard is None or cp_rank == 0)
+    if zero_stage == 3 and fully_sharded:
+        return tp_first and cp_rank == 0
+    data_rank = coords.get("edp", 0) if info.expert_shard is not None else coords.get("dp", 0)
+    return tp_first and data_rank == 0 and cp_rank == 0
+
+
+def param_tables(param: torch.Tensor, shape: tuple[int, ...]) -> Tables:
+    """A parameter's tables from its place in the single-device tensor (tensor-parallel slice, expert shard)."""
+    if param_info(param).shard is None and param_info(param).expert_shard is None:
+        return [None] * len(shape)
+    per_dim: list[list[tuple[slice, slice]]] = [[] for _ in shape]
+    for whole, mine in place(param):
+        for dim, (w, m) in enumerate(zip(whole, mine)):
+            w = slice(*w.indices(shape[dim])[:2])
+            m = slice(*m.indices(param.shape[dim])[:2])
+            if (w, m) not in per_dim[dim]:
+                per_dim[dim].append((w, m))
+    return [range_table(shape[d], pairs) for d, pairs in enumerate(per_dim)]
