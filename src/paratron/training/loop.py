@@ -24,13 +24,12 @@ from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
 from paratron.debugging.capture import install_capture
 from paratron.debugging.layer_stats import LayerStats
-from paratron.debugging.loss_spike import Spike, SpikeDetector
+from paratron.debugging.loss_spike import Spike
 from paratron.debugging.stragglers import StragglerDetector
 from paratron.distributed.init import DistributedContext, release_unused_memory
 from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Axis, Topology
 from paratron.distributed.watchdog import Watchdog
-from paratron.errors import NonFiniteStop
 from paratron.model.batch import Batch
 from paratron.optim.lr_schedule import LRSchedule
 from paratron.optim.mixed_precision import Precision, build_loss_scaler
@@ -47,7 +46,8 @@ from paratron.training.metrics import TASK_PREFIX, MetricsWriter, ProgressLog, t
 from paratron.training.nonfinite import first_report, watching
 from paratron.training.plot import plot_expert_load
 from paratron.training.profiling import StepProfiler, StepTimers, collect_after_step, collect_around_eval
-from paratron.training.resume import Restorer, ResumePlan, TrainState, rollback_plan
+from paratron.training.recovery import Recovery
+from paratron.training.resume import Restorer, ResumePlan, TrainState
 from paratron.training.saving import CheckpointSaver
 from paratron.training.step import StepOptions, StepResult, train_step
 from paratron.training.step_log import StepLogger, StepWindow
@@ -91,7 +91,6 @@ class Trainer:
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.fault = AttemptFault(t.fault_inject, restart_count(), ctx.rank)
         check_spike_fault(t.fault_inject, restart_count(), ctx.rank, model.module, topology.group(Axis.WORLD))
-        self.skip_batch_at: set[int] = set()  # iterations whose batch a rollback leaves out
         self.capture = install_capture(
             config, topology, model, lambda: self.precision.loss_scale, layout.global_batch_size
         )
@@ -116,10 +115,9 @@ class Trainer:
         self.eval_tasks: TrainingTasks | None = None
         """--eval-tasks' runner, made at the first evaluation."""
         self.layer_stats = LayerStats(model, optimizer, config.parallel.sequence_parallel, lg.log_layer_stats)
-        self.spikes = SpikeDetector(t.loss_spike_zscore, t.loss_spike_window) if t.loss_spike_zscore else None
-        self.spike: Spike | None = None
-        """The loss spike of the step just run (--loss-spike-zscore), if it was one."""
-        if self.spikes is not None:
+        self.recovery = Recovery(config, writer, self.saver, self.restore)
+        """--on-nan and --on-spike: stop, skip or roll back after a step that went wrong."""
+        if self.recovery.spikes is not None:
             self.step_options.withhold = self._judge_loss
 
     @property
@@ -148,11 +146,12 @@ class Trainer:
                 self._moved(iteration)
                 lr, result = self._train(iteration, first, window)
                 self._moved(iteration)
-                if result.nonfinite and self._after_nonfinite(iteration, result.nonfinite_where, window):
+                recovery = self.recovery
+                if result.nonfinite and recovery.after_nonfinite(iteration, result.nonfinite_where, self.state, window):
                     iteration = self.state.iteration  # rolled back: go on after the checkpoint
                     continue
-                spike, self.spike = self.spike, None
-                if spike is not None and self._after_spike(spike, window):
+                spike = recovery.take_spike()
+                if spike is not None and recovery.after_spike(spike, self.state, window):
                     iteration = self.state.iteration
                     continue
                 stopping = exits.reason(iteration)
@@ -181,8 +180,8 @@ class Trainer:
         pipeline on the last with --profile-pipeline)."""
         t, lg, state = self.config.training, self.config.logging, self.state
         lr = self.schedule.apply(self.optimizer.param_groups, state.lr_samples)
-        if iteration in self.skip_batch_at:  # rolled back past it: its batch made the gradients non-finite
-            self.skip_batch_at.discard(iteration)
+        if iteration in self.recovery.skip_batch_at:  # rolled back past it: its batch made the step go wrong
+            self.recovery.skip_batch_at.discard(iteration)
             state.consumed_samples += self._plan_at(state.consumed_samples).global_batch_size
         plan = self._plan_at(state.consumed_samples)
         self.step_options.layer_stats = self.layer_stats if self.layer_stats.due(iteration) else None
@@ -266,56 +265,9 @@ class Trainer:
         self.model.zero_grad()
         return first_report(found, self.topology.pp_rank, self.ctx.rank)
 
-    def _after_nonfinite(self, iteration: int, where: str, window: StepWindow) -> bool:
-        """--on-nan after a step whose gradients were not finite (it was not applied): say where,
-        then stop, skip the batch, or reload the newest checkpoint (True: rolled back)."""
-        how = self.config.training.on_nan
-        what = f"step {iteration}: the gradients are not finite; first non-finite: {where}"
-        save = self.config.checkpoint.save
-        if how == "skip":
-            self.state.skipped_iterations += 1
-            self.writer.info(f"{what}; step skipped (--on-nan skip)")
-            return False
-        if how == "rollback" and save:
-            if self._roll_back(iteration, what, "--on-nan rollback", window):
-                return True
-            what += "; no checkpoint in --save to roll back to"
-        elif how == "rollback":
-            what += "; --on-nan rollback needs --save"
-        raise NonFiniteStop(f"{what}; stopped (--on-nan {how})")
-
-    def _roll_back(self, iteration: int, what: str, why: str, window: StepWindow) -> bool:
-        """Reload the newest checkpoint of --save and go on without step `iteration`'s batch (False: there is none)."""
-        self.saver.finish()
-        plan = rollback_plan(Path(self.config.checkpoint.save or ""))
-        if plan.checkpoint is None:
-            return False
-        self.writer.info(f"{what}; back to {plan.checkpoint.path}, without this step's batch ({why})")
-        self.restore(plan)
-        self.skip_batch_at.add(iteration)
-        self.writer.rewind(plan.checkpoint.iteration)
-        window.restart()
-        if self.spikes is not None:
-            self.spikes.rewind(plan.checkpoint.iteration)
-        return True
-
     def _judge_loss(self, loss: torch.Tensor) -> bool:
-        """--loss-spike-zscore, before the optimizer steps: the step's global loss judged (the same on every rank);
-        True withholds the step (--on-spike skip or rollback)."""
-        assert self.spikes is not None
-        self.spike = self.spikes.judge(self.state.iteration + 1, self.logger.dp_mean(loss))
-        return self.spike is not None and self.config.training.on_spike != "warn"
-
-    def _after_spike(self, spike: Spike, window: StepWindow) -> bool:
-        """--on-spike after a loss spike: say it, then the step stays applied (warn), is skipped, or training goes
-        back to the newest checkpoint without the batch (True: rolled back; skipped when there is no checkpoint)."""
-        how, what = self.config.training.on_spike, spike.describe()
-        if how == "rollback" and self._roll_back(spike.step, what, "--on-spike rollback", window):
-            return True
-        if how != "warn":
-            self.state.skipped_iterations += 1
-        self.writer.info(f"{what}; {spike.outcome(how, self.state.skipped_iterations)}")
-        return False
+        """--loss-spike-zscore: the step's loss averaged over data-parallel ranks, judged before the optimizer steps."""
+        return self.recovery.judge_loss(self.state.iteration + 1, self.logger.dp_mean(loss))
 
     def _step_extra(self, tasks: dict[str, float] | None, spike: Spike | None) -> dict[str, float] | None:
         """What a step adds to its record beyond the usual (which makes it a logged step): --eval-tasks' metrics,
