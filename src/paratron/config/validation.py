@@ -84,9 +84,11 @@ def _check_launch(parallel: ParallelConfig) -> None:
 def _check_bounds(config: Config) -> None:
     """Every setting within the limits of its field's metadata (a derived value is checked where it is used)."""
     for info in all_fields().values():
+        if not info.limits:
+            continue
         section = getattr(config, info.section)
         value = getattr(section, info.name)
-        if not info.limits or value is None or info.name in getattr(section, "derived", ()):
+        if value is None or info.name in getattr(section, "derived", ()):
             continue
         bound = _broken_bound(info.limits, value)
         if bound is not None:
@@ -204,7 +206,7 @@ def _check_context_parallel(config: Config, layout: Layout) -> None:
 def _check_experts(m: ModelConfig) -> None:
     """Mixture-of-experts settings: sizes that fit, and no MoE setting without experts."""
     if not m.num_experts:
-        defaults = ModelConfig()
+        defaults = _MODEL_DEFAULTS
         changed = [
             f.name
             for f in dataclasses.fields(m)
@@ -539,3 +541,8 @@ def _check_megatron_model_features(config: Config) -> None:
             f"{flag.rotary_percent} {m.rotary_percent:g} rotates {width} of each head's {head_dim} features; "
             "choose a fraction that gives a positive even number"
         )
+
+
+_MODEL_DEFAULTS = ModelConfig()
+"""Every model setting's default, built once (`_check_experts` compares against it on each of the planner's
+thousands of candidates)."""

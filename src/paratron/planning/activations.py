@@ -230,7 +230,9 @@ def chunk_bytes(config: Config, layout: Layout, shape: _Shape, stage: int) -> fl
     """One micro-batch's saved activations on model stage `stage` (all of the model without PP)."""
     t, moe = config.training, config.model.moe_layer_pattern
     indices = layout.pipeline.ranges[stage]
-    full = [layer_bytes(shape, t.recompute_granularity == "selective", moe[i]) for i in indices]
+    selective = t.recompute_granularity == "selective"
+    kinds = {kind: layer_bytes(shape, selective, kind) for kind in {moe[i] for i in indices}}  # (each kind once)
+    full = [kinds[moe[i]] for i in indices]
     kept, recomputed = _stack_bytes(config, shape, full)
     if recomputed < len(indices):  # (inside recomputed layers the rotary tables are not kept)
         kept += _rotary_bytes(shape)
@@ -298,18 +300,76 @@ def activation_peak(config: Config, layout: Layout, pp_rank: int, kernels: Kerne
     shape = shape_of(config, layout, kernels)
     if layout.pp == 1:
         return round(chunk_bytes(config, layout, shape, 0))
+    stages = rank_model_stages(layout, pp_rank)
+    return _schedule_peak(layout, pp_rank, [chunk_bytes(config, layout, shape, s) for s in stages])
+
+
+def activation_peaks(config: Config, layout: Layout, kernels: Kernels) -> list[int]:
+    """`activation_peak` of every pipeline rank, each kind of model stage sized once (most stages of a
+    pipeline hold the same layers)."""
+    shape = shape_of(config, layout, kernels)
+    if layout.pp == 1:
+        return [round(chunk_bytes(config, layout, shape, 0))]
+    moe, last = config.model.moe_layer_pattern, layout.pp * layout.pipeline.chunks - 1
+    sized: dict[tuple, float] = {}
+    sizes = []
+    for stage, indices in enumerate(layout.pipeline.ranges):
+        kind = (tuple(moe[i] for i in indices), stage == 0, stage == last)
+        if kind not in sized:
+            sized[kind] = chunk_bytes(config, layout, shape, stage)
+        sizes.append(sized[kind])
+    return [_schedule_peak(layout, r, [sizes[s] for s in rank_model_stages(layout, r)]) for r in range(layout.pp)]
+
+
+def rank_model_stages(layout: Layout, pp_rank: int) -> list[int]:
+    """The model stages pipeline rank `pp_rank` holds, one per chunk of its schedule."""
     plan = layout.pipeline
     assert plan.schedule is not None
     schedule = pipeline_schedule(plan.schedule, layout.pp, layout.num_micro_batches, plan.chunks)
-    sizes = [chunk_bytes(config, layout, shape, schedule.stage(pp_rank, c)) for c in range(schedule.chunks)]
+    return [schedule.stage(pp_rank, c) for c in range(schedule.chunks)]
+
+
+def _schedule_peak(layout: Layout, pp_rank: int, sizes: list[float]) -> int:
+    """The most activations pipeline rank `pp_rank` holds at once under its schedule, `sizes`: one
+    micro-batch's on each of its chunks."""
+    plan, m = layout.pipeline, layout.num_micro_batches
+    assert plan.schedule is not None
+    if all(float(size).is_integer() for size in sizes) and sum(sizes) * m < EXACT_FLOAT:
+        # (whole bytes add exactly in any order: the peak is the fullest of the schedule's few live counts)
+        counts = live_counts(plan.schedule, layout.pp, m, plan.chunks, pp_rank)
+        return round(max((sum(n * size for n, size in zip(live, sizes)) for live in counts), default=0.0))
     live = peak = 0.0
-    for action in schedule.ranks[pp_rank]:
+    for action in pipeline_schedule(plan.schedule, layout.pp, m, plan.chunks).ranks[pp_rank]:
         if action.kind == "F":
             live += sizes[action.chunk]
             peak = max(peak, live)
         elif action.kind == "B":  # (a deferred weight gradient's inputs leave autograd's keeping here)
             live -= sizes[action.chunk]
     return round(peak)
+
+
+EXACT_FLOAT = 2.0**53
+"""Integers up to this add exactly in floating point."""
+
+
+@functools.lru_cache(maxsize=4096)
+def live_counts(name: str, pp: int, microbatches: int, chunks: int, pp_rank: int) -> tuple[tuple[int, ...], ...]:
+    """The counts of micro-batches per chunk whose activations pipeline rank `pp_rank` holds right after one of
+    its forwards (where its memory can peak), less those another count exceeds in every chunk: a handful,
+    however many micro-batches there are."""
+    schedule = pipeline_schedule(name, pp, microbatches, chunks)
+    live, seen = [0] * schedule.chunks, set()
+    for action in schedule.ranks[pp_rank]:
+        if action.kind == "F":
+            live[action.chunk] += 1
+            seen.add(tuple(live))
+        elif action.kind == "B":
+            live[action.chunk] -= 1
+    kept: list[tuple[int, ...]] = []
+    for counts in sorted(seen, key=lambda c: (-sum(c), c)):  # (a count is only exceeded by one of larger sum)
+        if not any(all(k >= c for k, c in zip(other, counts)) for other in kept):
+            kept.append(counts)
+    return tuple(kept)
 
 
 def buffer_bytes(

@@ -29,8 +29,8 @@ from typing import Any
 
 from paratron.config.fields import all_fields, flag
 from paratron.config.layout import Layout
-from paratron.config.loading import build_config, config_to_dict, override
-from paratron.config.schema import LAUNCH_FIELDS, Config
+from paratron.config.loading import build_config, override, settings_of
+from paratron.config.schema import LAUNCH_FIELDS, SECTIONS, Config
 from paratron.config.validation import validate
 from paratron.errors import ConfigError
 from paratron.planning.activations import KERNELS
@@ -185,7 +185,20 @@ def config_arguments(config: Config) -> list[str]:
 
 def _flat(config: Config) -> dict[str, Any]:
     """Every setting of `config` by its field name, as saved (derived ones None, tuples as lists)."""
-    return {name: value for section in config_to_dict(config).values() for name, value in section.items()}
+    flat: dict[str, Any] = {}
+    for name in SECTIONS:
+        section = getattr(config, name)
+        known = _SECTION_SETTINGS.get(id(section))
+        if known is None or known[0] is not section:
+            if len(_SECTION_SETTINGS) >= 4096:
+                _SECTION_SETTINGS.clear()
+            known = _SECTION_SETTINGS[id(section)] = (section, settings_of(section))
+        flat.update(known[1])
+    return flat
+
+
+_SECTION_SETTINGS: dict[int, tuple[Any, dict[str, Any]]] = {}
+"""`settings_of` by section (plans of one search share most sections: a few hundred, for thousands of commands)."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -243,14 +256,23 @@ def _request(config: Config, global_batch: int | None, seq_length: int | None) -
     return base
 
 
-def apply(config: Config, settings: dict[str, Any]) -> Config:
-    """`config` with flat settings replaced (fast: no re-checking; `validate` checks the result)."""
+def apply(config: Config, settings: dict[str, Any], made: dict[tuple, Any] | None = None) -> Config:
+    """`config` with flat settings replaced (fast: no re-checking; `validate` checks the result). `made`: sections
+    already replaced, by their values (candidates share most of them), to reuse and add to."""
     sections: dict[str, dict[str, Any]] = {}
     for name, value in settings.items():
         sections.setdefault(all_fields()[name].section, {})[name] = value
-    return dataclasses.replace(
-        config, **{s: dataclasses.replace(getattr(config, s), **values) for s, values in sections.items()}
-    )
+    replaced = {}
+    for section, values in sections.items():
+        key = (id(config), section, *values.items())
+        if made is None or key not in made:
+            found = dataclasses.replace(getattr(config, section), **values)
+            if made is None:
+                replaced[section] = found
+                continue
+            made[key] = found
+        replaced[section] = made[key]
+    return dataclasses.replace(config, **replaced)
 
 
 class _Search:
@@ -265,6 +287,7 @@ class _Search:
         self.kernels = KERNELS["cpu" if hardware.name == "cpu" else "cuda"]
         self.limit = hardware.device_memory_bytes
         self.memory_cache: dict[tuple, list[RankMemory]] = {}
+        self.sections: dict[tuple, Any] = {}  # config sections with a candidate's settings, by them (`apply`)
         self.layouts: dict[tuple, tuple[Config, Layout] | None] = {}
         self.bounds: dict[tuple, float] = {}
         self.within = within
@@ -333,7 +356,7 @@ class _Search:
         memory: list[RankMemory] | None = None,
     ) -> None:
         found = self._layout(settings)
-        config, layout = (apply(self.given, settings), found[1]) if found is not None else (None, None)
+        config, layout = (apply(self.given, settings, self.sections), found[1]) if found is not None else (None, None)
         self.unpriced.append(
             Unpriced(
                 dict(settings),
@@ -377,7 +400,12 @@ class _Search:
         for settings in options:
             if self._bound(settings) <= cutoff:
                 yield settings
-        if self._bound(options[0]) <= cutoff and not self._fits(options[0]) and self._fits(options[-1]):
+        if (
+            self._bound(options[0]) <= cutoff
+            and self._bound(self._block(shape, mbs, zero, 1)) <= cutoff  # (more recomputed layers: slower still)
+            and not self._fits(options[0])
+            and self._fits(options[-1])
+        ):
             partial = self._fewest_recomputed(shape, mbs, zero)
             if partial is not None and self._bound(partial) <= cutoff:
                 yield partial
@@ -394,15 +422,16 @@ class _Search:
         lo, hi, best = 1, max(found[1].pipeline.counts) - 1, None
         while lo <= hi:
             k = (lo + hi) // 2
-            settings = self._settings(shape, mbs, "full", zero) | {
-                "recompute_method": "block",
-                "recompute_num_layers": k,
-            }
+            settings = self._block(shape, mbs, zero, k)
             if self._fits(settings):
                 best, hi = settings, k - 1
             else:
                 lo = k + 1
         return best
+
+    def _block(self, shape: Shape, mbs: int, zero: int, layers: int) -> dict[str, Any]:
+        """Block recomputation of `layers` layers per chunk."""
+        return self._settings(shape, mbs, "full", zero) | {"recompute_method": "block", "recompute_num_layers": layers}
 
     def _bound(self, settings: dict[str, Any]) -> float:
         key = tuple(settings.values())
@@ -415,7 +444,7 @@ class _Search:
         """The settings' config and layout; None if `validate` refuses them."""
         key = tuple(settings.values())
         if key not in self.layouts:
-            config = apply(self.base, settings)
+            config = apply(self.base, settings, self.sections)
             try:
                 self.layouts[key] = (config, validate(config, self.world, check_data=False))
             except ConfigError as exc:
@@ -480,7 +509,7 @@ class _Search:
         if max(m.total for m in memory) > self.limit:
             return None
         prediction = predict_step(config, layout, self.hardware, memory)
-        told = apply(self.given, settings)
+        told = apply(self.given, settings, self.sections)
         return Plan(settings, layout, tuple(memory), prediction, told, self.hardware.gpus_per_node)
 
     def failure(self) -> str:
