@@ -211,16 +211,23 @@ def _state(config: Config, parts: Parts, dp: int, edp: int) -> dict[str, int]:
     return {k: round(v) for k, v in report.items()}
 
 
-def predict_memory(config: Config, world_size: int, kernels: Kernels, layout: Layout | None = None) -> list[RankMemory]:
+def predict_memory(
+    config: Config,
+    world_size: int,
+    kernels: Kernels,
+    layout: Layout | None = None,
+    activations: list[int] | None = None,
+) -> list[RankMemory]:
     """Per pipeline rank, the memory of a rank of `config`'s layout on `world_size` ranks (the
-    vocabulary must be set: `planning.dry_run.with_vocabulary`)."""
+    vocabulary must be set: `planning.dry_run.with_vocabulary`). `activations`: each rank's
+    `activation_peaks`, where known (they do not change with the ZeRO stage)."""
     layout = layout or resolve_layout(config, world_size)
     p = config.parallel
     local = local_parameters(config.model, layout.tp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     dp = layout.dp * layout.cp
     edp = layout.dp // p.expert_model_parallel_size
     roles = []
-    peaks = activation_peaks(config, layout, kernels)
+    peaks = activations if activations is not None else activation_peaks(config, layout, kernels)
     for pp_rank, (parts, largest) in enumerate(_rank_parts(config, layout, local)):
         roles.append(
             RankMemory(

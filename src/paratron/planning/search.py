@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -290,6 +291,8 @@ class _Search:
         self.sections: dict[tuple, Any] = {}  # config sections with a candidate's settings, by them (`apply`)
         self.layouts: dict[tuple, tuple[Config, Layout] | None] = {}
         self.bounds: dict[tuple, float] = {}
+        self.unchecked: dict[tuple, float] = {}  # bounds before `validate` (`_unchecked_bound`)
+        self.activations: dict[tuple, list[int]] = {}  # per rank, by the settings less the ZeRO stage and overlap
         self.within = within
         self.frugal: tuple[float, str] | None = None  # least memory seen: (bytes, description)
         self.divides = False
@@ -304,7 +307,7 @@ class _Search:
         for shape in shapes(self.base, self.world, self.hardware.gpus_per_node):
             for mbs in micro_batch_sizes(self.base, self.world, shape):
                 self.divides = True
-                fastest = self._settings(shape, mbs, None, min(zero_stages(self.base, self.world, shape)))
+                fastest = self._fastest(shape, mbs)
                 found = self._layout(fastest)
                 if found is None:
                     self._skip(fastest, "refused", self.refusals[tuple(fastest.values())])
@@ -334,10 +337,9 @@ class _Search:
                         priced += 1
                         best = min(best, found.prediction.total)
             if not priced:  # the variants within the cutoff do not fit (or there were none): the rest are slower
-                variants = [v for z in zero_stages(self.base, self.world, shape) for v in self._options(shape, mbs, z)]
-                bounds = [self._bound(v) for v in variants if self._bound(v) > best * self.within]
-                if bounds:
-                    self._skip_slower(shape, mbs, min(bounds), best, fitting=bool(tried))
+                slower = self._slowest_bound(shape, mbs, best * self.within)
+                if slower is not None:
+                    self._skip_slower(shape, mbs, slower, best, fitting=bool(tried))
                 else:
                     self._skip_too_big(shape, mbs, bound, "no variant fits")
         for p in plans:
@@ -372,7 +374,7 @@ class _Search:
         )
 
     def _skip_slower(self, shape: Shape, mbs: int, bound: float, best: float, fitting: bool = False) -> None:
-        fastest = self._settings(shape, mbs, None, min(zero_stages(self.base, self.world, shape)))
+        fastest = self._fastest(shape, mbs)
         detail = f"at least {bound / best:.2f}x the fastest plan's step time"
         if fitting:
             detail += f" in the variants that fit (those within {self.within:g}x do not)"
@@ -398,17 +400,53 @@ class _Search:
         recomputed layers per chunk that fit (the block method, between none and full in time)."""
         options = self._options(shape, mbs, zero)
         for settings in options:
-            if self._bound(settings) <= cutoff:
+            if self._within(settings, shape, mbs, cutoff):
                 yield settings
         if (
-            self._bound(options[0]) <= cutoff
-            and self._bound(self._block(shape, mbs, zero, 1)) <= cutoff  # (more recomputed layers: slower still)
+            self._within(options[0], shape, mbs, cutoff)
+            and self._within(self._block(shape, mbs, zero, 1), shape, mbs, cutoff)  # (more layers: slower still)
             and not self._fits(options[0])
             and self._fits(options[-1])
         ):
             partial = self._fewest_recomputed(shape, mbs, zero)
             if partial is not None and self._bound(partial) <= cutoff:
                 yield partial
+
+    def _within(self, settings: dict[str, Any], shape: Shape, mbs: int, cutoff: float) -> bool:
+        """`_bound(settings) <= cutoff`, validating the settings only when their unchecked bound is within."""
+        return self._unchecked_bound(settings, shape, mbs) <= cutoff and self._bound(settings) <= cutoff
+
+    def _unchecked_bound(self, settings: dict[str, Any], shape: Shape, mbs: int) -> float:
+        """`_bound` of a variant of a layout priced with the layout of its fastest variant, before `validate`
+        sees it: recomputation, ZeRO stage and overlap leave the layout as it was, so where `validate` accepts
+        the variant this is its bound (where it refuses, `_bound` is infinite). The fastest variant of a layout
+        the search prices was accepted."""
+        key = tuple(settings.values())
+        if key in self.bounds:
+            return self.bounds[key]
+        if key not in self.unchecked:
+            fastest = self.layouts.get(tuple(self._fastest(shape, mbs).values()))
+            if fastest is None:
+                return self._bound(settings)
+            config = apply(self.base, settings, self.sections)
+            self.unchecked[key] = step_bound(config, fastest[1], self.hardware)
+        return self.unchecked[key]
+
+    def _slowest_bound(self, shape: Shape, mbs: int, cutoff: float) -> float | None:
+        """The least `_bound` above `cutoff` among a layout's variants (infinite for refused ones); None
+        when every variant is accepted and within it."""
+        variants = [v for z in zero_stages(self.base, self.world, shape) for v in self._options(shape, mbs, z)]
+        above = sorted((self._unchecked_bound(v, shape, mbs), i) for i, v in enumerate(variants))
+        if any(self._layout(variants[i]) is None for unchecked, i in above if unchecked <= cutoff):
+            return min((self._bound(variants[i]) for unchecked, i in above if unchecked > cutoff), default=math.inf)
+        for unchecked, i in above:
+            if unchecked > cutoff and self._layout(variants[i]) is not None:
+                return unchecked
+        return math.inf if any(unchecked > cutoff for unchecked, _ in above) else None
+
+    def _fastest(self, shape: Shape, mbs: int) -> dict[str, Any]:
+        """The variant of a layout with the shortest bound: no recomputation, the lowest ZeRO stage."""
+        return self._settings(shape, mbs, None, min(zero_stages(self.base, self.world, shape)))
 
     def _options(self, shape: Shape, mbs: int, zero: int) -> list[dict[str, Any]]:
         """The layout's settings at each recomputation of RECOMPUTE (none, selective, full)."""
@@ -488,7 +526,10 @@ class _Search:
             return None
         key = _memory_key(settings)
         if key not in self.memory_cache:
-            self.memory_cache[key] = predict_memory(found[0], self.world, self.kernels, found[1])
+            same = tuple(v for k, v in settings.items() if k != "zero_stage" and not k.startswith("overlap"))
+            memory = predict_memory(found[0], self.world, self.kernels, found[1], self.activations.get(same))
+            self.activations[same] = [m.activations for m in memory]
+            self.memory_cache[key] = memory
         return found[0], found[1], self.memory_cache[key]
 
     def _fits(self, settings: dict[str, Any]) -> bool:
