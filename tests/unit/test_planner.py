@@ -17,10 +17,10 @@ from paratron.config.schema import PlanningConfig
 from paratron.errors import ConfigError
 from paratron.parallel.pipeline.schedules import build_schedule, rank_times, simulate, theoretical_bubble
 from paratron.planning import hardware as hw
-from paratron.planning.activations import live_counts
 from paratron.planning.candidates import balanced_ends, micro_batch_sizes, shapes, zero_bubble_too_long, zero_stages
 from paratron.planning.cost import predict_step, step_bound
 from paratron.planning.dry_run import with_vocabulary
+from paratron.planning.live import live_counts
 from paratron.planning.operations import stage_operations
 from paratron.planning.published import RUNS, evaluate
 from paratron.planning.search import WITHIN, _Search, apply, config_arguments, plan
@@ -249,6 +249,24 @@ def test_live_counts_give_the_walked_activation_peak(name, pp, m, chunks):
         ):
             fast = max(sum(n * s for n, s in zip(live, sizes)) for live in counts)
             assert fast == _walked_peak(schedule, rank, sizes)
+
+
+def _fullest(counts: set) -> set:
+    return {c for c in counts if not any(o != c and all(a >= b for a, b in zip(o, c)) for o in counts)}
+
+
+def test_live_counts_without_the_schedule_are_the_schedules():
+    for name, pp, m, chunks in [
+        *(("1f1b", p, b, 1) for p in (1, 2, 4, 5) for b in (1, 2, 3, 8)),
+        *(("interleaved", p, b, v) for p in (2, 3, 4) for v in (2, 3, 5) for b in (p, 2 * p, 5 * p)),
+    ]:
+        schedule = build_schedule(name, pp, m, chunks)
+        for rank in range(pp):
+            live, walked = [0] * chunks, set()
+            for action in schedule.ranks[rank]:
+                live[action.chunk] += {"F": 1, "B": -1}[action.kind]
+                walked |= {tuple(live)} if action.kind == "F" else set()
+            assert set(live_counts(name, pp, m, chunks, rank)) == _fullest(walked), (name, pp, m, chunks, rank)
 
 
 def _exhaustive(config, world, hardware):

@@ -274,7 +274,7 @@ def _mismatches(hardware: Hardware, calibration: Calibration, precision: str | N
     names = [n for n in calibration.device_names if n]
     if hardware.name != CPU and names and not all(family in n.upper() for n in names):
         lines.append(f"  warning: measured {names[0]}, the preset is {hardware.name}: its figures are replaced")
-    if calibration.ranks_per_node != hardware.gpus_per_node and calibration.nodes > 1:
+    if calibration.ranks_per_node != hardware.gpus_per_node:
         lines.append(
             f"  warning: measured {calibration.ranks_per_node} ranks per node, the plan has {hardware.gpus_per_node}"
         )
