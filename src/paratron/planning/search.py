@@ -16,6 +16,9 @@ bound of their step time that needs no schedule simulation (`cost.step_bound`), 
 bound is within `within` of the best plan found so far; memory only shrinks with more
 recomputation, a higher ZeRO stage and a smaller micro-batch, so a layout whose most frugal variant
 does not fit is dropped with its larger micro-batches; memory, bounds and simulations are cached.
+A layout's variants (recomputation, ZeRO stage) share its shape, so they are bounded with it before
+`validate` sees them and validated only where the bound could keep them; activations are shared
+between ZeRO stages. tests/unit/test_planner.py checks the plans against pricing every variant.
 """
 
 from __future__ import annotations
