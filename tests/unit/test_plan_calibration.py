@@ -14,7 +14,7 @@ from paratron.planning import hardware as hw
 from paratron.planning.calibration import calibrate, fit_link, read_calibration, ring_terms
 from paratron.planning.command import run_plan
 from paratron.planning.cost import predict_step
-from paratron.planning.dry_run import with_vocabulary
+from paratron.planning.dry_run import run_dry_run, with_vocabulary
 from paratron.planning.search import plan
 
 H100 = hw.PRESETS["h100-80g"]
@@ -189,3 +189,12 @@ def test_paratron_plan_prints_what_was_measured(tmp_path, capsys):
     assert saved["request"]["calibration"][0].startswith("calibration ")
     with pytest.raises(ConfigError, match="no such file"):
         run_plan([*argv, "--calibration", str(tmp_path / "missing.json")])
+
+
+def test_the_dry_run_checks_against_the_measured_memory(tmp_path, capsys):
+    gpu = written(tmp_path, report())
+    cpu = written(tmp_path, report(device_type="cpu", devices=[{"name": "Xeon", "memory_gb": 64.0}]), "cpu.json")
+    for path, limit in ((gpu, "79.2 GB"), (cpu, "32 GB")):  # (the CPU's memory shared by its 2 processes)
+        config = build_config({"model_name": "debug", "mock_data": True, "world_size": 2, "calibration": path})
+        assert run_dry_run(config) == 0
+        assert capsys.readouterr().out.rstrip().endswith(f"uses 0% of {limit}")

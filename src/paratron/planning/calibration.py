@@ -80,6 +80,14 @@ class Calibration:
     inter_node: LinkFit | None
 
 
+def device_memory_gb(calibration: Calibration, processes_per_machine: int) -> float | None:
+    """One rank's memory as measured: the smallest device's, or on the CPU the machine's shared by its processes."""
+    memory = calibration.device_memory_gb
+    if memory is None or calibration.device_type != "cpu":
+        return memory
+    return memory / max(1, processes_per_machine)
+
+
 def read_calibration(path: str | Path) -> Calibration:
     """doctor.json's figures; ConfigError (one line naming the file and the fix) when it is missing,
     not JSON, of another format, or lacks what the planner reads."""
@@ -222,7 +230,7 @@ def calibrate(
     if calibration.device_memory_gb is None or "device_memory_gb" in kept:
         lines.append(f"  device memory: {hardware.device_memory_gb:g} GB, not from the file")
     elif hardware.name == CPU:  # (the doctor reports the machine's memory; the plan's processes share it)
-        changes["device_memory_gb"] = calibration.device_memory_gb / hardware.gpus_per_node
+        changes["device_memory_gb"] = device_memory_gb(calibration, hardware.gpus_per_node) or 0.0
         lines.append(
             f"  device memory: measured {calibration.device_memory_gb:.3g} GB per machine, "
             f"{changes['device_memory_gb']:.3g} GB for each of {hardware.gpus_per_node} processes"
