@@ -17,11 +17,13 @@ from paratron.config.schema import PlanningConfig
 from paratron.errors import ConfigError
 from paratron.parallel.pipeline.schedules import build_schedule, rank_times, simulate, theoretical_bubble
 from paratron.planning import hardware as hw
-from paratron.planning.candidates import balanced_ends, shapes
+from paratron.planning.candidates import balanced_ends, micro_batch_sizes, shapes, zero_bubble_too_long, zero_stages
 from paratron.planning.cost import predict_step, step_bound
+from paratron.planning.dry_run import with_vocabulary
+from paratron.planning.live import live_counts
 from paratron.planning.operations import stage_operations
 from paratron.planning.published import RUNS, evaluate
-from paratron.planning.search import apply, config_arguments, plan
+from paratron.planning.search import WITHIN, _Search, apply, config_arguments, plan
 
 H100 = hw.PRESETS["h100-80g"]
 
@@ -215,3 +217,86 @@ def test_published_runs_are_predicted_within_fifteen_percent(run):
     row = evaluate(run, search=False)
     assert row["fits"], row
     assert abs(row["relative_error"]) <= 0.15, row
+
+
+# ---------------------------------------------------------------- the fast paths give the exhaustive answers
+
+
+def _walked_peak(schedule, rank: int, sizes: list[float]) -> float:
+    """The activation peak by walking every operation of the rank (what the live counts stand for)."""
+    live = peak = 0.0
+    for action in schedule.ranks[rank]:
+        if action.kind == "F":
+            live += sizes[action.chunk]
+            peak = max(peak, live)
+        elif action.kind == "B":
+            live -= sizes[action.chunk]
+    return peak
+
+
+@pytest.mark.parametrize(
+    "name, pp, m, chunks", [("1f1b", 4, 9, 1), ("interleaved", 4, 8, 3), ("zb-h1", 4, 10, 1), ("zb-v", 3, 7, 2)]
+)
+def test_live_counts_give_the_walked_activation_peak(name, pp, m, chunks):
+    schedule = build_schedule(name, pp, m, chunks)
+    for rank in range(pp):
+        counts = live_counts(name, pp, m, chunks, rank)
+        assert 1 <= len(counts) <= m * schedule.chunks
+        for sizes in (
+            [1.0] * schedule.chunks,
+            [7.0 + 5 * c for c in range(schedule.chunks)],
+            [3e9, 1.0, 2e9][: schedule.chunks],
+        ):
+            fast = max(sum(n * s for n, s in zip(live, sizes)) for live in counts)
+            assert fast == _walked_peak(schedule, rank, sizes)
+
+
+def _fullest(counts: set) -> set:
+    return {c for c in counts if not any(o != c and all(a >= b for a, b in zip(o, c)) for o in counts)}
+
+
+def test_live_counts_without_the_schedule_are_the_schedules():
+    for name, pp, m, chunks in [
+        *(("1f1b", p, b, 1) for p in (1, 2, 4, 5) for b in (1, 2, 3, 8)),
+        *(("interleaved", p, b, v) for p in (2, 3, 4) for v in (2, 3, 5) for b in (p, 2 * p, 5 * p)),
+    ]:
+        schedule = build_schedule(name, pp, m, chunks)
+        for rank in range(pp):
+            live, walked = [0] * chunks, set()
+            for action in schedule.ranks[rank]:
+                live[action.chunk] += {"F": 1, "B": -1}[action.kind]
+                walked |= {tuple(live)} if action.kind == "F" else set()
+            assert set(live_counts(name, pp, m, chunks, rank)) == _fullest(walked), (name, pp, m, chunks, rank)
+
+
+def _exhaustive(config, world, hardware):
+    """Every variant the search may price (no bound, no pruning), priced; the plans within WITHIN of the fastest."""
+    run = _Search(with_vocabulary(config), world, hardware, math.inf, config)
+    found = []
+    for shape in shapes(run.base, world, hardware.gpus_per_node):
+        for mbs in micro_batch_sizes(run.base, world, shape):
+            if zero_bubble_too_long(run.base, world, shape, mbs):
+                continue
+            for zero in zero_stages(run.base, world, shape):
+                options = run._options(shape, mbs, zero)
+                variants = list(options)
+                if run._layout(options[0]) and not run._fits(options[0]) and run._fits(options[-1]):
+                    variants.append(run._fewest_recomputed(shape, mbs, zero))
+                found += [p for p in map(run._evaluate, filter(None, variants)) if p is not None]
+    best = min(p.prediction.total for p in found)
+    kept = [p for p in found if p.prediction.total <= best * WITHIN]
+    return sorted(kept, key=lambda p: (-p.prediction.tokens_per_s, p.peak_memory))
+
+
+@pytest.mark.parametrize(
+    "model, world, batch, seq, memory", [("llama3-1b", 8, 32, 4096, 12), ("debug-moe", 8, 32, 256, 80)]
+)
+def test_the_pruned_search_finds_the_exhaustive_plans(model, world, batch, seq, memory):
+    config = config_of(model_name=model, global_batch_size=batch, seq_length=seq)
+    hardware = dataclasses.replace(H100, device_memory_gb=memory)
+    fast = plan(config, world, hardware)
+    slow = _exhaustive(config, world, hardware)
+    assert [(p.describe(), p.prediction, p.memory) for p in fast] == [
+        (p.describe(), p.prediction, p.memory) for p in slow
+    ]
+    assert any(p.settings["recompute_granularity"] for p in fast) or memory == 80

@@ -1178,6 +1178,12 @@ class PlanningConfig:
     recomputation, ZeRO stage, schedule) with the planner for this machine and world size, then train with it; the
     layout flags given are replaced."""
 
+    calibration: str | None = None
+    """A `paratron doctor --output FILE.json` report of the cluster: paratron plan and --auto price layouts with its
+    measured network bandwidths and latencies (inside a node and between nodes), matmul TFLOP/s and device memory in
+    place of the --hardware preset's (figures it did not measure stay the preset's; flags given win over it), and
+    --dry-run checks against its device memory."""
+
 
 @dataclass(frozen=True)
 class Config:

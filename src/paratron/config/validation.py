@@ -87,9 +87,11 @@ def _check_launch(parallel: ParallelConfig) -> None:
 def _check_bounds(config: Config) -> None:
     """Every setting within the limits of its field's metadata (a derived value is checked where it is used)."""
     for info in all_fields().values():
+        if not info.limits:
+            continue
         section = getattr(config, info.section)
         value = getattr(section, info.name)
-        if not info.limits or value is None or info.name in getattr(section, "derived", ()):
+        if value is None or info.name in getattr(section, "derived", ()):
             continue
         bound = _broken_bound(info.limits, value)
         if bound is not None:
@@ -207,7 +209,7 @@ def _check_context_parallel(config: Config, layout: Layout) -> None:
 def _check_experts(m: ModelConfig) -> None:
     """Mixture-of-experts settings: sizes that fit, and no MoE setting without experts."""
     if not m.num_experts:
-        defaults = ModelConfig()
+        defaults = _MODEL_DEFAULTS
         changed = [
             f.name
             for f in dataclasses.fields(m)
@@ -567,3 +569,8 @@ def _check_loss_spikes(config: Config) -> None:
             f"{flag.on_spike} rollback reloads the newest checkpoint of {flag.save}: give {flag.save} DIR "
             f"(and {flag.save_interval} N), or choose {flag.on_spike} warn or skip"
         )
+
+
+_MODEL_DEFAULTS = ModelConfig()
+"""Every model setting's default, built once (`_check_experts` compares against it on each of the planner's
+thousands of candidates)."""

@@ -15,6 +15,7 @@ from paratron.config.loading import build_config, override
 from paratron.config.schema import Config, PlanningConfig
 from paratron.distributed.init import accelerator_memory_bytes, accelerator_name, choose_backend
 from paratron.errors import ConfigError
+from paratron.planning.calibration import calibrate, read_calibration
 from paratron.planning.hardware import PRESETS, Hardware, hardware_from
 from paratron.planning.search import LAYOUT_FIELDS, Plan, plan
 
@@ -45,6 +46,10 @@ def auto_layout(config: Config, argv: list[str], world_size: int) -> tuple[list[
     if given:
         raise ConfigError(f"{flag.auto} chooses the layout itself; drop {', '.join(given)} (or drop {flag.auto})")
     hardware = machine_hardware(world_size)
+    if config.planning.calibration is not None:
+        measured = read_calibration(config.planning.calibration)
+        hardware, lines = calibrate(hardware, measured, precision=config.training.precision)
+        print("\n".join(lines))
     chosen = []
     if config.training.global_batch_size is None:  # (the batch the run would take: a micro-batch per rank)
         batch = config.training.micro_batch_size * world_size

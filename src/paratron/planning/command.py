@@ -25,6 +25,7 @@ from paratron.config.fields import flag
 from paratron.config.loading import build_config, override
 from paratron.config.schema import LAUNCH_FIELDS, MODEL_ARCHITECTURE
 from paratron.errors import ConfigError
+from paratron.planning.calibration import calibrate, read_calibration
 from paratron.planning.hardware import CPU, hardware_from
 from paratron.planning.report import plot, table, write_json
 from paratron.planning.search import LAYOUT_FIELDS, WITHIN, search
@@ -38,7 +39,7 @@ PLAN_TAKES = (
     ("data_path", "train_data_path", "valid_data_path", "corpus", "mock_data", "seq_length"),
     ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"),
     ("sft", "chat_template"),
-    ("world_size", "hardware", "device_memory_gb", "peak_tflops"),
+    ("world_size", "hardware", "device_memory_gb", "peak_tflops", "calibration"),
 )
 """The settings a plan depends on (train's flags): the model's architecture and what sizes its memory (dropout
 masks, vocabulary padding, adapters, a vision encoder, what trains and the images a sample brings), the batch,
@@ -107,8 +108,7 @@ def run_plan(argv: Sequence[str]) -> int:
     no_data = not (config.data.blend_flags() or config.data.corpus or config.data.mock_data or config.data.sft)
     if no_data:  # (the printed command must run: it trains on synthetic tokens, and says so)
         config = override(config, mock_data=True)
-    hardware = hardware_from(
-        config.planning,
+    given = dict(
         gpus_per_node=args.gpus_per_node,
         peak_tflops=config.logging.peak_tflops,
         intra_node_gbps=args.intra_node_gbps,
@@ -117,6 +117,13 @@ def run_plan(argv: Sequence[str]) -> int:
         inter_node_latency_us=args.inter_node_latency_us,
         matmul_efficiency=args.matmul_efficiency,
     )
+    hardware = hardware_from(config.planning, **given)
+    measured: list[str] = []
+    if config.planning.calibration is not None:
+        keep = {name for name, value in given.items() if value is not None}
+        keep |= {"device_memory_gb"} if config.planning.device_memory_gb is not None else set()
+        calibration = read_calibration(config.planning.calibration)
+        hardware, measured = calibrate(hardware, calibration, keep, config.training.precision)
     world = _world(config.planning.world_size, args.nodes, hardware.gpus_per_node)
     hardware = dataclasses.replace(hardware, nodes=max(1, world // hardware.gpus_per_node))
     start = time.perf_counter()
@@ -129,6 +136,8 @@ def run_plan(argv: Sequence[str]) -> int:
         f"{flag.seq_length} {config.data.seq_length}: {len(plans)} plans within {args.within:g}x of the fastest, "
         f"{len(others)} other layouts considered ({seconds:.1f}s)"
     )
+    if measured:
+        print("\n".join(measured))
     print(table(plans, args.top))
     print(f"\nbest: {plans[0].command()}")
     if no_data:
@@ -138,6 +147,8 @@ def run_plan(argv: Sequence[str]) -> int:
         )
     if args.output is not None:
         request = {"argv": list(argv), "world_size": world, "within": args.within, "search_seconds": seconds}
+        if measured:
+            request["calibration"] = measured
         write_json(args.output, plans, hardware, request, others)
         print(f"plans: {args.output}")
     picture = args.plot or (args.output.with_suffix(".png") if args.output is not None else None)

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from paratron.config.layout import Layout
 from paratron.config.schema import Config
 from paratron.parallel.pipeline.schedules import rank_times
-from paratron.planning.activations import WIDTHS, pipeline_schedule
+from paratron.planning.activations import WIDTHS
 from paratron.planning.hardware import Hardware, all_gather_time, all_reduce_time, link, reduce_scatter_time
+from paratron.planning.live import pipeline_schedule
 from paratron.planning.memory import RankMemory
 from paratron.planning.operations import PARTS, rank_stages, stage_operations, stage_parameters
 from paratron.training.flops import training_flops_per_token, vision_flops_per_image

@@ -39,6 +39,7 @@ from paratron.parallel.data.memory import training_state_elements
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.parallelize import parallelize
 from paratron.planning.activations import CPU, CUDA, Kernels, activation_peak, buffer_bytes
+from paratron.planning.calibration import device_memory_gb, read_calibration
 from paratron.planning.hardware import hardware_from
 from paratron.planning.memory import CATEGORIES, RankMemory
 from paratron.planning.vision import images_per_micro_batch
@@ -151,6 +152,8 @@ def run_dry_run(config: Config) -> int:
     layout = validate(config, world)
     planning = config.planning
     device_gb = planning.device_memory_gb
+    if device_gb is None and planning.calibration is not None:
+        device_gb = device_memory_gb(read_calibration(planning.calibration), min(world, 8))
     if device_gb is None and planning.hardware is not None:
         device_gb = hardware_from(planning, gpus_per_node=min(world, 8)).device_memory_gb
     kernels = kernels_for(planning.hardware)

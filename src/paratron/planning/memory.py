@@ -32,7 +32,7 @@ from paratron.distributed.topology import ParallelDims, Topology
 from paratron.model.gpt import GPT
 from paratron.parallel.parallelize import parallelize
 from paratron.parallel.sharding import is_expert
-from paratron.planning.activations import WIDTHS, Kernels, activation_peak, buffer_bytes, pipeline_schedule
+from paratron.planning.activations import WIDTHS, Kernels, activation_peaks, buffer_bytes, rank_model_stages
 
 CATEGORIES = ("parameters", "gradients", "master", "optimizer_state", "activations", "buffers")
 
@@ -148,25 +148,39 @@ def local_parameters(model: ModelConfig, tp: int, ep: int, etp: int | None) -> L
     )
 
 
-def _stage_parts(config: Config, layout: Layout, local: LocalParameters, pp_rank: int) -> tuple[Parts, int]:
-    """Elements pipeline rank `pp_rank` holds, and its largest layer's."""
-    plan, moe = layout.pipeline, config.model.moe_layer_pattern
-    if layout.pp == 1:
-        stages = [0]
-    else:
-        assert plan.schedule is not None
-        schedule = pipeline_schedule(plan.schedule, layout.pp, layout.num_micro_batches, plan.chunks)
-        stages = [schedule.stage(pp_rank, c) for c in range(schedule.chunks)]
-    last = layout.pp * plan.chunks - 1
+def _rank_parts(config: Config, layout: Layout, local: LocalParameters) -> list[tuple[Parts, int]]:
+    """Per pipeline rank, the elements it holds and its largest layer's (each kind of model stage counted once)."""
+    moe, last = config.model.moe_layer_pattern, layout.pp * layout.pipeline.chunks - 1
+    counted: dict[tuple[int, int, bool, bool], tuple[Parts, int]] = {}
+    stages = []
+    for stage, indices in enumerate(layout.pipeline.ranges):
+        experts = sum(1 for i in indices if moe[i])
+        kind = (len(indices) - experts, experts, stage == 0, stage == last)
+        if kind not in counted:
+            counted[kind] = _stage_parts(layout, local, *kind)
+        stages.append(counted[kind])
+    held = [[0] if layout.pp == 1 else rank_model_stages(layout, r) for r in range(layout.pp)]
+    out = []
+    for mine in held:
+        total, largest = Parts(), 0
+        for stage in mine:
+            total, largest = total + stages[stage][0], max(largest, stages[stage][1])
+        out.append((total, largest))
+    return out
+
+
+def _stage_parts(
+    layout: Layout, local: LocalParameters, dense: int, experts: int, first: bool, last: bool
+) -> tuple[Parts, int]:
+    """Elements a model stage of `dense` and `experts` (MoE) layers holds, and its largest layer's."""
     total, largest = Parts(), 0
-    for stage in stages:
-        for i in plan.ranges[stage]:
-            layer = local.moe_layer if moe[i] else local.dense_layer
-            total, largest = total + layer, max(largest, layer.trained + layer.frozen)
-        if stage == 0:
-            total = total + local.embedding + local.vision
-        if stage == last:
-            total = total + local.head + (local.output_copy if layout.pp > 1 else Parts())
+    for layer, count in ((local.dense_layer, dense), (local.moe_layer, experts)):
+        if count:
+            total, largest = total + layer * count, max(largest, layer.trained + layer.frozen)
+    if first:
+        total = total + local.embedding + local.vision
+    if last:
+        total = total + local.head + (local.output_copy if layout.pp > 1 else Parts())
     return total, largest
 
 
@@ -197,22 +211,29 @@ def _state(config: Config, parts: Parts, dp: int, edp: int) -> dict[str, int]:
     return {k: round(v) for k, v in report.items()}
 
 
-def predict_memory(config: Config, world_size: int, kernels: Kernels, layout: Layout | None = None) -> list[RankMemory]:
+def predict_memory(
+    config: Config,
+    world_size: int,
+    kernels: Kernels,
+    layout: Layout | None = None,
+    activations: list[int] | None = None,
+) -> list[RankMemory]:
     """Per pipeline rank, the memory of a rank of `config`'s layout on `world_size` ranks (the
-    vocabulary must be set: `planning.dry_run.with_vocabulary`)."""
+    vocabulary must be set: `planning.dry_run.with_vocabulary`). `activations`: each rank's
+    `activation_peaks`, where known (they do not change with the ZeRO stage)."""
     layout = layout or resolve_layout(config, world_size)
     p = config.parallel
     local = local_parameters(config.model, layout.tp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     dp = layout.dp * layout.cp
     edp = layout.dp // p.expert_model_parallel_size
     roles = []
-    for pp_rank in range(layout.pp):
-        parts, largest = _stage_parts(config, layout, local, pp_rank)
+    peaks = activations if activations is not None else activation_peaks(config, layout, kernels)
+    for pp_rank, (parts, largest) in enumerate(_rank_parts(config, layout, local)):
         roles.append(
             RankMemory(
                 stage=pp_rank,
                 ranks=world_size // layout.pp,
-                activations=activation_peak(config, layout, pp_rank, kernels),
+                activations=peaks[pp_rank],
                 buffers=buffer_bytes(config, layout, pp_rank, kernels, parts.trained, largest),
                 **_state(config, parts, dp, edp),
             )

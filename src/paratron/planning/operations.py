@@ -104,13 +104,17 @@ def layer_work(config: Config, tp: int, cp: int, micro_batch: int) -> tuple[Laye
 
 def stage_layer_kinds(config: Config, layout: Layout) -> list[tuple[int, int]]:
     """Per model stage, its (dense, MoE) layer counts."""
-    moe_of = config.model.moe_layer_pattern
+    return list(_layer_kinds(config.model.moe_layer_pattern, tuple(layout.pipeline.counts)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_kinds(moe_of: tuple[bool, ...], counts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     out, start = [], 0
-    for count in layout.pipeline.counts:
+    for count in counts:
         moe = sum(moe_of[start : start + count])
         out.append((count - moe, moe))
         start += count
-    return out
+    return tuple(out)
 
 
 def stage_parameters(config: Config, layout: Layout) -> list[tuple[int, int]]:
@@ -167,10 +171,10 @@ def stage_operations(
     if config.model.has_vision:
         ends[0] = _sum(ends[0], comm.vision(layout, block))
     ops, parts, seen = [], [], {}
+    owner = [_rank_of(layout, s) for s in range(stages)]
     for s, (dense_count, moe_count) in enumerate(stage_layer_kinds(config, layout)):
-        here = _rank_of(layout, s)
-        before = s > 0 and _rank_of(layout, s - 1) != here
-        after = s < stages - 1 and _rank_of(layout, s + 1) != here
+        before = s > 0 and owner[s - 1] != owner[s]
+        after = s < stages - 1 and owner[s + 1] != owner[s]
         signature = (dense_count, moe_count, ends.get(s) and s, before, after)
         if signature not in seen:  # (most stages of a pipeline look alike: price each kind once)
             counts = _recomputed(t.recompute_granularity == "full", block, dense_count, moe_count)

@@ -16,12 +16,16 @@ bound of their step time that needs no schedule simulation (`cost.step_bound`), 
 bound is within `within` of the best plan found so far; memory only shrinks with more
 recomputation, a higher ZeRO stage and a smaller micro-batch, so a layout whose most frugal variant
 does not fit is dropped with its larger micro-batches; memory, bounds and simulations are cached.
+A layout's variants (recomputation, ZeRO stage) share its shape, so they are bounded with it before
+`validate` sees them and validated only where the bound could keep them; activations are shared
+between ZeRO stages. tests/unit/test_planner.py checks the plans against pricing every variant.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,8 +33,8 @@ from typing import Any
 
 from paratron.config.fields import all_fields, flag
 from paratron.config.layout import Layout
-from paratron.config.loading import build_config, config_to_dict, override
-from paratron.config.schema import LAUNCH_FIELDS, Config
+from paratron.config.loading import build_config, override, settings_of
+from paratron.config.schema import LAUNCH_FIELDS, SECTIONS, Config
 from paratron.config.validation import validate
 from paratron.errors import ConfigError
 from paratron.planning.activations import KERNELS
@@ -185,7 +189,20 @@ def config_arguments(config: Config) -> list[str]:
 
 def _flat(config: Config) -> dict[str, Any]:
     """Every setting of `config` by its field name, as saved (derived ones None, tuples as lists)."""
-    return {name: value for section in config_to_dict(config).values() for name, value in section.items()}
+    flat: dict[str, Any] = {}
+    for name in SECTIONS:
+        section = getattr(config, name)
+        known = _SECTION_SETTINGS.get(id(section))
+        if known is None or known[0] is not section:
+            if len(_SECTION_SETTINGS) >= 4096:
+                _SECTION_SETTINGS.clear()
+            known = _SECTION_SETTINGS[id(section)] = (section, settings_of(section))
+        flat.update(known[1])
+    return flat
+
+
+_SECTION_SETTINGS: dict[int, tuple[Any, dict[str, Any]]] = {}
+"""`settings_of` by section (plans of one search share most sections: a few hundred, for thousands of commands)."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -243,14 +260,23 @@ def _request(config: Config, global_batch: int | None, seq_length: int | None) -
     return base
 
 
-def apply(config: Config, settings: dict[str, Any]) -> Config:
-    """`config` with flat settings replaced (fast: no re-checking; `validate` checks the result)."""
+def apply(config: Config, settings: dict[str, Any], made: dict[tuple, Any] | None = None) -> Config:
+    """`config` with flat settings replaced (fast: no re-checking; `validate` checks the result). `made`: sections
+    already replaced, by their values (candidates share most of them), to reuse and add to."""
     sections: dict[str, dict[str, Any]] = {}
     for name, value in settings.items():
         sections.setdefault(all_fields()[name].section, {})[name] = value
-    return dataclasses.replace(
-        config, **{s: dataclasses.replace(getattr(config, s), **values) for s, values in sections.items()}
-    )
+    replaced = {}
+    for section, values in sections.items():
+        key = (id(config), section, *values.items())
+        if made is None or key not in made:
+            found = dataclasses.replace(getattr(config, section), **values)
+            if made is None:
+                replaced[section] = found
+                continue
+            made[key] = found
+        replaced[section] = made[key]
+    return dataclasses.replace(config, **replaced)
 
 
 class _Search:
@@ -265,8 +291,11 @@ class _Search:
         self.kernels = KERNELS["cpu" if hardware.name == "cpu" else "cuda"]
         self.limit = hardware.device_memory_bytes
         self.memory_cache: dict[tuple, list[RankMemory]] = {}
+        self.sections: dict[tuple, Any] = {}  # config sections with a candidate's settings, by them (`apply`)
         self.layouts: dict[tuple, tuple[Config, Layout] | None] = {}
         self.bounds: dict[tuple, float] = {}
+        self.unchecked: dict[tuple, float] = {}  # bounds before `validate` (`_unchecked_bound`)
+        self.activations: dict[tuple, list[int]] = {}  # per rank, by the settings less the ZeRO stage and overlap
         self.within = within
         self.frugal: tuple[float, str] | None = None  # least memory seen: (bytes, description)
         self.divides = False
@@ -281,7 +310,7 @@ class _Search:
         for shape in shapes(self.base, self.world, self.hardware.gpus_per_node):
             for mbs in micro_batch_sizes(self.base, self.world, shape):
                 self.divides = True
-                fastest = self._settings(shape, mbs, None, min(zero_stages(self.base, self.world, shape)))
+                fastest = self._fastest(shape, mbs)
                 found = self._layout(fastest)
                 if found is None:
                     self._skip(fastest, "refused", self.refusals[tuple(fastest.values())])
@@ -311,10 +340,9 @@ class _Search:
                         priced += 1
                         best = min(best, found.prediction.total)
             if not priced:  # the variants within the cutoff do not fit (or there were none): the rest are slower
-                variants = [v for z in zero_stages(self.base, self.world, shape) for v in self._options(shape, mbs, z)]
-                bounds = [self._bound(v) for v in variants if self._bound(v) > best * self.within]
-                if bounds:
-                    self._skip_slower(shape, mbs, min(bounds), best, fitting=bool(tried))
+                slower = self._slowest_bound(shape, mbs, best * self.within)
+                if slower is not None:
+                    self._skip_slower(shape, mbs, slower, best, fitting=bool(tried))
                 else:
                     self._skip_too_big(shape, mbs, bound, "no variant fits")
         for p in plans:
@@ -333,7 +361,7 @@ class _Search:
         memory: list[RankMemory] | None = None,
     ) -> None:
         found = self._layout(settings)
-        config, layout = (apply(self.given, settings), found[1]) if found is not None else (None, None)
+        config, layout = (apply(self.given, settings, self.sections), found[1]) if found is not None else (None, None)
         self.unpriced.append(
             Unpriced(
                 dict(settings),
@@ -349,7 +377,7 @@ class _Search:
         )
 
     def _skip_slower(self, shape: Shape, mbs: int, bound: float, best: float, fitting: bool = False) -> None:
-        fastest = self._settings(shape, mbs, None, min(zero_stages(self.base, self.world, shape)))
+        fastest = self._fastest(shape, mbs)
         detail = f"at least {bound / best:.2f}x the fastest plan's step time"
         if fitting:
             detail += f" in the variants that fit (those within {self.within:g}x do not)"
@@ -375,12 +403,53 @@ class _Search:
         recomputed layers per chunk that fit (the block method, between none and full in time)."""
         options = self._options(shape, mbs, zero)
         for settings in options:
-            if self._bound(settings) <= cutoff:
+            if self._within(settings, shape, mbs, cutoff):
                 yield settings
-        if self._bound(options[0]) <= cutoff and not self._fits(options[0]) and self._fits(options[-1]):
+        if (
+            self._within(options[0], shape, mbs, cutoff)
+            and self._within(self._block(shape, mbs, zero, 1), shape, mbs, cutoff)  # (more layers: slower still)
+            and not self._fits(options[0])
+            and self._fits(options[-1])
+        ):
             partial = self._fewest_recomputed(shape, mbs, zero)
             if partial is not None and self._bound(partial) <= cutoff:
                 yield partial
+
+    def _within(self, settings: dict[str, Any], shape: Shape, mbs: int, cutoff: float) -> bool:
+        """`_bound(settings) <= cutoff`, validating the settings only when their unchecked bound is within."""
+        return self._unchecked_bound(settings, shape, mbs) <= cutoff and self._bound(settings) <= cutoff
+
+    def _unchecked_bound(self, settings: dict[str, Any], shape: Shape, mbs: int) -> float:
+        """`_bound` of a variant of a layout priced with the layout of its fastest variant, before `validate`
+        sees it: recomputation, ZeRO stage and overlap leave the layout as it was, so where `validate` accepts
+        the variant this is its bound (where it refuses, `_bound` is infinite). The fastest variant of a layout
+        the search prices was accepted."""
+        key = tuple(settings.values())
+        if key in self.bounds:
+            return self.bounds[key]
+        if key not in self.unchecked:
+            fastest = self.layouts.get(tuple(self._fastest(shape, mbs).values()))
+            if fastest is None:
+                return self._bound(settings)
+            config = apply(self.base, settings, self.sections)
+            self.unchecked[key] = step_bound(config, fastest[1], self.hardware)
+        return self.unchecked[key]
+
+    def _slowest_bound(self, shape: Shape, mbs: int, cutoff: float) -> float | None:
+        """The least `_bound` above `cutoff` among a layout's variants (infinite for refused ones); None
+        when every variant is accepted and within it."""
+        variants = [v for z in zero_stages(self.base, self.world, shape) for v in self._options(shape, mbs, z)]
+        above = sorted((self._unchecked_bound(v, shape, mbs), i) for i, v in enumerate(variants))
+        if any(self._layout(variants[i]) is None for unchecked, i in above if unchecked <= cutoff):
+            return min((self._bound(variants[i]) for unchecked, i in above if unchecked > cutoff), default=math.inf)
+        for unchecked, i in above:
+            if unchecked > cutoff and self._layout(variants[i]) is not None:
+                return unchecked
+        return math.inf if any(unchecked > cutoff for unchecked, _ in above) else None
+
+    def _fastest(self, shape: Shape, mbs: int) -> dict[str, Any]:
+        """The variant of a layout with the shortest bound: no recomputation, the lowest ZeRO stage."""
+        return self._settings(shape, mbs, None, min(zero_stages(self.base, self.world, shape)))
 
     def _options(self, shape: Shape, mbs: int, zero: int) -> list[dict[str, Any]]:
         """The layout's settings at each recomputation of RECOMPUTE (none, selective, full)."""
@@ -394,15 +463,16 @@ class _Search:
         lo, hi, best = 1, max(found[1].pipeline.counts) - 1, None
         while lo <= hi:
             k = (lo + hi) // 2
-            settings = self._settings(shape, mbs, "full", zero) | {
-                "recompute_method": "block",
-                "recompute_num_layers": k,
-            }
+            settings = self._block(shape, mbs, zero, k)
             if self._fits(settings):
                 best, hi = settings, k - 1
             else:
                 lo = k + 1
         return best
+
+    def _block(self, shape: Shape, mbs: int, zero: int, layers: int) -> dict[str, Any]:
+        """Block recomputation of `layers` layers per chunk."""
+        return self._settings(shape, mbs, "full", zero) | {"recompute_method": "block", "recompute_num_layers": layers}
 
     def _bound(self, settings: dict[str, Any]) -> float:
         key = tuple(settings.values())
@@ -415,7 +485,7 @@ class _Search:
         """The settings' config and layout; None if `validate` refuses them."""
         key = tuple(settings.values())
         if key not in self.layouts:
-            config = apply(self.base, settings)
+            config = apply(self.base, settings, self.sections)
             try:
                 self.layouts[key] = (config, validate(config, self.world, check_data=False))
             except ConfigError as exc:
@@ -459,7 +529,10 @@ class _Search:
             return None
         key = _memory_key(settings)
         if key not in self.memory_cache:
-            self.memory_cache[key] = predict_memory(found[0], self.world, self.kernels, found[1])
+            same = tuple(v for k, v in settings.items() if k != "zero_stage" and not k.startswith("overlap"))
+            memory = predict_memory(found[0], self.world, self.kernels, found[1], self.activations.get(same))
+            self.activations[same] = [m.activations for m in memory]
+            self.memory_cache[key] = memory
         return found[0], found[1], self.memory_cache[key]
 
     def _fits(self, settings: dict[str, Any]) -> bool:
@@ -480,7 +553,7 @@ class _Search:
         if max(m.total for m in memory) > self.limit:
             return None
         prediction = predict_step(config, layout, self.hardware, memory)
-        told = apply(self.given, settings)
+        told = apply(self.given, settings, self.sections)
         return Plan(settings, layout, tuple(memory), prediction, told, self.hardware.gpus_per_node)
 
     def failure(self) -> str:
