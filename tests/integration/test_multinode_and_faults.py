@@ -365,6 +365,12 @@ def test_a_spent_restart_budget_is_one_final_line_and_keeps_the_checkpoint(tmp_p
     assert read_checkpoint(tmp_path / "ck").iteration == 1
 
 
+def _line_of(text: str, module: str) -> int:
+    """The line of src/paratron/MODULE that holds `text` (the watchdog names a rank's place by file and line)."""
+    source = (Path(__file__).resolve().parents[2] / "src" / "paratron" / module).read_text(encoding="utf-8")
+    return next(number for number, line in enumerate(source.splitlines(), 1) if text in line)
+
+
 def test_a_hang_is_reported_by_every_rank_that_can_speak(tmp_path):
     """Rank 1 stops answering before step 3; within --distributed-timeout-minutes (3 s here) rank 0
     names the collective it waits in, its group, and rank 1 as the one that did not arrive; rank 1
@@ -373,12 +379,14 @@ def test_a_hang_is_reported_by_every_rank_that_can_speak(tmp_path):
     assert code == 1
     lines = err.strip().splitlines()
     head = "step 3: no progress in 0.05 min (--distributed-timeout-minutes); "
+    hang_line = _line_of("time.sleep(3600)", "training/faults.py")
     zero = next(line for line in lines if line.startswith("[rank 0] "))
     assert zero.startswith(f"[rank 0] {head}waiting in bucket.work.wait() over the dp_cp group (ranks [0, 1]) at ")
-    assert zero.endswith("; did not arrive: 1 (at training/faults.py:43 injected (time.sleep(3600)))")
+    assert zero.endswith(f"; did not arrive: 1 (at training/faults.py:{hang_line} injected (time.sleep(3600)))")
     one = next(line for line in lines if line.startswith("[rank 1] "))
     assert (
-        one == f"[rank 1] {head}this rank is not in a collective: at training/faults.py:43 injected (time.sleep(3600))"
+        one == f"[rank 1] {head}this rank is not in a collective: "
+        f"at training/faults.py:{hang_line} injected (time.sleep(3600))"
     )
     assert lines[-1] == "error: rank 0 exited with code 1; the job stopped" and "Traceback" not in err
 
