@@ -23,7 +23,8 @@ Each command runs in a fresh interpreter, as a user starts it, rounds alternatin
 
 Under --smoke, the first command and the peer alone.
 
-Measured: wall time, peak resident memory (VmHWM) and the peaks of its anonymous and file-backed parts
+Measured: wall time, CPU time (user + system, all threads: steadier than wall time on a shared machine), peak
+resident memory (VmHWM) and the peaks of its anonymous and file-backed parts
 (/proc/PID/status polled every 10 ms). Both sides' largest differences must agree (max abs per tensor, to float32
 rounding). Reported: medians, and paratron's diff over the peer as a ratio. Writes bench/results/inspect.json.
 """
@@ -110,8 +111,9 @@ def timed(command: list[str], source: Path = ROOT / "src") -> dict[str, Any]:
         started = time.perf_counter()
         child = subprocess.Popen(command, stdout=out, stderr=err, env=env)
         peaks = _poll_memory(child.pid)
-        code = child.wait()
+        _, status, usage = os.wait4(child.pid, 0)  # (its own CPU time: steadier than wall time on a busy machine)
         seconds = time.perf_counter() - started
+        child.returncode = code = os.waitstatus_to_exitcode(status)
         peaks["done"].set()
         out.seek(0)
         err.seek(0)
@@ -120,6 +122,7 @@ def timed(command: list[str], source: Path = ROOT / "src") -> dict[str, Any]:
         raise RuntimeError(f"{' '.join(command)} failed ({code}): {stderr[-2000:]}")
     return {
         "seconds": seconds,
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
         "peak_mib": peaks["peak"] / 1024,
         "anonymous_mib": peaks["anonymous"] / 1024,
         "file_mib": peaks["file"] / 1024,
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
     apply_smoke(args, parser, layers=2, hidden_size=64, heads=4, vocab_size=256, seq_length=32, rounds=1)
-    work = Path(tempfile.mkdtemp(dir=args.directory))
+    work, load_before = Path(tempfile.mkdtemp(dir=args.directory)), os.getloadavg()
     try:
         a, b, params = write_checkpoints(args, work)
         size = (a / "model.safetensors").stat().st_size
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         profiled = profile(a, b, 15) if args.profile else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(args, parser, runs, params, size, largest, profiled)
+    report(args, parser, runs, params, size, largest, profiled, load_before)
 
 
 def report(
@@ -236,16 +239,22 @@ def report(
     size: int,
     largest: float,
     profiled: str | None,
+    load_before: tuple[float, float, float],
 ) -> None:
     """Print the medians and the ratio; write the JSON results."""
-    keys = ("seconds", "peak_mib", "anonymous_mib", "file_mib")
+    keys = ("seconds", "cpu_seconds", "peak_mib", "anonymous_mib", "file_mib")
     median = {kind: {k: statistics.median(r[k] for r in rs) for k in keys} for kind, rs in runs.items()}
-    ratio = median["diff"]["seconds"] / median["peer"]["seconds"]
     command = "python bench/inspect_checkpoint.py" + "".join(
         f" --{k.replace('_', '-')} {v}"
         for k, v in vars(args).items()
         if k not in ("output", "directory", "smoke", "profile", "baseline_source") and v != parser.get_default(k)
     )
+    ratios = {
+        f"{kind}_over_{other}_{what}": median[kind][what] / median[other][what]
+        for kind, other in (("diff", "peer"), ("diff_no_verify", "peer"), ("diff", "diff_baseline"))
+        for what in ("seconds", "cpu_seconds")
+        if kind in median and other in median
+    }
     payload = {
         "command": command,
         "parameters": params,
@@ -253,28 +262,22 @@ def report(
         "largest_difference": largest,
         "runs": {kind: [{k: r[k] for k in keys} for r in rs] for kind, rs in runs.items()},
         "median": median,
-        "diff_over_peer_seconds": ratio,
-        "diff_no_verify_over_peer_seconds": (
-            median["diff_no_verify"]["seconds"] / median["peer"]["seconds"] if "diff_no_verify" in median else None
-        ),
-        "diff_over_baseline_seconds": (
-            median["diff"]["seconds"] / median["diff_baseline"]["seconds"] if "diff_baseline" in median else None
-        ),
+        "ratios": ratios,
         "baseline_source": str(args.baseline_source) if args.baseline_source else None,
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
-        "load_average": os.getloadavg(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
     }
     write_text_atomic(args.output, json.dumps(payload, indent=1))
-    print(f"{'command':<16} {'wall s':>8} {'peak MiB':>9} {'anon MiB':>9} {'file MiB':>9}")
+    print(f"{'command':<16} {'wall s':>7} {'CPU s':>7} {'peak MiB':>9} {'anon MiB':>9} {'file MiB':>9}")
     for kind, values in median.items():
         print(
-            f"{kind:<16} "
-            + " ".join(f"{values[k]:>{8 if k == 'seconds' else 9}.{2 if k == 'seconds' else 0}f}" for k in keys)
+            f"{kind:<16} {values['seconds']:>7.2f} {values['cpu_seconds']:>7.2f} "
+            + " ".join(f"{values[k]:>9.0f}" for k in keys[2:])
         )
-    print(f"inspect --diff / peer: {ratio:.2f}x wall time (medians of {args.rounds}); written {args.output}")
-    if payload["diff_over_baseline_seconds"] is not None:
-        print(f"inspect --diff / the baseline's: {payload['diff_over_baseline_seconds']:.2f}x wall time")
+    print(f"medians of {args.rounds} rounds; written {args.output}")
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}")
     if profiled:
         print(profiled)
 
