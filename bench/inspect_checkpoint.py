@@ -16,7 +16,8 @@ Each command runs in a fresh interpreter, as a user starts it, rounds alternatin
   thread while every pair of tensors is compared);
 - the same with `--no-verify`;
 - with `--baseline-source DIR`, the first command again with paratron imported from DIR (another version);
-- the peer: `load_file` of both weight files, max |a - b| per tensor;
+- the peer: `load_file` of both weight files, max |a - b| per tensor; and again on one thread (OMP_NUM_THREADS=1,
+  as `inspect --diff` compares);
 - `paratron inspect A --tensors none --no-verify`: what every `paratron inspect` pays before its first tensor
   (starting Python, importing torch and paratron, reading meta.json), and the peer's own start-up
   (`import torch, safetensors.torch`).
@@ -104,9 +105,11 @@ def _kib(status: str, field: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def timed(command: list[str], source: Path = ROOT / "src") -> dict[str, Any]:
-    """Run `command` with paratron imported from `source`; its wall time, peak memory (MiB) and standard output."""
+def timed(command: list[str], source: Path = ROOT / "src", **environment: str) -> dict[str, Any]:
+    """Run `command` with paratron imported from `source` (and `environment` set); its wall time, CPU time, peak
+    memory (MiB) and standard output."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")]))
+    env.update(environment)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         started = time.perf_counter()
         child = subprocess.Popen(command, stdout=out, stderr=err, env=env)
@@ -152,22 +155,21 @@ def _poll_memory(pid: int) -> dict[str, Any]:
     return peaks
 
 
-def commands(a: Path, b: Path, args: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
-    """Each command line (a fresh interpreter each) and the paratron sources it imports; under --smoke, the two
-    sides alone."""
+def commands(a: Path, b: Path, args: argparse.Namespace) -> dict[str, tuple[list[str], Path, dict[str, str]]]:
+    """Each command line (a fresh interpreter each), the paratron sources it imports and the environment it adds;
+    under --smoke, the two sides alone."""
     paratron = [sys.executable, "-m", "paratron", "inspect"]
     diff = [*paratron, str(a), "--diff", str(b), "--json"]
-    out = {
-        "diff": (diff, ROOT / "src"),
-        "peer": ([sys.executable, "-c", PEER, str(a / "model.safetensors"), str(b / "model.safetensors")], ROOT),
-    }
+    peer = [sys.executable, "-c", PEER, str(a / "model.safetensors"), str(b / "model.safetensors")]
+    out = {"diff": (diff, ROOT / "src", {}), "peer": (peer, ROOT, {})}
     if args.smoke:
         return out
-    out["diff_no_verify"] = ([*diff, "--no-verify"], ROOT / "src")
+    out["diff_no_verify"] = ([*diff, "--no-verify"], ROOT / "src", {})
     if args.baseline_source:
-        out["diff_baseline"] = (diff, args.baseline_source)
-    out["start_up"] = ([*paratron, str(a), "--tensors", "none", "--no-verify"], ROOT / "src")
-    out["peer_start_up"] = ([sys.executable, "-c", "import torch, safetensors.torch"], ROOT)
+        out["diff_baseline"] = (diff, args.baseline_source, {})
+    out["peer_one_thread"] = (peer, ROOT, {"OMP_NUM_THREADS": "1"})
+    out["start_up"] = ([*paratron, str(a), "--tensors", "none", "--no-verify"], ROOT / "src", {})
+    out["peer_start_up"] = ([sys.executable, "-c", "import torch, safetensors.torch"], ROOT, {})
     return out
 
 
@@ -220,10 +222,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"checkpoints: {params / 1e6:.1f}M parameters, {size / 2**20:.1f} MiB of weights each", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in commands(a, b, args)}
         for round_ in range(args.rounds):
-            for kind, (command, source) in commands(a, b, args).items():
-                runs[kind].append(timed(command, source))
+            for kind, (command, source, environment) in commands(a, b, args).items():
+                runs[kind].append(timed(command, source, **environment))
             for kind in runs.keys() & {"diff", "diff_no_verify", "diff_baseline"}:
                 largest = check_agreement(runs[kind][-1]["stdout"], runs["peer"][-1]["stdout"])
+            if "peer_one_thread" in runs:
+                assert runs["peer_one_thread"][-1]["stdout"] == runs["peer"][-1]["stdout"], "the peer's runs disagree"
             print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]['seconds']:.2f}s" for k, v in runs.items()))
         profiled = profile(a, b, 15) if args.profile else None
     finally:
@@ -251,7 +255,12 @@ def report(
     )
     ratios = {
         f"{kind}_over_{other}_{what}": median[kind][what] / median[other][what]
-        for kind, other in (("diff", "peer"), ("diff_no_verify", "peer"), ("diff", "diff_baseline"))
+        for kind, other in (
+            ("diff", "peer"),
+            ("diff_no_verify", "peer"),
+            ("diff", "peer_one_thread"),
+            ("diff", "diff_baseline"),
+        )
         for what in ("seconds", "cpu_seconds")
         if kind in median and other in median
     }

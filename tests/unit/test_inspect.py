@@ -82,8 +82,9 @@ def test_flipped_byte_is_a_checksum_mismatch(run, tmp_path, capsys):
 
 
 def test_diff_of_two_steps_names_the_differing_tensors(run, capsys):
+    threads = torch.get_num_threads()
     code, out = inspect(capsys, str(run / "iter_0000002"), "--diff", str(run), "--tensors", "all")
-    assert code == 1
+    assert code == 1 and torch.get_num_threads() == threads  # (compared on one thread, then given back)
     assert "iteration: 2 vs 4" in out and "consumed samples: 8 vs 16" in out and "settings: identical" in out
     assert "tensors: 36 in both (0 identical), 0 only in A, 0 only in B; 36 differ" in out
     a = load_file(run / "iter_0000002" / "model.safetensors")["final_norm.weight"]
