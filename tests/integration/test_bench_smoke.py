@@ -33,6 +33,7 @@ SMOKES = {
     "layer_stats": [],
     "generate": [],
     "harness": [],
+    "inspect_checkpoint": [],
     "megatron_step": [],
     "moe": [],
     "pipeline_bubble": [],

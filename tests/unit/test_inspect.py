@@ -16,8 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from paratron.checkpoint.convert import hf_to_paratron, paratron_to_megatron
+from paratron.checkpoint.io import read_checkpoint
 from paratron.cli import main
 from paratron.debugging import inspect_diff
+from paratron.debugging.checkpoint_view import mapped_tensors
 from paratron.debugging.inspect import tensor_checksum
 
 from tiny import save_random_hf_model
@@ -80,16 +82,53 @@ def test_flipped_byte_is_a_checksum_mismatch(run, tmp_path, capsys):
 
 
 def test_diff_of_two_steps_names_the_differing_tensors(run, capsys):
+    threads = torch.get_num_threads()
     code, out = inspect(capsys, str(run / "iter_0000002"), "--diff", str(run), "--tensors", "all")
-    assert code == 1
+    assert code == 1 and torch.get_num_threads() == threads  # (compared on one thread, then given back)
     assert "iteration: 2 vs 4" in out and "consumed samples: 8 vs 16" in out and "settings: identical" in out
     assert "tensors: 36 in both (0 identical), 0 only in A, 0 only in B; 36 differ" in out
     a = load_file(run / "iter_0000002" / "model.safetensors")["final_norm.weight"]
     b = load_file(run / "iter_0000004" / "model.safetensors")["final_norm.weight"]
     line = next(line for line in out.splitlines() if line.strip().startswith("final_norm.weight "))
     assert "values differ" in line and f"{float((a - b).abs().max()):.3e}" in line
+    recorded = len(json.loads((run / "iter_0000002" / "meta.json").read_text())["files"])
+    assert f"A files: {recorded} of {recorded} verified (sha256)\nB files: {recorded} of {recorded} verified" in out
     code, out = inspect(capsys, str(run), "--diff", str(run / "iter_0000004"), "--json")
     assert code == 0 and json.loads(out)["identical"] is True
+    assert set(json.loads(out)["files"]["b"].values()) == {"verified"} and json.loads(out)["damaged"] == []
+    code, out = inspect(capsys, str(run), "--diff", str(run / "iter_0000004"), "--no-verify")
+    assert code == 0 and f"B files: {recorded} not checked (--no-verify)" in out and out.endswith("identical\n")
+
+
+def test_diff_with_a_damaged_file_says_so(run, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run / "iter_0000004", damaged)
+    weights = damaged / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64] ^= 0x10  # (a weight's value: the comparison alone would call it a difference of values)
+    weights.write_bytes(bytes(data))
+    code, out = inspect(capsys, str(run), "--diff", str(damaged), "--tensors", "all")
+    assert code == 1
+    assert "B files: 1 of " in out and " DAMAGED" in out and "DAMAGED: B model.safetensors (MISMATCH)" in out
+    assert "tensors: 36 in both (35 identical), 0 only in A, 0 only in B; 1 differ" in out
+    code, out = inspect(capsys, str(damaged), "--diff", str(run), "--json")
+    assert code == 1 and json.loads(out)["damaged"] == ["A model.safetensors (MISMATCH)"]
+
+
+def test_whole_tensors_are_read_from_the_mapped_file(run):
+    """Every tensor as `load_file` reads it, whether served from the file's mapping (stored whole) or assembled
+    (a tensor whose only box does not cover it)."""
+    info = read_checkpoint(run)
+    saved = load_file(run / "iter_0000004" / "model.safetensors")
+    with mapped_tensors(info) as tensors:
+        assert sorted(tensors.names()) == sorted(saved)
+        for name in tensors.names():
+            assert torch.equal(tensors.whole(name), saved[name]), name
+        name = "final_norm.weight"
+        assembled = tensors.catalog.whole(name)
+        tensors.catalog.shapes[name] = (2 * assembled.shape[0],)  # (the box now holds half of it: no mapping)
+        with pytest.raises(Exception, match="holds only 32 of the 64 values of final_norm.weight"):
+            tensors.whole(name)
 
 
 def test_hugging_face_and_megatron_checkpoints_are_recognized(tmp_path, capsys):
@@ -161,3 +200,27 @@ def test_tensor_comparison_in_chunks(monkeypatch):
     assert inspect_diff.compare_tensors(a, a[:10], "w").status == inspect_diff.SHAPE
     b[3] = float("nan")
     assert math.isnan(inspect_diff.compare_tensors(a, b, "w").max_abs)
+
+
+def test_tensor_comparison_across_dtypes_with_one_scratch_buffer(monkeypatch):
+    """The buffer kept from pair to pair grows for a larger tensor and is kept apart per working dtype; a pair of
+    different dtypes is compared in the wider one (bfloat16 against float32: the rounding, float64: exact)."""
+    monkeypatch.setattr(inspect_diff, "CHUNK", 16)
+    scratch: dict[torch.dtype, torch.Tensor] = {}
+    small = torch.tensor([1.0, -4.0, 2.5])
+    result = inspect_diff.compare_tensors(small, small + torch.tensor([0.0, 0.5, 0.0]), "s", scratch)
+    assert result.max_abs == 0.5 and result.max_rel == 0.125 and scratch[torch.float32].numel() == 3
+    a = torch.linspace(-1.0, 1.0, 40) * 3.3
+    rounded = a.to(torch.bfloat16)
+    values = inspect_diff.compare_tensors(a, rounded, "w", scratch)
+    assert (
+        values.status == inspect_diff.VALUES and values.dtype_b == "bfloat16" and scratch[torch.float32].numel() == 16
+    )
+    assert values.max_abs == pytest.approx(float((a - rounded.float()).abs().max()), abs=0) and values.max_abs > 0
+    dtype_only = inspect_diff.compare_tensors(rounded, rounded.float(), "w", scratch)
+    assert dtype_only.status == inspect_diff.DTYPE and dtype_only.max_abs == 0
+    wide = inspect_diff.compare_tensors(a.double() + 1e-12, a, "w", scratch)
+    assert wide.status == inspect_diff.VALUES and 0 < wide.max_abs < 1e-9 and torch.float64 in scratch
+    infinite = torch.tensor([float("inf"), 1.0])
+    assert inspect_diff.compare_tensors(infinite, infinite.clone(), "i", scratch).status == inspect_diff.SAME
+    assert inspect_diff.compare_tensors(infinite, torch.tensor([1.0, 1.0]), "i", scratch).max_abs == math.inf

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer as HFTokenizer
 
-from paratron.checkpoint.conversion import ConvertOptions, Tensors, checkpoint_tensors, in_memory
+from paratron.checkpoint.conversion import CheckpointTensors, ConvertOptions, Tensors, in_memory
 from paratron.checkpoint.hf import read_hf_folder
-from paratron.checkpoint.io import TRACKER, WEIGHTS_INDEX, CheckpointInfo, file_sha256, read_checkpoint
+from paratron.checkpoint.io import TRACKER, WEIGHTS_INDEX, CheckpointInfo, file_sha256, read_checkpoint, weight_catalog
 from paratron.checkpoint.megatron import detect_format, megatron_optimizer, megatron_weights, open_megatron
 from paratron.checkpoint.megatron.settings import config_of
 from paratron.checkpoint.model_of import is_hf_folder, megatron_tokenizer
@@ -30,13 +31,14 @@ from paratron.checkpoint.optimizer_state import INDEX as OPTIMIZER_INDEX
 from paratron.checkpoint.pieces import parse_key
 from paratron.config.schema import Config
 from paratron.errors import CheckpointError
+from paratron.parallel.sharding import whole_box
 
 NOT_A_CHECKPOINT = (
     "give a folder written by --save, a Megatron-LM checkpoint or a Hugging Face model folder (config.json and "
     "safetensors)"
 )
 
-VERIFIED, MISMATCH, MISSING, UNRECORDED = "verified", "MISMATCH", "MISSING", "unrecorded"
+VERIFIED, MISMATCH, MISSING, UNRECORDED, NOT_CHECKED = "verified", "MISMATCH", "MISSING", "unrecorded", "not checked"
 """A file's state against the checksum its checkpoint records (a format that records none: unrecorded)."""
 
 
@@ -73,11 +75,53 @@ class CheckpointView:
     files: list[FileCheck] = field(default_factory=list)
     tensor_files: dict[str, list[str]] = field(default_factory=dict)
     """Which files hold each tensor (where the format says), to mark a tensor of a damaged file."""
+    recorded: dict[str, str] = field(default_factory=dict)
+    """File name -> the sha256 the checkpoint records for it (paratron's meta.json; other formats record none)."""
     notes: list[str] = field(default_factory=list)
 
     @property
     def damaged(self) -> list[FileCheck]:
         return [f for f in self.files if f.status in (MISMATCH, MISSING)]
+
+    @property
+    def verified(self) -> int:
+        """How many files were found to match their recorded checksums."""
+        return sum(1 for f in self.files if f.status == VERIFIED)
+
+
+def verify_files(view: CheckpointView) -> None:
+    """Check every file not yet checked against its recorded sha256 (read in chunks: any size; the hashing lets
+    other threads run, so it can go on beside a comparison)."""
+    for check in view.files:
+        if check.status == NOT_CHECKED and check.name in view.recorded:
+            check.status = VERIFIED if file_sha256(view.path / check.name) == view.recorded[check.name] else MISMATCH
+
+
+class MappedTensors(CheckpointTensors):
+    """A paratron checkpoint's weights by single-device name: a tensor stored whole in one box is the file's own
+    memory-mapped tensor (no copy: its pages are read as they are used and belong to the file); any other is
+    assembled from its boxes."""
+
+    def whole(self, name: str) -> torch.Tensor:
+        saved = self.catalog.boxes.get(name) or []
+        shape = self.catalog.shapes.get(name)
+        if len(saved) == 1 and saved[0].tensor is None and saved[0].box == whole_box(shape or ()):
+            try:
+                mapped = self.catalog.handle(saved[0].file).get_tensor(saved[0].key)
+            except SafetensorError as error:
+                raise CheckpointError(
+                    f"{self.catalog.folder / saved[0].file}: unreadable ({error}); the checkpoint is damaged"
+                ) from None
+            if tuple(mapped.shape) == tuple(shape):
+                return mapped
+        return self.catalog.whole(name)
+
+
+@contextlib.contextmanager
+def mapped_tensors(info: CheckpointInfo) -> Iterator[Tensors]:
+    """Open a paratron checkpoint's weights for reading (the files stay open, and mapped, until the `with` ends)."""
+    with weight_catalog(info) as catalog:
+        yield MappedTensors(catalog)
 
 
 def open_view(path: Path, verify: bool = True) -> CheckpointView:
@@ -115,7 +159,7 @@ def _paratron_view(path: Path, verify: bool) -> CheckpointView:
         path=info.path,
         source="paratron",
         config=c,
-        open_tensors=lambda: checkpoint_tensors(info),
+        open_tensors=lambda: mapped_tensors(info),
         iteration=info.iteration,
         consumed_samples=info.consumed_samples,
         other_iterations=[p.name for p in _iterations(path) if p != info.path],
@@ -123,7 +167,10 @@ def _paratron_view(path: Path, verify: bool) -> CheckpointView:
     )
     view.layout = _paratron_layout(info)
     view.tokenizer = _tokenizer_file(info.path / "tokenizer.json", c.data.tokenizer_type)
-    view.files = _check_files(info.path, meta.get("files", {}), verify)
+    view.recorded = dict(meta.get("files", {}))
+    view.files = _check_files(info.path, view.recorded)
+    if verify:
+        verify_files(view)
     view.tensor_files = _weight_files(info.path)
     view.optimizer = _paratron_optimizer(info.path)
     view.training_state = _rank_states(info)
@@ -153,16 +200,15 @@ def _iterations(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("iter_*") if (p / "meta.json").is_file())
 
 
-def _check_files(folder: Path, recorded: dict[str, str], verify: bool) -> list[FileCheck]:
-    """Every file meta.json lists, against its checksum (read in chunks: any size), and any file it does not."""
+def _check_files(folder: Path, recorded: dict[str, str]) -> list[FileCheck]:
+    """Every file meta.json lists (missing, or not checked yet: `verify_files` checks them), and any file it does
+    not."""
     checks = []
-    for name, digest in sorted(recorded.items()):
+    for name in sorted(recorded):
         file = folder / name
-        if not file.is_file():
-            checks.append(FileCheck(name, 0, MISSING))
-            continue
-        status = (VERIFIED if file_sha256(file) == digest else MISMATCH) if verify else "not checked"
-        checks.append(FileCheck(name, file.stat().st_size, status))
+        checks.append(
+            FileCheck(name, file.stat().st_size, NOT_CHECKED) if file.is_file() else FileCheck(name, 0, MISSING)
+        )
     for file in sorted(folder.iterdir()):
         if file.is_file() and file.name not in recorded and file.name != "meta.json":
             checks.append(FileCheck(file.name, file.stat().st_size, UNRECORDED))
