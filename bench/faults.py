@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path)
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
-    apply_smoke(args, parser, steps=4, kills=1, trials=1, peer_timeout=15.0, outlive=2.0, start_within=120.0)
+    apply_smoke(args, parser, steps=4, kills=1, trials=1, peer_timeout=6.0, outlive=2.0, start_within=120.0)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
