@@ -281,7 +281,7 @@ def simulate(
     if check:
         _check_complete(schedule)
     spans: list[list[Span]] = [[] for _ in range(schedule.pp)]
-    clock, _ = _run(schedule, _compile(schedule), _cost_table(schedule, costs, stage_costs), p2p_latency, spans)
+    clock = _run(schedule, _compile(schedule), _cost_table(schedule, costs, stage_costs), p2p_latency, spans)
     return Timeline(spans, max(clock))
 
 
@@ -332,16 +332,16 @@ def _run(
     plan: Compiled,
     table: list[tuple[float, float, float]],
     p2p_latency: float,
-    spans: list[list[Span]] | None,
-) -> tuple[list[float], list[float]]:
+    spans: list[list[Span]],
+) -> list[float]:
     """The simulation: each rank runs its list in order, every operation as soon as its inputs are done."""
     finish = [-1.0] * (3 * schedule.microbatches * schedule.num_stages)
-    position, clock, busy = [0] * schedule.pp, [0.0] * schedule.pp, [0.0] * schedule.pp
+    position, clock = [0] * schedule.pp, [0.0] * schedule.pp
     remaining = sum(len(r) for r in plan)
     while remaining:
         progressed = False
         for rank, records in enumerate(plan):
-            pos, now, worked = position[rank], clock[rank], busy[rank]
+            pos, now = position[rank], clock[rank]
             while pos < len(records):
                 kind, stage, own, first, cross, second, second_cross = records[pos]
                 start = now
@@ -355,14 +355,12 @@ def _run(
                     start = max(start, finish[second] + (p2p_latency if second_cross else 0.0))
                 duration = table[stage][kind]
                 now = finish[own] = start + duration
-                worked += duration
-                if spans is not None:
-                    spans[rank].append((schedule.ranks[rank][pos], start, now))
+                spans[rank].append((schedule.ranks[rank][pos], start, now))
                 pos += 1
             if pos != position[rank]:
                 remaining -= pos - position[rank]
                 progressed = True
-            position[rank], clock[rank], busy[rank] = pos, now, worked
+            position[rank], clock[rank] = pos, now
         if not progressed:
             stuck = ", ".join(
                 f"rank {r} at {schedule.ranks[r][position[r]]}"
@@ -370,7 +368,7 @@ def _run(
                 if position[r] < len(schedule.ranks[r])
             )
             raise ValueError(f"schedule {schedule.name} deadlocks: {stuck}")
-    return clock, busy
+    return clock
 
 
 def _check_complete(schedule: Schedule) -> None:
