@@ -15,7 +15,8 @@ from paratron.config.layout import resolve_layout
 from paratron.config.loading import build_config
 from paratron.config.schema import PlanningConfig
 from paratron.errors import ConfigError
-from paratron.parallel.pipeline.schedules import build_schedule, rank_times, simulate, theoretical_bubble
+from paratron.parallel.pipeline.schedules import build_schedule, simulate, theoretical_bubble
+from paratron.parallel.pipeline.timing import flatten, rank_times
 from paratron.planning import hardware as hw
 from paratron.planning.candidates import balanced_ends, micro_batch_sizes, shapes, zero_bubble_too_long, zero_stages
 from paratron.planning.cost import predict_step, step_bound
@@ -87,7 +88,7 @@ def test_equal_stage_costs_reproduce_the_closed_forms(name, pp, m, v):
     timeline = simulate(schedule, stage_costs=[per_stage] * schedule.num_stages)
     assert timeline.bubble_fraction() == pytest.approx(theoretical_bubble(name, pp, m, v))
     assert timeline.makespan == simulate(schedule).makespan
-    finish, busy = rank_times(schedule, [per_stage] * schedule.num_stages)
+    finish, busy = rank_times(flatten(schedule), [tuple(per_stage.values())] * schedule.num_stages)
     assert max(finish) == timeline.makespan and busy == [timeline.busy(r) for r in range(pp)]
 
 

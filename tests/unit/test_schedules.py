@@ -4,6 +4,7 @@ and the pictures drawn from them."""
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 
 import pytest
@@ -18,6 +19,7 @@ from paratron.parallel.pipeline.schedules import (
     simulate,
     theoretical_bubble,
 )
+from paratron.parallel.pipeline.timing import flatten, rank_times
 
 PIPELINE_SIZES = (1, 2, 3, 4, 8)
 MICROBATCHES = range(1, 17)
@@ -170,3 +172,52 @@ def test_chrome_trace(tmp_path):
     backward = next(e for e in ops if e["name"] == "B0.1")
     assert backward["cat"] == "B" and backward["dur"] == pytest.approx(2000.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+
+
+# ---------------------------------------------------------------- the flattened schedule (timing.py)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_flat_rank_times_equal_simulate_bit_for_bit(name):
+    rng = random.Random(SCHEDULES.index(name))
+    for pp in (1, 2, 3, 4):
+        for m, v in grid(name, pp)[::5]:
+            schedule = build_schedule(name, pp, m, v)
+            flat = flatten(schedule)
+            for latency in (0.0, 0.37):
+                costs = [tuple(rng.uniform(0.1, 3.0) for _ in "FBW") for _ in range(schedule.num_stages)]
+                timeline = simulate(schedule, stage_costs=[dict(zip("FBW", c)) for c in costs], p2p_latency=latency)
+                finish, busy = rank_times(flat, costs, latency)
+                assert finish == [spans[-1][2] for spans in timeline.spans]  # (exact: the same sums in order)
+                assert busy == [in_order(schedule, r, costs) for r in range(pp)]
+                assert busy == pytest.approx([timeline.busy(r) for r in range(pp)])
+
+
+def in_order(schedule: Schedule, rank: int, costs: list[tuple[float, ...]]) -> float:
+    """A rank's busy time as `simulate` adds it: its operations' durations one after another."""
+    total = 0.0
+    for action in schedule.ranks[rank]:
+        total += costs[schedule.stage(rank, action.chunk)]["FBW".index(action.kind)]
+    return total
+
+
+def test_flat_schedule_refuses_deadlocks_and_wrong_costs():
+    F, B = (lambda i: Action("F", i)), (lambda i: Action("B", i))
+    schedule = Schedule("1f1b", 2, 2, ranks=[[F(0), B(0), F(1), B(1)], [F(1), B(1), F(0), B(0)]])
+    with pytest.raises(ValueError, match="deadlocks: rank 0 at B0, rank 1 at F1"):
+        flatten(schedule)
+    with pytest.raises(ValueError, match="stage_costs has 3 entries for 4 model stages"):
+        rank_times(flatten(build_schedule("1f1b", 4, 8)), [(1.0, 2.0, 0.0)] * 3)
+
+
+def test_zero_bubble_orders_are_pinned():
+    """The generated orders (the planner's plans depend on them) for a small case of each."""
+    assert str(build_schedule("zb-h1", 3, 4)).splitlines() == [
+        "rank 0: F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3",
+        "rank 1: F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3",
+        "rank 2: F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3",
+    ]
+    assert [s.split() for s in str(build_schedule("zb-v", 2, 3)).splitlines()] == [
+        "rank 0: F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 B0 W1.1 B1 W0 W1 F2.1 B2.1 W2.1 B2 W2".split(),
+        "rank 1: F0 F0.1 F1 F1.1 B0.1 B0 W0.1 B1.1 B1 W1.1 F2 F2.1 W0 W1 B2.1 B2 W2.1 W2".split(),
+    ]

@@ -3,7 +3,7 @@
 Each model stage's forward (F), backward (B) and deferred weight-gradient (W) operation for one
 micro-batch is priced in `operations`: its compute plus the communication it cannot hide.
 
-The pipeline schedule is then simulated with these per-stage costs (`schedules.simulate`), which
+The pipeline schedule is then simulated with these per-stage costs (`timing.rank_times`, as `schedules.simulate`), which
 gives the bubble of the actual schedule with its uneven first and last stages. After its last
 backward each pipeline rank reduces its gradients over the data-parallel group (hidden behind that
 backward with --overlap-grad-reduce, all but the last bucket), steps the optimizer (memory bound),
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from paratron.config.layout import Layout
 from paratron.config.schema import Config
-from paratron.parallel.pipeline.schedules import rank_times
+from paratron.parallel.pipeline.timing import FlatSchedule, flatten, rank_times
 from paratron.planning.activations import WIDTHS
 from paratron.planning.hardware import Hardware, all_gather_time, all_reduce_time, link, reduce_scatter_time
 from paratron.planning.live import pipeline_schedule
@@ -246,6 +246,11 @@ def _simulated(
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """(finish, busy) per rank of one schedule under per-stage (F, B, W) costs; cached, as the
     search meets the same relative costs many times."""
-    schedule = pipeline_schedule(name, pp, microbatches, chunks)
-    finish, busy = rank_times(schedule, [dict(zip("FBW", c)) for c in costs])
+    finish, busy = rank_times(_flat_schedule(name, pp, microbatches, chunks), costs)
     return tuple(finish), tuple(busy)
+
+
+@functools.lru_cache(maxsize=64)
+def _flat_schedule(name: str, pp: int, microbatches: int, chunks: int) -> FlatSchedule:
+    """The schedule in dependency order, for `_simulated`'s passes under different costs."""
+    return flatten(pipeline_schedule(name, pp, microbatches, chunks))

@@ -294,7 +294,7 @@ class _Search:
         self.sections: dict[tuple, Any] = {}  # config sections with a candidate's settings, by them (`apply`)
         self.layouts: dict[tuple, tuple[Config, Layout] | None] = {}
         self.bounds: dict[tuple, float] = {}
-        self.unchecked: dict[tuple, float] = {}  # bounds before `validate` (`_unchecked_bound`)
+        self.unchecked: dict[tuple, tuple[float, Layout]] = {}  # bounds before `validate`, with their layout
         self.activations: dict[tuple, list[int]] = {}  # per rank, by the settings less the ZeRO stage and overlap
         self.within = within
         self.frugal: tuple[float, str] | None = None  # least memory seen: (bytes, description)
@@ -432,8 +432,8 @@ class _Search:
             if fastest is None:
                 return self._bound(settings)
             config = apply(self.base, settings, self.sections)
-            self.unchecked[key] = step_bound(config, fastest[1], self.hardware)
-        return self.unchecked[key]
+            self.unchecked[key] = (step_bound(config, fastest[1], self.hardware), fastest[1])
+        return self.unchecked[key][0]
 
     def _slowest_bound(self, shape: Shape, mbs: int, cutoff: float) -> float | None:
         """The least `_bound` above `cutoff` among a layout's variants (infinite for refused ones); None
@@ -477,8 +477,13 @@ class _Search:
     def _bound(self, settings: dict[str, Any]) -> float:
         key = tuple(settings.values())
         if key not in self.bounds:
-            found = self._layout(settings)
-            self.bounds[key] = float("inf") if found is None else step_bound(*found, self.hardware)
+            found, unchecked = self._layout(settings), self.unchecked.get(key)
+            if found is None:
+                self.bounds[key] = float("inf")
+            elif unchecked is not None and unchecked[1] == found[1]:  # (the same config and layout: the same bound)
+                self.bounds[key] = unchecked[0]
+            else:
+                self.bounds[key] = step_bound(*found, self.hardware)
         return self.bounds[key]
 
     def _layout(self, settings: dict[str, Any]) -> tuple[Config, Layout] | None:

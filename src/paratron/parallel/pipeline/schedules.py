@@ -96,40 +96,39 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Sc
         schedule.ranks = _zero_bubble_h1(pp, microbatches)
     else:
         maker = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[name]
-        schedule.ranks = [maker(pp, microbatches, chunks, rank) for rank in range(pp)]
+        schedule.ranks = maker(pp, microbatches, chunks)
     return schedule
 
 
-def _gpipe(pp: int, m: int, chunks: int, rank: int) -> list[Action]:
+def _gpipe(pp: int, m: int, chunks: int) -> list[list[Action]]:
     """All forwards, then all backwards: m micro-batches of activations alive at once."""
-    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+    return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(pp)]
 
 
-def _one_f_one_b(pp: int, m: int, chunks: int, rank: int) -> list[Action]:
+def _one_f_one_b(pp: int, m: int, chunks: int) -> list[list[Action]]:
     """Warm up with pp - rank - 1 forwards, then alternate one forward and one backward."""
-    warmup = min(pp - rank - 1, m)
-    actions = [Action("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        actions += [Action("F", warmup + i), Action("B", i)]
-    return actions + [Action("B", i) for i in range(m - warmup, m)]
+    forwards, backwards = [Action("F", i) for i in range(m)], [Action("B", i) for i in range(m)]
+    return [_warm_then_alternate(forwards, backwards, min(pp - rank - 1, m)) for rank in range(pp)]
 
 
-def _interleaved(pp: int, m: int, chunks: int, rank: int) -> list[Action]:
+def _interleaved(pp: int, m: int, chunks: int) -> list[list[Action]]:
     """Megatron-LM's interleaved 1F1B: micro-batches go through the chunks in groups of pp, so
-    the bubble shrinks by the number of chunks for the price of more point-to-point traffic."""
+    the bubble shrinks by the number of chunks for the price of more point-to-point traffic.
+    The k-th forward and the k-th backward are the same on every rank; the warm-up differs."""
     total = m * chunks
+    forwards = [Action("F", (k // (pp * chunks)) * pp + k % pp, (k // pp) % chunks) for k in range(total)]
+    backwards = [Action("B", (k // (pp * chunks)) * pp + k % pp, chunks - 1 - (k // pp) % chunks) for k in range(total)]
 
-    def forward(k: int) -> Action:
-        return Action("F", (k // (pp * chunks)) * pp + k % pp, (k // pp) % chunks)
+    def warmup(rank: int) -> int:
+        return total if m == pp else min((pp - rank - 1) * 2 + (chunks - 1) * pp, total)
 
-    def backward(k: int) -> Action:
-        return Action("B", (k // (pp * chunks)) * pp + k % pp, chunks - 1 - (k // pp) % chunks)
+    return [_warm_then_alternate(forwards, backwards, warmup(rank)) for rank in range(pp)]
 
-    warmup = total if m == pp else min((pp - rank - 1) * 2 + (chunks - 1) * pp, total)
-    actions = [forward(k) for k in range(warmup)]
-    for i in range(total - warmup):
-        actions += [forward(warmup + i), backward(i)]
-    return actions + [backward(k) for k in range(total - warmup, total)]
+
+def _warm_then_alternate(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """`warmup` forwards, then one forward and one backward in turn, then the remaining backwards."""
+    steady = [action for pair in zip(forwards[warmup:], backwards) for action in pair]
+    return forwards[:warmup] + steady + backwards[len(forwards) - warmup :]
 
 
 Option = tuple[str, int, int, int]  # (kind, microbatch, chunk, priority: lower first)
@@ -203,18 +202,30 @@ def _simulated_order(
             return None if own is None or after is None else max(own, after)
         return done.get(("B", mb, stage))
 
-    while any(n < m for c in counts for (kind, _), n in c.items() if kind == "W"):
-        best: tuple[tuple[float, int, int], str, int, int] | None = None
-        for rank in range(pp):
-            for kind, mb, chunk, priority in options(rank, counts[rank]):
-                at = ready(kind, mb, stage_of(rank, chunk, pp, v_shape))
-                if at is not None and (best is None or (max(at, free[rank]), priority, rank) < best[0]):
-                    best = ((max(at, free[rank]), priority, rank), kind, mb, chunk)
+    def candidate(rank: int) -> tuple[tuple[float, int, int], str, int, int] | None:
+        """The operation rank `rank` would run next, keyed by (start, priority, rank)."""
+        best = None
+        for kind, mb, chunk, priority in options(rank, counts[rank]):
+            at = ready(kind, mb, stage_of(rank, chunk, pp, v_shape))
+            if at is not None and (best is None or (max(at, free[rank]), priority, rank) < best[0]):
+                best = ((max(at, free[rank]), priority, rank), kind, mb, chunk)
+        return best
+
+    def holder(stage: int) -> int:
+        return (stage if stage < pp else 2 * pp - 1 - stage) if v_shape else stage % pp
+
+    # (an operation changes only its rank's options and the readiness of its neighbour stages' operations)
+    candidates = [candidate(rank) for rank in range(pp)]
+    for _ in range(3 * pp * m * chunks):
+        best = min((c for c in candidates if c is not None), default=None)
         assert best is not None, "schedule generation stalled"
         (start, _, rank), kind, mb, chunk = best
         counts[rank][(kind, chunk)] += 1
         free[rank] = start + cost
-        done[(kind, mb, stage_of(rank, chunk, pp, v_shape))] = free[rank]
+        stage = stage_of(rank, chunk, pp, v_shape)
+        done[(kind, mb, stage)] = free[rank]
+        for affected in {rank, *(holder(s) for s in (stage - 1, stage + 1) if 0 <= s < stages)}:
+            candidates[affected] = candidate(affected)
         lists[rank].append(Action(kind, mb, chunk))  # type: ignore[arg-type]
     return lists
 
@@ -264,25 +275,14 @@ def simulate(
     `costs` gives every stage the same F/B/W durations; `stage_costs` (one mapping per model stage,
     `schedule.num_stages` of them) gives each its own, for stages that differ: the first holds the
     embedding, the last the output layer and loss, and layer counts may be uneven. The planner's
-    bubble comes from this. `p2p_latency` delays every stage-to-stage dependency. `check=False`
-    skips checking that every operation is listed once (for lists `build_schedule` made)."""
+    bubble comes from the same times, computed by `timing.rank_times` in one pass. `p2p_latency`
+    delays every stage-to-stage dependency. `check=False` skips checking that every operation is
+    listed once (for lists `build_schedule` made)."""
     if check:
         _check_complete(schedule)
     spans: list[list[Span]] = [[] for _ in range(schedule.pp)]
-    clock, _ = _run(schedule, _compile(schedule), _cost_table(schedule, costs, stage_costs), p2p_latency, spans)
+    clock = _run(schedule, _compile(schedule), _cost_table(schedule, costs, stage_costs), p2p_latency, spans)
     return Timeline(spans, max(clock))
-
-
-def rank_times(
-    schedule: Schedule, stage_costs: Sequence[Mapping[str, float]], p2p_latency: float = 0.0
-) -> tuple[list[float], list[float]]:
-    """`simulate` without the timeline, for the planner's many runs of one schedule: per rank, when
-    its last operation ends and how long it was busy. The operation lists are compiled once and
-    kept on the schedule, which must not change afterwards (as `build_schedule`'s cached ones)."""
-    compiled = schedule.__dict__.get("_compiled")
-    if compiled is None:
-        compiled = schedule.__dict__["_compiled"] = _compile(schedule)
-    return _run(schedule, compiled, _cost_table(schedule, None, stage_costs), p2p_latency, None)
 
 
 def _cost_table(
@@ -332,16 +332,16 @@ def _run(
     plan: Compiled,
     table: list[tuple[float, float, float]],
     p2p_latency: float,
-    spans: list[list[Span]] | None,
-) -> tuple[list[float], list[float]]:
+    spans: list[list[Span]],
+) -> list[float]:
     """The simulation: each rank runs its list in order, every operation as soon as its inputs are done."""
     finish = [-1.0] * (3 * schedule.microbatches * schedule.num_stages)
-    position, clock, busy = [0] * schedule.pp, [0.0] * schedule.pp, [0.0] * schedule.pp
+    position, clock = [0] * schedule.pp, [0.0] * schedule.pp
     remaining = sum(len(r) for r in plan)
     while remaining:
         progressed = False
         for rank, records in enumerate(plan):
-            pos, now, worked = position[rank], clock[rank], busy[rank]
+            pos, now = position[rank], clock[rank]
             while pos < len(records):
                 kind, stage, own, first, cross, second, second_cross = records[pos]
                 start = now
@@ -355,14 +355,12 @@ def _run(
                     start = max(start, finish[second] + (p2p_latency if second_cross else 0.0))
                 duration = table[stage][kind]
                 now = finish[own] = start + duration
-                worked += duration
-                if spans is not None:
-                    spans[rank].append((schedule.ranks[rank][pos], start, now))
+                spans[rank].append((schedule.ranks[rank][pos], start, now))
                 pos += 1
             if pos != position[rank]:
                 remaining -= pos - position[rank]
                 progressed = True
-            position[rank], clock[rank], busy[rank] = pos, now, worked
+            position[rank], clock[rank] = pos, now
         if not progressed:
             stuck = ", ".join(
                 f"rank {r} at {schedule.ranks[r][position[r]]}"
@@ -370,7 +368,7 @@ def _run(
                 if position[r] < len(schedule.ranks[r])
             )
             raise ValueError(f"schedule {schedule.name} deadlocks: {stuck}")
-    return clock, busy
+    return clock
 
 
 def _check_complete(schedule: Schedule) -> None:
