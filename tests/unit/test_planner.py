@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import re
 
 import pytest
@@ -17,6 +18,7 @@ from paratron.config.schema import PlanningConfig
 from paratron.errors import ConfigError
 from paratron.parallel.pipeline.schedules import build_schedule, simulate, theoretical_bubble
 from paratron.parallel.pipeline.timing import flatten, rank_times
+from paratron.planning import cost
 from paratron.planning import hardware as hw
 from paratron.planning.candidates import balanced_ends, micro_batch_sizes, shapes, zero_bubble_too_long, zero_stages
 from paratron.planning.cost import predict_step, step_bound
@@ -301,3 +303,35 @@ def test_the_pruned_search_finds_the_exhaustive_plans(model, world, batch, seq, 
         (p.describe(), p.prediction, p.memory) for p in slow
     ]
     assert any(p.settings["recompute_granularity"] for p in fast) or memory == 80
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "chunks"),
+    [("gpipe", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2), ("zb-h1", 2, 1), ("zb-v", 2, 2)],
+)
+def test_long_schedules_are_priced_along_their_steady_state_as_whole_simulations_price_them(name, pp, chunks):
+    """Past its warm-up a schedule adds the same time per group of pp micro-batches; the planner's
+    three short simulations, extended along that line, equal the whole simulation."""
+    rng = random.Random(5)
+    stages = pp * chunks
+    for microbatches in (3 * (cost.STEADY_GROUPS * pp * chunks + 2 * pp), 97 * pp, 97 * pp + 1):
+        if name == "interleaved" and microbatches % pp:
+            continue
+        costs = tuple(
+            (rng.uniform(1, 2), rng.uniform(2, 4), rng.uniform(0, 1) if name.startswith("zb") else 0.0)
+            for _ in range(stages)
+        )
+        whole = cost._whole(name, pp, microbatches, chunks, costs)
+        cost._simulated.cache_clear()
+        priced = cost._simulated(name, pp, microbatches, chunks, costs)
+        for got, want in zip((*priced[0], *priced[1]), (*whole[0], *whole[1])):
+            assert got == pytest.approx(want, rel=1e-9), f"{name} pp {pp} m {microbatches}"
+    built = []
+    original = cost._whole
+    try:
+        cost._whole = lambda *args: built.append(args[2]) or original(*args)
+        cost._simulated.cache_clear()
+        cost._simulated(name, pp, 97 * pp, chunks, ((1.0, 2.0, 0.5),) * stages)
+    finally:
+        cost._whole = original
+    assert 97 * pp not in built and len(built) == 3, built  # (three short simulations, not the whole one)

@@ -240,12 +240,46 @@ def _pipeline(layout: Layout, ops: list[dict[str, float]]) -> tuple[list[float],
     return [f * scale for f in finish], [b * scale for b in busy]
 
 
+Times = tuple[tuple[float, ...], tuple[float, ...]]
+"""Per pipeline rank: when its last operation ends, and how long it was busy."""
+
+STEADY_GROUPS = 2
+"""Groups of `pp` micro-batches a schedule is simulated with before its steady state is trusted (`_simulated`)."""
+
+
 @functools.lru_cache(maxsize=8192)
 def _simulated(
     name: str, pp: int, microbatches: int, chunks: int, costs: tuple[tuple[float, float, float], ...]
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
+) -> Times:
     """(finish, busy) per rank of one schedule under per-stage (F, B, W) costs; cached, as the
-    search meets the same relative costs many times."""
+    search meets the same relative costs many times.
+
+    A long schedule is not simulated whole. Past its warm-up a schedule repeats: every further group
+    of `pp` micro-batches adds the same time to each rank's finish and busy time. So the schedule is
+    simulated with k, k + pp and k + 2 pp micro-batches (k = `STEADY_GROUPS` groups or more, as many
+    as `microbatches` modulo pp); when the two increments agree (to 1e-9 of the time), the times
+    are extended to `microbatches` along that line, else the whole schedule is simulated. Thousands
+    of micro-batches (a large global batch over few data-parallel ranks) then cost three short
+    simulations instead of one of ~10^6 operations; tests/unit/test_planner.py checks the line
+    against whole simulations of every schedule kind."""
+    q = pp
+    first = STEADY_GROUPS * pp * max(chunks, 1)
+    first += (microbatches - first) % q
+    if microbatches < 3 * (first + 2 * q):  # (three short simulations must cost less than the whole one)
+        return _whole(name, pp, microbatches, chunks, costs)
+    a, b, c = (_whole(name, pp, first + i * q, chunks, costs) for i in range(3))
+    groups = (microbatches - first) // q
+    extended = []
+    for x, y, z in zip((*a[0], *a[1]), (*b[0], *b[1]), (*c[0], *c[1])):
+        step = y - x
+        if abs((z - y) - step) > 1e-9 * max(abs(z), 1e-30):
+            return _whole(name, pp, microbatches, chunks, costs)
+        extended.append(x + groups * step)
+    return tuple(extended[:pp]), tuple(extended[pp:])
+
+
+def _whole(name: str, pp: int, microbatches: int, chunks: int, costs: tuple[tuple[float, float, float], ...]) -> Times:
+    """(finish, busy) per rank from simulating every operation of the schedule."""
     finish, busy = rank_times(_flat_schedule(name, pp, microbatches, chunks), costs)
     return tuple(finish), tuple(busy)
 
