@@ -9,13 +9,15 @@ are checked by `data.checks` and the training entry point.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from paratron.config.eval_tasks import check_eval_tasks
 from paratron.config.faults import parse_faults
-from paratron.config.fields import all_fields, flag
+from paratron.config.fields import FieldInfo, all_fields, flag
 from paratron.config.layout import Layout, check_schedule, resolve_layout
 from paratron.config.samples import batch_ramp, schedule_lengths
 from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
@@ -85,17 +87,37 @@ def _check_launch(parallel: ParallelConfig) -> None:
 
 
 def _check_bounds(config: Config) -> None:
-    """Every setting within the limits of its field's metadata (a derived value is checked where it is used)."""
+    """Every setting within the limits of its field's metadata (a derived value is checked where it is used).
+
+    A section found within its limits is remembered (sections are frozen): the planner validates thousands of
+    candidate configs that share all but a few of their sections."""
+    for name, limited in _limited_fields().items():
+        section = getattr(config, name)
+        held = _WITHIN_BOUNDS.get(id(section))
+        if held is not None and held() is section:
+            continue
+        for info in limited:
+            value = getattr(section, info.name)
+            if value is None or info.name in getattr(section, "derived", ()):
+                continue
+            bound = _broken_bound(info.limits, value)
+            if bound is not None:
+                raise ConfigError(f"{info.flag} {value}: must be {bound}")
+        _WITHIN_BOUNDS[id(section)] = weakref.ref(section)
+
+
+_WITHIN_BOUNDS: dict[int, weakref.ReferenceType] = {}
+"""Sections already found within their limits, by identity (the reference tells a reused id from its section)."""
+
+
+@functools.cache
+def _limited_fields() -> dict[str, list[FieldInfo]]:
+    """The fields with limits, by section."""
+    out: dict[str, list[FieldInfo]] = {}
     for info in all_fields().values():
-        if not info.limits:
-            continue
-        section = getattr(config, info.section)
-        value = getattr(section, info.name)
-        if value is None or info.name in getattr(section, "derived", ()):
-            continue
-        bound = _broken_bound(info.limits, value)
-        if bound is not None:
-            raise ConfigError(f"{info.flag} {value}: must be {bound}")
+        if info.limits:
+            out.setdefault(info.section, []).append(info)
+    return out
 
 
 def _broken_bound(limits: Mapping[str, Any], value: Any) -> str | None:

@@ -1,7 +1,5 @@
-"""The training loop, one step, metrics, plots and FLOPs accounting."""
+"""The training loop, one step, metrics, plots and FLOPs accounting.
 
-from paratron.training.loop import Trainer
-from paratron.training.resume import TrainState
-from paratron.training.run import run_training
-
-__all__ = ["Trainer", "TrainState", "run_training"]
+Nothing is imported here: `paratron.training.flops` (which the planner and the inference engine
+read) must not load the whole training stack with it. Import from the modules: `training.run`
+(`run_training`), `training.loop` (`Trainer`), `training.resume` (`TrainState`)."""
