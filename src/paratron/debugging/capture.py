@@ -76,7 +76,7 @@ from paratron.parallel.context.attention import ContextParallelAttention
 from paratron.parallel.context.split import token_index
 from paratron.parallel.data.fully_sharded import is_sharded, local_tensor
 from paratron.parallel.model import ParallelModel
-from paratron.parallel.recompute import Recomputed
+from paratron.parallel.recompute import Recomputed, is_recomputing
 from paratron.parallel.sharding import boxes, full_shape, param_info
 from paratron.parallel.tensor.layers import ColumnParallelLinear, ColumnParallelProjections
 from paratron.storage import replacing
@@ -198,7 +198,7 @@ class DebugCapture:
         def record(module: nn.Module, inputs: Any, output: Any) -> None:
             if not self.armed or not self.records_forward or name in self.seen:
                 return
-            if torch._C._current_graph_task_id() != -1:  # (a forward run again by recomputation)
+            if is_recomputing():
                 return
             self.seen.add(name)
             if isinstance(inner, (Projections, ColumnParallelProjections)):

@@ -40,6 +40,7 @@ from paratron.model.moe import MoELayer, Router
 from paratron.optim.protocol import GradsForNorm, TrainingOptimizer
 from paratron.parallel.data.fully_sharded import local_tensor
 from paratron.parallel.model import ParallelModel
+from paratron.parallel.recompute import is_recomputing
 from paratron.parallel.tensor.layers import VocabParallelOutput
 
 PREFIX = "layers/"
@@ -64,11 +65,6 @@ def layer_of(param_name: str) -> str:
     if head == "layers":
         return f"layers.{rest.partition('.')[0]}"
     return "embedding" if head == "position_embedding" else head
-
-
-def is_recomputing() -> bool:
-    """A forward run again by the autograd engine (activation recomputation inside backward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def router_entropy(router: Router, tokens: torch.Tensor) -> torch.Tensor:

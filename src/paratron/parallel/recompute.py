@@ -52,6 +52,12 @@ def _rng_contexts(rng: RNGStates | None) -> tuple[contextlib.AbstractContextMana
     return contextlib.nullcontext(), replay()
 
 
+def is_recomputing() -> bool:
+    """Whether this forward runs inside autograd's backward: activation recomputation running a layer again (hooks
+    that observe forwards skip it, or they would see each recomputed layer twice)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _recomputed_call(fn: Callable[..., Any], rng: RNGStates | None, *args: Any) -> Any:
     """`fn(*args)` with its activations recomputed in backward (plain when no gradient is recorded)."""
     if not torch.is_grad_enabled():

@@ -28,11 +28,11 @@ SPIKE_SCALE = 30.0
 """A spike fault multiplies the step's logits by this (the loss jumps; its gradients with it)."""
 
 
-def fault_of_attempt(specs: list[str], attempt: int, rank: int) -> Fault | None:
-    """This rank's fault in this attempt (restart count), if any."""
+def fault_of_attempt(specs: list[str], attempt: int, rank: int | None = None) -> Fault | None:
+    """The fault of this attempt (restart count), if any; with `rank`, only if it is that rank's."""
     faults = parse_faults(specs)
     fault = faults[attempt] if attempt < len(faults) else None
-    return fault if fault is not None and fault.rank == rank else None
+    return fault if fault is not None and rank in (None, fault.rank) else None
 
 
 @contextlib.contextmanager
@@ -92,8 +92,7 @@ def check_spike_fault(specs: list[str], attempt: int, rank: int, module: nn.Modu
     """A spike fault scales logits, which only the ranks holding the output layer compute: ConfigError, the same
     one line on every rank (one all-reduce over `world`), when this attempt's names a rank without it (a pipeline
     stage before the last); nothing to do for other faults."""
-    faults = parse_faults(specs)
-    fault = faults[attempt] if attempt < len(faults) else None
+    fault = fault_of_attempt(specs, attempt)
     if fault is None or fault.kind != "spike":
         return
     device = next(module.parameters()).device

@@ -134,9 +134,17 @@ def train_step(
     if options.empty_unused_memory_level >= 2 and options.device is not None:
         release_unused_memory(options.device)
     images = sum(batch.images.size(0) for batch in batches if batch.images is not None)
-    result = StepResult(loss, grad_norm, overflow, trained, experts, nonfinite, num_zeros_in_grad=zeros, images=images)
-    result.withheld = withheld
-    return result
+    return StepResult(
+        loss,
+        grad_norm,
+        overflow,
+        trained,
+        experts,
+        nonfinite,
+        num_zeros_in_grad=zeros,
+        images=images,
+        withheld=withheld,
+    )
 
 
 def count_zeros(grads: GradsForNorm) -> torch.Tensor:
