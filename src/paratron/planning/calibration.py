@@ -33,7 +33,7 @@ from typing import Any
 
 from paratron.config.fields import flag
 from paratron.errors import ConfigError
-from paratron.planning.hardware import CPU, Hardware
+from paratron.planning.hardware import CPU, Hardware, ring_terms
 
 FORMAT = "paratron-doctor/1"
 REQUIRED = ("format", "world_size", "nodes", "ranks_per_node", "device_type", "devices", "compute", "collectives")
@@ -158,16 +158,6 @@ def _timing(record: Mapping[str, Any]) -> dict[str, Any]:
     if timing["time_us"] <= 0 or timing["bytes"] <= 0:
         raise ValueError(f"{op} of {record['bytes']} bytes in {record['time_us']} us")
     return timing
-
-
-def ring_terms(op: str, nbytes: float, group_size: int) -> tuple[int, float]:
-    """(message steps, bytes per step) of a collective as the cost model prices it."""
-    n = group_size
-    if op == "send_recv":
-        return 1, nbytes
-    if op == "all_reduce":
-        return 2 * (n - 1), nbytes / n
-    return n - 1, nbytes / n
 
 
 def fit_link(timings: Iterable[Mapping[str, Any]]) -> LinkFit | None:

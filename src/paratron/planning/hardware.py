@@ -248,22 +248,41 @@ def link(hardware: Hardware, stride: int, size: int) -> Link:
     return Link(hardware.inter_node_gbps * 1e9, hardware.inter_node_latency_us * 1e-6)
 
 
+def ring_terms(op: str, nbytes: float, n: int) -> tuple[int, float]:
+    """(message steps, bytes per step) of a collective over n ranks in the ring terms the cost model prices:
+    all_reduce 2(n-1) steps of nbytes/n; all_gather, reduce_scatter (nbytes in all) and all_to_all (nbytes
+    per rank, n-1 of n parts leave) n-1 steps of nbytes/n; send_recv one step of nbytes. The calibration
+    fits measured times in the same terms (`planning.calibration`)."""
+    if op == "send_recv":
+        return 1, nbytes
+    if op == "all_reduce":
+        return 2 * (n - 1), nbytes / n
+    return n - 1, nbytes / n
+
+
+def _ring_time(op: str, nbytes: float, n: int, over: Link) -> float:
+    if n <= 1:
+        return 0.0
+    steps, chunk = ring_terms(op, nbytes, n)
+    return steps * (chunk / over.bandwidth + over.latency)
+
+
 def all_reduce_time(nbytes: float, n: int, over: Link) -> float:
-    """Ring all-reduce of `nbytes` over n ranks: 2(n-1) steps of nbytes/n each."""
-    return 0.0 if n <= 1 else 2 * (n - 1) * (nbytes / n / over.bandwidth + over.latency)
+    """Ring all-reduce of `nbytes` over n ranks."""
+    return _ring_time("all_reduce", nbytes, n, over)
 
 
 def all_gather_time(nbytes: float, n: int, over: Link) -> float:
-    """Ring all-gather (or reduce-scatter) of a tensor of `nbytes` in all: n-1 steps of nbytes/n."""
-    return 0.0 if n <= 1 else (n - 1) * (nbytes / n / over.bandwidth + over.latency)
+    """Ring all-gather (or reduce-scatter) of a tensor of `nbytes` in all."""
+    return _ring_time("all_gather", nbytes, n, over)
 
 
 reduce_scatter_time = all_gather_time
 
 
 def all_to_all_time(nbytes: float, n: int, over: Link) -> float:
-    """All-to-all of `nbytes` per rank spread evenly over n ranks (n-1 of n parts leave)."""
-    return 0.0 if n <= 1 else (n - 1) * (nbytes / n / over.bandwidth + over.latency)
+    """All-to-all of `nbytes` per rank spread evenly over n ranks."""
+    return _ring_time("all_to_all", nbytes, n, over)
 
 
 def p2p_time(nbytes: float, over: Link) -> float:
