@@ -250,12 +250,25 @@ def agree_on_the_world(settings: ParallelConfig) -> Any:
     if not different and len(seen) < settings.nnodes:
         raise ConfigError(not_met(settings, f"{len(seen)} of {settings.nnodes} nodes came: {sorted(seen)}"))
     if different:
+        _read_by_every_node(store, settings, seen, deadline)
         others = ", ".join(f"node {n} has {v}" for n, v in sorted(different.items()))
         raise ConfigError(
             f"the nodes disagree on the world (--nnodes x --nproc): node {settings.node_rank} has {mine}, {others}; "
             "start every node with the same --nnodes and --nproc"
         )
     return store
+
+
+def _read_by_every_node(store: Any, settings: ParallelConfig, seen: dict[int, str], deadline: float) -> None:
+    """Before nodes that disagree stop: each says it has read the others' settings, and node 0, whose process
+    holds the store, waits for those it heard from (until the rendezvous deadline), so that none loses the store
+    before it can name the disagreement."""
+    store.set(f"paratron/world/read/{settings.node_rank}", "1")
+    if settings.node_rank != 0:
+        return
+    others = [f"paratron/world/read/{node}" for node in seen if node != 0]
+    while others and time.monotonic() < deadline and not store.check(others):
+        time.sleep(0.1)
 
 
 def _failed(failure: Any, settings: ParallelConfig, error_dir: Path) -> int:
