@@ -252,7 +252,7 @@ def test_pipeline_training_with_profile_then_generate(tmp_path):
         *QUIET,
     )
     assert result.returncode == 0, result.stderr
-    assert "world 2 = TP 1 x CP 1 x DP 1 (EP 1) x PP 2" in result.stdout
+    assert "world 2 = TP 1 x CP 1 x DP 1 x PP 2" in result.stdout
     assert "pipeline profile of step 4: bubble" in result.stdout
     assert "rank 0 held at most 2 micro-batch activations at once" in result.stdout
     for rank in (0, 1):

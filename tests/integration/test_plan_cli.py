@@ -132,7 +132,7 @@ def test_train_auto_runs_the_top_plan_for_this_machine(tmp_path):
     assert chosen.startswith("--auto: TP") and "predicted" in chosen and "GB per rank" in chosen
     layout = chosen.split(": ", 1)[1].split(",")[0]  # e.g. "TP1 CP1 PP1 DP2 mbs8 ZeRO-3"
     sizes = dict((part[:2], part[2:]) for part in layout.split() if part[:2] in ("TP", "PP", "DP"))
-    assert f"TP {sizes['TP']} x CP 1 x DP {sizes['DP']} (EP 1) x PP {sizes['PP']}" in run.stdout
+    assert f"TP {sizes['TP']} x CP 1 x DP {sizes['DP']} x PP {sizes['PP']}" in run.stdout
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6
 
 

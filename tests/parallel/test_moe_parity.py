@@ -87,6 +87,27 @@ LAYOUTS = {
         ),
     ),
     "ep2-dp2-zero1": (4, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
+    # MoE parallel folding: the experts' grid over the TP (and CP) ranks, EP above DP
+    "tp2-ep2-etp1": (
+        2,
+        dict(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            expert_model_parallel_size=2,
+            expert_tensor_parallel_size=1,
+        ),
+    ),
+    "tp2-ep4-etp1-zero1": (
+        4,
+        dict(
+            tensor_model_parallel_size=2,
+            expert_model_parallel_size=4,
+            expert_tensor_parallel_size=1,
+            use_distributed_optimizer=True,
+        ),
+    ),
+    "etp2-dp2": (2, dict(expert_tensor_parallel_size=2)),
+    "cp2-ep2": (2, dict(context_parallel_size=2, expert_model_parallel_size=2)),
     "tp2-pp2-ep2-interleaved": (
         8,
         dict(
@@ -95,6 +116,16 @@ LAYOUTS = {
             pipeline_model_parallel_size=2,
             sequence_parallel=True,
             num_layers_per_virtual_pipeline_stage=1,
+        ),
+    ),
+    "pp2-tp2-ep4-etp1": (
+        8,
+        dict(
+            expert_model_parallel_size=4,
+            expert_tensor_parallel_size=1,
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            sequence_parallel=True,
         ),
     ),
 }
@@ -127,33 +158,44 @@ def resumed_losses(run_dir: str, layout: dict) -> list[float]:
     return run_training(build_config(settings(run_dir, train_iters=8, **layout))).losses
 
 
-def resumed_at_four_ranks(run_dir: str, save: str) -> tuple[list[float], list[float], list[float]]:
-    """Saved at EP 2 x TP 2, resumed at the same layout and at EP 4, one after the other on one
-    process group (one spawn for the three runs)."""
+def resumed_at_four_ranks(run_dir: str, save: str) -> dict[str, list[float]]:
+    """Saved at EP 2 x TP 2 and at the folded TP 2 x EP 4 x expert-TP 1, resumed at the same
+    layout, at EP 4 and folded from the unfolded save, one after the other on one process group
+    (one spawn for the runs)."""
     initialize("gloo")
-    straight = resumed_losses(f"{run_dir}/a", dict(EP2_TP2, save=save, save_interval=4))
-    checkpoint = f"{save}/iter_{4:07d}"
-    same = resumed_losses(f"{run_dir}/b", dict(EP2_TP2, load=checkpoint))
-    ep4 = resumed_losses(
+    runs = {"straight": resumed_losses(f"{run_dir}/a", dict(EP2_TP2, save=f"{save}/unfolded", save_interval=4))}
+    checkpoint = f"{save}/unfolded/iter_{4:07d}"
+    runs["same"] = resumed_losses(f"{run_dir}/b", dict(EP2_TP2, load=checkpoint))
+    runs["ep4"] = resumed_losses(
         f"{run_dir}/c", dict(expert_model_parallel_size=4, use_distributed_optimizer=True, load=checkpoint)
     )
-    return straight, same, ep4
+    runs["folded_from_unfolded"] = resumed_losses(f"{run_dir}/d", dict(FOLDED, load=checkpoint))
+    runs["folded"] = resumed_losses(f"{run_dir}/e", dict(FOLDED, save=f"{save}/folded", save_interval=4))
+    return runs
 
 
 EP2_TP2 = dict(
     expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True
 )
+FOLDED = dict(EP2_TP2, expert_model_parallel_size=4, expert_tensor_parallel_size=1)
+"""EP over both tensor-parallel ranks and both data-parallel ones (MoE parallel folding)."""
 
 
 @pytest.mark.spawns
 def test_expert_parallel_checkpoint_resumes_exactly_and_loads_at_ep1_and_ep4(tmp_path):
-    """Saved at EP 2 x TP 2 (experts split both ways, ZeRO-1 pieces of both kinds), step 4 of 8."""
+    """Saved at EP 2 x TP 2 (experts split both ways, ZeRO-1 pieces of both kinds), step 4 of 8;
+    a folded layout's save loads on one process, and it loads the unfolded one."""
     save = str(tmp_path / "ckpt")
-    straight, same, ep4 = run_ranks(resumed_at_four_ranks, 4, str(tmp_path), save)[0]
-    assert same == straight[4:]  # bit for bit
-    assert ep4 == pytest.approx(straight[4:], rel=1e-6)
-    ep1 = resumed_losses(str(tmp_path / "d"), dict(load=f"{save}/iter_{4:07d}"))
-    assert ep1 == pytest.approx(straight[4:], rel=1e-6)
+    runs = run_ranks(resumed_at_four_ranks, 4, str(tmp_path), save)[0]
+    straight = runs["straight"]
+    assert runs["same"] == straight[4:]  # bit for bit
+    for name in ("ep4", "folded_from_unfolded"):
+        assert runs[name] == pytest.approx(straight[4:], rel=1e-6), name
+    assert runs["folded"] == pytest.approx(straight, rel=1e-6)
+    for folded in (False, True):
+        checkpoint = f"{save}/{'folded' if folded else 'unfolded'}/iter_{4:07d}"
+        ep1 = resumed_losses(str(tmp_path / f"single-{folded}"), dict(load=checkpoint))
+        assert ep1 == pytest.approx(straight[4:], rel=1e-6), f"folded={folded}"
 
 
 def converted_losses(checkpoint: str, run_dir: str, layout: dict) -> list[float]:

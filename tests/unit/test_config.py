@@ -482,12 +482,13 @@ def test_each_megatron_flag_has_one_treatment():
         ),
         (
             dict(num_experts=4, expert_model_parallel_size=4, tensor_model_parallel_size=2, nproc_per_node=4),
-            "--expert-model-parallel-size 4 does not divide the data-parallel size 2",
+            "--expert-model-parallel-size 4 x expert tensor-parallel size 2 = 8 does not divide the 4 ranks of a "
+            "pipeline stage (TP 2 x CP 1 x DP 2)",
         ),
         (dict(expert_model_parallel_size=2, nproc_per_node=2), "needs a mixture-of-experts model: add --num-experts"),
         (
             dict(num_experts=4, expert_tensor_parallel_size=3, tensor_model_parallel_size=2, nproc_per_node=2),
-            "--expert-tensor-parallel-size 3: must be 1 (whole experts) or --tensor-model-parallel-size 2",
+            "--expert-tensor-parallel-size 3 does not divide the 2 ranks of a pipeline stage (TP 2 x CP 1 x DP 1)",
         ),
         (
             dict(num_experts=4, moe_grouped_gemm=True, moe_ffn_hidden_size=50),
@@ -505,6 +506,23 @@ def test_bad_expert_settings_are_named(settings, expected):
     config = build_config(dict(mock_data=True, **settings), recipe="debug")
     with pytest.raises(ConfigError, match=re.escape(expected)):
         validate(config, config.parallel.nproc_per_node)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(num_experts=4, expert_model_parallel_size=4, expert_tensor_parallel_size=1, tensor_model_parallel_size=2),
+        dict(num_experts=4, expert_model_parallel_size=2, expert_tensor_parallel_size=4, tensor_model_parallel_size=2),
+        dict(
+            num_experts=4, expert_model_parallel_size=4, expert_tensor_parallel_size=1, pipeline_model_parallel_size=2
+        ),
+        dict(expert_tensor_parallel_size=2, tensor_model_parallel_size=4),  # (a dense model: as Megatron-LM, no effect)
+    ],
+)
+def test_folded_expert_layouts_validate(settings):
+    config = build_config(dict(mock_data=True, nproc_per_node=8, **settings), recipe="debug")
+    layout = validate(config, 8)
+    assert layout.tp * layout.cp * layout.dp * layout.pp == 8
 
 
 @pytest.mark.parametrize(
@@ -535,8 +553,9 @@ def test_bad_expert_settings_are_named(settings, expected):
             "--context-parallel-size 2 does not serve --zero-stage 3 yet; use --zero-stage 1 or 2",
         ),
         (
-            dict(context_parallel_size=2, num_experts=4, nproc_per_node=2),
-            "--context-parallel-size 2 does not serve --num-experts 4 yet; use a dense model",
+            dict(context_parallel_size=2, num_experts=4, moe_expert_capacity_factor=1.0, nproc_per_node=2),
+            "--context-parallel-size 2 does not serve --moe-expert-capacity-factor 1.0 yet; leave it unset for "
+            "dropless experts",
         ),
         (dict(attention_type="strided"), "--attention-type: 'strided' is not one of"),
         (

@@ -283,48 +283,48 @@ def test_a_shape_that_differs_parts_and_reports_as_plain_json(tmp_path: Path) ->
     assert plain["first"]["rel_diff"] is None and plain["first"]["element"] is None
 
 
-def _expert_rank_pieces(full: torch.Tensor, tp: int, ep: int, edp: int, zero_stage: int, cp: int = 1) -> list:
-    """Every rank's gradient piece of stacked experts' w_in [E, 2F, H] (gate rows, then up rows) when
-    `ep` ranks hold E / ep experts each, split over `tp` tensor-parallel ranks, and `edp` replicas hold
-    each expert (ZeRO 1: each replica one half of the flat local tensor)."""
+def _expert_rank_pieces(full: torch.Tensor, etp: int, ep: int, edp: int, zero_stage: int) -> list:
+    """Every rank's gradient piece of stacked experts' w_in [E, 2F, H] (gate rows, then up rows) on the
+    experts' grid: `ep` ranks hold E / ep experts each, split over `etp` expert-tensor-parallel ranks,
+    and `edp` replicas hold each slice (whatever tensor- or context-parallel ranks they are; ZeRO 1:
+    each replica one part of the flat local tensor)."""
     E, rows, _ = full.shape
     pieces = []
-    for cp_rank in range(cp):
-        for e in range(ep):
-            for d in range(edp):
-                for t in range(tp):
-                    layout = tuple(Shard(1, t2 * rows // 2 // tp, rows // 2 // tp, rows, blocks=2) for t2 in range(tp))
-                    info = ParamInfo(
-                        shard=layout[t] if tp > 1 else None,
-                        layout=layout if tp > 1 else None,
-                        expert_shard=Shard(0, e * E // ep, E // ep, E) if ep > 1 else None,
-                    )
-                    param = torch.empty(E // ep, rows // tp, full.size(2))
-                    set_info(param, info)
-                    coords = {"tp": t, "cp": cp_rank, "dp": e + ep * d, "edp": d}
-                    if not owns_gradient(info, False, zero_stage, coords):
-                        continue
-                    local = take_slice(full, param)
-                    start, end = 0, local.numel()
-                    if zero_stage:
-                        start, end = local.numel() * d // edp, local.numel() * (d + 1) // edp
-                    flat = local.reshape(-1)[start:end]
-                    tables = param_tables(param, full.shape)
-                    pieces.append(
-                        take_piece("gradient", "w_in", (1, 0), flat, tables, full.shape, 512, (start, end), param.shape)
-                    )
+    for e in range(ep):
+        for d in range(edp):
+            for t in range(etp):
+                layout = tuple(Shard(1, t2 * rows // 2 // etp, rows // 2 // etp, rows, blocks=2) for t2 in range(etp))
+                info = ParamInfo(
+                    shard=layout[t] if etp > 1 else None,
+                    layout=layout if etp > 1 else None,
+                    expert_shard=Shard(0, e * E // ep, E // ep, E),
+                )
+                param = torch.empty(E // ep, rows // etp, full.size(2))
+                set_info(param, info)
+                coords = {"etp": t, "ep": e, "edp": d}
+                if not owns_gradient(info, False, zero_stage, coords):
+                    continue
+                local = take_slice(full, param)
+                start, end = 0, local.numel()
+                if zero_stage:
+                    start, end = local.numel() * d // edp, local.numel() * (d + 1) // edp
+                flat = local.reshape(-1)[start:end]
+                tables = param_tables(param, full.shape)
+                pieces.append(
+                    take_piece("gradient", "w_in", (1, 0), flat, tables, full.shape, 512, (start, end), param.shape)
+                )
     return pieces
 
 
 @pytest.mark.parametrize(
-    "tp,ep,edp,zero_stage,cp",
-    [(1, 2, 1, 0, 1), (2, 2, 2, 0, 1), (1, 4, 2, 1, 1), (2, 2, 1, 1, 2), (1, 2, 2, 0, 2)],
-    ids=["ep2", "tp2-ep2-edp2", "ep4-edp2-zero1", "tp2-ep2-zero1-cp2", "ep2-edp2-cp2"],
+    "etp,ep,edp,zero_stage",
+    [(1, 2, 1, 0), (2, 2, 2, 0), (1, 4, 2, 1), (2, 2, 2, 1), (1, 2, 4, 0), (1, 1, 2, 0)],
+    ids=["ep2", "etp2-ep2-edp2", "ep4-edp2-zero1", "etp2-ep2-edp2-zero1", "ep2-edp4", "ep1-edp2"],
 )
-def test_experts_split_over_ranks_assemble_once(tp: int, ep: int, edp: int, zero_stage: int, cp: int) -> None:
+def test_experts_split_over_ranks_assemble_once(etp: int, ep: int, edp: int, zero_stage: int) -> None:
     """Each element of an expert's gradient is counted exactly once, from the right rank's experts."""
     full = torch.randn(4, 2 * 4, 3, generator=torch.Generator().manual_seed(5))
-    pieces = _expert_rank_pieces(full, tp, ep, edp, zero_stage, cp)
+    pieces = _expert_rank_pieces(full, etp, ep, edp, zero_stage)
     (captured,) = assemble(pieces, 512)
     assert torch.equal(captured.values, full.reshape(-1))
     assert captured.rms == pytest.approx(float(full.double().square().mean().sqrt()), rel=1e-12)
@@ -332,21 +332,27 @@ def test_experts_split_over_ranks_assemble_once(tp: int, ep: int, edp: int, zero
 
 
 def test_which_rank_counts_a_gradient() -> None:
-    dense, expert = ParamInfo(), ParamInfo(expert_shard=Shard(0, 2, 2, 4))
+    dense = ParamInfo()
     owners = {
-        (info is expert, zero, sharded): [
-            (dp, edp, cp)
-            for dp, edp in ((0, 0), (1, 0), (2, 1), (3, 1))  # EP 2 x EDP 2
+        (zero, sharded): [
+            (dp, cp)
+            for dp in range(4)
             for cp in (0, 1)
-            if owns_gradient(info, sharded, zero, {"tp": 0, "dp": dp, "edp": edp, "cp": cp})
+            if owns_gradient(dense, sharded, zero, {"tp": 0, "dp": dp, "cp": cp})
         ]
-        for info in (dense, expert)
         for zero, sharded in ((0, False), (1, False), (3, True))
     }
-    assert owners[False, 0, False] == [(0, 0, 0)]
-    assert owners[True, 0, False] == [(0, 0, 0), (1, 0, 0)]  # (each expert-parallel rank's own experts)
-    assert len(owners[False, 1, False]) == 8 and owners[True, 1, False] == [(0, 0, 0), (1, 0, 0), (2, 1, 0), (3, 1, 0)]
-    assert owners[False, 3, True] == [(0, 0, 0), (1, 0, 0), (2, 1, 0), (3, 1, 0)]  # (FSDP2 rows: not over CP)
+    assert owners[0, False] == [(0, 0)]
+    assert len(owners[1, False]) == 8
+    assert owners[3, True] == [(0, 0), (1, 0), (2, 0), (3, 0)]  # (FSDP2 rows: not over CP)
+    # an expert's replicas are its expert-data-parallel ranks (EP 2 x EDP 2 here)
+    expert = ParamInfo(expert_shard=Shard(0, 2, 2, 4))
+    ranks = [(ep, edp) for edp in (0, 1) for ep in (0, 1)]
+    assert [r for r in ranks if owns_gradient(expert, False, 0, {"etp": 0, "ep": r[0], "edp": r[1]})] == [
+        (0, 0),
+        (1, 0),
+    ]
+    assert [r for r in ranks if owns_gradient(expert, False, 1, {"etp": 0, "ep": r[0], "edp": r[1]})] == ranks
     split = ParamInfo(shard=Shard(0, 2, 2, 4), layout=(Shard(0, 0, 2, 4), Shard(0, 2, 2, 4)))
     assert [t for t in range(2) if owns_gradient(split, False, 0, {"tp": t})] == [1]
 

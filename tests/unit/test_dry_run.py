@@ -131,7 +131,7 @@ def test_dry_run_prints_each_stage_against_the_device_memory(capsys):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("dry run: world 1024 = TP 8 x CP 1 x DP 32 (EP 1) x PP 4")
+    assert lines[0].startswith("dry run: world 1024 = TP 8 x CP 1 x DP 32 x PP 4")
     stages = [line.split() for line in lines if line.strip().split(" ")[0] in "0123"]
     assert [row[0] for row in stages] == ["0", "1", "2", "3"] and all(row[1] == "256" for row in stages)
     assert "fits: the fullest rank" in lines[-1] and "of 80 GB" in lines[-1]

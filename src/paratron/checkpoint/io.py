@@ -109,11 +109,11 @@ def full_state(model: nn.Module, topology: Topology, keep: bool = True) -> dict[
     tensor-parallel slices (and experts held by other expert-parallel ranks) are gathered one
     tensor at a time (collective over those groups; ranks with keep=False take part and keep nothing)."""
     out = {}
-    tp_group, ep_group = topology.group(Axis.TP), topology.group(Axis.EP)
+    tp_group, ep_group, etp_group = topology.group(Axis.TP), topology.group(Axis.EP), topology.group(Axis.EXPERT_TP)
     for name, param in model.named_parameters():
         if param_info(param).pipeline_duplicate:
             continue
-        full = gather_full(param, tp_group, full_parameter(param), ep_group)
+        full = gather_full(param, tp_group, full_parameter(param), ep_group, etp_group)
         if keep:
             out[name] = full.cpu()
     if keep:

@@ -91,13 +91,15 @@ def flat_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[Index, 
 def writes(param: torch.Tensor, topology: Topology, sharded_over_data: bool = False) -> bool:
     """Whether this rank writes what it holds of `param`: exactly one of the ranks that hold the
     same values does. Those are the tensor-parallel ranks of a tensor not split over them (or
-    holding the same slice), and the data-parallel replicas (the expert-data-parallel ones for
-    an expert's weights) unless the values are sharded over them: FSDP2's rows of a weight
-    under ZeRO-3, or a distributed optimizer's shards (`sharded_over_data`)."""
+    holding the same slice), and the data-parallel replicas unless the values are sharded over
+    them: FSDP2's rows of a weight under ZeRO-3, or a distributed optimizer's shards
+    (`sharded_over_data`). An expert's weights live on the experts' grid: its slices over the
+    expert-tensor-parallel ranks, its replicas over the expert-data-parallel ones."""
     record = param_info(param)
     if record.pipeline_duplicate:
         return False
-    shard, tp_rank = record.shard, topology.tp_rank
+    expert = record.expert_shard is not None
+    shard, tp_rank = record.shard, topology.expert_tp_rank if expert else topology.tp_rank
     if shard is None:
         first_of_tp = tp_rank == 0
     else:  # (several tensor-parallel ranks may hold the same key/value heads: the first writes)
@@ -105,7 +107,7 @@ def writes(param: torch.Tensor, topology: Topology, sharded_over_data: bool = Fa
         first_of_tp = not same or same[0] == tp_rank
     if sharded_over_data or is_sharded(param):
         return first_of_tp
-    if record.expert_shard is not None and topology.size(Axis.EP) > 1:
+    if expert:
         return first_of_tp and topology.coords["edp"] == 0
     return first_of_tp and topology.local_rank(Axis.DP_CP) == 0
 

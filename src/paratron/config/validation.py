@@ -219,7 +219,12 @@ def _check_context_parallel(config: Config, layout: Layout) -> None:
         )
     refusals = (
         (m.attention_dropout > 0, f"{flag.attention_dropout} {m.attention_dropout:g}", "set it to 0"),
-        (bool(m.num_experts), f"{flag.num_experts} {m.num_experts}", "use a dense model"),
+        (
+            bool(m.num_experts) and m.moe_expert_capacity_factor is not None,
+            f"{flag.moe_expert_capacity_factor} {m.moe_expert_capacity_factor}",
+            "leave it unset for dropless experts (which tokens an expert drops depends on the whole sequence, "
+            "which no rank holds)",
+        ),
         (p.zero_stage == 3, f"{flag.zero_stage} 3", f"use {flag.zero_stage} 1 or 2"),
         (p.variable_seq_lengths, flag.variable_seq_lengths, "drop it (rows must split evenly)"),
     )
@@ -267,33 +272,36 @@ def _check_experts(m: ModelConfig) -> None:
 
 
 def _check_expert_parallel(config: Config, layout: Layout) -> None:
-    """Expert parallelism: experts that split evenly over ranks carved from the data-parallel ones."""
+    """Expert parallelism: the experts' grid (expert-TP x EP x expert-DP) folded over each pipeline
+    stage's TP x CP x DP ranks, as Megatron-Core lays it; experts that split evenly over it."""
     m, p = config.model, config.parallel
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    stage = layout.tp * layout.cp * layout.dp
     if ep < 1:
         raise ConfigError(f"{flag.expert_model_parallel_size} {ep}: must be at least 1")
-    if not m.num_experts:
-        if ep > 1 or etp is not None:
-            what = flag.expert_model_parallel_size if ep > 1 else flag.expert_tensor_parallel_size
-            raise ConfigError(f"{what} needs a mixture-of-experts model: add {flag.num_experts}")
+    if etp is not None and stage % etp:
+        raise ConfigError(
+            f"{flag.expert_tensor_parallel_size} {etp} does not divide the {stage} ranks of a pipeline stage "
+            f"(TP {layout.tp} x CP {layout.cp} x DP {layout.dp}); choose a divisor"
+        )
+    if not m.num_experts:  # (Megatron-LM accepts an expert tensor-parallel size for a dense model; it changes nothing)
+        if ep > 1:
+            raise ConfigError(
+                f"{flag.expert_model_parallel_size} needs a mixture-of-experts model: add {flag.num_experts}"
+            )
         return
     if m.num_experts % ep:
         raise ConfigError(
             f"{flag.num_experts} {m.num_experts} is not divisible by {flag.expert_model_parallel_size} {ep}; "
             "choose an expert-parallel size that divides the number of experts"
         )
-    if layout.dp % ep:
-        raise ConfigError(
-            f"{flag.expert_model_parallel_size} {ep} does not divide the data-parallel size {layout.dp} "
-            f"(world {layout.world_size} / TP {layout.tp} / PP {layout.pp}); experts are carved from the "
-            "data-parallel ranks: choose a divisor of it"
-        )
-    if etp is not None and etp not in (1, layout.tp):
-        raise ConfigError(
-            f"{flag.expert_tensor_parallel_size} {etp}: must be 1 (whole experts) or "
-            f"{flag.tensor_model_parallel_size} {layout.tp} (experts split like the dense MLP)"
-        )
     expert_tp = layout.tp if etp is None else etp
+    if stage % (ep * expert_tp):
+        raise ConfigError(
+            f"{flag.expert_model_parallel_size} {ep} x expert tensor-parallel size {expert_tp} = {ep * expert_tp} "
+            f"does not divide the {stage} ranks of a pipeline stage (TP {layout.tp} x CP {layout.cp} x DP "
+            f"{layout.dp}), over which the experts' grid is laid; choose sizes whose product divides it"
+        )
     ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
     if ffn % expert_tp:
         raise ConfigError(
@@ -318,7 +326,7 @@ def _check_expert_parallel(config: Config, layout: Layout) -> None:
             f"{flag.moe_shared_expert_intermediate_size} {shared} is not divisible by "
             f"{flag.tensor_model_parallel_size} {layout.tp}; choose a multiple"
         )
-    if ep > 1 and p.zero_stage == 3:
+    if p.zero_stage == 3 and (ep > 1 or expert_tp != layout.tp):
         raise ConfigError(
             f"{flag.expert_model_parallel_size} {ep} with {flag.zero_stage} 3: experts are sharded by the "
             f"distributed optimizer; use {flag.zero_stage} 1 or 2"

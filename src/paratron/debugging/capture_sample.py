@@ -182,21 +182,22 @@ def assemble(pieces: Sequence[Piece], limit: int) -> list[Captured]:
 
 
 def owns_gradient(info: ParamInfo, fully_sharded: bool, zero_stage: int, coords: dict[str, int]) -> bool:
-    """Whether a rank at `coords` (tp, dp, edp, cp) counts its copy of a parameter's gradient, so that
-    every element is counted once: one tensor-parallel holder of each slice; without ZeRO one
-    data-parallel replica (an expert's: one expert-data-parallel replica of that rank's experts);
-    with ZeRO 1 and 2 every rank's shard (an expert's shards span the expert-data-parallel group
-    only, so the context-parallel ranks share them); with ZeRO 3 (`fully_sharded`: FSDP2's rows)
-    every data-parallel rank's rows, which the context-parallel ranks share (FSDP2 shards over the
-    data-parallel group only)."""
+    """Whether a rank at `coords` (tp, dp, cp; etp, edp) counts its copy of a parameter's gradient,
+    so that every element is counted once: one tensor-parallel holder of each slice; without ZeRO
+    one data-parallel replica; with ZeRO 1 and 2 every rank's shard; with ZeRO 3 (`fully_sharded`:
+    FSDP2's rows) every data-parallel rank's rows, which the context-parallel ranks share (FSDP2
+    shards over the data-parallel group only). An expert's slices are over the expert-tensor-
+    parallel ranks (each distinct) and its replicas over the expert-data-parallel ones, which ZeRO
+    shards it over."""
+    if info.expert_shard is not None:
+        return zero_stage in (1, 2) or (zero_stage == 3 and fully_sharded) or coords.get("edp", 0) == 0
     shard, tp_rank, cp_rank = info.shard, coords.get("tp", 0), coords.get("cp", 0)
     tp_first = tp_rank == 0 if shard is None else (info.layout or (shard,)).index(shard) == tp_rank
     if zero_stage in (1, 2):
-        return tp_first and (info.expert_shard is None or cp_rank == 0)
+        return tp_first
     if zero_stage == 3 and fully_sharded:
         return tp_first and cp_rank == 0
-    data_rank = coords.get("edp", 0) if info.expert_shard is not None else coords.get("dp", 0)
-    return tp_first and data_rank == 0 and cp_rank == 0
+    return tp_first and coords.get("dp", 0) == 0 and cp_rank == 0
 
 
 def param_tables(param: torch.Tensor, shape: tuple[int, ...]) -> Tables:

@@ -162,11 +162,20 @@ class Router(nn.Module):
         routing_map = routing_map & keep
         return probs * routing_map, routing_map
 
+    sequence_parts = 1
+    """How many ranks' tokens make up each sequence this router sees (context parallelism splits them)."""
+
+    def whole_sequences(self, counts: torch.Tensor) -> torch.Tensor:
+        """Token counts of the part of each sequence this router sees, summed over the parts
+        other ranks route (the context-parallel twin's all-reduce); here, the counts themselves."""
+        return counts
+
     def load_balancing_loss(self, logits: torch.Tensor, sequences: int) -> torch.Tensor:
         """Switch Transformer's loss, E x sum_e f_e P_e x coeff, over the whole micro-batch
         ("aux_loss") or per sequence and averaged ("seq_aux_loss"). As Megatron, P uses the
         scores over all experts (softmax, or sigmoid normalised per token) and f counts the top-k
-        of those scores: no expert bias, no dropping."""
+        of those scores: no expert bias, no dropping. When other ranks route the rest of each
+        sequence, f counts every part and this is the share of the loss of this part's P."""
         if self.balancing == "none" or self.aux_loss_coeff <= 0:
             return logits.new_zeros(())
         if self.score_function == "softmax":
@@ -177,17 +186,19 @@ class Router(nn.Module):
         chosen = torch.zeros_like(scores).scatter(1, _top_indices(scores, self.topk), 1.0)
         E, k, coeff = self.num_experts, self.topk, self.aux_loss_coeff
         if self.balancing == "aux_loss":
-            N = logits.size(0)
-            return torch.sum(scores.sum(dim=0) * chosen.sum(dim=0)) * (E * coeff / (k * N * N))
+            N = logits.size(0) * self.sequence_parts
+            return torch.sum(scores.sum(dim=0) * self.whole_sequences(chosen.sum(dim=0))) * (E * coeff / (k * N * N))
         T = logits.size(0) // sequences  # per sequence: its own f and P, then the mean over sequences
-        per_sequence = scores.view(sequences, T, E).sum(dim=1) * chosen.view(sequences, T, E).sum(dim=1)
+        counts = self.whole_sequences(chosen.view(sequences, T, E).sum(dim=1))
+        per_sequence = scores.view(sequences, T, E).sum(dim=1) * counts
+        T *= self.sequence_parts
         return torch.sum(per_sequence) * (E * coeff / (k * T * T)) / sequences
 
     def z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         """ST-MoE's z-loss: mean over tokens of logsumexp(logits)^2, times its coefficient."""
         if not self.z_loss_coeff:
             return logits.new_zeros(())
-        return torch.logsumexp(logits, dim=-1).square().mean() * self.z_loss_coeff
+        return torch.logsumexp(logits, dim=-1).square().mean() / self.sequence_parts * self.z_loss_coeff
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from paratron.parallel.context.split import split_batch
 from paratron.parallel.data.ddp import DataParallelGradients
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.pipeline.runtime import PipelineRuntime
-from paratron.parallel.sharding import grad_norm_weight
+from paratron.parallel.sharding import grad_norm_weight, is_expert
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits, labels) -> the loss of every position [B, T], zero where the label is not trained."""
@@ -70,23 +70,38 @@ class ParallelModel(nn.Module):
 
     @property
     def _data_sharded(self) -> bool:
+        """Whether ZeRO shards the dense gradients (or parameters) over the data-parallel ranks."""
         return self.zero_stage > 0 and self.gradients.group.size > 1
+
+    @property
+    def _experts_sharded(self) -> bool:
+        """Whether ZeRO shards the experts' gradients over their expert-data-parallel ranks."""
+        return self.zero_stage > 0 and self.topology.size(Axis.EXPERT_DP) > 1
+
+    @cached_property
+    def _has_experts(self) -> bool:
+        return any(is_expert(p) for p in self.trained_parameters)
 
     @property
     def norm_group(self) -> RankGroup:
         """The ranks whose gradient pieces together make up the whole model's gradient: the
         model-parallel group (tensor x pipeline), or every rank when ZeRO shards the gradients
-        or parameters over data parallelism, or experts live on different data-parallel ranks."""
-        whole = self._data_sharded or self.topology.size(Axis.EP) > 1
+        or parameters over data parallelism, or the model has experts (laid out on a grid of
+        their own)."""
+        whole = self._data_sharded or self._has_experts
         return self.topology.group(Axis.WORLD if whole else Axis.MODEL)
 
     def norm_weight(self, param: torch.Tensor) -> float:
         """`param`'s weight in the global gradient norm summed over `norm_group`: each tensor counts
-        once (see `sharding.grad_norm_weight`). Summed over every rank without ZeRO, a dense
-        gradient is held by each data-parallel rank and an expert's by each expert-data-parallel one."""
+        once (see `sharding.grad_norm_weight`). Summed over every rank, a dense gradient that ZeRO
+        does not shard is held by each data- (and context-) parallel rank, and an expert's by each
+        expert-data-parallel one."""
         replicas = (1, 1)
-        if self.norm_group.size > self.topology.size(Axis.MODEL) and not self._data_sharded:
-            replicas = (self.topology.size(Axis.DP), self.topology.size(Axis.EXPERT_DP))
+        if self._data_sharded or self._has_experts:  # (summed over every rank)
+            replicas = (
+                1 if self._data_sharded else self.topology.size(Axis.DP_CP),
+                1 if self._experts_sharded else self.topology.size(Axis.EXPERT_DP),
+            )
         return grad_norm_weight(param, self.topology.size(Axis.TP), replicas)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -46,7 +46,7 @@ from paratron.parallel.context.apply import apply_context_parallel
 from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
 from paratron.parallel.data.fully_sharded import held_boxes, local_tensor, shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
-from paratron.parallel.expert.apply import apply_expert_parallel
+from paratron.parallel.expert.apply import ExpertGroups, apply_expert_parallel
 from paratron.parallel.model import ParallelModel, TokenLoss
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
 from paratron.parallel.pipeline.runtime import PipelineRuntime
@@ -117,15 +117,9 @@ def _model_parallel(
     """Step 1's tensor and expert parallelism (see `_tensor_parallel`)."""
     token_loss, rng = _tensor_parallel(model, config, topology, device)
     if config.model.num_experts:
-        p = config.parallel
-        apply_expert_parallel(
-            model,
-            topology.group(Axis.EP),
-            _tp_context(config, topology),
-            p.expert_tensor_parallel_size or topology.size(Axis.TP),
-            p.moe_token_dispatcher_type,
-            rng,
-        )
+        groups = ExpertGroups(topology.group(Axis.EP), topology.group(Axis.EXPERT_TP))
+        tp, dispatcher = _tp_context(config, topology), config.parallel.moe_token_dispatcher_type
+        apply_expert_parallel(model, groups, tp, dispatcher, rng)
     return token_loss, rng
 
 
@@ -202,7 +196,7 @@ def _data_parallel(
         materialize_shards(model, device, config.training.seed)
     else:
         model.to(compute_dtype)  # (in place: parameters keep their identity, ties and records)
-    experts = topology.group(Axis.EXPERT_DP) if topology.size(Axis.EP) > 1 else None
+    experts = topology.group(Axis.EXPERT_DP) if config.model.num_experts else None
     gradients = DataParallelGradients(model, group, settings, units, experts, context_size=cp)
     flats = []
     if settings.zero_stage in (1, 2):

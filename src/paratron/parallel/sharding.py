@@ -18,11 +18,13 @@ device, FSDP2's sharding) copies this one record (`copy_info`).
                        checkpoints and gradient norms count the first stage's only
     deferred_grad      zero-bubble pipelines compute this weight's gradient in a separate W
                        operation, not in autograd's backward
-    expert_shard       an expert's weights under expert parallelism: this rank holds experts
+    expert_shard       a MoE layer's experts (set at every layout): this rank holds experts
                        [start, start + length) of dimension 0, the other expert-parallel ranks
-                       the others (on top of any tensor-parallel `shard` of another dimension);
-                       its gradient is reduced over the expert-data-parallel group, not the
-                       data-parallel one
+                       the others. An expert's `shard` and `layout` (its split over another
+                       dimension) are over the expert-tensor-parallel ranks, not the tensor-
+                       parallel ones, and its gradient is reduced over the expert-data-parallel
+                       group, not the data-parallel one (the experts' own grid: see
+                       `distributed.topology`)
 
 A rank's part of a single-device tensor is thus a box: a range of dimension 0 (experts) and a
 range of one other dimension (tensor parallelism, possibly in `blocks` equal blocks, as the
@@ -179,13 +181,22 @@ def take_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def gather_full(
-    param: torch.Tensor, group: RankGroup, tensor: torch.Tensor | None = None, expert_group: RankGroup | None = None
+    param: torch.Tensor,
+    group: RankGroup,
+    tensor: torch.Tensor | None = None,
+    expert_group: RankGroup | None = None,
+    expert_tp_group: RankGroup | None = None,
 ) -> torch.Tensor:
-    """The single-device tensor, assembled from every tensor-parallel rank's slice (and, for an
-    expert's weights, every expert-parallel rank's experts over `expert_group`); collective.
-    `tensor` (default: the parameter itself) may be anything laid out like it, e.g. its gradient."""
+    """The single-device tensor, assembled from every tensor-parallel rank's slice (for an
+    expert's weights: every expert-tensor-parallel rank's slice over `expert_tp_group`, then every
+    expert-parallel rank's experts over `expert_group`); collective. `tensor` (default: the
+    parameter itself) may be anything laid out like it, e.g. its gradient."""
     tensor = (param if tensor is None else tensor).detach()
     record = param_info(param)
+    if record.expert_shard is not None and record.shard is not None:
+        if expert_tp_group is None:
+            raise ValueError("an expert's slices are gathered over the expert-TP group: pass expert_tp_group")
+        group = expert_tp_group
     if record.shard is not None and group.size > 1:
         pieces = [torch.empty_like(tensor) for _ in range(group.size)]
         dist.all_gather(pieces, tensor.contiguous(), group=group.process_group)
@@ -207,7 +218,7 @@ def gather_full(
 
 
 def is_expert(param: torch.Tensor) -> bool:
-    """Whether `param` is expert weights split over expert-parallel ranks (reduced over expert-data-parallel ranks)."""
+    """Whether `param` is a MoE layer's experts (on the experts' grid, reduced over expert-data-parallel ranks)."""
     return param_info(param).expert_shard is not None
 
 
@@ -234,9 +245,11 @@ def grad_norm_weight(param: torch.Tensor, tp_size: int, replicas: tuple[int, int
     counts once: replicas over the tensor-parallel group share the weight, and the last pipeline
     stage's copy of a tied embedding counts zero. `replicas` = (dense, expert): how many ranks of
     the norm's group hold each dense and each expert gradient whole (data-parallel replicas,
-    when the norm is summed over them)."""
+    when the norm is summed over them; an expert's replicas are its expert-data-parallel ranks,
+    which include any tensor-parallel ranks that hold it whole)."""
     record = param_info(param)
     if record.pipeline_duplicate:
         return 0.0
-    data = replicas[1] if record.expert_shard is not None else replicas[0]
-    return 1.0 / ((record.shard.duplicates if record.shard is not None else tp_size) * data)
+    if record.expert_shard is not None:
+        return 1.0 / ((record.shard.duplicates if record.shard is not None else 1) * replicas[1])
+    return 1.0 / ((record.shard.duplicates if record.shard is not None else tp_size) * replicas[0])

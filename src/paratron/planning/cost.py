@@ -17,7 +17,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from paratron.config.layout import Layout
+from paratron.config.layout import Layout, expert_data_parallel_size
 from paratron.config.schema import Config
 from paratron.parallel.pipeline.timing import FlatSchedule, flatten, rank_times
 from paratron.planning.activations import WIDTHS
@@ -214,7 +214,7 @@ def _optimizer_time(
         return (read_write + (2 * state.optimizer_state if not state.master else 0)) / (hardware.memory_gbps * 1e9)
     p = config.parallel
     shard = layout.dp * layout.cp if p.zero_stage >= 1 else 1
-    expert_shard = max(1, layout.dp // p.expert_model_parallel_size) if p.zero_stage >= 1 else 1
+    expert_shard = expert_data_parallel_size(layout, p) if p.zero_stage >= 1 else 1
     elements = params[0] / shard + params[1] / expert_shard
     return elements * OPTIMIZER_BYTES_PER_PARAMETER / (hardware.memory_gbps * 1e9)
 

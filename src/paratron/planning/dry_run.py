@@ -77,7 +77,7 @@ def build_role(config: Config, layout: Layout, stage: int) -> tuple[dict[str, in
     through `parallelize` on the meta device in a fake world of `layout.world_size` ranks; also
     the elements it trains and its largest layer's (before ZeRO-3 sharding)."""
     p = config.parallel
-    dims = ParallelDims(layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=p.expert_model_parallel_size)
+    dims = ParallelDims.from_config(layout.world_size, p)
     rank = dims.rank_of(pp=stage)
     with fake_world(layout.world_size, rank):
         topology = Topology(dims, rank)
@@ -160,7 +160,7 @@ def run_dry_run(config: Config) -> int:
     started = time.perf_counter()
     roles = dry_run(config, layout, kernels)
     elapsed = time.perf_counter() - started
-    dims = ParallelDims(world, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=config.parallel.expert_model_parallel_size)
+    dims = ParallelDims.from_config(world, config.parallel)
     n_params = count_parameters(config.model)
     images = images_per_micro_batch(config, config.training.micro_batch_size) if config.model.has_vision else 0
     print(

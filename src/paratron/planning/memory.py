@@ -21,11 +21,12 @@ transient buffers come from `planning/activations.py`, as in the dry run.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from paratron.config.layout import Layout, resolve_layout
+from paratron.config.layout import Layout, expert_data_parallel_size, resolve_layout
 from paratron.config.schema import Config, ModelConfig, ParallelConfig
 from paratron.distributed.fake import fake_world
 from paratron.distributed.topology import ParallelDims, Topology
@@ -117,9 +118,9 @@ def local_parameters(model: ModelConfig, tp: int, ep: int, etp: int | None) -> L
             tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
         ),
     )
-    world = tp * ep
+    world = math.lcm(tp, (etp or tp) * ep)  # (the smallest stage the experts' grid folds over)
     with fake_world(world, 0):
-        topology = Topology(ParallelDims(world, tp=tp, ep=ep), 0)
+        topology = Topology(ParallelDims(world, tp=tp, ep=ep, etp=etp), 0)
         topology.create_groups()
         with META:
             built = GPT(counting.model)
@@ -225,7 +226,7 @@ def predict_memory(
     p = config.parallel
     local = local_parameters(config.model, layout.tp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     dp = layout.dp * layout.cp
-    edp = layout.dp // p.expert_model_parallel_size
+    edp = expert_data_parallel_size(layout, p)
     roles = []
     peaks = activations if activations is not None else activation_peaks(config, layout, kernels)
     for pp_rank, (parts, largest) in enumerate(_rank_parts(config, layout, local)):

@@ -242,6 +242,11 @@ class _Comm:
     """Bytes of one micro-batch's activations on a CP rank (b x s / CP x h)."""
     act_bytes: int
 
+    @property
+    def expert_tp(self) -> int:
+        """The stride of an expert-parallel group's ranks (the experts' grid varies expert TP fastest)."""
+        return self.config.parallel.expert_tensor_parallel_size or self.tp
+
     @classmethod
     def of(cls, config: Config, layout: Layout, hardware: Hardware) -> _Comm:
         tokens = layout.micro_batch_size * config.data.seq_length / layout.cp
@@ -267,7 +272,7 @@ class _Comm:
         ep = p.expert_model_parallel_size
         routed = self.tokens / (self.tp if p.sequence_parallel else 1) * m.moe_router_topk * m.hidden_size
         a2a = (
-            all_to_all_time(routed * self.act_bytes, ep, link(self.hardware, self.tp * self.cp, ep)) if work.moe else 0
+            all_to_all_time(routed * self.act_bytes, ep, link(self.hardware, self.expert_tp, ep)) if work.moe else 0
         )
         scores_f, scores_b = work.scores / rate, FLASH_BACKWARD * work.scores / rate
         hides = self.hardware.overlaps_communication

@@ -1,7 +1,7 @@
 """How the router spreads tokens over experts, for the log and for `--log-expert-load`.
 
 Every MoE layer counts the tokens it sends to each expert; the trainer sums the counts over the
-steps of a log interval and over the data-parallel ranks, and reports per layer the load
+steps of a log interval and over the data- and context-parallel ranks, and reports per layer the load
 balance (the busiest expert's share over the mean share: 1.0 is perfect balance, E means one
 expert takes everything), the load-balancing loss and the z-loss. With --log-expert-load the
 trainer keeps the shares of every logged step for `training.plot.plot_expert_load`. After every
@@ -56,25 +56,26 @@ def take_expert_stats(model: ParallelModel) -> ExpertStats | None:
 
 def update_expert_biases(model: ParallelModel, stats: ExpertStats | None) -> None:
     """Aux-loss-free balancing: each router's bias moves toward the global batch's even load (the
-    tokens summed over the data-parallel ranks; one all-reduce)."""
+    tokens summed over the data- and context-parallel ranks; one all-reduce)."""
     layers = {o: layer for o, layer in model.moe_layers.items() if layer.router.expert_bias is not None}
     if stats is None or not layers:
         return
     tokens = stats.tokens.clone()
-    comm.all_reduce(tokens, model.topology.group(Axis.DP))
+    comm.all_reduce(tokens, model.topology.group(Axis.DP_CP))
     for ordinal, layer in layers.items():
         layer.router.update_expert_bias(tokens[ordinal])
 
 
 def reduce_expert_stats(model: ParallelModel, stats: ExpertStats) -> dict:
-    """The log's MoE fields over a log interval: tokens summed over data-parallel ranks, losses
-    per forward averaged over them, every pipeline stage's layers together."""
+    """The log's MoE fields over a log interval: tokens summed over data- and context-parallel
+    ranks, losses per forward averaged over the data-parallel ranks (each context-parallel rank
+    holds its part of them: summed), every pipeline stage's layers together."""
     tokens, losses = stats.tokens.clone(), stats.losses / max(stats.forwards, 1)
-    pp, dp = model.topology.group(Axis.PP), model.topology.group(Axis.DP)
-    for group in (pp, dp):
+    pp, dp_cp = model.topology.group(Axis.PP), model.topology.group(Axis.DP_CP)
+    for group in (pp, dp_cp):
         comm.all_reduce(tokens, group)
         comm.all_reduce(losses, group)
-    losses /= dp.size
+    losses /= model.topology.size(Axis.DP)
     per_layer = tokens.double().cpu().numpy()
     balance = [load_balance(row) for row in per_layer]
     return {

@@ -2,9 +2,10 @@
 gradients are averaged over the group (under context parallelism: summed over the ranks that
 split each sequence and averaged over the data-parallel ones, in one reduction over both).
 
-Under expert parallelism the experts' weights are held by the expert-data-parallel ranks only
-(a subgroup of the data-parallel ones): their gradients live in buckets of their own, reduced
-over that group (`expert_reducer`), and count the tokens of every data-parallel rank.
+A MoE layer's experts are held by the expert-data-parallel ranks (on the experts' own grid,
+which may span tensor- and context-parallel ranks): their gradients live in buckets of their
+own, summed over that group (`expert_reducer`), which together saw every token of the stage
+once, and averaged over the data-parallel replicas as the dense gradients are.
 
 `DataParallelGradients` owns the gradients of this rank's model part and their
 synchronisation. At ZeRO stages 0-2 they live in buckets (`buckets.GradientReducer`) reduced
@@ -61,7 +62,7 @@ class DataParallelGradients:
         expert_group: RankGroup | None = None,
         context_size: int = 1,
     ) -> None:
-        """`expert_group`: the expert-data-parallel group, under expert parallelism (None otherwise).
+        """`expert_group`: the expert-data-parallel group of a MoE model's experts (None without experts).
         `context_size`: under context parallelism `group` spans the data- and context-parallel
         ranks, and the context-parallel ranks' gradients are parts of one sequence's: summed, not
         averaged (the mean over `group` is scaled by this)."""
@@ -80,7 +81,9 @@ class DataParallelGradients:
         self.reducer = self._reducer(dense, group, late, post_scale=float(context_size))
         if experts:
             assert expert_group is not None
-            self.expert_reducer = self._reducer(experts, expert_group, late, post_scale=expert_group.size / group.size)
+            # (the mean over the expert-data-parallel ranks, as a sum over them averaged over data parallelism)
+            scale = expert_group.size * context_size / group.size
+            self.expert_reducer = self._reducer(experts, expert_group, late, post_scale=scale)
         self.reducers = [r for r in (self.reducer, self.expert_reducer) if r is not None]
         self._owner = {id(p): r for r in self.reducers for p in r.params}
 
