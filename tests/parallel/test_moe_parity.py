@@ -97,17 +97,19 @@ LAYOUTS = {
             expert_tensor_parallel_size=1,
         ),
     ),
-    "tp2-ep4-etp1-zero1": (
+    "tp2-ep4-etp1-zero2": (
         4,
         dict(
             tensor_model_parallel_size=2,
             expert_model_parallel_size=4,
             expert_tensor_parallel_size=1,
-            use_distributed_optimizer=True,
+            zero_stage=2,
         ),
     ),
     "etp2-dp2": (2, dict(expert_tensor_parallel_size=2)),
     "cp2-ep2": (2, dict(context_parallel_size=2, expert_model_parallel_size=2)),
+    "ep2-zero3": (2, dict(expert_model_parallel_size=2, zero_stage=3)),  # (experts alone on their rank: EDP 1)
+    "ep2-dp4-zero3": (4, dict(expert_model_parallel_size=2, zero_stage=3)),  # (experts sharded over EDP 2)
     "tp2-pp2-ep2-interleaved": (
         8,
         dict(

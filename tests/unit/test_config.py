@@ -495,10 +495,6 @@ def test_each_megatron_flag_has_one_treatment():
             "--moe-grouped-gemm: torch's grouped matmul needs rows of a multiple of 16 bytes, and the experts' "
             "width per tensor-parallel rank 50 is not a multiple of 4 in fp32",
         ),
-        (
-            dict(num_experts=4, expert_model_parallel_size=2, zero_stage=3, nproc_per_node=2),
-            "--expert-model-parallel-size 2 with --zero-stage 3",
-        ),
         (dict(num_experts=4, moe_pad_expert_input_to_capacity=True), "needs --moe-expert-capacity-factor"),
     ],
 )

@@ -326,11 +326,6 @@ def _check_expert_parallel(config: Config, layout: Layout) -> None:
             f"{flag.moe_shared_expert_intermediate_size} {shared} is not divisible by "
             f"{flag.tensor_model_parallel_size} {layout.tp}; choose a multiple"
         )
-    if p.zero_stage == 3 and (ep > 1 or expert_tp != layout.tp):
-        raise ConfigError(
-            f"{flag.expert_model_parallel_size} {ep} with {flag.zero_stage} 3: experts are sharded by the "
-            f"distributed optimizer; use {flag.zero_stage} 1 or 2"
-        )
 
 
 def _check_tensor_parallel(config: Config, layout: Layout) -> None:

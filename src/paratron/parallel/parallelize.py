@@ -192,7 +192,9 @@ def _data_parallel(
     compute_dtype = PRECISION_DTYPES[config.training.precision]
     units = None
     if _fully_sharded(config, topology):
-        units = shard_fully(model, topology.group(Axis.DP), device, root, compute_dtype)
+        dense, experts = topology.group(Axis.DP), topology.group(Axis.EXPERT_DP)
+        separate = config.model.num_experts and experts.ranks != dense.ranks
+        units = shard_fully(model, dense, device, root, compute_dtype, experts if separate else None)
         materialize_shards(model, device, config.training.seed)
     else:
         model.to(compute_dtype)  # (in place: parameters keep their identity, ties and records)
@@ -259,8 +261,9 @@ def _vocab_parallel_token_losses(
 
 
 def _fully_sharded(config: Config, topology: Topology) -> bool:
-    """ZeRO-3 in effect: FSDP2 over more than one data-parallel rank."""
-    return config.parallel.zero_stage == 3 and topology.group(Axis.DP_CP).size > 1
+    """ZeRO-3 in effect: FSDP2 over more than one data-parallel rank (or expert-data-parallel one)."""
+    sharded = topology.size(Axis.DP_CP) > 1 or (bool(config.model.num_experts) and topology.size(Axis.EXPERT_DP) > 1)
+    return config.parallel.zero_stage == 3 and sharded
 
 
 def materialize_shards(model: nn.Module, device: torch.device | str, seed: int) -> None:

@@ -6,6 +6,12 @@ after); the root unit holds the rest (embedding, final norm, output layer), so a
 embedding stays in a single unit. Under pipeline parallelism the root is the stage runner,
 whose forward runs one chunk of this rank's stages.
 
+A MoE layer's experts live on a grid of their own (`distributed.topology`): when their
+expert-data-parallel ranks are not the data-parallel ones, the experts of each block are a unit
+of their own, sharded over the expert-data-parallel group, whose gradients are summed over it and
+divided by the data-parallel size (every token of the stage counted once, averaged over the
+data-parallel replicas as the dense gradients are).
+
 FSDP2 averages gradients over the data-parallel group; gradients that are partial sums over
 another group (tensor- or pipeline-parallel copies) are completed afterwards on the local
 shards (`DataParallelGradients.finish`), which line up because every member of such a group
@@ -15,6 +21,7 @@ shards a tensor of the same shape the same way.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -23,6 +30,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
+from paratron.model.moe import Experts
 from paratron.parallel.sharding import Index, bounded, copy_info, full_shape, place
 
 
@@ -32,27 +40,55 @@ def shard_fully(
     device: torch.device,
     root: nn.Module | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    expert_group: RankGroup | None = None,
 ) -> list[nn.Module]:
     """Apply FSDP2 over `group` to this rank's part of `model` (materialized, fp32); returns the units.
     `root` is the module whose forward runs the model (default `model`; a pipeline stage's runner).
     With a 16-bit `compute_dtype` the fp32 shards are the master weights: FSDP2 gathers them in
-    that type for compute and reduces gradients in fp32."""
+    that type for compute and reduces gradients in fp32. `expert_group`: the experts'
+    expert-data-parallel group, when it is not `group` (each block's experts a unit over it)."""
     root = model if root is None else root
     # (a model on the meta device, as --dry-run builds, keeps its shards there; the mesh needs a real device type)
-    mesh = DeviceMesh.from_group(group.process_group, "cpu" if device.type == "meta" else device.type)
+    meshes = _Meshes("cpu" if device.type == "meta" else device.type)
+    mesh = meshes.of(group)
     before = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     units: list[nn.Module] = []
     for block in model.layers:
-        if block is not None:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-            units.append(block)
+        if block is None:
+            continue
+        experts = getattr(block.mlp, "experts", None)
+        if expert_group is not None and isinstance(experts, Experts):
+            fully_shard(experts, mesh=meshes.of(expert_group), mp_policy=policy)
+            experts.set_gradient_divide_factor(float(group.size))  # type: ignore[operator]
+            # (a sum, then the division: gloo has no pre-multiplied sum; alone on its rank FSDP2 divides by itself)
+            experts.set_force_sum_reduction_for_comms(expert_group.size > 1)  # type: ignore[operator]
+            units.append(experts)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+        units.append(block)
     fully_shard(root, mesh=mesh, mp_policy=policy)
     units.append(root)
     for unit in model.modules():  # FSDP2 replaced each parameter with a sharded one: give it the record
         for new, old in zip(unit.parameters(recurse=False), before[id(unit)]):
             copy_info(old, new)
     return units
+
+
+class _Meshes:
+    """FSDP2's device meshes of rank groups. A group of this rank alone has no process group of
+    its own, which a mesh needs: every rank then makes its own at once (collective)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.alone: dist.ProcessGroup | None = None
+
+    def of(self, group: RankGroup) -> DeviceMesh:
+        process_group = group.process_group
+        if process_group is None:
+            if self.alone is None:
+                self.alone, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+            process_group = self.alone
+        return DeviceMesh.from_group(process_group, self.device_type)
 
 
 def reshard(module: nn.Module) -> None:
