@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from paratron.checkpoint import megatron as mc
 from paratron.checkpoint.convert import megatron_to_paratron
 from paratron.checkpoint.io import read_checkpoint
 from paratron.checkpoint.megatron.distrib_optim import Bucketing, bucket_places
+from paratron.distributed.local_ranks import run_ranks
 
 VOCAB, SEQ, BUCKET = 128, 16, 3000
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64)
@@ -48,7 +50,7 @@ class _CudaOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _args(**extra: Any) -> argparse.Namespace:
+def _args(data_parallel_size: int = 1) -> argparse.Namespace:
     from megatron.core.transformer.enums import AttnBackend
 
     return argparse.Namespace(
@@ -58,14 +60,18 @@ def _args(**extra: Any) -> argparse.Namespace:
         padded_vocab_size=VOCAB, make_vocab_size_divisible_by=128, max_position_embeddings=SEQ, seq_length=SEQ,
         norm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0, kv_channels=8, iteration=2,
         consumed_train_samples=4, attention_backend=AttnBackend.auto, params_dtype=torch.float32,
-        use_distributed_optimizer=True, transformer_impl="local", data_parallel_size=1, overlap_grad_reduce=True,
-        ddp_bucket_size=BUCKET,
-        **extra,
+        use_distributed_optimizer=True, transformer_impl="local", data_parallel_size=data_parallel_size,
+        overlap_grad_reduce=True, ddp_bucket_size=BUCKET,
     )  # fmt: skip
 
 
-def _megatron_run(root: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Train megatron-core's distributed optimizer two steps, save both formats; its state by Megatron name."""
+Pieces = list[tuple[str, str, int, torch.Tensor]]
+"""(state, Megatron name, flat offset into the parameter, values): what one rank's optimizer holds."""
+
+
+def _megatron_run(root: str, shards: int = 1) -> tuple[Pieces, dict[str, torch.Size]]:
+    """Train megatron-core's distributed optimizer two steps at `shards` data-parallel ranks (this
+    process's world), save both formats with megatron-core's own code; what this rank's optimizer holds."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -88,20 +94,49 @@ def _megatron_run(root: Path) -> dict[str, dict[str, torch.Tensor]]:
         )
         _train(ddp, optimizer)
         inner = optimizer.chained_optimizers[0]
-        names = {p: n for n, p in model.named_parameters()}
-        expected: dict[str, dict[str, torch.Tensor]] = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        for param, name in names.items():
-            held = inner._get_main_param_and_optimizer_states(param)
+        held: Pieces = []
+        for name, param in model.named_parameters():
+            if param not in inner.model_param_gbuf_map:
+                continue  # (wholly in other ranks' shards)
+            where = inner._get_model_param_range_map(param)["param"]
+            tensors = inner._get_main_param_and_optimizer_states(param)
             for ours, theirs in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-                expected[ours][name] = held[theirs].detach().clone().reshape(param.shape)
-        _save_legacy(root / "legacy", model, optimizer)
-        _save_torch_dist(root / "torch_dist", model, optimizer, dist_checkpointing)
+                held.append((ours, name, where.start, tensors[theirs].detach().clone().reshape(-1)))
+        _save_legacy(Path(root) / "legacy", model, optimizer, shards)
+        _save_torch_dist(Path(root) / "torch_dist", model, optimizer, shards, dist_checkpointing)
         destroy_oracle()
-    return expected
+    return held, {name: param.shape for name, param in model.named_parameters()}
+
+
+def _data_parallel_rank(root: str) -> tuple[Pieces, dict[str, torch.Size]]:
+    """One of two data-parallel ranks (each its own batch)."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    multiprocessing.current_process()._config["daemon"] = False  # (megatron's torch_dist writer forks)
+    dist.init_process_group("gloo")
+    return _megatron_run(root, dist.get_world_size())
+
+
+def _assemble(pieces: Pieces, shapes: dict[str, torch.Size]) -> dict[str, dict[str, torch.Tensor]]:
+    """Whole tensors by state and Megatron name from the ranks' pieces, every element covered once."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for ours, name, start, values in pieces:
+        flat = out.setdefault(ours, {}).setdefault(name, torch.full((math.prod(shapes[name]),), float("nan")))
+        assert flat[start : start + values.numel()].isnan().all()
+        flat[start : start + values.numel()] = values
+    for by_name in out.values():
+        for name, flat in by_name.items():
+            assert not flat.isnan().any(), name
+            by_name[name] = flat.reshape(shapes[name])
+    return out
 
 
 def _train(ddp: Any, optimizer: Any) -> None:
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    import torch.distributed as dist
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5 + dist.get_rank()))
     positions = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
     ddp.train()
@@ -113,47 +148,71 @@ def _train(ddp: Any, optimizer: Any) -> None:
         assert optimizer.step()[0]
 
 
-def _save_legacy(root: Path, model: torch.nn.Module, optimizer: Any) -> None:
-    """What Megatron-LM's legacy save writes with --use-distributed-optimizer."""
+def _save_legacy(root: Path, model: torch.nn.Module, optimizer: Any, shards: int) -> None:
+    """What Megatron-LM's legacy save writes with --use-distributed-optimizer (data-parallel rank 0's files)."""
+    import torch.distributed as dist
+
     folder = root / "iter_0000002" / "mp_rank_00"
-    folder.mkdir(parents=True)
-    content = {"args": _args(), "checkpoint_version": 3.0, "iteration": 2, "model": model.state_dict(),
-               "optimizer": optimizer.state_dict()}  # fmt: skip
-    torch.save(content, folder / "model_optim_rng.pt")
-    optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
-    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    first = dist.get_rank() == 0
+    if first:
+        folder.mkdir(parents=True)
+        content = {"args": _args(data_parallel_size=shards), "checkpoint_version": 3.0, "iteration": 2,
+                   "model": model.state_dict(), "optimizer": optimizer.state_dict()}  # fmt: skip
+        torch.save(content, folder / "model_optim_rng.pt")
+    optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))  # (gathered onto rank 0)
+    if first:
+        (root / "latest_checkpointed_iteration.txt").write_text("2")
 
 
-def _save_torch_dist(root: Path, model: torch.nn.Module, optimizer: Any, dist_checkpointing: Any) -> None:
+def _save_torch_dist(root: Path, model: torch.nn.Module, optimizer: Any, shards: int, dist_checkpointing: Any) -> None:
     """What Megatron-LM's torch_dist save writes by default with --use-distributed-optimizer."""
+    import torch.distributed as dist
+
     folder = root / "iter_0000002"
-    folder.mkdir(parents=True)
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True)
+        (root / "latest_checkpointed_iteration.txt").write_text("2")
+    dist.barrier()
     model_sd = model.sharded_state_dict()
     optim_sd = optimizer.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
-    state = {"model": model_sd, "optimizer": optim_sd, "args": _args(), "iteration": 2, "checkpoint_version": 3.0}
+    state = {"model": model_sd, "optimizer": optim_sd, "args": _args(data_parallel_size=shards), "iteration": 2,
+             "checkpoint_version": 3.0}  # fmt: skip
     dist_checkpointing.save(state, str(folder))
-    (root / "latest_checkpointed_iteration.txt").write_text("2")
 
 
 @pytest.fixture(scope="module")
-def megatron_saves(tmp_path_factory) -> Iterator[dict[str, Any]]:
+def dp1(tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """megatron-core's saves at one data-parallel rank, in this process."""
     from megatron_oracle import destroy_oracle
 
-    root = tmp_path_factory.mktemp("distrib_optim")
-    yield {"root": root, "expected": _megatron_run(root)}
+    root = tmp_path_factory.mktemp("distrib_optim_dp1")
+    pieces, shapes = _megatron_run(str(root))
+    yield {"root": root, "expected": _assemble(pieces, shapes)}
     destroy_oracle(destroy_process_group=True)  # (later tests build their own worlds)
 
 
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory) -> dict[str, Any]:
+    """megatron-core's saves at two data-parallel ranks (each holding half of every bucket)."""
+    root = tmp_path_factory.mktemp("distrib_optim_dp2")
+    ranks = run_ranks(_data_parallel_rank, 2, str(root), timeout=240)
+    assert all(len(pieces) < len(ranks[0][1]) * 3 for pieces, _ in ranks)  # (no rank holds everything)
+    return {"root": root, "expected": _assemble([p for pieces, _ in ranks for p in pieces], ranks[0][1])}
+
+
+@pytest.mark.spawns  # (megatron-core's torch_dist writer starts a process)
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
-def test_distributed_optimizer_state_converts_exactly(megatron_saves, tmp_path, fmt):
+@pytest.mark.parametrize("shards", ["dp1", "dp2"])
+def test_distributed_optimizer_state_converts_exactly(request, tmp_path, fmt, shards):
     from safetensors.torch import load_file
 
-    source = megatron_saves["root"] / fmt
+    saves = request.getfixturevalue(shards)
+    source = saves["root"] / fmt
     ckpt = mc.open_megatron(source)
     model = mc.config_of(ckpt.args, "megatron").model
     state = mc.megatron_optimizer(ckpt, model)
     assert state is not None
-    for ours, by_name in megatron_saves["expected"].items():
+    for ours, by_name in saves["expected"].items():
         expected = mc.to_paratron(by_name, model, "megatron")
         assert set(state[ours]) == set(expected)
         for name, tensor in expected.items():
@@ -161,16 +220,17 @@ def test_distributed_optimizer_state_converts_exactly(megatron_saves, tmp_path, 
         assert expected["embedding.weight"].abs().sum() > 0
     converted = megatron_to_paratron(source, tmp_path / "converted")  # (what --load resumes from)
     stored = load_file(str(read_checkpoint(converted).path / "optimizer_tp000_pp000_dp000.safetensors"))
-    expected = mc.to_paratron(megatron_saves["expected"]["exp_avg_sq"], model, "megatron")
+    expected = mc.to_paratron(saves["expected"]["exp_avg_sq"], model, "megatron")
     assert all(torch.equal(stored[f"exp_avg_sq/{n}"], t) for n, t in expected.items())
     assert json.loads((converted / "optimizer.index.json").read_text())["step"] == 2.0
 
 
-def test_a_layout_the_saved_pieces_contradict_is_left_out(megatron_saves, tmp_path):
+@pytest.mark.spawns  # (megatron-core's torch_dist writer starts a process)
+def test_a_layout_the_saved_pieces_contradict_is_left_out(dp1, tmp_path):
     """Read as Transformer Engine's spec (Megatron-LM's default), the attention norm would sit after
     `linear_proj`: same bucket sizes, but the saved pieces' edges say otherwise, so no state at all."""
     copy = tmp_path / "torch_dist"
-    shutil.copytree(megatron_saves["root"] / "torch_dist", copy)
+    shutil.copytree(dp1["root"] / "torch_dist", copy)
     common = copy / "iter_0000002" / "common.pt"
     saved = torch.load(common, weights_only=False)
     del saved["args"].transformer_impl
