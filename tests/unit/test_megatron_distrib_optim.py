@@ -69,12 +69,13 @@ Pieces = list[tuple[str, str, int, torch.Tensor]]
 """(state, Megatron name, flat offset into the parameter, values): what one rank's optimizer holds."""
 
 
-def _megatron_run(root: str, shards: int = 1) -> tuple[Pieces, dict[str, torch.Size]]:
+def _megatron_run(root: str, shards: int = 1) -> tuple[Pieces, dict[str, torch.Tensor]]:
     """Train megatron-core's distributed optimizer two steps at `shards` data-parallel ranks (this
-    process's world), save both formats with megatron-core's own code; what this rank's optimizer holds."""
+    process's world), save both formats with megatron-core's own code; what this rank's optimizer holds,
+    and the weights after one more step on `NEXT` (what a resumed run's first step must give)."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.transformer.utils import openai_gelu
 
     from megatron_oracle import cpu_megatron, destroy_oracle, oracle_gpt
@@ -89,9 +90,11 @@ def _megatron_run(root: str, shards: int = 1) -> tuple[Pieces, dict[str, torch.S
         )
         ddp = DistributedDataParallel(config, ddp_config, model)
         assert len(ddp.buffers[0].buckets) > 2  # (the layout is cut into several buckets)
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True), [ddp]
-        )
+        settings = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True)
+        # (Megatron-LM's groups: no weight decay for biases and 1-D parameters)
+        optimizer = get_megatron_optimizer(settings, [ddp], get_standard_config_overrides(settings))
+        for group in optimizer.param_groups:  # (as Megatron-LM's learning-rate scheduler sets them)
+            group["weight_decay"] = settings.weight_decay * group.get("wd_mult", 1.0)
         _train(ddp, optimizer)
         inner = optimizer.chained_optimizers[0]
         held: Pieces = []
@@ -104,11 +107,12 @@ def _megatron_run(root: str, shards: int = 1) -> tuple[Pieces, dict[str, torch.S
                 held.append((ours, name, where.start, tensors[theirs].detach().clone().reshape(-1)))
         _save_legacy(Path(root) / "legacy", model, optimizer, shards)
         _save_torch_dist(Path(root) / "torch_dist", model, optimizer, shards, dist_checkpointing)
+        _train(ddp, optimizer, [NEXT])
         destroy_oracle()
-    return held, {name: param.shape for name, param in model.named_parameters()}
+    return held, {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-def _data_parallel_rank(root: str) -> tuple[Pieces, dict[str, torch.Size]]:
+def _data_parallel_rank(root: str) -> tuple[Pieces, dict[str, torch.Tensor]]:
     """One of two data-parallel ranks (each its own batch)."""
     import multiprocessing
 
@@ -119,8 +123,9 @@ def _data_parallel_rank(root: str) -> tuple[Pieces, dict[str, torch.Size]]:
     return _megatron_run(root, dist.get_world_size())
 
 
-def _assemble(pieces: Pieces, shapes: dict[str, torch.Size]) -> dict[str, dict[str, torch.Tensor]]:
+def _assemble(pieces: Pieces, weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """Whole tensors by state and Megatron name from the ranks' pieces, every element covered once."""
+    shapes = {name: w.shape for name, w in weights.items()}
     out: dict[str, dict[str, torch.Tensor]] = {}
     for ours, name, start, values in pieces:
         flat = out.setdefault(ours, {}).setdefault(name, torch.full((math.prod(shapes[name]),), float("nan")))
@@ -133,14 +138,23 @@ def _assemble(pieces: Pieces, shapes: dict[str, torch.Size]) -> dict[str, dict[s
     return out
 
 
-def _train(ddp: Any, optimizer: Any) -> None:
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+NEXT = 99
+"""The seed of the batch of the step after the save."""
+
+
+def _train(ddp: Any, optimizer: Any, seeds: tuple[int, ...] | list[int] = (5, 6)) -> None:
+    """Megatron's steps, each on its batch (this data-parallel rank's)."""
     import torch.distributed as dist
 
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5 + dist.get_rank()))
     positions = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
     ddp.train()
-    for _ in range(2):
+    for seed in seeds:
+        tokens = _batch(seed + 1000 * dist.get_rank())
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         ddp(tokens, positions, mask, labels=tokens).float().mean().backward()
@@ -186,8 +200,8 @@ def dp1(tmp_path_factory) -> Iterator[dict[str, Any]]:
     from megatron_oracle import destroy_oracle
 
     root = tmp_path_factory.mktemp("distrib_optim_dp1")
-    pieces, shapes = _megatron_run(str(root))
-    yield {"root": root, "expected": _assemble(pieces, shapes)}
+    pieces, after = _megatron_run(str(root))
+    yield {"root": root, "expected": _assemble(pieces, after), "after": after}
     destroy_oracle(destroy_process_group=True)  # (later tests build their own worlds)
 
 
@@ -286,3 +300,46 @@ def test_bucket_layout_is_megatron_cores(shards):
                     assert places == theirs, (bucket_size, shared, busbw)
                     assert unpadded == [b.numel_unpadded for b in buffer.buckets]
         destroy_oracle(destroy_process_group=True)
+
+
+@pytest.mark.spawns  # (megatron-core's torch_dist writer starts a process)
+def test_resumed_run_steps_as_megatron_would(dp1, tmp_path):
+    """The converted checkpoint's first step in paratron (its weights, Adam's moments and step count
+    loaded) moves the weights as megatron-core's next step did, within fp32 tolerance."""
+    import dataclasses
+
+    from paratron.checkpoint.io import read_weight
+    from paratron.checkpoint.native import load_converted_optimizer
+    from paratron.distributed.topology import ParallelDims, Topology
+    from paratron.model import GPT
+    from paratron.model.batch import Batch
+    from paratron.optim.build import build_optimizer
+    from paratron.optim.mixed_precision import Precision
+    from paratron.parallel import parallelize
+    from paratron.training.step import train_step
+
+    info = read_checkpoint(megatron_to_paratron(dp1["root"] / "torch_dist", tmp_path / "converted"))
+    settings = dataclasses.replace(info.config.optimizer, lr=1e-2, weight_decay=0.1, clip_grad=1.0)
+    config = dataclasses.replace(info.config, optimizer=settings)
+    with torch.device("meta"):
+        meta = GPT(config.model)
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    with torch.no_grad():
+        for name, param in model.module.named_parameters():
+            param.copy_(read_weight(info, name))
+    optimizer = build_optimizer(model, config.optimizer)
+    assert load_converted_optimizer(info.path, optimizer, model.module)
+    for group in optimizer.optimizer.param_groups:
+        group["lr"] = 1e-2
+    tokens = _batch(NEXT)
+    train_step(model, optimizer, [Batch(tokens, tokens)], Precision("fp32"), 1.0)
+    expected = mc.to_paratron(dp1["after"], config.model, "megatron")
+    moved = 0.0
+    for name, param in model.module.named_parameters():
+        before = read_weight(info, name)
+        if name.endswith("in_proj.k.bias"):  # (its true gradient is zero: Adam scales up rounding noise)
+            assert (param.detach() - before).abs().max() < 1e-4 > (expected[name] - before).abs().max()
+            continue
+        torch.testing.assert_close(param.detach(), expected[name], rtol=0, atol=2e-6)
+        moved = max(moved, (expected[name] - before).abs().max().item())
+    assert moved > 1e-3  # (the step moved the weights by far more than the tolerance)
