@@ -26,7 +26,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from paratron.checkpoint import megatron as mc
 from paratron.checkpoint.convert import megatron_to_paratron
@@ -36,21 +35,6 @@ from paratron.distributed.local_ranks import run_ranks
 
 VOCAB, SEQ, BUCKET = 128, 16, 3000
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64)
-
-
-class _CudaOnCpu(TorchFunctionMode):
-    """megatron-core's optimizers allocate on 'cuda' and check `param.type()` for CUDA names:
-    here tensors made for 'cuda' are made on the CPU and CPU tensors report CUDA type names."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            return func(*args).replace("torch.", "torch.cuda.", 1)
-        if str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
 
 
 def _args(data_parallel_size: int = 1, pipeline_parallel: int = 1) -> argparse.Namespace:
@@ -79,9 +63,9 @@ def _megatron_run(root: str, shards: int = 1) -> tuple[Pieces, dict[str, torch.T
     from megatron.core import dist_checkpointing
     from megatron.core.transformer.utils import openai_gelu
 
-    from megatron_oracle import cpu_megatron, destroy_oracle, oracle_gpt
+    from megatron_oracle import cpu_megatron, cpu_optimizer, destroy_oracle, oracle_gpt
 
-    with cpu_megatron(), _CudaOnCpu():
+    with cpu_megatron(), cpu_optimizer():
         model, config = oracle_gpt(
             **MODEL, vocab_size=VOCAB, max_sequence_length=SEQ, normalization="LayerNorm", add_bias_linear=True,
             position_embedding_type="learned_absolute", activation_func=openai_gelu,
@@ -149,12 +133,12 @@ def _pipeline_rank(root: str) -> tuple[Pieces, dict[str, torch.Tensor]]:
     from megatron.core import dist_checkpointing
     from megatron.core.transformer.utils import openai_gelu
 
-    from megatron_oracle import cpu_megatron, destroy_oracle, oracle_gpt
+    from megatron_oracle import cpu_megatron, cpu_optimizer, destroy_oracle, oracle_gpt
 
     multiprocessing.current_process()._config["daemon"] = False  # (megatron's torch_dist writer forks)
     dist.init_process_group("gloo")
     stage = dist.get_rank()
-    with cpu_megatron(), _CudaOnCpu():
+    with cpu_megatron(), cpu_optimizer():
         model, config = oracle_gpt(
             1, 2, **MODEL, vocab_size=VOCAB, max_sequence_length=SEQ, normalization="LayerNorm", add_bias_linear=True,
             position_embedding_type="learned_absolute", activation_func=openai_gelu, pipeline_dtype=torch.float32,
