@@ -13,6 +13,10 @@ Typical use::
         logits = oracle_logits(model, tokens)
     destroy_oracle()
 
+``cpu_optimizer()`` (inside ``cpu_megatron()``) lets megatron-core's DistributedDataParallel and
+distributed optimizer run on CPU too (their scratch tensors on 'cuda', ``.cuda()`` moves and CUDA
+type-name checks).
+
 ``oracle_gpt`` initialises torch.distributed (gloo, world 1, unless a process group already
 exists, e.g. inside a spawned multi-rank test) and megatron's model-parallel state with the
 requested TP/PP sizes.
@@ -28,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 # Model-level arguments of GPTModel; every other keyword goes to TransformerConfig.
 _GPT_MODEL_KWARGS = (
@@ -118,6 +123,31 @@ def cpu_megatron(fake_cuda_seed: int = 0) -> Iterator[None]:
                 setattr(owner, name, value)
             else:
                 delattr(owner, name)
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """Tensors made for 'cuda' are made on the CPU, `.cuda()` keeps a tensor where it is, and a CPU
+    tensor's `.type()` reports the CUDA type name that megatron-core's optimizers check for."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_optimizer() -> Iterator[None]:
+    """Let megatron-core's DistributedDataParallel and (distributed) optimizers run on CPU while the
+    block runs (inside ``cpu_megatron()``): they allocate scratch tensors with ``device='cuda'``,
+    move tensors with ``.cuda()`` and accept only parameters whose ``type()`` names CUDA. Every torch
+    call in the block goes through this redirection, so keep paratron's own code outside it."""
+    with _CudaOnCpu():
+        yield
 
 
 def _free_port() -> int:

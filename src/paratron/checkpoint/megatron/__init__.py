@@ -9,11 +9,14 @@ format at a chosen TP/PP, with the local layer spec's names.
 Optimizer state: Adam's moments and fp32 masters from torch_dist's reshardable formats
 (`optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.KEY`) and from the legacy format's
 non-distributed optimizer (its parameter indices matched to names through Megatron's standard
-weight-decay groups) become paratron's optimizer files (`optimizer_state.py`).
+weight-decay groups) become paratron's optimizer files (`optimizer_state.py`), as do the
+distributed optimizer's flat buffers (legacy `distrib_optim.pt`, torch_dist `dp_reshardable`),
+mapped to parameters through megatron-core's gradient-buffer layout rebuilt from the saved args.
 
 One module per concern: `unpickle` (restricted unpickling), `locate` (format, folders, args),
 `settings` (args <-> model settings), `layout` (fused tensors and TP slices <-> paratron's names),
-`legacy` and `torch_dist` (the two file formats), `convert` (the reader `checkpoint.convert` uses;
+`legacy` and `torch_dist` (the two file formats), `distrib_optim` (the distributed optimizer's
+buffers), `convert` (the reader `checkpoint.convert` uses;
 the writer is `legacy.write_megatron`).
 """
 

@@ -10,6 +10,11 @@ from pathlib import Path
 import torch
 
 from paratron.checkpoint.conversion import Converted, ConvertOptions, in_memory
+from paratron.checkpoint.megatron.distrib_optim import (
+    dp_reshardable_optimizer,
+    has_distrib_optim,
+    legacy_distributed_optimizer,
+)
 from paratron.checkpoint.megatron.layout import to_paratron
 from paratron.checkpoint.megatron.legacy import legacy_optimizer, legacy_weights
 from paratron.checkpoint.megatron.locate import MegatronCheckpoint, open_megatron
@@ -54,8 +59,11 @@ def megatron_weights(ckpt: MegatronCheckpoint, m: ModelConfig) -> dict[str, torc
 
 
 def megatron_optimizer(ckpt: MegatronCheckpoint, m: ModelConfig) -> dict[str, dict[str, torch.Tensor]] | None:
-    """Adam's state of either format under paratron's names (None when the checkpoint has none it can read)."""
-    return legacy_optimizer(ckpt, m) if ckpt.format == "torch" else dist_optimizer(ckpt, m)
+    """Adam's state of either format, from either optimizer, under paratron's names (None when the
+    checkpoint has none it can read)."""
+    if ckpt.format == "torch":
+        return legacy_distributed_optimizer(ckpt, m) if has_distrib_optim(ckpt) else legacy_optimizer(ckpt, m)
+    return dist_optimizer(ckpt, m) or dp_reshardable_optimizer(ckpt, m)
 
 
 def _check_weights(ckpt: MegatronCheckpoint, m: ModelConfig, state: dict[str, torch.Tensor]) -> list[str]:

@@ -42,7 +42,7 @@ def _read_rank_files(ckpt: MegatronCheckpoint) -> dict[tuple[int, int], dict[str
         for rank in range(tp):
             first = (rank, stage) == (0, 0)
             loaded = ckpt.common if first else safe_load(rank_file(ckpt.folder, rank, stage, pipelined))
-            if not isinstance(loaded, dict) or not _chunk_keys(loaded):
+            if not isinstance(loaded, dict) or not chunk_keys(loaded):
                 raise CheckpointError(f"{ckpt.folder}: rank ({rank}, {stage}) holds no model state")
             if float(loaded.get("checkpoint_version", 0)) < 3.0:
                 raise CheckpointError(
@@ -53,12 +53,12 @@ def _read_rank_files(ckpt: MegatronCheckpoint) -> dict[tuple[int, int], dict[str
     return files
 
 
-def _chunk_keys(loaded: dict[str, Any]) -> list[str]:
+def chunk_keys(loaded: dict[str, Any]) -> list[str]:
     """`model`, or `model0`, `model1`, ... under virtual pipeline stages, in order."""
     return sorted((k for k in loaded if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
 
 
-def _parameters(chunk: dict[str, Any]) -> dict[str, torch.Tensor]:
+def chunk_parameters(chunk: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A model chunk's tensors in its state_dict order (which is megatron-core's parameter order)."""
     names = {n: t for n, t in chunk.items() if not n.endswith("_extra_state") and isinstance(t, torch.Tensor)}
     if any(n.startswith("language_model.") for n in names):
@@ -66,18 +66,18 @@ def _parameters(chunk: dict[str, Any]) -> dict[str, torch.Tensor]:
     return names
 
 
-def _merge_legacy(files: dict[tuple[int, int], dict[str, Any]], pick: Any, gated: bool) -> dict[str, torch.Tensor]:
+def merge_legacy(files: dict[tuple[int, int], dict[str, Any]], pick: Any, gated: bool) -> dict[str, torch.Tensor]:
     """Tensors `pick((TP rank, stage), chunk index)` gives per rank, merged: TP slices joined, local layer
     numbers made global (virtual chunk outer, stage inner: Megatron's layer order)."""
     per_chunk: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = {}
     for key, loaded in sorted(files.items(), key=lambda item: (item[0][1], item[0][0])):
-        for v, _ in enumerate(_chunk_keys(loaded)):
+        for v, _ in enumerate(chunk_keys(loaded)):
             per_chunk.setdefault((v, key[1]), []).append(pick(key, v))
     out: dict[str, torch.Tensor] = {}
     offset = 0
     for v, stage in sorted(per_chunk):
         ranks = per_chunk[(v, stage)]
-        layers = {int(m.group(1)) for n in _parameters(files[(0, stage)][_chunk_keys(files[(0, stage)])[v]])
+        layers = {int(m.group(1)) for n in chunk_parameters(files[(0, stage)][chunk_keys(files[(0, stage)])[v]])
                   if (m := LAYER.match(n))}  # fmt: skip
         for name in ranks[0]:
             merged = merge_tp(name, [r[name] for r in ranks], gated)
@@ -95,8 +95,8 @@ def legacy_weights(ckpt: MegatronCheckpoint) -> dict[str, torch.Tensor]:
     """The model's tensors of a legacy checkpoint, merged over its rank files (Megatron's names)."""
     files = legacy_files(ckpt)
     try:
-        return _merge_legacy(
-            files, lambda key, v: _parameters(files[key][_chunk_keys(files[key])[v]]), bool(ckpt.args.get("swiglu"))
+        return merge_legacy(
+            files, lambda key, v: chunk_parameters(files[key][chunk_keys(files[key])[v]]), bool(ckpt.args.get("swiglu"))
         )
     except CheckpointError as exc:
         raise CheckpointError(f"{ckpt.folder}: {exc}") from None
@@ -112,7 +112,7 @@ def legacy_optimizer(ckpt: MegatronCheckpoint, m: ModelConfig) -> dict[str, dict
     out: dict[str, dict[str, torch.Tensor]] = {}
     for state in ("exp_avg", "exp_avg_sq", "master"):
         if all(state in part[0] for part in per_rank.values()):
-            merged = _merge_legacy(files, lambda key, v, s=state: per_rank[key][v][s], m.activation == "swiglu")
+            merged = merge_legacy(files, lambda key, v, s=state: per_rank[key][v][s], m.activation == "swiglu")
             out[state] = to_paratron(merged, m, str(ckpt.folder))
     if "exp_avg" not in out or "exp_avg_sq" not in out:
         return None  # (not Adam)
@@ -134,7 +134,7 @@ def _rank_optimizer(loaded: dict[str, Any]) -> list[dict[str, dict[str, torch.Te
     if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
         return None
     masters = wrapper.get("fp32_from_fp16_params")
-    chunks = [_parameters(loaded[k]) for k in _chunk_keys(loaded)]
+    chunks = [chunk_parameters(loaded[k]) for k in chunk_keys(loaded)]
     everything = [(v, n, t) for v, chunk in enumerate(chunks) for n, t in chunk.items()]
     no_decay = [(v, n) for v, n, t in everything if n.endswith(".bias") or t.dim() == 1]
     decay = [(v, n) for v, n, t in everything if not (n.endswith(".bias") or t.dim() == 1)]

@@ -75,6 +75,35 @@ def dist_tensors(ckpt: MegatronCheckpoint, prefix: str = "") -> dict[str, torch.
     return wanted
 
 
+def dist_shapes(ckpt: MegatronCheckpoint, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """The shapes `dist_tensors` would read (layers unstacked), from the metadata alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # (start-up speed, docs/architecture.md)
+
+    out: dict[str, tuple[int, ...]] = {}
+    for key, meta in dcp_reader(ckpt.folder).read_metadata().state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata) or not key.startswith(prefix) or key.endswith("_extra_state"):
+            continue
+        if not prefix and key.startswith("optimizer."):
+            continue
+        stacked = _STACKED.match(key)
+        if stacked:
+            out.update({f"decoder.layers.{i}.{stacked.group(1)}": tuple(meta.size)[1:] for i in range(meta.size[0])})
+        else:
+            out[key] = tuple(meta.size)
+    return out
+
+
+def dist_chunk_bounds(ckpt: MegatronCheckpoint, prefix: str) -> dict[str, set[int]]:
+    """Where the saved pieces of each flat (1-D) tensor under `prefix` begin and end, from the metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # (start-up speed, docs/architecture.md)
+
+    out: dict[str, set[int]] = {}
+    for key, meta in dcp_reader(ckpt.folder).read_metadata().state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata) and key.startswith(prefix) and len(meta.size) == 1:
+            out[key] = {b for c in meta.chunks for b in (c.offsets[0], c.offsets[0] + c.sizes[0])}
+    return out
+
+
 def unstack(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """torch_dist keeps a layer's tensors stacked over layers (`decoder.layers.NAME` [layers, ...])."""
     out: dict[str, torch.Tensor] = {}
