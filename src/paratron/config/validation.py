@@ -19,7 +19,7 @@ from paratron.config.eval_tasks import check_eval_tasks
 from paratron.config.faults import parse_faults
 from paratron.config.fields import FieldInfo, all_fields, flag
 from paratron.config.layout import Layout, check_schedule, resolve_layout
-from paratron.config.samples import batch_ramp, schedule_lengths
+from paratron.config.samples import batch_ramp, schedule_lengths, step_schedule
 from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from paratron.config.vision_checks import check_vision_layout, check_vision_model
 from paratron.errors import ConfigError
@@ -432,6 +432,7 @@ def _check_sample_based(config: Config, layout: Layout) -> None:
         which = flag.lr_warmup_iters if s.lr_warmup_iters else flag.lr_warmup_samples
         raise ConfigError(f"{flag.lr_warmup_fraction} and {which} both set the warmup; give one")
     _check_rampup(config, layout)
+    _check_step_batch_schedule(config, layout)
     lengths = schedule_lengths(s, t, layout.global_batch_size)
     if lengths.decay <= 0:
         raise ConfigError(f"the learning-rate decay is {lengths.decay} samples long; it must be positive")
@@ -596,3 +597,35 @@ def _check_loss_spikes(config: Config) -> None:
 _MODEL_DEFAULTS = ModelConfig()
 """Every model setting's default, built once (`_check_experts` compares against it on each of the planner's
 thousands of candidates)."""
+
+
+def _check_step_batch_schedule(config: Config, layout: Layout) -> None:
+    """--step-batch-size-schedule: well formed, not with --rampup-batch-size, ending at the global batch, and each
+    batch one that every data-parallel rank splits into micro-batches (and the pipeline schedule can run)."""
+    t = config.training
+    if t.step_batch_size_schedule is None:
+        return
+    where = f"{flag.step_batch_size_schedule} {t.step_batch_size_schedule!r}"
+    if t.rampup_batch_size:
+        raise ConfigError(f"{where} and {flag.rampup_batch_size} both change the batch size; give one")
+    try:
+        schedule = step_schedule(t.step_batch_size_schedule, config.data.seq_length)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if schedule.global_batch_size != layout.global_batch_size:
+        raise ConfigError(
+            f"{where} ends at a batch of {schedule.global_batch_size} but {flag.global_batch_size} is "
+            f"{layout.global_batch_size}; drop {flag.global_batch_size} or make it the schedule's last batch"
+        )
+    unit = layout.micro_batch_size * layout.dp
+    for batch in schedule.batch_sizes():
+        if batch % unit:
+            raise ConfigError(
+                f"{where}: the batch of {batch} is not a multiple of {flag.micro_batch_size} x data-parallel size "
+                f"({unit}); make every batch one"
+            )
+        if layout.pipeline.schedule is not None:
+            try:
+                check_schedule(layout.pipeline.schedule, layout.pp, batch // unit, layout.pipeline.chunks)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: the batch of {batch}: {exc}; change the schedule") from None
