@@ -49,6 +49,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_model(config.model, config.data)
     check_vision_model(config.model, config.data.seq_length)
     _check_megatron_model_features(config)
+    _check_step_batch_schedule(config, world_size)
     layout = resolve_layout(config, world_size)
     check_vision_layout(config, layout)
     _check_tensor_parallel(config, layout)
@@ -432,7 +433,7 @@ def _check_sample_based(config: Config, layout: Layout) -> None:
         which = flag.lr_warmup_iters if s.lr_warmup_iters else flag.lr_warmup_samples
         raise ConfigError(f"{flag.lr_warmup_fraction} and {which} both set the warmup; give one")
     _check_rampup(config, layout)
-    _check_step_batch_schedule(config, layout)
+    _check_step_batch_pipeline(config, layout)
     lengths = schedule_lengths(s, t, layout.global_batch_size)
     if lengths.decay <= 0:
         raise ConfigError(f"the learning-rate decay is {lengths.decay} samples long; it must be positive")
@@ -599,10 +600,11 @@ _MODEL_DEFAULTS = ModelConfig()
 thousands of candidates)."""
 
 
-def _check_step_batch_schedule(config: Config, layout: Layout) -> None:
+def _check_step_batch_schedule(config: Config, world_size: int) -> None:
     """--step-batch-size-schedule: well formed, not with --rampup-batch-size, ending at the global batch, and each
-    batch one that every data-parallel rank splits into micro-batches (and the pipeline schedule can run)."""
-    t = config.training
+    batch one that every data-parallel rank splits into micro-batches (checked before the layout, which would name
+    only --global-batch-size)."""
+    t, p = config.training, config.parallel
     if t.step_batch_size_schedule is None:
         return
     where = f"{flag.step_batch_size_schedule} {t.step_batch_size_schedule!r}"
@@ -612,20 +614,34 @@ def _check_step_batch_schedule(config: Config, layout: Layout) -> None:
         schedule = step_schedule(t.step_batch_size_schedule, config.data.seq_length)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    if schedule.global_batch_size != layout.global_batch_size:
+    if t.global_batch_size is not None and schedule.global_batch_size != t.global_batch_size:
         raise ConfigError(
             f"{where} ends at a batch of {schedule.global_batch_size} but {flag.global_batch_size} is "
-            f"{layout.global_batch_size}; drop {flag.global_batch_size} or make it the schedule's last batch"
+            f"{t.global_batch_size}; drop {flag.global_batch_size} or make it the schedule's last batch"
         )
-    unit = layout.micro_batch_size * layout.dp
+    model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
+    if world_size % model_parallel:
+        return  # (the layout names it)
+    unit = t.micro_batch_size * world_size // model_parallel
     for batch in schedule.batch_sizes():
         if batch % unit:
             raise ConfigError(
                 f"{where}: the batch of {batch} is not a multiple of {flag.micro_batch_size} x data-parallel size "
                 f"({unit}); make every batch one"
             )
-        if layout.pipeline.schedule is not None:
-            try:
-                check_schedule(layout.pipeline.schedule, layout.pp, batch // unit, layout.pipeline.chunks)
-            except ValueError as exc:
-                raise ConfigError(f"{where}: the batch of {batch}: {exc}; change the schedule") from None
+
+
+def _check_step_batch_pipeline(config: Config, layout: Layout) -> None:
+    """Each batch of --step-batch-size-schedule is a micro-batch count the pipeline schedule can run."""
+    t, plan = config.training, layout.pipeline
+    if t.step_batch_size_schedule is None or plan.schedule is None:
+        return
+    unit = layout.micro_batch_size * layout.dp
+    for batch in step_schedule(t.step_batch_size_schedule, config.data.seq_length).batch_sizes():
+        try:
+            check_schedule(plan.schedule, layout.pp, batch // unit, plan.chunks)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{flag.step_batch_size_schedule} {t.step_batch_size_schedule!r}: the batch of {batch}: {exc}; "
+                "change the schedule"
+            ) from None
