@@ -988,9 +988,10 @@ class CheckpointConfig:
     """Resume from --load without its random-generator states: dropout and other draws start again from --seed (as
     after a change of layout)."""
 
-    ckpt_format: Literal["torch", "torch_dist", "paratron"] | None = None
-    """Format of --load: detected when unset; Megatron-LM's torch (legacy) and torch_dist are read (converted once into
-    the data cache, see docs/megatron-checkpoints.md); paratron always saves its own format."""
+    ckpt_format: Literal["torch", "torch_dist", "fsdp_dtensor", "paratron"] | None = None
+    """Format of --load: detected when unset; Megatron-LM's torch (legacy), torch_dist and fsdp_dtensor (Megatron
+    FSDP's; weights and counters, not its optimizer state) are read (converted once into the data cache, see
+    docs/megatron-checkpoints.md); paratron always saves its own format."""
 
     auto_detect_ckpt_format: bool = False
     """Accepted for Megatron-LM compatibility: the format of --load is always detected."""
