@@ -108,7 +108,7 @@ def test_a_bad_schedule_exits_2_in_one_line(capsys):
 def test_a_run_trains_the_scheduled_batches(tmp_path):
     """Thresholds of 96 and 256 tokens (3 and 8 samples of 32 tokens): batches of 2, then 4, then 8."""
     config = tiny_config(
-        tmp_path, micro_batch_size=2, train_iters=5, step_batch_size_schedule="0:2 96:4 256:8", lr_warmup_iters=0
+        tmp_path, micro_batch_size=2, train_iters=5, step_batch_size_schedule=["0:2 96:4 256:8"], lr_warmup_iters=0
     )
     validate(config, 1)
     run_training(config)

@@ -378,10 +378,11 @@ def _steps_of_samples(config: schema.Config) -> schema.Config:
 def _global_batch_of_schedule(config: schema.Config) -> schema.Config:
     """--step-batch-size-schedule without --global-batch-size: the global batch is its last batch."""
     t = config.training
-    if t.step_batch_size_schedule is None or t.global_batch_size is not None:
+    text = t.step_schedule_text()
+    if text is None or t.global_batch_size is not None:
         return config
     try:
-        last = step_schedule(t.step_batch_size_schedule, config.data.seq_length).global_batch_size
+        last = step_schedule(text, config.data.seq_length).global_batch_size
     except ValueError:
         return config  # (refused by validation)
     return dataclasses.replace(config, training=dataclasses.replace(t, global_batch_size=last))

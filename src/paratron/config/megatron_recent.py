@@ -1,5 +1,6 @@
-"""Megatron-LM's flags added after megatron-core 0.16.1, each looked at and classified: accepted
-without effect (`RECENT_ACCEPTED`) or refused with the reason (`RECENT_REFUSED`). Those that became
+"""Megatron-LM's flags added after megatron-core 0.16.1 (and older ones that Megatron-LM main's example
+scripts carry), each looked at and classified: accepted without effect (`RECENT_ACCEPTED`) or refused
+with the reason (`RECENT_REFUSED`). Those that became
 settings live in the schema (`--step-batch-size-schedule`, `--chat-template`) or in `config.megatron`'s
 `SWITCHES`. `config.megatron` merges these tables into its own; `Accepted` and `Refused` are the
 entries of both.
@@ -147,6 +148,11 @@ RECENT_ACCEPTED: dict[str, Accepted] = {
     "disable-flight-recorder-include-only-active": Accepted("Another spelling of the flag above.", _FLIGHT + "."),
     "no-flight-recorder-extra-dump-on-exec": Accepted("No extra dump on execution.", _FLIGHT + "."),
     "disable-flight-recorder-extra-dump-on-exec": Accepted("Another spelling of the flag above.", _FLIGHT + "."),
+    # older flags, met in Megatron-LM main's scripts
+    "moe-permute-fusion": Accepted("Fuse the MoE dispatch's permutation kernels.", _KERNEL + "."),
+    "logging-level": Accepted(
+        "Python logging level of Megatron-LM's own messages.", "Only what Megatron-LM prints; it changes no numbers.", 1
+    ),
 }
 """Flags new since megatron-core 0.16.1 accepted because they cannot change what paratron computes."""
 
@@ -170,6 +176,7 @@ _DISTILL = "logit distillation (saving and training on a teacher's logits) is no
 _FAULTS = "use --fault-inject RANK:STEP:nan|crash|hang|slow to inject faults"
 _TRACE = "router decision traces are not written; metrics.jsonl records each step's MoE load balance"
 _YARN = "YaRN rotary scaling is not implemented"
+_GROUPED = "group-limited routing is not implemented; every token may reach every expert (--moe-router-topk)"
 _GLU = "paratron keeps the gate and up projections of a GLU apart; a block-interleaved layout is not implemented"
 
 RECENT_REFUSED: dict[str, Refused] = {
@@ -323,6 +330,17 @@ RECENT_REFUSED: dict[str, Refused] = {
     "fault-injector-mtti-seconds": Refused("Mean time to inject.", _FAULTS),
     "fault-injector-offset-seconds": Refused("Seconds added to the fault delay.", _FAULTS),
     "fault-injector-seed": Refused("Seed of the fault injector.", _FAULTS),
+    # older flags, met in Megatron-LM main's scripts
+    "outer-dp-sharding-strategy": Refused(
+        "Hybrid FSDP: how an outer data-parallel group shards (no_shard or optim).",
+        "hybrid sharding over nested data-parallel groups is not implemented; --zero-stage shards over all "
+        "data-parallel ranks",
+    ),
+    "moe-router-group-topk": Refused("Device-limited routing: groups each token may use.", _GROUPED),
+    "moe-router-num-groups": Refused("Device-limited routing: groups the experts form.", _GROUPED),
+    "rotary-scaling-factor": Refused("YaRN: rotary scaling factor (multi-latent attention).", _YARN),
+    "mscale": Refused("YaRN: attention scale (multi-latent attention).", _YARN),
+    "mscale-all-dim": Refused("YaRN: attention scale over all dimensions (multi-latent attention).", _YARN),
 }
 """Flags new since megatron-core 0.16.1 of features paratron does not have, with the reason."""
 

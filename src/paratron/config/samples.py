@@ -157,9 +157,10 @@ def step_schedule(text: str, seq_length: int) -> BatchSchedule:
 def batch_schedule(training: TrainingConfig, global_batch_size: int, seq_length: int) -> BatchSchedule | None:
     """The run's changing batch: --step-batch-size-schedule's or --rampup-batch-size's, None for a
     constant batch (or one that validation refuses)."""
-    if training.step_batch_size_schedule is not None:
+    text = training.step_schedule_text()
+    if text is not None:
         try:
-            return step_schedule(training.step_batch_size_schedule, seq_length)
+            return step_schedule(text, seq_length)
         except ValueError:
             return None
     try:

@@ -829,12 +829,16 @@ class TrainingConfig:
     after SAMPLES samples (Megatron-LM's batch-size ramp; sample-based runs only). Each batch is a multiple of
     --micro-batch-size x data-parallel size (more micro-batches per step); the data order is unchanged."""
 
-    step_batch_size_schedule: str | None = None
+    step_batch_size_schedule: list[str] = field(default_factory=list)
     """"THRESHOLD:BATCH ...", e.g. "0:768 250B:1536": train global batches of BATCH samples once THRESHOLD tokens
     have been consumed (THRESHOLD // --seq-length samples; suffixes K, M, B, T), starting at threshold 0 (Megatron-LM's
-    step schedule, in place of --rampup-batch-size). --global-batch-size is the last BATCH (give it only equal to
-    that); every BATCH must be a multiple of --micro-batch-size x data-parallel size. Iteration- or sample-based; a
-    --train-samples run's partial last batch is still a step."""
+    step schedule, in place of --rampup-batch-size; one quoted word or several). --global-batch-size is the last BATCH
+    (give it only equal to that); every BATCH must be a multiple of --micro-batch-size x data-parallel size.
+    Iteration- or sample-based; a --train-samples run's partial last batch is still a step."""
+
+    def step_schedule_text(self) -> str | None:
+        """--step-batch-size-schedule as one string, None when not given."""
+        return " ".join(self.step_batch_size_schedule) or None
 
     def rampup(self) -> tuple[int, int, int] | None:
         """--rampup-batch-size as (start, increment, samples), None when not given (ValueError when malformed)."""

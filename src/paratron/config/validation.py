@@ -27,7 +27,7 @@ from paratron.errors import ConfigError
 
 def parse_split(split: str) -> tuple[float, float, float]:
     """'969,30,1' -> normalized (train, valid, test) fractions."""
-    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    parts = [p.strip() for p in split.strip("'\" ").replace("/", ",").split(",")]  # (quotes a script kept)
     try:
         weights = [float(p) for p in parts]
     except ValueError:
@@ -605,13 +605,14 @@ def _check_step_batch_schedule(config: Config, world_size: int) -> None:
     batch one that every data-parallel rank splits into micro-batches (checked before the layout, which would name
     only --global-batch-size)."""
     t, p = config.training, config.parallel
-    if t.step_batch_size_schedule is None:
+    text = t.step_schedule_text()
+    if text is None:
         return
-    where = f"{flag.step_batch_size_schedule} {t.step_batch_size_schedule!r}"
+    where = f"{flag.step_batch_size_schedule} {text!r}"
     if t.rampup_batch_size:
         raise ConfigError(f"{where} and {flag.rampup_batch_size} both change the batch size; give one")
     try:
-        schedule = step_schedule(t.step_batch_size_schedule, config.data.seq_length)
+        schedule = step_schedule(text, config.data.seq_length)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     if t.global_batch_size is not None and schedule.global_batch_size != t.global_batch_size:
@@ -633,15 +634,15 @@ def _check_step_batch_schedule(config: Config, world_size: int) -> None:
 
 def _check_step_batch_pipeline(config: Config, layout: Layout) -> None:
     """Each batch of --step-batch-size-schedule is a micro-batch count the pipeline schedule can run."""
-    t, plan = config.training, layout.pipeline
-    if t.step_batch_size_schedule is None or plan.schedule is None:
+    text, plan = config.training.step_schedule_text(), layout.pipeline
+    if text is None or plan.schedule is None:
         return
     unit = layout.micro_batch_size * layout.dp
-    for batch in step_schedule(t.step_batch_size_schedule, config.data.seq_length).batch_sizes():
+    for batch in step_schedule(text, config.data.seq_length).batch_sizes():
         try:
             check_schedule(plan.schedule, layout.pp, batch // unit, plan.chunks)
         except ValueError as exc:
             raise ConfigError(
-                f"{flag.step_batch_size_schedule} {t.step_batch_size_schedule!r}: the batch of {batch}: {exc}; "
+                f"{flag.step_batch_size_schedule} {text!r}: the batch of {batch}: {exc}; "
                 "change the schedule"
             ) from None
