@@ -258,6 +258,10 @@ def test_the_scripts_train_what_megatron_trains(tmp_path, capsys):
 
 def _run_scripts(root: str) -> dict[str, tuple[int, list[float]]]:
     """On each of WORLD ranks: every script for 2 steps through `paratron train`'s own entry point."""
+    import multiprocessing
+
+    # the Llama 3 example's --num-workers 1 starts data-loader workers, which a daemonic test rank may not have
+    multiprocessing.current_process()._config["daemon"] = False
     dist.init_process_group("gloo")
     results = {}
     try:

@@ -267,3 +267,9 @@ def test_new_accepted_flags_change_nothing_and_new_switches_set_their_setting():
     accepted += ["--ddp-param-name-patterns-for-fp32-local-accumulation", "all", "--no-align-grad-reduce"]
     assert parse(["--hidden-size", "32", *accepted]) == plain
     assert parse(["--dataloader-inter-document-masking"]).data.reset_attention_mask
+
+
+def test_a_split_keeps_the_quotes_a_launch_script_left_as_megatron_reads_it():
+    from paratron.config.validation import parse_split
+
+    assert parse_split("'99,1,0'") == parse_split("99,1,0") == (0.99, 0.01, 0.0)
