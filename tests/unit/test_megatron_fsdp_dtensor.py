@@ -57,6 +57,7 @@ def test_an_fsdp_dtensor_checkpoint_converts_exactly(tmp_path):
     with pytest.raises(CheckpointError, match="^--ckpt-format torch_dist: .* holds a fsdp_dtensor checkpoint"):
         mc.check_load(tmp_path / "megatron", "torch_dist")
     megatron_to_paratron(tmp_path / "megatron", tmp_path / "converted")
+    assert mc.check_load(tmp_path / "converted", "fsdp_dtensor") == "paratron"  # (what a script's --save holds)
     info = read_checkpoint(tmp_path / "converted")
     assert (info.iteration, info.consumed_samples) == (7, 56)
     converted = dict(model_from_checkpoint(info).named_parameters())

@@ -154,9 +154,11 @@ def cache_name(source: Path, finetune: bool) -> str:
 
 
 def check_load(path: Path, declared: str | None) -> str:
-    """The format of --load `path` (cheap: no tensors read), checked against --ckpt-format."""
+    """The format of --load `path` (cheap: no tensors read), checked against --ckpt-format. A paratron
+    checkpoint passes any declared format: Megatron-LM's scripts name the format their --save writes, and
+    paratron saves its own there, so a script that resumes from its --save finds paratron's."""
     found = detect_format(path)
-    if declared is not None and declared != found:
+    if declared is not None and declared != found and found != "paratron":
         raise CheckpointError(f"--ckpt-format {declared}: {path} holds a {found} checkpoint; drop --ckpt-format")
     if found == "paratron":
         read_checkpoint(path, verify=False)
