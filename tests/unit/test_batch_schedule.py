@@ -114,3 +114,17 @@ def test_a_run_trains_the_scheduled_batches(tmp_path):
     run_training(config)
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["consumed_samples"] for r in records] == [2, 4, 8, 16, 24]  # batches 2, 2, 4, 8, 8
+
+
+def test_a_resumed_run_goes_on_with_the_schedules_batches(tmp_path):
+    """Resumed at step 2 (4 samples consumed), the run trains the batches the whole run trained."""
+    settings = dict(micro_batch_size=2, train_iters=5, step_batch_size_schedule=["0:2 96:4 256:8"], lr_warmup_iters=0)
+    run_training(tiny_config(tmp_path / "whole", **settings))
+    run_training(tiny_config(tmp_path / "first", **settings, save=str(tmp_path / "ckpt"), save_interval=2))
+    run_training(tiny_config(tmp_path / "resumed", **settings, load=str(tmp_path / "ckpt" / "iter_0000002")))
+
+    def records(name: str) -> list[tuple[int, float]]:
+        return [(r["consumed_samples"], r["lr"]) for r in map(json.loads, open(tmp_path / name / "metrics.jsonl"))]
+
+    assert [c for c, _ in records("whole")] == [2, 4, 8, 16, 24]
+    assert records("resumed") == records("whole")[2:]
