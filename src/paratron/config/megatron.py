@@ -11,6 +11,8 @@ flags is one of:
 - any other Megatron-LM flag (`megatron_flags.txt`, its parser's full list) is refused as a
   Megatron-LM flag paratron does not implement, never taken for a typo of a paratron flag.
 
+The flags added since megatron-core 0.16.1 are classified in `config.megatron_recent` and merged in here.
+
 docs/megatron.md is generated from these tables (`config.arguments.markdown_megatron`), so it cannot drift.
 """
 
