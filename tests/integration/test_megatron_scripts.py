@@ -131,17 +131,15 @@ REMOVED: dict[str, dict[str, tuple[str, str, str | None]]] = {
         "--fp8-format": (_HARDWARE, _FP8, None),
         "--fp8-recipe": (_HARDWARE, _FP8, None),
         "--fp8-param-gather": (_HARDWARE, _FP8, None),
+        "--multi-latent-attention": (
+            "multi-latent attention is not implemented",
+            "--multi-latent-attention: Megatron-LM's flag is not supported: multi-latent attention is not implemented",
+            None,
+        ),
         **{
             flag: ("multi-latent attention is not implemented", "multi-latent attention is not implemented", None)
-            for flag in (
-                "--multi-latent-attention",
-                "--q-lora-rank",
-                "--kv-lora-rank",
-                "--qk-head-dim",
-                "--qk-pos-emb-head-dim",
-                "--v-head-dim",
-            )
-        },  # fmt: skip
+            for flag in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
+        },
         **{
             flag: ("YaRN scaling of multi-latent attention", "YaRN rotary scaling is not implemented", None)
             for flag in ("--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
@@ -151,7 +149,7 @@ REMOVED: dict[str, dict[str, tuple[str, str, str | None]]] = {
         "--moe-router-num-groups": ("group-limited routing", "group-limited routing is not implemented", None),
         "--moe-router-dtype": ("the router's precision", "the router's precision is not selectable", None),
         "--moe-router-pre-softmax": (
-            "paratron refuses it with a sigmoid score, which Megatron-LM ignores it with",
+            "Megatron-LM ignores it with a sigmoid score; paratron refuses the pair",
             "applies to --moe-router-score-function softmax only",
             None,
         ),
