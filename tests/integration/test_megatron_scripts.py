@@ -1,8 +1,12 @@
 """Megatron-LM's own launch scripts run with `paratron train` in place of pretrain_gpt.py.
 
 Test data (tests/data/megatron): Megatron-LM's GPT-3 example and 15 of its GPT functional-test
-configurations at core_v0.16.1, shrunk in sizes, paths and data only; a tiny GPT-2 BPE vocabulary
-and a corpus tokenized with it stand in for the Pile. Every flag they carry must stay accepted.
+configurations at core_v0.16.1, and (tests/data/megatron/main) Megatron-LM main's GPT-3, Llama 3 fp8
+and Mixtral examples and a DeepSeek-style MoE functional test, shrunk in sizes, paths and data only
+(each file's header says what); a tiny GPT-2 BPE vocabulary and a corpus tokenized with it stand in
+for the Pile. The launch scripts are run by bash (with `torchrun` stood in for), so paratron sees the
+command line Megatron-LM would. Every flag they carry must stay accepted, but for those REMOVED names
+in one place with the reason and the line paratron refuses them with.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import json
 import math
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,11 +26,14 @@ import yaml
 from paratron.cli import main, train_config
 from paratron.config import validate
 from paratron.distributed.local_ranks import run_ranks
+from paratron.errors import ConfigError
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "megatron"
 FUNCTIONAL = sorted((DATA / "functional").glob("*.yaml"))
 EXAMPLE = DATA / "train_gpt3_175b_distributed.sh"
 WORLD = 4
+VOCAB, MERGES = DATA / "gpt2-tiny-vocab.json", DATA / "gpt2-tiny-merges.txt"
+CORPUS = DATA / "stdlib_tiny_text_document"
 """Processes the scripts run on here (their TP x PP x CP divides it; data parallelism takes the rest)."""
 
 
@@ -81,8 +89,117 @@ def example_argv(root: Path) -> list[str]:
 
 SCRIPTS = {path.stem: path for path in FUNCTIONAL}
 
+MAIN = DATA / "main"
+"""Megatron-LM main's example scripts and a DeepSeek-style functional test, shrunk (each file's header says how)."""
+MAIN_SCRIPTS = {path.stem: path for path in sorted(MAIN.glob("*.sh"))}
+MAIN_FUNCTIONAL = {path.stem: path for path in sorted(MAIN.glob("*.yaml"))}
+
+
+def bash_argv(path: Path, root: Path) -> list[str]:
+    """The command line a launch script hands pretrain_gpt.py, built by bash itself (`torchrun` stood in for by a
+    function that prints its arguments), with the tiny vocabulary, corpus and this run's folders as its arguments."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "pretrain_gpt.py").touch()  # (the Llama example checks that it runs from Megatron-LM's folder)
+    positional = {
+        "train_gpt3_175b_distributed": [root / "checkpoints", root / "tensorboard", VOCAB, MERGES, CORPUS],
+        "train_llama3_8b_h100_fp8": [root / "checkpoints/llama3", root / "tensorboard/llama3"],  # (MOCK data)
+        "train_mixtral_8x7b_distributed": [root / "checkpoints", VOCAB, CORPUS, MERGES],
+    }[path.stem]
+    shim = 'torchrun() { printf "%s\\0" "$@"; }; source "$0" "$@"'
+    done = subprocess.run(
+        ["bash", "-c", shim, str(path), *map(str, positional)], cwd=root, capture_output=True, check=True,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root)},
+    )  # fmt: skip
+    words = done.stdout.decode().split("\0")[:-1]
+    return _platform(words[words.index("pretrain_gpt.py") + 1 :])
+
+
+_FP8 = "paratron has no fp8 training"
+_HARDWARE = "fp8 runs on Hopper or Blackwell tensor cores only"
+REMOVED: dict[str, dict[str, tuple[str, str, str | None]]] = {
+    # script -> {flag: (why it goes, what paratron's one-line refusal says, the value put in its place or None)}.
+    # The test sees each refused with that line before taking it out (with its values), so a flag or value that
+    # paratron comes to take fails the test until its entry here goes.
+    "train_llama3_8b_h100_fp8": {
+        "--fp8-format": (_HARDWARE, _FP8, None),
+        "--fp8-amax-history-len": (_HARDWARE, _FP8, None),
+        "--fp8-amax-compute-algo": (_HARDWARE, _FP8, None),
+        "--fp8-param-gather": (_HARDWARE, _FP8, None),
+        "--grad-reduce-in-bf16": ("not implemented", "is a Megatron-LM flag that paratron does not implement", None),
+    },
+    "deepseek_proxy_fsdp_ep2_fsdp2": {
+        "--fp8-format": (_HARDWARE, _FP8, None),
+        "--fp8-recipe": (_HARDWARE, _FP8, None),
+        "--fp8-param-gather": (_HARDWARE, _FP8, None),
+        "--multi-latent-attention": (
+            "multi-latent attention is not implemented",
+            "--multi-latent-attention: Megatron-LM's flag is not supported: multi-latent attention is not implemented",
+            None,
+        ),
+        **{
+            flag: ("multi-latent attention is not implemented", "multi-latent attention is not implemented", None)
+            for flag in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
+        },
+        **{
+            flag: ("YaRN scaling of multi-latent attention", "YaRN rotary scaling is not implemented", None)
+            for flag in ("--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
+        },
+        "--outer-dp-sharding-strategy": ("hybrid FSDP is not implemented", "hybrid sharding", None),
+        "--moe-router-group-topk": ("group-limited routing", "group-limited routing is not implemented", None),
+        "--moe-router-num-groups": ("group-limited routing", "group-limited routing is not implemented", None),
+        "--moe-router-dtype": ("the router's precision", "the router's precision is not selectable", None),
+        "--moe-router-pre-softmax": (
+            "Megatron-LM ignores it with a sigmoid score; paratron refuses the pair",
+            "applies to --moe-router-score-function softmax only",
+            None,
+        ),
+        "--moe-layer-freq": (
+            "paratron reads the list, not the Python expression",
+            "give a positive integer or a list",
+            "[0,1,1,1]",
+        ),
+        "--data-parallel-sharding-strategy": (
+            "FSDP (ZeRO 3) with expert parallelism: the distributed optimizer (ZeRO 1) shards instead",
+            "experts are sharded by the distributed optimizer",
+            None,
+        ),
+    },
+}
+"""What Megatron-LM main's scripts carry that paratron refuses (or reads otherwise), in one place."""
+
+
+def _without(argv: list[str], flag: str, value: str | None = None) -> list[str]:
+    """`argv` without `flag` and its values (or with `value` in their place)."""
+    if flag not in argv:
+        return argv
+    start = argv.index(flag)
+    end = start + 1
+    while end < len(argv) and not argv[end].startswith("--"):
+        end += 1
+    return argv[:start] + ([flag, value] if value is not None else []) + argv[end:]
+
+
+def main_argv(name: str, root: Path, check: bool = False) -> list[str]:
+    """A script of Megatron-LM main as paratron trains it: REMOVED's flags taken out (with `check`, each seen
+    refused first with its line, the others already gone)."""
+    argv = bash_argv(MAIN_SCRIPTS[name], root) if name in MAIN_SCRIPTS else functional_argv(MAIN_FUNCTIONAL[name], root)
+    removed = REMOVED.get(name, {})
+    for flag, (_, refusal, _value) in removed.items() if check else ():
+        assert flag in argv, f"{name}: {flag} is no longer in the script; drop it from REMOVED"
+        alone = argv
+        for other, (_, _, other_value) in removed.items():
+            alone = alone if other == flag else _without(alone, other, other_value)
+        with pytest.raises(ConfigError) as error:
+            validate(train_config(alone), WORLD)
+        assert refusal in str(error.value) and "\n" not in str(error.value), (flag, str(error.value))
+    for flag, (_, _, value) in removed.items():
+        argv = _without(argv, flag, value)
+    return argv
+
 
 def _argv(name: str, root: Path) -> list[str]:
+    if name in MAIN_SCRIPTS or name in MAIN_FUNCTIONAL:
+        return main_argv(name, root)
     return example_argv(root) if name == "gpt3_example" else functional_argv(SCRIPTS[name], root)
 
 
@@ -101,6 +218,21 @@ def test_every_flag_of_the_scripts_is_accepted(name, tmp_path, capsys):
     assert layout.tp * layout.pp * layout.cp * layout.dp == WORLD
     assert config.checkpoint.load is None  # --load is --save and holds nothing yet: start from scratch, warned
     assert "holds no checkpoint yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", [*MAIN_SCRIPTS, *MAIN_FUNCTIONAL])
+def test_megatron_mains_scripts_are_accepted_but_for_what_is_named(name, tmp_path, capsys):
+    config = _config(main_argv(name, tmp_path, check=True))
+    layout = validate(config, WORLD)
+    assert layout.tp * layout.pp * layout.cp * layout.dp == WORLD
+    if name in MAIN_SCRIPTS:  # (--load is --save and holds nothing yet: start from scratch, warned)
+        assert config.checkpoint.load is None and "holds no checkpoint yet" in capsys.readouterr().err
+    if name == "train_gpt3_175b_distributed":  # (the step schedule, in tokens of --seq-length 64)
+        assert config.training.step_schedule_text() == "0:2 0.128K:4 0.384K:6 0.768K:8"
+        assert config.training.global_batch_size == 8
+    if name == "deepseek_proxy_fsdp_ep2_fsdp2":
+        assert (config.model.num_experts, config.parallel.expert_model_parallel_size, layout.dp) == (4, 2, 4)
+        assert config.checkpoint.ckpt_format == "fsdp_dtensor"
 
 
 def test_the_scripts_train_what_megatron_trains(tmp_path, capsys):
@@ -124,10 +256,14 @@ def test_the_scripts_train_what_megatron_trains(tmp_path, capsys):
 
 def _run_scripts(root: str) -> dict[str, tuple[int, list[float]]]:
     """On each of WORLD ranks: every script for 2 steps through `paratron train`'s own entry point."""
+    import multiprocessing
+
+    # the Llama 3 example's --num-workers 1 starts data-loader workers, which a daemonic test rank may not have
+    multiprocessing.current_process()._config["daemon"] = False
     dist.init_process_group("gloo")
     results = {}
     try:
-        for name in ["gpt3_example", *SCRIPTS]:
+        for name in ["gpt3_example", *SCRIPTS, *MAIN_SCRIPTS, *MAIN_FUNCTIONAL]:
             folder = Path(root) / name
             folder.mkdir(exist_ok=True)
             os.chdir(folder)  # (the scripts name no run directory: runs/latest here)

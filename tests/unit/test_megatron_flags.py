@@ -223,3 +223,53 @@ def test_a_checkpoint_saved_before_megatron_defaults_keeps_its_model():
     model = config_from_dict(old).model
     assert model.openai_gelu and model.ffn_hidden_size == 4 * 64
     assert not config_from_dict(config_to_dict(build_config({"hidden_size": 64}))).model.openai_gelu
+
+
+CORE_0_16_1 = Path(__file__).resolve().parents[1] / "data" / "megatron" / "megatron_flags_core_0.16.1.txt"
+"""Megatron-LM's parser flags at core_v0.16.1 (the list megatron_flags.txt held before main's)."""
+
+
+def test_every_flag_new_since_core_0_16_1_is_classified():
+    """Each flag Megatron-LM main added is a setting, a switch, accepted with a reason or refused with one:
+    none falls to the generic "not implemented" line without having been looked at."""
+    from paratron.config.arguments import _IGNORED
+    from paratron.config.megatron import ACCEPTED, FOLDED, MAPPED, REFUSED, RENAMES, SWITCHES
+
+    old = {line[2:] for line in CORE_0_16_1.read_text().splitlines() if line.startswith("--")}
+    new = megatron_flags() - old
+    assert len(new) > 200 and "step-batch-size-schedule" in new  # (the list is main's)
+    options = train_parser()._option_string_actions
+    settings = {flag[2:] for flag, action in options.items() if action.dest != _IGNORED}
+    named = set(ACCEPTED) | set(REFUSED) | {f.replace("_", "-") for f in (*SWITCHES, *MAPPED, *FOLDED)}
+    named |= {flag[2:] for flag in RENAMES} | settings
+    assert sorted(new - named) == []
+    assert not set(ACCEPTED) & set(REFUSED)
+
+
+@pytest.mark.parametrize(
+    "argv, refusal",
+    [
+        (["--muon-nesterov"], "--muon-nesterov: Megatron-LM's flag is not supported: --optimizer is adam or sgd"),
+        (["--inference-shards", "tp=2"], "a setting of Megatron-LM's inference engine, which training does not start"),
+        (["--rl-profile"], "reinforcement learning is not implemented"),
+        (["--enable-mhc-connections"], "hyper-connections (several residual streams) are not implemented"),
+    ],
+)
+def test_new_flags_are_refused_with_their_reason(argv, refusal):
+    with pytest.raises(ConfigError) as error:
+        parse(argv)
+    assert refusal in str(error.value) and "\n" not in str(error.value)
+
+
+def test_new_accepted_flags_change_nothing_and_new_switches_set_their_setting():
+    plain = parse(["--hidden-size", "32"])
+    accepted = ["--flash-attention-version", "3", "--mlp-chunks-for-training", "4", "--nvtx-ranges"]
+    accepted += ["--ddp-param-name-patterns-for-fp32-local-accumulation", "all", "--no-align-grad-reduce"]
+    assert parse(["--hidden-size", "32", *accepted]) == plain
+    assert parse(["--dataloader-inter-document-masking"]).data.reset_attention_mask
+
+
+def test_a_split_keeps_the_quotes_a_launch_script_left_as_megatron_reads_it():
+    from paratron.config.validation import parse_split
+
+    assert parse_split("'99,1,0'") == parse_split("99,1,0") == (0.99, 0.01, 0.0)

@@ -20,7 +20,7 @@ import yaml
 from paratron.config import schema
 from paratron.config.fields import FieldInfo, all_fields, coerce
 from paratron.config.presets import model_preset
-from paratron.config.samples import sample_based_train_iters
+from paratron.config.samples import batch_schedule, sample_based_train_iters, step_schedule
 from paratron.errors import ConfigError
 
 try:  # where the Traversable protocol lives: Python 3.11 and later, then 3.10
@@ -360,18 +360,32 @@ def _fold_legacy(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _steps_of_samples(config: schema.Config) -> schema.Config:
-    """With --train-samples the number of steps follows from it (and the batch ramp), as in Megatron-LM."""
+    """With --train-samples the number of steps follows from it (and the batch schedule), as in Megatron-LM;
+    with --step-batch-size-schedule and no --global-batch-size, the global batch is the schedule's last."""
+    config = _global_batch_of_schedule(config)
     t = config.training
     if t.train_samples is None or not t.global_batch_size:
         return config
-    try:
-        ramp = t.rampup()
-    except ValueError:
+    schedule = batch_schedule(t, t.global_batch_size, config.data.seq_length)
+    if schedule is None and (t.rampup_batch_size or t.step_batch_size_schedule):
         return config  # (refused by validation)
-    iters = sample_based_train_iters(t.train_samples, t.global_batch_size, ramp)
+    iters = sample_based_train_iters(t.train_samples, t.global_batch_size, schedule)
     if iters is None:
         return config
     return dataclasses.replace(config, training=dataclasses.replace(t, train_iters=iters))
+
+
+def _global_batch_of_schedule(config: schema.Config) -> schema.Config:
+    """--step-batch-size-schedule without --global-batch-size: the global batch is its last batch."""
+    t = config.training
+    text = t.step_schedule_text()
+    if text is None or t.global_batch_size is not None:
+        return config
+    try:
+        last = step_schedule(text, config.data.seq_length).global_batch_size
+    except ValueError:
+        return config  # (refused by validation)
+    return dataclasses.replace(config, training=dataclasses.replace(t, global_batch_size=last))
 
 
 def override(config: schema.Config, **values: Any) -> schema.Config:

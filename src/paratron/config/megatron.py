@@ -11,6 +11,8 @@ flags is one of:
 - any other Megatron-LM flag (`megatron_flags.txt`, its parser's full list) is refused as a
   Megatron-LM flag paratron does not implement, never taken for a typo of a paratron flag.
 
+The flags added since megatron-core 0.16.1 are classified in `config.megatron_recent` and merged in here.
+
 docs/megatron.md is generated from these tables (`config.arguments.markdown_megatron`), so it cannot drift.
 """
 
@@ -18,11 +20,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from paratron.config.fields import all_fields
+from paratron.config.megatron_recent import (
+    FP8_REASON,
+    LINEAR_REASON,
+    MLA_REASON,
+    RECENT_ACCEPTED,
+    RECENT_REFUSED,
+    Accepted,
+    Refused,
+    refused_by_family,
+)
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
 
@@ -36,6 +47,11 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
         "recompute_granularity",
         "selective",
         "Recompute the attention core in backward (sets --recompute-granularity selective).",
+    ),
+    "dataloader_inter_document_masking": (
+        "reset_attention_mask",
+        True,
+        "Tokens attend only within their own document of a packed sample (sets --reset-attention-mask).",
     ),
     "use_torch_fsdp2": (
         "zero_stage",
@@ -75,20 +91,6 @@ FOLDED: dict[str, tuple[str, str]] = {
 }
 """Megatron-LM switches that fold into a setting of their own (name -> (that setting, help)); recipes and saved
 configs may hold them too (`config.loading.LEGACY_SETTINGS` reads them)."""
-
-
-@dataclass(frozen=True)
-class Accepted:
-    """A Megatron-LM flag that picks an implementation detail with no effect on paratron's numbers."""
-
-    meaning: str
-    """What it does in Megatron-LM."""
-    why: str
-    """Why it changes nothing in paratron, and what paratron does instead."""
-    nargs: int | str = 0
-    """Values it takes: 0 (a switch), 1, or argparse's "*"."""
-    noted: bool = False
-    """Whether `adjust_like_megatron` is told it was given (to check it as Megatron-LM does)."""
 
 
 _FUSION = "paratron has no fused kernel to turn on or off here; the unfused computation gives the same numbers"
@@ -247,21 +249,12 @@ ACCEPTED: dict[str, Accepted] = {
         "The same: nothing with rope, refused otherwise (--position-embedding-type none trains without positions).",
         noted=True,
     ),
+    **RECENT_ACCEPTED,
 }
 """Megatron-LM flags accepted because they cannot change what paratron computes."""
 
 
-@dataclass(frozen=True)
-class Refused:
-    """A Megatron-LM flag of a feature paratron does not have."""
-
-    meaning: str
-    reason: str
-
-
-_FP8 = "paratron has no fp8 training (and no fp8 matmul on CPUs); train in --bf16"
-_MLA = "multi-latent attention is not implemented; use grouped-query attention (--group-query-attention)"
-_LINEAR = "linear-attention layers are not implemented; see docs/attention.md for the attentions paratron has"
+_FP8, _MLA, _LINEAR = FP8_REASON, MLA_REASON, LINEAR_REASON
 
 REFUSED: dict[str, Refused] = {
     "fp8-format": Refused("Train the linear layers in fp8 (e4m3 or hybrid).", _FP8),
@@ -351,6 +344,7 @@ REFUSED: dict[str, Refused] = {
     "data-parallel-random-init": Refused(
         "Give each data-parallel replica different initial weights.", "replicas start identical in paratron"
     ),
+    **RECENT_REFUSED,
 }
 """Megatron-LM flags of features paratron does not have, with the reason."""
 
@@ -361,6 +355,9 @@ def megatron_flags() -> frozenset[str]:
     path = Path(__file__).with_name("megatron_flags.txt")
     lines = path.read_text(encoding="utf-8").splitlines()
     return frozenset(line[2:] for line in lines if line.startswith("--"))
+
+
+REFUSED.update(refused_by_family(megatron_flags()))
 
 
 def unknown_megatron_flag_message(flag: str) -> str:

@@ -829,6 +829,17 @@ class TrainingConfig:
     after SAMPLES samples (Megatron-LM's batch-size ramp; sample-based runs only). Each batch is a multiple of
     --micro-batch-size x data-parallel size (more micro-batches per step); the data order is unchanged."""
 
+    step_batch_size_schedule: list[str] = field(default_factory=list)
+    """"THRESHOLD:BATCH ...", e.g. "0:768 250B:1536": train global batches of BATCH samples once THRESHOLD tokens
+    have been consumed (THRESHOLD // --seq-length samples; suffixes K, M, B, T), starting at threshold 0 (Megatron-LM's
+    step schedule, in place of --rampup-batch-size; one quoted word or several). --global-batch-size is the last BATCH
+    (give it only equal to that); every BATCH must be a multiple of --micro-batch-size x data-parallel size.
+    Iteration- or sample-based; a --train-samples run's partial last batch is still a step."""
+
+    def step_schedule_text(self) -> str | None:
+        """--step-batch-size-schedule as one string, None when not given."""
+        return " ".join(self.step_batch_size_schedule) or None
+
     def rampup(self) -> tuple[int, int, int] | None:
         """--rampup-batch-size as (start, increment, samples), None when not given (ValueError when malformed)."""
         if not self.rampup_batch_size:
@@ -981,9 +992,10 @@ class CheckpointConfig:
     """Resume from --load without its random-generator states: dropout and other draws start again from --seed (as
     after a change of layout)."""
 
-    ckpt_format: Literal["torch", "torch_dist", "paratron"] | None = None
-    """Format of --load: detected when unset; Megatron-LM's torch (legacy) and torch_dist are read (converted once into
-    the data cache, see docs/megatron-checkpoints.md); paratron always saves its own format."""
+    ckpt_format: Literal["torch", "torch_dist", "fsdp_dtensor", "paratron"] | None = None
+    """Format of --load: detected when unset; Megatron-LM's torch (legacy), torch_dist and fsdp_dtensor (Megatron
+    FSDP's; weights and counters, not its optimizer state) are read (converted once into the data cache, see
+    docs/megatron-checkpoints.md); paratron always saves its own format."""
 
     auto_detect_ckpt_format: bool = False
     """Accepted for Megatron-LM compatibility: the format of --load is always detected."""

@@ -19,7 +19,7 @@ from paratron.config.eval_tasks import check_eval_tasks
 from paratron.config.faults import parse_faults
 from paratron.config.fields import FieldInfo, all_fields, flag
 from paratron.config.layout import Layout, check_schedule, resolve_layout
-from paratron.config.samples import batch_ramp, schedule_lengths
+from paratron.config.samples import batch_ramp, schedule_lengths, step_schedule
 from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from paratron.config.vision_checks import check_vision_layout, check_vision_model
 from paratron.errors import ConfigError
@@ -27,7 +27,7 @@ from paratron.errors import ConfigError
 
 def parse_split(split: str) -> tuple[float, float, float]:
     """'969,30,1' -> normalized (train, valid, test) fractions."""
-    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    parts = [p.strip() for p in split.strip("'\" ").replace("/", ",").split(",")]  # (quotes a script kept)
     try:
         weights = [float(p) for p in parts]
     except ValueError:
@@ -49,6 +49,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_model(config.model, config.data)
     check_vision_model(config.model, config.data.seq_length)
     _check_megatron_model_features(config)
+    _check_step_batch_schedule(config, world_size)
     layout = resolve_layout(config, world_size)
     check_vision_layout(config, layout)
     _check_tensor_parallel(config, layout)
@@ -435,6 +436,7 @@ def _check_sample_based(config: Config, layout: Layout) -> None:
         which = flag.lr_warmup_iters if s.lr_warmup_iters else flag.lr_warmup_samples
         raise ConfigError(f"{flag.lr_warmup_fraction} and {which} both set the warmup; give one")
     _check_rampup(config, layout)
+    _check_step_batch_pipeline(config, layout)
     lengths = schedule_lengths(s, t, layout.global_batch_size)
     if lengths.decay <= 0:
         raise ConfigError(f"the learning-rate decay is {lengths.decay} samples long; it must be positive")
@@ -599,3 +601,51 @@ def _check_loss_spikes(config: Config) -> None:
 _MODEL_DEFAULTS = ModelConfig()
 """Every model setting's default, built once (`_check_experts` compares against it on each of the planner's
 thousands of candidates)."""
+
+
+def _check_step_batch_schedule(config: Config, world_size: int) -> None:
+    """--step-batch-size-schedule: well formed, not with --rampup-batch-size, ending at the global batch, and each
+    batch one that every data-parallel rank splits into micro-batches (checked before the layout, which would name
+    only --global-batch-size)."""
+    t, p = config.training, config.parallel
+    text = t.step_schedule_text()
+    if text is None:
+        return
+    where = f"{flag.step_batch_size_schedule} {text!r}"
+    if t.rampup_batch_size:
+        raise ConfigError(f"{where} and {flag.rampup_batch_size} both change the batch size; give one")
+    try:
+        schedule = step_schedule(text, config.data.seq_length)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if t.global_batch_size is not None and schedule.global_batch_size != t.global_batch_size:
+        raise ConfigError(
+            f"{where} ends at a batch of {schedule.global_batch_size} but {flag.global_batch_size} is "
+            f"{t.global_batch_size}; drop {flag.global_batch_size} or make it the schedule's last batch"
+        )
+    model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
+    if world_size % model_parallel:
+        return  # (the layout names it)
+    unit = t.micro_batch_size * world_size // model_parallel
+    for batch in schedule.batch_sizes():
+        if batch % unit:
+            raise ConfigError(
+                f"{where}: the batch of {batch} is not a multiple of {flag.micro_batch_size} x data-parallel size "
+                f"({unit}); make every batch one"
+            )
+
+
+def _check_step_batch_pipeline(config: Config, layout: Layout) -> None:
+    """Each batch of --step-batch-size-schedule is a micro-batch count the pipeline schedule can run."""
+    text, plan = config.training.step_schedule_text(), layout.pipeline
+    if text is None or plan.schedule is None:
+        return
+    unit = layout.micro_batch_size * layout.dp
+    for batch in step_schedule(text, config.data.seq_length).batch_sizes():
+        try:
+            check_schedule(plan.schedule, layout.pp, batch // unit, plan.chunks)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{flag.step_batch_size_schedule} {text!r}: the batch of {batch}: {exc}; "
+                "change the schedule"
+            ) from None

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.config.layout import Layout
-from paratron.config.samples import batch_ramp
+from paratron.config.samples import batch_schedule
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
 from paratron.data.datasets import SampleSource
@@ -84,7 +84,7 @@ class Trainer:
         """--log-progress: told of every saved checkpoint."""
         self.plan = BatchPlan(layout.global_batch_size, layout.micro_batch_size, layout.dp, topology.dp_rank)
         self.schedule = LRSchedule.of(config, layout.global_batch_size)
-        self.ramp = batch_ramp(t.rampup(), layout.global_batch_size)  # (--rampup-batch-size: None without)
+        self.ramp = batch_schedule(t, layout.global_batch_size, d.seq_length)  # (a changing batch: None without)
         self.precision = Precision(t.precision, build_loss_scaler(t), ctx.device)
         tokenizer = data.tokenizer
         self.documents = DocumentLayout.of(d, config.model, tokenizer.eod_id if tokenizer is not None else None)
@@ -243,7 +243,7 @@ class Trainer:
 
     def _plan_at(self, consumed_samples: int) -> BatchPlan:
         """The batch plan of the step that starts after `consumed_samples` samples: the full global
-        batch, or the ramp's batch with --rampup-batch-size (more micro-batches as it grows; the
+        batch, or the batch of --rampup-batch-size or --step-batch-size-schedule (more micro-batches as it grows; the
         pipeline schedule is rebuilt for their count)."""
         if self.ramp is None:
             return self.plan

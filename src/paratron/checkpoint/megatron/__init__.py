@@ -2,9 +2,10 @@
 
 Read: Megatron-LM's legacy `torch` format (`latest_checkpointed_iteration.txt`,
 `iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`, or `release/`) at any tensor- and
-pipeline-parallel size, and its `torch_dist` format (torch.distributed.checkpoint files of global
-tensors under Megatron's sharded names, `metadata.json` saying `torch_dist`). Written: the legacy
-format at a chosen TP/PP, with the local layer spec's names.
+pipeline-parallel size, its `torch_dist` format (torch.distributed.checkpoint files of global
+tensors under Megatron's sharded names, `metadata.json` saying `torch_dist`) and Megatron FSDP's
+`fsdp_dtensor` format (plain DCP files under `model.module.NAME`; weights and counters). Written: the
+legacy format at a chosen TP/PP, with the local layer spec's names.
 
 Optimizer state: Adam's moments and fp32 masters from torch_dist's reshardable formats
 (`optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.KEY`) and from the legacy format's
@@ -15,7 +16,7 @@ mapped to parameters through megatron-core's gradient-buffer layout rebuilt from
 
 One module per concern: `unpickle` (restricted unpickling), `locate` (format, folders, args),
 `settings` (args <-> model settings), `layout` (fused tensors and TP slices <-> paratron's names),
-`legacy` and `torch_dist` (the two file formats), `distrib_optim` (the distributed optimizer's
+`legacy`, `torch_dist` and `fsdp_dtensor` (the file formats), `distrib_optim` (the distributed optimizer's
 buffers), `convert` (the reader `checkpoint.convert` uses;
 the writer is `legacy.write_megatron`).
 """

@@ -1,5 +1,5 @@
-"""Megatron-LM's reader for `checkpoint.convert`: a checkpoint of either format (legacy `torch`, or
-`torch_dist`) as a converted model: its weights under paratron's names, checked against what its args
+"""Megatron-LM's reader for `checkpoint.convert`: a checkpoint of any format it reads (legacy `torch`,
+`torch_dist`, `fsdp_dtensor`) as a converted model: its weights under paratron's names, checked against what its args
 describe, and (unless only the weights are wanted) its iteration, consumed samples and Adam's state.
 """
 
@@ -15,6 +15,7 @@ from paratron.checkpoint.megatron.distrib_optim import (
     has_distrib_optim,
     legacy_distributed_optimizer,
 )
+from paratron.checkpoint.megatron.fsdp_dtensor import FSDP_DTENSOR, fsdp_weights
 from paratron.checkpoint.megatron.layout import to_paratron
 from paratron.checkpoint.megatron.legacy import legacy_optimizer, legacy_weights
 from paratron.checkpoint.megatron.locate import MegatronCheckpoint, open_megatron
@@ -52,7 +53,10 @@ def read_megatron(source: Path, options: ConvertOptions) -> Converted:
 
 def megatron_weights(ckpt: MegatronCheckpoint, m: ModelConfig) -> dict[str, torch.Tensor]:
     """The model's weights under paratron's single-device names."""
-    merged = legacy_weights(ckpt) if ckpt.format == "torch" else dist_weights(ckpt)
+    if ckpt.format == FSDP_DTENSOR:
+        merged = fsdp_weights(ckpt.folder)
+    else:
+        merged = legacy_weights(ckpt) if ckpt.format == "torch" else dist_weights(ckpt)
     if not merged:
         raise CheckpointError(f"{ckpt.folder}: holds no model weights")
     return to_paratron(merged, m, str(ckpt.folder))
@@ -60,7 +64,9 @@ def megatron_weights(ckpt: MegatronCheckpoint, m: ModelConfig) -> dict[str, torc
 
 def megatron_optimizer(ckpt: MegatronCheckpoint, m: ModelConfig) -> dict[str, dict[str, torch.Tensor]] | None:
     """Adam's state of either format, from either optimizer, under paratron's names (None when the
-    checkpoint has none it can read)."""
+    checkpoint has none it can read; fsdp_dtensor's optimizer state is not read)."""
+    if ckpt.format == FSDP_DTENSOR:
+        return None
     if ckpt.format == "torch":
         return legacy_distributed_optimizer(ckpt, m) if has_distrib_optim(ckpt) else legacy_optimizer(ckpt, m)
     return dist_optimizer(ckpt, m) or dp_reshardable_optimizer(ckpt, m)

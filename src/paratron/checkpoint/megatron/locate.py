@@ -1,4 +1,4 @@
-"""Finding a Megatron-LM checkpoint: its format (legacy `torch`, `torch_dist`, or a paratron one), the
+"""Finding a Megatron-LM checkpoint: its format (legacy `torch`, `torch_dist`, `fsdp_dtensor`, or a paratron one), the
 iteration folder its tracker file names, its rank files, and the args and counters it records.
 Only that much is read here (no weights); `--load` checks it cheaply before any worker starts.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from paratron.checkpoint.io import TRACKER, read_checkpoint
+from paratron.checkpoint.megatron.fsdp_dtensor import FSDP_DTENSOR, fsdp_objects, is_fsdp_dtensor
 from paratron.checkpoint.megatron.unpickle import safe_load
 from paratron.errors import CheckpointError
 
@@ -26,18 +27,18 @@ class MegatronCheckpoint:
 
     folder: Path
     format: str
-    """torch (legacy, one pickle per model-parallel rank) or torch_dist."""
+    """torch (legacy, one pickle per model-parallel rank), torch_dist or fsdp_dtensor."""
     iteration: int
     args: dict[str, Any]
     consumed_samples: int = 0
     common: dict[str, Any] = field(default_factory=dict)
-    """The pickled dict of the first rank (legacy) or common.pt (torch_dist), tensors included."""
+    """The pickled dict of the first rank (legacy), common.pt (torch_dist) or the pickled objects (fsdp_dtensor)."""
     loaded: dict[tuple[int, int], dict[str, Any]] | None = None
     """Every rank file of a legacy checkpoint once read (`legacy.legacy_files`)."""
 
 
 def detect_format(path: Path) -> str:
-    """torch, torch_dist or paratron for a save directory or one iteration folder (one-line error
+    """torch, torch_dist, fsdp_dtensor or paratron for a save directory or one iteration folder (one-line error
     for anything else). A paratron save directory is recognised by any intact iteration folder, so
     that a damaged newest one is passed over as paratron's reader does."""
     if not path.is_dir():
@@ -70,7 +71,11 @@ def folder_format(folder: Path) -> str:
             raise CheckpointError(f"{metadata}: not valid JSON; the checkpoint is damaged") from None
         if backend == "torch_dist":
             return "torch_dist"
-        raise CheckpointError(f"{folder}: sharded backend {backend!r} is not read; only torch_dist and torch are")
+        raise CheckpointError(
+            f"{folder}: sharded backend {backend!r} is not read; only torch_dist, fsdp_dtensor and torch are"
+        )
+    if is_fsdp_dtensor(folder):
+        return FSDP_DTENSOR
     if (folder / ".metadata").is_file():
         return "torch_dist"
     if any(p.name.startswith("mp_rank_") for p in folder.iterdir()):
@@ -108,6 +113,8 @@ def open_megatron(path: Path) -> MegatronCheckpoint:
     if kind == "torch":
         first = rank_file(folder, 0, 0, legacy_pp(folder) > 1)
         common = safe_load(first)
+    elif kind == FSDP_DTENSOR:
+        common = fsdp_objects(folder)
     else:
         common = safe_load(folder / "common.pt") if (folder / "common.pt").is_file() else {}
     if not isinstance(common, dict) or not isinstance(common.get("args"), argparse.Namespace):
@@ -147,9 +154,11 @@ def cache_name(source: Path, finetune: bool) -> str:
 
 
 def check_load(path: Path, declared: str | None) -> str:
-    """The format of --load `path` (cheap: no tensors read), checked against --ckpt-format."""
+    """The format of --load `path` (cheap: no tensors read), checked against --ckpt-format. A paratron
+    checkpoint passes any declared format: Megatron-LM's scripts name the format their --save writes, and
+    paratron saves its own there, so a script that resumes from its --save finds paratron's."""
     found = detect_format(path)
-    if declared is not None and declared != found:
+    if declared is not None and declared != found and found != "paratron":
         raise CheckpointError(f"--ckpt-format {declared}: {path} holds a {found} checkpoint; drop --ckpt-format")
     if found == "paratron":
         read_checkpoint(path, verify=False)

@@ -5,44 +5,15 @@ a layer's tensors are stacked over the layers (`decoder.layers.NAME` [layers, ..
 
 from __future__ import annotations
 
-import pickle
 import re
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from paratron.checkpoint.megatron.layout import to_paratron
 from paratron.checkpoint.megatron.locate import MegatronCheckpoint
-from paratron.checkpoint.megatron.unpickle import MetadataUnpickler
+from paratron.checkpoint.megatron.unpickle import dcp_reader
 from paratron.config.schema import ModelConfig
 from paratron.errors import CheckpointError
-
-
-def dcp_reader(folder: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader  # (start-up speed, docs/architecture.md)
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            try:
-                with open(folder / ".metadata", "rb") as f:
-                    metadata = MetadataUnpickler(f).load()
-            except pickle.UnpicklingError as exc:
-                raise CheckpointError(
-                    f"{folder / '.metadata'}: holds {str(exc).replace('GLOBAL ', 'the class ')}, which paratron "
-                    "does not unpickle"
-                ) from None
-            except (EOFError, OSError, AttributeError, ValueError) as exc:
-                raise CheckpointError(f"{folder / '.metadata'}: unreadable ({exc})") from None
-            from torch.distributed.checkpoint.metadata import StorageMeta  # (start-up speed, docs/architecture.md)
-
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(str(folder))
-
 
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
 

@@ -95,14 +95,30 @@ def safe_load(path: Path) -> Any:
                     raise
                 return torch.load(path, map_location="cpu", weights_only=True)  # (the legacy format)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        what = f"the class {found.group(1)}" if found else "an object"
-        raise CheckpointError(
-            f"{path}: holds {what}, which paratron does not unpickle (only tensors, plain values and "
-            "Megatron-LM's args are allowed)"
-        ) from None
+        raise _refusal(str(path), exc) from None
     except (RuntimeError, EOFError, OSError) as exc:
         raise CheckpointError(f"{path}: unreadable ({str(exc).splitlines()[0][:120]})") from None
+
+
+def safe_load_bytes(data: bytes, where: str) -> Any:
+    """`safe_load` of an object stored as bytes (torch.distributed.checkpoint's non-tensor entries)."""
+    try:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise _refusal(where, exc) from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{where}: unreadable ({reason})") from None
+
+
+def _refusal(where: str, exc: pickle.UnpicklingError) -> CheckpointError:
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    what = f"the class {found.group(1)}" if found else "an object"
+    return CheckpointError(
+        f"{where}: holds {what}, which paratron does not unpickle (only tensors, plain values and "
+        "Megatron-LM's args are allowed)"
+    )
 
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
@@ -113,6 +129,7 @@ _DCP_NAMES = {
     ("collections", "OrderedDict"),
     ("builtins", "slice"),
     ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),  # (StorageMeta.checkpoint_id of newer torch)
 }
 
 
@@ -125,3 +142,29 @@ class MetadataUnpickler(pickle.Unpickler):
         if module in _DCP_MODULES or (module, name) in _DCP_NAMES or dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def dcp_reader(folder: Path) -> Any:
+    """A torch.distributed.checkpoint reader of `folder` whose `.metadata` goes through `MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader  # (start-up speed, docs/architecture.md)
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                with open(folder / ".metadata", "rb") as f:
+                    metadata = MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as exc:
+                raise CheckpointError(
+                    f"{folder / '.metadata'}: holds {str(exc).replace('GLOBAL ', 'the class ')}, which paratron "
+                    "does not unpickle"
+                ) from None
+            except (EOFError, OSError, AttributeError, ValueError) as exc:
+                raise CheckpointError(f"{folder / '.metadata'}: unreadable ({exc})") from None
+            from torch.distributed.checkpoint.metadata import StorageMeta  # (start-up speed, docs/architecture.md)
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder))
