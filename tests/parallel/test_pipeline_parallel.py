@@ -43,7 +43,8 @@ MICRO_BATCHES = 4
 
 def _layouts(pp: int) -> list[tuple[str, dict]]:
     """(name, settings) of every schedule at this pipeline size (each with activation
-    recomputation), plus 1F1B without it: with shapes sent ahead, and cut unevenly."""
+    recomputation), plus 1F1B without it: with shapes sent ahead, and cut unevenly; at PP 2, virtual
+    stages with the embedding and the loss counted in the split."""
     # each schedule also recomputes activations, in one of the ways
     cases = [
         (
@@ -86,6 +87,19 @@ def _layouts(pp: int) -> list[tuple[str, dict]]:
             else dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1),
         )
     )
+    if pp == 2:
+        # the embedding and the loss counted as layers (Megatron-LM's split): 8 + 2 over 2 ranks x 5 chunks, so
+        # the first chunk holds only the embedding and the last only the output layer and loss
+        cases.append(
+            (
+                "interleaved-ends-counted",
+                dict(
+                    virtual_pipeline_model_parallel_size=5,
+                    account_for_embedding_in_pipeline_split=True,
+                    account_for_loss_in_pipeline_split=True,
+                ),
+            )
+        )
     return cases
 
 

@@ -61,9 +61,24 @@ def micro_batches_per_rank(global_batch_size: int, micro_batch_size: int, dp: in
     return global_batch_size // (micro_batch_size * dp)
 
 
-def layer_counts(num_layers: int, stages: int, first: int | None = None, last: int | None = None) -> list[int]:
-    """Layers of each stage: `first` and `last` (when given) for the end stages, the rest shared
-    evenly by the stages between. Raises ValueError when that cannot be done."""
+def layer_counts(
+    num_layers: int,
+    stages: int,
+    first: int | None = None,
+    last: int | None = None,
+    *,
+    embedding: bool = False,
+    loss: bool = False,
+) -> list[int]:
+    """Layers of each model stage: `first` and `last` (when given) for the end stages, the rest shared
+    evenly by the stages between. With `embedding` / `loss` (Megatron-LM's account-for-embedding/loss
+    split) the input embedding and the output layer with the loss each count as one layer of the first
+    and last stage: the layers plus those are cut evenly and the end stages run one layer fewer, perhaps
+    none. Raises ValueError when that cannot be done."""
+    if embedding or loss:
+        if first is not None or last is not None:
+            raise ValueError("the end stages' layer counts cannot be given when the embedding or loss is counted")
+        return _counted_ends(num_layers, stages, embedding, loss)
     if stages == 1:
         return [num_layers]
     counts: list[int | None] = [None] * stages
@@ -84,6 +99,19 @@ def layer_counts(num_layers: int, stages: int, first: int | None = None, last: i
     if min(c for c in counts if c is not None) < 1:
         raise ValueError(f"{num_layers} layers cut into {stages} stages leave a stage without layers")
     return [int(c) for c in counts]  # type: ignore[arg-type]
+
+
+def _counted_ends(num_layers: int, stages: int, embedding: bool, loss: bool) -> list[int]:
+    """Megatron-LM's rule: (layers + embedding + loss) must divide evenly into the stages (pipeline
+    ranks x virtual stages); the first stage gives one share to the embedding, the last to the loss."""
+    units = num_layers + int(embedding) + int(loss)
+    if units % stages:
+        counted = " + ".join(["the embedding"] * embedding + ["the loss"] * loss)
+        raise ValueError(f"{num_layers} layers + {counted} ({units}) do not split evenly into {stages} stages")
+    counts = [units // stages] * stages
+    counts[0] -= int(embedding)
+    counts[-1] -= int(loss)
+    return counts
 
 
 def stage_ranges(counts: list[int]) -> list[range]:
@@ -137,14 +165,17 @@ def _chunks(config: Config) -> tuple[int, str]:
     per_chunk, virtual = p.num_layers_per_virtual_pipeline_stage, p.virtual_pipeline_model_parallel_size
     chunks = virtual or 1
     if per_chunk is not None:
-        if per_chunk < 1 or m.num_layers % (pp * per_chunk):
+        # the embedding and the loss count as layers here too when they are counted in the split
+        ends = int(p.account_for_embedding_in_pipeline_split) + int(p.account_for_loss_in_pipeline_split)
+        units = m.num_layers + ends
+        counted = f" (+ {units - m.num_layers} counted for the embedding / loss)" if units > m.num_layers else ""
+        if per_chunk < 1 or units % (pp * per_chunk):
             raise ConfigError(
                 f"{flag.num_layers_per_virtual_pipeline_stage} {per_chunk} does not divide "
-                f"{flag.num_layers} {m.num_layers} into {flag.pipeline_model_parallel_size} {pp} ranks; "
-                "choose a divisor of "
-                f"{m.num_layers // pp if m.num_layers % pp == 0 else m.num_layers}"
+                f"{flag.num_layers} {m.num_layers}{counted} into {flag.pipeline_model_parallel_size} {pp} ranks; "
+                f"choose a divisor of {units // pp if units % pp == 0 else units}"
             )
-        chunks = m.num_layers // (pp * per_chunk)
+        chunks = units // (pp * per_chunk)
         if virtual is not None and virtual != chunks:
             raise ConfigError(
                 f"{flag.virtual_pipeline_model_parallel_size} {virtual} disagrees with "
@@ -182,6 +213,13 @@ def _plan_pipeline(config: Config, global_batch: int, microbatches: int) -> Pipe
     pp = p.pipeline_model_parallel_size
     chunks, schedule = _chunks(config)
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    embedding, loss = p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split
+    if (embedding or loss) and (first is not None or last is not None):
+        raise ConfigError(
+            f"{flag.account_for_embedding_in_pipeline_split} / {flag.account_for_loss_in_pipeline_split} cannot be "
+            f"combined with {flag.decoder_first_pipeline_num_layers} / {flag.decoder_last_pipeline_num_layers} "
+            "(Megatron-LM refuses it too); drop one"
+        )
     if chunks > 1 and (first is not None or last is not None):
         raise ConfigError(
             f"{flag.decoder_first_pipeline_num_layers} / {flag.decoder_last_pipeline_num_layers} "
@@ -193,14 +231,19 @@ def _plan_pipeline(config: Config, global_batch: int, microbatches: int) -> Pipe
                 f"{name} {given} with {flag.pipeline_model_parallel_size} 1: the only stage holds all "
                 f"{m.num_layers} layers; set it to {m.num_layers} or drop it (Megatron-LM refuses it too)"
             )
+    ends = (first, last) if pp > 1 else (None, None)
     try:
-        counts = layer_counts(m.num_layers, pp * chunks, first if pp > 1 else None, last if pp > 1 else None)
+        counts = layer_counts(m.num_layers, pp * chunks, *ends, embedding=embedding, loss=loss)
     except ValueError as exc:
         virtual = f" x {chunks} virtual stages" if chunks > 1 else ""
+        fix = (
+            f"or drop {flag.account_for_embedding_in_pipeline_split} / {flag.account_for_loss_in_pipeline_split}"
+            if embedding or loss
+            else f"or set {flag.decoder_first_pipeline_num_layers} / {flag.decoder_last_pipeline_num_layers}"
+        )
         raise ConfigError(
             f"{flag.num_layers} {m.num_layers} with {flag.pipeline_model_parallel_size} {pp}{virtual}: "
-            f"{exc}; choose sizes that divide the layer count, or set "
-            f"{flag.decoder_first_pipeline_num_layers} / {flag.decoder_last_pipeline_num_layers}"
+            f"{exc}; choose sizes that divide the layer count, {fix}"
         ) from None
     if pp == 1:
         return PipelinePlan(tuple(counts), chunks, None)

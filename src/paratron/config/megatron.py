@@ -296,16 +296,6 @@ REFUSED: dict[str, Refused] = {
     ),
     "fim-rate": Refused("Fraction of fill-in-the-middle samples.", "fill-in-the-middle datasets are not implemented"),
     "fim-spm-rate": Refused("Fraction of FIM samples in SPM order.", "fill-in-the-middle datasets are not implemented"),
-    "account-for-embedding-in-pipeline-split": Refused(
-        "Count the embedding as a layer when splitting the pipeline.",
-        "pipeline stages count Transformer layers only; use --decoder-first-pipeline-num-layers to lighten the "
-        "first stage",
-    ),
-    "account-for-loss-in-pipeline-split": Refused(
-        "Count the loss as a layer when splitting the pipeline.",
-        "pipeline stages count Transformer layers only; use --decoder-last-pipeline-num-layers to lighten the "
-        "last stage",
-    ),
     "pipeline-model-parallel-split-rank": Refused(
         "Encoder/decoder split of the pipeline (T5).", "paratron trains decoder-only models"
     ),

@@ -456,6 +456,15 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Layers on the last pipeline stage (it also holds the output layer and loss); the others share the rest evenly."""
 
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the input embedding as one layer of the first pipeline stage when cutting the layers into stages: the
+    (layers + 1) are cut evenly, so the first stage (the first chunk of rank 0 with virtual stages) runs one decoder
+    layer fewer, perhaps none."""
+
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as one layer of the last pipeline stage when cutting the layers into stages:
+    the last stage (the last chunk of the last rank with virtual stages) runs one decoder layer fewer, perhaps none."""
+
     variable_seq_lengths: bool = False
     """Send each pipeline message's shape ahead of it, for micro-batches whose sequence length varies."""
 

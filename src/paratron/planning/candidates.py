@@ -40,6 +40,9 @@ class Shape:
     schedule: str | None = None
     first: int | None = None
     last: int | None = None
+    ends_counted: bool = False
+    """The embedding and the loss each count as a layer of the end stages (Megatron-LM's
+    --account-for-embedding/loss-in-pipeline-split): virtual stages for layer counts the ranks do not divide."""
 
 
 def divisors(n: int) -> list[int]:
@@ -80,7 +83,8 @@ def _expert_sizes(config: Config, tp: int, gpus_per_node: int) -> list[int]:
 
 def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
     """The pipeline arrangements of a shape: 1F1B and ZB-H1 with the end stages' layer counts that
-    balance the stages, interleaved with each number of virtual stages, ZB-V."""
+    balance the stages, interleaved with each number of virtual stages, ZB-V; the interleaved and ZB-V
+    ones again with the embedding and the loss counted as layers where those make the cut even."""
     layers, pp = config.model.num_layers, shape.pp
     if pp == 1:
         yield shape
@@ -95,6 +99,12 @@ def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
             yield dataclasses.replace(shape, schedule="interleaved", chunks=chunks)
     if layers % (2 * pp) == 0:
         yield dataclasses.replace(shape, schedule="zb-v", chunks=2)
+    counted = layers + 2  # (the embedding and the loss as a layer each)
+    if counted % pp == 0:
+        for chunks in divisors(counted // pp)[1:]:
+            yield dataclasses.replace(shape, schedule="interleaved", chunks=chunks, ends_counted=True)
+    if counted % (2 * pp) == 0:
+        yield dataclasses.replace(shape, schedule="zb-v", chunks=2, ends_counted=True)
 
 
 def _layer_forward(config: Config, tp: int, cp: int) -> float:

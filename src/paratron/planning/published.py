@@ -30,17 +30,16 @@ that model and sequence):
 
 How each run is put into paratron's settings: Llama 3 as TP8 with sequence parallelism and the
 distributed optimizer (their FSDP shards the optimizer state; gradients are reduced once per step),
-without recomputation (their MFU leaves no room for it). Its predicted MFU is that of the layout
-Llama ran (virtual stages of one layer, the end ones holding only the embedding or the loss),
-priced by the cost model on a layout built by hand, since paratron's settings cannot make stages of
-the embedding and the loss. Whether it fits, and the planner's comparison, use the nearest layout
-paratron runs: PP16 with 7 layers on the end stages and 8 on the others under 1F1B, with the least
-recomputation that fits paratron's memory (its unfused SwiGLU keeps four MLP-wide tensors a layer,
-so some layers must be recomputed). The A100 runs predate sequence parallelism; their
-scatter/gather of pipeline messages sends what sequence parallelism sends, so they are put with it
-(memory: a little less than theirs), without the distributed optimizer, full recomputation, the
-interleaved schedule with two chunks per rank (the paper's tables leave the chunks open) and one
-sequence per micro-batch.
+without recomputation (their MFU leaves no room for it), in the layout Llama ran: PP16 with eight
+virtual stages of one layer per rank, the embedding and the loss counted as a layer each
+(--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split), so that the first
+chunk holds only the embedding and the last only the loss. Its predicted MFU is that layout's as run;
+whether it fits, and the planner's comparison, use it with the least recomputation that fits
+paratron's memory (its unfused SwiGLU keeps four MLP-wide tensors a layer). The A100 runs predate
+sequence parallelism; their scatter/gather of pipeline messages sends what sequence parallelism sends,
+so they are put with it (memory: a little less than theirs), without the distributed optimizer, full
+recomputation, the interleaved schedule with two chunks per rank (the paper's tables leave the chunks
+open) and one sequence per micro-batch.
 
 Calibrated: `matmul_efficiency` of the H100 preset on the first Llama 3 row and of the A100 preset
 on the 145.6B row (`planning.hardware`; bench/plan_published.py --calibrate refits them); the other
@@ -53,7 +52,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from paratron.config.layout import Layout, PipelinePlan
+from paratron.config.layout import Layout
 from paratron.config.loading import build_config
 from paratron.config.schema import Config, ModelConfig
 from paratron.config.validation import validate
@@ -96,8 +95,6 @@ class Run:
     counts_recomputation: bool = False
     """The published FLOPs include the recomputed forward (Narayanan et al.)."""
     recomputation_given: bool = False
-    ran_chunks: int | None = None
-    """Llama 3: model chunks per rank they ran, with the embedding and the loss as stages of their own."""
     notes: str = ""
 
 
@@ -105,9 +102,10 @@ _LLAMA = dict(
     tensor_model_parallel_size=8,
     sequence_parallel=True,
     pipeline_model_parallel_size=16,
-    decoder_first_pipeline_num_layers=7,
-    decoder_last_pipeline_num_layers=7,
-    pipeline_schedule="1f1b",
+    virtual_pipeline_model_parallel_size=8,
+    pipeline_schedule="interleaved",
+    account_for_embedding_in_pipeline_split=True,
+    account_for_loss_in_pipeline_split=True,
     micro_batch_size=1,
     zero_stage=1,
     overlap_grad_reduce=True,
@@ -127,12 +125,12 @@ _MEGATRON_2021 = dict(
 
 RUNS: tuple[Run, ...] = (
     Run("Llama 3 405B, 8,192 H100", "Dubey et al. 2024, Table 4", "h100-80g", 8192, {"model_name": LLAMA3_405B},
-        8192, 2048, _LLAMA, 430, 0.43, ran_chunks=8, notes="DP64, 32 sequences per DP rank"),
+        8192, 2048, _LLAMA, 430, 0.43, notes="DP64, 32 sequences per DP rank"),
     Run("Llama 3 405B, 16,384 H100", "Dubey et al. 2024, Table 4", "h100-80g", 16384, {"model_name": LLAMA3_405B},
-        8192, 2048, _LLAMA, 400, 0.41, ran_chunks=8, notes="DP128, 16 sequences per DP rank"),
+        8192, 2048, _LLAMA, 400, 0.41, notes="DP128, 16 sequences per DP rank"),
     Run("Llama 3 405B, 16,384 H100, 128K", "Dubey et al. 2024, Table 4", "h100-80g", 16384,
         {"model_name": LLAMA3_405B, "max_position_embeddings": 131072}, 131072, 128,
-        {**_LLAMA, "context_parallel_size": 16}, 380, 0.38, ran_chunks=8, notes="CP16 DP8, 16 sequences per DP rank"),
+        {**_LLAMA, "context_parallel_size": 16}, 380, 0.38, notes="CP16 DP8, 16 sequences per DP rank"),
     Run("GPT 145.6B, 1,536 A100", "Narayanan et al. 2021, Table 1", "a100-80g", 1536,
         dict(NARAYANAN_GPT, num_layers=80, hidden_size=12288, num_attention_heads=96), 2048, 2304,
         dict(_MEGATRON_2021, pipeline_model_parallel_size=8), 148, 0.47, counts_recomputation=True,
@@ -176,19 +174,6 @@ def published_model_mfu(run: Run, model: ModelConfig) -> float:
     return run.published_mfu * training_flops_per_token(model, run.seq_length) / theirs(model, run.seq_length)
 
 
-def as_run(run: Run, config: Config, layout: Layout) -> Layout:
-    """Llama 3's own pipeline: `ran_chunks` chunks per rank of one layer each, the first holding
-    only the embedding and the last only the loss (which paratron's settings cannot say)."""
-    if run.ran_chunks is None:
-        return layout
-    stages = layout.pp * run.ran_chunks
-    layers = config.model.num_layers
-    if layers + 2 != stages:
-        raise ValueError(f"{run.name}: {layers} layers + embedding + loss do not make {stages} stages")
-    counts = (0, *([1] * layers), 0)
-    return dataclasses.replace(layout, pipeline=PipelinePlan(counts, run.ran_chunks, "interleaved"))
-
-
 def fitting(run: Run, hardware: Hardware) -> tuple[Config, Layout, list[Any]]:
     """The run in paratron's settings with the least recomputation that fits (none, selective, the
     fewest layers per chunk by the block method, all), or the given one; its layout and memory."""
@@ -215,14 +200,14 @@ def evaluate(run: Run, hardware: Hardware | None = None, search: bool = True) ->
     config, layout, memory = fitting(run, hardware)
     settings = predict_step(config, layout, hardware, memory)
     ran = run_config(run)  # (as run: the recomputation given, or none)
-    prediction = predict_step(ran, as_run(run, ran, validate(ran, run.gpus, check_data=False)), hardware)
+    prediction = predict_step(ran, validate(ran, run.gpus, check_data=False), hardware)
     published = published_model_mfu(run, config.model)
     peak = max(m.total for m in memory)
     row: dict[str, Any] = {
         "run": run.name,
         "source": run.source,
         "gpus": run.gpus,
-        "layout": _describe(ran, layout, run),
+        "layout": _describe(ran, layout),
         "fits": peak <= hardware.device_memory_bytes,
         "peak_memory_gb": round(peak / 1e9, 1),
         "recomputation_to_fit": _recompute(config),
@@ -234,7 +219,7 @@ def evaluate(run: Run, hardware: Hardware | None = None, search: bool = True) ->
         "predicted_model_tflops": round(prediction.model_tflops_per_device, 1),
         "predicted_step_s": round(prediction.total, 3),
         "breakdown_s": {k: round(v, 4) for k, v in prediction.breakdown.items()},
-        "settings_layout": _describe(config, layout, None),
+        "settings_layout": _describe(config, layout),
         "settings_mfu": round(settings.mfu, 4),
     }
     if search:
@@ -256,11 +241,11 @@ def _recompute(config: Config) -> str:
     return t.recompute_granularity or "none"
 
 
-def _describe(config: Config, layout: Layout, run: Run | None) -> str:
+def _describe(config: Config, layout: Layout) -> str:
     p = config.parallel
     pipe = f"PP{layout.pp}" + (f" v{layout.pipeline.chunks}" if layout.pipeline.chunks > 1 else "")
     if layout.pipeline.chunks == 1 and p.decoder_first_pipeline_num_layers:
         pipe += f" ({p.decoder_first_pipeline_num_layers}/{p.decoder_last_pipeline_num_layers} on the ends)"
-    if run is not None and run.ran_chunks:
-        pipe = f"PP{layout.pp} v{run.ran_chunks} (embedding and loss as stages)"
+    if p.account_for_embedding_in_pipeline_split and p.account_for_loss_in_pipeline_split:
+        pipe += " (embedding and loss counted as layers)"
     return f"TP{layout.tp} CP{layout.cp} {pipe} DP{layout.dp} mbs{layout.micro_batch_size} ZeRO-{p.zero_stage}"

@@ -62,6 +62,8 @@ LAYOUT_FIELDS = (
     "pipeline_schedule",
     "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
     "micro_batch_size",
     "sequence_parallel",
     "recompute_granularity",
@@ -149,11 +151,13 @@ def launch_command(config: Config, world_size: int, gpus_per_node: int) -> str:
 
 def describe(settings: dict[str, Any], layout: Layout) -> str:
     """A layout's short name: TP8 CP1 PP8 v2 DP64 mbs1 interleaved ZeRO-1 selective; first and
-    last stage layer counts in brackets, (7/7), block recomputation as `recompute 2/chunk`."""
+    last stage layer counts in brackets, (7/7), or (embedding/loss counted) when those count as
+    layers of the end stages, block recomputation as `recompute 2/chunk`."""
     s, pipeline = settings, layout.pipeline
     pipe = f" v{pipeline.chunks}" if pipeline.chunks > 1 else ""
     ends = s["decoder_first_pipeline_num_layers"], s["decoder_last_pipeline_num_layers"]
     pipe += f" ({ends[0]}/{ends[1]})" if ends[0] is not None else ""
+    pipe += " (embedding/loss counted)" if s.get("account_for_embedding_in_pipeline_split") else ""
     ep = f" EP{s['expert_model_parallel_size']}" if s["expert_model_parallel_size"] > 1 else ""
     schedule = f" {pipeline.schedule}" if layout.pp > 1 else ""
     recompute = f" {s['recompute_granularity']}" if s["recompute_granularity"] else ""
@@ -516,6 +520,8 @@ class _Search:
             "pipeline_schedule": shape.schedule,
             "decoder_first_pipeline_num_layers": shape.first,
             "decoder_last_pipeline_num_layers": shape.last,
+            "account_for_embedding_in_pipeline_split": shape.ends_counted,
+            "account_for_loss_in_pipeline_split": shape.ends_counted,
             "micro_batch_size": mbs,
             "sequence_parallel": sp,
             "recompute_granularity": recompute,

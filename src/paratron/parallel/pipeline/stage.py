@@ -1,7 +1,9 @@
 """Cutting the model into pipeline stages, and running this rank's chunks of it.
 
 The model is cut into pp x chunks consecutive stages of whole layers; chunk c of pipeline rank r is
-stage c x pp + r (under ZB-V: stage r, then stage 2 pp - 1 - r). The first stage also holds the
+stage c x pp + r (under ZB-V: stage r, then stage 2 pp - 1 - r). An end stage may hold no layer when
+the embedding or the loss is counted as one in the split (`config.layout.layer_counts`): it then runs
+only the embedding, or only the head and the loss. The first stage also holds the
 embeddings (and a vision-language model's encoder and projector); the last holds the final norm, the
 output layer and the loss. This rank keeps the single-device `GPT` object with every piece it does
 not hold set to None, so its parameters keep their single-device names (initialization, checkpoints
