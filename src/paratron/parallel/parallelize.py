@@ -194,11 +194,12 @@ def _data_parallel(
         sync_every_micro_batch=p.ddp_sync_every_micro_batch,
         zero_stage=p.zero_stage,
         overlap_param_gather=p.overlap_param_gather,
+        grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32,
     )
     compute_dtype = PRECISION_DTYPES[config.training.precision]
     units = None
     if _fully_sharded(config, topology):
-        units = shard_fully(model, topology.group(Axis.DP), device, root, compute_dtype)
+        units = shard_fully(model, topology.group(Axis.DP), device, root, compute_dtype, settings.grad_dtype)
         materialize_shards(model, device, config.training.seed)
     else:
         model.to(compute_dtype)  # (in place: parameters keep their identity, ties and records)

@@ -32,16 +32,18 @@ def shard_fully(
     device: torch.device,
     root: nn.Module | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> list[nn.Module]:
     """Apply FSDP2 over `group` to this rank's part of `model` (materialized, fp32); returns the units.
     `root` is the module whose forward runs the model (default `model`; a pipeline stage's runner).
     With a 16-bit `compute_dtype` the fp32 shards are the master weights: FSDP2 gathers them in
-    that type for compute and reduces gradients in fp32."""
+    that type for compute and reduces gradients in `reduce_dtype` (fp32, or bf16 under --grad-reduce-in-bf16),
+    then keeps each rank's gradient shard in fp32 beside its fp32 weight shard."""
     root = model if root is None else root
     # (a model on the meta device, as --dry-run builds, keeps its shards there; the mesh needs a real device type)
     mesh = DeviceMesh.from_group(group.process_group, "cpu" if device.type == "meta" else device.type)
     before = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     units: list[nn.Module] = []
     for block in model.layers:
         if block is not None:
