@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from paratron.cli import main
 from paratron.config import build_config, validate
 from paratron.config.megatron import from_megatron_dict
 from paratron.distributed.fake import fake_world
@@ -17,6 +18,7 @@ from paratron.model.batch import Batch
 from paratron.model.gpt import GPT
 from paratron.optim.build import build_optimizer
 from paratron.parallel import parallelize
+from paratron.parallel.data.memory import training_state_elements
 from paratron.planning.activations import CPU
 from paratron.planning.dry_run import dry_run, with_vocabulary
 from paratron.planning.memory import predict_memory
@@ -67,6 +69,9 @@ def test_gradients_accumulate_in_bf16_and_the_optimizer_steps_fp32_copies(zero_s
     assert all(m.grad is None for m in optimizer.masters)  # the fp32 copies last from the reduction to the update
     assert any(not torch.equal(m, b) for m, b in zip(optimizer.masters, before))
     optimizer.after_step()
+    state = training_state_elements(model, optimizer)  # the memory report's ledger
+    n = sum(p.numel() for p in model.trained_parameters)
+    assert state["gradients"]["bytes"] == 2 * n and state["master"]["bytes"] == 4 * n
 
     reference, reference_optimizer = _build(zero_stage, bf16_grads=False)
     _backward(reference)
@@ -100,12 +105,17 @@ def test_data_parallel_buffers_and_fsdp_reduce_in_bf16():
             del model
 
 
-def test_refused_without_bf16_weights_and_read_from_megatron_names():
+def test_refused_without_bf16_weights_and_read_from_megatron_names(capsys):
     for precision in ("fp32", "fp16"):
         config = build_config(dict(TINY, precision=precision, grad_reduce_in_bf16=True))
         with pytest.raises(ConfigError, match=rf"^--grad-reduce-in-bf16 .* this run is {precision} .* add --bf16"):
             validate(config, 1)
     validate(build_config(dict(TINY, grad_reduce_in_bf16=True)), 1)
+    # the command line: exit 2 and one line, before anything is built (a dry run starts no workers)
+    assert main(["train", "--model", "debug", "--mock-data", "--fp16", "--grad-reduce-in-bf16", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--grad-reduce-in-bf16 keeps gradients in bf16" in err and "Traceback" not in err
+    assert main(["train", "--model", "debug", "--mock-data", "--bf16", "--grad-reduce-in-bf16", "--dry-run"]) == 0
     assert from_megatron_dict({"bf16": True, "grad_reduce_in_bf16": True}) == {
         "precision": "bf16",
         "grad_reduce_in_bf16": True,
