@@ -227,6 +227,28 @@ def _gradient_bytes(model: Any) -> dict[str, int]:
     }
 
 
+def _reduction_parts(model: Any, repeats: int) -> dict[str, float]:
+    """The two parts of reducing this side's gradients once, each timed alone on a scratch tensor of the buffer's
+    size and type (ms, median of `repeats`, mean of the ranks): the 1/N scaling every bucket gets first, and the
+    all-reduce itself."""
+    import torch.distributed as dist
+
+    reducer = model.gradients.reducer
+    scratch = torch.ones(reducer.total, dtype=reducer.dtype)
+    times: dict[str, list[float]] = {"scale_ms": [], "all_reduce_ms": []}
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        scratch.mul_(0.5)
+        times["scale_ms"].append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(scratch)
+        times["all_reduce_ms"].append(time.perf_counter() - start)
+    medians = _rank_mean([statistics.median(v) * 1e3 for v in times.values()])
+    return dict(zip(times, medians))
+
+
 def _timed_round(side: Side, pool: list[Batch], steps: int) -> tuple[float, float]:
     """Wall-clock ms per step, between barriers (both ranks' last operation is inside the time), and
     this process's CPU ms per step (all its threads; waiting does not count)."""
@@ -338,6 +360,7 @@ def _pairing(name: str, args: dict, topology: Any, pool: list[Batch]) -> dict:
         }
         if name == "bf16grad":
             result["sides"][key].update(_gradient_bytes(sides[key].model))
+            result["sides"][key].update(_reduction_parts(sides[key].model, max(3, args["overlap_repeats"])))
     for ours, peer in COMPARISONS[name]:
         rel = [abs(a - b) / abs(b) for a, b in zip(losses[ours], losses[peer])]
         a, b = result["sides"][ours], result["sides"][peer]
@@ -532,9 +555,9 @@ def _bf16_gradient_lines(results: dict) -> list[str]:
         f"{run['command']}  # {run['rounds']} rounds x {run['steps']} step, paratron {run['commit']}, {run['date']}",
         "```",
         "",
-        "| side | gradients | gradient buffer MiB | reduced MiB/step | reduction alone ms | ms/step "
-        "| vs fp32 gradients | paired | loss rel. diff (last / max) | other load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| side | gradients | gradient buffer MiB | reduced MiB/step | 1/N scaling ms | all-reduce ms "
+        "| reduction alone ms | ms/step | vs fp32 gradients | paired | loss rel. diff (last / max) | other load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     overlap = pairing.get("overlap", {})
     for c in pairing["comparisons"]:
@@ -545,14 +568,16 @@ def _bf16_gradient_lines(results: dict) -> list[str]:
             loss = f"{c['loss_rel_diff_last']:.1e} / {c['loss_rel_diff_max']:.1e}" if ours else "-"
             lines.append(
                 f"| {side['label']} | {side['gradient_dtype']} | {side['gradient_buffer_bytes'] / 2**20:.2f} | "
-                f"{side['reduced_bytes_per_step'] / 2**20:.2f} | {alone} | {side['median_ms']:.0f} | {ratio} | "
+                f"{side['reduced_bytes_per_step'] / 2**20:.2f} | {side['scale_ms']:.1f} | "
+                f"{side['all_reduce_ms']:.1f} | {alone} | {side['median_ms']:.0f} | {ratio} | "
                 f"{loss} | {pairing['other_load']:.0%} |"
             )
     lines += [
         "",
-        "Reduction alone: the gradient synchronisation of one micro-batch's gradients with nothing to hide behind "
-        "((b) of the overlap measurement above; median of the tries, mean of the ranks). ms/step: median round of "
-        "whole steps (two micro-batches, clip, AdamW); ratio and paired as above.",
+        "1/N scaling and all-reduce: the two parts of reducing the whole buffer once, each timed alone on a scratch "
+        "tensor of its size and type. Reduction alone: the gradient synchronisation of one micro-batch's gradients "
+        "with nothing to hide behind ((b) of the overlap measurement above). Medians of the tries, mean of the ranks. "
+        "ms/step: median round of whole steps (two micro-batches, clip, AdamW); ratio and paired as above.",
     ]
     return lines
 
