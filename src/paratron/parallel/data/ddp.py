@@ -15,8 +15,9 @@ partial sums over other groups are completed here.
 Gradients are fp32 whatever the parameters' type (`main_grad(param)`; also `param.grad` when
 the parameters are fp32), or bf16 with bf16 parameters under --grad-reduce-in-bf16
 (`DataParallelSettings.grad_dtype`: accumulated over micro-batches and reduced in bf16, as in
-Megatron-LM; the optimizer takes fp32 copies). They are synchronised on the last micro-batch of a step only (unless
-`sync_every_micro_batch`, or at stage 2, which keeps no full gradient between micro-batches).
+Megatron-LM; the optimizer takes fp32 copies). They are synchronised on the last micro-batch
+of a step only (unless `sync_every_micro_batch`, or at stage 2, which keeps no full gradient
+between micro-batches).
 Zero them with `zero()`, which keeps `param.grad` a view of the buffer.
 """
 
