@@ -108,6 +108,22 @@ def test_data_parallel_buffers_and_fsdp_reduce_in_bf16():
             del model
 
 
+def test_expert_gradients_are_bf16_too():
+    """Under expert parallelism (EP 2 of DP 2, ZeRO-1) the experts' reducer keeps bf16 gradients as the dense one."""
+    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, expert_model_parallel_size=2)
+    config = with_vocabulary(build_config(dict(TINY, **moe, zero_stage=1, grad_reduce_in_bf16=True)))
+    with fake_world(2, 0):
+        topology = Topology(ParallelDims(2, ep=2), 0)
+        topology.create_groups()
+        with torch.device("meta"):
+            meta = GPT(config.model)
+        model = parallelize(meta, config, topology, torch.device("meta"))
+        dense, experts = model.gradients.reducer, model.gradients.expert_reducer
+        assert experts is not None and experts.group.size == 1 and dense.group.size == 2
+        assert dense.grad_buffer.dtype == experts.grad_buffer.dtype == torch.bfloat16
+        del model
+
+
 def test_refused_without_bf16_weights_and_read_from_megatron_names(capsys):
     for precision in ("fp32", "fp16"):
         config = build_config(dict(TINY, precision=precision, grad_reduce_in_bf16=True))
