@@ -17,6 +17,9 @@ global-norm clip at 1.0 and AdamW (same settings, decay on matrices only). Pairi
            ZeroRedundancyOptimizer(optimizer_class=AdamW) over DDP (default buckets)
     zero3  paratron zero_stage 3 vs FSDP2 fully_shard applied by hand to each transformer block,
            then the root; set_requires_gradient_sync(False) on all but the last micro-batch
+    bf16grad  paratron against itself in bf16 (stage 0 and ZeRO-1): --grad-reduce-in-bf16 (gradients
+           accumulated and reduced in bf16) vs fp32 gradients; also each side's gradient buffer and
+           the bytes its reductions take in per step (gloo on CPU says little about NCCL's times)
 
 Each side makes a warm-up step, then `--rounds` rounds of `--steps` timed steps (barriers around
 each round, the order of the sides rotating; one step per round, so that the rounds paired for a
@@ -56,7 +59,7 @@ from common import PRECISION, SEED, add_smoke_argument, apply_smoke, gpt_setting
 from paratron.distributed.local_ranks import torchrun_environment
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
-PAIRINGS = ("ddp", "zero1", "zero3")
+PAIRINGS = ("ddp", "zero1", "zero3", "bf16grad")
 LABELS = {
     "paratron": "paratron stage 0",
     "paratron-overlap": "paratron stage 0 + overlap_grad_reduce",
@@ -67,6 +70,10 @@ LABELS = {
     "torch-zero1": "torch ZeroRedundancyOptimizer + DDP",
     "paratron-zero3": "paratron ZeRO-3",
     "torch-fsdp2": "torch FSDP2 fully_shard",
+    "bf16-grads": "paratron bf16 stage 0, --grad-reduce-in-bf16",
+    "bf16": "paratron bf16 stage 0, fp32 gradients",
+    "bf16-zero1-grads": "paratron bf16 ZeRO-1, --grad-reduce-in-bf16",
+    "bf16-zero1": "paratron bf16 ZeRO-1, fp32 gradients",
 }
 COMPARISONS = {
     "ddp": [
@@ -77,7 +84,12 @@ COMPARISONS = {
     ],
     "zero1": [("paratron-zero1", "torch-zero1"), ("paratron-zero1-overlap", "torch-zero1")],
     "zero3": [("paratron-zero3", "torch-fsdp2")],
+    "bf16grad": [("bf16-grads", "bf16"), ("bf16-zero1-grads", "bf16-zero1")],
 }
+PEERS = ("ddp", "zero1", "zero3")
+"""The pairings against PyTorch (the main table); bf16grad has a table of its own."""
+LOSS_AGREEMENT = {"bf16grad": 2e-2}
+"""How far apart the two sides' losses may be under --smoke (default 1e-4: fp32 rounding); bf16 sums round."""
 
 
 def _config(args: dict, **parallel: Any) -> Any:
@@ -122,7 +134,7 @@ def _paratron(args: dict, topology: Any, **parallel: Any) -> Side:
         meta = GPT(config.model)
     model = parallelize(meta, config, topology, torch.device("cpu"))
     optimizer = build_optimizer(model, config.optimizer)
-    precision = Precision("fp32")
+    precision = Precision(config.training.precision)
     return Side(lambda batches: train_step(model, optimizer, [Batch(*b) for b in batches], precision, 1.0).loss, model)
 
 
@@ -192,7 +204,49 @@ def _sides(name: str, args: dict, topology: Any) -> dict[str, Side]:
             "paratron-zero1-overlap": _paratron(args, topology, zero_stage=1, overlap_grad_reduce=True),
             "torch-zero1": _torch(args, "zero1"),
         }
+    if name == "bf16grad":
+        return {
+            f"bf16{stage}{grads}": _paratron(
+                args, topology, precision="bf16", zero_stage=zero, grad_reduce_in_bf16=bool(grads)
+            )
+            for zero, stage in ((0, ""), (1, "-zero1"))
+            for grads in ("-grads", "")
+        }
     return {"paratron-zero3": _paratron(args, topology, zero_stage=3), "torch-fsdp2": _torch(args, "fsdp2")}
+
+
+def _gradient_bytes(model: Any) -> dict[str, int]:
+    """This rank's gradient storage (the reducers' persistent buffer or shard) and the bytes its reductions take in
+    per step (every bucket once: all-reduced, or reduce-scattered; on gloo a ZeRO-1 bucket is all-reduced whole)."""
+    reducers = model.gradients.reducers
+    held = [r.grad_buffer if r.grad_buffer is not None else r.grad_shard for r in reducers]
+    return {
+        "gradient_buffer_bytes": sum(t.numel() * t.element_size() for t in held),
+        "reduced_bytes_per_step": sum(r.total * t.element_size() for r, t in zip(reducers, held)),
+        "gradient_dtype": str(held[0].dtype).removeprefix("torch."),
+    }
+
+
+def _reduction_parts(model: Any, repeats: int) -> dict[str, float]:
+    """The two parts of reducing this side's gradients once, each timed alone on a scratch tensor of the buffer's
+    size and type (ms, median of `repeats`, mean of the ranks): the 1/N scaling every bucket gets first, and the
+    all-reduce itself."""
+    import torch.distributed as dist
+
+    reducer = model.gradients.reducer
+    scratch = torch.ones(reducer.total, dtype=reducer.dtype)
+    times: dict[str, list[float]] = {"scale_ms": [], "all_reduce_ms": []}
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        scratch.mul_(0.5)
+        times["scale_ms"].append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(scratch)
+        times["all_reduce_ms"].append(time.perf_counter() - start)
+    medians = _rank_mean([statistics.median(v) * 1e3 for v in times.values()])
+    return dict(zip(times, medians))
 
 
 def _timed_round(side: Side, pool: list[Batch], steps: int) -> tuple[float, float]:
@@ -304,6 +358,9 @@ def _pairing(name: str, args: dict, topology: Any, pool: list[Batch]) -> dict:
             "rounds_cpu_ms": cpu[key],
             "losses": losses[key],
         }
+        if name == "bf16grad":
+            result["sides"][key].update(_gradient_bytes(sides[key].model))
+            result["sides"][key].update(_reduction_parts(sides[key].model, max(3, args["overlap_repeats"])))
     for ours, peer in COMPARISONS[name]:
         rel = [abs(a - b) / abs(b) for a, b in zip(losses[ours], losses[peer])]
         a, b = result["sides"][ours], result["sides"][peer]
@@ -322,9 +379,9 @@ def _pairing(name: str, args: dict, topology: Any, pool: list[Batch]) -> dict:
                 "loss_rel_diff_max": max(rel),
             }
         )
-    if name in ("ddp", "zero1") and args["overlap_repeats"] > 0:
+    if name in ("ddp", "zero1", "bf16grad") and args["overlap_repeats"] > 0:
         result["overlap"] = _overlap(
-            {k: side.model for k, side in sides.items() if k.startswith("paratron")},
+            {k: side.model for k, side in sides.items() if k.startswith("paratron") or name == "bf16grad"},
             pool[0][-1],
             args["overlap_repeats"],
         )
@@ -380,11 +437,17 @@ def step(args: dict) -> dict:
 
 
 def check(results: dict, pairings: list[str]) -> None:
-    """--smoke: every pairing's two sides trained alike (the same losses, fp32 rounding apart)."""
+    """--smoke: every pairing's two sides trained alike (the same losses, fp32 rounding apart; bf16 reduction's
+    rounding apart in `bf16grad`), and bf16 gradients take half the bytes."""
     for name in pairings:
         for c in results[name]["comparisons"]:
-            if not c["loss_rel_diff_max"] < 1e-4:
+            if not c["loss_rel_diff_max"] < LOSS_AGREEMENT.get(name, 1e-4):
                 raise AssertionError(f"{c['paratron']} and {c['peer']} part: {c}")
+            if name == "bf16grad":
+                ours, peer = results[name]["sides"][c["paratron"]], results[name]["sides"][c["peer"]]
+                for key in ("gradient_buffer_bytes", "reduced_bytes_per_step"):
+                    if 2 * ours[key] != peer[key]:
+                        raise AssertionError(f"{c['paratron']}: {key} {ours[key]} is not half of {peer[key]}")
 
 
 def _commit() -> str:
@@ -401,6 +464,8 @@ def _commit() -> str:
 
 def markdown(results: dict) -> str:
     """The summary section for BENCHMARKS.md, from the merged results."""
+    if not any(name in results for name in PEERS):
+        return "\n".join(_bf16_gradient_lines(results)[1:]) + "\n"
     m, t = results["model"], results["timing"]
     lines = [
         "## Data parallelism and ZeRO against PyTorch",
@@ -420,7 +485,7 @@ def markdown(results: dict) -> str:
         "",
         "```",
     ]
-    runs = [results[name]["run"] for name in PAIRINGS if name in results]
+    runs = [results[name]["run"] for name in PEERS if name in results]
     lines += list(
         dict.fromkeys(
             f"{r['command']}  # {r['rounds']} rounds x {r['steps']} step, paratron {r['commit']}, {r['date']}"
@@ -434,7 +499,7 @@ def markdown(results: dict) -> str:
         "| loss rel. diff (last / max) | other load |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in PAIRINGS:
+    for name in PEERS:
         if name not in results:
             continue
         sides, load = results[name]["sides"], results[name]["other_load"]
@@ -446,7 +511,7 @@ def markdown(results: dict) -> str:
                 f"{c['cpu_ratio_paired_median']:.3f} | {c['loss_rel_diff_last']:.1e} / "
                 f"{c['loss_rel_diff_max']:.1e} | {load:.0%} |"
             )
-    first = next(results[n]["comparisons"][0] for n in PAIRINGS if n in results)
+    first = next(results[n]["comparisons"][0] for n in PEERS if n in results)
     lines += [
         "",
         "ms: median round, wall time per step. Ratio: paratron's median over the peer's (below 1: paratron "
@@ -471,7 +536,50 @@ def markdown(results: dict) -> str:
                 f"{o['exposed_comm_ms']:.0f} | {o['backward_and_sync_ms']:.0f} | "
                 f"{o['hidden_share']:.2f} (raw {o['hidden_share_raw']:+.2f}) |"
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + (_bf16_gradient_lines(results) if "bf16grad" in results else [])) + "\n"
+
+
+def _bf16_gradient_lines(results: dict) -> list[str]:
+    """The bf16grad pairing's table: gradient bytes and step times of bf16 against fp32 gradients."""
+    pairing, run, t = results["bf16grad"], results["bf16grad"]["run"], results["timing"]
+    lines = [
+        "",
+        "### bf16 gradients (--grad-reduce-in-bf16) against fp32 gradients, bf16 training",
+        "",
+        f"The same model in bf16 (fp32 master weights and Adam state), two gloo processes, {t['cores']} cores. "
+        "Gradient buffer: this rank's persistent gradient storage; reduced: the bytes its reductions take in per "
+        "step (every bucket once). gloo on a CPU says little about NCCL on GPUs, where the reduction's time "
+        "follows its bytes.",
+        "",
+        "```",
+        f"{run['command']}  # {run['rounds']} rounds x {run['steps']} step, paratron {run['commit']}, {run['date']}",
+        "```",
+        "",
+        "| side | gradients | gradient buffer MiB | reduced MiB/step | 1/N scaling ms | all-reduce ms "
+        "| reduction alone ms | ms/step | vs fp32 gradients | paired | loss rel. diff (last / max) | other load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    overlap = pairing.get("overlap", {})
+    for c in pairing["comparisons"]:
+        for key in (c["peer"], c["paratron"]):
+            side, ours = pairing["sides"][key], key == c["paratron"]
+            alone = f"{overlap[key]['exposed_comm_ms']:.1f}" if key in overlap else "-"
+            ratio = f"{c['ratio']:.3f} | {c['ratio_paired_median']:.3f}" if ours else "1 | 1"
+            loss = f"{c['loss_rel_diff_last']:.1e} / {c['loss_rel_diff_max']:.1e}" if ours else "-"
+            lines.append(
+                f"| {side['label']} | {side['gradient_dtype']} | {side['gradient_buffer_bytes'] / 2**20:.2f} | "
+                f"{side['reduced_bytes_per_step'] / 2**20:.2f} | {side['scale_ms']:.1f} | "
+                f"{side['all_reduce_ms']:.1f} | {alone} | {side['median_ms']:.0f} | {ratio} | "
+                f"{loss} | {pairing['other_load']:.0%} |"
+            )
+    lines += [
+        "",
+        "1/N scaling and all-reduce: the two parts of reducing the whole buffer once, each timed alone on a scratch "
+        "tensor of its size and type. Reduction alone: the gradient synchronisation of one micro-batch's gradients "
+        "with nothing to hide behind ((b) of the overlap measurement above). Medians of the tries, mean of the ranks. "
+        "ms/step: median round of whole steps (two micro-batches, clip, AdamW); ratio and paired as above.",
+    ]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -319,7 +319,7 @@ REFUSED: dict[str, Refused] = {
     ),
     "accumulate-allreduce-grads-in-fp32": Refused(
         "Accumulate and all-reduce gradients in fp32 (legacy models).",
-        "paratron always accumulates and reduces gradients in fp32; drop the flag",
+        "paratron accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16 is given; drop the flag",
     ),
     "distribute-saved-activations": Refused(
         "Shard recomputation checkpoints over tensor-parallel ranks.",

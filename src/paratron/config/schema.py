@@ -504,6 +504,12 @@ class ParallelConfig:
     """Reduce gradients after every micro-batch instead of only after the last one of a step (more traffic; ZeRO-2
     always does)."""
 
+    grad_reduce_in_bf16: bool = False
+    """Keep gradients in bf16 and reduce them over the data-parallel ranks in bf16 (bf16 training only): half the
+    gradient buffer's memory and half the bytes each reduction moves, at the cost of bf16 rounding in the micro-batch
+    accumulation and the cross-rank sum. Master weights, optimizer state and the gradient norm stay fp32. Off (the
+    default), gradients are accumulated and reduced in fp32, Megatron-LM's --accumulate-allreduce-grads-in-fp32."""
+
     zero_stage: Literal[0, 1, 2, 3] = 0
     """ZeRO stage: 0 replicates everything; 1 shards optimizer state and master weights; 2 also gradients; 3 also
     parameters (PyTorch FSDP2). Megatron-LM's --use-distributed-optimizer (a flag, or use_distributed_optimizer: true
@@ -860,7 +866,7 @@ class TrainingConfig:
 
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision. --bf16 and --fp16 keep the model's weights in 16 bits with fp32 master weights, fp32
-    gradients and fp32 optimizer state; fp16 adds loss scaling."""
+    gradients (bf16 with --grad-reduce-in-bf16) and fp32 optimizer state; fp16 adds loss scaling."""
 
     loss_scale: float | None = field(default=None, metadata=ABOVE_ZERO)
     """With --fp16: a static loss scale (a power of two); unset, the scale is dynamic (see --initial-loss-scale)."""

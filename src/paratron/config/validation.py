@@ -63,6 +63,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_debug_capture(config)
     parse_faults(config.training.fault_inject, world_size)
     _check_loss_spikes(config)
+    _check_gradient_precision(config)
     if check_data:
         _check_data(config.data, config.training, config.model)
     return layout
@@ -649,3 +650,16 @@ def _check_step_batch_pipeline(config: Config, layout: Layout) -> None:
                 f"{flag.step_batch_size_schedule} {text!r}: the batch of {batch}: {exc}; "
                 "change the schedule"
             ) from None
+
+
+def _check_gradient_precision(config: Config) -> None:
+    """bf16 gradients go with bf16 weights only (Megatron-LM reads the flag only with --bf16): fp16 training scales
+    the loss so that small gradients keep fp16's 10 mantissa bits, which bf16's 7 would throw away, and fp32 training
+    keeps everything in fp32."""
+    precision = config.training.precision
+    if config.parallel.grad_reduce_in_bf16 and precision != "bf16":
+        raise ConfigError(
+            f"{flag.grad_reduce_in_bf16} keeps gradients in bf16 next to bf16 weights, but this run is {precision} "
+            f"(fp16 and fp32 runs accumulate and reduce gradients in fp32): add --bf16 or drop "
+            f"{flag.grad_reduce_in_bf16}"
+        )

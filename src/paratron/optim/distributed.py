@@ -10,7 +10,8 @@ update of every element is the one the single-device optimizer makes: AdamW work
 element, and weight decay follows the parameter a piece belongs to.
 
 Master weights are views into the parameter buffer when the parameters are fp32 (no copy, as
-in Megatron-LM), and fp32 copies otherwise (bf16/fp16 training); gradients are fp32 either way.
+in Megatron-LM), and fp32 copies otherwise (bf16/fp16 training); the masters' gradients are fp32
+either way (copies of the reduced shard where it is bf16: --grad-reduce-in-bf16).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class DistributedOptimizer(MasterWeightsOptimizer):
                 start = reducer.shard_position(position)
                 grad = reducer.grad_shard[start : start + z - a]
             master.grad = grad if grad.dtype == master.dtype else grad.float()
+            self.copies_grads = self.copies_grads or grad.dtype != master.dtype
 
     def after_step(self) -> None:
         """Write this rank's updated pieces into the flat buffer, then gather every rank's."""

@@ -8,7 +8,8 @@
   the gradient buckets.
 
 A master is the weight itself when the weights are fp32 (no copy) and an fp32 copy of 16-bit
-weights otherwise; its `.grad` is the fp32 gradient the step uses. Weight decay applies to
+weights otherwise; its `.grad` is the fp32 gradient the step uses (an fp32 copy, made each step,
+where the data-parallel gradients are kept in bf16: --grad-reduce-in-bf16). Weight decay applies to
 matrices and embeddings, not to biases and norm weights. Checkpoints carry the master copies,
 which 16-bit weights cannot restore.
 """
@@ -87,6 +88,9 @@ class MasterWeightsOptimizer:
     optimizer: torch.optim.Optimizer
     norm_weights: torch.Tensor | None
     norm_group: RankGroup
+    copies_grads: bool = False
+    """`prepare_grads` gave the masters fp32 copies of bf16 gradients (--grad-reduce-in-bf16), which `step`
+    frees: they are needed from the reduction to the update only, not through the next backward."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -114,6 +118,9 @@ class MasterWeightsOptimizer:
 
     def step(self) -> None:
         self.optimizer.step()
+        if self.copies_grads:
+            for master in self.masters:
+                master.grad = None
 
     def after_step(self) -> None:
         self.write_back()
@@ -185,8 +192,9 @@ class ParameterOptimizer(MasterWeightsOptimizer):
 
 
 class ReplicatedOptimizer(ParameterOptimizer):
-    """ZeRO stage 0: the whole model part; gradients are the fp32 main gradients of data
-    parallelism (`main_grad(param)`)."""
+    """ZeRO stage 0: the whole model part; gradients are the main gradients of data parallelism
+    (`main_grad(param)`: fp32, or bf16 under --grad-reduce-in-bf16, which the masters take as fp32
+    copies)."""
 
     def __init__(
         self,
@@ -202,9 +210,12 @@ class ReplicatedOptimizer(ParameterOptimizer):
         self.prepare_grads()
 
     def prepare_grads(self) -> None:
-        """Point each master's gradient at its parameter's fp32 main gradient."""
+        """Point each master's gradient at its parameter's main gradient: a view when both are fp32, an
+        fp32 copy of a bf16 one (so that unscaling, clipping, the norm and the step all run in fp32)."""
         for master, param in zip(self.masters, self.targets):
-            master.grad = self._main_grad(param)
+            grad = self._main_grad(param)
+            master.grad = grad if grad.dtype == master.dtype else grad.float()
+            self.copies_grads = self.copies_grads or grad.dtype != master.dtype
 
 
 class FullyShardedOptimizer(ParameterOptimizer):

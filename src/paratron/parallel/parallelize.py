@@ -188,13 +188,15 @@ def _data_parallel(
         sync_every_micro_batch=p.ddp_sync_every_micro_batch,
         zero_stage=p.zero_stage,
         overlap_param_gather=p.overlap_param_gather,
+        grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32,
     )
     compute_dtype = PRECISION_DTYPES[config.training.precision]
     units = None
     if _fully_sharded(config, topology):
         dense, experts = topology.group(Axis.DP), topology.group(Axis.EXPERT_DP)
         separate = config.model.num_experts and experts.ranks != dense.ranks
-        units = shard_fully(model, dense, device, root, compute_dtype, experts if separate else None)
+        expert_group = experts if separate else None
+        units = shard_fully(model, dense, device, root, compute_dtype, settings.grad_dtype, expert_group)
         materialize_shards(model, device, config.training.seed)
     else:
         model.to(compute_dtype)  # (in place: parameters keep their identity, ties and records)

@@ -48,6 +48,12 @@ WIDTHS = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of each --precision's compute type."""
 
 
+def grad_width(config: Config) -> int:
+    """Bytes per element of the data-parallel gradients as accumulated and reduced: 4 (fp32), or 2 with
+    --grad-reduce-in-bf16."""
+    return 2 if config.parallel.grad_reduce_in_bf16 else 4
+
+
 @dataclass(frozen=True)
 class Kernels:
     """What a device's kernels keep for backward where they differ."""
@@ -329,7 +335,7 @@ def buffer_bytes(
     backward): the logits and the loss's fp32 working copy on the last stage, pipeline send and
     receive buffers, sequence-parallel gathers, context-parallel blocks in flight, gradient buckets
     being reduced (ZeRO-2), FSDP's gathered layers (ZeRO-3: this one and the next, and one layer's
-    fp32 gradients), and the layer group full recomputation runs again in backward.
+    unsharded gradients, in their reduction type), and the layer group full recomputation runs again in backward.
     `stage_elements`: parameters this rank trains; `layer_elements`: one layer's before ZeRO-3
     sharding."""
     shape = shape_of(config, layout, kernels)
@@ -345,11 +351,11 @@ def buffer_bytes(
         total += hidden
     if layout.cp > 1 and p.cp_comm_type == "p2p":
         total += 2 * 2 * w * shape.groups * shape.head_dim * shape.tokens
-    zero = p.zero_stage
+    zero, g = p.zero_stage, grad_width(config)
     if zero == 2 and layout.dp * layout.cp > 1:
-        total += 4 * min(2 * p.gradient_bucket_size(layout.dp), stage_elements)
+        total += g * min(2 * p.gradient_bucket_size(layout.dp), stage_elements)
     if zero == 3 and layout.dp > 1:
-        total += (2 * w + 4) * layer_elements
+        total += (2 * w + g) * layer_elements
     if t.recompute_granularity == "full":
         total += (t.recompute_num_layers or 1) * layer_bytes(shape, False, any(config.model.moe_layer_pattern))
     return round(total)

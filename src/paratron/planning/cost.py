@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from paratron.config.layout import Layout, expert_data_parallel_size
 from paratron.config.schema import Config
 from paratron.parallel.pipeline.timing import FlatSchedule, flatten, rank_times
-from paratron.planning.activations import WIDTHS
+from paratron.planning.activations import WIDTHS, grad_width
 from paratron.planning.hardware import Hardware, all_gather_time, all_reduce_time, link, reduce_scatter_time
 from paratron.planning.live import pipeline_schedule
 from paratron.planning.memory import RankMemory
@@ -179,11 +179,11 @@ def data_parallel_tail(
         (expert, layout.dp // ep, link(hardware, layout.tp * layout.cp * ep, layout.dp // ep)),
     ]
     bucket = p.gradient_bucket_size(layout.dp)
-    collective = all_reduce_time if stage == 0 else reduce_scatter_time
+    collective, g = (all_reduce_time if stage == 0 else reduce_scatter_time), grad_width(config)
     reduce = 0.0
     if stage != 2:
-        total = sum(collective(n_params * 4, n, over) for n_params, n, over in groups)
-        last = collective(min(bucket, dense) * 4, *groups[0][1:])
+        total = sum(collective(n_params * g, n, over) for n_params, n, over in groups)
+        last = collective(min(bucket, dense) * g, *groups[0][1:])
         window = sum(op["B"] + op["W"] for op in ops)
         hidden = (p.overlap_grad_reduce or stage == 3) and hardware.overlaps_communication
         reduce = max(last, total - window) if hidden else total

@@ -6,12 +6,13 @@ once per tensor- x expert-parallel size, on the meta device through the real `pa
 (one layer of each kind, the embeddings and the head), counts what one rank holds of each part,
 and prices the training state of each pipeline rank from those counts with ZeRO's arithmetic:
 
-    stage 0    weights w P, fp32 gradients 4 P, masters 4 P (none in fp32), Adam 8 P
+    stage 0    weights w P, gradients g P, masters 4 P (none in fp32), Adam 8 P
     stage 1    masters and optimizer state / N (N: the ranks the gradients are reduced over)
     stage 2    gradients / N too
     stage 3    fp32 weight shards (the masters) and gradients / N, weights gathered per layer
 
-(P: elements this rank trains, w: bytes of the compute type; frozen weights have weights only).
+(P: elements this rank trains, w: bytes of the compute type, g: of the gradients, 4 or 2 with
+--grad-reduce-in-bf16 (FSDP2's gradient shards stay fp32 at stage 3); frozen weights have weights only).
 A vision-language model's encoder and projector are counted on the first pipeline stage, as
 `keep_stage` places them (the encoder's carried layers and a frozen encoder: weights only).
 tests/unit/test_dry_run.py checks it against the dry run's built shards. Activations and
@@ -33,7 +34,14 @@ from paratron.distributed.topology import ParallelDims, Topology
 from paratron.model.gpt import GPT
 from paratron.parallel.parallelize import parallelize
 from paratron.parallel.sharding import is_expert
-from paratron.planning.activations import WIDTHS, Kernels, activation_peaks, buffer_bytes, rank_model_stages
+from paratron.planning.activations import (
+    WIDTHS,
+    Kernels,
+    activation_peaks,
+    buffer_bytes,
+    grad_width,
+    rank_model_stages,
+)
 
 CATEGORIES = ("parameters", "gradients", "master", "optimizer_state", "activations", "buffers")
 
@@ -188,7 +196,7 @@ def _stage_parts(
 def _state(config: Config, parts: Parts, dp: int, edp: int) -> dict[str, int]:
     """ZeRO's arithmetic (module docstring) over the dense gradients' group (`dp` ranks, with
     context parallelism x CP) and the experts' (`edp`)."""
-    p, w = config.parallel, WIDTHS[config.training.precision]
+    p, w, g = config.parallel, WIDTHS[config.training.precision], grad_width(config)
     zero, fp32 = p.zero_stage, config.training.precision == "fp32"
     moments = 2 if config.optimizer.optimizer == "adam" else (1 if config.optimizer.sgd_momentum else 0)
     report = dict.fromkeys(("parameters", "gradients", "master", "optimizer_state"), 0.0)
@@ -204,7 +212,7 @@ def _state(config: Config, parts: Parts, dp: int, edp: int) -> dict[str, int]:
         padded = -(-elements // size) * size if zero else elements
         shard = padded // size if zero else padded
         report["parameters"] += w * padded
-        report["gradients"] += 4 * (shard if zero == 2 and size > 1 else padded)
+        report["gradients"] += g * (shard if zero == 2 and size > 1 else padded)
         report["master"] += 0 if fp32 else 4 * shard
         report["optimizer_state"] += 4 * moments * shard
     frozen_width = 4 if zero == 3 and dp > 1 else w

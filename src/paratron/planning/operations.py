@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from paratron.config.layout import Layout
 from paratron.config.schema import Config, ModelConfig
 from paratron.parallel.pipeline.schedules import stage_of
-from paratron.planning.activations import WIDTHS, padded_vocab
+from paratron.planning.activations import WIDTHS, grad_width, padded_vocab
 from paratron.planning.hardware import (
     Hardware,
     all_gather_time,
@@ -356,8 +356,9 @@ class _Comm:
         hides = self.hardware.overlaps_communication
         if stage == 2 and params:
             bucket = self.config.parallel.gradient_bucket_size(self.dp)
-            whole = reduce_scatter_time(4 * params, self.dp * self.cp, over)
-            last = reduce_scatter_time(4 * min(bucket, params), self.dp * self.cp, over)
+            g = grad_width(self.config)
+            whole = reduce_scatter_time(g * params, self.dp * self.cp, over)
+            last = reduce_scatter_time(g * min(bucket, params), self.dp * self.cp, over)
             return {"B": max(last, whole - op["B"] - op["W"]) if hides else whole}
         if stage != 3 or not params:
             return {}

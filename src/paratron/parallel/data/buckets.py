@@ -24,7 +24,8 @@ over all data-parallel ranks, whose tokens they saw). Three ways to keep gradien
 Gradients are kept in `grad_dtype` (fp32 by default), whatever the parameters' type. When the
 two agree, `param.grad` is the parameter's view of the buffer and autograd accumulates into it
 directly; when the parameters are 16-bit, autograd leaves a 16-bit `param.grad` that the hook
-adds into the fp32 buffer and drops (Megatron-LM's "main gradients").
+adds into the fp32 buffer and drops (Megatron-LM's "main gradients"). A bf16 `grad_dtype` with
+bf16 parameters (--grad-reduce-in-bf16) is the first case: accumulation and reduction in bf16.
 
 On gloo the two reduce-scatter modes all-reduce the bucket and keep their shard of the
 result, because gloo's reduce-scatter is slower than its all-reduce.
@@ -125,7 +126,7 @@ class GradientReducer:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         first = params[0]
         self.dtype, self.device = grad_dtype, first.device
-        # 16-bit parameters: their autograd gradients are added into the fp32 buffer, then dropped
+        # parameters of another type (16-bit ones, fp32 buffer): autograd's gradients are added in, then dropped
         self.separate = any(p.dtype != grad_dtype for p in params)
         self.sync_enabled = True
         # gloo's reduce-scatter takes 2-2.5x the time of its all-reduce of the same buffer (4M fp32
@@ -156,7 +157,7 @@ class GradientReducer:
     # ---------------------------------------------------------------- layout helpers
 
     def main_grad(self, param: nn.Parameter) -> torch.Tensor:
-        """`param`'s fp32 gradient: its view of the persistent buffer (not at ZeRO stage 2)."""
+        """`param`'s gradient (of `grad_dtype`): its view of the persistent buffer (not at ZeRO stage 2)."""
         return self._main_grads[id(param)]
 
     def view(self, flat: torch.Tensor, param: nn.Parameter, base: int = 0) -> torch.Tensor:

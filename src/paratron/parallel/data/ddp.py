@@ -14,8 +14,11 @@ shards); at stage 3 PyTorch FSDP2 reduce-scatters them (`fully_sharded.py`) and 
 partial sums over other groups are completed here.
 
 Gradients are fp32 whatever the parameters' type (`main_grad(param)`; also `param.grad` when
-the parameters are fp32). They are synchronised on the last micro-batch of a step only (unless
-`sync_every_micro_batch`, or at stage 2, which keeps no full gradient between micro-batches).
+the parameters are fp32), or bf16 with bf16 parameters under --grad-reduce-in-bf16
+(`DataParallelSettings.grad_dtype`: accumulated over micro-batches and reduced in bf16, as in
+Megatron-LM; the optimizer takes fp32 copies). They are synchronised on the last micro-batch
+of a step only (unless `sync_every_micro_batch`, or at stage 2, which keeps no full gradient
+between micro-batches).
 Zero them with `zero()`, which keeps `param.grad` a view of the buffer.
 """
 
@@ -44,6 +47,8 @@ class DataParallelSettings:
     sync_every_micro_batch: bool = False
     zero_stage: int = 0
     overlap_param_gather: bool = False
+    grad_dtype: torch.dtype = torch.float32
+    """The type gradients are accumulated and reduced in (bf16 under --grad-reduce-in-bf16)."""
 
 
 class DataParallelGradients:
@@ -102,10 +107,11 @@ class DataParallelGradients:
             late=late,  # (those of other reducers are ignored)
             every_micro_batch=settings.sync_every_micro_batch,
             post_scale=post_scale,
+            grad_dtype=settings.grad_dtype,
         )
 
     def main_grad(self, param: nn.Parameter) -> torch.Tensor:
-        """`param`'s fp32 gradient in its reducer's buffer (ZeRO stages 0 and 1)."""
+        """`param`'s gradient in its reducer's buffer (ZeRO stages 0 and 1), of `settings.grad_dtype`."""
         return self._owner[id(param)].main_grad(param)
 
     def require_sync(self, enabled: bool) -> None:

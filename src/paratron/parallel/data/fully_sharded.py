@@ -40,19 +40,21 @@ def shard_fully(
     device: torch.device,
     root: nn.Module | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
     expert_group: RankGroup | None = None,
 ) -> list[nn.Module]:
     """Apply FSDP2 over `group` to this rank's part of `model` (materialized, fp32); returns the units.
     `root` is the module whose forward runs the model (default `model`; a pipeline stage's runner).
     With a 16-bit `compute_dtype` the fp32 shards are the master weights: FSDP2 gathers them in
-    that type for compute and reduces gradients in fp32. `expert_group`: the experts'
-    expert-data-parallel group, when it is not `group` (each block's experts a unit over it)."""
+    that type for compute and reduces gradients in `reduce_dtype` (fp32, or bf16 under --grad-reduce-in-bf16),
+    then keeps each rank's gradient shard in fp32 beside its fp32 weight shard. `expert_group`: the
+    experts' expert-data-parallel group, when it is not `group` (each block's experts a unit over it)."""
     root = model if root is None else root
     # (a model on the meta device, as --dry-run builds, keeps its shards there; the mesh needs a real device type)
     meshes = _Meshes("cpu" if device.type == "meta" else device.type)
     mesh = meshes.of(group)
     before = {id(m): list(m.parameters(recurse=False)) for m in model.modules()}
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     units: list[nn.Module] = []
     for block in model.layers:
         if block is None:
