@@ -1,6 +1,8 @@
 """Expert parallelism, two and four processes: the same MoE model at EP = world against EP 1
 (plain data parallelism), the bytes the token dispatchers send against their formulas, and the
-alltoall dispatcher against allgather.
+alltoall dispatcher against allgather; then MoE parallel folding under tensor parallelism: TP 2
+with the experts split like the dense MLP (expert TP 2, EP 1 at two processes, EP 2 at four)
+against the folded TP 2 x EP = world x expert TP 1 (whole experts, EP over the TP ranks).
 
     python bench/expert_parallel.py --output bench/results/expert_parallel.json
     python bench/expert_parallel.py --smoke  # a few short steps on two processes: does it still run?
@@ -137,6 +139,22 @@ def formula(args: argparse.Namespace, ep: int, dispatcher: str) -> float:
     return per_layer * MODEL["num_layers"]
 
 
+FOLDINGS = {
+    # world -> (unfolded: experts split over the TP ranks as the dense MLP, folded: whole experts, EP over TP ranks)
+    2: (dict(expert_model_parallel_size=1), dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
+    4: (dict(expert_model_parallel_size=2), dict(expert_model_parallel_size=4, expert_tensor_parallel_size=1)),
+}
+TENSOR_PARALLEL = dict(tensor_model_parallel_size=2, sequence_parallel=True, moe_token_dispatcher_type="alltoall")
+
+
+def folding(args: argparse.Namespace, world: int, folder: Path) -> dict[str, Any]:
+    """The folded layout against the unfolded one at TP 2 on `world` processes."""
+    unfolded, folded = (_run(args, world, dict(TENSOR_PARALLEL, **f), folder, f"w{world}-{n}")
+                        for f, n in zip(FOLDINGS[world], ("unfolded", "folded")))  # fmt: skip
+    folded["ratio_vs_unfolded"] = folded["tokens_per_s"] / unfolded["tokens_per_s"]
+    return {"unfolded": unfolded, "folded": folded}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=128)
@@ -162,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                 ours["measured_over_formula"] = ours["bytes_per_step_per_rank"] / ours["formula_bytes"]
                 results[f"world{world}"][dispatcher] = ours
                 rows.append((world, dispatcher, ours, base))
+            results[f"world{world}"]["folding"] = folding(args, world, Path(tmp))
     results["commit"] = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -175,6 +194,18 @@ def main(argv: list[str] | None = None) -> None:
             f"| {world} | {world} | {dispatcher} | {ours['tokens_per_s']:,.0f} | {base['tokens_per_s']:,.0f} | "
             f"**{ours['ratio_vs_ep1']:.2f}** | {ours['bytes_per_step_per_rank'] / 1e6:.2f} | "
             f"{ours['formula_bytes'] / 1e6:.2f} | {ours['measured_over_formula']:.3f} |"
+        )
+    print("\n| world | unfolded (TP 2, expert TP 2) | tokens/s | folded (TP 2, expert TP 1) | tokens/s | ratio "
+          "| MB sent per rank and step, unfolded / folded |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for world in args.worlds:
+        pair = results[f"world{world}"]["folding"]
+        plain, fold = pair["unfolded"], pair["folded"]
+        ep_plain, ep_fold = (f["expert_model_parallel_size"] for f in FOLDINGS[world])
+        print(
+            f"| {world} | EP {ep_plain} | {plain['tokens_per_s']:,.0f} | EP {ep_fold} | {fold['tokens_per_s']:,.0f} | "
+            f"**{fold['ratio_vs_unfolded']:.2f}** | {plain['bytes_per_step_per_rank'] / 1e6:.2f} / "
+            f"{fold['bytes_per_step_per_rank'] / 1e6:.2f} |"
         )
     if args.output:
         args.output.write_text(json.dumps(results, indent=1) + "\n")

@@ -125,7 +125,6 @@ REMOVED: dict[str, dict[str, tuple[str, str, str | None]]] = {
         "--fp8-amax-history-len": (_HARDWARE, _FP8, None),
         "--fp8-amax-compute-algo": (_HARDWARE, _FP8, None),
         "--fp8-param-gather": (_HARDWARE, _FP8, None),
-        "--grad-reduce-in-bf16": ("not implemented", "is a Megatron-LM flag that paratron does not implement", None),
     },
     "deepseek_proxy_fsdp_ep2_fsdp2": {
         "--fp8-format": (_HARDWARE, _FP8, None),
@@ -157,11 +156,6 @@ REMOVED: dict[str, dict[str, tuple[str, str, str | None]]] = {
             "paratron reads the list, not the Python expression",
             "give a positive integer or a list",
             "[0,1,1,1]",
-        ),
-        "--data-parallel-sharding-strategy": (
-            "FSDP (ZeRO 3) with expert parallelism: the distributed optimizer (ZeRO 1) shards instead",
-            "experts are sharded by the distributed optimizer",
-            None,
         ),
     },
 }

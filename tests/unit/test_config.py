@@ -363,7 +363,6 @@ def base(**overrides):
             2,
             "--overlap-param-gather needs the distributed optimizer: add --use-distributed-optimizer",
         ),
-        (dict(overlap_param_gather=True, zero_stage=3), 2, "--overlap-param-gather needs the distributed optimizer"),
         (dict(ddp_bucket_size=0), 2, "--ddp-bucket-size 0: must be at least 1"),
         (
             dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", zero_stage=3),
@@ -564,3 +563,9 @@ def test_bad_attention_and_context_parallel_settings_are_named(settings, expecte
     with pytest.raises(ConfigError, match=re.escape(expected)):
         config = build_config(dict(mock_data=True, **settings), recipe="debug")
         validate(config, config.parallel.nproc_per_node)
+
+
+def test_overlap_param_gather_is_accepted_at_zero_stage_3():
+    """(FSDP2 gathers the next block's parameters ahead at stage 3: the flag changes nothing there, as Megatron FSDP's)"""
+    config = build_config(dict(mock_data=True, overlap_param_gather=True, zero_stage=3, nproc_per_node=2), recipe="debug")
+    assert validate(config, 2).dp == 2

@@ -481,12 +481,14 @@ class ParallelConfig:
     with the previous block's attention) or all_gather (every rank gathers all keys and values first)."""
 
     expert_model_parallel_size: int = 1
-    """Expert-parallel degree: each rank holds num-experts / EP of every MoE layer's experts; carved from the
-    data-parallel ranks, which must be a multiple of it."""
+    """Expert-parallel degree: each rank holds num-experts / EP of every MoE layer's experts. The experts' grid
+    (expert TP x EP x expert DP) is folded over each pipeline stage's TP x CP x DP ranks as Megatron-Core folds it, so
+    EP x expert TP must divide them; EP may span tensor- and context-parallel ranks and exceed DP."""
 
     expert_tensor_parallel_size: int | None = None
-    """Tensor-parallel degree of the experts: the tensor-parallel size (default; experts split like a dense MLP) or 1
-    (whole experts, each tensor-parallel rank routing its share of the tokens)."""
+    """Tensor-parallel degree of the experts (each split like a dense MLP over that many ranks): default the
+    tensor-parallel size; 1 for whole experts. Any size whose product with EP divides a stage's TP x CP x DP ranks.
+    A dense model accepts it and ignores it, as Megatron-LM does."""
 
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "allgather"
     """How tokens reach the ranks of their experts under expert parallelism: alltoall (each routed copy sent to its
@@ -517,7 +519,7 @@ class ParallelConfig:
 
     overlap_param_gather: bool = False
     """With the distributed optimizer, gather each bucket's updated parameters behind the next forward (waited for by
-    the first layer that uses them)."""
+    the first layer that uses them). At --zero-stage 3 FSDP2 always gathers the next block's parameters ahead."""
 
     def gradient_bucket_size(self, data_parallel_size: int) -> int:
         """Gradient elements per reduction bucket: --ddp-bucket-size, or Megatron-LM's max(40M, 1M x DP)."""

@@ -376,10 +376,10 @@ def _check_recompute(t: TrainingConfig) -> None:
 def _check_data_parallel(config: Config, layout: Layout) -> None:
     p = config.parallel
     stage = p.zero_stage
-    if p.overlap_param_gather and stage not in (1, 2):
+    if p.overlap_param_gather and stage not in (1, 2, 3):  # (at stage 3 FSDP2 prefetches the next unit's anyway)
         raise ConfigError(
             f"{flag.overlap_param_gather} needs the distributed optimizer: add "
-            f"--use-distributed-optimizer (or {flag.zero_stage} 1 or 2)"
+            f"--use-distributed-optimizer (or {flag.zero_stage} 1, 2 or 3)"
         )
     schedule = layout.pipeline.schedule
     if stage == 3 and schedule in ("zb-h1", "zb-v"):

@@ -45,6 +45,11 @@ class Shape:
     --account-for-embedding/loss-in-pipeline-split): virtual stages for layer counts the ranks do not divide."""
 
 
+ENDS_COUNTED_CHUNK_LAYERS = 2
+"""The most layers per chunk of the interleaved layouts searched with the embedding and the loss counted as layers:
+the lighter end chunks matter where chunks are short (longer ones are the plain interleaved layouts' business)."""
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -83,8 +88,8 @@ def _expert_sizes(config: Config, tp: int, gpus_per_node: int) -> list[int]:
 
 def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
     """The pipeline arrangements of a shape: 1F1B and ZB-H1 with the end stages' layer counts that
-    balance the stages, interleaved with each number of virtual stages, ZB-V; the interleaved and ZB-V
-    ones again with the embedding and the loss counted as layers where those make the cut even."""
+    balance the stages, interleaved with each number of virtual stages, ZB-V; the interleaved (of short
+    chunks) and ZB-V ones again with the embedding and the loss counted as layers where those make the cut even."""
     layers, pp = config.model.num_layers, shape.pp
     if pp == 1:
         yield shape
@@ -100,9 +105,10 @@ def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
     if layers % (2 * pp) == 0:
         yield dataclasses.replace(shape, schedule="zb-v", chunks=2)
     counted = layers + 2  # (the embedding and the loss as a layer each)
-    if counted % pp == 0:
+    if counted % pp == 0:  # (as Llama 3's layout: chunks of one or two layers, where the end stages' are lighter)
         for chunks in divisors(counted // pp)[1:]:
-            yield dataclasses.replace(shape, schedule="interleaved", chunks=chunks, ends_counted=True)
+            if counted // (pp * chunks) <= ENDS_COUNTED_CHUNK_LAYERS:
+                yield dataclasses.replace(shape, schedule="interleaved", chunks=chunks, ends_counted=True)
     if counted % (2 * pp) == 0:
         yield dataclasses.replace(shape, schedule="zb-v", chunks=2, ends_counted=True)
 

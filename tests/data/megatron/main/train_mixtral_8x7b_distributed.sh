@@ -2,7 +2,7 @@
 # Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh at main (commit d98e8a64dd, 2026-08-22), shrunk
 # in sizes, paths and data only (layers 32 -> 4, hidden 4096 -> 64, FFN 14336 -> 224, heads 32 -> 4, query groups
 # 8 -> 2, sequence 4096 -> 64, positions 32768 -> 64, experts 8 -> 4, global batch 256 -> 8, iterations, PP 4 -> 2,
-# GPUs per node 8 -> 4; EP 8 -> 2 so that it divides the data-parallel size of 4 ranks; the original EP is 8),
+# GPUs per node 8 -> 4; EP 8 -> 2, as a pipeline stage of the shrunk run has 2 ranks; the original EP is 8),
 # and the tiny GPT-2 BPE vocabulary and corpus of tests/data/megatron in place of a Llama-2 SentencePiece model
 # and its data (with --split 99990,8,2 -> 949,50,1, as the tiny corpus has too few documents for the former).
 # tests/integration/test_megatron_scripts.py runs it with `paratron train`.
