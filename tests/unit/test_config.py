@@ -566,6 +566,7 @@ def test_bad_attention_and_context_parallel_settings_are_named(settings, expecte
 
 
 def test_overlap_param_gather_is_accepted_at_zero_stage_3():
-    """(FSDP2 gathers the next block's parameters ahead at stage 3: the flag changes nothing there, as Megatron FSDP's)"""
-    config = build_config(dict(mock_data=True, overlap_param_gather=True, zero_stage=3, nproc_per_node=2), recipe="debug")
+    """(FSDP2 gathers the next block's parameters ahead at stage 3: the flag changes nothing there)"""
+    settings = dict(mock_data=True, overlap_param_gather=True, zero_stage=3, nproc_per_node=2)
+    config = build_config(settings, recipe="debug")
     assert validate(config, 2).dp == 2
