@@ -154,7 +154,10 @@ def test_plans_keep_tensor_and_expert_parallelism_in_a_node_and_fit():
     config = config_of(model_name="mixtral-8x7b", seq_length=2048, global_batch_size=64)
     found = list(shapes(config, 32, 4))
     assert {(s.tp, s.ep) for s in found} == {(t, e) for t in (1, 2, 4) for e in (1, 2, 4, 8) if t * e <= 4}
-    assert all(s.cp == 1 for s in found)  # (context parallelism does not serve MoE yet)
+    assert {s.cp for s in found} == {1, 2, 4, 8}  # (dropless experts: context parallelism serves them)
+    folded = config_of(model_name="mixtral-8x7b", seq_length=2048, global_batch_size=64, expert_tensor_parallel_size=1)
+    pairs = {(s.tp, s.ep) for s in shapes(folded, 32, 4)}  # (EP over the TP ranks: EP x expert TP 1 in a node)
+    assert pairs == {(t, e) for t in (1, 2, 4) for e in (1, 2, 4)}
     machine = dataclasses.replace(H100, gpus_per_node=4)
     plans = plan(config, 32, machine)
     assert plans and all(p.layout.tp * p.settings["expert_model_parallel_size"] <= 4 for p in plans)

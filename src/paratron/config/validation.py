@@ -647,8 +647,7 @@ def _check_step_batch_pipeline(config: Config, layout: Layout) -> None:
             check_schedule(plan.schedule, layout.pp, batch // unit, plan.chunks)
         except ValueError as exc:
             raise ConfigError(
-                f"{flag.step_batch_size_schedule} {text!r}: the batch of {batch}: {exc}; "
-                "change the schedule"
+                f"{flag.step_batch_size_schedule} {text!r}: the batch of {batch}: {exc}; change the schedule"
             ) from None
 
 

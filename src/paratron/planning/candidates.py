@@ -55,9 +55,10 @@ def divisors(n: int) -> list[int]:
 
 
 def shapes(config: Config, world: int, gpus_per_node: int) -> Iterator[Shape]:
-    """Parallel sizes that divide the world and the model: TP (and EP x TP) inside a node,
-    heads, key/value groups and MLP width split by TP, CP only for dense models and sequences
-    that keep MIN_CONTEXT_TOKENS per rank, EP carved from DP; then each pipeline arrangement. A vision
+    """Parallel sizes that divide the world and the model: TP (and EP x expert TP) inside a node,
+    heads, key/value groups and MLP width split by TP, CP for sequences that keep MIN_CONTEXT_TOKENS
+    per rank (not with MoE token dropping), EP x expert TP (the given one, else TP) dividing a stage's
+    TP x CP x DP ranks (MoE parallel folding); then each pipeline arrangement. A vision
     model's encoder needs TP to divide its heads and MLP width too, and takes no CP."""
     m = config.model
     heads, groups = m.num_attention_heads, m.num_query_groups
@@ -68,22 +69,23 @@ def shapes(config: Config, world: int, gpus_per_node: int) -> Iterator[Shape]:
         if m.has_vision and (m.vision_num_attention_heads % tp or m.vision_ffn_hidden_size % tp):
             continue
         for cp in _context_sizes(config, world // tp):
-            for ep in _expert_sizes(config, tp, gpus_per_node):
+            expert_tp = config.parallel.expert_tensor_parallel_size or tp
+            for ep in _expert_sizes(config, expert_tp, gpus_per_node):
                 for pp in divisors(world // (tp * cp)):
-                    if pp <= m.num_layers and (world // (tp * cp * pp)) % ep == 0:
+                    if pp <= m.num_layers and (world // pp) % (ep * expert_tp) == 0:
                         yield from _pipelines(config, Shape(tp, cp, ep, pp))
 
 
 def _context_sizes(config: Config, most: int) -> list[int]:
     seq, m = config.data.seq_length, config.model
-    if m.num_experts or m.attention_dropout > 0 or m.has_vision:
+    if m.moe_expert_capacity_factor is not None or m.attention_dropout > 0 or m.has_vision:
         return [1]
     return [c for c in divisors(most) if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CONTEXT_TOKENS)]
 
 
-def _expert_sizes(config: Config, tp: int, gpus_per_node: int) -> list[int]:
+def _expert_sizes(config: Config, expert_tp: int, gpus_per_node: int) -> list[int]:
     experts = config.model.num_experts
-    return [e for e in divisors(experts) if tp * e <= gpus_per_node] if experts else [1]
+    return [e for e in divisors(experts) if expert_tp * e <= gpus_per_node] if experts else [1]
 
 
 def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
@@ -173,13 +175,13 @@ def micro_batch_sizes(config: Config, world: int, shape: Shape) -> list[int]:
 
 
 def zero_stages(config: Config, world: int, shape: Shape) -> list[int]:
-    """ZeRO stages worth trying: none without data parallelism; otherwise 1 to 3 (not 3 with CP, EP
+    """ZeRO stages worth trying: none without data parallelism; otherwise 1 to 3 (not 3 with CP
     or zero bubble). Stage 0 is dominated by 1, which moves fewer bytes (a reduce-scatter, and an
     all-gather behind the next forward, for the all-reduce) in less memory with a shorter optimizer step."""
     if world // (shape.tp * shape.pp) == 1:
         return [0]
     dp = world // (shape.tp * shape.cp * shape.pp)
-    if shape.cp > 1 or shape.ep > 1 or shape.schedule in ("zb-h1", "zb-v") or dp == 1:
+    if shape.cp > 1 or shape.schedule in ("zb-h1", "zb-v") or dp == 1:
         return [1, 2]
     return [1, 2, 3]
 

@@ -271,9 +271,7 @@ class _Comm:
         )
         ep = p.expert_model_parallel_size
         routed = self.tokens / (self.tp if p.sequence_parallel else 1) * m.moe_router_topk * m.hidden_size
-        a2a = (
-            all_to_all_time(routed * self.act_bytes, ep, link(self.hardware, self.expert_tp, ep)) if work.moe else 0
-        )
+        a2a = all_to_all_time(routed * self.act_bytes, ep, link(self.hardware, self.expert_tp, ep)) if work.moe else 0
         scores_f, scores_b = work.scores / rate, FLASH_BACKWARD * work.scores / rate
         hides = self.hardware.overlaps_communication
         fwd = {"compute": work.linear / rate + scores_f, "tensor_parallel": tp_fwd}
