@@ -90,8 +90,9 @@ def _expert_sizes(config: Config, expert_tp: int, gpus_per_node: int) -> list[in
 
 def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
     """The pipeline arrangements of a shape: 1F1B and ZB-H1 with the end stages' layer counts that
-    balance the stages, interleaved with each number of virtual stages, ZB-V; the interleaved (of short
-    chunks) and ZB-V ones again with the embedding and the loss counted as layers where those make the cut even."""
+    balance the stages, interleaved with each number of virtual stages, ZB-V; where the ranks do not divide
+    the layers, the interleaved (of short chunks) and ZB-V ones again with the embedding and the loss counted
+    as layers where those make the cut even."""
     layers, pp = config.model.num_layers, shape.pp
     if pp == 1:
         yield shape
@@ -107,6 +108,8 @@ def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
     if layers % (2 * pp) == 0:
         yield dataclasses.replace(shape, schedule="zb-v", chunks=2)
     counted = layers + 2  # (the embedding and the loss as a layer each)
+    if layers % pp == 0:  # (the plain cuts serve a layer count the ranks divide)
+        return
     if counted % pp == 0:  # (as Llama 3's layout: chunks of one or two layers, where the end stages' are lighter)
         for chunks in divisors(counted // pp)[1:]:
             if counted // (pp * chunks) <= ENDS_COUNTED_CHUNK_LAYERS:
