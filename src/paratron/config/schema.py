@@ -973,6 +973,14 @@ class TrainingConfig:
     recompute_num_layers: int | None = field(default=None, metadata=ABOVE_ZERO)
     """Layers per recomputed group (uniform) or recomputed layers per pipeline chunk (block); default 1 for uniform."""
 
+    compile: bool = False
+    """Compile each transformer block with torch.compile (regional compilation: blocks of one shape share one graph,
+    compiled during the first step; the log says how long it took and how many graphs and graph breaks it made)."""
+
+    compile_backend: str = "inductor"
+    """torch.compile's backend for --compile: inductor (generated kernels), or aot_eager / eager to check tracing
+    without code generation."""
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:

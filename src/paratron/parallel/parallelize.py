@@ -46,6 +46,7 @@ from paratron.parallel.context.apply import apply_context_parallel
 from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
 from paratron.parallel.data.fully_sharded import held_boxes, local_tensor, shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
+from paratron.parallel.compile import apply_compile
 from paratron.parallel.expert.apply import ExpertGroups, apply_expert_parallel
 from paratron.parallel.model import ParallelModel, TokenLoss
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
@@ -82,6 +83,8 @@ def parallelize(
     if t.recompute_granularity is not None:
         apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     stage = _cut_stage(model, layout, topology) if topology.size(Axis.PP) > 1 else None
+    if t.compile:
+        apply_compile(model, t.compile_backend)
     if not _fully_sharded(config, topology):  # (ZeRO-3 shards on the meta device, then fills only its shards)
         materialize(model, device, t.seed)
     gradients, flat = _data_parallel(model, config, topology, device, stage.runner if stage else None)

@@ -34,6 +34,7 @@ from paratron.model.batch import Batch
 from paratron.optim.lr_schedule import LRSchedule
 from paratron.optim.mixed_precision import Precision, build_loss_scaler
 from paratron.optim.protocol import TrainingOptimizer
+from paratron.parallel.compile import CompileReport
 from paratron.parallel.data.fully_sharded import reshard
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.pipeline.profile import profile_step
@@ -216,6 +217,8 @@ class Trainer:
             window.restart(at=step_start)
             with window.paused():
                 self._report_memory(activations)
+                if self.config.training.compile:
+                    self._report_compile(time.perf_counter() - step_start)
         if profiling:
             pipeline.record = False
             with window.paused():
@@ -343,6 +346,14 @@ class Trainer:
         """Tell the watchdog the loop moves (a step, a save or an evaluation batch began or ended)."""
         if self.watchdog is not None:
             self.watchdog.progress(iteration)
+
+    def _report_compile(self, first_step_seconds: float) -> None:
+        """What --compile made during the first step (which compiled the blocks, so its time is mostly that)."""
+        made = CompileReport.now()
+        self.writer.info(
+            f"compile ({self.config.training.compile_backend}): {made.graphs} graph(s) for the blocks, "
+            f"{made.graph_breaks} graph break(s); the first step, which compiled them, took {first_step_seconds:.1f} s"
+        )
 
     def _report_memory(self, activations: SavedActivations | None) -> None:
         """Rank 0's training state after the first step; every rank's with --log-memory (memory.json)."""
