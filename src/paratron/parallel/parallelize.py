@@ -42,11 +42,11 @@ from paratron.model.gpt import GPT
 from paratron.model.init import init_block_rows, init_rows
 from paratron.model.loss import token_losses
 from paratron.model.moe import grouped_gemm_available
+from paratron.parallel.compile import apply_compile
 from paratron.parallel.context.apply import apply_context_parallel
 from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
 from paratron.parallel.data.fully_sharded import held_boxes, local_tensor, shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
-from paratron.parallel.compile import apply_compile
 from paratron.parallel.expert.apply import ExpertGroups, apply_expert_parallel
 from paratron.parallel.model import ParallelModel, TokenLoss
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
