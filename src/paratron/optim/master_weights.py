@@ -14,8 +14,8 @@ matrices and embeddings, not to biases and norm weights. Checkpoints carry the m
 which 16-bit weights cannot restore.
 
 The step runs on the device's fast path (`step_implementation`): torch's fused kernels on CUDA,
-its multi-tensor (foreach) kernels elsewhere, where torch's own default would pick the slower
-per-tensor loop (for CPU tensors and DTensors).
+its multi-tensor (foreach) kernels elsewhere, where torch's own default would pick the
+per-tensor loop (for CPU tensors and DTensors); foreach gives the loop's values bit for bit in fp32.
 """
 
 from __future__ import annotations
@@ -32,17 +32,21 @@ from paratron.optim.protocol import GradsForNorm, OptimizerPiece
 from paratron.parallel.data.fully_sharded import fsdp_rows, local_tensor
 
 FUSED_DEVICE_TYPES = frozenset({"cuda"})
-"""Device types whose masters torch's fused AdamW / SGD kernels step (one launch for many tensors).
-Not the CPU: torch 2.13's CPU fused kernels round differently from the per-tensor loop on tensors of
-more than a few elements (AdamW's weights part by up to 1.2e-7, SGD's by up to 2.4e-7, within six
-steps from unit-normal values), where the foreach kernels agree with the loop bit for bit."""
+"""Device types whose masters torch's fused AdamW / SGD kernels step (one pass, few launches).
+Not the CPU, though its fused kernels are 3 to 4.6 times faster there (bench/optimizer_step.py): torch
+2.13's CPU fused kernels round differently from the per-tensor loop on tensors of more than a few
+elements (weights part by up to 1.2e-7 for AdamW and 2.4e-7 for SGD within six steps from
+unit-normal values; 1.5e-8 for AdamW on GPT-2 weights of scale 0.02 in 15 steps), where the foreach
+kernels agree with the loop bit for bit."""
 
 
 def step_implementation(masters: Sequence[torch.Tensor]) -> dict[str, bool]:
     """The `foreach` / `fused` arguments of the optimizer over `masters`: fused where every master
     is a floating-point tensor on a device of `FUSED_DEVICE_TYPES`, foreach otherwise. Left to its
     default, torch would take the per-tensor loop for CPU tensors and for FSDP2's DTensor shards (it
-    lists neither), which on a CPU is 2-3 times slower than foreach and computes the same values.
+    lists neither). foreach computes the same values with fewer dispatches: on a CPU 1.1 times
+    faster over many small tensors, level with the loop over large ones, where memory traffic bounds
+    the step (bench/optimizer_step.py).
     Both torch paths group tensors by device and dtype, so mixed masters still step correctly."""
     fused = bool(masters) and all(
         local_tensor(m).device.type in FUSED_DEVICE_TYPES and m.is_floating_point() for m in masters
