@@ -36,6 +36,7 @@ SMOKES = {
     "inspect_checkpoint": [],
     "megatron_step": [],
     "moe": [],
+    "optimizer_step": [],
     "pipeline_bubble": [],
     "pipeline_step": [],
     "plan_cpu": [],

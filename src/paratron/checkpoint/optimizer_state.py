@@ -29,6 +29,7 @@ from torch import nn
 from paratron.checkpoint.pieces import Catalog, box_key, flat_piece_boxes, param_piece_boxes, parse_key, writes
 from paratron.distributed.topology import Topology
 from paratron.errors import CheckpointError
+from paratron.optim.master_weights import step_counter
 from paratron.optim.protocol import OptimizerPiece, TrainingOptimizer
 from paratron.parallel.data.fully_sharded import local_tensor
 from paratron.parallel.sharding import Shard, boxes, full_shape, param_info, whole_box
@@ -215,4 +216,4 @@ def _fill(piece: Piece, sources: dict[str, tuple[Catalog, str]], step: float | N
             state[key] = torch.zeros_like(part.master, memory_format=torch.preserve_format)
         local_tensor(state[key]).view(-1).copy_(values.to(local_tensor(part.master).device))
     if step is not None:
-        state["step"] = torch.tensor(step, dtype=torch.float32)
+        state["step"] = step_counter(piece.optimizer, part.master, step)
