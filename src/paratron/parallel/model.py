@@ -22,6 +22,7 @@ from paratron.distributed import comm
 from paratron.distributed.rng import RNGStates
 from paratron.distributed.topology import Axis, RankGroup, Topology
 from paratron.model.batch import Batch
+from paratron.model.fused_loss import fused_token_losses
 from paratron.model.loss import mean_loss
 from paratron.model.moe import MoELayer
 from paratron.parallel.context.split import split_batch
@@ -50,6 +51,7 @@ class ParallelModel(nn.Module):
         pipeline: PipelineRuntime | None = None,
         flat_parameters: list[FlatParameters] | None = None,
         rng: RNGStates | None = None,
+        loss_fusion: bool = False,
     ) -> None:
         super().__init__()
         self.module = module
@@ -59,6 +61,7 @@ class ParallelModel(nn.Module):
         self.pipeline = pipeline
         self.flat_parameters = flat_parameters or []  # (the distributed optimizer's: dense, then experts)
         self.rng_states = rng  # named generators of tensor-parallel regions (checkpointed)
+        self.loss_fusion = loss_fusion  # the output layer runs inside the loss, in chunks (`model.fused_loss`)
 
     @property
     def trained_parameters(self) -> list[nn.Parameter]:
@@ -129,15 +132,19 @@ class ParallelModel(nn.Module):
         return mean_loss(self.token_loss(logits, labels), labels)
 
     def _run(self, batch: Batch) -> torch.Tensor:
-        """Summed token loss of one micro-batch through the whole (unpipelined) model."""
-        logits = self.module(
+        """Summed token loss of one micro-batch through the whole (unpipelined) model; with loss fusion the model
+        stops before its output layer and the fused loss applies it chunk by chunk."""
+        out = self.module(
             batch.input_ids,
             position_ids=batch.position_ids,
             segment_ids=batch.segment_ids,
             token_index=batch.token_index,
             images=batch.images,
+            before_output=self.loss_fusion,
         )
-        return self.token_loss(logits, batch.labels).sum()
+        if self.loss_fusion:
+            return fused_token_losses(out, self.module.output.weight, batch.labels).sum()
+        return self.token_loss(out, batch.labels).sum()
 
     def _context_parts(self, batches: list[Batch]) -> list[Batch]:
         """This rank's share of each row under context parallelism (the batches themselves otherwise)."""

@@ -88,7 +88,8 @@ def parallelize(
     pipeline = None
     if stage is not None:
         pipeline = _pipeline_runtime(stage, config, topology, device, token_loss, gradients)
-    return ParallelModel(model, topology, token_loss, gradients, pipeline, flat, rng)
+    fusion = config.training.cross_entropy_loss_fusion
+    return ParallelModel(model, topology, token_loss, gradients, pipeline, flat, rng, loss_fusion=fusion)
 
 
 def parallelize_for_inference(
