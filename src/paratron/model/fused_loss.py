@@ -47,14 +47,16 @@ def chunked_loss_and_grads(
         logits = (h @ weight.t()).float()
         trained = target != IGNORE_INDEX
         safe_target = target.masked_fill(~trained, 0)
-        lse = torch.logsumexp(logits, dim=-1)
         target_logit = logits.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
-        losses[rows] = (lse - target_logit) * trained
+        top = logits.amax(dim=-1, keepdim=True)
+        exp = logits.sub_(top).exp_()  # (in the logits' storage: one chunk-sized buffer all the way)
+        sum_exp = exp.sum(dim=-1, keepdim=True)
+        losses[rows] = (sum_exp.log().add_(top).squeeze(-1) - target_logit) * trained
         if not with_grad:
             continue
         scale = trained.float() if token_weights is None else token_weights[rows].float() * trained
-        grad_logits = logits.sub_(lse.unsqueeze(-1)).exp_()  # (the softmax, in the logits' storage)
-        grad_logits.scatter_add_(-1, safe_target.unsqueeze(-1), -torch.ones_like(lse).unsqueeze(-1))
+        grad_logits = exp.div_(sum_exp)  # (the softmax)
+        grad_logits.scatter_add_(-1, safe_target.unsqueeze(-1), -torch.ones_like(target_logit).unsqueeze(-1))
         grad_logits.mul_(scale.unsqueeze(-1))
         grad_logits = grad_logits.to(weight.dtype)
         grad_hidden[rows] = grad_logits @ weight
