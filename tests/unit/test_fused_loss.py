@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -12,7 +14,6 @@ from paratron.errors import ConfigError
 from paratron.model.batch import IGNORE_INDEX
 from paratron.model.fused_loss import chunk_tokens, fused_token_losses
 from paratron.model.loss import token_losses
-from paratron.parallel import model as parallel_model
 from paratron.training.run import run_training
 
 from tiny import tiny_config
@@ -96,7 +97,8 @@ def test_training_with_fusion_gives_the_same_losses(tmp_path, monkeypatch):
         calls.append(args[0].shape)
         return fused_token_losses(*args, **kwargs)
 
-    monkeypatch.setattr(parallel_model, "fused_token_losses", counted)
+    building = importlib.import_module("paratron.parallel.parallelize")  # (the module, not its function)
+    monkeypatch.setattr(building, "fused_token_losses", counted)
     fused_config = _cli_config(tmp_path / "fused", "--cross-entropy-loss-fusion")
     fused = run_training(fused_config).losses
     assert len(calls) >= 4 and len(calls[0]) == 3  # (hidden states [B, T, H] reached the loss, every step)
@@ -106,7 +108,6 @@ def test_training_with_fusion_gives_the_same_losses(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "settings, world, named",
     [
-        (dict(tensor_model_parallel_size=2), 2, "--tensor-model-parallel-size 2"),
         (dict(pipeline_model_parallel_size=2), 2, "--pipeline-model-parallel-size 2"),
         (dict(zero_stage=3), 2, "--zero-stage 3"),
     ],

@@ -666,19 +666,18 @@ def _check_gradient_precision(config: Config) -> None:
 
 
 def _check_loss_fusion(config: Config, layout: Layout) -> None:
-    """--cross-entropy-loss-fusion runs the output layer inside the loss on one device's whole output weight: under
-    tensor parallelism the weight is a vocabulary slice, under pipeline parallelism the loss lives in the pipeline's
-    last stage, and under ZeRO-3 the weight is gathered only inside the model's forward; none of these is served yet."""
+    """--cross-entropy-loss-fusion runs the output layer inside the loss, on the weight the rank holds between two
+    forwards: under pipeline parallelism the loss lives in the pipeline's last stage, whose runtime computes logits,
+    and under ZeRO-3 the weight is gathered only inside the model's forward; neither is served yet."""
     if not config.training.cross_entropy_loss_fusion:
         return
     refusals = (
-        (layout.tp > 1, f"{flag.tensor_model_parallel_size} {layout.tp}"),
         (layout.pp > 1, f"{flag.pipeline_model_parallel_size} {layout.pp}"),
         (config.parallel.zero_stage == 3, f"{flag.zero_stage} 3"),
     )
     for refused, what in refusals:
         if refused:
             raise ConfigError(
-                f"{flag.cross_entropy_loss_fusion} does not serve {what} yet (the fused loss needs the whole output "
+                f"{flag.cross_entropy_loss_fusion} does not serve {what} yet (the fused loss needs the output "
                 f"weight next to the model's last hidden states); drop one of the two"
             )

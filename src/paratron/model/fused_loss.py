@@ -10,6 +10,9 @@ come back as `token_losses` gives them, so the loss weighting around them is unc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from paratron.model.batch import IGNORE_INDEX
@@ -24,6 +27,16 @@ def chunk_tokens(vocab_size: int, limit: int = CHUNK_LOGIT_ELEMENTS) -> int:
     return max(1, limit // vocab_size)
 
 
+@dataclass(frozen=True)
+class VocabSlice:
+    """The output weight holds vocabulary ids `start`.. of a vocabulary split over ranks (its rows from `valid` on
+    are padding); `all_reduce(tensor, "max" | "sum")` combines, in place, one number per token over those ranks."""
+
+    start: int
+    valid: int
+    all_reduce: Callable[[torch.Tensor, str], None]
+
+
 def chunked_loss_and_grads(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -32,10 +45,13 @@ def chunked_loss_and_grads(
     token_weights: torch.Tensor | None = None,
     with_grad: bool = True,
     weight_grad: bool = True,
+    part: VocabSlice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-token losses [N] of `hidden` [N, H] through `weight` [V, H] against `labels` [N], and (with `with_grad`)
     the gradients of their sum weighted by `token_weights` [N] (all ones when None) w.r.t. hidden (fp32) and, with
-    `weight_grad`, weight (fp32; None otherwise). Ignored labels give zero loss and no gradient."""
+    `weight_grad`, weight (fp32; None otherwise). Ignored labels give zero loss and no gradient. With `part` the
+    weight is a vocabulary slice: the losses are the whole vocabulary's, the hidden gradient is this slice's part
+    (summed over the ranks by the caller), the weight gradient this slice's."""
     n = hidden.size(0)
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if with_grad else None
@@ -46,17 +62,26 @@ def chunked_loss_and_grads(
         h, target = hidden[rows], labels[rows]
         logits = (h @ weight.t()).float()
         trained = target != IGNORE_INDEX
-        safe_target = target.masked_fill(~trained, 0)
-        target_logit = logits.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
+        local = target - (part.start if part is not None else 0)
+        mine = trained & (local >= 0) & (local < (part.valid if part is not None else logits.size(-1)))
+        safe_target = local.masked_fill(~mine, 0)
+        target_logit = logits.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        if part is not None:
+            logits[:, part.valid :] = float("-inf")  # (padding rows: never predicted)
+            part.all_reduce(target_logit, "sum")
         top = logits.amax(dim=-1, keepdim=True)
+        if part is not None:
+            part.all_reduce(top, "max")
         exp = logits.sub_(top).exp_()  # (in the logits' storage: one chunk-sized buffer all the way)
         sum_exp = exp.sum(dim=-1, keepdim=True)
+        if part is not None:
+            part.all_reduce(sum_exp, "sum")
         losses[rows] = (sum_exp.log().add_(top).squeeze(-1) - target_logit) * trained
         if not with_grad:
             continue
         scale = trained.float() if token_weights is None else token_weights[rows].float() * trained
         grad_logits = exp.div_(sum_exp)  # (the softmax)
-        grad_logits.scatter_add_(-1, safe_target.unsqueeze(-1), -torch.ones_like(target_logit).unsqueeze(-1))
+        grad_logits.scatter_add_(-1, safe_target.unsqueeze(-1), -mine.unsqueeze(-1).float())
         grad_logits.mul_(scale.unsqueeze(-1))
         grad_logits = grad_logits.to(weight.dtype)
         grad_hidden[rows] = grad_logits @ weight
@@ -71,12 +96,12 @@ def chunked_loss_and_grads(
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, with_grad):
+    def forward(ctx, hidden, weight, labels, chunk, with_grad, part):
         weight_grad = weight.requires_grad
         losses, grad_hidden, grad_weight = chunked_loss_and_grads(
-            hidden, weight, labels, chunk, None, with_grad, weight_grad
+            hidden, weight, labels, chunk, None, with_grad, weight_grad, part
         )
-        ctx.chunk, ctx.weight_grad = chunk, weight_grad
+        ctx.chunk, ctx.weight_grad, ctx.part = chunk, weight_grad, part
         if with_grad:
             ctx.save_for_backward(grad_hidden, grad_weight, hidden, weight, labels)
         return losses
@@ -92,22 +117,27 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         else:  # (tokens weighted apart: the sum over tokens in dW needs each weight, so the chunks run again)
             factor = None
             _, grad_hidden, grad_weight = chunked_loss_and_grads(
-                hidden, weight, labels, ctx.chunk, grad_losses, True, ctx.weight_grad
+                hidden, weight, labels, ctx.chunk, grad_losses, True, ctx.weight_grad, ctx.part
             )
         if factor is not None:
             grad_hidden = grad_hidden * factor
             grad_weight = grad_weight * factor if grad_weight is not None else None
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
 
 
 def fused_token_losses(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int | None = None,
+    part: VocabSlice | None = None,
 ) -> torch.Tensor:
     """The losses `token_losses(hidden @ weight.T, labels)` gives ([B, T] from hidden states [B, T, H] and the
     output weight [V, H]), without the whole logits; `chunk` tokens at a time (default: `chunk_tokens(V)`).
-    Gradients are computed in forward only when autograd will want them."""
+    Gradients are computed in forward only when autograd will want them. With `part` (a vocabulary-parallel output
+    layer) see `chunked_loss_and_grads`."""
     chunk = chunk if chunk is not None else chunk_tokens(weight.size(0))
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    flat = _FusedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk, with_grad)
+    flat = _FusedLinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk, with_grad, part)
     return flat.view(labels.shape)

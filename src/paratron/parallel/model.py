@@ -22,7 +22,6 @@ from paratron.distributed import comm
 from paratron.distributed.rng import RNGStates
 from paratron.distributed.topology import Axis, RankGroup, Topology
 from paratron.model.batch import Batch
-from paratron.model.fused_loss import fused_token_losses
 from paratron.model.loss import mean_loss
 from paratron.model.moe import MoELayer
 from paratron.parallel.context.split import split_batch
@@ -33,6 +32,10 @@ from paratron.parallel.sharding import grad_norm_weight, is_expert
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits, labels) -> the loss of every position [B, T], zero where the label is not trained."""
+
+FusedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(the final norm's output, labels) -> the loss of every position [B, T], the output layer applied inside the loss
+chunk by chunk (--cross-entropy-loss-fusion)."""
 
 
 class ParallelModel(nn.Module):
@@ -51,7 +54,7 @@ class ParallelModel(nn.Module):
         pipeline: PipelineRuntime | None = None,
         flat_parameters: list[FlatParameters] | None = None,
         rng: RNGStates | None = None,
-        loss_fusion: bool = False,
+        fused_loss: FusedLoss | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -61,7 +64,7 @@ class ParallelModel(nn.Module):
         self.pipeline = pipeline
         self.flat_parameters = flat_parameters or []  # (the distributed optimizer's: dense, then experts)
         self.rng_states = rng  # named generators of tensor-parallel regions (checkpointed)
-        self.loss_fusion = loss_fusion  # the output layer runs inside the loss, in chunks (`model.fused_loss`)
+        self.fused_loss = fused_loss  # set: the output layer runs inside the loss, in chunks (`model.fused_loss`)
 
     @property
     def trained_parameters(self) -> list[nn.Parameter]:
@@ -140,10 +143,10 @@ class ParallelModel(nn.Module):
             segment_ids=batch.segment_ids,
             token_index=batch.token_index,
             images=batch.images,
-            before_output=self.loss_fusion,
+            before_output=self.fused_loss is not None,
         )
-        if self.loss_fusion:
-            return fused_token_losses(out, self.module.output.weight, batch.labels).sum()
+        if self.fused_loss is not None:
+            return self.fused_loss(out, batch.labels).sum()
         return self.token_loss(out, batch.labels).sum()
 
     def _context_parts(self, batches: list[Batch]) -> list[Batch]:
