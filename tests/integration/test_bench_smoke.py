@@ -30,6 +30,7 @@ SMOKES = {
     "expert_parallel": [],
     "faults": [],
     "finetune": [],
+    "fused_loss": [],
     "layer_stats": [],
     "generate": [],
     "harness": [],

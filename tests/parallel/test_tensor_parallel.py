@@ -139,6 +139,7 @@ def model_parity(world: int) -> dict:
                     seq_length=16,
                     sequence_parallel=sequence_parallel,
                     seed=11,
+                    cross_entropy_loss_fusion=True,  # (only `model.fused_loss` reads it: see _fused_loss_errors)
                 )
             )
             reference = build_model(config.model, seed=11)
@@ -170,11 +171,39 @@ def model_parity(world: int) -> dict:
                     assert float((grad - param.grad).abs().max()) < 1e-9, f"{key}: grad {name}"
                     continue
                 errors[f"grad {name}"] = _rel(grad, param.grad)
+            chunk = 5 if sequence_parallel else None
+            tp_group = topology.group(Axis.TP)
+            errors.update(_fused_loss_errors(model, reference, inputs, labels, ref_loss, tp_group, chunk))
             for what, error in errors.items():
                 assert error < 1e-5, f"{key} TP={world}: {what} differs by {error:.2e} relative"
             worst[key] = max(errors.values())
     dist.destroy_process_group()
     return worst
+
+
+def _fused_loss_errors(model, reference, inputs, labels, ref_loss, group, chunk) -> dict[str, float]:
+    """The vocabulary-parallel fused loss (--cross-entropy-loss-fusion) on the same ranks: its loss and every gradient
+    against the single-device model's (already computed). The loss `parallelize` built for the flag (one chunk at
+    this vocabulary), or with `chunk` the vocabulary-parallel fused loss itself in chunks of that many tokens."""
+    from paratron.model.loss import mean_loss
+    from paratron.parallel.sharding import gather_full
+    from paratron.parallel.tensor.fused_cross_entropy import vocab_parallel_fused_token_losses
+
+    model.zero_grad()
+    hidden = model(inputs, before_output=True)
+    if chunk is None:
+        losses = model.fused_loss(hidden, labels)
+    else:
+        losses = vocab_parallel_fused_token_losses(hidden, labels, model.module.output, chunk)
+    loss = mean_loss(losses, labels)
+    loss.backward()
+    model.finish_grad_sync()
+    names = dict(model.module.named_parameters())
+    errors = {"fused loss": _rel(loss, ref_loss)}
+    for name, param in reference.named_parameters():
+        if not name.endswith("in_proj.k.bias"):  # (rounding noise in both: see model_parity)
+            errors[f"fused grad {name}"] = _rel(gather_full(names[name], group, names[name].grad), param.grad)
+    return errors
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -129,8 +129,11 @@ ACCEPTED: dict[str, Accepted] = {
     "no-bias-dropout-fusion": Accepted("Turn off the fused bias + dropout + add kernel.", _FUSION + "."),
     "no-rope-fusion": Accepted("Turn off the fused rotary-embedding kernel.", _FUSION + "."),
     "no-persist-layer-norm": Accepted("Turn off Apex's persistent fused LayerNorm kernel.", _FUSION + "."),
-    "cross-entropy-loss-fusion": Accepted("Fuse the vocabulary-parallel cross entropy.", _FUSION + "."),
-    "cross-entropy-fusion-impl": Accepted("Which fused cross-entropy kernel: native or te.", _FUSION + ".", 1),
+    "cross-entropy-fusion-impl": Accepted(
+        "Which fused cross-entropy kernel: native or te.",
+        "--cross-entropy-loss-fusion has one implementation, chunked PyTorch (model/fused_loss.py); same numbers.",
+        1,
+    ),
     "no-async-tensor-model-parallel-allreduce": Accepted(
         "Do not overlap the tensor-parallel all-reduce of input gradients with the weight-gradient matmul.",
         "paratron does not overlap tensor-parallel communication; the numbers are the same either way.",

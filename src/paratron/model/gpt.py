@@ -32,7 +32,9 @@ class GPT(nn.Module):
     lay out several sequences packed in one row (see `model.batch`). When `input_ids` holds only
     some tokens of each row (a row split over ranks), `token_index` [T] gives their places in the
     row, and `segment_ids` and `position_ids` cover the whole row. `config.vocab_size` must be
-    set. With `config.lora_rank` the chosen linear layers carry LoRA adapters and only those train.
+    set. `before_output=True` returns the final norm's output [B, T, hidden] instead, for a loss that applies the
+    output layer itself (`model.fused_loss`). With `config.lora_rank` the chosen linear layers carry LoRA adapters
+    and only those train.
 
     With a vision encoder (`config.has_vision`) `images` [N, 3, H, W] are the micro-batch's images, whose
     features take the places of the image placeholders (`model.vision`); --freeze-vision-model and
@@ -91,12 +93,13 @@ class GPT(nn.Module):
         segment_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,
         images: torch.Tensor | None = None,
+        before_output: bool = False,
     ) -> torch.Tensor:
         start = cache.length if cache is not None else 0
         positions, places = self.token_layout(input_ids, position_ids, segment_ids, token_index, start=start)
         x = self.embed(input_ids, positions, images)
         x = self.layers(x, range(len(self.layers)), self.rotary_tables(positions), cache, places)
-        return self.head(x)
+        return self.final_norm(x) if before_output else self.head(x)
 
     # The pieces of forward, in order; a pipeline stage runs some of them on its own layers.
 

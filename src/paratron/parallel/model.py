@@ -33,6 +33,10 @@ from paratron.parallel.sharding import grad_norm_weight, is_expert
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits, labels) -> the loss of every position [B, T], zero where the label is not trained."""
 
+FusedLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(the final norm's output, labels) -> the loss of every position [B, T], the output layer applied inside the loss
+chunk by chunk (--cross-entropy-loss-fusion)."""
+
 
 class ParallelModel(nn.Module):
     """This rank's model part and the machinery of its training step (see the module docstring).
@@ -50,6 +54,7 @@ class ParallelModel(nn.Module):
         pipeline: PipelineRuntime | None = None,
         flat_parameters: list[FlatParameters] | None = None,
         rng: RNGStates | None = None,
+        fused_loss: FusedLoss | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -59,6 +64,7 @@ class ParallelModel(nn.Module):
         self.pipeline = pipeline
         self.flat_parameters = flat_parameters or []  # (the distributed optimizer's: dense, then experts)
         self.rng_states = rng  # named generators of tensor-parallel regions (checkpointed)
+        self.fused_loss = fused_loss  # set: the output layer runs inside the loss, in chunks (`model.fused_loss`)
 
     @property
     def trained_parameters(self) -> list[nn.Parameter]:
@@ -129,15 +135,19 @@ class ParallelModel(nn.Module):
         return mean_loss(self.token_loss(logits, labels), labels)
 
     def _run(self, batch: Batch) -> torch.Tensor:
-        """Summed token loss of one micro-batch through the whole (unpipelined) model."""
-        logits = self.module(
+        """Summed token loss of one micro-batch through the whole (unpipelined) model; with loss fusion the model
+        stops before its output layer and the fused loss applies it chunk by chunk."""
+        out = self.module(
             batch.input_ids,
             position_ids=batch.position_ids,
             segment_ids=batch.segment_ids,
             token_index=batch.token_index,
             images=batch.images,
+            before_output=self.fused_loss is not None,
         )
-        return self.token_loss(logits, batch.labels).sum()
+        if self.fused_loss is not None:
+            return self.fused_loss(out, batch.labels).sum()
+        return self.token_loss(out, batch.labels).sum()
 
     def _context_parts(self, batches: list[Batch]) -> list[Batch]:
         """This rank's share of each row under context parallelism (the batches themselves otherwise)."""

@@ -38,6 +38,7 @@ from paratron.distributed.rng import TENSOR_PARALLEL, TENSOR_PARALLEL_SEED_OFFSE
 from paratron.distributed.topology import Axis, RankGroup, Topology
 from paratron.errors import ConfigError
 from paratron.model.batch import IGNORE_INDEX
+from paratron.model.fused_loss import fused_token_losses
 from paratron.model.gpt import GPT
 from paratron.model.init import init_block_rows, init_rows
 from paratron.model.loss import token_losses
@@ -48,7 +49,7 @@ from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettin
 from paratron.parallel.data.fully_sharded import held_boxes, local_tensor, shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.expert.apply import ExpertGroups, apply_expert_parallel
-from paratron.parallel.model import ParallelModel, TokenLoss
+from paratron.parallel.model import FusedLoss, ParallelModel, TokenLoss
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
 from paratron.parallel.pipeline.runtime import PipelineRuntime
 from paratron.parallel.pipeline.schedules import Schedule, build_schedule
@@ -58,6 +59,7 @@ from paratron.parallel.recompute import apply_recompute
 from paratron.parallel.sharding import box_size, copy_info, full_shape, param_info, set_info, shard_of
 from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from paratron.parallel.tensor.fused_cross_entropy import vocab_parallel_fused_token_losses
 from paratron.parallel.tensor.layers import TPContext
 
 
@@ -91,7 +93,8 @@ def parallelize(
     pipeline = None
     if stage is not None:
         pipeline = _pipeline_runtime(stage, config, topology, device, token_loss, gradients)
-    return ParallelModel(model, topology, token_loss, gradients, pipeline, flat, rng)
+    fused = _fused_loss(model, config, topology)
+    return ParallelModel(model, topology, token_loss, gradients, pipeline, flat, rng, fused_loss=fused)
 
 
 def parallelize_for_inference(
@@ -256,6 +259,24 @@ def _allocate(model: nn.Module, device: torch.device | str, dtype: torch.dtype |
         for key, buffer in list(module._buffers.items()):
             if buffer is not None:
                 module._buffers[key] = torch.empty_like(buffer, device=device)
+
+
+def _fused_loss(model: GPT, config: Config, topology: Topology) -> FusedLoss | None:
+    """--cross-entropy-loss-fusion: the loss that applies `model`'s output layer itself (vocabulary-parallel under
+    tensor parallelism); None without the flag."""
+    if not config.training.cross_entropy_loss_fusion:
+        return None
+    if topology.size(Axis.TP) > 1:
+        return partial(_vocab_parallel_fused, model=model)
+    return partial(_single_device_fused, model=model)
+
+
+def _single_device_fused(hidden: torch.Tensor, labels: torch.Tensor, model: GPT) -> torch.Tensor:
+    return fused_token_losses(hidden, model.output.weight, labels)  # (read at each call: materializing swaps it)
+
+
+def _vocab_parallel_fused(hidden: torch.Tensor, labels: torch.Tensor, model: GPT) -> torch.Tensor:
+    return vocab_parallel_fused_token_losses(hidden, labels, model.output)
 
 
 def _vocab_parallel_token_losses(
