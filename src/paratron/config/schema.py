@@ -525,8 +525,9 @@ class ParallelConfig:
         """Gradient elements per reduction bucket: --ddp-bucket-size, or Megatron-LM's max(40M, 1M x DP)."""
         return self.ddp_bucket_size or max(40_000_000, 1_000_000 * data_parallel_size)
 
-    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Collective backend; auto picks NCCL where CUDA exists and gloo otherwise."""
+    distributed_backend: Literal["auto", "nccl", "xccl", "gloo"] = "auto"
+    """Collective backend; auto picks the one torch pairs with the machine's accelerator (NCCL for CUDA and ROCm,
+    XCCL for Intel XPU, gloo for Apple MPS) and gloo on the CPU."""
 
     distributed_timeout_minutes: float = field(default=10.0, metadata=ABOVE_ZERO)
     """How long a collective may wait for the other ranks (raise it when rank 0 tokenizes a large corpus first); a
