@@ -871,6 +871,15 @@ class TrainingConfig:
     """Compute precision. --bf16 and --fp16 keep the model's weights in 16 bits with fp32 master weights, fp32
     gradients (bf16 with --grad-reduce-in-bf16) and fp32 optimizer state; fp16 adds loss scaling."""
 
+    fp8_format: Literal["e4m3", "hybrid"] | None = None
+    """Run the transformer layers' linear matmuls in fp8 (with --bf16), through torchao's float8 training: e4m3 for
+    every tensor, or hybrid (e4m3 forward, e5m2 for the gradients). Needs fp8 matmuls (CUDA compute capability 8.9 or
+    newer: Ada, Hopper, Blackwell) and torchao installed; refused elsewhere."""
+
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """With --fp8-format: how fp8 scales are chosen, one per tensor (tensorwise) or one per row (rowwise, more
+    accurate, slower)."""
+
     loss_scale: float | None = field(default=None, metadata=ABOVE_ZERO)
     """With --fp16: a static loss scale (a power of two); unset, the scale is dynamic (see --initial-loss-scale)."""
 

@@ -64,6 +64,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     parse_faults(config.training.fault_inject, world_size)
     _check_loss_spikes(config)
     _check_gradient_precision(config)
+    check_fp8_settings(config, layout)
     if check_data:
         _check_data(config.data, config.training, config.model)
     return layout
@@ -661,4 +662,21 @@ def _check_gradient_precision(config: Config) -> None:
             f"{flag.grad_reduce_in_bf16} keeps gradients in bf16 next to bf16 weights, but this run is {precision} "
             f"(fp16 and fp32 runs accumulate and reduce gradients in fp32): add --bf16 or drop "
             f"{flag.grad_reduce_in_bf16}"
+        )
+
+
+def check_fp8_settings(config: Config, layout: Layout) -> None:
+    """fp8 matmuls run inside bf16 training on plain linear layers (the tensor-parallel twins have no fp8
+    path). Whether the device has fp8 matmuls is asked later, of the device (parallel/fp8.py)."""
+    t = config.training
+    if t.fp8_format is None:
+        return
+    if t.precision != "bf16":
+        raise ConfigError(
+            f"{flag.fp8_format} {t.fp8_format} runs inside bf16 training (this run is {t.precision}); add --bf16"
+        )
+    if layout.tp > 1:
+        raise ConfigError(
+            f"{flag.fp8_format} {t.fp8_format} with {flag.tensor_model_parallel_size} {layout.tp}: the tensor-parallel "
+            f"layers have no fp8 path; use {flag.tensor_model_parallel_size} 1 (shard with data parallelism or ZeRO)"
         )

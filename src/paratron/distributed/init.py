@@ -96,6 +96,24 @@ def choose_backend(requested: str = "auto") -> tuple[str, torch.device]:
     return default_backend(kind), torch.device(kind, local_rank)
 
 
+FP8_COMPUTE_CAPABILITY = (8, 9)
+"""The first CUDA compute capability with fp8 tensor-core matmuls (Ada; Hopper is 9.0, Blackwell 10.0)."""
+
+
+def computing_device_type(backend: str = "auto") -> str:
+    """The kind of device the processes of a --distributed-backend compute on (gloo: the CPU), asked of the
+    machine without choosing a device (for checks before any process starts)."""
+    return "cpu" if backend == "gloo" else accelerator_type()
+
+
+def has_fp8_matmuls(device_type: str, index: int = 0) -> bool:
+    """Whether a device has fp8 matmuls (torch._scaled_mm): CUDA devices of compute capability 8.9 and
+    newer; not the CPU, MPS or XPU."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False
+    return tuple(torch.cuda.get_device_capability(index)) >= FP8_COMPUTE_CAPABILITY
+
+
 def listed_devices(visible: str) -> int:
     """How many devices a CUDA_VISIBLE_DEVICES value lets a process see, as CUDA reads it: indices or
     GPU-/MIG- UUIDs, comma-separated, up to the first entry that names none ("" and "-1" hide them all)."""
