@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
@@ -112,6 +113,23 @@ def has_fp8_matmuls(device_type: str, index: int = 0) -> bool:
     if device_type != "cuda" or not torch.cuda.is_available():
         return False
     return tuple(torch.cuda.get_device_capability(index)) >= FP8_COMPUTE_CAPABILITY
+
+
+PREFERRED_ATTENTION_KERNELS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+"""SDPA's kernels fastest first on Hopper and newer (compute capability 9.0): cuDNN's fused attention, then flash."""
+
+
+def attention_kernel_priority(device: torch.device) -> contextlib.AbstractContextManager:
+    """For the duration of a run: on Hopper and newer GPUs, SDPA tries cuDNN, then flash, before torch's own
+    default order (each still only where it supports the inputs); elsewhere torch's choice stands."""
+    if device.type != "cuda" or tuple(torch.cuda.get_device_capability(device)) < (9, 0):
+        return contextlib.nullcontext()
+    return sdpa_kernel(PREFERRED_ATTENTION_KERNELS, set_priority=True)
 
 
 def listed_devices(visible: str) -> int:
