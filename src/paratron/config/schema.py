@@ -1200,8 +1200,8 @@ class PlanningConfig:
     """Ranks the --dry-run (or --auto) plans for (default: --nproc, or torchrun's world)."""
 
     hardware: str | None = None
-    """Hardware preset for --dry-run, --auto and paratron plan: h100-80g, a100-80g, h200-141g, or cpu (measured on the
-    spot); sets the device memory, peak throughput and network speeds."""
+    """Hardware preset for --dry-run, --auto and paratron plan: h100-80g, a100-80g, h200-141g, gb200 (B200 in a GB200
+    NVL72 rack), or cpu (measured on the spot); sets the device memory, peak throughput and network speeds."""
 
     device_memory_gb: float | None = field(default=None, metadata=ABOVE_ZERO)
     """Memory of one device in GB (10^9 bytes) that --dry-run and paratron plan check each rank against (default: the
