@@ -12,6 +12,7 @@ from paratron.distributed.init import has_fp8_matmuls
 from paratron.errors import ConfigError
 from paratron.parallel import fp8
 from paratron.parallel.fp8 import check_fp8, fp8_layer
+from paratron.planning.dry_run import run_dry_run
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
 TINY += ["--max-position-embeddings", "32", "--micro-batch-size", "1", "--train-iters", "1", "--mock-data"]
@@ -66,3 +67,9 @@ def test_the_output_layer_and_odd_widths_stay_in_bf16():
     assert not fp8_layer(torch.nn.Linear(64, 128), "output")
     assert not fp8_layer(torch.nn.Linear(64, 100), "layers.0.mlp.out_proj")
     assert not fp8_layer(torch.nn.LayerNorm(64), "layers.0.norm")
+
+
+def test_a_dry_run_prices_fp8_without_the_device(capsys):
+    config = train_config([*TINY, "--bf16", "--fp8-format", "e4m3", "--dry-run", "--world-size", "2"])
+    assert run_dry_run(config) == 0
+    assert "rank role" in capsys.readouterr().out

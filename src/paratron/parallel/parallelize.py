@@ -80,7 +80,7 @@ def parallelize(
     if topology.size(Axis.CP) > 1:
         apply_context_parallel(model, topology.group(Axis.CP), config.parallel.cp_comm_type)
     token_loss, rng = _model_parallel(model, config, topology, device)
-    if t.fp8_format is not None:  # (torchao's fp8 linear layers, on the meta device before they are filled)
+    if t.fp8_format is not None and device.type != "meta":  # (torchao's fp8 layers; a dry run prices them as bf16)
         check_fp8(t, device.type)
         convert_to_float8(model, t.fp8_format, t.fp8_recipe)
     if t.recompute_granularity is not None:
