@@ -234,7 +234,7 @@ def devices_of(ranks: list[dict[str, Any]], device_type: str) -> list[dict[str, 
     """The devices of every node: its GPUs, or (computing on the CPU) the node's processor."""
     devices = []
     for facts in first_rank_of_each_host(ranks):
-        if device_type == "cuda":
+        if device_type == "cuda":  # fast path (cuda): the GPUs accelerator_facts() lists; else the processor
             devices += [
                 {
                     "host": facts["host"],
