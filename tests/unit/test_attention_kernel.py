@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from paratron.cli import train_config
 from paratron.distributed.init import attention_kernel_priority
@@ -44,3 +45,14 @@ def test_layer_scaling_in_bf16_runs_unfused():
 
 def test_the_cpu_keeps_torchs_own_priority():
     assert isinstance(attention_kernel_priority(CPU), contextlib.nullcontext)
+
+
+def test_hopper_tries_cudnn_then_flash_first(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    before = torch._C._get_sdp_priority_order()
+    with attention_kernel_priority(torch.device("cuda", 0)):
+        order = torch._C._get_sdp_priority_order()
+        assert order[:2] == [int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION)]
+    assert torch._C._get_sdp_priority_order() == before
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert isinstance(attention_kernel_priority(torch.device("cuda", 0)), contextlib.nullcontext)
