@@ -10,6 +10,7 @@ from paratron.cli import train_config
 from paratron.config.validation import validate
 from paratron.distributed.init import has_fp8_matmuls
 from paratron.errors import ConfigError
+from paratron.model.gpt import GPT
 from paratron.parallel import fp8
 from paratron.parallel.fp8 import check_fp8, fp8_layer
 from paratron.planning.dry_run import run_dry_run
@@ -62,11 +63,16 @@ def test_without_torchao_the_refusal_names_the_install(monkeypatch):
     one_line(lambda: check_fp8(training, "cuda"), r"^--fp8-format hybrid: .*torchao.*pip install torchao")
 
 
+PARTS = ("in_proj.q", "in_proj.k", "in_proj.v", "out_proj")
+
+
 def test_the_output_layer_and_odd_widths_stay_in_bf16():
-    assert fp8_layer(torch.nn.Linear(64, 128), "layers.0.mlp.out_proj")
-    assert not fp8_layer(torch.nn.Linear(64, 128), "output")
-    assert not fp8_layer(torch.nn.Linear(64, 100), "layers.0.mlp.out_proj")
-    assert not fp8_layer(torch.nn.LayerNorm(64), "layers.0.norm")
+    with torch.device("meta"):
+        model = GPT(train_config([*TINY, "--vocab-size", "256", "--ffn-hidden-size", "100"]).model)
+    chosen = [name for name, module in model.named_modules() if fp8_layer(module, name)]
+    assert chosen == [f"layers.{n}.attention.{part}" for n in (0, 1) for part in PARTS]
+    assert all(not fp8_layer(module, name) for name, module in model.named_modules() if "mlp" in name)  # (100)
+    assert not fp8_layer(model.output, "output") and not fp8_layer(torch.nn.LayerNorm(64), "layers.0.norm")
 
 
 def test_a_dry_run_prices_fp8_without_the_device(capsys):

@@ -44,8 +44,9 @@ def check_fp8(training: TrainingConfig, device_type: str) -> None:
 
 
 def fp8_layer(module: nn.Module, name: str) -> bool:
-    """Which linear layers run in fp8: those of the transformer layers whose sides fp8 matmuls take."""
-    if not isinstance(module, nn.Linear) or name.split(".")[-1] == "output" or ".router" in f".{name}":
+    """Which layers run in fp8: the plain `nn.Linear`s of the language model's transformer layers whose sides
+    fp8 matmuls take (not the output layer, a vision encoder, LoRA's or a pipeline schedule's own linears)."""
+    if type(module) is not nn.Linear or not name.startswith("layers."):
         return False
     return module.in_features % FP8_DIVISOR == 0 and module.out_features % FP8_DIVISOR == 0
 
