@@ -90,8 +90,9 @@ def _check_and_launch(
     GPUs). `origins`: where settings came from (`Resolution.origins`), for the error line."""
     from paratron.config.loading import explain_origins
     from paratron.config.validation import validate
-    from paratron.distributed.init import env_world_size, fit_to_devices, launched_by_torchrun
+    from paratron.distributed.init import computing_device_type, env_world_size, fit_to_devices, launched_by_torchrun
     from paratron.distributed.launch import needs_agent, run_under_torchrun, slurm_settings
+    from paratron.parallel.fp8 import check_fp8
     from paratron.training.run import check_inputs
 
     torchrun = launched_by_torchrun()
@@ -103,6 +104,7 @@ def _check_and_launch(
     try:
         validate(config, env_world_size() if torchrun else p.nproc_per_node * p.nnodes)
         check_inputs(config)
+        check_fp8(config.training, computing_device_type(p.distributed_backend))
     except UserError as exc:  # say which settings a recipe, a preset or the checkpoint gave
         raise type(exc)(explain_origins(str(exc), origins or {}, resolved, config)) from None
     if needs_agent(p) and not torchrun:

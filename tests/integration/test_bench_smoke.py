@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,3 +77,17 @@ def _restored():
 @pytest.mark.parametrize("name", sorted(SMOKES))
 def test_benchmark_smoke(name: str, _restored: None) -> None:
     importlib.import_module(name).main([*SMOKES[name], "--smoke"])
+
+
+@pytest.mark.spawns
+def test_the_gpu_script_parses_and_refuses_without_cuda() -> None:
+    """bench/gpu.sh runs only where CUDA is: elsewhere one line and exit code 2, before anything runs."""
+    script = BENCH / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the script would run for minutes")
+    environment = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=environment, check=False)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("bench/gpu.sh: no CUDA device here") and done.stderr.count("\n") == 1
+

@@ -209,6 +209,7 @@ def test_only_variables_that_change_behaviour_are_reported():
 
 
 def test_the_backend_follows_the_gpus(monkeypatch):
+    monkeypatch.setattr(doctor, "accelerator_type", lambda: "cuda")
     monkeypatch.setattr(doctor, "visible_devices", lambda backend: None)
     assert doctor_backend("auto", 4) == "gloo"
     monkeypatch.setattr(doctor, "visible_devices", lambda backend: None if backend == "auto" else 0)
@@ -218,6 +219,8 @@ def test_the_backend_follows_the_gpus(monkeypatch):
     assert doctor_backend("auto", 2) == "nccl"
     assert doctor_backend("auto", 4) == "gloo"  # (and the report warns)
     assert doctor_backend("gloo", 1) == "gloo"
+    monkeypatch.setattr(doctor, "accelerator_type", lambda: "xpu")
+    assert doctor_backend("auto", 2) == "xccl"
     with pytest.raises(
         ConfigError, match=r"--backend nccl with 4 processes: this machine has 2 GPUs visible; use --nproc 2"
     ):

@@ -66,11 +66,29 @@ def test_presets_and_overrides():
     chosen = hw.hardware_from(PlanningConfig(hardware="a100-80g", device_memory_gb=40), nodes=4, matmul_efficiency=None)
     assert (chosen.device_memory_gb, chosen.nodes, chosen.world_size, chosen.matmul_efficiency) == (40, 4, 32, 0.55)
     with pytest.raises(
-        ConfigError, match=r"^--hardware tpu-v5: unknown preset; choose one of h100-80g, h200-141g, a100-80g, cpu$"
+        ConfigError,
+        match=r"^--hardware tpu-v5: unknown preset; choose one of h100-80g, h200-141g, gb200, a100-80g, cpu$",
     ):
         hw.hardware_from(PlanningConfig(hardware="tpu-v5"))
     with pytest.raises(ConfigError, match="--matmul-efficiency 1.5: must be at most 1"):
         hw.hardware_from(PlanningConfig(), matmul_efficiency=1.5)
+
+
+def test_h200_and_gb200_plan_llama3_8b():
+    h200, gb200 = hw.PRESETS["h200-141g"], hw.PRESETS["gb200"]
+    assert (h200.device_memory_gb, h200.peak_tflops, h200.memory_gbps, h200.intra_node_gbps) == (141, 989, 4800, 450)
+    speeds = (gb200.device_memory_gb, gb200.peak_tflops, gb200.memory_gbps, gb200.intra_node_gbps)
+    assert speeds == (186, 2500, 8000, 900)
+    assert gb200.gpus_per_node == 72  # (one NVLink domain)
+    config = config_of(model_name="llama3-8b")
+    best = {}
+    for name, machine, world in (("h200", h200, 8), ("gb200", gb200, 72)):
+        plans = plan(config, world, machine, global_batch=72 if world == 72 else 64, seq_length=8192, top=3)
+        assert plans and all(p.peak_memory <= machine.device_memory_bytes for p in plans), name
+        assert plans[0].layout.world_size == world
+        best[name] = plans[0].prediction.total
+    same = plan(config, 8, dataclasses.replace(gb200, gpus_per_node=8), global_batch=64, seq_length=8192, top=1)
+    assert best["h200"] / same[0].prediction.total > 2  # (2.5x the peak, faster memory and NVLink)
 
 
 def test_cpu_is_measured_quickly():

@@ -260,8 +260,6 @@ ACCEPTED: dict[str, Accepted] = {
 _FP8, _MLA, _LINEAR = FP8_REASON, MLA_REASON, LINEAR_REASON
 
 REFUSED: dict[str, Refused] = {
-    "fp8-format": Refused("Train the linear layers in fp8 (e4m3 or hybrid).", _FP8),
-    "fp8-recipe": Refused("fp8 scaling recipe.", _FP8),
     "fp8-param-gather": Refused("Keep and gather parameters in fp8.", _FP8),
     "fp8-amax-history-len": Refused("fp8 amax history length.", _FP8),
     "fp8-amax-compute-algo": Refused("fp8 amax reduction.", _FP8),

@@ -525,8 +525,9 @@ class ParallelConfig:
         """Gradient elements per reduction bucket: --ddp-bucket-size, or Megatron-LM's max(40M, 1M x DP)."""
         return self.ddp_bucket_size or max(40_000_000, 1_000_000 * data_parallel_size)
 
-    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Collective backend; auto picks NCCL where CUDA exists and gloo otherwise."""
+    distributed_backend: Literal["auto", "nccl", "xccl", "gloo"] = "auto"
+    """Collective backend; auto picks the one torch pairs with the machine's accelerator (NCCL for CUDA and ROCm,
+    XCCL for Intel XPU, gloo for Apple MPS) and gloo on the CPU."""
 
     distributed_timeout_minutes: float = field(default=10.0, metadata=ABOVE_ZERO)
     """How long a collective may wait for the other ranks (raise it when rank 0 tokenizes a large corpus first); a
@@ -870,6 +871,15 @@ class TrainingConfig:
     """Compute precision. --bf16 and --fp16 keep the model's weights in 16 bits with fp32 master weights, fp32
     gradients (bf16 with --grad-reduce-in-bf16) and fp32 optimizer state; fp16 adds loss scaling."""
 
+    fp8_format: Literal["e4m3", "hybrid"] | None = None
+    """Run the transformer layers' linear matmuls in fp8 (with --bf16), through torchao's float8 training: e4m3 for
+    every tensor, or hybrid (e4m3 forward, e5m2 for the gradients). Needs fp8 matmuls (CUDA compute capability 8.9 or
+    newer: Ada, Hopper, Blackwell) and torchao installed; refused elsewhere."""
+
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """With --fp8-format: how fp8 scales are chosen, one per tensor (tensorwise) or one per row (rowwise, more
+    accurate, slower)."""
+
     loss_scale: float | None = field(default=None, metadata=ABOVE_ZERO)
     """With --fp16: a static loss scale (a power of two); unset, the scale is dynamic (see --initial-loss-scale)."""
 
@@ -1205,8 +1215,8 @@ class PlanningConfig:
     """Ranks the --dry-run (or --auto) plans for (default: --nproc, or torchrun's world)."""
 
     hardware: str | None = None
-    """Hardware preset for --dry-run, --auto and paratron plan: h100-80g, a100-80g, h200-141g, or cpu (measured on the
-    spot); sets the device memory, peak throughput and network speeds."""
+    """Hardware preset for --dry-run, --auto and paratron plan: h100-80g, a100-80g, h200-141g, gb200 (B200 in a GB200
+    NVL72 rack), or cpu (measured on the spot); sets the device memory, peak throughput and network speeds."""
 
     device_memory_gb: float | None = field(default=None, metadata=ABOVE_ZERO)
     """Memory of one device in GB (10^9 bytes) that --dry-run and paratron plan check each rank against (default: the

@@ -65,6 +65,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_loss_spikes(config)
     _check_gradient_precision(config)
     _check_loss_fusion(config, layout)
+    check_fp8_settings(config, layout)
     if check_data:
         _check_data(config.data, config.training, config.model)
     return layout
@@ -681,3 +682,18 @@ def _check_loss_fusion(config: Config, layout: Layout) -> None:
                 f"{flag.cross_entropy_loss_fusion} does not serve {what} yet (the fused loss needs the output "
                 f"weight next to the model's last hidden states); drop one of the two"
             )
+def check_fp8_settings(config: Config, layout: Layout) -> None:
+    """fp8 matmuls run inside bf16 training on plain linear layers (the tensor-parallel twins have no fp8
+    path). Whether the device has fp8 matmuls is asked later, of the device (parallel/fp8.py)."""
+    t = config.training
+    if t.fp8_format is None:
+        return
+    if t.precision != "bf16":
+        raise ConfigError(
+            f"{flag.fp8_format} {t.fp8_format} runs inside bf16 training (this run is {t.precision}); add --bf16"
+        )
+    if layout.tp > 1:
+        raise ConfigError(
+            f"{flag.fp8_format} {t.fp8_format} with {flag.tensor_model_parallel_size} {layout.tp}: the tensor-parallel "
+            f"layers have no fp8 path; use {flag.tensor_model_parallel_size} 1 (shard with data parallelism or ZeRO)"
+        )

@@ -33,7 +33,14 @@ from paratron.debugging.probe import (
     probe_collectives,
     probe_matmul,
 )
-from paratron.distributed.init import initialize, launched_by_torchrun, shutdown, visible_devices
+from paratron.distributed.init import (
+    accelerator_type,
+    default_backend,
+    initialize,
+    launched_by_torchrun,
+    shutdown,
+    visible_devices,
+)
 from paratron.distributed.launch import run_under_torchrun
 from paratron.errors import ConfigError
 from paratron.storage import write_text_atomic
@@ -149,7 +156,7 @@ def doctor_backend(requested: str, local_processes: int) -> str:
             "auto to probe the CPU"
         )
     if local_processes <= gpus:
-        return "nccl"
+        return "nccl" if requested == "nccl" else default_backend(accelerator_type())  # (xccl on Intel GPUs)
     if requested == "nccl":
         raise ConfigError(
             f"--backend nccl with {local_processes} processes: this machine has {gpus} GPU"
@@ -227,7 +234,7 @@ def devices_of(ranks: list[dict[str, Any]], device_type: str) -> list[dict[str, 
     """The devices of every node: its GPUs, or (computing on the CPU) the node's processor."""
     devices = []
     for facts in first_rank_of_each_host(ranks):
-        if device_type == "cuda":
+        if device_type == "cuda":  # fast path (cuda): the GPUs accelerator_facts() lists; else the processor
             devices += [
                 {
                     "host": facts["host"],

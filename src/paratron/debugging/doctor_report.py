@@ -118,6 +118,7 @@ def environment_warnings(environment: dict[str, str], device_type: str, nodes: i
             continue
         if environment.get(name, "0").strip() not in ("", "0"):
             found.append(f"{name}={environment[name]} {why}; unset it unless you need it")
+    # fast path (cuda): CUDA's stream-connection setting; other devices have no such setting to warn about
     if device_type == "cuda" and world > 1 and "CUDA_DEVICE_MAX_CONNECTIONS" not in environment:
         found.append(
             "CUDA_DEVICE_MAX_CONNECTIONS is unset: the GPU may then reorder a layer's tensor-parallel communication "
@@ -138,7 +139,7 @@ def warnings_for(ranks: list[dict[str, Any]], backend: str, device_type: str) ->
     for key in ranks[0]["versions"]:
         values = [facts["versions"].get(key) for facts in ranks]
         found += differences(ranks, key, values, "install the same versions on every node")
-    if device_type == "cuda":
+    if device_type == "cuda":  # fast path (cuda): the GPU models accelerator_facts() lists; elsewhere none
         names = [gpu_of(facts) for facts in ranks]
         found += differences(ranks, "the GPU model", names, "a job runs at its slowest device's pace: use one model")
     for name in sorted({name for facts in ranks for name in facts["environment"]}):

@@ -1,7 +1,8 @@
-"""Process-group start-up, device choice and seeding: the one place that knows about CUDA.
+"""Process-group start-up, device choice and seeding: the one place that knows about accelerators.
 
-Backend and device come from the machine: NCCL and `cuda:LOCAL_RANK` where CUDA exists,
-gloo and the CPU otherwise. Everything else allocates on the device of a tensor it holds.
+Backend and device come from the machine: the accelerator torch reports (`torch.accelerator`: CUDA or
+ROCm, Intel XPU, Apple MPS) with the backend torch.distributed pairs with it (NCCL/RCCL, XCCL; gloo for
+MPS), gloo and the CPU otherwise. Everything else allocates on the device of a tensor it holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
@@ -54,14 +56,80 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def accelerator_type() -> str:
+    """The kind of accelerator this process computes on ("cuda" also for ROCm builds, "xpu", "mps", ...),
+    or "cpu" where torch reports none."""
+    if torch.accelerator.is_available():
+        current = torch.accelerator.current_accelerator()
+        if current is not None:
+            return current.type
+    return "cpu"
+
+
+def default_backend(device_type: str) -> str:
+    """The collective backend torch.distributed pairs with a device type: nccl for cuda (RCCL on ROCm
+    answers to the same name), xccl for xpu, gloo for the CPU and MPS (which has no collective library)."""
+    try:
+        return dist.get_default_backend_for_device(device_type)
+    except (RuntimeError, ValueError, KeyError):
+        return "gloo"
+
+
 def choose_backend(requested: str = "auto") -> tuple[str, torch.device]:
+    """The backend and device of this process: --distributed-backend when given (gloo computes on the CPU),
+    else the machine's accelerator (`LOCAL_RANK` picks which of its devices) with its backend."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if requested == "nccl" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("--distributed-backend nccl needs CUDA, which this machine lacks; use gloo or auto")
-        torch.cuda.set_device(local_rank)
-        return "nccl", torch.device("cuda", local_rank)
-    return "gloo", torch.device("cpu")
+    kind = accelerator_type()
+    if requested == "gloo" or (requested == "auto" and kind == "cpu"):
+        return "gloo", torch.device("cpu")
+    if requested != "auto" and default_backend(kind) != requested:
+        wanted = {"nccl": "CUDA (or ROCm)", "xccl": "an Intel XPU"}.get(requested, "an accelerator")
+        raise ConfigError(
+            f"{flag.distributed_backend} {requested} needs {wanted}, which this machine lacks "
+            f"(its device: {kind}); use gloo or auto"
+        )
+    if kind == "mps" and env_world_size() > 1:
+        raise ConfigError(
+            f"{env_world_size()} processes on Apple MPS: it has one device and no collective library; run one "
+            f"process ({flag.nproc_per_node} 1), or {flag.distributed_backend} gloo to run them on the CPU"
+        )
+    torch.accelerator.set_device_index(local_rank)
+    return default_backend(kind), torch.device(kind, local_rank)
+
+
+FP8_COMPUTE_CAPABILITY = (8, 9)
+"""The first CUDA compute capability with fp8 tensor-core matmuls (Ada; Hopper is 9.0, Blackwell 10.0)."""
+
+
+def computing_device_type(backend: str = "auto") -> str:
+    """The kind of device the processes of a --distributed-backend compute on (gloo: the CPU), asked of the
+    machine without choosing a device (for checks before any process starts)."""
+    return "cpu" if backend == "gloo" else accelerator_type()
+
+
+def has_fp8_matmuls(device_type: str, index: int = 0) -> bool:
+    """Whether a device has fp8 matmuls (torch._scaled_mm): CUDA devices of compute capability 8.9 and
+    newer; not the CPU, MPS or XPU."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False
+    return tuple(torch.cuda.get_device_capability(index)) >= FP8_COMPUTE_CAPABILITY
+
+
+PREFERRED_ATTENTION_KERNELS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+"""SDPA's kernels fastest first on Hopper and newer (compute capability 9.0): cuDNN's fused attention, then flash."""
+
+
+def attention_kernel_priority(device: torch.device) -> contextlib.AbstractContextManager:
+    """For the duration of a run: on Hopper and newer GPUs, SDPA tries cuDNN, then flash, before torch's own
+    default order (each still only where it supports the inputs); elsewhere torch's choice stands."""
+    if device.type != "cuda" or tuple(torch.cuda.get_device_capability(device)) < (9, 0):
+        return contextlib.nullcontext()
+    return sdpa_kernel(PREFERRED_ATTENTION_KERNELS, set_priority=True)
 
 
 def listed_devices(visible: str) -> int:
@@ -81,6 +149,9 @@ def visible_devices(backend: str = "auto") -> int | None:
     (gloo, or auto without a GPU), which takes any number of them."""
     if backend == "gloo":
         return None
+    kind = accelerator_type()
+    if kind not in ("cpu", "cuda") and backend in ("auto", default_backend(kind)):
+        return 1 if kind == "mps" else torch.accelerator.device_count()  # (MPS: one device, one process)
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     most = None if listed is None else listed_devices(listed)
     count = 0 if most == 0 else torch.cuda.device_count()  # (CUDA is not asked when the list hides every device)
@@ -148,7 +219,7 @@ def initialize(backend: str = "auto", timeout_minutes: float = 10.0) -> Distribu
             world_size=world,
             # later than the watchdog (distributed/watchdog.py), which reports a hang before torch's timeout ends it
             timeout=timedelta(minutes=timeout_minutes, seconds=HANG_REPORT_MARGIN_S),
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if device.type != "cpu" and name != "gloo" else None,
         )
     return DistributedContext(rank, world, local_rank, local_world, device, name)
 
@@ -164,9 +235,10 @@ def job_store() -> dist.Store | None:
 
 
 def collective_device() -> torch.device:
-    """Where small tensors for collectives must live: the current GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    """Where small tensors for collectives must live: the current accelerator under its backend (NCCL,
+    XCCL), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() != "gloo" and torch.accelerator.is_available():
+        return torch.device(accelerator_type(), torch.accelerator.current_device_index())
     return torch.device("cpu")
 
 
@@ -184,8 +256,8 @@ def raise_any_failure(failure: BaseException | None, elsewhere: str) -> None:
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (for honest timings); nothing to wait for on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type != "cpu" and torch.accelerator.is_available():
+        torch.accelerator.synchronize(device)
 
 
 def shutdown() -> None:

@@ -19,7 +19,7 @@ from paratron.planning.calibration import calibrate, read_calibration
 from paratron.planning.hardware import PRESETS, Hardware, hardware_from
 from paratron.planning.search import LAYOUT_FIELDS, Plan, plan
 
-GPU_PRESETS = {"H200": "h200-141g", "H100": "h100-80g", "A100": "a100-80g"}
+GPU_PRESETS = {"B200": "gb200", "H200": "h200-141g", "H100": "h100-80g", "A100": "a100-80g"}
 """Device-name fragment -> the preset whose speeds an unlisted size of that GPU shares."""
 
 

@@ -14,6 +14,7 @@ elementwise neighbours, attention kernels), fitted once against one published ru
 
 - H100 / H200 (Hopper): 0.53, fitted to Llama 3 405B on 8,192 H100s (Dubey et al. 2024, Table 4:
   TP8 PP16 DP64, 43% MFU): 0.529.
+- B200 (`gb200`): no published run to fit yet; Hopper's 0.53 stands in.
 - A100: 0.55, fitted to the 145.6B GPT on 1,536 A100s (Narayanan et al. 2021, Table 1: TP8 PP8,
   148 TFLOP/s per GPU counting recomputation, 47% of peak): 0.554.
 
@@ -93,7 +94,24 @@ _HOPPER = dict(
 
 PRESETS: dict[str, Hardware] = {
     "h100-80g": Hardware("h100-80g", device_memory_gb=80.0, memory_gbps=3350.0, **_HOPPER),  # type: ignore[arg-type]
+    # H200 SXM (NVIDIA H200 datasheet): 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense BF16, NVLink 900 GB/s
     "h200-141g": Hardware("h200-141g", device_memory_gb=141.0, memory_gbps=4800.0, **_HOPPER),  # type: ignore[arg-type]
+    # B200 in a GB200 NVL72 rack (NVIDIA GB200 NVL72 specifications, per GPU = rack / 72): 13.4 TB HBM3e -> 186 GB,
+    # 576 TB/s -> 8 TB/s, 360 PFLOP/s BF16 with sparsity -> 2.5 PFLOP/s dense; NVLink 5 at 1.8 TB/s (both
+    # directions) joins all 72 GPUs in one NVLink domain, which the planner takes as one "node".
+    "gb200": Hardware(
+        "gb200",
+        gpus_per_node=72,
+        nodes=1,
+        device_memory_gb=186.0,
+        peak_tflops=2500.0,
+        matmul_efficiency=0.53,  # (not calibrated on Blackwell: Hopper's share, module docstring)
+        intra_node_gbps=900.0,  # NVLink 5: 1.8 TB/s bidirectional
+        inter_node_gbps=50.0,  # 400 Gb/s ConnectX-7 InfiniBand per GPU (a ConnectX-8 800 Gb/s network: 100)
+        intra_node_latency_us=3.0,
+        inter_node_latency_us=8.0,
+        memory_gbps=8000.0,
+    ),
     "a100-80g": Hardware(
         "a100-80g",
         gpus_per_node=8,

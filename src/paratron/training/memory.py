@@ -9,8 +9,8 @@ saved reference (after its backward, or when the graph is dropped). Inside recom
 (`parallel/recompute.py`) torch's checkpoint installs its own hook, so what recomputation does
 not keep is not seen; the region's inputs, which it does keep, are.
 
-The figures are those of the device-independent model: bytes of tensor storage. On CUDA the
-allocator's peak (`torch.cuda.max_memory_allocated`) is reported beside them.
+The figures are those of the device-independent model: bytes of tensor storage. On an accelerator the
+allocator's peak (`torch.accelerator.max_memory_allocated`) is reported beside them.
 """
 
 from __future__ import annotations

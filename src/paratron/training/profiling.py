@@ -133,8 +133,9 @@ class StepProfiler:
             self._recording = True
             if self.enabled:
                 activities = [torch.profiler.ProfilerActivity.CPU]
-                if self.device.type == "cuda":
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                device_activity = getattr(torch.profiler.ProfilerActivity, self.device.type.upper(), None)
+                if self.device.type != "cpu" and device_activity is not None:  # (CUDA, XPU kernels)
+                    activities.append(device_activity)
                 self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
                 self._profiler.__enter__()
             if dist.is_initialized() and dist.get_world_size() > 1:

@@ -28,6 +28,7 @@ from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
+from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import Config
 from paratron.data.build import build_data, cache_root
 from paratron.data.checks import check_data_inputs
@@ -35,6 +36,7 @@ from paratron.data.tokenizer import Tokenizer
 from paratron.debugging.batches import BatchSource, dump_batches
 from paratron.distributed.init import (
     DistributedContext,
+    attention_kernel_priority,
     deterministic_algorithms,
     initialize,
     job_store,
@@ -47,6 +49,7 @@ from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.distributed.watchdog import Watchdog
 from paratron.errors import CheckpointError, ConfigError
 from paratron.inference.generate import generate
+from paratron.model.attention_kernel import attention_kernel
 from paratron.model.gpt import GPT, build_model
 from paratron.optim.build import build_optimizer
 from paratron.parallel.parallelize import parallelize
@@ -155,7 +158,10 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
         trainer.progress = ProgressLog(
             Path(config.checkpoint.save), ctx.world_size, trainer.flops_per_token * tokens, ctx.is_main
         )
-    with trainer.writer, watchdog or contextlib.nullcontext(), manual_gc(config.training):
+    priority = attention_kernel_priority(ctx.device)  # (cuDNN, then flash attention, first on Hopper and newer)
+    with trainer.writer, watchdog or contextlib.nullcontext(), manual_gc(config.training), priority:
+        dtype = PRECISION_DTYPES[config.training.precision]
+        say(f"attention: {attention_kernel(config.model, config.data.seq_length, ctx.device, dtype)}")
         state = trainer.fit()
         trainer.finish_profile()
     if ctx.is_main:
