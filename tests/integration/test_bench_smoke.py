@@ -90,4 +90,3 @@ def test_the_gpu_script_parses_and_refuses_without_cuda() -> None:
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=environment, check=False)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.startswith("bench/gpu.sh: no CUDA device here") and done.stderr.count("\n") == 1
-

@@ -682,6 +682,8 @@ def _check_loss_fusion(config: Config, layout: Layout) -> None:
                 f"{flag.cross_entropy_loss_fusion} does not serve {what} yet (the fused loss needs the output "
                 f"weight next to the model's last hidden states); drop one of the two"
             )
+
+
 def check_fp8_settings(config: Config, layout: Layout) -> None:
     """fp8 matmuls run inside bf16 training on plain linear layers (the tensor-parallel twins have no fp8
     path). Whether the device has fp8 matmuls is asked later, of the device (parallel/fp8.py)."""
