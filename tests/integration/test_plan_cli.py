@@ -75,7 +75,10 @@ def test_cpu_measured_and_plot_elsewhere(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--hardware", "tpu"], "--hardware tpu: unknown preset; choose one of h100-80g, h200-141g, a100-80g, cpu"),
+        (
+            ["--hardware", "tpu"],
+            "--hardware tpu: unknown preset; choose one of h100-80g, h200-141g, gb200, a100-80g, cpu",
+        ),
         (["--world-size", "24", "--nodes", "2"], "--world-size 24 disagrees with --nodes 2 x --gpus-per-node 8"),
         (["--within", "0.5"], "--within 0.5: must be at least 1"),
         (["--nodes", "0"], "--nodes 0: must be at least 1"),
