@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from paratron.config.fields import flag
-from paratron.config.schema import Config, ParallelConfig
+from paratron.config.schema import Config
 from paratron.errors import ConfigError
 
 
@@ -252,10 +252,3 @@ def _plan_pipeline(config: Config, global_batch: int, microbatches: int) -> Pipe
     except ValueError as exc:
         raise ConfigError(f"{flag.global_batch_size} {global_batch}: {exc}; change the batch sizes") from None
     return PipelinePlan(tuple(counts), chunks, schedule)
-
-
-def expert_data_parallel_size(layout: Layout, parallel: ParallelConfig) -> int:
-    """How many ranks of a pipeline stage hold the same slice of the same experts: the stage's
-    TP x CP x DP ranks over the experts' expert-TP x EP (MoE parallel folding)."""
-    expert_tp = parallel.expert_tensor_parallel_size or layout.tp
-    return max(1, layout.tp * layout.cp * layout.dp // (expert_tp * parallel.expert_model_parallel_size))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from paratron.config.layout import Layout, expert_data_parallel_size, resolve_layout
+from paratron.config.layout import Layout, resolve_layout
 from paratron.config.schema import Config, ModelConfig, ParallelConfig
 from paratron.distributed.fake import fake_world
 from paratron.distributed.topology import ParallelDims, Topology
@@ -234,7 +234,7 @@ def predict_memory(
     p = config.parallel
     local = local_parameters(config.model, layout.tp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     dp = layout.dp * layout.cp
-    edp = expert_data_parallel_size(layout, p)
+    edp = ParallelDims.from_config(world_size, p).edp
     roles = []
     peaks = activations if activations is not None else activation_peaks(config, layout, kernels)
     for pp_rank, (parts, largest) in enumerate(_rank_parts(config, layout, local)):

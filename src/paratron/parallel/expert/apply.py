@@ -59,7 +59,9 @@ class ParallelMoELayer(MoELayer):
     tp: TPContext
     dispatcher: Dispatcher
     expert_tp: RankGroup
-    share_tokens: bool
+    pooled: bool
+    """The expert-tensor-parallel group is not the tensor-parallel one: each tensor-parallel rank takes its share
+    of the tokens, and the expert-tensor-parallel ranks pool their shares."""
 
     @classmethod
     def twin(cls, layer: MoELayer, tp: TPContext, dispatcher: Dispatcher, expert_tp: RankGroup) -> ParallelMoELayer:
@@ -67,7 +69,7 @@ class ParallelMoELayer(MoELayer):
         twin = cls.__new__(cls)
         twin.__dict__.update(layer.__dict__)
         twin.tp, twin.dispatcher, twin.expert_tp = tp, dispatcher, expert_tp
-        twin.share_tokens = tp.size > 1 and expert_tp.size != tp.size  # (ETP = TP: the ETP group is the TP group)
+        twin.pooled = expert_tp.size != tp.size  # (ETP = TP: the ETP group is the TP group, which has every token)
         twin.aux_loss_copies = tp.size
         return twin
 
@@ -85,7 +87,7 @@ class ParallelMoELayer(MoELayer):
         pad_to = routing.capacity if self.pad_to_capacity else None
         n = tokens.size(0)
         start, end = 0, n
-        if self.share_tokens:  # this tensor-parallel rank's share of the tokens
+        if self.pooled and self.tp.size > 1:  # this tensor-parallel rank's share of the tokens
             if n % self.tp.size:
                 raise ValueError(
                     f"{n} tokens per micro-batch do not split evenly over {self.tp.size} tensor-parallel ranks for "
@@ -94,8 +96,7 @@ class ParallelMoELayer(MoELayer):
             start, end = n * self.tp.rank // self.tp.size, n * (self.tp.rank + 1) // self.tp.size
         mine = slice(start, end)
         x, probs, chosen = tokens[mine], routing.probs[mine], routing.routing_map[mine]
-        pool = self.share_tokens or self.tp.size == 1  # (ETP = TP: every ETP rank has all the tokens already)
-        etp = self.expert_tp if pool else RankGroup.solo()
+        etp = self.expert_tp if self.pooled else RankGroup.solo()
         if etp.size > 1:  # the expert-tensor-parallel ranks pool their tokens (each runs its slice of the experts)
             x = comm.gather_from_sequence(x, etp, dim=0)
             probs = comm.gather_from_sequence(probs, etp, dim=0)
