@@ -115,21 +115,23 @@ def bash_argv(path: Path, root: Path) -> list[str]:
     return _platform(words[words.index("pretrain_gpt.py") + 1 :])
 
 
-_FP8 = "paratron has no fp8 training"
+_FP8 = "paratron's fp8 training is torchao's float8 layers"
+_NO_FP8_MATMULS = "this device (cpu) has no fp8 matmuls"
+_GATHER_ALONE = "--fp8-param-gather gathers fp8 weights; add --fp8-format"
 _HARDWARE = "fp8 runs on Hopper or Blackwell tensor cores only"
 REMOVED: dict[str, dict[str, tuple[str, str, str | None]]] = {
     # script -> {flag: (why it goes, what paratron's one-line refusal says, the value put in its place or None)}.
     # The test sees each refused with that line before taking it out (with its values), so a flag or value that
     # paratron comes to take fails the test until its entry here goes.
     "train_llama3_8b_h100_fp8": {
-        "--fp8-format": (_HARDWARE, _FP8, None),
+        "--fp8-format": (_HARDWARE, _NO_FP8_MATMULS, None),
         "--fp8-amax-history-len": (_HARDWARE, _FP8, None),
         "--fp8-amax-compute-algo": (_HARDWARE, _FP8, None),
-        "--fp8-param-gather": (_HARDWARE, _FP8, None),
+        "--fp8-param-gather": (_HARDWARE, _GATHER_ALONE, None),
     },
     "deepseek_proxy_fsdp_ep2_fsdp2": {
         "--fp8-format": (_HARDWARE, "--fp8-format e4m3 runs inside bf16 training (this run is fp32)", None),
-        "--fp8-param-gather": (_HARDWARE, _FP8, None),
+        "--fp8-param-gather": (_HARDWARE, _GATHER_ALONE, None),
         "--multi-latent-attention": (
             "multi-latent attention is not implemented",
             "--multi-latent-attention: Megatron-LM's flag is not supported: multi-latent attention is not implemented",

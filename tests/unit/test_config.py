@@ -103,7 +103,7 @@ def test_data_parallel_flags():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--fp8-margin", "0"], "--fp8-margin: Megatron-LM's flag is not supported: paratron has no fp8 training"),
+        (["--fp8-margin", "0"], "--fp8-margin: Megatron-LM's flag is not supported: paratron's fp8 training is"),
         (["--multi-latent-attention"], "--multi-latent-attention: Megatron-LM's flag is not supported: multi-latent"),
         (["--fim-data"], "--fim-data: Megatron-LM's flag is not supported: fill-in-the-middle datasets"),
         (["--use-dist-ckpt"], "--use-dist-ckpt is a Megatron-LM flag that paratron does not implement; remove it"),
@@ -422,7 +422,7 @@ def test_megatron_dict_form_and_get_args():
     assert args.data_parallel_size == 1 and args.tensor_model_parallel_size == 1
     assert args.config.training.precision == "fp16"
     assert args.use_distributed_optimizer is False and args.zero_stage == 0
-    with pytest.raises(ConfigError, match="--fp8-amax-history-len: Megatron-LM's flag is not supported: paratron has"):
+    with pytest.raises(ConfigError, match="--fp8-amax-history-len: Megatron-LM's flag is not supported: paratron's"):
         from_megatron_dict({"fp8_amax_history_len": 1024})
     assert from_megatron_dict({"fp8_format": "hybrid", "fp8_recipe": "rowwise"}) == {
         "fp8_format": "hybrid",

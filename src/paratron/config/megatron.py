@@ -260,7 +260,6 @@ ACCEPTED: dict[str, Accepted] = {
 _FP8, _MLA, _LINEAR = FP8_REASON, MLA_REASON, LINEAR_REASON
 
 REFUSED: dict[str, Refused] = {
-    "fp8-param-gather": Refused("Keep and gather parameters in fp8.", _FP8),
     "fp8-amax-history-len": Refused("fp8 amax history length.", _FP8),
     "fp8-amax-compute-algo": Refused("fp8 amax reduction.", _FP8),
     "fp8-margin": Refused("fp8 scaling margin.", _FP8),

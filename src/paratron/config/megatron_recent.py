@@ -156,7 +156,9 @@ RECENT_ACCEPTED: dict[str, Accepted] = {
 }
 """Flags new since megatron-core 0.16.1 accepted because they cannot change what paratron computes."""
 
-FP8_REASON = "paratron has no fp8 training (and no fp8 matmul on CPUs); train in --bf16"
+FP8_REASON = (
+    "paratron's fp8 training is torchao's float8 layers (--fp8-format, --fp8-recipe), which have no such setting"
+)
 MLA_REASON = "multi-latent attention is not implemented; use grouped-query attention (--group-query-attention)"
 _DSA = "DeepSeek sparse attention (DSA) is not implemented; see docs/attention.md for the attentions paratron has"
 LINEAR_REASON = "linear-attention layers are not implemented; see docs/attention.md for the attentions paratron has"

@@ -880,6 +880,10 @@ class TrainingConfig:
     """With --fp8-format: how fp8 scales are chosen, one per tensor (tensorwise) or one per row (rowwise, more
     accurate, slower)."""
 
+    fp8_param_gather: bool = False
+    """With --fp8-format under --zero-stage 3: all-gather the fp8 layers' weights in fp8 (cast on each rank's
+    shard, half the bytes of bf16), not in bf16 (torchao's float8 all-gather; tensorwise recipe)."""
+
     loss_scale: float | None = field(default=None, metadata=ABOVE_ZERO)
     """With --fp16: a static loss scale (a power of two); unset, the scale is dynamic (see --initial-loss-scale)."""
 

@@ -689,6 +689,8 @@ def check_fp8_settings(config: Config, layout: Layout) -> None:
     path). Whether the device has fp8 matmuls is asked later, of the device (parallel/fp8.py)."""
     t = config.training
     if t.fp8_format is None:
+        if t.fp8_param_gather:
+            raise ConfigError(f"{flag.fp8_param_gather} gathers fp8 weights; add {flag.fp8_format} e4m3 or hybrid")
         return
     if t.precision != "bf16":
         raise ConfigError(
@@ -698,4 +700,14 @@ def check_fp8_settings(config: Config, layout: Layout) -> None:
         raise ConfigError(
             f"{flag.fp8_format} {t.fp8_format} with {flag.tensor_model_parallel_size} {layout.tp}: the tensor-parallel "
             f"layers have no fp8 path; use {flag.tensor_model_parallel_size} 1 (shard with data parallelism or ZeRO)"
+        )
+    if t.fp8_param_gather and config.parallel.zero_stage != 3:
+        raise ConfigError(
+            f"{flag.fp8_param_gather} gathers ZeRO-3's weight shards in fp8, and this run is "
+            f"{flag.zero_stage} {config.parallel.zero_stage}; add {flag.zero_stage} 3 or drop {flag.fp8_param_gather}"
+        )
+    if t.fp8_param_gather and t.fp8_recipe != "tensorwise":
+        raise ConfigError(
+            f"{flag.fp8_param_gather} needs one scale per weight ({flag.fp8_recipe} tensorwise), not "
+            f"{flag.fp8_recipe} {t.fp8_recipe}; change one of the two"
         )

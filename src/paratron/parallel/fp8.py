@@ -4,7 +4,7 @@ paratron does not implement fp8 matmuls itself: where the device has them (CUDA 
 newer) and torchao is installed, `convert_to_float8` swaps the transformer layers' `nn.Linear`s for torchao's
 `Float8Linear` (scaled fp8 matmuls forward and backward, bf16 weights and optimizer state kept). The output
 layer stays in bf16, as in Megatron-LM. `check_fp8` refuses every other case in one line before training.
-The conversion itself runs only on such a device with torchao present: the CPU tests reach the refusals only.
+Tests run the conversion on the CPU with torchao's emulated fp8 matmuls (`EMULATE_VARIABLE`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ def check_fp8(training: TrainingConfig, device_type: str) -> None:
     matmuls, or where torchao, which paratron's fp8 training runs through, is not installed."""
     if training.fp8_format is None:
         return
-    if not has_fp8_matmuls(device_type):
+    if not has_fp8_matmuls(device_type) and not emulated():
         raise ConfigError(
             f"{flag.fp8_format} {training.fp8_format}: this device ({device_type}) has no fp8 matmuls, and paratron "
             "has no fp8 training without them (CUDA compute capability 8.9 or newer: Ada, Hopper, Blackwell); "
@@ -51,13 +52,48 @@ def fp8_layer(module: nn.Module, name: str) -> bool:
     return module.in_features % FP8_DIVISOR == 0 and module.out_features % FP8_DIVISOR == 0
 
 
-def convert_to_float8(model: nn.Module, fp8_format: str, fp8_recipe: str) -> nn.Module:
-    """Swap `model`'s fp8 layers for torchao's Float8Linear, in place (on the meta device too, before the
-    weights are allocated). `check_fp8` has passed: the device has fp8 matmuls and torchao is installed.
-    Not exercised by paratron's tests, which run without either."""
+EMULATE_VARIABLE = "PARATRON_FP8_EMULATE"
+"""Test switch (not a user setting): when set to 1, `check_fp8` lets any device through and the fp8 layers
+emulate their matmuls in high precision (torchao's `emulate`: the same fp8 casts and scales, no fp8 kernel),
+so the conversion, its casts and its layouts are exercised by tests on the CPU. Slow; never for training."""
+
+
+def emulated() -> bool:
+    return os.environ.get(EMULATE_VARIABLE) == "1"
+
+
+def cast_targets(fp8_format: str) -> dict[str, torch.dtype]:
+    """The fp8 type of each of torchao's casts under Megatron's format names: e4m3 everywhere, or hybrid
+    (e4m3 for inputs and weights, e5m2's wider range for the output gradients, both of their uses)."""
+    gradient = torch.float8_e5m2 if fp8_format == "hybrid" else torch.float8_e4m3fn
+    return {
+        "cast_config_input": torch.float8_e4m3fn,
+        "cast_config_input_for_grad_weight": torch.float8_e4m3fn,
+        "cast_config_weight": torch.float8_e4m3fn,
+        "cast_config_weight_for_grad_input": torch.float8_e4m3fn,
+        "cast_config_grad_output": gradient,
+        "cast_config_grad_output_for_grad_weight": gradient,
+    }
+
+
+def float8_config(fp8_format: str, fp8_recipe: str, param_gather: bool = False) -> object:
+    """torchao's `Float8LinearConfig` for a format and recipe: the recipe's scaling (one scale per tensor, or
+    per row), with each cast's fp8 type set by the format (torchao's tensorwise recipe alone would cast the
+    gradients to e5m2, its rowwise one to e4m3, whatever the format asked). `param_gather`: FSDP2 gathers the
+    weights in fp8 (--fp8-param-gather)."""
     float8 = importlib.import_module("torchao.float8")  # (an optional dependency, loaded only when asked for)
     config = float8.Float8LinearConfig.from_recipe_name(fp8_recipe)
-    if fp8_format == "hybrid":  # (e5m2's wider range for the gradients, e4m3 forward)
-        grad = dataclasses.replace(config.cast_config_grad_output, target_dtype=torch.float8_e5m2)
-        config = dataclasses.replace(config, cast_config_grad_output=grad)
+    casts = {
+        name: dataclasses.replace(getattr(config, name), target_dtype=dtype)
+        for name, dtype in cast_targets(fp8_format).items()
+    }
+    return dataclasses.replace(config, **casts, emulate=emulated(), enable_fsdp_float8_all_gather=param_gather)
+
+
+def convert_to_float8(model: nn.Module, training: TrainingConfig) -> nn.Module:
+    """Swap `model`'s fp8 layers for torchao's Float8Linear, in place (on the meta device too, before the
+    weights are allocated). `check_fp8` has passed: the device has fp8 matmuls (or they are emulated) and
+    torchao is installed."""
+    float8 = importlib.import_module("torchao.float8")
+    config = float8_config(training.fp8_format or "", training.fp8_recipe, training.fp8_param_gather)
     return float8.convert_to_float8_training(model, config=config, module_filter_fn=fp8_layer)

@@ -85,7 +85,7 @@ def parallelize(
     token_loss, rng = _model_parallel(model, config, topology, device)
     if t.fp8_format is not None and device.type != "meta":  # (torchao's fp8 layers; a dry run prices them as bf16)
         check_fp8(t, device.type)
-        convert_to_float8(model, t.fp8_format, t.fp8_recipe)
+        convert_to_float8(model, t)
     if t.recompute_granularity is not None:
         apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     stage = _cut_stage(model, layout, topology) if topology.size(Axis.PP) > 1 else None

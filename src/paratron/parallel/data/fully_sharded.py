@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
@@ -108,8 +109,16 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP2's sharded tensors), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """This rank's part of a DTensor (FSDP2's sharded tensors), or the tensor itself; a one-tensor wrapper
+    (torchao's fp8 weights under --fp8-param-gather) gives the plain tensor it wraps, whose storage is the
+    parameter's."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    while is_traceable_wrapper_subclass(local):
+        inner, _ = local.__tensor_flatten__()
+        if len(inner) != 1:
+            break
+        local = getattr(local, inner[0])
+    return local
 
 
 def full_parameter(param: torch.Tensor) -> torch.Tensor:
