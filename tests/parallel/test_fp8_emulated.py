@@ -1,7 +1,8 @@
 """fp8 training through torchao, run on the CPU with its emulated fp8 matmuls (PARATRON_FP8_EMULATE=1: the
 same casts and scales as on Hopper, no fp8 kernel): Megatron's format names set each cast's type, the chosen
-layers become torchao's Float8Linear, training follows bf16 within fp8's error, and ZeRO-3 (with and
-without --fp8-param-gather, weights gathered in fp8) trains as the same layout at ZeRO-1."""
+layers become torchao's Float8Linear (the tensor-parallel ones their fp8 twins), training follows bf16 within
+fp8's error, ZeRO-3 (with and without --fp8-param-gather, weights gathered in fp8) trains as the same layout at
+ZeRO-1, and TP 2 (with and without sequence parallelism) as one process."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from paratron.errors import ConfigError
 from paratron.model.gpt import GPT
 from paratron.parallel import fp8
 from paratron.parallel.fp8 import EMULATE_VARIABLE, convert_to_float8, float8_config
+from paratron.parallel.tensor.apply import apply_tensor_parallel
+from paratron.parallel.tensor.layers import TPContext
 
 from tiny import training_records
 
@@ -93,26 +96,54 @@ def test_param_gather_is_refused_where_it_cannot_serve():
     assert "add --fp8-format" in refusal("--fp8-param-gather", "--zero-stage", "3")
 
 
-def zero_layouts(run_dir: str) -> dict[str, list[float]]:
+TWO_RANK_LAYOUTS = {
+    "zero1": dict(zero_stage=1),
+    "zero3": dict(zero_stage=3),
+    "zero3-fp8-gather": dict(zero_stage=3, fp8_param_gather=True),
+    "tp2": dict(tensor_model_parallel_size=2),
+    "tp2-sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+}
+
+
+def two_rank_losses(run_dir: str) -> dict[str, list[float]]:
     """Each layout's losses, one run after another on one process group."""
     initialize("gloo")
-    layouts = {
-        "zero1": dict(zero_stage=1),
-        "zero3": dict(zero_stage=3),
-        "zero3-fp8-gather": dict(zero_stage=3, fp8_param_gather=True),
-    }
     losses = {}
-    for name, layout in layouts.items():
+    for name, layout in TWO_RANK_LAYOUTS.items():
         records = training_records(dict(SETTINGS, run_dir=f"{run_dir}/{name}", fp8_format="hybrid", **layout))
         losses[name] = [r["loss"] for r in records]
     return losses
 
 
-def test_zero3_trains_fp8_layers_as_zero1(tmp_path, monkeypatch):
+def test_zero3_and_tensor_parallel_fp8_train_as_one_process(tmp_path, monkeypatch):
     monkeypatch.setenv(EMULATE_VARIABLE, "1")
-    losses = run_ranks(zero_layouts, 2, str(tmp_path))[0]
+    losses = run_ranks(two_rank_losses, 2, str(tmp_path))[0]
     assert len(losses["zero1"]) == 8
     assert losses["zero3"] == pytest.approx(losses["zero1"], rel=5e-4)  # (bf16 sums in another order: 1.5e-4)
     # fp8 all-gather casts the fp32 shards, not their bf16 copies: another rounding, the same training
     assert losses["zero3-fp8-gather"] == pytest.approx(losses["zero1"], rel=5e-4)
     assert losses["zero3-fp8-gather"] != losses["zero3"]
+    # each rank scales its own shard of a weight: fp8's rounding apart from one process, never more
+    one = [r["loss"] for r in training_records(dict(SETTINGS, run_dir=str(tmp_path / "one"), fp8_format="hybrid"))]
+    for layout in ("tp2", "tp2-sp"):
+        assert losses[layout] == pytest.approx(one, rel=5e-4), layout
+
+
+def test_tensor_parallel_layers_become_their_fp8_twins(monkeypatch):
+    monkeypatch.setenv(EMULATE_VARIABLE, "1")
+    config = build_config(dict(SETTINGS, fp8_format="e4m3", tensor_model_parallel_size=2))
+    with torch.device("meta"):
+        model = GPT(config.model)
+    apply_tensor_parallel(model, TPContext(size=2, rank=0), None, 1)
+    convert_to_float8(model, config.training)
+    twins = {name: type(module).__name__ for name, module in model.named_modules() if "Float8" in type(module).__name__}
+    block = {
+        "attention.in_proj": "Float8ColumnParallelProjections",
+        **{f"attention.in_proj.{p}": "Float8ColumnParallelLinear" for p in "qkv"},
+        "attention.out_proj": "Float8RowParallelLinear",
+        "mlp.in_proj": "Float8ColumnParallelProjections",
+        **{f"mlp.in_proj.{p}": "Float8ColumnParallelLinear" for p in ("gate", "up")},
+        "mlp.out_proj": "Float8RowParallelLinear",
+    }
+    assert twins == {f"layers.{i}.{name}": kind for i in (0, 1) for name, kind in block.items()}
+    assert type(model.output).__name__ == "VocabParallelOutput"

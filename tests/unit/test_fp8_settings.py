@@ -1,7 +1,10 @@
-"""--fp8-format is refused in one line where it cannot run: outside bf16, with tensor parallelism, on a device
-without fp8 matmuls (the CPU; CUDA below compute capability 8.9, faked), and without torchao installed."""
+"""--fp8-format is refused in one line where it cannot run: outside bf16, on a device
+without fp8 matmuls (the CPU; CUDA below compute capability 8.9, faked), and without torchao installed; its
+fp8 weight gather with tensor parallelism."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -32,14 +35,19 @@ def test_the_settings_take_megatrons_flag_names():
     assert train_config(TINY).training.fp8_format is None
 
 
-def test_fp8_needs_bf16_and_no_tensor_parallelism():
+def test_fp8_needs_bf16_and_its_weight_gather_no_tensor_parallelism():
     config = train_config([*TINY, "--fp8-format", "e4m3"])
     one_line(
         lambda: validate(config, 1), r"^--fp8-format e4m3 runs inside bf16 training \(this run is fp32\); add --bf16"
     )
     config = train_config([*TINY, "--bf16", "--fp8-format", "e4m3", "--tensor-model-parallel-size", "2"])
+    assert validate(config, 2).tp == 2  # (the tensor-parallel layers have fp8 twins)
+    config = train_config([*TINY, "--bf16", "--fp8-format", "e4m3", "--fp8-param-gather", "--zero-stage", "3"])
     one_line(
-        lambda: validate(config, 2), r"tensor-parallel layers have no fp8 path; use --tensor-model-parallel-size 1"
+        lambda: validate(
+            dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tensor_model_parallel_size=2)), 4
+        ),
+        r"tensor-parallel fp8 layers gather their weights in bf16; drop --fp8-param-gather",
     )
 
 

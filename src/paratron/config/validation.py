@@ -685,8 +685,8 @@ def _check_loss_fusion(config: Config, layout: Layout) -> None:
 
 
 def check_fp8_settings(config: Config, layout: Layout) -> None:
-    """fp8 matmuls run inside bf16 training on plain linear layers (the tensor-parallel twins have no fp8
-    path). Whether the device has fp8 matmuls is asked later, of the device (parallel/fp8.py)."""
+    """fp8 matmuls run inside bf16 training; fp8 weight gathers need ZeRO-3, one scale per weight and no tensor
+    parallelism. Whether the device has fp8 matmuls is asked later, of the device (parallel/fp8.py)."""
     t = config.training
     if t.fp8_format is None:
         if t.fp8_param_gather:
@@ -696,10 +696,11 @@ def check_fp8_settings(config: Config, layout: Layout) -> None:
         raise ConfigError(
             f"{flag.fp8_format} {t.fp8_format} runs inside bf16 training (this run is {t.precision}); add --bf16"
         )
-    if layout.tp > 1:
+    if t.fp8_param_gather and layout.tp > 1:
+        tp = flag.tensor_model_parallel_size
         raise ConfigError(
-            f"{flag.fp8_format} {t.fp8_format} with {flag.tensor_model_parallel_size} {layout.tp}: the tensor-parallel "
-            f"layers have no fp8 path; use {flag.tensor_model_parallel_size} 1 (shard with data parallelism or ZeRO)"
+            f"{flag.fp8_param_gather} with {tp} {layout.tp}: the tensor-parallel fp8 layers gather their weights "
+            f"in bf16; drop {flag.fp8_param_gather} or use {tp} 1"
         )
     if t.fp8_param_gather and config.parallel.zero_stage != 3:
         raise ConfigError(

@@ -21,6 +21,8 @@ from paratron.config.fields import flag
 from paratron.config.schema import TrainingConfig
 from paratron.distributed.init import has_fp8_matmuls
 from paratron.errors import ConfigError
+from paratron.parallel.tensor.float8 import FP8_TWINS, Float8Matmul, local_sides, retype
+from paratron.parallel.tensor.layers import ColumnParallelProjections
 
 FP8_DIVISOR = 16
 """fp8 matmuls need both sides of a weight to be multiples of this."""
@@ -91,9 +93,44 @@ def float8_config(fp8_format: str, fp8_recipe: str, param_gather: bool = False) 
 
 
 def convert_to_float8(model: nn.Module, training: TrainingConfig) -> nn.Module:
-    """Swap `model`'s fp8 layers for torchao's Float8Linear, in place (on the meta device too, before the
-    weights are allocated). `check_fp8` has passed: the device has fp8 matmuls (or they are emulated) and
-    torchao is installed."""
+    """Swap `model`'s fp8 layers for torchao's Float8Linear, and retype its tensor-parallel fp8 layers into
+    their fp8 twins, in place (on the meta device too, before the weights are allocated). `check_fp8` has
+    passed: the device has fp8 matmuls (or they are emulated) and torchao is installed."""
     float8 = importlib.import_module("torchao.float8")
     config = float8_config(training.fp8_format or "", training.fp8_recipe, training.fp8_param_gather)
-    return float8.convert_to_float8_training(model, config=config, module_filter_fn=fp8_layer)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=fp8_layer)
+    grouped = {id(layer) for m in model.modules() if isinstance(m, ColumnParallelProjections) for layer in m.values()}
+    tensor_parallel = [
+        module
+        for name, module in model.named_modules()
+        if id(module) not in grouped and _tensor_parallel_fp8(module, name)
+    ]
+    if tensor_parallel:
+        matmul = _float8_matmul(config)
+        for module in tensor_parallel:
+            for layer in module.values() if isinstance(module, ColumnParallelProjections) else [module]:
+                retype(layer, matmul)
+            if isinstance(module, ColumnParallelProjections):
+                retype(module)
+    return model
+
+
+def _tensor_parallel_fp8(module: nn.Module, name: str) -> bool:
+    """Which tensor-parallel layers run in fp8: those of the transformer layers without a LoRA adapter whose
+    shards fp8 matmuls take (a projections group only whole); not the vocabulary-parallel output layer."""
+    if not name.startswith("layers.") or type(module) not in FP8_TWINS:
+        return False
+    layers = list(module.values()) if isinstance(module, ColumnParallelProjections) else [module]
+    return all(layer.lora_a is None and all(side % FP8_DIVISOR == 0 for side in local_sides(layer)) for layer in layers)
+
+
+def _float8_matmul(config: object) -> Float8Matmul:
+    """x W^T through torchao's fp8 matmul (casts and scaled matmuls, forward and backward) under `config`, as
+    its Float8Linear runs it."""
+    linear = importlib.import_module("torchao.float8.float8_linear")
+    mm_config = linear.Float8Linear(FP8_DIVISOR, FP8_DIVISOR, bias=False, config=config, device="meta").linear_mm_config
+
+    def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear.matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
+
+    return matmul
