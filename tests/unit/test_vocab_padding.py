@@ -123,6 +123,18 @@ def test_one_process_padded_training_equals_unpadded(untied: bool, fused: bool):
         assert torch.count_nonzero(padded.module.embedding.weight[VOCAB:]) == 0
 
 
+@pytest.mark.parametrize("settings", [dict(lora_rank=4), dict(num_experts=4, moe_router_topk=2)], ids=["lora", "moe"])
+def test_lora_and_experts_train_as_unpadded(settings: dict):
+    _, padded, padded_optimizer = _build(128, **settings)
+    _, plain, plain_optimizer = _build(1, **settings)
+    output = padded.module.output
+    assert output.weight.shape == (PADDED, HIDDEN)
+    assert output.weight.requires_grad is plain.module.output.weight.requires_grad is ("lora_rank" not in settings)
+    got, want = _train(padded, padded_optimizer, range(STEPS)), _train(plain, plain_optimizer, range(STEPS))
+    for (loss, norm), (loss_ref, norm_ref) in zip(got, want):
+        assert loss == pytest.approx(loss_ref, abs=1e-6) and norm == pytest.approx(norm_ref, abs=1e-6)
+
+
 def test_padded_checkpoint_loads_unpadded_and_back_bit_for_bit(tmp_path):
     config, padded, padded_optimizer = _build(128, untie_embeddings_and_output_weights=True)
     _train(padded, padded_optimizer, range(2))
