@@ -348,16 +348,12 @@ def test_parameter_shapes_equal_megatron(megatron: None, name: str) -> None:
     with torch.device("meta"):
         model = GPT(model_config)
     ours = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    # paratron pads the vocabulary inside its tensor-parallel layers, Megatron-LM in the tokenizer:
+    # paratron pads the vocabulary inside its vocabulary-parallel layers, Megatron-LM in the tokenizer, both to a
+    # multiple of --make-vocab-size-divisible-by x TP at every TP size (one rank included):
     padded = padded_vocab_size(model_config.vocab_size, tp, model_config.make_vocab_size_divisible_by)
     for vocab_matrix in ("embedding.weight", "output.weight"):
         if vocab_matrix in ours:
             ours[vocab_matrix] = (padded, *ours[vocab_matrix][1:])
-    if tp == 1:  # (Megatron-LM pads to --make-vocab-size-divisible-by even on one rank; paratron does not)
-        assert padded == model_config.vocab_size
-        for vocab_matrix in ("embedding.weight", "output.weight"):
-            if vocab_matrix in theirs:
-                theirs[vocab_matrix] = (padded, *theirs[vocab_matrix][1:])
     assert ours == theirs
 
 

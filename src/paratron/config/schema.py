@@ -174,8 +174,9 @@ class ModelConfig(VisionSettings):
     """Standard deviation of the normal initial weights (output projections are scaled by 1/sqrt(2 x layers))."""
 
     make_vocab_size_divisible_by: int = field(default=128, metadata=ABOVE_ZERO)
-    """Under tensor parallelism the vocabulary is padded to a multiple of this x TP (padding rows are never
-    predicted)."""
+    """The embedding and output layer hold the vocabulary padded to a multiple of this x TP, at every TP size
+    (one process included), so the output matmul has a shape the hardware runs fast; padding rows are never
+    predicted nor saved, so the loss and checkpoints are the unpadded model's. 1: no padding on one process."""
 
     num_experts: int | None = None
     """Mixture of experts: replace the dense MLP of the MoE layers (see --moe-layer-freq) by this many experts and a

@@ -3,7 +3,8 @@
 Order (as in torchtitan), each step a module swap or a cut on the meta device until weights exist:
 
 1. context parallelism: attention cores swapped for ones that attend across the ranks that
-   split each sequence; tensor/sequence parallelism: linear layers and embeddings swapped for their parallel twins;
+   split each sequence; tensor/sequence parallelism: linear layers and embeddings swapped for their parallel twins
+   (on one rank, the embedding and output layer alone when the vocabulary is padded);
    expert parallelism: each MoE layer keeps this rank's experts and dispatches tokens to the others;
 2. activation recomputation: the stack of blocks (or each attention core) swapped for a
    recomputing one;
@@ -58,10 +59,10 @@ from paratron.parallel.pipeline.stage import StageLayout, StageRunner, keep_stag
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
 from paratron.parallel.recompute import apply_recompute
 from paratron.parallel.sharding import box_size, copy_info, full_shape, param_info, set_info, shard_of
-from paratron.parallel.tensor.apply import apply_tensor_parallel
+from paratron.parallel.tensor.apply import apply_tensor_parallel, apply_vocab_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratron.parallel.tensor.fused_cross_entropy import vocab_parallel_fused_token_losses
-from paratron.parallel.tensor.layers import TPContext
+from paratron.parallel.tensor.layers import TPContext, VocabParallelOutput, padded_vocab_size
 
 
 def parallelize(
@@ -113,7 +114,7 @@ def parallelize_for_inference(
     parallelism), its pipeline stage of the layer `ranges` cut out, and its memory allocated in `dtype`, empty,
     for a checkpoint's weights (no initialization, no fp32 copy); in eval mode."""
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, sequence_parallel=False))
-    _model_parallel(model, config, topology, device)
+    _model_parallel(model, config, topology, device, pad_single_rank=False)  # (one process: the unpadded model)
     pp = topology.size(Axis.PP)
     if pp > 1:
         keep_stage(model, StageLayout(pp, 1, topology.pp_rank, ranges), topology.group(Axis.EMBEDDING))
@@ -122,10 +123,10 @@ def parallelize_for_inference(
 
 
 def _model_parallel(
-    model: GPT, config: Config, topology: Topology, device: torch.device
+    model: GPT, config: Config, topology: Topology, device: torch.device, pad_single_rank: bool = True
 ) -> tuple[TokenLoss, RNGStates | None]:
     """Step 1's tensor and expert parallelism (see `_tensor_parallel`)."""
-    token_loss, rng = _tensor_parallel(model, config, topology, device)
+    token_loss, rng = _tensor_parallel(model, config, topology, device, pad_single_rank)
     if config.model.num_experts:
         groups = ExpertGroups(topology.group(Axis.EP), topology.group(Axis.EXPERT_TP))
         tp, dispatcher = _tp_context(config, topology), config.parallel.moe_token_dispatcher_type
@@ -134,18 +135,24 @@ def _model_parallel(
 
 
 def _tensor_parallel(
-    model: GPT, config: Config, topology: Topology, device: torch.device
+    model: GPT, config: Config, topology: Topology, device: torch.device, pad_single_rank: bool = True
 ) -> tuple[TokenLoss, RNGStates | None]:
     """Step 1: swap in the tensor-parallel layers (when TP > 1); returns the per-token loss (over
-    vocabulary-parallel logits) and the random streams of tensor-parallel regions."""
+    vocabulary-parallel logits) and the random streams of tensor-parallel regions. On one rank only
+    the vocabulary is padded (with `pad_single_rank`, when padding adds rows): the output matmul runs
+    on the padded shape, the logits and the loss are the unpadded model's."""
     tp = _tp_context(config, topology)
+    divisible_by = config.model.make_vocab_size_divisible_by
     if tp.size == 1:
+        vocab = config.model.vocab_size or 0
+        if pad_single_rank and padded_vocab_size(vocab, 1, divisible_by) != vocab:
+            apply_vocab_parallel(model, tp, divisible_by)
         return token_losses, None
     rng = RNGStates(device)
     rng.add(TENSOR_PARALLEL, config.training.seed + TENSOR_PARALLEL_SEED_OFFSET + tp.rank)
     groups = config.model.num_query_groups
     kv_replicas = topology.create_subgroups(Axis.TP, tp.size // groups, "tp-kv-replicas") if groups < tp.size else None
-    apply_tensor_parallel(model, tp, rng, config.model.make_vocab_size_divisible_by, kv_replicas)
+    apply_tensor_parallel(model, tp, rng, divisible_by, kv_replicas)
     vocab_start = shard_of(model.output.weight).start
     return partial(_vocab_parallel_token_losses, vocab_start=vocab_start, group=tp.group), rng
 
@@ -270,7 +277,7 @@ def _fused_loss(model: GPT, config: Config, topology: Topology) -> FusedLoss | N
     tensor parallelism); None without the flag."""
     if not config.training.cross_entropy_loss_fusion:
         return None
-    if topology.size(Axis.TP) > 1:
+    if topology.size(Axis.TP) > 1 or isinstance(model.output, VocabParallelOutput):  # (padded on one rank too)
         return partial(_vocab_parallel_fused, model=model)
     return partial(_single_device_fused, model=model)
 

@@ -207,6 +207,8 @@ def gather_full(
             for whole, mine in boxes(piece.shape, s):
                 full[whole] = piece[mine]
         tensor = full
+    elif record.shard is not None and tensor.size(record.shard.dim) > record.shard.full_size:
+        tensor = tensor.narrow(record.shard.dim, 0, record.shard.full_size)  # (one rank, padded: the real rows)
     if record.expert_shard is not None:
         if expert_group is None:
             raise ValueError("an expert's weights are gathered over the expert-parallel group: pass expert_group")

@@ -192,7 +192,8 @@ def _rotary_bytes(shape: _Shape) -> float:
 
 
 def padded_vocab(config: Config, tp: int) -> int:
-    """The output layer's rows over all TP ranks (the tensor-parallel layers' padding)."""
+    """The output layer's rows over all TP ranks: the vocabulary padded to a multiple of
+    --make-vocab-size-divisible-by x TP, on one rank too (`padded_vocab_size`)."""
     m = config.model
     return padded_vocab_size(m.vocab_size or 0, tp, m.make_vocab_size_divisible_by)
 

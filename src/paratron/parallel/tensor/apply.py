@@ -7,7 +7,8 @@
     MLP         up (and gate) projections column-parallel, as one matrix; down projection row-parallel
                 (mixture-of-experts layers are left to `parallel.expert.apply`)
     embedding   vocabulary-parallel, padded to a multiple of TP x --make-vocab-size-divisible-by;
-                the output layer is vocabulary-parallel too (tied weights stay tied)
+                the output layer is vocabulary-parallel too (tied weights stay tied). On a single
+                rank only these two are swapped (`apply_vocab_parallel`), when padding adds rows
     sequence parallel (optional): between the row- and column-parallel layers the activations
                 are split along the sequence; norms and dropout run on those shards, norm
                 gradients are summed over the TP group
@@ -71,16 +72,24 @@ def apply_tensor_parallel(
         if tp.sequence_parallel:  # the features join the whole rows, which are then cut by sequence
             model.vision.register_forward_hook(partial(_to_sequence_shard, group=tp.group))
 
-    embedding_tp = dataclasses.replace(tp, sequence_parallel=False) if model.vision is not None else tp
-    model.embedding = VocabParallelEmbedding(model.embedding, embedding_tp, divisible_by)
-    model.output = VocabParallelOutput(model.output, tp, divisible_by)
-    model.tie_weights()
+    apply_vocab_parallel(model, tp, divisible_by)
     if tp.sequence_parallel:
         if model.position_embedding is not None:
             model.position_embedding = SequenceShardedEmbedding(model.position_embedding, tp)
         for param in model.final_norm.parameters():
             set_partial_grad(param, tp.group)
         model.embedding_dropout = _forked(model.embedding_dropout, rng)
+    return model
+
+
+def apply_vocab_parallel(model: GPT, tp: TPContext, divisible_by: int) -> GPT:
+    """Replace `model`'s embedding and output layer by their vocabulary-parallel twins, padded to a multiple of
+    TP x `divisible_by` (tied weights stay tied), in place; returns the model. Also on a single rank, where it is
+    the only swap: the output matmul then runs over the padded vocabulary, the rest of the model stays as it is."""
+    embedding_tp = dataclasses.replace(tp, sequence_parallel=False) if model.vision is not None else tp
+    model.embedding = VocabParallelEmbedding(model.embedding, embedding_tp, divisible_by)
+    model.output = VocabParallelOutput(model.output, tp, divisible_by)
+    model.tie_weights()
     return model
 
 

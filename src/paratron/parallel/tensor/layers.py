@@ -297,9 +297,11 @@ class RowParallelLinear(nn.Module):
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int) -> int:
-    """Megatron's padding: up to a multiple of divisible_by x TP (none on a single rank)."""
-    if tp_size == 1:
-        return vocab_size
+    """The rows of the embedding and output layer over all TP ranks: the vocabulary rounded up to a multiple of
+    divisible_by x TP (Megatron-LM's --make-vocab-size-divisible-by), at every TP size, one rank included, so that
+    each rank's slice of the output matmul has a shape the hardware runs at full speed (GPT-2's 50,257 words are
+    50,304 rows at the default 128). divisible_by 1 pads only to a multiple of TP. Padding rows are zero, never
+    predicted, never trained, and left out of checkpoints."""
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
 
@@ -311,6 +313,9 @@ def vocab_shard(vocab_size: int, tp: TPContext, divisible_by: int) -> Shard:
 
 
 class VocabParallelEmbedding(nn.Module):
+    """The embedding table over this rank's vocabulary rows (padding rows beyond the real vocabulary are zero and
+    never looked up). On a single rank it holds the whole padded table and is a plain lookup."""
+
     def __init__(self, embedding: nn.Embedding, tp: TPContext, divisible_by: int) -> None:
         super().__init__()
         self.tp = tp
@@ -322,6 +327,8 @@ class VocabParallelEmbedding(nn.Module):
         _copy_trainable(embedding, self)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # (every id is this rank's)
+            return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.start + self.rows)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -332,7 +339,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class VocabParallelOutput(ColumnParallelLinear):
     """The output layer over this rank's vocabulary rows. Logits of padding rows (beyond the
-    real vocabulary) are -inf, so they are never predicted and get no gradient."""
+    real vocabulary) are -inf, so they are never predicted and get no gradient. On a single rank,
+    which holds the whole vocabulary, the matmul runs over the padded rows and only the real
+    vocabulary's logits are returned: the loss, its gradients and sampling are the unpadded model's."""
 
     def __init__(self, output: nn.Linear, tp: TPContext, divisible_by: int) -> None:
         layout = _layout(tp, lambda t: vocab_shard(output.out_features, t, divisible_by))
@@ -342,6 +351,8 @@ class VocabParallelOutput(ColumnParallelLinear):
         _copy_trainable(output, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight)[..., : self.valid_rows]
         logits = super().forward(x)
         if self.valid_rows < logits.size(-1):
             padding = torch.arange(logits.size(-1), device=logits.device) >= self.valid_rows
