@@ -1,6 +1,6 @@
 """--cross-entropy-loss-fusion under pipeline parallelism and ZeRO-3 (with tensor and sequence parallelism inside
-both), on 4 gloo ranks: 20-step fp32 loss curves equal the unfused single process's within 1e-5 relative, with the
-fused loss cut into several chunks per micro-batch."""
+both), on 4 gloo ranks: 20-step fp32 loss curves (and two validation losses) equal the unfused single process's
+within 1e-5 relative, with the fused loss cut into several chunks per micro-batch."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ SHAPE = dict(
     seq_length=16,
     micro_batch_size=2,
     global_batch_size=8,
+    eval_interval=10,  # (evaluation runs the fused loss too: forward only, through the pipeline's evaluate)
+    eval_iters=1,
 )
 GPT = SHAPE  # (tied embeddings: under PP 2 the output layer is the first stage's embedding's copy)
 LLAMA = dict(
@@ -55,15 +57,21 @@ and the interleaved one, a tie across pipeline ranks (1F1B) and on one rank (ZB-
 ZeRO-3 alone, inside TP + SP and beside PP."""
 
 
+def curve(config) -> list[float]:
+    """The training loss of every step, then the validation losses (after steps 10 and 20)."""
+    state = run_training(config)
+    return [*state.losses, *state.val_losses]
+
+
 def fused_curves(run_dir: str) -> dict[str, list[float]]:
-    """Every layout of `LAYOUTS`, fused, one after another in one process group: the loss of every step."""
+    """Every layout of `LAYOUTS`, fused, one after another in one process group: `curve` of each."""
     from paratron.distributed.init import initialize
     from paratron.model import fused_loss
 
     initialize("gloo")
     fused_loss.chunk_tokens = lambda vocab, limit=0: CHUNK  # (read at each call; the real size is one chunk here)
     return {
-        name: run_training(tiny_config(f"{run_dir}/{name}", **settings, cross_entropy_loss_fusion=True)).losses
+        name: curve(tiny_config(f"{run_dir}/{name}", **settings, cross_entropy_loss_fusion=True))
         for name, settings in LAYOUTS.items()
     }
 
@@ -71,16 +79,16 @@ def fused_curves(run_dir: str) -> dict[str, list[float]]:
 @pytest.mark.spawns
 def test_fused_loss_curves_equal_the_unfused_single_process_under_pp_and_zero3(tmp_path):
     reference = {
-        flavour: run_training(tiny_config(tmp_path / flavour, **settings)).losses
+        flavour: curve(tiny_config(tmp_path / flavour, **settings))
         for flavour, settings in (("gpt", GPT), ("llama", LLAMA))
     }
     curves = run_ranks(fused_curves, 4, str(tmp_path / "fused"))[0]
     assert curves.keys() == LAYOUTS.keys()
     worst = {}
-    for name, curve in curves.items():
+    for name, losses in curves.items():
         expected = reference[name.split("-")[0]]
-        assert len(curve) == len(expected) == STEPS
-        worst[name] = max(abs(ours - ref) / abs(ref) for ours, ref in zip(curve, expected))
+        assert len(losses) == len(expected) == STEPS + 2
+        worst[name] = max(abs(ours - ref) / abs(ref) for ours, ref in zip(losses, expected))
     print({name: f"{error:.1e}" for name, error in worst.items()})  # (the margins, with -s)
     assert max(worst.values()) <= 1e-5, f"relative distance from the unfused single process's curve: {worst}"
-    assert reference["gpt"][-1] < reference["gpt"][0] - 0.1  # (it learns: the curves compared carry information)
+    assert reference["gpt"][STEPS - 1] < reference["gpt"][0] - 0.1  # (it learns: the curves compared carry information)
