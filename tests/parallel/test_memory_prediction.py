@@ -1,6 +1,6 @@
-"""Predicted memory against measured memory: for 16 layouts of a small model (world 1-8; tensor,
-sequence, pipeline (1f1b, interleaved, zb-h1), data, context and expert parallelism; ZeRO 0-3;
-selective and full recomputation; dropout; fp32 and bf16), every rank's training state and activations
+"""Predicted memory against measured memory: for 18 layouts of a small model (world 1-8; tensor,
+sequence, pipeline (1f1b, interleaved, zb-h1, zb-v), data, context and expert parallelism; ZeRO 0-3;
+selective and full recomputation; dropout; the fused loss; fp32 and bf16), every rank's training state and activations
 saved for backward as `--log-memory` measures them after one real step, against what
 `paratron train --dry-run` predicts for that rank's pipeline stage (training state from the shards
 built on the meta device, activations from `planning/activations.py`). Asserted within 5%.
@@ -59,6 +59,20 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2 zero3 llama bf16": (2, dict(LLAMA, **BF16, zero_stage=3)),
     "cp2 llama bf16": (2, dict(LLAMA, **BF16, context_parallel_size=2)),
     "ep2 moe bf16": (2, dict(MOE, **BF16, expert_model_parallel_size=2)),
+    "tp2 sp llama bf16 fused loss": (
+        2,
+        dict(LLAMA, **BF16, tensor_model_parallel_size=2, sequence_parallel=True, cross_entropy_loss_fusion=True),
+    ),
+    "pp2 zb-v llama fp32 fused loss": (
+        2,
+        dict(
+            LLAMA,
+            pipeline_model_parallel_size=2,
+            pipeline_schedule="zb-v",
+            global_batch_size=8,
+            cross_entropy_loss_fusion=True,
+        ),
+    ),
     "tp2 pp2 interleaved sp llama fp32": (
         4,
         dict(

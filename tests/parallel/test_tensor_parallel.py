@@ -187,14 +187,15 @@ def _fused_loss_errors(model, reference, inputs, labels, ref_loss, group, chunk)
     this vocabulary), or with `chunk` the vocabulary-parallel fused loss itself in chunks of that many tokens."""
     from paratron.model.loss import mean_loss
     from paratron.parallel.sharding import gather_full
-    from paratron.parallel.tensor.fused_cross_entropy import vocab_parallel_fused_token_losses
+    from paratron.parallel.tensor.fused_cross_entropy import output_vocab_start, vocab_parallel_fused_token_losses
 
     model.zero_grad()
     hidden = model(inputs, before_output=True)
     if chunk is None:
         losses = model.fused_loss(hidden, labels)
     else:
-        losses = vocab_parallel_fused_token_losses(hidden, labels, model.module.output, chunk)
+        output = model.module.output
+        losses = vocab_parallel_fused_token_losses(hidden, labels, output, output_vocab_start(output), chunk)
     loss = mean_loss(losses, labels)
     loss.backward()
     model.finish_grad_sync()

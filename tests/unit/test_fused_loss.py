@@ -10,7 +10,6 @@ import torch
 from paratron.cli import train_parser
 from paratron.config import build_config, validate
 from paratron.config.arguments import parse_config_arguments
-from paratron.errors import ConfigError
 from paratron.model.batch import IGNORE_INDEX
 from paratron.model.fused_loss import chunk_tokens, fused_token_losses
 from paratron.model.loss import token_losses
@@ -106,15 +105,15 @@ def test_training_with_fusion_gives_the_same_losses(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "settings, world, named",
+    "settings, world",
     [
-        (dict(pipeline_model_parallel_size=2), 2, "--pipeline-model-parallel-size 2"),
-        (dict(zero_stage=3), 2, "--zero-stage 3"),
+        (dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-v", num_layers=4), 2),
+        (dict(zero_stage=3, tensor_model_parallel_size=2, sequence_parallel=True), 4),
+        (dict(zero_stage=3, pipeline_model_parallel_size=2), 4),
     ],
 )
-def test_layouts_not_served_are_refused_in_one_line(tmp_path, settings, world, named):
+def test_pipeline_and_zero3_layouts_are_served(tmp_path, settings, world):
+    """(Their parity: tests/parallel/test_fused_loss_parity.py.)"""
     config = tiny_config(tmp_path, cross_entropy_loss_fusion=True, **settings)
-    with pytest.raises(ConfigError) as caught:
-        validate(config, world, check_data=False)
-    message = str(caught.value)
-    assert "--cross-entropy-loss-fusion" in message and named in message and "\n" not in message
+    layout = validate(config, world, check_data=False)
+    assert layout.pp == settings.get("pipeline_model_parallel_size", 1)

@@ -919,8 +919,8 @@ class TrainingConfig:
     """Compute the output layer and the cross-entropy together over chunks of tokens (model/fused_loss.py), so that
     training and evaluation never hold the whole fp32 logits and their gradient: the same losses and gradients, much
     less memory at a large vocabulary. Under tensor parallelism each rank runs its vocabulary slice (as the
-    vocabulary-parallel loss does); pipeline parallelism and ZeRO-3 are not served yet. Generation still computes
-    logits."""
+    vocabulary-parallel loss does); under pipeline parallelism the last stage runs it, under ZeRO-3 on the gathered
+    output weight. Generation still computes logits."""
 
     exit_signal_handler: bool = False
     """On SIGTERM or SIGINT, finish the current step, save a checkpoint (with --save) and exit with code 0."""

@@ -64,7 +64,6 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     parse_faults(config.training.fault_inject, world_size)
     _check_loss_spikes(config)
     _check_gradient_precision(config)
-    _check_loss_fusion(config, layout)
     check_fp8_settings(config, layout)
     if check_data:
         _check_data(config.data, config.training, config.model)
@@ -664,24 +663,6 @@ def _check_gradient_precision(config: Config) -> None:
             f"(fp16 and fp32 runs accumulate and reduce gradients in fp32): add --bf16 or drop "
             f"{flag.grad_reduce_in_bf16}"
         )
-
-
-def _check_loss_fusion(config: Config, layout: Layout) -> None:
-    """--cross-entropy-loss-fusion runs the output layer inside the loss, on the weight the rank holds between two
-    forwards: under pipeline parallelism the loss lives in the pipeline's last stage, whose runtime computes logits,
-    and under ZeRO-3 the weight is gathered only inside the model's forward; neither is served yet."""
-    if not config.training.cross_entropy_loss_fusion:
-        return
-    refusals = (
-        (layout.pp > 1, f"{flag.pipeline_model_parallel_size} {layout.pp}"),
-        (config.parallel.zero_stage == 3, f"{flag.zero_stage} 3"),
-    )
-    for refused, what in refusals:
-        if refused:
-            raise ConfigError(
-                f"{flag.cross_entropy_loss_fusion} does not serve {what} yet (the fused loss needs the output "
-                f"weight next to the model's last hidden states); drop one of the two"
-            )
 
 
 def check_fp8_settings(config: Config, layout: Layout) -> None:

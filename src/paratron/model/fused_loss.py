@@ -59,39 +59,58 @@ def chunked_loss_and_grads(
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if keep_weight_grad else None
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        h, target = hidden[rows], labels[rows]
-        logits = (h @ weight.t()).float()
-        trained = target != IGNORE_INDEX
-        local = target - (part.start if part is not None else 0)
-        mine = trained & (local >= 0) & (local < (part.valid if part is not None else logits.size(-1)))
-        safe_target = local.masked_fill(~mine, 0)
-        target_logit = logits.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        if part is not None:
-            logits[:, part.valid :] = float("-inf")  # (padding rows: never predicted)
-            part.all_reduce(target_logit, "sum")
-        top = logits.amax(dim=-1, keepdim=True)
-        if part is not None:
-            part.all_reduce(top, "max")
-        exp = logits.sub_(top).exp_()  # (in the logits' storage: one chunk-sized buffer all the way)
-        sum_exp = exp.sum(dim=-1, keepdim=True)
-        if part is not None:
-            part.all_reduce(sum_exp, "sum")
-        losses[rows] = (sum_exp.log().add_(top).squeeze(-1) - target_logit) * trained
-        if not with_grad:
-            continue
-        scale = trained.float() if token_weights is None else token_weights[rows].float() * trained
-        grad_logits = exp.div_(sum_exp)  # (the softmax)
-        grad_logits.scatter_add_(-1, safe_target.unsqueeze(-1), -mine.unsqueeze(-1).float())
-        grad_logits.mul_(scale.unsqueeze(-1))
-        grad_logits = grad_logits.to(weight.dtype)
-        grad_hidden[rows] = grad_logits @ weight
-        if grad_weight is None:
-            continue
-        if grad_logits.dtype == torch.float32:
-            grad_weight.addmm_(grad_logits.t(), h)
-        else:
-            grad_weight.add_(grad_logits.t() @ h)
+        scale = None
+        if with_grad:
+            trained = (labels[rows] != IGNORE_INDEX).float()
+            scale = trained if token_weights is None else token_weights[rows].float() * trained
+        # (one chunk at a time: its buffers are freed when the call returns, before the next chunk's exist)
+        _one_chunk(hidden[rows], weight, labels[rows], part, losses[rows], scale, grad_hidden, grad_weight, rows)
     return losses, grad_hidden, grad_weight
+
+
+def _one_chunk(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    part: VocabSlice | None,
+    losses: torch.Tensor,
+    scale: torch.Tensor | None,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    rows: slice,
+) -> None:
+    """One chunk of `chunked_loss_and_grads`: its losses into `losses`, and with `scale` (each token's weight) its
+    gradients into `grad_hidden[rows]` and added to `grad_weight` (when not None)."""
+    logits = (h @ weight.t()).float()
+    trained = target != IGNORE_INDEX
+    local = target - (part.start if part is not None else 0)
+    mine = trained & (local >= 0) & (local < (part.valid if part is not None else logits.size(-1)))
+    safe_target = local.masked_fill(~mine, 0)
+    target_logit = logits.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+    if part is not None:
+        logits[:, part.valid :] = float("-inf")  # (padding rows: never predicted)
+        part.all_reduce(target_logit, "sum")
+    top = logits.amax(dim=-1, keepdim=True)
+    if part is not None:
+        part.all_reduce(top, "max")
+    exp = logits.sub_(top).exp_()  # (in the logits' storage: one chunk-sized buffer all the way)
+    sum_exp = exp.sum(dim=-1, keepdim=True)
+    if part is not None:
+        part.all_reduce(sum_exp, "sum")
+    losses.copy_((sum_exp.log().add_(top).squeeze(-1) - target_logit) * trained)
+    if scale is None:
+        return
+    grad_logits = exp.div_(sum_exp)  # (the softmax)
+    grad_logits.scatter_add_(-1, safe_target.unsqueeze(-1), -mine.unsqueeze(-1).float())
+    grad_logits.mul_(scale.unsqueeze(-1))
+    grad_logits = grad_logits.to(weight.dtype)
+    grad_hidden[rows] = grad_logits @ weight
+    if grad_weight is None:
+        return
+    if grad_logits.dtype == torch.float32:
+        grad_weight.addmm_(grad_logits.t(), h)
+    else:
+        grad_weight.add_(grad_logits.t() @ h)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -119,9 +138,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             _, grad_hidden, grad_weight = chunked_loss_and_grads(
                 hidden, weight, labels, ctx.chunk, grad_losses, True, ctx.weight_grad, ctx.part
             )
-        if factor is not None:
-            grad_hidden = grad_hidden * factor
-            grad_weight = grad_weight * factor if grad_weight is not None else None
+        if factor is not None:  # (in place: what forward kept is needed no more, and a copy is as large again)
+            grad_hidden = grad_hidden.mul_(factor)
+            grad_weight = grad_weight.mul_(factor) if grad_weight is not None else None
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
 

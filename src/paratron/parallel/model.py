@@ -26,6 +26,7 @@ from paratron.model.loss import mean_loss
 from paratron.model.moe import MoELayer
 from paratron.parallel.context.split import split_batch
 from paratron.parallel.data.ddp import DataParallelGradients
+from paratron.parallel.data.fully_sharded import gather_for_use
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.pipeline.runtime import PipelineRuntime
 from paratron.parallel.sharding import grad_norm_weight, is_expert
@@ -65,6 +66,8 @@ class ParallelModel(nn.Module):
         self.flat_parameters = flat_parameters or []  # (the distributed optimizer's: dense, then experts)
         self.rng_states = rng  # named generators of tensor-parallel regions (checkpointed)
         self.fused_loss = fused_loss  # set: the output layer runs inside the loss, in chunks (`model.fused_loss`)
+        if pipeline is not None:
+            pipeline.runner.fused_loss = fused_loss  # (the last stage's runner applies it inside its forward)
 
     @property
     def trained_parameters(self) -> list[nn.Parameter]:
@@ -146,6 +149,7 @@ class ParallelModel(nn.Module):
             before_output=self.fused_loss is not None,
         )
         if self.fused_loss is not None:
+            gather_for_use(self.module)  # (ZeRO-3: the output weight is the root unit's, read after its forward)
             return self.fused_loss(out, batch.labels).sum()
         return self.token_loss(out, batch.labels).sum()
 

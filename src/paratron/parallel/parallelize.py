@@ -61,7 +61,7 @@ from paratron.parallel.recompute import apply_recompute
 from paratron.parallel.sharding import box_size, copy_info, full_shape, param_info, set_info, shard_of
 from paratron.parallel.tensor.apply import apply_tensor_parallel, apply_vocab_parallel
 from paratron.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from paratron.parallel.tensor.fused_cross_entropy import vocab_parallel_fused_token_losses
+from paratron.parallel.tensor.fused_cross_entropy import output_vocab_start, vocab_parallel_fused_token_losses
 from paratron.parallel.tensor.layers import TPContext, VocabParallelOutput, padded_vocab_size
 
 
@@ -278,7 +278,8 @@ def _fused_loss(model: GPT, config: Config, topology: Topology) -> FusedLoss | N
     if not config.training.cross_entropy_loss_fusion:
         return None
     if topology.size(Axis.TP) > 1 or isinstance(model.output, VocabParallelOutput):  # (padded on one rank too)
-        return partial(_vocab_parallel_fused, model=model)
+        start = output_vocab_start(model.output) if model.output is not None else 0  # (None: not the last stage)
+        return partial(_vocab_parallel_fused, model=model, vocab_start=start)
     return partial(_single_device_fused, model=model)
 
 
@@ -286,8 +287,8 @@ def _single_device_fused(hidden: torch.Tensor, labels: torch.Tensor, model: GPT)
     return fused_token_losses(hidden, model.output.weight, labels)  # (read at each call: materializing swaps it)
 
 
-def _vocab_parallel_fused(hidden: torch.Tensor, labels: torch.Tensor, model: GPT) -> torch.Tensor:
-    return vocab_parallel_fused_token_losses(hidden, labels, model.output)
+def _vocab_parallel_fused(hidden: torch.Tensor, labels: torch.Tensor, model: GPT, vocab_start: int) -> torch.Tensor:
+    return vocab_parallel_fused_token_losses(hidden, labels, model.output, vocab_start)
 
 
 def _vocab_parallel_token_losses(

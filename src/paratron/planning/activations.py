@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from paratron.config.layout import Layout
 from paratron.config.schema import Config, ModelConfig
+from paratron.model.fused_loss import chunk_tokens
 from paratron.model.vision import encoder_layer_config
 from paratron.parallel.pipeline.schedules import stage_of
 from paratron.parallel.tensor.layers import padded_vocab_size
@@ -89,6 +90,7 @@ class _Shape:
     cp: int
     cp_gather: bool
     kernels: Kernels
+    fused_loss: bool = False  # --cross-entropy-loss-fusion: the last stage's output layer and loss in chunks
 
     @property
     def h(self) -> int:
@@ -183,6 +185,8 @@ def _first_stage_bytes(shape: _Shape) -> float:
 
 
 def _last_stage_bytes(shape: _Shape, vocab: int) -> float:
+    if shape.fused_loss:
+        return _norm(shape) + fused_loss_kept(shape, vocab)
     labels = 8 + (2 if shape.tp > 1 else 0)  # the labels; under TP also which of them this rank holds
     return _norm(shape) + (4 * vocab / shape.tp + labels) * shape.tokens
 
@@ -212,6 +216,7 @@ def shape_of(config: Config, layout: Layout, kernels: Kernels) -> _Shape:
         cp=layout.cp,
         cp_gather=config.parallel.cp_comm_type == "all_gather",
         kernels=kernels,
+        fused_loss=config.training.cross_entropy_loss_fusion,
     )
 
 
@@ -345,7 +350,8 @@ def buffer_bytes(
     total = 0.0
     last_rank = layout.pp - 1 if layout.pipeline.chunks == 1 or layout.pipeline.schedule != "zb-v" else 0
     if pp_rank == last_rank:
-        total += (w + 4) * padded_vocab(config, layout.tp) / layout.tp * shape.tokens
+        vocab = padded_vocab(config, layout.tp)
+        total += fused_loss_buffer(shape, vocab) if shape.fused_loss else (w + 4) * vocab / layout.tp * shape.tokens
     if layout.pp > 1:
         total += 2 * layout.pipeline.chunks * hidden / (layout.tp if p.sequence_parallel else 1)
     if p.sequence_parallel:
@@ -360,3 +366,24 @@ def buffer_bytes(
     if t.recompute_granularity == "full":
         total += (t.recompute_num_layers or 1) * layer_bytes(shape, False, any(config.model.moe_layer_pattern))
     return round(total)
+
+
+def fused_loss_kept(shape: _Shape, vocab: int) -> float:
+    """What --cross-entropy-loss-fusion keeps from a micro-batch's forward to its backward on the last stage
+    (`model/fused_loss.py` computes the gradients in forward): the gradient of the hidden states (fp32, every
+    token of the micro-batch), the output weight's gradient (fp32, this rank's vocabulary rows) and the labels; no
+    logits. Under SP it keeps the hidden states gathered from the sequence shards, where the unfused output layer
+    keeps the final norm's shard (counted in `_norm`) and gathers it again in backward."""
+    gathered = shape.w * shape.h * (shape.tokens - shape.sharded_tokens)
+    return (4 * shape.h + 8) * shape.tokens + gathered + 4 * vocab / shape.tp * shape.h
+
+
+def fused_loss_buffer(shape: _Shape, vocab: int) -> float:
+    """The fused loss's working memory, in place of the unfused [tokens x vocab / TP] logits in the compute type
+    and in fp32: one chunk's logits (`chunk_tokens` tokens over this rank's vocabulary rows) in fp32, beside their
+    matmul output or their gradient in the compute type when that is 16-bit, and then, in 16 bits, the chunk's
+    weight-gradient product before it is added to the fp32 sum."""
+    rows = vocab / shape.tp
+    tokens = min(shape.tokens, chunk_tokens(round(rows)))
+    narrow = shape.w if shape.w != 4 else 0
+    return (4 + narrow) * tokens * rows + narrow * rows * shape.h

@@ -39,12 +39,13 @@ PLAN_TAKES = (
     ("data_path", "train_data_path", "valid_data_path", "corpus", "mock_data", "seq_length"),
     ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"),
     ("sft", "chat_template"),
+    ("cross_entropy_loss_fusion",),  # (the last stage's logits memory and the loss's time)
     ("world_size", "hardware", "device_memory_gb", "peak_tflops", "calibration"),
 )
 """The settings a plan depends on (train's flags): the model's architecture and what sizes its memory (dropout
-masks, vocabulary padding, adapters, a vision encoder, what trains and the images a sample brings), the batch,
-precision and the optimizer's state, the data (passed on to the printed command) and the machine; the layout is what
-the plans choose."""
+masks, vocabulary padding, adapters, a vision encoder, what trains and the images a sample brings, the fused loss),
+the batch, precision and the optimizer's state, the data (passed on to the printed command) and the machine; the
+layout is what the plans choose."""
 
 
 def plan_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from paratron.config.layout import Layout
 from paratron.config.schema import Config, ModelConfig
+from paratron.model.fused_loss import chunk_tokens
 from paratron.parallel.pipeline.schedules import stage_of
 from paratron.planning.activations import WIDTHS, grad_width, padded_vocab
 from paratron.planning.hardware import (
@@ -337,8 +338,22 @@ class _Comm:
         tp_link = link(self.hardware, 1, self.tp)
         small = 3 * all_reduce_time(self.tokens * 4, self.tp, tp_link)  # max, sum of exponentials, target logit
         gather = all_gather_time(self.activation, self.tp, tp_link) if self.config.parallel.sequence_parallel else 0
+        if self.config.training.cross_entropy_loss_fusion:
+            return self._fused_output(matmul, loss, small, gather, vocab)
         ops = {"F": matmul + loss + small + gather, "B": matmul + loss + gather, "W": matmul}
         return ops, {"compute": 3 * matmul + 2 * loss, "tensor_parallel": small + 2 * gather}
+
+    def _fused_output(
+        self, matmul: float, loss: float, small: float, gather: float, vocab: float
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """--cross-entropy-loss-fusion: forward runs all three matmuls and one pass over each chunk's logits, with
+        the three small all-reduces per chunk; backward only scales the kept fp32 gradients (of the hidden states
+        and the output weight) and sends the hidden states' back (reduce-scattered under SP); nothing is left for W."""
+        chunks = -(-self.tokens // chunk_tokens(round(vocab)))
+        kept = 4 * (self.tokens + vocab) * self.config.model.hidden_size
+        scale = 2 * kept / (self.hardware.memory_gbps * 1e9)  # (read and written once)
+        ops = {"F": 3 * matmul + loss + chunks * small + gather, "B": scale + gather, "W": 0.0}
+        return ops, {"compute": 3 * matmul + loss + scale, "tensor_parallel": chunks * small + 2 * gather}
 
     def message(self, layout: Layout) -> float:
         """One pipeline message: a micro-batch's activations (or their gradients), / TP under

@@ -103,6 +103,16 @@ def reshard(module: nn.Module) -> None:
             unit.reshard()
 
 
+def gather_for_use(unit: nn.Module) -> None:
+    """Make an FSDP2 unit's parameters whole for work that reads them outside its forward, before its backward (the
+    fused loss reads the root unit's output weight after the model's forward): autograd then accumulates their
+    gradients on the gathered parameters, which the unit's post-backward reduce-scatters into its shards as for
+    any gradient of its forward. No-op when they are gathered already (the root keeps them so after a forward) or
+    without FSDP2."""
+    if isinstance(unit, FSDPModule):
+        unit.unshard()
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is FSDP2's sharded form (a DTensor) of a parameter, gradient or state."""
     return isinstance(tensor, DTensor)

@@ -10,9 +10,10 @@
 The receive an operation needs is posted when the previous operation ends, together with
 that operation's sends, and waited for only when the tensor is needed.
 
-The last stage turns each micro-batch's output into the sum of its token losses times that
-micro-batch's weight (see `training.step.loss_weights`), so the gradients that accumulate in
-the parameters' buffers are those of the step's loss, as without pipelining.
+The last stage turns each micro-batch's output (logits, or the token losses themselves where the
+runner applies the fused loss) into the sum of its token losses times that micro-batch's weight
+(see `training.step.loss_weights`), so the gradients that accumulate in the parameters' buffers
+are those of the step's loss, as without pipelining.
 The gradient synchronizer of data parallelism is given at construction: it is told before
 each backward operation whether it is the step's last for its chunk, and of every weight
 gradient a W operation completes.
@@ -102,7 +103,7 @@ class PipelineRuntime:
                 begin = self._now(origin)
                 out = self.runner(action.chunk, x, batch)
                 if last:
-                    loss = self.token_loss(out, batch.labels).sum() * weights[action.microbatch]
+                    loss = self._token_losses(out, batch).sum() * weights[action.microbatch]
                     total += loss.detach()
                     outputs[key] = loss
                 else:
@@ -150,11 +151,16 @@ class PipelineRuntime:
             x = batch.input_ids if incoming is None else incoming.wait()
             out = self.runner(action.chunk, x, batch)
             if self.runner.is_last(action.chunk):
-                total += self.token_loss(out, batch.labels).sum()
+                total += self._token_losses(out, batch).sum()
             else:
                 self._send(out, action, +1, ACTIVATION)
         self.comm.wait_sends()
         return total
+
+    def _token_losses(self, out: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The last stage's per-token losses: its output already is them under the fused loss (computed inside the
+        runner's forward, `StageRunner.fused_loss`); otherwise it is logits."""
+        return out if self.runner.fused_loss is not None else self.token_loss(out, batch.labels)
 
     def _post_receive(self, action: Action, batches: list[Batch]) -> PendingReceive | None:
         """Post the queued sends and the receive `action` needs (None if it needs none: then the

@@ -17,6 +17,7 @@ each step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,12 +89,16 @@ def keep_stage(model: GPT, layout: StageLayout, embedding_group: RankGroup) -> G
 
 class StageRunner(nn.Module):
     """Runs one chunk of this rank's stages: the first stage starts from token ids, the last
-    ends in logits; the others map hidden states to hidden states. (A module, so that wrappers
-    hooked on forward, such as FSDP's, see each chunk run.)"""
+    ends in logits (or, with `fused_loss` set, in the per-token losses); the others map hidden
+    states to hidden states. (A module, so that wrappers hooked on forward, such as FSDP's, see
+    each chunk run: the fused loss runs inside that forward, on the output weight FSDP gathered.)"""
 
     def __init__(self, model: GPT, layout: StageLayout) -> None:
         super().__init__()
         self.model, self.layout = model, layout
+        self.fused_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        """(final norm's output, labels) -> per-token losses [B, T], the output layer applied inside the loss
+        (--cross-entropy-loss-fusion); None: the last stage returns logits."""
 
     def is_first(self, chunk: int) -> bool:
         return self.layout.stage(chunk) == 0
@@ -112,4 +117,8 @@ class StageRunner(nn.Module):
         if self.is_first(chunk):
             x = model.embed(x, positions, batch.images)
         x = model.layers(x, self.layout.ranges[self.layout.stage(chunk)], model.rotary_tables(positions), places=places)
-        return model.head(x) if self.is_last(chunk) else x
+        if not self.is_last(chunk):
+            return x
+        if self.fused_loss is not None:
+            return self.fused_loss(model.final_norm(x), batch.labels)
+        return model.head(x)

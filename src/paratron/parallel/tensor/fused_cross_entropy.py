@@ -28,17 +28,27 @@ def _all_reduce(tensor: torch.Tensor, op: str, group: RankGroup) -> None:
 
 
 def vocab_parallel_fused_token_losses(
-    hidden: torch.Tensor, labels: torch.Tensor, output: VocabParallelOutput, chunk: int | None = None
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    output: VocabParallelOutput,
+    vocab_start: int,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Per-token losses [B, T] of the final norm's output `hidden` ([B, T, H], or this rank's sequence shard
-    under sequence parallelism) through the vocabulary-parallel `output` layer, without its logits; `chunk` tokens
-    at a time (default: as `fused_token_losses` chooses for this rank's slice)."""
+    under sequence parallelism) through the vocabulary-parallel `output` layer, whose rows begin at vocabulary id
+    `vocab_start` (`output_vocab_start`), without its logits; `chunk` tokens at a time (default: as
+    `fused_token_losses` chooses for this rank's slice)."""
     tp = output.tp
     if tp.sequence_parallel:
         whole = comm.gather_from_sequence(hidden, tp.group)
     else:
         whole = comm.copy_to_region(hidden, tp.group)
-    shard = shard_of(output.weight)
-    start = shard.start if shard is not None else 0
-    part = VocabSlice(start, output.valid_rows, partial(_all_reduce, group=tp.group))
+    part = VocabSlice(vocab_start, output.valid_rows, partial(_all_reduce, group=tp.group))
     return fused_token_losses(whole, output.weight, labels, chunk, part)
+
+
+def output_vocab_start(output: VocabParallelOutput) -> int:
+    """The first vocabulary id of this rank's output rows, read from the weight's record when the layer is built:
+    under ZeRO-3 the weight the loss reads is the one FSDP2 gathers for compute, which carries no record."""
+    shard = shard_of(output.weight)
+    return shard.start if shard is not None else 0
