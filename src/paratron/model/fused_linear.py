@@ -14,6 +14,7 @@ serves the tensor-parallel twin (`parallel/tensor/layers.py`), which adds its co
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -23,9 +24,14 @@ import torch.nn.functional as F
 def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     """The type a matmul of `x` runs in: autocast's when it is on, else x's own."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
+
+
+def _autocast_off(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """No autocast inside (the types are chosen already); the meta device has none to turn off."""
+    return contextlib.nullcontext() if x.device.type == "meta" else torch.autocast(x.device.type, enabled=False)
 
 
 def _rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -88,7 +94,7 @@ class StackedLinears(torch.autograd.Function):
         total = x.to(dtype)
         weights = [w.to(dtype) for w in weights_and_biases[0::2]]
         biases = [b.to(dtype) if b is not None else None for b in weights_and_biases[1::2]]
-        with torch.autocast(x.device.type, enabled=False):
+        with _autocast_off(x):
             out = stacked_linear(total, weights, biases)
         ctx.save_for_backward(total, *weights)
         ctx.has_bias = [b is not None for b in biases]
