@@ -15,6 +15,7 @@ from torch import nn
 
 from paratron.config.schema import ModelConfig
 from paratron.model.fused_linear import linears
+from paratron.model.fused_ops import FusibleOp
 from paratron.model.lora import LoRALinear
 
 
@@ -65,6 +66,14 @@ def _add_updates(stacked: torch.Tensor, layers: list[nn.Module], sizes: list[int
     return base + torch.cat(updates, dim=-1)
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) x up (the function a fused kernel compiles)."""
+    return F.silu(gate) * up
+
+
+_swiglu = FusibleOp(swiglu)
+
+
 class MLP(nn.Module):
     """GELU MLP (GPT; quick GELU, CLIP's) or SwiGLU MLP (Llama): up-projection, activation, down-projection.
     `inner`, `bias` and `dropout` default to the config's (a shared expert sets its own)."""
@@ -78,6 +87,7 @@ class MLP(nn.Module):
         self.gated = config.activation == "swiglu"
         self.quick = config.activation == "quick_gelu"
         self.gelu = "tanh" if config.openai_gelu else "none"  # GPT-2's approximation, or the exact GELU
+        self.swiglu_fusion = config.bias_swiglu_fusion
         self.in_proj = Projections(hidden, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias)
         self.out_proj = nn.Linear(inner, hidden, bias=bias)
         self.dropout = nn.Dropout(config.hidden_dropout if dropout is None else dropout)
@@ -85,7 +95,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = self.in_proj(x)
-            h = F.silu(gate) * up
+            h = _swiglu(self.swiglu_fusion, gate, up)
         else:
             (up,) = self.in_proj(x)
             h = up * torch.sigmoid(1.702 * up) if self.quick else F.gelu(up, approximate=self.gelu)
