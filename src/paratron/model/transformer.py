@@ -159,6 +159,10 @@ class Attention(nn.Module):
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         q, k, v = self.in_proj(x)
+        if rotary is not None or self.q_norm is not None:
+            # (v is a slice of the projections' one output: kept alone for backward, it would keep the unrotated
+            # queries and keys alive beside their rotated copies)
+            v = v.contiguous()
         B, T = q.shape[:2]  # (not x's: with sequence parallelism x holds only part of the sequence)
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, groups, T, hd]
