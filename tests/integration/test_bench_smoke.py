@@ -32,6 +32,7 @@ SMOKES = {
     "faults": [],
     "finetune": [],
     "fused_loss": [],
+    "fused_matmuls": [],
     "layer_stats": [],
     "generate": [],
     "harness": [],

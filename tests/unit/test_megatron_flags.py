@@ -110,7 +110,7 @@ def test_accepted_flags_change_nothing():
             "--attention-backend",
             "flash",
             "--no-gradient-accumulation-fusion",
-            "--no-rope-fusion",
+            "--no-masked-softmax-fusion",
             "--dist-ckpt-strictness",
             "log_all",
         ]

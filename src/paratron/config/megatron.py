@@ -53,6 +53,11 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
         True,
         "Tokens attend only within their own document of a packed sample (sets --reset-attention-mask).",
     ),
+    "no_rope_fusion": (
+        "apply_rope_fusion",
+        False,
+        "Rotate queries and keys with eager PyTorch, not one compiled kernel (sets --no-apply-rope-fusion).",
+    ),
     "use_torch_fsdp2": (
         "zero_stage",
         3,
@@ -125,10 +130,7 @@ ACCEPTED: dict[str, Accepted] = {
     ),
     "no-masked-softmax-fusion": Accepted("Turn off the fused scale-mask-softmax kernel.", _FUSION + "."),
     "no-bias-gelu-fusion": Accepted("Turn off the fused bias + GELU kernel.", _FUSION + "."),
-    "no-bias-swiglu-fusion": Accepted("Turn off the fused bias + SwiGLU kernel.", _FUSION + "."),
     "no-bias-dropout-fusion": Accepted("Turn off the fused bias + dropout + add kernel.", _FUSION + "."),
-    "no-rope-fusion": Accepted("Turn off the fused rotary-embedding kernel.", _FUSION + "."),
-    "no-persist-layer-norm": Accepted("Turn off Apex's persistent fused LayerNorm kernel.", _FUSION + "."),
     "cross-entropy-fusion-impl": Accepted(
         "Which fused cross-entropy kernel: native or te.",
         "--cross-entropy-loss-fusion has one implementation, chunked PyTorch (model/fused_loss.py); same numbers.",

@@ -250,6 +250,23 @@ class ModelConfig(VisionSettings):
     and value projections), proj (attention output projection), fc1 (MLP up and gate projections), fc2 (MLP down
     projection)."""
 
+    persist_layer_norm: bool | None = None
+    """Run each RMSNorm (forward, and backward) as one compiled kernel instead of PyTorch's several elementwise ones
+    (model/fused_ops.py; LayerNorm is one kernel already): the same numbers up to rounding. Unset: on where the model
+    runs on an accelerator, off on the CPU, where compiling the kernel (C++, tens of seconds) costs a small run more
+    than it saves. Under --compile the compiled blocks fuse it anyway. Megatron-LM's --no-persist-layer-norm turns it
+    off."""
+
+    apply_rope_fusion: bool | None = None
+    """Rotate queries and keys (rotary embeddings) with one compiled kernel instead of PyTorch's several (slices, a
+    concatenation, products; model/fused_ops.py): the same numbers up to rounding. Unset: on where the model runs on
+    an accelerator, off on the CPU (see --persist-layer-norm). Megatron-LM's --no-rope-fusion turns it off."""
+
+    bias_swiglu_fusion: bool | None = None
+    """Compute SwiGLU's silu(gate) x up (forward and backward) as one compiled kernel (model/fused_ops.py): the same
+    numbers up to rounding. Unset: on where the model runs on an accelerator, off on the CPU (see
+    --persist-layer-norm). Megatron-LM's --no-bias-swiglu-fusion turns it off."""
+
     def __post_init__(self) -> None:
         """Fill in the settings left to their derived defaults (Megatron-LM's), and read --moe-layer-freq once."""
         derived = {name: value for name, value in self._derived_defaults().items() if getattr(self, name) is None}

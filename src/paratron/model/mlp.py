@@ -1,7 +1,11 @@
 """Pieces the model and its mixture of experts share: several linear maps of one input kept as
 one module (`Projections`, so that tensor parallelism can split them as one matrix: queries, keys
 and values; an MLP's gate and up projections), and the MLP itself (a block's, or an MoE layer's
-shared expert)."""
+shared expert).
+
+`Projections` computes its maps as one matmul over their concatenated weights (`model/fused_linear.py`),
+LoRA-adapted ones included (each adapter's A joins the matmul, its update is added to its slice), so an
+adapter whose B is zero leaves the outputs bit for bit those of the base model."""
 
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
+from paratron.model.fused_linear import linears
+from paratron.model.fused_ops import FusibleOp
+from paratron.model.lora import LoRALinear
 
 
 class Projections(nn.ModuleDict):
@@ -20,7 +27,51 @@ class Projections(nn.ModuleDict):
         super().__init__({name: nn.Linear(in_features, size, bias=bias) for name, size in out_features.items()})
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(linear(x) for linear in self.values())
+        layers = list(self.values())
+        if not all(_stackable(layer) for layer in layers):
+            return tuple(layer(x) for layer in layers)
+        sizes = [layer.out_features for layer in layers]
+        adapted = [layer for layer in layers if isinstance(layer, LoRALinear)]
+        params: list[torch.Tensor | None] = [p for layer in layers for p in (layer.weight, layer.bias)]
+        params += [p for layer in adapted for p in (layer.lora_a, None)]
+        stacked = linears(x, params)
+        if adapted:
+            stacked = _add_updates(stacked, layers, sizes)
+        return tuple(stacked.split(sizes, dim=-1)) if len(layers) > 1 else (stacked,)
+
+
+def _stackable(layer: nn.Module) -> bool:
+    """Whether `layer` can join the one matmul: a plain or LoRA linear that nothing watches. Other
+    linears (fp8's) compute their own way, and hooks (a parameter gather's, a debugger's) expect
+    their layer to be called, so either makes the projections run layer by layer."""
+    if type(layer) not in (nn.Linear, LoRALinear):
+        return False
+    hooks = (layer._forward_hooks, layer._forward_pre_hooks, layer._backward_hooks, layer._backward_pre_hooks)
+    return not any(hooks)
+
+
+def _add_updates(stacked: torch.Tensor, layers: list[nn.Module], sizes: list[int]) -> torch.Tensor:
+    """The base outputs side by side plus each LoRA layer's s (x A^T) B^T on its slice (zeros on a
+    plain layer's), as one tensor laid out as the base outputs alone are: an adapter whose B is zero
+    changes no bit of what follows. (`stacked` ends with every adapter's x A^T, in layer order.)"""
+    ranks = [layer.rank for layer in layers if isinstance(layer, LoRALinear)]
+    base, *hidden = stacked.split([sum(sizes), *ranks], dim=-1)
+    hidden_of = iter(hidden)
+    updates = [
+        layer.scaling * F.linear(next(hidden_of), layer.lora_b)
+        if isinstance(layer, LoRALinear)
+        else base.new_zeros(*base.shape[:-1], layer.out_features)
+        for layer in layers
+    ]
+    return base + torch.cat(updates, dim=-1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) x up (the function a fused kernel compiles)."""
+    return F.silu(gate) * up
+
+
+_swiglu = FusibleOp(swiglu)
 
 
 class MLP(nn.Module):
@@ -36,6 +87,7 @@ class MLP(nn.Module):
         self.gated = config.activation == "swiglu"
         self.quick = config.activation == "quick_gelu"
         self.gelu = "tanh" if config.openai_gelu else "none"  # GPT-2's approximation, or the exact GELU
+        self.swiglu_fusion = config.bias_swiglu_fusion
         self.in_proj = Projections(hidden, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias)
         self.out_proj = nn.Linear(inner, hidden, bias=bias)
         self.dropout = nn.Dropout(config.hidden_dropout if dropout is None else dropout)
@@ -43,7 +95,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = self.in_proj(x)
-            h = F.silu(gate) * up
+            h = _swiglu(self.swiglu_fusion, gate, up)
         else:
             (up,) = self.in_proj(x)
             h = up * torch.sigmoid(1.702 * up) if self.quick else F.gelu(up, approximate=self.gelu)

@@ -15,6 +15,7 @@ from torch import nn
 
 from paratron.config.schema import ModelConfig
 from paratron.model.attention import AttentionCore, TokenPlaces, make_pattern
+from paratron.model.fused_ops import FusibleOp
 from paratron.model.mlp import MLP, Projections
 from paratron.model.moe import MoELayer
 
@@ -58,6 +59,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         rotated = torch.cat((-second, first), dim=-1)
     turned = (turned.float() * cos + rotated.float() * sin).to(x.dtype)
     return torch.cat((turned, passed), dim=-1) if passed.size(-1) else turned
+
+
+def rotate_queries_and_keys(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` of the queries and of the keys (one function, so that a fused kernel does both)."""
+    return apply_rotary(q, cos, sin, interleaved), apply_rotary(k, cos, sin, interleaved)
+
+
+_rotate = FusibleOp(rotate_queries_and_keys)
 
 
 # ---------------------------------------------------------------- KV cache (for generation)
@@ -134,6 +145,7 @@ class Attention(nn.Module):
             layer_scaling=layer_number if config.apply_query_key_layer_scaling else None,
         )
         self.rotary_interleaved = config.rotary_interleaved
+        self.rope_fusion = config.apply_rope_fusion
         self.output_dropout = nn.Dropout(config.hidden_dropout)
         # (--qk-layernorm: each head's queries and keys normalized, as Qwen3's q_norm / k_norm)
         self.q_norm = make_norm(config, self.head_dim) if config.qk_layernorm else None
@@ -147,6 +159,10 @@ class Attention(nn.Module):
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
         q, k, v = self.in_proj(x)
+        if rotary is not None or self.q_norm is not None:
+            # (v is a slice of the projections' one output: kept alone for backward, it would keep the unrotated
+            # queries and keys alive beside their rotated copies)
+            v = v.contiguous()
         B, T = q.shape[:2]  # (not x's: with sequence parallelism x holds only part of the sequence)
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, groups, T, hd]
@@ -154,8 +170,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
-            q = apply_rotary(q, *rotary, self.rotary_interleaved)
-            k = apply_rotary(k, *rotary, self.rotary_interleaved)
+            q, k = _rotate(self.rope_fusion, q, k, *rotary, self.rotary_interleaved)
         if cache is not None:
             k, v = cache.update(k, v)
         y = self.core(q, k, v, places).transpose(1, 2).reshape(B, T, -1)
@@ -172,18 +187,41 @@ class LayerNorm1P(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-class RMSNorm1P(nn.RMSNorm):
-    """RMSNorm with zero-centred gamma (--apply-layernorm-1p): the scale applied is 1 + weight."""
+def rms_norm(x: torch.Tensor, shape: tuple[int, ...], scale: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+    """PyTorch's RMSNorm (the function a fused kernel compiles)."""
+    return F.rms_norm(x, shape, scale, eps)
+
+
+_rms_norm = FusibleOp(rms_norm)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (the same parameter), run as one compiled kernel where `fused` (--persist-layer-norm) is in effect."""
+
+    def __init__(self, size: int, eps: float, fused: bool | None = None) -> None:
+        super().__init__(size, eps=eps)
+        self.fused = fused
+
+    def scale(self) -> torch.Tensor | None:
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+        return _rms_norm(self.fused, x, tuple(self.normalized_shape), self.scale(), self.eps)
+
+
+class RMSNorm1P(RMSNorm):
+    """RMSNorm with zero-centred gamma (--apply-layernorm-1p): the scale applied is 1 + weight."""
+
+    def scale(self) -> torch.Tensor | None:
+        return self.weight + 1
 
 
 def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
     """The model's norm over `size` features (default: the hidden size)."""
     size = size or config.hidden_size
     if config.normalization == "RMSNorm":
-        return (RMSNorm1P if config.apply_layernorm_1p else nn.RMSNorm)(size, eps=config.norm_epsilon)
+        rms = RMSNorm1P if config.apply_layernorm_1p else RMSNorm
+        return rms(size, config.norm_epsilon, config.persist_layer_norm)
     return (LayerNorm1P if config.apply_layernorm_1p else nn.LayerNorm)(size, eps=config.norm_epsilon)
 
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
+from paratron.model.fused_linear import linears, matmul_dtype, stacked_input_grad, stacked_linear, stacked_param_grads
 from paratron.model.lora import LoRALinear
 from paratron.parallel.sharding import Shard, set_partial_grad, set_shard
 
@@ -51,17 +52,15 @@ class TPContext:
     sequence_parallel: bool = False
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The type a matmul of `x` runs in: autocast's when it is on, else x's own."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
+compute_dtype = matmul_dtype
+"""The type a matmul of `x` runs in: autocast's when it is on, else x's own."""
 
 
 class _ColumnParallelMatmuls(torch.autograd.Function):
-    """y_i = x W_i^T + b_i for this rank's rows of one or more weights sharing the input x
-    (queries, keys and values; gate and up; LoRA A matrices, without bias). x is replicated, or
+    """[x W_1^T + b_1, x W_2^T + b_2, ...] side by side for this rank's rows of one or more weights
+    sharing the input x (queries, keys and values; gate and up; LoRA A matrices, without bias), as one
+    matmul over their concatenated rows (`model/fused_linear.py`; one more each for the input and
+    weight gradients in backward). x is replicated, or
     sequence-sharded and gathered here. In backward, one all-reduce (or reduce-scatter) of the
     summed input gradient is launched asynchronously and overlaps the weight-gradient matmuls.
     Under sequence parallelism only the local shard of x is kept for backward, where it is
@@ -78,36 +77,30 @@ class _ColumnParallelMatmuls(torch.autograd.Function):
         weights = [w.to(dtype) for w in weights_and_biases[0::2]]
         biases = [b.to(dtype) if b is not None else None for b in weights_and_biases[1::2]]
         with torch.autocast(x.device.type, enabled=False):
-            outputs = tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
+            stacked = stacked_linear(total, weights, biases)
         ctx.save_for_backward(local, *weights)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.has_bias = [b is not None for b in biases]
         ctx.input_dtype = x.dtype
         ctx.param_dtypes = [w.dtype for w in weights_and_biases[0::2]]
-        return outputs
+        return stacked
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
+    def backward(ctx, grad):
         local, *weights = ctx.saved_tensors
         wanted = ctx.needs_input_grad[3:]  # (weight, bias) pairs
         gather = None
         total = local
         if ctx.sequence_parallel and any(wanted):
             total, gather = comm.all_gather(local, 1, ctx.group, async_op=True)
-        reference = next(g for g in grad_outputs if g is not None)
-        grads = [
-            torch.zeros_like(reference[..., :1]).expand(*reference.shape[:-1], w.size(0))
-            if g is None
-            else g.contiguous()
-            for g, w in zip(grad_outputs, weights)
-        ]
-        grad_input = sum(g.matmul(w) for g, w in zip(grads, weights)) if ctx.needs_input_grad[0] else None
+        grad = grad.contiguous()
+        grad_input = stacked_input_grad(grad, weights) if ctx.needs_input_grad[0] else None
         if gather is not None:
             gather.wait()
         work = None
         if grad_input is not None:
             grad_input, work = _reduce_input_grad(grad_input, ctx.group, ctx.sequence_parallel)
-        param_grads = _param_grads(grads, total, wanted, ctx.has_bias, ctx.param_dtypes)
+        param_grads = stacked_param_grads(grad, total, weights, wanted, ctx.has_bias, ctx.param_dtypes)
         if work is not None:
             work.wait()
         grad_input = grad_input.to(ctx.input_dtype) if grad_input is not None else None
@@ -120,23 +113,6 @@ def _reduce_input_grad(grad_input: torch.Tensor, group: RankGroup, sequence_para
     if sequence_parallel:
         return comm.reduce_scatter(grad_input, 1, group, async_op=True)
     return grad_input, comm.all_reduce(grad_input, group, async_op=True)
-
-
-def _param_grads(
-    grads: list[torch.Tensor],
-    total: torch.Tensor,
-    wanted: tuple[bool, ...],
-    has_bias: list[bool],
-    dtypes: list[torch.dtype],
-) -> list[torch.Tensor | None]:
-    """(weight, bias) gradients of each output, None where autograd wants none (frozen weights)."""
-    flat_input = total.reshape(-1, total.size(-1))
-    out: list[torch.Tensor | None] = []
-    for i, (g, bias, dtype) in enumerate(zip(grads, has_bias, dtypes)):
-        flat = g.reshape(-1, g.size(-1))
-        out.append(flat.t().matmul(flat_input).to(dtype) if wanted[2 * i] else None)
-        out.append(flat.sum(0).to(dtype) if bias and wanted[2 * i + 1] else None)
-    return out
 
 
 def _column_shard(out_features: int, tp: TPContext, rows_per_unit: int, units: int | None) -> Shard:
@@ -221,6 +197,10 @@ class ColumnParallelLinear(nn.Module):
             return [self.weight, self.bias]
         return [self.weight, self.bias, self.lora_a, None]
 
+    def output_sizes(self) -> list[int]:
+        """The widths of this layer's outputs among `_ColumnParallelMatmuls`' stacked ones: W's rows, then A's."""
+        return [self.weight.size(0)] + ([self.lora_a.size(0)] if self.lora_a is not None else [])
+
     def combine(self, outputs: Iterator[torch.Tensor]) -> torch.Tensor:
         """This layer's output from the next of `_ColumnParallelMatmuls`' outputs: x W^T + b,
         plus s h B^T from h = x A^T when it has an adapter."""
@@ -231,11 +211,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.group is None:
-            inputs = self.matmul_inputs()
-            outputs = [F.linear(x, w, b) for w, b in zip(inputs[0::2], inputs[1::2])]
+            stacked = linears(x, self.matmul_inputs())
         else:
-            outputs = _ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, *self.matmul_inputs())
-        return self.combine(iter(outputs))
+            stacked = _ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, *self.matmul_inputs())
+        return self.combine(iter(stacked.split(self.output_sizes(), dim=-1)))
 
 
 class ColumnParallelProjections(nn.ModuleDict):
@@ -256,7 +235,8 @@ class ColumnParallelProjections(nn.ModuleDict):
         if self.tp.group is None:
             return tuple(linear(x) for linear in self.values())
         params = [p for linear in self.values() for p in linear.matmul_inputs()]
-        outputs = iter(_ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, *params))
+        stacked = _ColumnParallelMatmuls.apply(x, self.tp.group, self.tp.sequence_parallel, *params)
+        outputs = iter(stacked.split([size for linear in self.values() for size in linear.output_sizes()], dim=-1))
         return tuple(linear.combine(outputs) for linear in self.values())
 
 

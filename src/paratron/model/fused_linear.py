@@ -1,0 +1,117 @@
+"""Several linear maps of one input as one matmul: queries, keys and values; an MLP's gate and up
+projections; a LoRA adapter's A beside its base weight.
+
+The model keeps each map its own parameter (`layers.{i}.attention.in_proj.{q,k,v}`, as checkpoints,
+converters and adapters name them); the weights are concatenated by rows for each step's matmul
+instead. Concatenating costs O(rows x in) copies against the matmul's O(tokens x rows x in) work,
+and one wide matmul keeps a GPU busier than three narrow ones. Backward is one matmul for the input
+gradient and one for the weight gradients (of the trainable weights only), split afterwards.
+
+Only the individual weights are kept for backward (not their concatenation, which would hold a
+second copy of the weights until then); backward concatenates them again. The same arithmetic
+serves the tensor-parallel twin (`parallel/tensor/layers.py`), which adds its collectives around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The type a matmul of `x` runs in: autocast's when it is on, else x's own."""
+    device_type = x.device.type
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _autocast_off(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """No autocast inside (the types are chosen already); the meta device has none to turn off."""
+    return contextlib.nullcontext() if x.device.type == "meta" else torch.autocast(x.device.type, enabled=False)
+
+
+def _rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
+
+
+def stacked_linear(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
+    """[x W_1^T + b_1, x W_2^T + b_2, ...] side by side in the last dimension, as one matmul over the
+    weights' rows (a missing bias adds zeros to its rows only: x + 0 is x)."""
+    bias = None
+    if any(b is not None for b in biases):
+        bias = _rows([b if b is not None else w.new_zeros(w.size(0)) for w, b in zip(weights, biases)])
+    return F.linear(x, _rows(weights), bias)
+
+
+def stacked_input_grad(grad: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The input's gradient, sum_i g_i W_i, as one matmul (`grad`: the stacked outputs' gradient)."""
+    return grad.matmul(_rows(weights))
+
+
+def stacked_param_grads(
+    grad: torch.Tensor,
+    total: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    wanted: Sequence[bool],
+    has_bias: Sequence[bool],
+    dtypes: Sequence[torch.dtype],
+) -> list[torch.Tensor | None]:
+    """(weight, bias) gradients of each stacked output, None where autograd wants none (frozen
+    weights, absent biases): the wanted weights' gradients as one matmul, split by rows."""
+    if not any(wanted):
+        return [None] * len(wanted)
+    flat_input = total.reshape(-1, total.size(-1))
+    flat = grad.reshape(-1, grad.size(-1))
+    sizes = [w.size(0) for w in weights]
+    columns = flat.split(sizes, dim=1)
+    chosen = [i for i in range(len(weights)) if wanted[2 * i]]
+    weight_grads: dict[int, torch.Tensor] = {}
+    if len(chosen) == len(weights):
+        weight_grads = dict(enumerate(flat.t().matmul(flat_input).split(sizes)))
+    elif chosen:
+        picked = torch.cat([columns[i] for i in chosen], dim=1) if len(chosen) > 1 else columns[chosen[0]]
+        weight_grads = dict(zip(chosen, picked.t().matmul(flat_input).split([sizes[i] for i in chosen])))
+    out: list[torch.Tensor | None] = []
+    for i, (bias, dtype) in enumerate(zip(has_bias, dtypes)):
+        out.append(weight_grads[i].to(dtype) if i in weight_grads else None)
+        out.append(columns[i].sum(0).to(dtype) if bias and wanted[2 * i + 1] else None)
+    return out
+
+
+class StackedLinears(torch.autograd.Function):
+    """[x W_i^T + b_i ...] side by side on one device, one matmul each way (see the module's doc).
+    Arguments: x, then (weight, bias) pairs (bias None where there is none)."""
+
+    @staticmethod
+    def forward(ctx, x, *weights_and_biases):
+        dtype = matmul_dtype(x)
+        total = x.to(dtype)
+        weights = [w.to(dtype) for w in weights_and_biases[0::2]]
+        biases = [b.to(dtype) if b is not None else None for b in weights_and_biases[1::2]]
+        with _autocast_off(x):
+            out = stacked_linear(total, weights, biases)
+        ctx.save_for_backward(total, *weights)
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.input_dtype = x.dtype
+        ctx.param_dtypes = [w.dtype for w in weights_and_biases[0::2]]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        total, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_input = stacked_input_grad(grad, weights).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
+        wanted = ctx.needs_input_grad[1:]
+        return (grad_input, *stacked_param_grads(grad, total, weights, wanted, ctx.has_bias, ctx.param_dtypes))
+
+
+def linears(x: torch.Tensor, weights_and_biases: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """[x W_1^T + b_1, x W_2^T + b_2, ...] side by side in the last dimension for (weight, bias)
+    pairs: one matmul forward, one each for the input and weight gradients backward."""
+    return StackedLinears.apply(x, *weights_and_biases)

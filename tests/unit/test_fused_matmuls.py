@@ -1,0 +1,125 @@
+"""Projections as one matmul (`model/fused_linear.py`): the same outputs and gradients as its layers
+called one by one, with and without biases, LoRA adapters and autocast; parameters and their names
+unchanged; layers with hooks or of other kinds still called themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratron.model.fused_linear import StackedLinears, linears
+from paratron.model.lora import LoRALinear
+from paratron.model.mlp import Projections
+
+WIDTHS = {"q": 24, "k": 8, "v": 8}
+
+
+def _projections(bias: bool, seed: int = 0) -> Projections:
+    torch.manual_seed(seed)
+    projections = Projections(16, WIDTHS, bias)
+    with torch.no_grad():
+        for param in projections.parameters():
+            param.normal_()
+    return projections
+
+
+def _layer_by_layer(projections: Projections, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(layer(x) for layer in projections.values())
+
+
+def _outputs_and_grads(projections: Projections, x: torch.Tensor, stacked: bool) -> list[torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    projections.zero_grad(set_to_none=True)
+    outputs = projections(x) if stacked else _layer_by_layer(projections, x)
+    weights = torch.linspace(-1, 1, sum(o.size(-1) for o in outputs))
+    (torch.cat(outputs, -1).float() * weights).square().sum().backward()
+    grads = [p.grad for _, p in sorted(projections.named_parameters()) if p.requires_grad]
+    return [*outputs, x.grad, *grads]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_matmul_equals_the_layers_called_one_by_one(bias):
+    projections = _projections(bias)
+    x = torch.randn(2, 5, 16)
+    names = [n for n, _ in projections.named_parameters()]
+    assert names == [f"{p}.{w}" for p in WIDTHS for w in (("weight", "bias") if bias else ("weight",))]
+    stacked = _outputs_and_grads(projections, x, stacked=True)
+    plain = _outputs_and_grads(projections, x, stacked=False)
+    assert [t.shape for t in stacked] == [t.shape for t in plain]
+    for got, expected in zip(stacked[:3], plain[:3]):  # forward: the same rows of the same matmul
+        assert torch.equal(got, expected)
+    for got, expected in zip(stacked[3:], plain[3:]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_projections_stack_with_their_adapters_and_train_only_them():
+    projections = _projections(bias=True)
+    for name in list(projections.keys()):
+        adapted = LoRALinear(projections[name], rank=2, alpha=4.0)
+        with torch.no_grad():
+            adapted.lora_a.normal_()
+            adapted.lora_b.normal_()
+        projections[name] = adapted
+    for name, param in projections.named_parameters():
+        param.requires_grad_(name.endswith(("lora_a", "lora_b")))
+    x = torch.randn(2, 5, 16)
+    stacked = _outputs_and_grads(projections, x, stacked=True)
+    plain = _outputs_and_grads(projections, x, stacked=False)
+    assert len(stacked) == 3 + 1 + 6  # outputs, x, (A, B) of three layers; the frozen base has no gradient
+    for got, expected in zip(stacked, plain):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert all(p.grad is None for n, p in projections.named_parameters() if not p.requires_grad)
+
+
+def test_autocast_runs_the_matmul_in_its_type_and_returns_gradients_in_the_parameters():
+    projections = _projections(bias=True)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = projections(x)
+        expected = _layer_by_layer(projections, x)
+    assert all(o.dtype == torch.bfloat16 for o in outputs)
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    sum(o.float().sum() for o in outputs).backward()
+    assert x.grad.dtype == torch.float32
+    assert all(p.grad.dtype == torch.float32 for p in projections.parameters())
+
+
+def test_a_hooked_or_foreign_layer_is_called_itself():
+    projections = _projections(bias=False)
+    seen = []
+    projections["k"].register_forward_hook(lambda module, inputs, output: seen.append(output.shape))
+    x = torch.randn(2, 5, 16)
+    projections(x)
+    assert seen == [torch.Size([2, 5, 8])]
+
+    class Doubled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    other = _projections(bias=False)
+    doubled = Doubled(16, 8, bias=False)
+    doubled.weight = other["v"].weight
+    other["v"] = doubled
+    torch.testing.assert_close(other(x)[2], 2 * F.linear(x, doubled.weight))
+
+
+def test_meta_device_and_frozen_weights():
+    with torch.device("meta"):
+        projections = Projections(16, WIDTHS, bias=True)
+        q, k, v = projections(torch.empty(2, 5, 16))
+    assert (q.shape, k.shape, v.shape, q.device.type) == ((2, 5, 24), (2, 5, 8), (2, 5, 8), "meta")
+
+    weights = [torch.randn(4, 6, requires_grad=True), torch.randn(3, 6), torch.randn(2, 6, requires_grad=True)]
+    x = torch.randn(5, 6, requires_grad=True)
+    out = linears(x, [weights[0], None, weights[1], None, weights[2], None])
+    assert out.shape == (5, 9) and isinstance(out.grad_fn, StackedLinears._backward_cls)
+    out.square().sum().backward()
+    reference = [w.detach().clone().requires_grad_(w.requires_grad) for w in weights]
+    x_ref = x.detach().clone().requires_grad_()
+    torch.cat([F.linear(x_ref, w) for w in reference], -1).square().sum().backward()
+    assert weights[1].grad is None
+    for got, want in [(x.grad, x_ref.grad), (weights[0].grad, reference[0].grad), (weights[2].grad, reference[2].grad)]:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
