@@ -1,7 +1,7 @@
 """--compile on two gloo ranks: 20-step fp32 loss curves equal eager's under tensor + sequence
 parallelism (with dropout in and out of the tensor-parallel regions) and under pipeline
-parallelism (zero-bubble, whose weight gradients are deferred), each block one graph, no graph
-break, no recompile; and the exact graph breaks of the layouts whose blocks still break (context
+parallelism (zero-bubble: compiled blocks keep their weight gradients in B), each block one
+graph, no graph break, no recompile; zb-v's chunks one graph too; and the exact graph breaks of the layouts whose blocks still break (context
 parallelism's ring and its data-dependent block table, the experts' data-dependent token counts,
 dropout both in and out of the tensor-parallel regions without sequence parallelism), so that a
 new break fails. One spawn for all of it; the backend is aot_eager (tracing without code generation)."""
@@ -46,11 +46,16 @@ CURVES = {
     "tp2+sp, dropout": dict(tensor_model_parallel_size=2, sequence_parallel=True, **DROPOUT),
     "pp2 zero-bubble": dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", global_batch_size=8),
 }
-BREAKS = {  # layout: (graphs, graph breaks) of its blocks
+ONE = (1, 0)
+EP2 = dict(num_experts=4, expert_model_parallel_size=2)
+PP2 = dict(pipeline_model_parallel_size=2, global_batch_size=8)
+BREAKS = {  # layout: (graphs, graph breaks) of its blocks, after one step
     "cp2 ring": (dict(context_parallel_size=2), (9, 8)),
     "cp2 all-gather": (dict(context_parallel_size=2, cp_comm_type="all_gather"), (6, 4)),
-    "ep2 all-gather": (dict(num_experts=4, expert_model_parallel_size=2), (15, 10)),
-    "tp2, attention dropout": (dict(tensor_model_parallel_size=2, attention_dropout=0.1), (1, 0)),
+    "ep2 all-gather": (dict(EP2), (15, 10)),
+    "ep2 all-to-all": (dict(EP2, moe_token_dispatcher_type="alltoall"), (23, 16)),
+    "tp2, attention dropout": (dict(tensor_model_parallel_size=2, attention_dropout=0.1), ONE),
+    "pp2 zb-v": (dict(PP2, pipeline_schedule="zb-v", num_layers=4), ONE),
     "tp2, both dropouts": (dict(tensor_model_parallel_size=2, **DROPOUT), (5, 4)),
 }
 

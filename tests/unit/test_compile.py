@@ -6,9 +6,14 @@ takes tens of seconds on a CPU); inductor is what --compile uses by default."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch._dynamo
+from torch import nn
 
+from paratron.distributed.rng import Forked, RNGStates, draws, single_fork
+from paratron.errors import ConfigError
 from paratron.parallel.compile import CompileReport, apply_compile, is_compiled
+from paratron.parallel.recompute import Recomputed
 
 from tiny import training_records
 
@@ -60,10 +65,6 @@ def test_every_block_is_compiled_in_place():
 
 
 def test_a_fork_whose_module_draws_nothing_does_not_switch_streams():
-    from torch import nn
-
-    from paratron.distributed.rng import Forked, RNGStates, draws, single_fork
-
     rng = RNGStates("cpu")
     rng.add("tensor-parallel", 1)
     before = rng.states["tensor-parallel"].clone()
@@ -83,9 +84,6 @@ def test_a_fork_whose_module_draws_nothing_does_not_switch_streams():
 
 def test_a_block_under_one_fork_draws_what_eager_draws_when_compiled():
     """The stream switched around the compiled call: the same masks as eager's, one graph, no break."""
-    from torch import nn
-
-    from paratron.distributed.rng import Forked, RNGStates
 
     def twins() -> tuple[nn.Module, RNGStates]:
         torch.manual_seed(0)
@@ -111,12 +109,6 @@ def test_a_block_under_one_fork_draws_what_eager_draws_when_compiled():
 
 
 def test_a_recomputed_fork_that_would_break_the_graph_is_refused():
-    from torch import nn
-
-    from paratron.distributed.rng import Forked, RNGStates
-    from paratron.errors import ConfigError
-    from paratron.parallel.recompute import Recomputed
-
     rng = RNGStates("cpu")
     rng.add("tensor-parallel", 3)
     block = nn.Sequential(Recomputed(Forked(nn.Dropout(0.1), rng), rng), nn.Dropout(0.1))  # draws in and out
