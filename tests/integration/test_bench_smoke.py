@@ -24,6 +24,7 @@ SMOKES = {
     "checkpoint": [],
     "checkpoint_sharded": [],
     "collectives": [],
+    "compile": [],
     "context_parallel": [],
     "data_parallel": ["step"],
     "data_pipeline": ["all"],

@@ -6,9 +6,14 @@ takes tens of seconds on a CPU); inductor is what --compile uses by default."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch._dynamo
+from torch import nn
 
+from paratron.distributed.rng import Forked, RNGStates, draws, single_fork
+from paratron.errors import ConfigError
 from paratron.parallel.compile import CompileReport, apply_compile, is_compiled
+from paratron.parallel.recompute import Recomputed
 
 from tiny import training_records
 
@@ -57,3 +62,58 @@ def test_every_block_is_compiled_in_place():
     model = GPT(build_config(dict(SETTINGS)).model)
     assert apply_compile(model, "eager") == 3
     assert all(is_compiled(block) for block in model.layers) and not is_compiled(model)
+
+
+def test_a_fork_whose_module_draws_nothing_does_not_switch_streams():
+    rng = RNGStates("cpu")
+    rng.add("tensor-parallel", 1)
+    before = rng.states["tensor-parallel"].clone()
+    quiet = Forked(nn.Dropout(0.0), rng)
+    quiet(torch.ones(8))
+    assert torch.equal(rng.states["tensor-parallel"], before)  # not entered
+    noisy = Forked(nn.Dropout(0.5), rng)
+    noisy(torch.ones(8))
+    assert not torch.equal(rng.states["tensor-parallel"], before)  # drawn from the stream
+    assert draws(nn.Dropout(0.1)) and not draws(nn.Dropout(0.0)) and not draws(nn.Linear(2, 2))
+
+    block = nn.Sequential(Forked(nn.Dropout(0.1), rng), nn.Linear(2, 2), Forked(nn.Dropout(0.1), rng))
+    assert single_fork(block) == (rng, "tensor-parallel")  # every draw under one fork: switched outside
+    assert single_fork(nn.Sequential(block, nn.Dropout(0.1))) is None  # a draw outside it
+    assert single_fork(nn.Sequential(Forked(nn.Dropout(0.0), rng))) is None  # nothing draws
+
+
+def test_a_block_under_one_fork_draws_what_eager_draws_when_compiled():
+    """The stream switched around the compiled call: the same masks as eager's, one graph, no break."""
+
+    def twins() -> tuple[nn.Module, RNGStates]:
+        torch.manual_seed(0)
+        rng = RNGStates("cpu")
+        rng.add("tensor-parallel", 3)
+        inner = nn.Sequential(nn.Linear(4, 4), Forked(nn.Dropout(0.5), rng), nn.Linear(4, 4))
+        block = nn.Sequential(inner, Forked(nn.Dropout(0.5), rng))
+        return block, rng
+
+    x = torch.ones(3, 4)
+    eager, _ = twins()
+    compiled, rng = twins()
+    model = type("Blocks", (), {"layers": [compiled]})()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    apply_compile(model, "aot_eager")
+    torch.manual_seed(1)
+    expected = [eager(x) for _ in range(2)]
+    torch.manual_seed(1)
+    got = [compiled(x) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert (CompileReport.now().graphs, CompileReport.now().graph_breaks) == (1, 0)
+
+
+def test_a_recomputed_fork_that_would_break_the_graph_is_refused():
+    rng = RNGStates("cpu")
+    rng.add("tensor-parallel", 3)
+    block = nn.Sequential(Recomputed(Forked(nn.Dropout(0.1), rng), rng), nn.Dropout(0.1))  # draws in and out
+    model = type("Blocks", (), {"layers": [block]})()
+    with pytest.raises(ConfigError, match="--sequence-parallel"):
+        apply_compile(model, "aot_eager")
+    block = nn.Sequential(Recomputed(Forked(nn.Dropout(0.1), rng), rng), nn.Dropout(0.0))  # all under the fork
+    assert apply_compile(type("Blocks", (), {"layers": [block]})(), "aot_eager") == 1

@@ -10,6 +10,10 @@ Each function is the identity when its group has one rank. Forward and backward 
     reduce_scatter_to_sequence  forward: reduce-scatter dim  backward: all-gather dim
 
 They run on gloo and NCCL alike (all_gather_single and reduce_scatter_single work on both).
+Inside `torch.compile` (a compiled block, see `parallel/compile.py`) every collective is issued
+synchronously, which dynamo turns into its functional collectives and keeps in the block's one
+graph (the compiler may then reorder them against the matmuls); in eager, `async_op` overlaps
+them with the computation that follows, as asked.
 `count_collectives()` counts the collectives a block of code issues, for benchmarks and tests;
 nothing is counted on the training path otherwise.
 """
@@ -59,11 +63,17 @@ def count_collectives() -> Iterator[Counter]:
 # ---------------------------------------------------------------- plain collectives
 
 
+def _overlapped(async_op: bool) -> bool:
+    """Whether to launch a collective asynchronously: as asked in eager, never while dynamo traces
+    (its functional collectives have no work handle; a handle would break the graph)."""
+    return async_op and not torch.compiler.is_compiling()
+
+
 def all_reduce(x: torch.Tensor, group: RankGroup, async_op: bool = False, op: Any = dist.ReduceOp.SUM) -> Any:
-    """In place; returns the work handle when async_op (None on a single rank)."""
+    """In place; returns the work handle when async_op (None on a single rank, or already done)."""
     if group.size == 1:
         return None
-    return dist.all_reduce(x, op=op, group=group.process_group, async_op=async_op)
+    return dist.all_reduce(x, op=op, group=group.process_group, async_op=_overlapped(async_op))
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group: RankGroup) -> None:
@@ -79,19 +89,19 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: RankGroup) -> None:
 
 
 def all_gather(x: torch.Tensor, dim: int, group: RankGroup, async_op: bool = False) -> Any:
-    """Concatenate every rank's `x` along `dim`; with async_op, (output, work)."""
+    """Concatenate every rank's `x` along `dim`; with async_op, (output, work or None when done)."""
     size = group.size
     if size == 1:
         return (x, None) if async_op else x
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.size(0), *moved.shape[1:]))
-    work = dist.all_gather_single(out, moved, group=group.process_group, async_op=async_op)
+    work = dist.all_gather_single(out, moved, group=group.process_group, async_op=_overlapped(async_op))
     result = out.movedim(0, dim)
     return (result, work) if async_op else result
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: RankGroup, async_op: bool = False) -> Any:
-    """Sum over ranks, then keep this rank's chunk of `dim`; with async_op, (output, work)."""
+    """Sum over ranks, then keep this rank's chunk of `dim`; with async_op, (output, work or None when done)."""
     size = group.size
     if size == 1:
         return (x, None) if async_op else x
@@ -99,7 +109,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: RankGroup, async_op: bool =
         raise ValueError(f"dimension {dim} of size {x.size(dim)} does not split over {size} ranks")
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.size(0) // size, *moved.shape[1:]))
-    work = dist.reduce_scatter_single(out, moved, group=group.process_group, async_op=async_op)
+    work = dist.reduce_scatter_single(out, moved, group=group.process_group, async_op=_overlapped(async_op))
     result = out.movedim(0, dim)
     return (result, work) if async_op else result
 

@@ -5,6 +5,12 @@ the same dropout masks: the default generator, seeded alike on all TP ranks. Ins
 (attention probabilities of this rank's heads, activations split along the sequence) each
 rank's masks must differ yet stay reproducible: those draws run under `fork("tensor-parallel")`,
 a generator seeded with seed + 2718 + tp_rank (Megatron-LM's offset). Works on any device.
+
+Switching generator states cannot be traced by `torch.compile`, so a fork would break a compiled
+block's graph. Two things keep it out: a `Forked` module whose wrapped module draws nothing (no
+dropout, or p = 0) runs without switching (the states would not change), and a compiled block whose
+every draw runs under the same fork (sequence parallelism) switches once around the compiled call
+(`fork_outside`), outside its graph, in the order eager draws in.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 
 TENSOR_PARALLEL = "tensor-parallel"
 TENSOR_PARALLEL_SEED_OFFSET = 2718
@@ -71,13 +78,55 @@ class RNGStates:
             _set_state(outside, self.device)
 
 
+def draws(module: nn.Module) -> bool:
+    """Whether `module` itself may draw random numbers when training: a dropout with p > 0, or a
+    module with a positive `dropout` probability (the attention core's)."""
+    if isinstance(module, _DropoutNd):
+        return module.p > 0
+    rate = getattr(module, "dropout", None)
+    return isinstance(rate, float) and rate > 0
+
+
 class Forked(nn.Module):
     """Runs the wrapped module with a named generator state (its dropout masks come from it)."""
 
     def __init__(self, module: nn.Module, rng: RNGStates, name: str = TENSOR_PARALLEL) -> None:
         super().__init__()
         self.module, self.rng, self.name = module, rng, name
+        self.switches = True
+        """False when the caller already runs under this fork (see `fork_outside`)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.switches or not any(draws(m) for m in self.module.modules()):
+            return self.module(*args, **kwargs)
         with self.rng.fork(self.name):
             return self.module(*args, **kwargs)
+
+
+def single_fork(block: nn.Module) -> tuple[RNGStates, str] | None:
+    """The one fork (generator states, name) under which every drawing module of `block` runs, or
+    None: when the block draws nothing, when something draws outside a fork, or under two forks."""
+    forks = {(id(m.rng), m.name): (m.rng, m.name) for m in block.modules() if isinstance(m, Forked)}
+    inside = {id(d) for m in block.modules() if isinstance(m, Forked) for d in m.module.modules()}
+    drawing = [m for m in block.modules() if draws(m)]
+    if len(forks) != 1 or not drawing or any(id(m) not in inside for m in drawing):
+        return None
+    return next(iter(forks.values()))
+
+
+def fork_outside(block: nn.Module, call: Any) -> Any:
+    """`call` (the block's compiled call) run under the block's single fork, switched here rather
+    than by its `Forked` modules; `call` itself when the block has no single fork."""
+    fork = single_fork(block)
+    if fork is None:
+        return call
+    rng, name = fork
+    for module in block.modules():
+        if isinstance(module, Forked):
+            module.switches = False
+
+    def forked_call(*args: Any, **kwargs: Any) -> Any:
+        with rng.fork(name):
+            return call(*args, **kwargs)
+
+    return forked_call

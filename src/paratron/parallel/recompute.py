@@ -62,6 +62,8 @@ def _recomputed_call(fn: Callable[..., Any], rng: RNGStates | None, *args: Any) 
     """`fn(*args)` with its activations recomputed in backward (plain when no gradient is recorded)."""
     if not torch.is_grad_enabled():
         return fn(*args)
+    if torch.compiler.is_compiling():  # (a compiled block switches streams outside its graph: nothing to replay)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=partial(_rng_contexts, rng))
 
 

@@ -1,0 +1,96 @@
+"""--compile on two gloo ranks: 20-step fp32 loss curves equal eager's under tensor + sequence
+parallelism (with dropout in and out of the tensor-parallel regions) and under pipeline
+parallelism (zero-bubble: compiled blocks keep their weight gradients in B), each block one
+graph, no graph break, no recompile; zb-v's chunks one graph too; and the exact graph breaks of the layouts whose blocks still break (context
+parallelism's ring and its data-dependent block table, the experts' data-dependent token counts,
+dropout both in and out of the tensor-parallel regions without sequence parallelism), so that a
+new break fails. One spawn for all of it; the backend is aot_eager (tracing without code generation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch._dynamo
+
+from paratron.config import build_config
+from paratron.distributed.init import initialize
+from paratron.distributed.local_ranks import run_ranks
+from paratron.parallel.compile import CompileReport
+from paratron.training.run import run_training
+
+pytestmark = pytest.mark.spawns
+
+SETTINGS = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=97,
+    seq_length=16,
+    max_position_embeddings=16,
+    micro_batch_size=2,
+    global_batch_size=4,
+    lr=3e-3,
+    seed=5,
+    eval_iters=0,
+    mock_data=True,
+    activation="swiglu",
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    progress_bar=False,
+    tensorboard=False,
+    log_interval=1,
+)
+DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
+CURVES = {
+    "tp2+sp, dropout": dict(tensor_model_parallel_size=2, sequence_parallel=True, **DROPOUT),
+    "pp2 zero-bubble": dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", global_batch_size=8),
+}
+ONE = (1, 0)
+EP2 = dict(num_experts=4, expert_model_parallel_size=2)
+PP2 = dict(pipeline_model_parallel_size=2, global_batch_size=8)
+BREAKS = {  # layout: (graphs, graph breaks) of its blocks, after one step
+    "cp2 ring": (dict(context_parallel_size=2), (9, 8)),
+    "cp2 all-gather": (dict(context_parallel_size=2, cp_comm_type="all_gather"), (6, 4)),
+    "ep2 all-gather": (dict(EP2), (15, 10)),
+    "ep2 all-to-all": (dict(EP2, moe_token_dispatcher_type="alltoall"), (23, 16)),
+    "tp2, attention dropout": (dict(tensor_model_parallel_size=2, attention_dropout=0.1), ONE),
+    "pp2 zb-v": (dict(PP2, pipeline_schedule="zb-v", num_layers=4), ONE),
+    "tp2, both dropouts": (dict(tensor_model_parallel_size=2, **DROPOUT), (5, 4)),
+}
+
+
+def _train(run_dir: str, steps: int, layout: dict, compiled: bool, strict: bool = True) -> tuple[list[float], tuple]:
+    """The losses of a run, and the graphs and breaks compilation made during it. A recompile raises where a
+    block is one graph (`strict`; where it breaks, the frames resumed after a break may recompile: their graphs
+    count)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    flags = dict(compile=True, compile_backend="aot_eager") if compiled else {}
+    with torch._dynamo.config.patch(error_on_recompile=strict):
+        result = run_training(build_config(dict(SETTINGS, run_dir=run_dir, train_iters=steps, **layout, **flags)))
+    made = CompileReport.now()
+    return result.losses, (made.graphs, made.graph_breaks)
+
+
+def compiled_and_eager(base: str) -> dict:
+    initialize("gloo")
+    curves = {}
+    for name, layout in CURVES.items():
+        eager, _ = _train(f"{base}/{name}/eager", 20, layout, compiled=False)
+        compiled, made = _train(f"{base}/{name}/compiled", 20, layout, compiled=True)
+        curves[name] = (eager, compiled, made)
+    breaks = {name: _train(f"{base}/{name}", 1, layout, True, strict=False)[1] for name, (layout, _) in BREAKS.items()}
+    return {"curves": curves, "breaks": breaks}
+
+
+def test_compiled_blocks_equal_eager_on_two_ranks_and_break_where_said(tmp_path):
+    results = run_ranks(compiled_and_eager, 2, str(tmp_path))
+    for rank, result in enumerate(results):
+        for name, (eager, compiled, made) in result["curves"].items():
+            if eager:  # (the last pipeline stage reports the losses)
+                assert len(compiled) == len(eager) == 20, (rank, name)
+                assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5), (rank, name)
+            assert made == (1, 0), (rank, name)  # one graph, no break (and no recompile, which would raise)
+        for name, made in result["breaks"].items():
+            assert made == BREAKS[name][1], (rank, name)
