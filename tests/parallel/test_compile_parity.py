@@ -1,10 +1,10 @@
-"""--compile on two gloo ranks: 20-step fp32 loss curves equal eager's under tensor + sequence
-parallelism (with dropout in and out of the tensor-parallel regions) and under pipeline
-parallelism (zero-bubble: compiled blocks keep their weight gradients in B), each block one
-graph, no graph break, no recompile; zb-v's chunks one graph too; and the exact graph breaks of the layouts whose blocks still break (context
-parallelism's ring and its data-dependent block table, the experts' data-dependent token counts,
-dropout both in and out of the tensor-parallel regions without sequence parallelism), so that a
-new break fails. One spawn for all of it; the backend is aot_eager (tracing without code generation)."""
+"""--compile on two gloo ranks: 20-step fp32 loss curves equal eager's under tensor + sequence parallelism (with
+dropout in and out of the tensor-parallel regions) and under pipeline parallelism (zero-bubble: compiled blocks
+keep their weight gradients in B), each block one graph, no graph break, no recompile; zb-v's chunks one graph
+too; and the exact graph breaks of the layouts whose blocks still break (context parallelism's ring and its
+data-dependent block table, the experts' data-dependent token counts, dropout both in and out of the tensor-
+parallel regions without sequence parallelism), so that a new break fails. One spawn for all of it; the backend
+is aot_eager (tracing without code generation)."""
 
 from __future__ import annotations
 
