@@ -98,6 +98,9 @@ def build_layout(settings: dict) -> dict:
     return {"grown": grown, "shards": shards, "whole": whole}
 
 
+PADDED = ("embedding.weight", "output.weight")
+
+
 def _check(results: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(init, "INIT_BLOCK_ELEMENTS", BLOCK)
     config = build_config(dict(WIDE, seed=11), recipe="debug")
@@ -110,7 +113,11 @@ def _check(results: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
         # the peak grows by the shards, a block and the allocator's slack, never by a whole tensor
         assert rank["grown"] < rank["shards"] + bound, (rank["grown"], rank["shards"], stage)
         for name, value in rank["whole"].items():
-            torch.testing.assert_close(value, reference[name].detach(), rtol=0, atol=0, msg=name)
+            expected = reference[name].detach()
+            if value.shape != expected.shape:  # (the vocabulary padded on one process: its rows start at zero)
+                assert name in PADDED and not value[expected.size(0) :].any(), name
+                value = value[: expected.size(0)]
+            torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=name)
 
 
 def test_zero3_builds_only_its_shards_with_the_single_device_weights(monkeypatch):

@@ -380,6 +380,9 @@ loads a checkpoint takes them from it, and refuses a different value from a flag
 
 MODEL_ADJUSTABLE: tuple[str, ...] = (
     "model_name",
+    "persist_layer_norm",
+    "apply_rope_fusion",
+    "bias_swiglu_fusion",
     "attention_type",
     "window_size",
     "sparse_block_size",
