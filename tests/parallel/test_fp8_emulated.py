@@ -21,9 +21,11 @@ from paratron.parallel.fp8 import EMULATE_VARIABLE, convert_to_float8, float8_co
 from paratron.parallel.tensor.apply import apply_tensor_parallel
 from paratron.parallel.tensor.layers import TPContext
 
-from tiny import training_records
+from tiny import LLAMA_STYLE, QUIET, training_records
 
 SETTINGS = dict(
+    QUIET,
+    **LLAMA_STYLE,
     num_layers=2,
     hidden_size=64,
     num_attention_heads=4,
@@ -35,17 +37,8 @@ SETTINGS = dict(
     global_batch_size=4,
     train_iters=8,
     lr=1e-3,
-    eval_iters=0,
     mock_data=True,
     precision="bf16",
-    activation="swiglu",
-    normalization="RMSNorm",
-    position_embedding_type="rope",
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    progress_bar=False,
-    tensorboard=False,
-    log_interval=1,
 )
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 GRADIENT_CASTS = ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight")
@@ -79,7 +72,7 @@ def test_the_transformer_linears_become_float8_and_train_as_bf16_within_fp8_erro
     for fp8_format in ("e4m3", "hybrid"):
         run = training_records(dict(SETTINGS, run_dir=str(tmp_path / fp8_format), fp8_format=fp8_format))
         gaps = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(run, bf16)]
-        assert len(run) == 8 and 0 < max(gaps) < 1e-3, (fp8_format, gaps)  # (fp8 rounds: 2.1e-4 e4m3, 8.6e-5 hybrid)
+        assert len(run) == 8 and 0 < max(gaps) < 5e-4, (fp8_format, gaps)  # (fp8 rounds: 9.8e-5 e4m3, 9.0e-5 hybrid)
 
 
 def test_param_gather_is_refused_where_it_cannot_serve():
@@ -119,7 +112,7 @@ def test_zero3_and_tensor_parallel_fp8_train_as_one_process(tmp_path, monkeypatc
     monkeypatch.setenv(EMULATE_VARIABLE, "1")
     losses = run_ranks(two_rank_losses, 2, str(tmp_path))[0]
     assert len(losses["zero1"]) == 8
-    assert losses["zero3"] == pytest.approx(losses["zero1"], rel=5e-4)  # (bf16 sums in another order: 1.5e-4)
+    assert losses["zero3"] == pytest.approx(losses["zero1"], rel=5e-4)  # (bf16 sums in another order: 7e-5)
     # fp8 all-gather casts the fp32 shards, not their bf16 copies: another rounding, the same training
     assert losses["zero3-fp8-gather"] == pytest.approx(losses["zero1"], rel=5e-4)
     assert losses["zero3-fp8-gather"] != losses["zero3"]

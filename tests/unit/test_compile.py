@@ -15,9 +15,11 @@ from paratron.errors import ConfigError
 from paratron.parallel.compile import CompileReport, apply_compile, is_compiled
 from paratron.parallel.recompute import Recomputed
 
-from tiny import training_records
+from tiny import LLAMA_STYLE, QUIET, training_records
 
 SETTINGS = dict(
+    QUIET,
+    **LLAMA_STYLE,
     num_layers=3,
     hidden_size=32,
     num_attention_heads=4,
@@ -28,16 +30,7 @@ SETTINGS = dict(
     global_batch_size=4,
     train_iters=4,
     lr=1e-3,
-    eval_iters=0,
     mock_data=True,
-    activation="swiglu",
-    normalization="RMSNorm",
-    position_embedding_type="rope",
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    progress_bar=False,
-    tensorboard=False,
-    log_interval=1,
 )
 
 
