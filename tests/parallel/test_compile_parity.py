@@ -1,10 +1,10 @@
-"""--compile on two gloo ranks: 20-step fp32 loss curves equal eager's under tensor + sequence parallelism (with
-dropout in and out of the tensor-parallel regions) and under pipeline parallelism (zero-bubble: compiled blocks
-keep their weight gradients in B), each block one graph, no graph break, no recompile; zb-v's chunks one graph
-too; and the exact graph breaks of the layouts whose blocks still break (context parallelism's ring and its
-data-dependent block table, the experts' data-dependent token counts, dropout both in and out of the tensor-
-parallel regions without sequence parallelism), so that a new break fails. One spawn for all of it; the backend
-is aot_eager (tracing without code generation)."""
+"""--compile on two gloo ranks: fp32 loss curves equal eager's under tensor + sequence parallelism (with dropout
+in and out of the tensor-parallel regions), pipeline parallelism (zero-bubble: compiled blocks keep their weight
+gradients in B) and context parallelism's ring, each block one graph, no graph break, no recompile; zb-v's chunks
+and context parallelism's all-gather one graph too; and the exact graph breaks of the layouts whose blocks still
+break (the experts' data-dependent token counts, dropout both in and out of the tensor-parallel regions without
+sequence parallelism), so that a new break fails. One spawn for all of it; the backend is aot_eager (tracing
+without code generation)."""
 
 from __future__ import annotations
 
@@ -42,16 +42,16 @@ SETTINGS = dict(
     log_interval=1,
 )
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
-CURVES = {
-    "tp2+sp, dropout": dict(tensor_model_parallel_size=2, sequence_parallel=True, **DROPOUT),
-    "pp2 zero-bubble": dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", global_batch_size=8),
+CURVES = {  # layout: (settings, steps)
+    "tp2+sp, dropout": (dict(tensor_model_parallel_size=2, sequence_parallel=True, **DROPOUT), 20),
+    "pp2 zero-bubble": (dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", global_batch_size=8), 20),
+    "cp2 ring": (dict(context_parallel_size=2), 6),
 }
 ONE = (1, 0)
 EP2 = dict(num_experts=4, expert_model_parallel_size=2)
 PP2 = dict(pipeline_model_parallel_size=2, global_batch_size=8)
 BREAKS = {  # layout: (graphs, graph breaks) of its blocks, after one step
-    "cp2 ring": (dict(context_parallel_size=2), (9, 8)),
-    "cp2 all-gather": (dict(context_parallel_size=2, cp_comm_type="all_gather"), (6, 4)),
+    "cp2 all-gather": (dict(context_parallel_size=2, cp_comm_type="all_gather"), ONE),
     "ep2 all-gather": (dict(EP2), (15, 10)),
     "ep2 all-to-all": (dict(EP2, moe_token_dispatcher_type="alltoall"), (23, 16)),
     "tp2, attention dropout": (dict(tensor_model_parallel_size=2, attention_dropout=0.1), ONE),
@@ -76,9 +76,9 @@ def _train(run_dir: str, steps: int, layout: dict, compiled: bool, strict: bool 
 def compiled_and_eager(base: str) -> dict:
     initialize("gloo")
     curves = {}
-    for name, layout in CURVES.items():
-        eager, _ = _train(f"{base}/{name}/eager", 20, layout, compiled=False)
-        compiled, made = _train(f"{base}/{name}/compiled", 20, layout, compiled=True)
+    for name, (layout, steps) in CURVES.items():
+        eager, _ = _train(f"{base}/{name}/eager", steps, layout, compiled=False)
+        compiled, made = _train(f"{base}/{name}/compiled", steps, layout, compiled=True)
         curves[name] = (eager, compiled, made)
     breaks = {name: _train(f"{base}/{name}", 1, layout, True, strict=False)[1] for name, (layout, _) in BREAKS.items()}
     return {"curves": curves, "breaks": breaks}
@@ -89,7 +89,7 @@ def test_compiled_blocks_equal_eager_on_two_ranks_and_break_where_said(tmp_path)
     for rank, result in enumerate(results):
         for name, (eager, compiled, made) in result["curves"].items():
             if eager:  # (the last pipeline stage reports the losses)
-                assert len(compiled) == len(eager) == 20, (rank, name)
+                assert len(compiled) == len(eager) == CURVES[name][1], (rank, name)
                 assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-5), (rank, name)
             assert made == (1, 0), (rank, name)  # one graph, no break (and no recompile, which would raise)
         for name, made in result["breaks"].items():

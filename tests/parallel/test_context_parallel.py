@@ -55,7 +55,7 @@ def attention_on_ranks(length: int) -> dict[str, float]:
             places = TokenPlaces(index, segs)
             out = core(*mine, places)
             if comm_type == "p2p":  # (how many block pairs ran block by block)
-                plan = places.cached(("ring", pattern), list)
+                plan = core.plan(places)
                 worst[f"{name}/sparse pairs"] = sum(pair.blocks is not None for step in plan for pair in step)
             out.backward(grad[:, :, index])
             diffs = [(out - expected[:, :, index]).abs().max()]

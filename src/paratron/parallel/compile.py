@@ -5,15 +5,19 @@ Blocks of the same shape share one compiled graph (their parameters are the grap
 constants), so a model compiles once per kind of block, not once per layer, and the step after
 the first runs the compiled code. The embedding, the output layer and the loss stay eager.
 
-Nothing inside a block breaks its graph under tensor, sequence, data or pipeline parallelism: the
-collectives are traced (see `distributed/comm.py`), and the tensor-parallel random stream is
-switched outside the graph (see `distributed/rng.py`). What still breaks it is said in
+Nothing inside a block breaks its graph under tensor, sequence, data, pipeline or context
+parallelism: the collectives are traced (see `distributed/comm.py`; the context-parallel ring's
+shift, `parallel/context/comm.py`), the context-parallel block pairs are planned before the graph
+runs (`_plans_outside`), and the tensor-parallel random stream is switched outside the graph (see
+`distributed/rng.py`). What still breaks it is said in
 docs/training.md ("Compiled blocks").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -21,7 +25,9 @@ from torch import nn
 
 from paratron.distributed.rng import Forked, draws, fork_outside
 from paratron.errors import ConfigError
+from paratron.model.attention import TokenPlaces
 from paratron.model.gpt import GPT
+from paratron.parallel.context.attention import ContextParallelAttention
 from paratron.parallel.recompute import Recomputed
 
 
@@ -31,9 +37,26 @@ def apply_compile(model: GPT, backend: str) -> int:
     blocks = [block for block in model.layers if block is not None]
     for block in blocks:
         block.compile(backend=backend)
-        block._compiled_call_impl = fork_outside(block, block._compiled_call_impl)
+        block._compiled_call_impl = _plans_outside(block, fork_outside(block, block._compiled_call_impl))
         _check_recomputed_forks(block)
     return len(blocks)
+
+
+def _plans_outside(block: nn.Module, call: Callable) -> Callable:
+    """`call`, after the block's context-parallel attention cores have planned their block pairs for
+    the call's token places (cached on the places, where the traced core finds them as inputs): the
+    plan branches on tensors' values (which chunk pairs a pattern connects), which would break the graph."""
+    cores = [m for m in block.modules() if isinstance(m, ContextParallelAttention)]
+    if not cores:
+        return call
+
+    def planned_call(*args: Any, **kwargs: Any) -> Any:
+        for places in (a for a in (*args, *kwargs.values()) if isinstance(a, TokenPlaces)):
+            for core in cores:
+                core.plan(places)
+        return call(*args, **kwargs)
+
+    return planned_call
 
 
 def _check_recomputed_forks(block: nn.Module) -> None:

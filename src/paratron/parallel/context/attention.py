@@ -130,6 +130,12 @@ def _owner_slices(length: int, rank: int, size: int) -> Callable[[int], slice]:
     return owner
 
 
+def _plan_key(pattern: AttentionPattern) -> tuple:
+    """The cache key of a pattern's plan: its kind and settings, not the object (each layer holds its own
+    pattern; equal ones share a plan, and a compiled block's guard on the key holds for every layer)."""
+    return ("ring", type(pattern).__qualname__, tuple(sorted(vars(pattern).items())))
+
+
 class ContextParallelAttention(nn.Module):
     """The attention core of a block under context parallelism (swapped for `AttentionCore`):
     queries, keys and values hold this rank's two chunks of each row."""
@@ -139,8 +145,15 @@ class ContextParallelAttention(nn.Module):
         self.pattern, self.group, self.comm_type = pattern, group, comm_type
         self.ring = Ring(group) if comm_type == "p2p" else None
 
+    def plan(self, places: TokenPlaces) -> list[list[BlockPair]]:
+        """The ring's block pairs for these places, made once per forward pass (the layers of equal
+        patterns share them). A compiled block has them made before its graph runs (`parallel/compile.py`):
+        making them branches on tensors' values (which chunk pairs the pattern connects), which a graph
+        cannot."""
+        return places.cached(_plan_key(self.pattern), lambda: ring_plan(self.pattern, places, self.group))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, places: TokenPlaces) -> torch.Tensor:
-        plan = places.cached(("ring", self.pattern), lambda: ring_plan(self.pattern, places, self.group))
+        plan = self.plan(places)
         if self.ring is not None:
             return _RingAttention.apply(q, k, v, self.ring, plan)
         blocks = comm.gather_from_sequence(torch.stack((k, v)), self.group, dim=3)
