@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,22 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _autocast_off(x: torch.Tensor) -> contextlib.AbstractContextManager:
+def autocast_off(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """No autocast inside (the types are chosen already); the meta device has none to turn off."""
     return contextlib.nullcontext() if x.device.type == "meta" else torch.autocast(x.device.type, enabled=False)
+
+
+def cast_operands(ctx: Any, x: torch.Tensor, weights_and_biases: Sequence[torch.Tensor | None]) -> tuple:
+    """(the matmul's type, the weights, the biases) with the weights and biases cast to the type a matmul of `x`
+    runs in (`matmul_dtype`); notes on `ctx` what backward needs: which outputs have a bias, and each gradient's
+    own type (the input's and the parameters')."""
+    dtype = matmul_dtype(x)
+    weights = [w.to(dtype) for w in weights_and_biases[0::2]]
+    biases = [b.to(dtype) if b is not None else None for b in weights_and_biases[1::2]]
+    ctx.has_bias = [b is not None for b in biases]
+    ctx.input_dtype = x.dtype
+    ctx.param_dtypes = [w.dtype for w in weights_and_biases[0::2]]
+    return dtype, weights, biases
 
 
 def _rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -90,16 +104,11 @@ class StackedLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, *weights_and_biases):
-        dtype = matmul_dtype(x)
+        dtype, weights, biases = cast_operands(ctx, x, weights_and_biases)
         total = x.to(dtype)
-        weights = [w.to(dtype) for w in weights_and_biases[0::2]]
-        biases = [b.to(dtype) if b is not None else None for b in weights_and_biases[1::2]]
-        with _autocast_off(x):
+        with autocast_off(x):
             out = stacked_linear(total, weights, biases)
         ctx.save_for_backward(total, *weights)
-        ctx.has_bias = [b is not None for b in biases]
-        ctx.input_dtype = x.dtype
-        ctx.param_dtypes = [w.dtype for w in weights_and_biases[0::2]]
         return out
 
     @staticmethod

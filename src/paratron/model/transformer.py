@@ -187,12 +187,7 @@ class LayerNorm1P(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-def rms_norm(x: torch.Tensor, shape: tuple[int, ...], scale: torch.Tensor | None, eps: float | None) -> torch.Tensor:
-    """PyTorch's RMSNorm (the function a fused kernel compiles)."""
-    return F.rms_norm(x, shape, scale, eps)
-
-
-_rms_norm = FusibleOp(rms_norm)
+_rms_norm = FusibleOp(F.rms_norm)
 
 
 class RMSNorm(nn.RMSNorm):

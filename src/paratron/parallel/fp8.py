@@ -21,7 +21,7 @@ from paratron.config.fields import flag
 from paratron.config.schema import TrainingConfig
 from paratron.distributed.init import has_fp8_matmuls
 from paratron.errors import ConfigError
-from paratron.parallel.tensor.float8 import FP8_TWINS, Float8Matmul, local_sides, retype
+from paratron.parallel.tensor.float8 import FP8_TWINS, Float8Matmul, retype
 from paratron.parallel.tensor.layers import ColumnParallelProjections
 
 FP8_DIVISOR = 16
@@ -121,7 +121,7 @@ def _tensor_parallel_fp8(module: nn.Module, name: str) -> bool:
     if not name.startswith("layers.") or type(module) not in FP8_TWINS:
         return False
     layers = list(module.values()) if isinstance(module, ColumnParallelProjections) else [module]
-    return all(layer.lora_a is None and all(side % FP8_DIVISOR == 0 for side in local_sides(layer)) for layer in layers)
+    return all(layer.lora_a is None and all(side % FP8_DIVISOR == 0 for side in layer.weight.shape) for layer in layers)
 
 
 def _float8_matmul(config: object) -> Float8Matmul:

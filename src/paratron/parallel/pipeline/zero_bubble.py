@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratron.model.fused_linear import matmul_dtype
 from paratron.parallel.sharding import update_info
-from paratron.parallel.tensor.layers import compute_dtype
 
 
 class WeightGradStore:
@@ -71,7 +71,7 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, store):
-        dtype = compute_dtype(x)
+        dtype = matmul_dtype(x)
         x_c, w_c = x.to(dtype), weight.to(dtype)
         b_c = bias.to(dtype) if bias is not None else None
         with torch.autocast(x.device.type, enabled=False):

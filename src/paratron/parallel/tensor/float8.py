@@ -16,7 +16,6 @@ rank scales its own shard of a weight, so results differ from one device within 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,19 +25,11 @@ from paratron.parallel.tensor.layers import (
     ColumnParallelLinear,
     ColumnParallelProjections,
     RowParallelLinear,
-    TPContext,
+    enter_column_region,
 )
 
 Float8Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(input, weight [out, in]) -> input @ weight^T through fp8 casts (torchao's)."""
-
-
-def enter_column_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    """A column-parallel layer's whole input: the sequence shards gathered under sequence parallelism
-    (backward: reduce-scatter), else x itself (backward: the ranks' input gradients summed)."""
-    if tp.sequence_parallel:
-        return comm.gather_from_sequence(x, tp.group)
-    return comm.copy_to_region(x, tp.group)
 
 
 class Float8ColumnParallelLinear(ColumnParallelLinear):
@@ -89,9 +80,3 @@ def retype(module: nn.Module, float8_matmul: Float8Matmul | None = None) -> None
     module.__class__ = FP8_TWINS[type(module)]
     if float8_matmul is not None:
         module.float8_matmul = float8_matmul
-
-
-def local_sides(module: Any) -> tuple[int, int]:
-    """(rows, columns) of this rank's weight shard: what an fp8 matmul's alignment asks of."""
-    rows, columns = module.weight.shape
-    return int(rows), int(columns)

@@ -18,7 +18,7 @@ from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
 from paratron.model.fused_loss import VocabSlice, fused_token_losses
 from paratron.parallel.sharding import shard_of
-from paratron.parallel.tensor.layers import VocabParallelOutput
+from paratron.parallel.tensor.layers import VocabParallelOutput, enter_column_region
 
 _OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
 
@@ -38,12 +38,8 @@ def vocab_parallel_fused_token_losses(
     under sequence parallelism) through the vocabulary-parallel `output` layer, whose rows begin at vocabulary id
     `vocab_start` (`output_vocab_start`), without its logits; `chunk` tokens at a time (default: as
     `fused_token_losses` chooses for this rank's slice)."""
-    tp = output.tp
-    if tp.sequence_parallel:
-        whole = comm.gather_from_sequence(hidden, tp.group)
-    else:
-        whole = comm.copy_to_region(hidden, tp.group)
-    part = VocabSlice(vocab_start, output.valid_rows, partial(_all_reduce, group=tp.group))
+    whole = enter_column_region(hidden, output.tp)
+    part = VocabSlice(vocab_start, output.valid_rows, partial(_all_reduce, group=output.tp.group))
     return fused_token_losses(whole, output.weight, labels, chunk, part)
 
 

@@ -36,7 +36,14 @@ from torch import nn
 
 from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
-from paratron.model.fused_linear import linears, matmul_dtype, stacked_input_grad, stacked_linear, stacked_param_grads
+from paratron.model.fused_linear import (
+    autocast_off,
+    cast_operands,
+    linears,
+    stacked_input_grad,
+    stacked_linear,
+    stacked_param_grads,
+)
 from paratron.model.lora import LoRALinear
 from paratron.parallel.sharding import Shard, set_partial_grad, set_shard
 
@@ -52,8 +59,12 @@ class TPContext:
     sequence_parallel: bool = False
 
 
-compute_dtype = matmul_dtype
-"""The type a matmul of `x` runs in: autocast's when it is on, else x's own."""
+def enter_column_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """The whole input of work split by output columns: the sequence shards gathered under sequence parallelism
+    (backward: reduce-scatter), else x itself (backward: the ranks' input gradients summed)."""
+    if tp.sequence_parallel:
+        return comm.gather_from_sequence(x, tp.group)
+    return comm.copy_to_region(x, tp.group)
 
 
 class _ColumnParallelMatmuls(torch.autograd.Function):
@@ -71,18 +82,13 @@ class _ColumnParallelMatmuls(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, sequence_parallel, *weights_and_biases):
-        dtype = compute_dtype(x)
+        dtype, weights, biases = cast_operands(ctx, x, weights_and_biases)
         local = x.to(dtype)
         total = comm.all_gather(local, 1, group) if sequence_parallel else local
-        weights = [w.to(dtype) for w in weights_and_biases[0::2]]
-        biases = [b.to(dtype) if b is not None else None for b in weights_and_biases[1::2]]
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x):
             stacked = stacked_linear(total, weights, biases)
         ctx.save_for_backward(local, *weights)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
-        ctx.has_bias = [b is not None for b in biases]
-        ctx.input_dtype = x.dtype
-        ctx.param_dtypes = [w.dtype for w in weights_and_biases[0::2]]
         return stacked
 
     @staticmethod
