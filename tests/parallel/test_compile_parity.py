@@ -17,9 +17,13 @@ from paratron.distributed.local_ranks import run_ranks
 from paratron.parallel.compile import CompileReport
 from paratron.training.run import run_training
 
+from tiny import LLAMA_STYLE, QUIET
+
 pytestmark = pytest.mark.spawns
 
 SETTINGS = dict(
+    QUIET,
+    **LLAMA_STYLE,
     num_layers=2,
     hidden_size=32,
     num_attention_heads=4,
@@ -30,16 +34,7 @@ SETTINGS = dict(
     global_batch_size=4,
     lr=3e-3,
     seed=5,
-    eval_iters=0,
     mock_data=True,
-    activation="swiglu",
-    normalization="RMSNorm",
-    position_embedding_type="rope",
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    progress_bar=False,
-    tensorboard=False,
-    log_interval=1,
 )
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 CURVES = {  # layout: (settings, steps)
