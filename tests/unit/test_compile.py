@@ -12,7 +12,8 @@ from torch import nn
 
 from paratron.distributed.rng import Forked, RNGStates, draws, single_fork
 from paratron.errors import ConfigError
-from paratron.parallel.compile import CompileReport, apply_compile, is_compiled
+from paratron.model.moe import ExpertKernels
+from paratron.parallel.compile import CompileReport, apply_compile, compiled_expert_kernels, is_compiled
 from paratron.parallel.recompute import Recomputed
 
 from tiny import LLAMA_STYLE, QUIET, training_records
@@ -110,3 +111,25 @@ def test_a_recomputed_fork_that_would_break_the_graph_is_refused():
         apply_compile(model, "aot_eager")
     block = nn.Sequential(Recomputed(Forked(nn.Dropout(0.1), rng), rng), nn.Dropout(0.0))  # all under the fork
     assert apply_compile(type("Blocks", (), {"layers": [block]})(), "aot_eager") == 1
+
+
+def test_the_experts_matmuls_run_one_graph_for_any_count_of_rows():
+    """Each expert receives what the routing sends it, 0 and 1 rows included: one graph, no recompile,
+    eager's numbers and gradients."""
+    torch.manual_seed(0)
+    w_in = torch.randn(3, 16, 8, requires_grad=True)
+    w_out = torch.randn(3, 8, 8, requires_grad=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, compiled = ExpertKernels(), compiled_expert_kernels("aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (5, 0, 1, 7):
+            x, probs = torch.randn(rows, 8), torch.rand(rows)
+            for e in range(3):
+                got = compiled.one(x, probs, w_in[e], w_out[e], True, "none")
+                want = eager.one(x, probs, w_in[e], w_out[e], True, "none")
+                assert torch.allclose(got, want, atol=1e-6)
+                grads = torch.autograd.grad(got.sum(), (w_in, w_out), allow_unused=True, materialize_grads=True)
+                expected = torch.autograd.grad(want.sum(), (w_in, w_out), allow_unused=True, materialize_grads=True)
+                assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(grads, expected))
+    assert (CompileReport.now().graphs, CompileReport.now().graph_breaks) == (1, 0)

@@ -229,6 +229,39 @@ def _weighted(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return (h * probs.unsqueeze(-1)).to(h.dtype)
 
 
+def expert_mlp(
+    x: torch.Tensor, probs: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gated: bool, gelu: str
+) -> torch.Tensor:
+    """One expert on its rows x [n, H] (n may be 0), each row's activation scaled by its prob [n]."""
+    torch._check(probs.size(0) == x.size(0))  # (one count of rows: what a compiled call may assume)
+    return F.linear(_weighted(_activation(F.linear(x, w_in), gated, gelu), probs), w_out)
+
+
+def grouped_expert_mlp(
+    x: torch.Tensor,
+    probs: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    ends: torch.Tensor,
+    gated: bool,
+    gelu: str,
+) -> torch.Tensor:
+    """Every expert on its rows at once: rows [ends[e-1], ends[e]) of x [M, H] through expert e (weights
+    stacked [E, ...]), one grouped matmul per projection."""
+    torch._check(probs.size(0) == x.size(0))
+    h = _grouped_mm(x, w_in.transpose(1, 2), ends)
+    return _grouped_mm(_weighted(_activation(h, gated, gelu), probs), w_out.transpose(1, 2), ends)
+
+
+@dataclass(frozen=True)
+class ExpertKernels:
+    """The functions that run the experts' matmuls on their rows, whose count the routing decides:
+    these eager ones, or their compiled twins (--compile, `parallel/compile.py`)."""
+
+    one: Callable[..., torch.Tensor] = expert_mlp
+    grouped: Callable[..., torch.Tensor] = grouped_expert_mlp
+
+
 class Experts(nn.Module):
     """E MLPs with stacked weights, run on tokens already grouped by expert.
 
@@ -246,6 +279,7 @@ class Experts(nn.Module):
         self.gated = config.activation == "swiglu"
         self.gelu = "tanh" if config.openai_gelu else "none"
         self.grouped = config.moe_grouped_gemm
+        self.kernels = ExpertKernels()
         self.w_in = nn.Parameter(torch.empty(E, (2 if self.gated else 1) * F_, H))
         self.w_out = nn.Parameter(torch.empty(E, H, F_))
         nn.init.normal_(self.w_in, 0.0, config.init_method_std)
@@ -268,8 +302,7 @@ class Experts(nn.Module):
                 continue
             if pad_to is not None and pad_to > n:
                 x, p = F.pad(x, (0, 0, 0, pad_to - n)), F.pad(p, (0, pad_to - n))
-            h = _weighted(_activation(F.linear(x, self.w_in[e]), self.gated, self.gelu), p)
-            outputs.append(F.linear(h, self.w_out[e])[:n])
+            outputs.append(self.kernels.one(x, p, self.w_in[e], self.w_out[e], self.gated, self.gelu)[:n])
         return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.w_out.size(1))
 
     def _grouped(
@@ -286,8 +319,7 @@ class Experts(nn.Module):
             probs = probs.new_zeros(sum(rows)).index_put((position,), probs)
             return self._grouped(tokens, rows, probs, None)[position]
         ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-        h = _grouped_mm(tokens, self.w_in.transpose(1, 2), ends)
-        return _grouped_mm(_weighted(_activation(h, self.gated, self.gelu), probs), self.w_out.transpose(1, 2), ends)
+        return self.kernels.grouped(tokens, probs, self.w_in, self.w_out, ends, self.gated, self.gelu)
 
 
 class _ContiguousGrad(torch.autograd.Function):
