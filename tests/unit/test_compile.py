@@ -5,6 +5,8 @@ takes tens of seconds on a CPU); inductor is what --compile uses by default."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -14,6 +16,7 @@ from paratron.distributed.rng import Forked, RNGStates, draws, single_fork
 from paratron.errors import ConfigError
 from paratron.model.moe import ExpertKernels
 from paratron.parallel.compile import CompileReport, apply_compile, compiled_expert_kernels, is_compiled
+from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
 from paratron.parallel.recompute import Recomputed
 
 from tiny import LLAMA_STYLE, QUIET, training_records
@@ -132,4 +135,42 @@ def test_the_experts_matmuls_run_one_graph_for_any_count_of_rows():
                 grads = torch.autograd.grad(got.sum(), (w_in, w_out), allow_unused=True, materialize_grads=True)
                 expected = torch.autograd.grad(want.sum(), (w_in, w_out), allow_unused=True, materialize_grads=True)
                 assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(grads, expected))
+    assert (CompileReport.now().graphs, CompileReport.now().graph_breaks) == (1, 0)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+def test_a_compiled_block_defers_its_weight_gradients_to_w():
+    """Zero-bubble's split backward inside a compiled block: B gives the input gradient only, W the weight
+    gradients, all equal to eager's; outside a capture B gives both. Two blocks, one graph."""
+    torch.manual_seed(0)
+    plain = [_Block() for _ in range(2)]
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    expected_input_grad = torch.autograd.grad(plain[1](plain[0](x)).sum(), x)[0]
+    eager = [[p for p in block.parameters()] for block in plain]
+    want = torch.autograd.grad(plain[1](plain[0](x)).sum(), [p for ps in eager for p in ps])
+    store = WeightGradStore()
+    defer_weight_gradients(plain, store)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    apply_compile(type("Blocks", (), {"layers": plain})(), "aot_eager")
+    ready = []
+    for captured in (True, False):
+        for p in (p for ps in eager for p in ps):
+            p.grad = None
+        with store.capture("m0") if captured else contextlib.nullcontext():
+            got_input_grad = torch.autograd.grad(plain[1](plain[0](x)).sum(), x)[0]
+        assert torch.allclose(got_input_grad, expected_input_grad, atol=1e-6)
+        if captured:
+            assert all(p.grad is None for ps in eager for p in ps)  # B left them to W
+            store.run("m0", ready.append)
+            assert len(ready) == 6  # (two blocks: two weights and a bias each)
+        assert all(torch.allclose(p.grad, w, atol=1e-6) for p, w in zip((p for ps in eager for p in ps), want))
     assert (CompileReport.now().graphs, CompileReport.now().graph_breaks) == (1, 0)

@@ -89,7 +89,7 @@ def parallelize(
         convert_to_float8(model, t)
     if t.recompute_granularity is not None:
         apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
-    stage = _cut_stage(model, layout, topology, defer=not t.compile) if topology.size(Axis.PP) > 1 else None
+    stage = _cut_stage(model, layout, topology) if topology.size(Axis.PP) > 1 else None
     if t.compile:
         apply_compile(model, t.compile_backend)
     if not _fully_sharded(config, topology):  # (ZeRO-3 shards on the meta device, then fills only its shards)
@@ -172,7 +172,7 @@ class _Stage:
     store: WeightGradStore | None
 
 
-def _cut_stage(model: GPT, layout: Layout, topology: Topology, defer: bool = True) -> _Stage:
+def _cut_stage(model: GPT, layout: Layout, topology: Topology) -> _Stage:
     """Step 3: keep this rank's stages of `model` (still on meta); under zero-bubble schedules
     make the blocks' weight gradients deferrable."""
     plan = layout.pipeline
@@ -181,9 +181,8 @@ def _cut_stage(model: GPT, layout: Layout, topology: Topology, defer: bool = Tru
     stages = StageLayout(schedule.pp, schedule.chunks, topology.local_rank(Axis.PP), plan.ranges, schedule.v_shape)
     keep_stage(model, stages, topology.group(Axis.EMBEDDING))
     store = None
-    if schedule.split_backward and defer:
+    if schedule.split_backward:
         # the first stage sends no input gradient back: nothing to hurry, so it keeps a whole backward
-        # (and a compiled block, whose backward is traced once outside W's capture, keeps its weight gradients in B)
         deferred = [i for c in range(stages.chunks) if stages.stage(c) > 0 for i in stages.ranges[stages.stage(c)]]
         if deferred:
             store = WeightGradStore()

@@ -7,11 +7,20 @@ transformer blocks (nearly all of a block's weight-gradient work) are swapped fo
 gradient while a `WeightGradStore` is capturing; it stores the layer input and output
 gradient instead, and W computes grad_W = g^T x from them. All other parameters (norms,
 embeddings, the output layer, tensor-parallel layers) get their gradients in B, as usual.
+
+Inside a compiled block (--compile) the same linear is a custom operator whose backward, traced into
+the block's backward graph, gives the input gradient and calls a second operator, opaque to the
+compiler and kept for its side effect, that stores (or, outside a capture, accumulates) the weight
+gradient's inputs when the compiled backward runs: the graph is traced once, and which B captures
+is decided each time it runs. The layer is named to that operator by a number in a CPU tensor, an
+input of the graph, so equal blocks still share one graph.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratron.model.fused_linear import matmul_dtype
+from paratron.model.fused_linear import autocast_off, matmul_dtype
 from paratron.parallel.sharding import update_info
 
 
@@ -40,6 +49,10 @@ class WeightGradStore:
         finally:
             self._capturing = None
 
+    @property
+    def capturing(self) -> bool:
+        return self._capturing is not None
+
     def defer(self, weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, grad: torch.Tensor) -> bool:
         if self._capturing is None:
             return False
@@ -52,12 +65,19 @@ class WeightGradStore:
         `accumulated(param)` is told of each gradient completed (autograd's hook fired in B,
         before it existed)."""
         for weight, bias, x, grad in self._pending.pop(key, []):
-            flat_grad = grad.reshape(-1, grad.size(-1))
-            _accumulate(weight, flat_grad.t().matmul(x.reshape(-1, x.size(-1))))
-            accumulated(weight)
-            if bias is not None:
-                _accumulate(bias, flat_grad.sum(0))
-                accumulated(bias)
+            _accumulate_weight_gradients(weight, bias, x, grad)
+            for param in (weight, bias):
+                if param is not None:
+                    accumulated(param)
+
+
+@torch.no_grad()
+def _accumulate_weight_gradients(weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, grad: torch.Tensor):
+    """Add a linear's weight (and bias) gradient, from its input x and output gradient, to their .grad."""
+    flat_grad = grad.reshape(-1, grad.size(-1))
+    _accumulate(weight, flat_grad.t().matmul(x.reshape(-1, x.size(-1))))
+    if bias is not None:
+        _accumulate(bias, flat_grad.sum(0))
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -93,6 +113,59 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
+_LAYERS: weakref.WeakValueDictionary[int, DeferringLinear] = weakref.WeakValueDictionary()
+"""The deferring linears by number: what the compiled backward's weight-gradient operator is told."""
+_NUMBERS = itertools.count()
+
+
+@torch.library.custom_op("paratron::deferrable_linear", mutates_args=())
+def _deferrable_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: torch.Tensor
+) -> torch.Tensor:
+    """F.linear of operands already in the matmul's type (no gradient reaches weight and bias: see below)."""
+    with autocast_off(x):
+        return F.linear(x, weight, bias)
+
+
+@_deferrable_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.size(0)))
+
+
+@torch.library.custom_op("paratron::weight_gradient", mutates_args=())
+def _weight_gradient(x: torch.Tensor, grad: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    """Layer number `layer`'s weight gradient from its input and output gradient: stored for W while its
+    store captures, accumulated now otherwise. Returns nothing of use (an empty tensor)."""
+    linear = _LAYERS[int(layer)]
+    if linear.store.capturing:  # (copies: the compiler may reuse the graph's buffers after the last use it sees)
+        linear.store.defer(linear.weight, linear.bias, x.clone(), grad.clone())
+    else:
+        _accumulate_weight_gradients(linear.weight, linear.bias, x, grad)
+    return grad.new_empty(0)
+
+
+@_weight_gradient.register_fake
+def _(x: torch.Tensor, grad: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty(0)
+
+
+torch.fx.node.has_side_effect(torch.ops.paratron.weight_gradient.default)  # (its result is unused: keep the call)
+
+
+def _save_operands(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, _, layer = inputs
+    ctx.save_for_backward(x, weight, layer)
+
+
+def _input_gradient(ctx: Any, grad: torch.Tensor) -> tuple:
+    x, weight, layer = ctx.saved_tensors
+    torch.ops.paratron.weight_gradient(x, grad, layer)
+    return grad.matmul(weight), None, None, None
+
+
+_deferrable_linear.register_autograd(_input_gradient, setup_context=_save_operands)
+
+
 class DeferringLinear(nn.Module):
     """An `nn.Linear`'s parameters (the same objects, under the same names) with a backward whose
     weight gradients `store` may defer to the W operation."""
@@ -101,12 +174,19 @@ class DeferringLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.store = store
+        number = next(_NUMBERS)
+        _LAYERS[number] = self
+        self.number = torch.tensor(number, device="cpu")  # (not a buffer: it stays on the CPU, out of checkpoints)
         for param in (self.weight, self.bias):
             if param is not None:
                 update_info(param, deferred_grad=True)  # W, not autograd, completes its gradient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DeferrableLinear.apply(x, self.weight, self.bias, self.store)
+        if not torch.compiler.is_compiling():
+            return _DeferrableLinear.apply(x, self.weight, self.bias, self.store)
+        dtype = matmul_dtype(x)
+        weight, bias = self.weight.detach().to(dtype), self.bias.detach().to(dtype) if self.bias is not None else None
+        return _deferrable_linear(x.to(dtype), weight, bias, self.number)
 
 
 def defer_weight_gradients(blocks: list[nn.Module], store: WeightGradStore) -> None:
