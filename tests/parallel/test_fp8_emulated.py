@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from paratron.cli import train_config
 from paratron.config import build_config
@@ -98,20 +99,30 @@ TWO_RANK_LAYOUTS = {
 }
 
 
-def two_rank_losses(run_dir: str) -> dict[str, list[float]]:
-    """Each layout's losses, one run after another on one process group."""
+def two_rank_losses(run_dir: str) -> tuple[dict[str, list[float]], list[bool]]:
+    """Each layout's losses, one run after another on one process group; and, for each fp8 all-gather of a
+    weight, whether its scale was computed before (one all-reduce for all weights) rather than inside it."""
     initialize("gloo")
+    gather = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+    precomputed = []
+
+    def watched(weight: WeightWithDynamicFloat8CastTensor, *args):
+        precomputed.append(weight._precomputed_scale is not None)
+        return gather(weight, *args)
+
+    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = watched  # (in this rank's process only)
     losses = {}
     for name, layout in TWO_RANK_LAYOUTS.items():
         records = training_records(dict(SETTINGS, run_dir=f"{run_dir}/{name}", fp8_format="hybrid", **layout))
         losses[name] = [r["loss"] for r in records]
-    return losses
+    return losses, precomputed
 
 
 def test_zero3_and_tensor_parallel_fp8_train_as_one_process(tmp_path, monkeypatch):
     monkeypatch.setenv(EMULATE_VARIABLE, "1")
-    losses = run_ranks(two_rank_losses, 2, str(tmp_path))[0]
+    losses, precomputed = run_ranks(two_rank_losses, 2, str(tmp_path))[0]
     assert len(losses["zero1"]) == 8
+    assert len(precomputed) >= 8 * 2 and all(precomputed)  # (every step's gathers: each weight's scale precomputed)
     assert losses["zero3"] == pytest.approx(losses["zero1"], rel=5e-4)  # (bf16 sums in another order: 7e-5)
     # fp8 all-gather casts the fp32 shards, not their bf16 copies: another rounding, the same training
     assert losses["zero3-fp8-gather"] == pytest.approx(losses["zero1"], rel=5e-4)

@@ -92,6 +92,14 @@ def float8_config(fp8_format: str, fp8_recipe: str, param_gather: bool = False) 
     return dataclasses.replace(config, **casts, emulate=emulated(), enable_fsdp_float8_all_gather=param_gather)
 
 
+@torch.no_grad()
+def precompute_weight_scales(model: nn.Module) -> None:
+    """Under --fp8-param-gather: the scale of every fp8 weight for the all-gathers to come, from one all-reduce
+    of all their amaxes (torchao's precompute for FSDP2), instead of one all-reduce per weight inside each
+    gather. Run before each step's (and evaluation's) first gather, so it always sees the current weights."""
+    importlib.import_module("torchao.float8").precompute_float8_dynamic_scale_for_fsdp(model)
+
+
 def convert_to_float8(model: nn.Module, training: TrainingConfig) -> nn.Module:
     """Swap `model`'s fp8 layers for torchao's Float8Linear, and retype its tensor-parallel fp8 layers into
     their fp8 twins, in place (on the meta device too, before the weights are allocated). `check_fp8` has

@@ -56,6 +56,7 @@ class ParallelModel(nn.Module):
         flat_parameters: list[FlatParameters] | None = None,
         rng: RNGStates | None = None,
         fused_loss: FusedLoss | None = None,
+        before_gathers: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -68,6 +69,7 @@ class ParallelModel(nn.Module):
         self.fused_loss = fused_loss  # set: the output layer runs inside the loss, in chunks (`model.fused_loss`)
         if pipeline is not None:
             pipeline.runner.fused_loss = fused_loss  # (the last stage's runner applies it inside its forward)
+        self.before_gathers = before_gathers  # run on the module before a step's or an evaluation's forwards
 
     @property
     def trained_parameters(self) -> list[nn.Parameter]:
@@ -204,6 +206,8 @@ class ParallelModel(nn.Module):
         if weights is None:
             weights, _ = self.loss_weights(batches, per_token=False)
         batches = self._context_parts(batches)
+        if self.before_gathers is not None:
+            self.before_gathers(self.module)
         if self.pipeline is not None:
             loss = self.pipeline.forward_backward(batches, weights=weights, backward=backward)
         else:
@@ -227,6 +231,8 @@ class ParallelModel(nn.Module):
         was_training = self.training
         self.eval()
         batches = self._context_parts(batches)
+        if self.before_gathers is not None:
+            self.before_gathers(self.module)
         if self.pipeline is not None:
             total = self.pipeline.evaluate(batches)
         else:

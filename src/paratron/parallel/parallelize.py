@@ -50,7 +50,7 @@ from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettin
 from paratron.parallel.data.fully_sharded import held_boxes, local_tensor, shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.expert.apply import ExpertGroups, apply_expert_parallel
-from paratron.parallel.fp8 import check_fp8, convert_to_float8
+from paratron.parallel.fp8 import check_fp8, convert_to_float8, precompute_weight_scales
 from paratron.parallel.model import FusedLoss, ParallelModel, TokenLoss
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
 from paratron.parallel.pipeline.runtime import PipelineRuntime
@@ -99,7 +99,8 @@ def parallelize(
     if stage is not None:
         pipeline = _pipeline_runtime(stage, config, topology, device, token_loss, gradients)
     fused = _fused_loss(model, config, topology)
-    return ParallelModel(model, topology, token_loss, gradients, pipeline, flat, rng, fused_loss=fused)
+    scales = precompute_weight_scales if t.fp8_param_gather else None
+    return ParallelModel(model, topology, token_loss, gradients, pipeline, flat, rng, fused, before_gathers=scales)
 
 
 def parallelize_for_inference(
