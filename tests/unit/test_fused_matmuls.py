@@ -48,8 +48,8 @@ def test_one_matmul_equals_the_layers_called_one_by_one(bias):
     stacked = _outputs_and_grads(projections, x, stacked=True)
     plain = _outputs_and_grads(projections, x, stacked=False)
     assert [t.shape for t in stacked] == [t.shape for t in plain]
-    for got, expected in zip(stacked[:3], plain[:3]):  # forward: the same rows of the same matmul
-        assert torch.equal(got, expected)
+    for got, expected in zip(stacked[:3], plain[:3]):  # forward: the same rows of a wider matmul (whose blocking
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # may sum in another order on some CPUs)
     for got, expected in zip(stacked[3:], plain[3:]):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

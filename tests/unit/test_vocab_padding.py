@@ -116,8 +116,9 @@ def test_one_process_padded_training_equals_unpadded(untied: bool, fused: bool):
     for name, tensor in reference.items():
         assert trained[name].shape == tensor.shape, name  # the real vocabulary rows only
         if not fused:  # (the fused loss sums its softmax over 256 columns, 6 of them zero, in another order: its
-            # gradients differ in the last bits, which Adam's first steps scale up where a gradient is near zero)
-            torch.testing.assert_close(trained[name], tensor, rtol=0, atol=1e-6)
+            # gradients differ in the last bits, which Adam's first steps scale up where a gradient is near zero;
+            # the padded matmul, wider, may also sum in another order on some CPUs: 2e-5 on an AMD EPYC)
+            torch.testing.assert_close(trained[name], tensor, rtol=0, atol=1e-4)
     assert torch.count_nonzero(output.weight[VOCAB:]) == 0  # padding: no gradient, no update, no decay
     if untied:
         assert torch.count_nonzero(padded.module.embedding.weight[VOCAB:]) == 0
