@@ -13,7 +13,6 @@ import torch._dynamo
 from torch import nn
 
 from paratron.distributed.rng import Forked, RNGStates, draws, single_fork
-from paratron.errors import ConfigError
 from paratron.model.moe import ExpertKernels
 from paratron.parallel.compile import CompileReport, apply_compile, compiled_expert_kernels, is_compiled
 from paratron.parallel.pipeline.zero_bubble import WeightGradStore, defer_weight_gradients
@@ -105,15 +104,41 @@ def test_a_block_under_one_fork_draws_what_eager_draws_when_compiled():
     assert (CompileReport.now().graphs, CompileReport.now().graph_breaks) == (1, 0)
 
 
-def test_a_recomputed_fork_that_would_break_the_graph_is_refused():
-    rng = RNGStates("cpu")
-    rng.add("tensor-parallel", 3)
-    block = nn.Sequential(Recomputed(Forked(nn.Dropout(0.1), rng), rng), nn.Dropout(0.1))  # draws in and out
-    model = type("Blocks", (), {"layers": [block]})()
-    with pytest.raises(ConfigError, match="--sequence-parallel"):
-        apply_compile(model, "aot_eager")
-    block = nn.Sequential(Recomputed(Forked(nn.Dropout(0.1), rng), rng), nn.Dropout(0.0))  # all under the fork
-    assert apply_compile(type("Blocks", (), {"layers": [block]})(), "aot_eager") == 1
+def test_a_block_drawing_in_and_out_of_a_fork_draws_what_eager_draws_when_compiled():
+    """Dropout inside the tensor-parallel stream (recomputed, as selective recomputation does the attention core)
+    and plain dropout outside it (tensor parallelism without sequence parallelism): switched outside the graph,
+    the plain dropout drawing outside the fork. Eager's masks, eager's gradients, one graph, no break."""
+
+    def twins() -> tuple[nn.Module, RNGStates]:
+        torch.manual_seed(0)
+        rng = RNGStates("cpu")
+        rng.add("tensor-parallel", 3)
+        forked = Recomputed(Forked(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), rng), rng)
+        inner = nn.Sequential(nn.Linear(4, 4), forked, nn.Linear(4, 4))
+        return _Residual(nn.Sequential(inner, nn.Dropout(0.5), nn.Linear(4, 4), nn.Dropout(0.5))), rng
+
+    x = torch.ones(3, 4, requires_grad=True)
+    eager, _ = twins()
+    compiled, rng = twins()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    apply_compile(type("Blocks", (), {"layers": [compiled]})(), "aot_eager")
+    for block in (eager, compiled):
+        torch.manual_seed(1)
+        block.outputs = [block(x) for _ in range(2)]
+        block.grads = torch.autograd.grad(sum(y.sum() for y in block.outputs), [x, *block.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(compiled.outputs, eager.outputs))
+    assert all(torch.allclose(a, b) for a, b in zip(compiled.grads, eager.grads))
+    assert (CompileReport.now().graphs, CompileReport.now().graph_breaks) == (1, 0)
+
+
+class _Residual(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
 
 
 def test_the_experts_matmuls_run_one_graph_for_any_count_of_rows():

@@ -7,10 +7,13 @@ rank's masks must differ yet stay reproducible: those draws run under `fork("ten
 a generator seeded with seed + 2718 + tp_rank (Megatron-LM's offset). Works on any device.
 
 Switching generator states cannot be traced by `torch.compile`, so a fork would break a compiled
-block's graph. Two things keep it out: a `Forked` module whose wrapped module draws nothing (no
-dropout, or p = 0) runs without switching (the states would not change), and a compiled block whose
+block's graph. Three things keep it out: a `Forked` module whose wrapped module draws nothing (no
+dropout, or p = 0) runs without switching (the states would not change); a compiled block whose
 every draw runs under the same fork (sequence parallelism) switches once around the compiled call
-(`fork_outside`), outside its graph, in the order eager draws in.
+(`fork_outside`), outside its graph, in the order eager draws in; and where such a block also has
+plain dropout outside the fork (tensor parallelism without sequence parallelism), that dropout
+becomes a `DropoutOutsideFork`, an operator opaque to the compiler that draws its mask from the
+state outside the fork, as eager would.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ def restore(state: dict[str, torch.Tensor], device: torch.device) -> None:
         _set_state(state["device"], device)
 
 
+_OUTSIDE: list[torch.Tensor] = []
+"""The default generator's states outside the forks now entered, innermost last (like the generator, one per
+process)."""
+
+
 class RNGStates:
     """Generator states by name, swapped in and out of the default generator of `device`."""
 
@@ -69,13 +77,61 @@ class RNGStates:
 
     @contextlib.contextmanager
     def fork(self, name: str) -> Iterator[None]:
-        outside = _get_state(self.device)
+        _OUTSIDE.append(_get_state(self.device))
         _set_state(self.states[name], self.device)
         try:
             yield
         finally:
             self.states[name] = _get_state(self.device)
-            _set_state(outside, self.device)
+            _set_state(_OUTSIDE.pop(), self.device)
+
+
+@contextlib.contextmanager
+def outside_fork(device: torch.device) -> Iterator[None]:
+    """Inside a fork: the default generator back in its state outside the fork (which it then advances)."""
+    inside = _get_state(device)
+    _set_state(_OUTSIDE[-1], device)
+    try:
+        yield
+    finally:
+        _OUTSIDE[-1] = _get_state(device)
+        _set_state(inside, device)
+
+
+@torch.library.custom_op("paratron::dropout_outside_fork", mutates_args=())
+def _dropout_outside_fork(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, mask) of dropout with the mask drawn outside the fork entered (eager's draw: the same mask)."""
+    with outside_fork(x.device):
+        return torch.native_dropout(x, p, True)
+
+
+@_dropout_outside_fork.register_fake
+def _(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+
+
+def _keep_mask(ctx: Any, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(output[1])
+    ctx.scale = 1.0 / (1.0 - inputs[1])
+
+
+def _dropout_gradient(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+    (mask,) = ctx.saved_tensors
+    return torch.ops.aten.native_dropout_backward(grad, mask, ctx.scale), None
+
+
+_dropout_outside_fork.register_autograd(_dropout_gradient, setup_context=_keep_mask)
+torch.fx.node.has_side_effect(torch.ops.paratron.dropout_outside_fork.default)  # (it draws: never merged or dropped)
+
+
+class DropoutOutsideFork(nn.Dropout):
+    """A dropout inside a block that runs under a fork (`fork_outside`) whose masks must not come from it:
+    drawn by `_dropout_outside_fork`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return torch.ops.paratron.dropout_outside_fork(x, self.p)[0]
 
 
 def draws(module: nn.Module) -> bool:
@@ -115,12 +171,18 @@ def single_fork(block: nn.Module) -> tuple[RNGStates, str] | None:
 
 
 def fork_outside(block: nn.Module, call: Any) -> Any:
-    """`call` (the block's compiled call) run under the block's single fork, switched here rather
-    than by its `Forked` modules; `call` itself when the block has no single fork."""
-    fork = single_fork(block)
+    """`call` (the block's compiled call) run under the block's one fork, switched here rather than by its
+    `Forked` modules; plain dropouts outside the fork draw outside it (`DropoutOutsideFork`). `call`
+    itself when the block has no fork, two of them, or draws outside them by other means."""
+    fork = single_fork(block) or _one_fork_and_plain_dropouts(block)
     if fork is None:
         return call
     rng, name = fork
+    inside = {id(m) for f in block.modules() if isinstance(f, Forked) for m in f.module.modules()}
+    for parent in list(block.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is nn.Dropout and id(child) not in inside and draws(child):
+                setattr(parent, child_name, DropoutOutsideFork(child.p))
     for module in block.modules():
         if isinstance(module, Forked):
             module.switches = False
@@ -130,3 +192,14 @@ def fork_outside(block: nn.Module, call: Any) -> Any:
             return call(*args, **kwargs)
 
     return forked_call
+
+
+def _one_fork_and_plain_dropouts(block: nn.Module) -> tuple[RNGStates, str] | None:
+    """The one fork of `block`, when what draws outside it is plain dropout only; else None."""
+    forks = {(id(m.rng), m.name): (m.rng, m.name) for m in block.modules() if isinstance(m, Forked)}
+    inside = {id(d) for m in block.modules() if isinstance(m, Forked) for d in m.module.modules()}
+    drawing = [m for m in block.modules() if draws(m)]
+    outside = [m for m in drawing if id(m) not in inside]
+    if len(forks) != 1 or len(outside) == len(drawing) or any(type(m) is not nn.Dropout for m in outside):
+        return None
+    return next(iter(forks.values()))

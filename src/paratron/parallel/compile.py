@@ -10,11 +10,11 @@ shapes the routing decides (`_regions_around_experts`): each region one graph, t
 one graph for any number of rows.
 
 Nothing inside a compiled region breaks its graph under tensor, sequence, data, pipeline, context
-or expert parallelism: the collectives are traced (see `distributed/comm.py`; the context-parallel ring's
-shift, `parallel/context/comm.py`), the context-parallel block pairs are planned before the graph
-runs (`_plans_outside`), and the tensor-parallel random stream is switched outside the graph (see
-`distributed/rng.py`). What still breaks it is said in
-docs/training.md ("Compiled blocks").
+or expert parallelism: the collectives are traced (see `distributed/comm.py`; the context-parallel
+ring's shift, `parallel/context/comm.py`), the context-parallel block pairs are planned before the
+graph runs (`_plans_outside`), and the tensor-parallel random stream is switched outside the graph,
+dropout outside that stream drawing through an operator opaque to the compiler (`distributed/rng.py`).
+docs/training.md ("Compiled blocks") says what each layout makes.
 """
 
 from __future__ import annotations
@@ -27,18 +27,16 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from paratron.distributed.rng import Forked, draws, fork_outside
-from paratron.errors import ConfigError
+from paratron.distributed.rng import fork_outside
 from paratron.model.attention import TokenPlaces
 from paratron.model.gpt import GPT
 from paratron.model.moe import ExpertKernels, MoELayer
 from paratron.parallel.context.attention import ContextParallelAttention
-from paratron.parallel.recompute import Recomputed
 
 
 def apply_compile(model: GPT, backend: str) -> int:
-    """Compile every block this rank holds (in place); returns how many. A block whose random
-    draws all run under one generator fork switches to it around the compiled call."""
+    """Compile every block this rank holds (in place); returns how many. A block that draws under a
+    generator fork switches to it around the compiled call."""
     blocks = [block for block in model.layers if block is not None]
     for block in blocks:
         moe = getattr(block, "mlp", None)
@@ -54,7 +52,6 @@ def apply_compile(model: GPT, backend: str) -> int:
 def _compile_region(module: nn.Module, backend: str) -> None:
     module.compile(backend=backend)
     module._compiled_call_impl = _plans_outside(module, fork_outside(module, module._compiled_call_impl))
-    _check_recomputed_forks(module)
 
 
 def _regions_around_experts(block: nn.Module, moe: MoELayer) -> list[nn.Module]:
@@ -108,21 +105,6 @@ def _plans_outside(block: nn.Module, call: Callable) -> Callable:
         return call(*args, **kwargs)
 
     return planned_call
-
-
-def _check_recomputed_forks(block: nn.Module) -> None:
-    """A fork that still switches inside the graph (attention dropout under tensor parallelism
-    without sequence parallelism) breaks it; inside a recomputed module the break would also lose
-    the stream's replay, and with it the recomputed masks: refused."""
-    for module in block.modules():
-        if not isinstance(module, Recomputed):
-            continue
-        for forked in module.modules():
-            if isinstance(forked, Forked) and forked.switches and any(draws(m) for m in forked.module.modules()):
-                raise ConfigError(
-                    "--compile with --recompute-granularity selective and --attention-dropout > 0 under "
-                    "tensor parallelism needs --sequence-parallel (or --attention-dropout 0)"
-                )
 
 
 @dataclass(frozen=True)
