@@ -88,6 +88,14 @@ def vision_flops_per_image(config: ModelConfig) -> float:
     return encoder + projector * config.image_tokens
 
 
+_PROBED: dict[tuple, float] = {}
+"""Probes made in this process (a device's peak does not change while it runs; tests train many runs in one)."""
+SLOW_MATMUL_S = 0.1
+"""A probe matmul that took longer (a type the CPU has no fast instructions for: bf16 without AVX-512 BF16 or AMX)
+is measured once, and no larger size is tried: its rate is known well enough, and a 1024-wide bf16 matmul can
+take seconds."""
+
+
 def probe_peak_flops(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
@@ -98,9 +106,17 @@ def probe_peak_flops(
     """Best measured FLOP/s of square matmuls in `dtype` (and in fp32, whichever is faster), over a
     few sizes: a practical peak of the device for the precision the model computes in. A 16-bit
     matmul can be several times faster than fp32 on a CPU with bf16 instructions, so a probe in
-    fp32 alone understates a bf16 run's peak (MFU above 100%). About 20 ms on a CPU; `size`
-    probes that one size only."""
+    fp32 alone understates a bf16 run's peak (MFU above 100%). About 20 ms on a CPU with fast
+    matmuls in `dtype`, well under a second without; once per process and settings. `size` probes
+    that one size only."""
     sizes = (size,) if size else sizes or ((512, 1024) if device.type == "cpu" else (4096,))
+    key = (device, dtype, sizes, repeats, torch.get_num_threads())
+    if key not in _PROBED:
+        _PROBED[key] = _probe(device, dtype, sizes, repeats)
+    return _PROBED[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], repeats: int) -> float:
     generator = torch.Generator(device=device).manual_seed(0)  # leave the global RNG (dropout) untouched
     best = 0.0
     for kind in dict.fromkeys((dtype, torch.float32)):
@@ -108,13 +124,19 @@ def probe_peak_flops(
             a = torch.randn(size, size, device=device, generator=generator).to(kind)
             b = torch.randn(size, size, device=device, generator=generator).to(kind)
             fastest = float("inf")
-            for _ in range(repeats + 1):  # (the first warms up)
+            for run in range(repeats + 1):  # (the first warms up, unless it is slow: then it is the measure)
                 synchronize(device)
                 start = time.perf_counter()
                 a @ b
                 synchronize(device)
-                fastest = min(fastest, time.perf_counter() - start)
+                elapsed = time.perf_counter() - start
+                if run or elapsed > SLOW_MATMUL_S:
+                    fastest = min(fastest, elapsed)
+                if elapsed > SLOW_MATMUL_S:
+                    break
             best = max(best, 2.0 * size**3 / fastest)
+            if fastest > SLOW_MATMUL_S:
+                break
     return best
 
 
