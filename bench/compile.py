@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/compile.py                          # GPT-2-style, 4 layers, hidden 256, seq 256, fp32, CPU
     .venv/bin/python bench/compile.py --hidden 512 --steps 12
+    .venv/bin/python bench/compile.py --experts 8              # every MLP a mixture of 8 experts, top-2
     .venv/bin/python bench/compile.py --smoke                  # tiny, aot_eager: does it run, do the losses agree?
 
 Both runs train the same model (same seed, same mock samples, dropout 0, fp32) in this process through paratron's
@@ -29,7 +30,7 @@ from paratron.storage import write_text_atomic
 from paratron.training.run import run_training
 
 TOLERANCE = 1e-4
-SIZES = ("layers", "hidden", "heads", "vocab", "seq", "micro_batch", "warmup", "steps")
+SIZES = ("layers", "hidden", "heads", "vocab", "seq", "micro_batch", "experts", "warmup", "steps")
 
 
 def settings(args: argparse.Namespace, run_dir: Path) -> dict:
@@ -52,6 +53,7 @@ def settings(args: argparse.Namespace, run_dir: Path) -> dict:
         log_interval=1,
         run_dir=str(run_dir),
         **NO_DROPOUT,
+        **(dict(num_experts=args.experts, moe_router_topk=2) if args.experts else {}),
     )
 
 
@@ -83,7 +85,9 @@ def markdown(result: dict) -> str:
             f"## Compiled blocks (--compile, {result['backend']})",
             "",
             f"A GPT-2-style model ({s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads, vocabulary "
-            f"{s['vocab']}, sequence {s['seq']}, micro-batch {s['micro_batch']}), fp32 on the CPU ({s['threads']} "
+            f"{s['vocab']}, sequence {s['seq']}, micro-batch {s['micro_batch']}"
+            + (f"; every MLP a mixture of {s['experts']} experts, top-2" if s["experts"] else "")
+            + f"), fp32 on the CPU ({s['threads']} "
             f"threads), one process, trained through paratron's loop eager and then with --compile; median of "
             f"{s['steps']} steps after {s['warmup']} warm-up steps.",
             "",
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=0, help="a mixture of this many experts in every MLP")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--backend", default="inductor")
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--markdown", type=Path, default=RESULTS / "compile.md")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
-    tiny = dict(layers=2, hidden=32, heads=4, vocab=97, seq=16, micro_batch=2, warmup=1, steps=2)
+    tiny = dict(layers=2, hidden=32, heads=4, vocab=97, seq=16, micro_batch=2, experts=args.experts, warmup=1, steps=2)
     apply_smoke(args, parser, backend="aot_eager", **tiny)
     eager, compiled = run(args, None), run(args, args.backend)
     difference = max(abs(c - e) / max(abs(e), 1e-12) for c, e in zip(compiled["losses"], eager["losses"]))
