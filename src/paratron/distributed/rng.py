@@ -159,29 +159,35 @@ class Forked(nn.Module):
             return self.module(*args, **kwargs)
 
 
+def _draws(block: nn.Module) -> tuple[list[tuple[RNGStates, str]], list[nn.Module], list[nn.Module]]:
+    """`block`'s forks (generator states, name; each once), its drawing modules, and those of them outside
+    every fork."""
+    forked = [m for m in block.modules() if isinstance(m, Forked)]
+    forks = list({(id(m.rng), m.name): (m.rng, m.name) for m in forked}.values())
+    inside = {id(d) for m in forked for d in m.module.modules()}
+    drawing = [m for m in block.modules() if draws(m)]
+    return forks, drawing, [m for m in drawing if id(m) not in inside]
+
+
 def single_fork(block: nn.Module) -> tuple[RNGStates, str] | None:
     """The one fork (generator states, name) under which every drawing module of `block` runs, or
     None: when the block draws nothing, when something draws outside a fork, or under two forks."""
-    forks = {(id(m.rng), m.name): (m.rng, m.name) for m in block.modules() if isinstance(m, Forked)}
-    inside = {id(d) for m in block.modules() if isinstance(m, Forked) for d in m.module.modules()}
-    drawing = [m for m in block.modules() if draws(m)]
-    if len(forks) != 1 or not drawing or any(id(m) not in inside for m in drawing):
-        return None
-    return next(iter(forks.values()))
+    forks, drawing, outside = _draws(block)
+    return forks[0] if len(forks) == 1 and drawing and not outside else None
 
 
 def fork_outside(block: nn.Module, call: Any) -> Any:
     """`call` (the block's compiled call) run under the block's one fork, switched here rather than by its
     `Forked` modules; plain dropouts outside the fork draw outside it (`DropoutOutsideFork`). `call`
-    itself when the block has no fork, two of them, or draws outside them by other means."""
-    fork = single_fork(block) or _one_fork_and_plain_dropouts(block)
-    if fork is None:
+    itself when nothing draws under a fork, under two of them, or outside them by other means than dropout."""
+    forks, drawing, outside = _draws(block)
+    if len(forks) != 1 or len(outside) == len(drawing) or any(type(m) is not nn.Dropout for m in outside):
         return call
-    rng, name = fork
-    inside = {id(m) for f in block.modules() if isinstance(f, Forked) for m in f.module.modules()}
+    rng, name = forks[0]
+    swapped = {id(m) for m in outside}
     for parent in list(block.modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is nn.Dropout and id(child) not in inside and draws(child):
+            if id(child) in swapped:
                 setattr(parent, child_name, DropoutOutsideFork(child.p))
     for module in block.modules():
         if isinstance(module, Forked):
@@ -192,14 +198,3 @@ def fork_outside(block: nn.Module, call: Any) -> Any:
             return call(*args, **kwargs)
 
     return forked_call
-
-
-def _one_fork_and_plain_dropouts(block: nn.Module) -> tuple[RNGStates, str] | None:
-    """The one fork of `block`, when what draws outside it is plain dropout only; else None."""
-    forks = {(id(m.rng), m.name): (m.rng, m.name) for m in block.modules() if isinstance(m, Forked)}
-    inside = {id(d) for m in block.modules() if isinstance(m, Forked) for d in m.module.modules()}
-    drawing = [m for m in block.modules() if draws(m)]
-    outside = [m for m in drawing if id(m) not in inside]
-    if len(forks) != 1 or len(outside) == len(drawing) or any(type(m) is not nn.Dropout for m in outside):
-        return None
-    return next(iter(forks.values()))
