@@ -24,6 +24,7 @@ try:
 except ImportError:  # (Python 3.10)
     tomllib = None
 
+from paratron.distributed.parent import end_with_launcher
 from paratron.errors import PeerFailure, UserError
 
 if TYPE_CHECKING:  # (the schema itself is imported when a command runs, for start-up speed)
@@ -823,10 +824,7 @@ def _peer_lost(exc: RuntimeError) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" in os.environ and argv is None:  # a worker process: it ends with its launcher
-        parent = os.getppid()  # (read before the import below, which takes a while)
-        from paratron.distributed.launch import end_with_launcher  # (start-up speed, docs/architecture.md: torch)
-
-        end_with_launcher(parent)
+        end_with_launcher(os.getppid())  # (`python -m paratron` has already: this is for the `paratron` script)
     if "RANK" in os.environ and USER_CPP_LOG_LEVEL in os.environ:  # a worker of a quiet launcher
         level = os.environ.pop(USER_CPP_LOG_LEVEL)
         os.environ.pop(CPP_LOG_LEVEL) if not level else os.environ.update({CPP_LOG_LEVEL: level})

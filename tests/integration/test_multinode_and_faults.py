@@ -326,9 +326,27 @@ def test_a_worker_whose_launcher_is_already_gone_stops_at_once():
     ended = subprocess.Popen(["true"])
     ended.wait()
     env = dict(os.environ, RANK="1", WORLD_SIZE="2", PARATRON_LAUNCHER_PID=str(ended.pid))
-    work = "import os; from paratron.distributed.launch import end_with_launcher as end; end(os.getppid()); print('on')"
+    work = "import os; from paratron.distributed.parent import end_with_launcher as end; end(os.getppid()); print('on')"
     done = subprocess.run([sys.executable, "-c", work], env=env, capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (1, "", "[rank 1] stopped: its launcher is gone\n")
+
+
+def test_a_worker_arms_its_parent_death_signal_before_importing_torch():
+    """`python -m paratron` in a worker checks its launcher and asks to end with it before it imports
+    torch (seconds on a busy machine, in which a killed launcher would leave it behind)."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", PARATRON_LAUNCHER_PID=str(ended.pid))
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "paratron", "train", "--config", "demo"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert done.returncode == 1 and "[rank 1] stopped: its launcher is gone" in done.stderr, done.stderr[-2000:]
+    assert "paratron.distributed.parent" in imported and not [name for name in imported if name.startswith("torch")]
 
 
 def test_the_watchdog_stops_a_worker_whose_parent_changed(monkeypatch, capsys):

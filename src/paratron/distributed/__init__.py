@@ -1,16 +1,30 @@
-"""Launching, process groups, topology and seeding."""
+"""Launching, process groups, topology and seeding.
 
-from paratron.distributed.init import DistributedContext, initialize, launched_by_torchrun, seed_everything, shutdown
-from paratron.distributed.topology import Axis, ParallelDims, RankGroup, Topology
+Names are imported on first use, so that `paratron.distributed.parent`, which a worker runs
+before anything slow, does not pull in torch.
+"""
 
-__all__ = [
-    "DistributedContext",
-    "initialize",
-    "launched_by_torchrun",
-    "seed_everything",
-    "shutdown",
-    "Axis",
-    "ParallelDims",
-    "RankGroup",
-    "Topology",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DistributedContext": "paratron.distributed.init",
+    "initialize": "paratron.distributed.init",
+    "launched_by_torchrun": "paratron.distributed.init",
+    "seed_everything": "paratron.distributed.init",
+    "shutdown": "paratron.distributed.init",
+    "Axis": "paratron.distributed.topology",
+    "ParallelDims": "paratron.distributed.topology",
+    "RankGroup": "paratron.distributed.topology",
+    "Topology": "paratron.distributed.topology",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'paratron.distributed' has no attribute {name!r}")

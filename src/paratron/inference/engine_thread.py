@@ -70,6 +70,8 @@ class EngineThread:
         self.live: dict[str, tuple[Submission, int]] = {}
         self.failure: BaseException | None = None
         self.closed = False
+        self.aborted = 0
+        """Requests dropped before their end because their client left."""
         self.stats: dict[str, int] = {}
         """What /health reports, written by the engine's thread after each step (read without a lock: a dict
         replaced whole)."""
@@ -109,7 +111,9 @@ class EngineThread:
             while not stopping or self.engine.has_work():
                 stopping = self._take_commands(wait=not self.engine.has_work() and not stopping) or stopping
                 if self.engine.has_work():
-                    self._dispatch(self.engine.step())
+                    outputs = self.engine.step()
+                    self._note_stats()  # (before the clients hear of the step: what they read next includes it)
+                    self._dispatch(outputs)
                 self._note_stats()
         except BaseException as exc:  # an engine bug: every waiting client hears of it, nobody hangs
             log.exception("the engine failed")
@@ -125,6 +129,7 @@ class EngineThread:
             "requests": len(self.live),
             "cache_tokens": engine.cache_tokens,
             "free_cache_tokens": engine.free_cache_tokens,
+            "aborted_requests": self.aborted,
         }
 
     def _take_commands(self, wait: bool) -> bool:
@@ -169,6 +174,7 @@ class EngineThread:
         for request_id in request_ids:
             if self.live.pop(request_id, None) is not None:
                 self.engine.abort(request_id)
+                self.aborted += 1
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

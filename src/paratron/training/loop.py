@@ -6,7 +6,6 @@ step records is `training/step_log.py`'s, how a run continues or rolls back `tra
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Iterator
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from paratron.config.layout import Layout
 from paratron.config.samples import batch_schedule
@@ -22,10 +20,7 @@ from paratron.config.schema import Config
 from paratron.data.build import DataBundle
 from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
-from paratron.debugging.capture import install_capture
-from paratron.debugging.layer_stats import LayerStats
 from paratron.debugging.loss_spike import Spike
-from paratron.debugging.stragglers import StragglerDetector
 from paratron.distributed.init import DistributedContext, release_unused_memory
 from paratron.distributed.launch import restart_count
 from paratron.distributed.topology import Axis, Topology
@@ -34,19 +29,17 @@ from paratron.model.batch import Batch
 from paratron.optim.lr_schedule import LRSchedule
 from paratron.optim.mixed_precision import Precision, build_loss_scaler
 from paratron.optim.protocol import TrainingOptimizer
-from paratron.parallel.compile import CompileReport
 from paratron.parallel.data.fully_sharded import reshard
 from paratron.parallel.model import ParallelModel
-from paratron.parallel.pipeline.profile import profile_step
 from paratron.parallel.pipeline.schedules import build_schedule
 from paratron.training.evaluate import task_loss_sums
 from paratron.training.exit import ExitConditions
 from paratron.training.faults import AttemptFault, check_spike_fault
-from paratron.training.memory import SavedActivations, rank_memory, report_memory
-from paratron.training.metrics import TASK_PREFIX, MetricsWriter, ProgressLog, tensorboard_folder
+from paratron.training.instruments import StepInstruments
+from paratron.training.metrics import TASK_PREFIX, MetricsWriter, ProgressLog
 from paratron.training.nonfinite import first_report, watching
 from paratron.training.plot import plot_expert_load
-from paratron.training.profiling import StepProfiler, StepTimers, collect_after_step, collect_around_eval
+from paratron.training.profiling import collect_around_eval
 from paratron.training.recovery import Recovery
 from paratron.training.resume import Restorer, ResumePlan, TrainState
 from paratron.training.saving import CheckpointSaver
@@ -92,30 +85,28 @@ class Trainer:
         self.per_token_loss = t.calculate_per_token_loss if t.calculate_per_token_loss is not None else d.sft
         self.fault = AttemptFault(t.fault_inject, restart_count(), ctx.rank)
         check_spike_fault(t.fault_inject, restart_count(), ctx.rank, model.module, topology.group(Axis.WORLD))
-        self.capture = install_capture(
-            config, topology, model, lambda: self.precision.loss_scale, layout.global_batch_size
+        loss_scale = lambda: self.precision.loss_scale  # noqa: E731
+        self.instruments = StepInstruments(
+            config, ctx, topology, model, optimizer, loss_scale, layout.global_batch_size, writer.info
         )
-        """--debug-capture: records each step's module outputs and gradients (debugging/capture.py)."""
-        self.timers = StepTimers(lg.timing_log_level, ctx.device)  # --timing-log-level's timers of this rank
-        self.profiler = StepProfiler(lg, ctx.rank, ctx.device, tensorboard_folder(Path(lg.run_dir), lg))
-        self.stragglers = StragglerDetector(lg.straggler_threshold, topology, ctx.device)
+        """The debugging and measuring flags' instruments (training/instruments.py)."""
+        capture, self.timers = self.instruments.capture, self.instruments.timers
         self.step_options = StepOptions(
             check_nonfinite=t.check_for_nan_in_loss_and_grad,
             count_zeros=lg.log_num_zeros_in_grad,
             timers=self.timers,
             empty_unused_memory_level=t.empty_unused_memory_level,
             device=ctx.device,
-            after_grads=self.capture.gradients if self.capture is not None else None,
+            after_grads=capture.gradients if capture is not None else None,
         )
         self.logger = StepLogger(
             config, ctx, topology, model, optimizer, self.precision, writer, self.timers, flops_per_token, peak_flops
         )
-        self.logger.stragglers = self.stragglers
+        self.logger.stragglers = self.instruments.stragglers
         self.restorer = Restorer(config, model, optimizer, topology, self.precision, writer.info)
         self.saver = CheckpointSaver(config, topology, model, optimizer, data.tokenizer, self.restorer, writer)
         self.eval_tasks: TrainingTasks | None = None
         """--eval-tasks' runner, made at the first evaluation."""
-        self.layer_stats = LayerStats(model, optimizer, config.parallel.sequence_parallel, lg.log_layer_stats)
         self.recovery = Recovery(config, writer, self.saver, self.restore)
         """--on-nan and --on-spike: stop, skip or roll back after a step that went wrong."""
         if self.recovery.spikes is not None:
@@ -140,7 +131,7 @@ class Trainer:
         end = stop_after or self.config.training.train_iters
         first = self.state.iteration + 1
         window = StepWindow(self.ctx.device)
-        with ExitConditions(self.config.training, self.ctx.device) as exits, self.stragglers.instrumented():
+        with ExitConditions(self.config.training, self.ctx.device) as exits, self.instruments.stragglers.instrumented():
             iteration = first - 1
             while iteration < end:
                 iteration += 1
@@ -179,27 +170,21 @@ class Trainer:
     def _train(self, iteration: int, first: int, window: StepWindow) -> tuple[float, StepResult]:
         """One optimizer step (measuring memory on the first with --log-memory, profiling the
         pipeline on the last with --profile-pipeline)."""
-        t, lg, state = self.config.training, self.config.logging, self.state
+        lg, state = self.config.logging, self.state
         lr = self.schedule.apply(self.optimizer.param_groups, state.lr_samples)
         if iteration in self.recovery.skip_batch_at:  # rolled back past it: its batch made the step go wrong
             self.recovery.skip_batch_at.discard(iteration)
             state.consumed_samples += self._plan_at(state.consumed_samples).global_batch_size
         plan = self._plan_at(state.consumed_samples)
-        self.step_options.layer_stats = self.layer_stats if self.layer_stats.due(iteration) else None
+        stats = self.instruments.layer_stats
+        self.step_options.layer_stats = stats if stats.due(iteration) else None
         with self.timers.time("batch-generator"):
             batches = micro_batches(self.data.train, plan, state.consumed_samples, self.ctx.device, self.documents)
-        pipeline = self.model.pipeline
-        profiling = lg.profile_pipeline and pipeline is not None and iteration == t.train_iters
-        if profiling:
-            dist.barrier()  # the ranks' clocks start together
-            pipeline.record = True
-        measuring = iteration == first and lg.log_memory
-        self.profiler.begin(iteration)
+        instruments = self.instruments
+        profiling = instruments.pipeline_profiled(iteration)
         step_start = time.perf_counter()
         with (
-            self.capture.step(iteration) if self.capture is not None else contextlib.nullcontext(),
-            SavedActivations(self.model.module) if measuring else contextlib.nullcontext() as activations,
-            self.stragglers.timing(),
+            instruments.around_step(iteration, measuring=iteration == first and lg.log_memory) as activations,
             self.fault.at(iteration, self.model.module),
         ):
             result = train_step(
@@ -216,16 +201,13 @@ class Trainer:
         if iteration == first:  # its speed is the step's own, without what came before or the report
             window.restart(at=step_start)
             with window.paused():
-                self._report_memory(activations)
-                if self.config.training.compile:
-                    self._report_compile(time.perf_counter() - step_start)
+                instruments.after_first_step(activations, step_start)
         if profiling:
-            pipeline.record = False
             with window.paused():
-                self._profile_pipeline(iteration)
+                instruments.after_pipeline_profiled(iteration)
         self._count(iteration, plan, result, window)
         self.writer.advance()
-        self._after_step(iteration, window)
+        instruments.after_step(iteration, window)
         return lr, result
 
     def _count(self, iteration: int, plan: BatchPlan, result: StepResult, window: StepWindow) -> None:
@@ -284,20 +266,6 @@ class Trainer:
             extra = {**(extra or {}), "loss_spike": spike.zscore}
         return extra
 
-    def _after_step(self, iteration: int, window: StepWindow) -> None:
-        """--profile's trace after its last step (not part of the steps' speed), --manual-gc."""
-        with window.paused():
-            trace = self.profiler.finish_step(iteration)
-            if trace is not None:
-                print(f"rank {self.ctx.rank}: profile of steps {self.profiler.start}-{self.profiler.end - 1}: {trace}")
-        collect_after_step(self.config.training, iteration)
-
-    def finish_profile(self) -> None:
-        """Write the --profile trace of a run that stopped before --profile-step-end."""
-        trace = self.profiler.close()
-        if trace is not None:
-            print(f"rank {self.ctx.rank}: profile (cut short by the end of training): {trace}")
-
     def _evaluate(self, iteration: int, last: bool, window: StepWindow) -> None:
         t = self.config.training
         if t.eval_iters > 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
@@ -346,28 +314,6 @@ class Trainer:
         """Tell the watchdog the loop moves (a step, a save or an evaluation batch began or ended)."""
         if self.watchdog is not None:
             self.watchdog.progress(iteration)
-
-    def _report_compile(self, first_step_seconds: float) -> None:
-        """What --compile made during the first step (which compiled the blocks, so its time is mostly that)."""
-        made = CompileReport.now()
-        self.writer.info(
-            f"compile ({self.config.training.compile_backend}): {made.graphs} graph(s) for the blocks, "
-            f"{made.graph_breaks} graph break(s); the first step, which compiled them, took {first_step_seconds:.1f} s"
-        )
-
-    def _report_memory(self, activations: SavedActivations | None) -> None:
-        """Rank 0's training state after the first step; every rank's with --log-memory (memory.json)."""
-        report = rank_memory(self.model, self.optimizer, activations, self.ctx.device)
-        run_dir = Path(self.config.logging.run_dir)
-        report_memory(report, self.topology, run_dir, self.ctx.is_main, self.writer.info)
-
-    def _profile_pipeline(self, iteration: int) -> None:
-        """--profile-pipeline: the traces and timeline of the step the pipeline just recorded."""
-        assert self.model.pipeline is not None
-        run_dir = Path(self.config.logging.run_dir)
-        line = profile_step(self.model.pipeline, iteration, run_dir, self.topology, self.ctx.is_main)
-        if line is not None:
-            self.writer.info(line)
 
     # ---------------------------------------------------------------- evaluation
 

@@ -44,7 +44,7 @@ from paratron.distributed.init import (
     seed_everything,
     shutdown,
 )
-from paratron.distributed.launch import expected_parent
+from paratron.distributed.parent import expected_parent
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.distributed.watchdog import Watchdog
 from paratron.errors import CheckpointError, ConfigError
@@ -163,7 +163,7 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
         dtype = PRECISION_DTYPES[config.training.precision]
         say(f"attention: {attention_kernel(config.model, config.data.seq_length, ctx.device, dtype)}")
         state = trainer.fit()
-        trainer.finish_profile()
+        trainer.instruments.finish_profile()
     if ctx.is_main:
         source = config.data.corpus or ("mock data" if config.data.mock_data else "--data-path")
         title = f"{n_params / 1e6:.2f}M-parameter model on {source}; {topology.describe()}"
