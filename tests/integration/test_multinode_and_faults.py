@@ -277,9 +277,9 @@ def lock_holder(save: Path) -> int | None:
 
 
 def test_a_killed_launcher_takes_its_workers_with_it_and_a_save_folder_has_one_writer(tmp_path, calm):
-    """Six times the launcher's process group is SIGKILLed at a seeded random moment (starting up,
-    training or just after a save, never so late that the run could end first), and the job is started
-    again with the same flags (the fourth time under plain torchrun, where rank 0 holds the lock).
+    """Three times the launcher's process group is SIGKILLed at a seeded random moment (starting up,
+    training, just after a save; never so late that the run could end first), and the job is started
+    again with the same flags (the second time under plain torchrun, where rank 0 holds the lock).
     Every worker ends with its launcher, a lock left behind is taken over with a note, no
     checkpoint is saved by two jobs, and the run ends with the uninterrupted run's losses."""
     save = tmp_path / "ck"
@@ -288,20 +288,20 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_a_save_folder_has_one_w
     at = flags.index("--nproc")  # (torchrun's --nproc-per-node instead)
     by_torchrun += ["-m", "paratron", *flags[:at], *flags[at + 2 :]]
     chance = random.Random(15)
-    kinds = chance.sample(["start"] * 2 + ["step"] * 2 + ["save"] * 2, 6)  # (2 saves: at most 4 of 8 steps)
+    kinds = chance.sample(["start", "step", "save"], 3)
     outputs = []
     for attempt, kind in enumerate(kinds):
         left = lock_holder(save)
         resumed = int((save / TRACKER).read_text()) if (save / TRACKER).exists() else 0
-        job = Attempt(by_torchrun if attempt == 3 else [sys.executable, "-m", "paratron", *flags])
+        job = Attempt(by_torchrun if attempt == 1 else [sys.executable, "-m", "paratron", *flags])
         if kind == "start" or resumed + 2 >= STEPS:  # starting: the launcher, the lock, the workers, the model
             workers = job.kill(chance.uniform(0.3, 4.0), lambda line: line.startswith("paratron: world"), 0.0)
         else:  # up to 50 ms after its first step's line, or after its first save's (never the run's last)
             first = f"step {resumed + 1}/" if kind == "step" else f"saved checkpoint {save / f'iter_{resumed + 2:07d}'}"
             workers = job.kill(120.0, lambda line, first=first: line.startswith(first), chance.uniform(0.0, 0.05))
             assert len(workers) == 2, workers
-        # within a second (orphans would go on: train, save, finish the run, draw the loss curve)
-        assert still_running(workers, within=1.0) == set(), f"attempt {attempt}: workers outlived their launcher"
+        # within seconds (orphans would go on: train, save, finish the run, draw the loss curve)
+        assert still_running(workers, within=5.0) == set(), f"attempt {attempt}: workers outlived their launcher"
         assert job.drained(10) and job_processes(save) == {}, job_processes(save)
         outputs.append("".join(job.out))
         assert "done:" not in outputs[-1]  # (nothing finished the run behind the next job's back)

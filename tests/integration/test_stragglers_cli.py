@@ -21,9 +21,10 @@ def test_a_slow_rank_is_named_and_both_ranks_profiles_are_merged(tmp_path):
     run = tmp_path / "run"
     args = ["train", "--config", "debug", "--nproc", "2", "--train-iters", "9", "--log-interval", "3"]
     args += ["--eval-iters", "0", "--lr-warmup-iters", "1", "--run-dir", str(run), "--no-progress-bar"]
-    # steps of ~0.1 s (hidden 256, 128 tokens): a shared machine's jitter stays well under 50% of them
+    # steps of ~0.1 s (hidden 256, 128 tokens); the slow step's rank is ~600% above the median, a busy
+    # machine's jitter stays under the threshold of 100%
     args += ["--hidden-size", "256", "--seq-length", "128"]
-    args += ["--fault-inject", "1:3:slow", "--straggler-threshold", "0.5"]
+    args += ["--fault-inject", "1:3:slow", "--straggler-threshold", "1.0"]
     args += ["--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0", "1"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = subprocess.run(
@@ -61,6 +62,6 @@ def test_a_slow_rank_is_named_and_both_ranks_profiles_are_merged(tmp_path):
     assert set(steps) == {(pid[f"rank {r}"], f"ProfilerStep#{s}") for r in (0, 1) for s in (2, 3)}
     start0, end0 = steps[pid["rank 0"], "ProfilerStep#3"]
     start1, end1 = steps[pid["rank 1"], "ProfilerStep#3"]
-    # both left step 2's all-reduce together and step 3's together (rank 0 waiting out rank 1's 2 s sleep)
-    assert abs(start0 - start1) < 300_000 and abs(end0 - end1) < 300_000  # microseconds
-    assert end1 - start1 > 2_000_000
+    # rank 0 waited out rank 1's 2 s sleep in step 3's all-reduce: it left the step after rank 1 had slept
+    # (an order of events, in microseconds of the merged timeline, not a bound on a busy machine's skew)
+    assert end1 - start1 > 2_000_000 and end0 > start1 + 2_000_000 and start0 < end1
