@@ -52,7 +52,7 @@ def build_models(folder: Path, args: argparse.Namespace) -> tuple[transformers.P
         max_running_requests=batch,
         max_batch_tokens=max(2048, batch * args.prompt_tokens),
     )
-    return reference, engine_for_model(model, None, settings)
+    return reference, engine_for_model(model, None, settings, owns_model=True)
 
 
 def transformers_side(model: transformers.PreTrainedModel, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]:

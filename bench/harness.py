@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tasks, checkpoint, hf = prepare(Path(tmp), args)
         settings = InferenceConfig(max_batch_tokens=args.max_batch_tokens)
-        engine = engine_for_model(load_pretrained(checkpoint), Tokenizer.from_file(checkpoint), settings)
+        model, tokenizer = load_pretrained(checkpoint), Tokenizer.from_file(checkpoint)
+        engine = engine_for_model(model, tokenizer, settings, owns_model=True)
         hf_model = HFLM(pretrained=str(hf), max_length=args.seq_length - 1, batch_size=args.hf_batch_size, device="cpu")
         sides = measure({"paratron": ParatronLM(engine), "hf": hf_model}, tasks, args.rounds)
     ours, theirs = sides["paratron"], sides["hf"]

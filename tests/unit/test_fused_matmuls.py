@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratron.inference.loading import keep_projections_stacked
 from paratron.model.fused_linear import StackedLinears, linears
 from paratron.model.lora import LoRALinear
 from paratron.model.mlp import Projections
@@ -123,3 +124,40 @@ def test_meta_device_and_frozen_weights():
     assert weights[1].grad is None
     for got, want in [(x.grad, x_ref.grad), (weights[0].grad, reference[0].grad), (weights[2].grad, reference[2].grad)]:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_weights_laid_out_for_inference_are_read_without_a_copy_and_follow_their_changes(bias, monkeypatch):
+    """An engine's model keeps each group's weights in one storage (`keep_projections_stacked`): its forwards
+    without autograd concatenate nothing; the parameters are the same objects with the same values, a weight
+    changed in place is what the next forward reads, and training through them gives the same gradients."""
+    projections = _projections(bias)
+    x = torch.randn(3, 16)
+    params = dict(projections.named_parameters())
+    with torch.no_grad():
+        before = projections(x)
+        expected = [t.clone() for t in before]
+    keep_projections_stacked(projections)
+    assert dict(projections.named_parameters()) == params
+    assert len({p.untyped_storage().data_ptr() for p in projections.parameters()}) == (2 if bias else 1)
+    cat = torch.cat
+    joins = []
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: joins.append(1) or cat(*a, **k))
+    with torch.no_grad():
+        after = projections(x)
+        assert joins == []
+        for got, want in zip(after, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        projections["k"].weight.mul_(2.0)  # (an update in place: read at once, nothing cached)
+        changed = projections(x)
+    torch.testing.assert_close(changed[1], F.linear(x, projections["k"].weight, projections["k"].bias))
+    assert joins == []
+    monkeypatch.setattr(torch, "cat", cat)
+    batch = torch.randn(2, 4, 16)
+    separate = _projections(bias)
+    with torch.no_grad():
+        for (_, mine), (_, theirs) in zip(projections.named_parameters(), separate.named_parameters()):
+            theirs.copy_(mine)
+    laid_out = _outputs_and_grads(projections, batch, stacked=True)
+    for got, want in zip(laid_out, _outputs_and_grads(separate, batch, stacked=True), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

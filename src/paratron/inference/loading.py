@@ -40,9 +40,12 @@ from paratron.errors import ConfigError
 from paratron.inference.engine import Engine
 from paratron.inference.kv_cache import PagedKVCache, bytes_per_token
 from paratron.inference.runner import ModelRunner, ReplicaGroups
+from paratron.model.fused_linear import lay_out_stacked
 from paratron.model.gpt import GPT
+from paratron.model.mlp import Projections
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.parallelize import parallelize_for_inference
+from paratron.parallel.tensor.layers import ColumnParallelProjections
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -119,6 +122,7 @@ def open_engine(config: Config, log: Log = print, precision: str | None = None) 
         model = GPT(model_config)
     model = parallelize_for_inference(model, config, topology, layout.pipeline.ranges, device, dtype)
     load_model_weights(info, model, whole=topology.size(Axis.PP) == 1)
+    keep_projections_stacked(model)
     name = load.name if load.name and not load.name.startswith("iter_") else load.resolve().parent.name
     return _engine(model, model_config, tokenizer, config.inference, _groups(topology), dtype, name)
 
@@ -130,15 +134,33 @@ def engine_for_model(
     topology: Topology | None = None,
     model_name: str = "paratron",
     progress: Callable[[], None] | None = None,
+    owns_model: bool = False,
 ) -> Engine:
     """An engine over a model already built: a single-device `GPT`, or this rank's part of a training run's
     `ParallelModel` (with its `topology`; each data-parallel replica runs its own engine). `progress` is called at
-    every step and keep-alive, on every rank (`ModelRunner`)."""
+    every step and keep-alive, on every rank (`ModelRunner`). `owns_model`: nothing but inference will use the
+    model, so its weights may be laid out for it (`keep_projections_stacked`)."""
     module = model.module if isinstance(model, ParallelModel) else model
     assert isinstance(module, GPT)
+    if owns_model:
+        keep_projections_stacked(module)
     groups = _groups(topology) if topology is not None else ReplicaGroups.single()
     dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
     return _engine(module, module.config, tokenizer, settings, groups, dtype, model_name, progress)
+
+
+def keep_projections_stacked(model: torch.nn.Module) -> None:
+    """Each group of projections of one input (queries, keys and values; gate and up) with its weights, and its
+    biases, one after another in one storage: the stacked matmul then reads them as they lie, where it would
+    concatenate them at every forward (a decoding step's largest overhead on a CPU). LoRA adapters' A matrices
+    are not laid out: such groups concatenate as before."""
+    for module in model.modules():
+        if isinstance(module, (Projections, ColumnParallelProjections)):
+            layers = list(module.values())
+            for name in ("weight", "bias"):
+                params = [getattr(layer, name, None) for layer in layers]
+                if all(isinstance(p, torch.Tensor) for p in params):
+                    lay_out_stacked(params)
 
 
 def _groups(topology: Topology) -> ReplicaGroups:

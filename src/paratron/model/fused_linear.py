@@ -7,6 +7,10 @@ instead. Concatenating costs O(rows x in) copies against the matmul's O(tokens x
 and one wide matmul keeps a GPU busier than three narrow ones. Backward is one matmul for the input
 gradient and one for the weight gradients (of the trainable weights only), split afterwards.
 
+An engine that owns its model lays each group's weights out one after another in one storage
+(`lay_out_stacked`): the concatenation is then a view, free, which a one-token decoding step would
+otherwise pay in full for every layer. The parameters stay the same objects with the same values.
+
 Only the individual weights are kept for backward (not their concatenation, which would hold a
 second copy of the weights until then); backward concatenates them again. The same arithmetic
 serves the tensor-parallel twin (`parallel/tensor/layers.py`), which adds its collectives around it.
@@ -49,7 +53,45 @@ def cast_operands(ctx: Any, x: torch.Tensor, weights_and_biases: Sequence[torch.
 
 
 def _rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors))
+    """The tensors' concatenation by rows: a view when they already lie one after another in one storage."""
+    if len(tensors) == 1:
+        return tensors[0]
+    joined = _adjacent_rows(tensors)
+    return joined if joined is not None else torch.cat(list(tensors))
+
+
+def _adjacent_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One view over `tensors` if each starts in their storage where the one before ends (None otherwise, or
+    where autograd watches them: a view of the first would not pass gradients to the others)."""
+    first = tensors[0]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    storage, offset, rest = first.untyped_storage().data_ptr(), first.storage_offset(), first.shape[1:]
+    for tensor in tensors:
+        if (
+            tensor.storage_offset() != offset
+            or tensor.shape[1:] != rest
+            or tensor.dtype != first.dtype
+            or not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        offset += tensor.numel()
+    rows = sum(t.size(0) for t in tensors)
+    return first.as_strided((rows, *rest), first.stride(), first.storage_offset())
+
+
+def lay_out_stacked(params: Sequence[torch.Tensor]) -> None:
+    """Move `params` (a group's weights, or its biases) into one storage, one after another, so that their
+    concatenation is a view (`_rows`). Same parameters, same values; for a model only inference uses (a
+    training run's parameters may live in its gradient or gather buffers, which this would leave)."""
+    if len(params) < 2 or len({(p.dtype, p.device, p.shape[1:]) for p in params}) != 1:
+        return
+    joined = torch.cat([p.detach() for p in params])
+    start = 0
+    for param in params:
+        param.data = joined[start : start + param.size(0)]
+        start += param.size(0)
 
 
 def stacked_linear(
