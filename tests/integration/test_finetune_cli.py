@@ -22,6 +22,9 @@ from paratron.cli import main
 from paratron.config import build_config
 from paratron.data.build import build_data
 from paratron.data.tokenizer import Tokenizer, train_byte_level_bpe
+from paratron.inference.params import SamplingParams
+from paratron.model.lora import LoRALinear
+from serve_model import engine_of
 
 from tiny import WORDS, write_conversations
 
@@ -310,3 +313,11 @@ def test_lora_checkpoints_export_merged_and_as_peft(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, ours, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(adapted(ids).logits, ours, rtol=1e-4, atol=1e-4)
+    # (served as it is, unmerged: generate and serve build the adapters from the checkpoint)
+    engine = engine_of(tmp_path / "lora")
+    trained = [m.lora_b for m in engine.runner.model.modules() if isinstance(m, LoRALinear)]
+    assert len(trained) == 2 * 4 and all(b.abs().max() > 0 for b in trained)  # (2 layers x q, k, v, fc2)
+    [scored] = engine.generate([ids[0].tolist()], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    expected = torch.log_softmax(ours[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    served = torch.tensor([entry.logprob for entry in scored.prompt_logprobs[1:]], dtype=torch.float64)
+    torch.testing.assert_close(served, expected, rtol=0, atol=1e-4)

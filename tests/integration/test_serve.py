@@ -150,6 +150,32 @@ def test_bad_requests_through_the_client(server):
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
 
 
+def test_special_tokens_and_refusals_through_the_client(server, reference):
+    client = server.client()
+    sampling = dict(max_tokens=100, n=4, temperature=10.0, seed=1)  # (near-uniform: special tokens are drawn)
+    special = {reference.tokenizer.eod_id, *reference.tokenizer.encode("<|im_start|><|im_end|>")}
+    for skip in (True, False):
+        params = SamplingParams(**sampling, ignore_eos=True, skip_special_tokens=skip)
+        [expected] = reference.generate([reference.tokenizer.encode(PROMPTS[0])], params)
+        assert any(set(c.token_ids[:-1]) & special for c in expected.completions)
+        extra = {"ignore_eos": True, "skip_special_tokens": skip}
+        done = client.completions.create(model="tiny", prompt=PROMPTS[0], **sampling, extra_body=extra)
+        assert [c.text for c in done.choices] == [c.text for c in expected.completions]
+        assert any("<|" in c.text for c in done.choices) == (not skip)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    cases = [
+        (dict(response_format={"type": "json_object"}), "response_format", "json_object"),
+        (dict(messages=[{"role": "user", "content": [image]}]), "messages", "image_url"),
+        (dict(messages=[{"role": "developer", "content": "alpha"}]), "messages", "'developer'"),
+    ]
+    plain = {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+    for kwargs, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**{**plain, **kwargs})
+        assert caught.value.body["param"] == param and words in caught.value.body["message"]
+        assert client.chat.completions.create(**plain).choices[0].finish_reason
+
+
 def test_a_client_that_leaves_frees_its_blocks(server):
     """A stream closed after its first token, and a whole answer whose client stopped waiting, are aborted
     (not run to their 4,000th token) and their cache blocks freed. Asserted by the order of events the server

@@ -14,9 +14,10 @@ from starlette.testclient import TestClient
 
 from paratron.cli import main
 from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
-from paratron.inference.openai_api import TokenTexts, completion_logprobs
+from paratron.inference.openai_api import CompletionRequest, TokenTexts, completion_logprobs
 from paratron.inference.params import SamplingParams, TokenLogprob
 from paratron.inference.server import ServerSettings, build_app
+from paratron.inference.text import IncrementalText, TextDecoder, special_token_ids
 from serve_model import engine_of, tiny_llama_folder
 
 PROMPTS = ["alpha beta gamma", "delta", "kappa lambda mu nu xi"]
@@ -180,6 +181,7 @@ BAD_REQUESTS = [
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": "a", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ({"prompt": "a", "n": 0}, 400, "n"),
+    ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
 
 
@@ -299,3 +301,93 @@ def test_an_idle_engine_keeps_the_other_ranks_waiting_about_every_second(folder,
         time.sleep(3.2)
         assert client.post("/v1/completions", json={"prompt": "alpha", "max_tokens": 2}).status_code == 200
     assert 2 <= len(calls) <= 4 and all(0.9 < b - a < 2 for a, b in zip(calls, calls[1:]))
+
+
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ALPHA = [{"role": "user", "content": "alpha"}]
+WILD = {"max_tokens": 100, "n": 4, "temperature": 10.0, "seed": 1, "ignore_eos": True}
+"""Near-uniform sampling over the tiny vocabulary: these completions draw special tokens (checked below)."""
+
+
+def test_the_text_decoder_leaves_special_tokens_out_or_spaces_them(reference):
+    tokenizer = reference.tokenizer
+    start, end = tokenizer.encode("<|im_start|>")[0], tokenizer.encode("<|im_end|>")[0]
+    special = special_token_ids(tokenizer)
+    assert special == {tokenizer.eod_id, start, end}
+    ids = [start, end, *tokenizer.encode("alpha beta"), end, tokenizer.eod_id]
+    assert TextDecoder(tokenizer, special).decode(ids) == "alpha beta"
+    kept = TextDecoder(tokenizer, special, skip=False)
+    assert kept.decode(ids) == "<|im_start|> <|im_end|>alpha beta<|im_end|> <|endoftext|>"
+    joined = TextDecoder(tokenizer, special, skip=False, spaces=False)
+    assert joined.decode(ids) == "<|im_start|><|im_end|>alpha beta<|im_end|><|endoftext|>" == tokenizer.decode(ids)
+    for decoder in (TextDecoder(tokenizer, special), kept, joined):  # (token by token, the text is the whole's)
+        growing = IncrementalText(decoder, ())
+        for token in ids:
+            growing.add(token)
+        assert growing.text == decoder.decode(ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_completions_leave_special_tokens_out_unless_kept(client, reference, skip):
+    prompt = reference.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(**WILD, skip_special_tokens=skip)
+    [expected] = reference.generate([prompt], params)
+    special = special_token_ids(reference.tokenizer)
+    assert any(set(c.token_ids[:-1]) & special for c in expected.completions)  # (a special token inside the text)
+    request = {"prompt": PROMPTS[0], **WILD, "skip_special_tokens": skip}
+    texts = [c["text"] for c in client.post("/v1/completions", json=request).json()["choices"]]
+    assert texts == [c.text for c in expected.completions]
+    assert any(token in text for text in texts for token in SPECIAL) == (not skip)
+    with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as response:
+        chunks = [choice for chunk in events(response) for choice in chunk["choices"]]
+    assert ["".join(c["text"] for c in chunks if c["index"] == i) for i in range(4)] == texts
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_chat_answers_leave_special_tokens_out_unless_kept(client, skip):
+    request = {"messages": ALPHA, **WILD, "seed": 6, "skip_special_tokens": skip}
+    answers = [c["message"]["content"] for c in client.post("/v1/chat/completions", json=request).json()["choices"]]
+    assert any(token in answer for answer in answers for token in SPECIAL) == (not skip)
+    with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as response:
+        chunks = [choice for chunk in events(response) for choice in chunk["choices"]]
+    assert ["".join(c["delta"].get("content", "") for c in chunks if c["index"] == i) for i in range(4)] == answers
+
+
+def test_the_decoding_fields_reach_the_engine():
+    request = CompletionRequest(prompt="a", skip_special_tokens=False, spaces_between_special_tokens=False)
+    params = request.params(4)
+    assert not params.skip_special_tokens and not params.spaces_between_special_tokens
+    assert SamplingParams().skip_special_tokens and SamplingParams().spaces_between_special_tokens
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+BAD_CHATS = [
+    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "'json_schema'"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "not supported"),
+    ({"function_call": {"name": "f"}}, "function_call", "not supported"),
+    ({"messages": [{"role": "tool", "content": "4"}]}, "messages", "role 'tool'; the roles it may have: system, user"),
+    ({"messages": [{"role": "user", "content": [IMAGE]}]}, "messages", "content part of type 'image_url'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]},
+     "messages", "type 'input_audio'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields, param, words", BAD_CHATS)
+def test_chat_requests_for_what_the_server_does_not_do_are_refused(client, fields, param, words):
+    for route in ("/v1/chat/completions", "/tokenize") if param == "messages" else ("/v1/chat/completions",):
+        response = client.post(route, json={"messages": ALPHA, "max_tokens": 2, **fields})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == param and words in error["message"], error
+    good = client.post("/v1/chat/completions", json={"messages": ALPHA, "max_tokens": 2, "temperature": 0})
+    assert good.status_code == 200 and len(good.json()["choices"]) == 1
+
+
+def test_chat_takes_what_asks_for_nothing_more(client):
+    plain = {"messages": ALPHA, "max_tokens": 3, "temperature": 0}
+    expected = client.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "al"}, {"type": "text", "text": "pha"}]}]
+    for fields in ({"response_format": {"type": "text"}}, {"function_call": "none"}, {"messages": text_parts}):
+        response = client.post("/v1/chat/completions", json={**plain, **fields})
+        assert response.status_code == 200 and response.json()["choices"][0]["message"] == expected

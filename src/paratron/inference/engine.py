@@ -24,7 +24,7 @@ from paratron.inference.params import Completion, RequestError, RequestOutput, S
 from paratron.inference.runner import ModelRunner
 from paratron.inference.sampling import sample_token, seeded_generator, token_logprobs
 from paratron.inference.scheduler import Scheduled, Scheduler, Sequence
-from paratron.inference.text import IncrementalText
+from paratron.inference.text import IncrementalText, TextDecoder, special_token_ids
 
 
 @dataclass
@@ -59,6 +59,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, settings.kv_block_size)
         self.scheduler = Scheduler(self.pool, settings.max_batch_tokens, settings.max_running_requests)
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", ()) or ())
+        self.special_ids = special_token_ids(tokenizer) if tokenizer is not None else frozenset()
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -101,13 +102,20 @@ class Engine:
                 seed = params.seed + index if params.seed is not None else self._seeds.getrandbits(62)
                 generator = seeded_generator(seed, self.runner.device)
             completion = Completion(index, logprobs=[] if params.logprobs is not None else None)
-            text = IncrementalText(self.tokenizer, params.stop)  # type: ignore[arg-type]
+            text = IncrementalText(self.text_decoder(params), params.stop)
             sequence = Sequence(request_id, params, list(prompt), len(prompt), completion, text, generator, images)
             sequence.score_prompt = scored and index == 0
             sequences.append(sequence)
             self.scheduler.add(sequence)
         self._requests[request_id] = _Request(request_id, prompt, params, sequences, [None] if scored else None)
         return request_id
+
+    def text_decoder(self, params: SamplingParams) -> TextDecoder | None:
+        """How a completion's tokens become its text (None without a tokenizer: no text)."""
+        if self.tokenizer is None:
+            return None
+        skip, spaces = params.skip_special_tokens, params.spaces_between_special_tokens
+        return TextDecoder(self.tokenizer, self.special_ids, skip, spaces)  # type: ignore[arg-type]
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """Refuse a request the engine cannot serve: parameters out of range, an empty prompt, a token outside the

@@ -11,11 +11,11 @@ OpenAI's body, `{"error": {"message", "type", "param", "code"}}`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from paratron.data.sft import ChatTemplate
+from paratron.data.sft import ROLES, ChatTemplate
 from paratron.inference.params import RequestError, SamplingParams, TokenLogprob
 
 INVALID_REQUEST = "invalid_request_error"
@@ -56,6 +56,12 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
     """Not supported: refused when not empty."""
+    response_format: dict[str, Any] | None = None
+    """Only {"type": "text"}: JSON modes need constrained decoding, which this server does not do."""
+    skip_special_tokens: bool = True
+    """vLLM's extra: leave the tokenizer's special tokens out of the text."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's extra: one space between two adjacent special tokens kept in the text."""
 
     @model_validator(mode="before")
     @classmethod
@@ -69,6 +75,12 @@ class _Sampling(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.logit_bias:
             raise RequestError("logit_bias", "not supported by this server; drop it")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise RequestError(
+                "response_format",
+                f"type {kind!r} is not supported by this server (no constrained decoding); drop it or ask for 'text'",
+            )
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None, end_ids: tuple[int, ...] = ()
@@ -92,6 +104,8 @@ class _Sampling(BaseModel):
             n=self.n,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
         params.check()
         return params
@@ -146,21 +160,44 @@ class CompletionRequest(_Sampling):
         return self.sampling_params(max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content: text parts are read; any other type (image_url, input_audio, ...) is refused
+    by name when the conversation is rendered."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+    def rendered(self, index: int) -> dict[str, str]:
+        """The message as the chat template reads it; a role the templates do not know or a part that is not text
+        is a RequestError naming it (param `messages`)."""
+        if self.role not in ROLES:
+            raise RequestError(
+                "messages", f"message {index} has role {self.role!r}; the roles it may have: {', '.join(ROLES)}"
+            )
+        if not isinstance(self.content, list):
+            return {"role": self.role, "content": self.content or ""}
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise RequestError(
+                    "messages",
+                    f"message {index} has a content part of type {part.type!r}; this server reads text parts only "
+                    '({"type": "text", "text": ...}): send the text alone',
+                )
+        return {"role": self.role, "content": "".join(part.text or "" for part in self.content)}
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template reads them (checked: see `ChatMessage.rendered`)."""
+    return [message.rendered(index) for index, message in enumerate(messages)]
 
 
 class ChatRequest(_Sampling):
@@ -174,13 +211,16 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    """OpenAI's legacy function calling: refused, as `tools` is."""
+    function_call: str | dict[str, Any] | None = None
 
     def prompt(self, template: ChatTemplate, encode: Callable[[str], list[int]]) -> list[int]:
         """The conversation rendered by the chat template, up to the assistant's turn, as token ids."""
-        if self.tools:
-            raise RequestError("tools", "not supported by this server; drop them")
-        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
-        return encode(template.render(messages, add_generation_prompt=True))
+        for name in ("tools", "functions", "function_call"):
+            if getattr(self, name) not in (None, [], "none"):  # ("none": call no function, as here)
+                raise RequestError(name, "not supported by this server (no function calling); drop it")
+        return encode(template.render(template_messages(self.messages), add_generation_prompt=True))
 
     @property
     def requested_tokens(self) -> int | None:

@@ -60,6 +60,10 @@ class SamplingParams:
     """With each generated token, its log-probability and this many likeliest alternatives (0: none)."""
     prompt_logprobs: int | None = None
     """The same for every prompt token after the first (which has none)."""
+    skip_special_tokens: bool = True
+    """Leave the tokenizer's special tokens out of the text (vLLM's field and default)."""
+    spaces_between_special_tokens: bool = True
+    """Where special tokens are kept, one space between two adjacent ones (vLLM's field and default)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -219,7 +219,7 @@ async def tokenize(body: api.TokenizeRequest, request: Request) -> dict:
     if body.messages is not None:
         if serving.template is None:
             raise RequestError("messages", f"this server has no chat template: {serving.template_error}")
-        rendered = [{"role": m.role, "content": m.text()} for m in body.messages]
+        rendered = api.template_messages(body.messages)
         ids = serving.encode(serving.template.render(rendered, add_generation_prompt=True))
     elif body.prompt is not None:
         ids = serving.encode(body.prompt)

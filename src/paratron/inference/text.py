@@ -1,5 +1,9 @@
 """A completion's text as its tokens arrive: decoded a few tokens at a time, cut at stop strings.
 
+The text leaves out the tokenizer's special tokens unless a request keeps them (`skip_special_tokens`, default on,
+as vLLM and OpenAI's API); kept, two adjacent special tokens are set apart by one space unless
+`spaces_between_special_tokens` is off (vLLM's two fields, with their defaults). `TextDecoder` is that decoding.
+
 Decoding every token of a completion after each new one costs time quadratic in its length; instead the text grows
 by the decoding of a short window of recent tokens, less the text its earlier tokens already gave (a window starts
 at a token boundary, where a tokenizer may drop a leading space, so the difference is what is new). A window whose
@@ -8,11 +12,38 @@ last character is incomplete (a multi-byte character cut between tokens) waits f
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 
 class Decoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens: a tokenizer.json's added tokens marked special, tiktoken's special
+    ids (SentencePiece leaves its control pieces out of text itself; a NullTokenizer has none)."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:
+        return frozenset(i for i, token in hf.get_added_tokens_decoder().items() if token.special)
+    return frozenset(getattr(tokenizer, "special_ids", {}).values())
+
+
+class TextDecoder:
+    """Token ids -> text as a served completion shows it (see the module docstring)."""
+
+    def __init__(self, tokenizer: Decoder, special: frozenset[int], skip: bool = True, spaces: bool = True) -> None:
+        self.tokenizer, self.special, self.skip, self.spaces = tokenizer, special, skip, spaces
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = list(ids)
+        if self.skip:
+            return self.tokenizer.decode([i for i in ids if i not in self.special])
+        # (cut between two adjacent special tokens, so that the space between them is ours to give or not)
+        cuts = [k for k in range(1, len(ids)) if ids[k] in self.special and ids[k - 1] in self.special]
+        bounds = [0, *cuts, len(ids)]
+        parts = [self.tokenizer.decode(ids[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return (" " if self.spaces else "").join(parts)
 
 
 class IncrementalText:
