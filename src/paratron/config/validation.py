@@ -547,9 +547,8 @@ def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
         )
     if per_split and not d.train_data_path:
         raise ConfigError(f"{flag.valid_data_path} and {flag.test_data_path} need {flag.train_data_path} too")
-    evaluation = (
-        f"{flag.eval_iters} {t.eval_iters}" if t.eval_iters is not None else f"validation (unset {flag.eval_iters})"
-    )
+    batches = t.eval_batches(d.sft)
+    evaluation = f"{flag.eval_iters} {batches}" if batches is not None else f"validation (unset {flag.eval_iters})"
     if per_split and t.eval_iters != 0 and not d.valid_data_path:
         raise ConfigError(f"{evaluation} needs {flag.valid_data_path}; give it or set {flag.eval_iters} 0")
     kind = d.tokenizer_type
