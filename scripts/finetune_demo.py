@@ -6,7 +6,9 @@
    here on the same corpus for 300 steps;
 3. `paratron evaluate` of that model on the held-out pairs, `paratron train --config
    finetune-demo` (2 processes, loss on the answers only, conversations packed), the evaluation
-   again, and the fine-tuned model's answer to a held-out instruction.
+   again, and the fine-tuned model's answer to a held-out instruction: the first one that leaves room in the model's
+   context for NEW_TOKENS of answer (the instructions are this Python's own docstrings, which differ between versions),
+   else the one that leaves the most, answered in what it leaves.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from paratron.checkpoint.io import read_checkpoint
+from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.data.corpus import docstring_instructions, stdlib_files
+from paratron.data.sft import tokenizer_chat_template
 
 RUN = Path("runs/finetune-demo")
 DATA = RUN / "data"
 MAX_DOCSTRING, MAX_SOURCE = 160, 320  # characters: a pair fits in 128 tokens of the demo's tokenizer
+NEW_TOKENS = 100  # of the closing answer, when the context has room for them
 
 
 def write_pairs() -> tuple[int, int]:
@@ -50,6 +57,36 @@ def held_out_loss(checkpoint: str, name: str) -> float:
     return json.loads(output.read_text())["loss"]
 
 
+def closing_prompt(
+    pairs: list[dict[str, str]], prompt_tokens: Callable[[str], int], context: int, wanted: int = NEW_TOKENS
+) -> tuple[dict[str, str], int]:
+    """The held-out pair whose instruction the fine-tuned model answers, and how many tokens it may write: the first
+    pair whose prompt (`prompt_tokens` counts it as generate renders it) leaves `wanted` tokens of the `context`, else
+    the one that leaves the most room, with that room."""
+    rooms = [context - prompt_tokens(pair["prompt"]) for pair in pairs]
+    for pair, room in zip(pairs, rooms, strict=True):
+        if room >= wanted:
+            return pair, wanted
+    best = max(range(len(pairs)), key=rooms.__getitem__)
+    if rooms[best] < 1:
+        raise SystemExit(f"no held-out instruction leaves room for an answer in the model's context of {context}")
+    return pairs[best], rooms[best]
+
+
+def chat_prompt_tokens(checkpoint: Path) -> tuple[Callable[[str], int], int]:
+    """How many tokens an instruction is as `paratron generate --chat-template chatml` gives it to the checkpoint's
+    model, and that model's context."""
+    info = read_checkpoint(checkpoint)
+    tokenizer = tokenizer_from_checkpoint(info)
+    assert tokenizer is not None, f"{checkpoint} holds the demo's tokenizer"
+    template = tokenizer_chat_template("chatml", tokenizer)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(template.render([{"role": "user", "content": text}], add_generation_prompt=True)))
+
+    return count, info.config.model.max_position_embeddings
+
+
 def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)  # (our lines and the commands' stay in order)
     train, heldout = write_pairs()
@@ -64,12 +101,13 @@ def main() -> None:
     before = held_out_loss(base, "before")
     paratron("train", "--config", "finetune-demo", *overrides)
     after = held_out_loss(str(RUN / "checkpoints"), "after")
-    example = json.loads((DATA / "heldout.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    pairs = [json.loads(line) for line in (DATA / "heldout.jsonl").read_text(encoding="utf-8").splitlines()]
+    example, new_tokens = closing_prompt(pairs, *chat_prompt_tokens(RUN / "checkpoints"))
     print(f"\nheld-out loss on the answers: {before:.3f} before fine-tuning, {after:.3f} after")
     print(f"\na held-out instruction:\n{example['prompt']}\n\nthe fine-tuned model's answer (sampled):")
     paratron(
         "generate", "--load", str(RUN / "checkpoints"), "--chat-template", "chatml", "--prompt", example["prompt"],
-        "--max-new-tokens", "100", "--temperature", "0.7", "--top-k", "40",
+        "--max-new-tokens", str(new_tokens), "--temperature", "0.7", "--top-k", "40",
     )  # fmt: skip
     print(f"\nthe function in the library:\n{example['completion']}")
 

@@ -195,9 +195,17 @@ class Answerer:
         ends = [i for i, token in enumerate(new) if token in self.stop_ids]
         return self.tokenizer.decode(new[: ends[0]] if ends else new).strip()
 
+    def new_tokens(self, prompt_tokens: int, wanted: int) -> int:
+        """`wanted` new tokens, or what the model's context leaves after the prompt when that is less."""
+        room = self.model.config.max_position_embeddings - prompt_tokens
+        if room < 1:
+            raise SystemExit(f"a prompt of {prompt_tokens} tokens leaves no room in the model's context")
+        return min(wanted, room)
+
     def answer(self, question: str, picture: Path, new_tokens: int) -> str:
         """One answer, by the library's generation (as `paratron generate` gives it)."""
         ids, images = self.prompt(question, [picture])
+        new_tokens = self.new_tokens(len(ids), new_tokens)
         return self.text(generate(self.model, ids, new_tokens, eos_id=self.stop_ids, images=images))
 
     @torch.no_grad()
@@ -207,6 +215,7 @@ class Answerer:
         rows = [self.prompt(question, [picture]) for picture in pictures]
         ids = torch.tensor([row for row, _ in rows])
         images = torch.cat([pixels for _, pixels in rows])
+        new_tokens = self.new_tokens(ids.shape[1], new_tokens)
         for _ in range(new_tokens):
             ids = torch.cat([ids, self.model(ids, images=images)[:, -1].argmax(-1, keepdim=True)], dim=1)
         return [self.text(row[-new_tokens:]) for row in ids.tolist()]

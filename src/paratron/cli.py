@@ -210,7 +210,7 @@ EVALUATE_TAKES = (
     ("data_path", "seq_length", "data_cache_path", "mmap_bin_files"),
     ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "legacy_tokenizer"),
     ("tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens", "tokenizer_special_tokens"),
-    ("sft", "chat_template", "sft_pack", "sft_truncation"),
+    ("sft", "chat_template", "sft_pack", "sft_truncation", "truncate"),
     ("image_folder", "image_processor", "use_tiling", "max_num_tiles", "use_thumbnail"),
     ("micro_batch_size", "global_batch_size", "precision"),
     ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id"),
@@ -281,7 +281,8 @@ def cmd_evaluate(argv: list[str]) -> int:
         raise ConfigError(f"paratron evaluate needs {flag.data_path} FILE... (the data to evaluate on)")
     from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
 
-    resolution = with_checkpoint(resolution, overrides, recipe)  # (validated with the checkpoint's model)
+    # (validated with the checkpoint's model, whose context is the default --seq-length, as for fine-tuning)
+    resolution = with_checkpoint(resolution, {**overrides, "finetune": True}, recipe)
     # (its weights, no schedule to fit)
     config = override(resolution.config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True)
     launched, config = _check_and_launch(config, ["evaluate", *argv], resolution.origins)

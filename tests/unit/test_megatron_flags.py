@@ -31,7 +31,12 @@ def parse(argv: list[str]) -> Config:
 def test_defaults_are_megatron_lms():
     c = Config()
     assert (c.model.hidden_dropout, c.model.attention_dropout, c.optimizer.adam_beta2) == (0.1, 0.1, 0.999)
-    assert (c.lr_schedule.lr_decay_style, c.training.eval_iters, c.logging.log_interval) == ("linear", 100, 100)
+    assert (c.lr_schedule.lr_decay_style, c.training.eval_batches(False), c.logging.log_interval) == (
+        "linear",
+        100,
+        100,
+    )
+    assert c.training.eval_batches(True) is None  # (fine-tuning: each held-out conversation once)
     assert c.parallel.moe_token_dispatcher_type == "allgather"
     recipe = build_config(recipe="debug")  # the recipes set modern values themselves
     assert (recipe.model.hidden_dropout, recipe.optimizer.adam_beta2, recipe.lr_schedule.lr_decay_style) == (

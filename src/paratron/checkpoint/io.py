@@ -14,6 +14,7 @@ Layout (Megatron-LM's tracker file and iteration folders):
                                                 per tensor- and pipeline-parallel rank: RNG and
                                                 loss-scaler state (tensors and numbers only)
     SAVE/iter_0000200/tokenizer.json            the run's tokenizer, if it has one
+    SAVE/iter_0000200/chat_template.jinja       the chat template a fine-tuning run trained with
     SAVE/iter_0000200/meta.json                 iteration, consumed samples, config, checksums
 
 Every rank writes only what it holds, and of values several ranks hold (data-parallel replicas,
@@ -51,6 +52,7 @@ from paratron.checkpoint.optimizer_state import write_index as write_optimizer_i
 from paratron.checkpoint.pieces import Catalog, box_key, writes
 from paratron.config.loading import config_from_dict, config_to_dict
 from paratron.config.schema import Config
+from paratron.data.special_tokens import CHAT_TEMPLATE_FILE
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.errors import CheckpointError, UserError
 from paratron.model.gpt import GPT, build_model
@@ -203,6 +205,9 @@ class CheckpointContent:
     rank_state: dict[str, Any] | None = None
     """This rank's random-generator and loss-scaler state."""
     extra_meta: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None
+    """The jinja source of the template the run rendered conversations with, kept beside the tokenizer as
+    chat_template.jinja (where transformers and every later command look for it)."""
 
 
 def save_checkpoint(
@@ -262,6 +267,7 @@ def begin_save(
         what=what,
         fix=fix,
         collective=collective,
+        chat_template=content.chat_template,
     )
     if weights:
         pending.add(weights_file(topology), weights, {"format": "pt"}, "model", shapes)
@@ -371,6 +377,8 @@ class PendingSave:
     """Why this rank's `write` failed, for `publish` to report on every rank."""
     collective: bool = True
     """Every rank of the job takes part (a training checkpoint); False: this process saves alone."""
+    chat_template: str | None = None
+    """Written as chat_template.jinja beside the tokenizer (`CheckpointContent.chat_template`)."""
 
     def add(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict, kind: str, shapes: dict) -> None:
         """A safetensors file of this rank's boxes of kind `kind`."""
@@ -445,6 +453,8 @@ class PendingSave:
             self._write_indexes(reports)
             if self.tokenizer is not None:
                 self.tokenizer.save(tmp / "tokenizer.json")
+                if self.chat_template is not None:  # (over the template the tokenizer's folder brought)
+                    (tmp / CHAT_TEMPLATE_FILE).write_text(self.chat_template, encoding="utf-8")
             written = {name: digest for part in reports for name, digest in part["checksums"].items()}
             files = {p.name: written.get(p.name) or file_sha256(p) for p in sorted(tmp.iterdir())}
             meta = {

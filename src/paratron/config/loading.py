@@ -188,6 +188,9 @@ def resolve_settings(
     merged.update(overrides)
     for name in overrides:
         origins.pop(name, None)
+    context = _checkpoint_context(merged, saved)
+    if context is not None:
+        merged["seq_length"], origins["seq_length"] = context, saved.where  # type: ignore[union-attr]
     if saved is not None and origins.get("vocab_size") == saved.where and merged.get("tokenizer_type") in COUNTED:
         del merged["vocab_size"], origins["vocab_size"]  # (there --vocab-size counts the tokenizer's ids)
     config = config_from_flat(merged)
@@ -196,6 +199,18 @@ def resolve_settings(
         config = _keep_architecture(config, saved, origins, checkpoint_wins, notes)
     config = _fit_schedule(config, overrides, from_yaml, f"the recipe {recipe}", notes)
     return Resolution(config, origins, notes, saved)
+
+
+def _checkpoint_context(merged: dict[str, Any], saved: SavedModel | None) -> int | None:
+    """A fine-tuning run (or an evaluation) that gives no --seq-length takes the context its checkpoint's model
+    holds (its --max-position-embeddings), not a default shorter than the model's samples; None otherwise."""
+    if saved is None or "seq_length" in merged:
+        return None
+    finetune = all_fields()["finetune"]
+    if not coerce(finetune, merged.get("finetune", False), finetune.flag):
+        return None
+    context = saved.model.get("max_position_embeddings")
+    return int(context) if context else None
 
 
 def _carried(model: dict[str, Any]) -> dict[str, Any]:

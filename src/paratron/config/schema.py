@@ -766,7 +766,17 @@ class DataConfig:
     --no-sft-pack gives one conversation per sequence, padded."""
 
     sft_truncation: Literal["truncate", "error"] = "truncate"
-    """With --sft: a conversation longer than --seq-length is cut to it (counted in the log), or refused (error)."""
+    """With --sft: a conversation longer than --seq-length is cut to it (counted in the log and the run's summary), or
+    refused (error, as --no-truncate)."""
+
+    truncate: bool = True
+    """With --sft: a conversation longer than --seq-length is cut to it, counted in the log and the run's summary;
+    --no-truncate refuses it, naming it (raise --seq-length or drop the long conversations)."""
+
+    def truncation(self) -> Literal["truncate", "error"]:
+        """What becomes of a conversation longer than --seq-length: "error" under --no-truncate or --sft-truncation
+        error."""
+        return "error" if not self.truncate else self.sft_truncation
 
     image_folder: str | None = None
     """With a vision model: the folder the image paths of the --data-path files are relative to (default: each file's
@@ -840,6 +850,10 @@ class DataConfig:
             )
             if values
         ]
+
+
+MEGATRON_EVAL_ITERS = 100
+"""Megatron-LM's --eval-iters, pretraining's default."""
 
 
 @dataclass(frozen=True)
@@ -928,8 +942,16 @@ class TrainingConfig:
     eval_interval: int = field(default=100, metadata=ABOVE_ZERO)
     """Evaluate on the validation split every this many steps (and at the end)."""
 
-    eval_iters: int = field(default=100, metadata=ZERO_OR_MORE)
-    """Global batches per evaluation (Megatron-LM's default)."""
+    eval_iters: int | None = field(default=None, metadata=ZERO_OR_MORE)
+    """Global batches per evaluation; 0: none. Unset: with --sft the whole validation split, each sample scored once
+    per evaluation; otherwise Megatron-LM's 100."""
+
+    def eval_batches(self, sft: bool) -> int | None:
+        """Global batches per evaluation: --eval-iters; unset, None with `sft` (the whole validation split once)
+        and Megatron-LM's 100 otherwise."""
+        if self.eval_iters is not None:
+            return self.eval_iters
+        return None if sft else MEGATRON_EVAL_ITERS
 
     calculate_per_token_loss: bool | None = None
     """A step's loss is the sum of the token losses of the whole global batch divided by its trained tokens (default

@@ -530,7 +530,14 @@ def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
         )
     if d.sft and (d.mock_data or d.corpus):
         raise ConfigError(f"{flag.sft} trains on conversations: give {flag.data_path} FILE.jsonl ... instead")
-    sft_only = [f for f, on in ((flag.sft_truncation, d.sft_truncation != "truncate"),) if on]
+    sft_only = [
+        f
+        for f, on in (
+            (flag.sft_truncation, d.sft_truncation != "truncate"),
+            (f"--no-{flag.truncate[2:]}", not d.truncate),
+        )
+        if on
+    ]
     if sft_only and not d.sft:
         raise ConfigError(f"{sft_only[0]} applies to fine-tuning data; add {flag.sft}")
     if d.sft and (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
@@ -540,10 +547,10 @@ def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
         )
     if per_split and not d.train_data_path:
         raise ConfigError(f"{flag.valid_data_path} and {flag.test_data_path} need {flag.train_data_path} too")
-    if per_split and t.eval_iters > 0 and not d.valid_data_path:
-        raise ConfigError(
-            f"{flag.eval_iters} {t.eval_iters} needs {flag.valid_data_path}; give it or set {flag.eval_iters} 0"
-        )
+    batches = t.eval_batches(d.sft)
+    evaluation = f"{flag.eval_iters} {batches}" if batches is not None else f"validation (unset {flag.eval_iters})"
+    if per_split and t.eval_iters != 0 and not d.valid_data_path:
+        raise ConfigError(f"{evaluation} needs {flag.valid_data_path}; give it or set {flag.eval_iters} 0")
     kind = d.tokenizer_type
     if kind == "HuggingFaceTokenizer" and not d.tokenizer_model:
         raise ConfigError(
@@ -552,9 +559,9 @@ def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
     if kind == "NullTokenizer" and not m.vocab_size:
         raise ConfigError(f"{flag.tokenizer_type} NullTokenizer needs {flag.vocab_size}")
     _, valid_share, _ = parse_split(d.split)
-    if t.eval_iters > 0 and valid_share == 0 and (d.data_path or d.corpus):
+    if t.eval_iters != 0 and valid_share == 0 and (d.data_path or d.corpus):
         raise ConfigError(
-            f"{flag.split} {d.split} leaves no validation data for {flag.eval_iters} {t.eval_iters}; "
+            f"{flag.split} {d.split} leaves no validation data for {evaluation}; "
             f"give the split a validation share or set {flag.eval_iters} 0"
         )
 

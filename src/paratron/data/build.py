@@ -57,6 +57,8 @@ class DataBundle:
     """With several fine-tuning files: each one's validation samples, evaluated (and reported) apart."""
     image_token_id: int | None = None
     """With a vision model and files: the image placeholder's id the tokenizer declares (the model's must match)."""
+    truncated: tuple[int, int] | None = None
+    """With --sft: (training conversations cut to --seq-length, training conversations)."""
 
 
 def cache_root(config: Config) -> Path:
@@ -99,13 +101,15 @@ def _digest(*parts: object) -> str:
 
 
 def samples_per_split(config: Config, global_batch_size: int) -> tuple[int, int, int]:
-    """Megatron-LM's counts: train iters x batch; one evaluation per interval plus the final one; one test."""
+    """Megatron-LM's counts: train iters x batch; one evaluation per interval plus the final one; one test. An
+    evaluation of the whole validation split (--sft without --eval-iters) reads no count of samples: 0."""
     t = config.training
     evaluations = t.train_iters // t.eval_interval + 1
+    batches = t.eval_batches(config.data.sft) or 0
     return (
         t.train_iters * global_batch_size,
-        evaluations * t.eval_iters * global_batch_size,
-        t.eval_iters * global_batch_size,
+        evaluations * batches * global_batch_size,
+        batches * global_batch_size,
     )
 
 
@@ -262,7 +266,7 @@ def build_data(
         sft = sft_sources(config, tokenizer, train_samples, valid_samples, builder.cache / "indices", builder.once, log)
         image_token = image_token_id(config, tokenizer) if config.model.has_vision else None  # type: ignore[arg-type]
         train, valid = _ordered(config, sft.train, True), _ordered(config, sft.valid, False)
-        return DataBundle(train, valid, tokenizer, vocab, sft.valid_tasks, image_token)
+        return DataBundle(train, valid, tokenizer, vocab, sft.valid_tasks, image_token, sft.truncated)
 
     if d.corpus == "stdlib":
         blends = {"--data-path": Blend([builder.preprocessed(stdlib_files(), False, tokenizer, tokenizer_id)], None)}
@@ -290,7 +294,7 @@ def build_data(
         train_parts, valid_parts = whole("--train-data-path"), whole("--valid-data-path")
 
     train = builder.blend(*train_parts, train_samples, "train")
-    valid = builder.blend(*valid_parts, valid_samples, "validation") if config.training.eval_iters > 0 else None
+    valid = builder.blend(*valid_parts, valid_samples, "validation") if config.training.eval_iters != 0 else None
     return DataBundle(_ordered(config, train, True), _ordered(config, valid, False), tokenizer, vocab)
 
 

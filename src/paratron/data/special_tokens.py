@@ -28,10 +28,12 @@ from paratron.errors import DataError
 RECORD_FILE = "special_tokens.json"
 TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 MODEL_FILES = ("generation_config.json", "config.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""A chat template beside tokenizer.json (transformers' name); a fine-tuned checkpoint keeps the one it trained with."""
 CARRIED_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
-    "chat_template.jinja",
+    CHAT_TEMPLATE_FILE,
     "generation_config.json",
     "preprocessor_config.json",
 )

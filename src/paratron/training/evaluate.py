@@ -87,18 +87,24 @@ def task_loss_sums(
     return losses, tokens
 
 
+def whole_batches(
+    source: SampleSource, plan: BatchPlan, seq_length: int, device: torch.device
+) -> Iterator[list[Batch]]:
+    """This rank's micro-batches of each global batch over `source` once, in order, the last one padded with samples
+    that score nothing."""
+    padded = _Whole(source, seq_length, plan.global_batch_size)
+    for first in range(0, len(padded), plan.global_batch_size):
+        yield micro_batches(padded, plan, first, device)
+
+
 def evaluate_tasks(
     model: ParallelModel, tasks: dict[str, SampleSource], plan: BatchPlan, seq_length: int, device: torch.device
 ) -> dict[str, Any]:
     """{"loss", "perplexity", "tokens", "tasks": {name: {"loss", "perplexity", "tokens"}}} over whole tasks
     (each with at least one scored token)."""
 
-    def whole(source: SampleSource) -> Iterator[list[Batch]]:
-        padded = _Whole(source, seq_length, plan.global_batch_size)
-        for first in range(0, len(padded), plan.global_batch_size):
-            yield micro_batches(padded, plan, first, device)
-
-    losses, tokens = task_loss_sums(model, {name: whole(source) for name, source in tasks.items()}, device)
+    whole = {name: whole_batches(source, plan, seq_length, device) for name, source in tasks.items()}
+    losses, tokens = task_loss_sums(model, whole, device)
 
     def summary(loss_sum: float, count: float) -> dict[str, float]:
         loss = loss_sum / count  # (never 0: `evaluation_sources` refuses a file with nothing to score)

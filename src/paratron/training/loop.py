@@ -32,7 +32,7 @@ from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.data.fully_sharded import reshard
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.pipeline.schedules import build_schedule
-from paratron.training.evaluate import task_loss_sums
+from paratron.training.evaluate import task_loss_sums, whole_batches
 from paratron.training.exit import ExitConditions
 from paratron.training.faults import AttemptFault, check_spike_fault
 from paratron.training.instruments import StepInstruments
@@ -268,7 +268,7 @@ class Trainer:
 
     def _evaluate(self, iteration: int, last: bool, window: StepWindow) -> None:
         t = self.config.training
-        if t.eval_iters > 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
+        if t.eval_iters != 0 and self.data.valid is not None and (iteration % t.eval_interval == 0 or last):
             with window.paused():
                 collect_around_eval(t)
                 loss, tasks = self.evaluate(-(-iteration // t.eval_interval) - 1)
@@ -323,18 +323,32 @@ class Trainer:
         and {task: {"loss", "tokens"}}.
 
         As in Megatron-LM, each evaluation reads the next batches (the evaluation at step i is
-        number ceil(i / eval_interval) - 1), so the order is a pure function of the step."""
+        number ceil(i / eval_interval) - 1), so the order is a pure function of the step. With --sft and no
+        --eval-iters, every evaluation reads each validation sample once instead (`whole_batches`)."""
         assert self.data.valid is not None
         tasks = self.data.valid_tasks or {"valid": self.data.valid}
-        iters, device = self.config.training.eval_iters, self.ctx.device
+        iters, device = self.config.training.eval_batches(self.config.data.sft), self.ctx.device
+        if iters is None:
+            seq_length = self.config.data.seq_length
+            whole = {name: whole_batches(source, self.plan, seq_length, device) for name, source in tasks.items()}
+            return self._task_losses(whole)
         first = number * iters * self.global_batch_size
 
         def batches(source: SampleSource) -> Iterator[list[Batch]]:
             for i in range(iters):
-                self._moved(self.state.iteration)  # (a long evaluation is progress, not a hang)
                 yield micro_batches(source, self.plan, first + i * self.global_batch_size, device, self.documents)
 
-        losses, tokens = task_loss_sums(self.model, {name: batches(source) for name, source in tasks.items()}, device)
+        return self._task_losses({name: batches(source) for name, source in tasks.items()})
+
+    def _task_losses(self, tasks: dict[str, Iterator[list[Batch]]]) -> tuple[float, dict[str, dict[str, float]]]:
+        """The overall per-token loss of the tasks' global batches and {task: {"loss", "tokens"}}."""
+
+        def moving(batches: Iterator[list[Batch]]) -> Iterator[list[Batch]]:
+            for batch in batches:
+                self._moved(self.state.iteration)  # (a long evaluation is progress, not a hang)
+                yield batch
+
+        losses, tokens = task_loss_sums(self.model, {n: moving(b) for n, b in tasks.items()}, self.ctx.device)
         reshard(self.model.module)  # (ZeRO-3: the forwards left the root's parameters gathered)
         results = {name: {"loss": s / max(n, 1), "tokens": n} for name, s, n in zip(tasks, losses, tokens)}
         return sum(losses) / max(sum(tokens), 1), results

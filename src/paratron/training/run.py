@@ -168,6 +168,12 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
         source = config.data.corpus or ("mock data" if config.data.mock_data else "--data-path")
         title = f"{n_params / 1e6:.2f}M-parameter model on {source}; {topology.describe()}"
         _report(config, state, Path(config.logging.run_dir), time.perf_counter() - started, title, say)
+        if trainer.data.truncated is not None and trainer.data.truncated[0]:
+            cut, total = trainer.data.truncated
+            say(
+                f"truncated: {cut} of {total} training conversations were longer than --seq-length "
+                f"{config.data.seq_length} and were cut to it (--no-truncate refuses them)"
+            )
     tokenizer = trainer.data.tokenizer
     if config.logging.sample_prompt and isinstance(tokenizer, Tokenizer):
         weights = whole_model_state(trainer.model.module, topology)  # collective: all take part

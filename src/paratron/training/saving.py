@@ -7,7 +7,8 @@ from pathlib import Path
 
 from paratron.checkpoint.io import BackgroundSave, CheckpointContent, begin_save
 from paratron.config.schema import Config
-from paratron.data.tokenizer import AnyTokenizer
+from paratron.data.sft import tokenizer_chat_template
+from paratron.data.tokenizer import AnyTokenizer, Tokenizer
 from paratron.distributed.topology import Topology
 from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.model import ParallelModel
@@ -30,6 +31,7 @@ class CheckpointSaver:
     ) -> None:
         self.config, self.topology, self.model, self.optimizer = config, topology, model, optimizer
         self.tokenizer, self.restorer, self.writer = tokenizer, restorer, writer
+        self.chat_template = trained_template(config, tokenizer)
         self._background: BackgroundSave | None = None
 
     def save(self, root: Path, state: TrainState) -> Path:
@@ -44,6 +46,7 @@ class CheckpointSaver:
             self.optimizer,
             self.tokenizer,
             self.restorer.rank_state(state),
+            chat_template=self.chat_template,
         )
         background = self.config.checkpoint.async_save
         pending = begin_save(root, content, self.topology, snapshot=background)
@@ -59,3 +62,13 @@ class CheckpointSaver:
             path = self._background.finish()
             self._background = None
             self.writer.info(f"published checkpoint {path} (written in the background)")
+
+
+def trained_template(config: Config, tokenizer: AnyTokenizer | None) -> str | None:
+    """The source of the chat template a --sft run renders with, when the tokenizer's folder does not already hold
+    it (--chat-template chatml, llama3 or a file): its checkpoints keep it, so that evaluate --sft, generate, serve
+    and a conversion to Hugging Face use it without being told again."""
+    d = config.data
+    if not d.sft or d.chat_template == "tokenizer" or not isinstance(tokenizer, Tokenizer):
+        return None
+    return tokenizer_chat_template(d.chat_template, tokenizer).source

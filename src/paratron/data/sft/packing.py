@@ -48,8 +48,8 @@ def needs_truncation(conversation: TokenizedConversation, seq_length: int, trunc
     if truncation == "error":
         raise DataError(
             f"{conversation.where or 'a conversation'}: {positions + 1} tokens do not fit a sample of "
-            f"--seq-length {seq_length} ({seq_length + 1} tokens); raise --seq-length, shorten the "
-            "conversation, or pass --sft-truncation truncate to keep its beginning"
+            f"--seq-length {seq_length} ({seq_length + 1} tokens), and --no-truncate (--sft-truncation error) "
+            "refuses to cut it; raise --seq-length or drop the long conversations"
         )
     return True
 

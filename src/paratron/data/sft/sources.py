@@ -44,6 +44,8 @@ class SFTSources:
     train: SampleSource
     valid: SampleSource | None
     valid_tasks: dict[str, SampleSource]
+    truncated: tuple[int, int] = (0, 0)
+    """(training conversations cut to --seq-length, training conversations), for the run's summary."""
 
 
 class _Subset(Sequence[TokenizedConversation]):
@@ -138,12 +140,15 @@ def sft_sources(
             raise DataError(f"{name}: no conversations fall in the train split; change --split")
     epochs = [dataset(p, None, n) for p, n in zip(train_parts, names)]
     train = _blend(epochs, weights, train_samples, dataset, names, cache_dir, build_once)
-    train_tasks = train.datasets if isinstance(train, BlendedDataset) else [train]
-    truncated = sum(t.truncated for t in train_tasks)  # type: ignore[attr-defined]
-    if truncated:
-        log(f"{truncated} training conversation(s) longer than --seq-length {d.seq_length} were truncated")
-    if config.training.eval_iters <= 0:
-        return SFTSources(train, None, {})
+    truncated = (sum(e.truncated for e in epochs), sum(len(e.conversations) for e in epochs))
+    if truncated[0]:
+        log(
+            f"{truncated[0]} of {truncated[1]} training conversation(s) longer than --seq-length {d.seq_length} were "
+            "truncated (--no-truncate refuses them)"
+        )
+    if config.training.eval_iters == 0:
+        return SFTSources(train, None, {}, truncated)
+    whole = config.training.eval_batches(True) is None  # (each validation sample once, in order)
     if d.data_path:
         valid_names = names
     valid_tasks = {}
@@ -153,12 +158,14 @@ def sft_sources(
                 f"{name}: no conversations fall in the validation split; change --split, give --valid-data-path, "
                 "or set --eval-iters 0"
             )
-        valid_tasks[name] = dataset(part, valid_samples, name)
+        valid_tasks[name] = dataset(part, None if whole else valid_samples, name)
     valid = next(iter(valid_tasks.values())) if len(valid_tasks) == 1 else None
     if valid is None and valid_tasks:
-        shares = [1.0 / len(valid_tasks)] * len(valid_tasks)
-        valid = BlendedDataset(list(valid_tasks.values()), shares, valid_samples, cache_dir, build_once, valid_names)
-    return SFTSources(train, valid, valid_tasks)
+        sizes = [len(task) for task in valid_tasks.values()]
+        shares = [n / sum(sizes) for n in sizes] if whole else [1.0 / len(valid_tasks)] * len(valid_tasks)
+        size = sum(sizes) if whole else valid_samples
+        valid = BlendedDataset(list(valid_tasks.values()), shares, size, cache_dir, build_once, valid_names)
+    return SFTSources(train, valid, valid_tasks, truncated)
 
 
 def _blend(
@@ -220,7 +227,7 @@ def make_dataset(
 ) -> SFTDataset:
     """Samples of one task (with their images' pixels for a vision-language model)."""
     d, seed = config.data, config.training.seed
-    rest = (d.seq_length, tokenizer.pad_id, d.sft_pack, samples, seed, d.sft_truncation, name)
+    rest = (d.seq_length, tokenizer.pad_id, d.sft_pack, samples, seed, d.truncation(), name)
     if images is not None:
         return VisionSFTDataset(conversations, images.settings, *rest)  # type: ignore[arg-type]
     return SFTDataset(conversations, *rest)

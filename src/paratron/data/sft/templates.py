@@ -20,6 +20,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from paratron.data.special_tokens import CHAT_TEMPLATE_FILE
 from paratron.data.tokenizer import AnyTokenizer, Tokenizer
 from paratron.errors import DataError
 
@@ -182,7 +183,7 @@ def _special_tokens(config: dict) -> dict[str, str]:
 def _tokenizer_template(folder: Path | None, config: dict) -> tuple[str, str]:
     if folder is None:
         raise DataError(f"--chat-template tokenizer needs a Hugging Face tokenizer (--tokenizer-model); or {FIX}")
-    jinja_file = folder / "chat_template.jinja"
+    jinja_file = folder / CHAT_TEMPLATE_FILE
     if jinja_file.is_file():
         return str(jinja_file), _read_text(jinja_file)
     where = folder / "tokenizer_config.json"
