@@ -11,9 +11,9 @@ import difflib
 import importlib.resources
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Collection
 from typing import Any
 
 import yaml

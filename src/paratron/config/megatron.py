@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 from paratron.config.fields import all_fields
