@@ -18,7 +18,10 @@ from paratron.checkpoint.io import TRACKER
 from paratron.cli import train_settings
 from paratron.config.loading import config_to_dict, override
 from paratron.config.schema import Config
+from paratron.debugging.compare import resolve_run, same_model
+from paratron.errors import ConfigError
 from paratron.model.gpt import GPT
+from paratron.planning.command import run_plan
 from paratron.planning.dry_run import with_vocabulary
 
 TINY = "--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2"
@@ -154,3 +157,33 @@ def test_an_ignored_count_falls_back_to_the_recipes_and_the_checkpoints(tmp_path
     assert config.model.num_query_groups == 2
     write_settings(config, tmp_path / "ckpt")
     assert train_settings(again).config.model.num_query_groups == 2
+
+
+def test_debug_compare_sees_the_model_train_builds():
+    """`paratron debug compare` resolves each run as train does: a count Megatron-LM ignores builds the same model,
+    and a run that loads a checkpoint is the checkpoint's model."""
+    plain = resolve_run(["--config", "debug", "--train-iters", "2"], "A")
+    same_model(plain, resolve_run(["--config", "debug", "--train-iters", "2", "--num-query-groups", "2"], "B"))
+    grouped = ["--config", "debug", "--train-iters", "2", "--group-query-attention", "--num-query-groups", "2"]
+    with pytest.raises(ConfigError, match="the runs build different models: A has --no-group-query-attention"):
+        same_model(plain, resolve_run(grouped, "B"))
+
+
+def test_debug_compare_takes_the_model_of_the_checkpoint_a_run_loads(tmp_path):
+    argv, _ = argv_of("switch-and-groups", tmp_path)
+    config = override(train_settings(argv).config, vocab_size=4096)
+    write_settings(config, tmp_path / "ckpt")
+    loaded = resolve_run(["--mock-data", "--seq-length", "32", "--load", str(tmp_path / "ckpt")], "A")
+    assert (loaded["model"]["num_query_groups"], loaded["model"]["activation"]) == (2, "swiglu")
+
+
+def test_plan_plans_the_model_train_builds(tmp_path, capsys):
+    """`paratron plan` counts the key/value heads train builds (one per query head when the count is ignored)."""
+    argv = ["--model", "debug", "--gpus-per-node", "2", "--global-batch-size", "8", "--top", "1"]
+    parameters = []
+    for extra in ([], ["--num-query-groups", "2"]):
+        assert run_plan([*argv, *extra, "--output", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")]) == 0
+        plans = json.loads((tmp_path / "p.json").read_text())["plans"]
+        parameters.append(plans[0]["memory_per_rank"][0]["parameters"])
+    assert parameters[0] == parameters[1]
+    assert "--num-query-groups 2 is ignored without --group-query-attention" not in capsys.readouterr().out
