@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paratron.checkpoint.io import TRACKER
-from paratron.cli import train_settings
+from paratron.cli import main, train_settings
 from paratron.config.loading import config_to_dict, override
 from paratron.config.schema import Config
 from paratron.debugging.compare import resolve_run, same_model
@@ -187,3 +187,31 @@ def test_plan_plans_the_model_train_builds(tmp_path, capsys):
         parameters.append(plans[0]["memory_per_rank"][0]["parameters"])
     assert parameters[0] == parameters[1]
     assert "--num-query-groups 2 is ignored without --group-query-attention" not in capsys.readouterr().out
+
+
+END_TO_END = ("llama-groups-without-switch", "recipe-debug-groups-without-switch", "preset-debug-moe", "load-is-save")
+"""Representative lines run for real: the reported one, a recipe's, a preset's (its vocabulary left to the data) and
+Megatron-LM's scripts' way (--save and --load the same folder from the start)."""
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+@pytest.mark.parametrize("name", END_TO_END)
+def test_the_steps_after_the_resume_are_the_uninterrupted_runs(name, tmp_path, capsys):
+    """4 steps straight; the same command that leaves at step 2 (--exit-interval 2, saving there), then again with
+    --load: steps 3 and 4 equal the uninterrupted run's, exactly (one process, the same CPU kernels)."""
+    argv, again = argv_of(name, tmp_path)
+    save = str(tmp_path / "ckpt")
+    straight = [t for i, t in enumerate(argv) if save not in argv[i : i + 2]]  # (no --save, no --load)
+    assert save not in straight and "--save" not in straight and "--load" not in straight
+    logged = ["--log-interval", "1", "--eval-iters", "0"]
+    assert main(["train", *straight, *logged, "--run-dir", str(tmp_path / "straight")]) == 0
+    assert main(["train", *argv, *logged, "--exit-interval", "2", "--run-dir", str(tmp_path / "first")]) == 0
+    assert (tmp_path / "ckpt" / "iter_0000002" / "meta.json").is_file()
+    assert main(["train", *again, *logged, "--exit-interval", "2", "--run-dir", str(tmp_path / "resumed")]) == 0
+    straight, first, resumed = (losses(tmp_path / run) for run in ("straight", "first", "resumed"))
+    assert sorted(straight) == [1, 2, 3, 4] and sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+    assert {**first, **resumed} == straight
