@@ -125,12 +125,12 @@ def train_settings(argv: list[str]) -> Resolution:
     """The run's settings from `paratron train`'s flags, over the model of the checkpoint it loads, adjusted
     where Megatron-LM carries on, with where each came from."""
     from paratron.config.arguments import given_settings, parse_config_arguments
-    from paratron.config.loading import resolve_settings
+    from paratron.config.loading import resolve_command_line
     from paratron.config.schema import MODEL_ARCHITECTURE
 
     recipe, overrides, namespace = parse_config_arguments(train_parser(), argv)
     given = given_settings(overrides, namespace)
-    resolution = resolve_settings(overrides, recipe)
+    resolution = resolve_command_line(overrides, recipe, given)
     if "RANK" not in os.environ and resolution.config.parallel.nnodes > 1:
         quiet_launcher_logs()  # (before torch is imported, below)
     from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
@@ -138,7 +138,8 @@ def train_settings(argv: list[str]) -> Resolution:
     resolution = with_checkpoint(resolution, overrides, recipe, checkpoint_wins="use_checkpoint_args" in given)
     if resolution.saved is not None:  # (its architecture came from the checkpoint, whatever the flags said)
         given -= set(MODEL_ARCHITECTURE)
-    return dataclasses.replace(resolution, config=_like_megatron(resolution.config, given, resolution.notes))
+    notes = (resolution.notes, list(resolution.ignored.values()))
+    return dataclasses.replace(resolution, config=_like_megatron(resolution.config, given, *notes))
 
 
 @command("train", "train a model (launches itself under torchrun with --nproc N)")
@@ -160,15 +161,19 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-def _like_megatron(config: Config, given: set[str], notes_first: Sequence[str] = ()) -> Config:
+def _like_megatron(
+    config: Config, given: set[str], notes_first: Sequence[str] = (), ignored: Sequence[str] = ()
+) -> Config:
     """Carry on where Megatron-LM carries on with a warning (printed once, by the launcher or rank 0):
     its setting adjustments, and a --load that names the --save directory before its first checkpoint
     starts from scratch. A --load elsewhere that holds nothing stays an error (check_inputs).
-    `notes_first`: how the settings were resolved (`config.loading.Resolution.notes`), printed before."""
+    `notes_first`: how the settings were resolved (`config.loading.Resolution.notes`), printed before;
+    `ignored`: the warnings of the settings resolved as if not given (`Resolution.ignored`)."""
     from paratron.checkpoint.io import holds_checkpoint
     from paratron.config.megatron import adjust_like_megatron
 
-    config, notes = adjust_like_megatron(config, given)
+    config, adjusted = adjust_like_megatron(config, given)
+    notes = [*ignored, *adjusted]
     c = config.checkpoint
     if c.load and c.save and Path(c.load).expanduser().resolve() == Path(c.save).expanduser().resolve():
         if not holds_checkpoint(Path(c.load).expanduser()):

@@ -69,7 +69,8 @@ def with_checkpoint(
     first: Resolution, overrides: dict[str, Any], recipe: str | None, checkpoint_wins: bool = False
 ) -> Resolution:
     """`first` (the settings resolved without a checkpoint) resolved again over the model of the checkpoint it
-    loads, if any. `checkpoint_wins` (Megatron-LM's --use-checkpoint-args): model settings that contradict the
+    loads, if any, without the settings Megatron-LM ignores (`first.ignored`): the checkpoint is compared with the
+    model as it was built. `checkpoint_wins` (Megatron-LM's --use-checkpoint-args): model settings that contradict the
     checkpoint give way to it, with a note, instead of being refused."""
     c = first.config.checkpoint
     if not c.load:
@@ -79,7 +80,9 @@ def with_checkpoint(
     saved = saved_model(c.load, c.save)
     if saved is None:
         return first
-    return resolve_settings(overrides, recipe, saved, checkpoint_wins)
+    in_effect = {name: value for name, value in overrides.items() if name not in first.ignored}
+    resolution = resolve_settings(in_effect, recipe, saved, checkpoint_wins)
+    return dataclasses.replace(resolution, ignored=first.ignored)
 
 
 def is_hf_folder(path: Path) -> bool:

@@ -11,6 +11,7 @@ import difflib
 import importlib.resources
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import yaml
 
 from paratron.config import schema
 from paratron.config.fields import FieldInfo, all_fields, coerce
+from paratron.config.megatron import ignored_like_megatron
 from paratron.config.presets import model_preset
 from paratron.config.samples import batch_schedule, sample_based_train_iters, step_schedule
 from paratron.errors import ConfigError
@@ -145,6 +147,9 @@ class Resolution:
     """One line each, for the user: recipe schedule lengths scaled to a shorter run, checkpoint values kept over
     the command line's (--use-checkpoint-args)."""
     saved: SavedModel | None = None
+    ignored: dict[str, str] = field(default_factory=dict)
+    """The command line's settings that Megatron-LM ignores in these settings (resolved as if not given), each with
+    the warning to print (`resolve_command_line`)."""
 
 
 def build_config(overrides: dict[str, Any] | None = None, recipe: str | None = None) -> schema.Config:
@@ -211,6 +216,19 @@ def _checkpoint_context(merged: dict[str, Any], saved: SavedModel | None) -> int
         return None
     context = saved.model.get("max_position_embeddings")
     return int(context) if context else None
+
+
+def resolve_command_line(overrides: dict[str, Any], recipe: str | None, given: Collection[str]) -> Resolution:
+    """A command line's settings as the model is built from them: those Megatron-LM ignores in the resolved settings
+    (`megatron.ignored_like_megatron`: --num-query-groups without --group-query-attention) resolved again as if not
+    given, so that they fall back to the recipe's, the preset's or the default, and, with --load, the checkpoint's
+    (`checkpoint.model_of.with_checkpoint` leaves them out too). `given`: the settings set on the command line."""
+    first = resolve_settings(overrides, recipe)
+    ignored = ignored_like_megatron(first.config, given)
+    if not ignored:
+        return first
+    kept = {name: value for name, value in overrides.items() if name not in ignored}
+    return dataclasses.replace(resolve_settings(kept, recipe), ignored=ignored)
 
 
 def _carried(model: dict[str, Any]) -> dict[str, Any]:

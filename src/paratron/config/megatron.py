@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -363,6 +364,20 @@ def unknown_megatron_flag_message(flag: str) -> str:
     )
 
 
+def ignored_like_megatron(config: Config, given: Collection[str]) -> dict[str, str]:
+    """The settings of a command line that Megatron-LM ignores in `config` (resolved from it), each with the warning
+    to print. `given` names the settings set on the command line. The run is resolved as if they were not given
+    (`config.loading.resolve_command_line`), so that what a checkpoint is compared with, and what a second command
+    line is compared with, is the model as it is built."""
+    ignored: dict[str, str] = {}
+    if "num_query_groups" in given and not config.model.group_query_attention:
+        ignored["num_query_groups"] = (
+            f"--num-query-groups {config.model.num_query_groups} is ignored without --group-query-attention, as "
+            "Megatron-LM ignores it; add --group-query-attention for grouped-query attention"
+        )
+    return ignored
+
+
 def adjust_like_megatron(config: Config, given: set[str]) -> tuple[Config, list[str]]:
     """Where Megatron-LM carries on with a warning, so does paratron: the settings after its
     adjustments and the warnings to print. `given` names the settings set on the command line."""
@@ -383,12 +398,6 @@ def adjust_like_megatron(config: Config, given: set[str]) -> tuple[Config, list[
                     f"{name} shapes rotary embeddings; with --position-embedding-type "
                     f"{model.position_embedding_type} it is ignored, as Megatron-LM ignores it"
                 )
-    if "num_query_groups" in given and not model.group_query_attention:
-        notes.append(
-            f"--num-query-groups {model.num_query_groups} is ignored without --group-query-attention, as "
-            "Megatron-LM ignores it; add --group-query-attention for grouped-query attention"
-        )
-        model = dataclasses.replace(model, num_query_groups=None)
     if parallel.sequence_parallel and parallel.tensor_model_parallel_size == 1:
         notes.append(
             "--sequence-parallel needs --tensor-model-parallel-size above 1; turned off (Megatron-LM does the same)"

@@ -159,9 +159,11 @@ Megatron-LM's 0.1, for its scripts)."""
 
 
 def model_preset(name: str) -> dict[str, Any]:
-    """The registry entry as field overrides, `model_name` included."""
+    """The registry entry as field overrides, `model_name` included. A setting an entry leaves to its default (None:
+    one key/value head per query head, the tokenizer's vocabulary) is not among them, so that the setting falls back
+    to the run's lower layers: the checkpoint's, for a run that loads one."""
     if name not in MODELS:
         raise ConfigError(f"--model {name}: unknown model; choose one of {', '.join(MODELS)}")
-    entry = MODELS[name]
+    entry = {setting: value for setting, value in MODELS[name].items() if value is not None}
     grouped = {"group_query_attention": True} if entry.get("num_query_groups") else {}
     return {"model_name": name, **MODERN_TRAINING, **grouped, **entry}

@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paratron.config.arguments import ArgumentParser, add_config_arguments, parse_config_arguments
+from paratron.checkpoint.model_of import with_checkpoint
+from paratron.config.arguments import ArgumentParser, add_config_arguments, given_settings, parse_config_arguments
 from paratron.config.fields import section_fields
-from paratron.config.loading import LEGACY_SETTINGS, as_flag, resolve_settings
+from paratron.config.loading import LEGACY_SETTINGS, as_flag, resolve_command_line
 from paratron.config.validation import validate
 from paratron.debugging.capture import INDEX_FILE, run_identity
 from paratron.debugging.compare_report import DEFAULT_TOL, compare_captures, format_report
@@ -164,8 +165,9 @@ def resolve_run(flags: Sequence[str], label: str) -> dict[str, Any]:
     """A run's settings, checked as `paratron train` checks them (a mistake names the run), as what
     two compared runs must share (`capture.run_identity`)."""
     try:
-        recipe, overrides, _ = parse_config_arguments(_train_parser(label), list(flags))
-        config = resolve_settings(overrides, recipe).config
+        recipe, overrides, namespace = parse_config_arguments(_train_parser(label), list(flags))
+        first = resolve_command_line(overrides, recipe, given_settings(overrides, namespace))
+        config = with_checkpoint(first, overrides, recipe).config  # (the model as `paratron train` builds it)
         p = config.parallel
         layout = validate(config, p.nproc_per_node * p.nnodes, check_data=False)
     except UserError as exc:

@@ -20,9 +20,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from paratron.config.arguments import ArgumentParser, Takes, add_config_arguments, parse_config_arguments
+from paratron.config.arguments import (
+    ArgumentParser,
+    Takes,
+    add_config_arguments,
+    given_settings,
+    parse_config_arguments,
+)
 from paratron.config.fields import flag
-from paratron.config.loading import build_config, override
+from paratron.config.loading import override, resolve_command_line
 from paratron.config.schema import LAUNCH_FIELDS, MODEL_ARCHITECTURE
 from paratron.errors import ConfigError
 from paratron.planning.calibration import calibrate, read_calibration
@@ -103,7 +109,7 @@ def run_plan(argv: Sequence[str]) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least 1")
     if args.within < 1:
         raise ConfigError(f"--within {args.within:g}: must be at least 1 (a factor of the fastest step time)")
-    config = build_config(overrides, recipe)
+    config = resolve_command_line(overrides, recipe, given_settings(overrides, args)).config  # (as train builds it)
     if "precision" not in overrides and (config.planning.hardware or "h100-80g") != CPU:
         config = override(config, precision="bf16")
     no_data = not (config.data.blend_flags() or config.data.corpus or config.data.mock_data or config.data.sft)
