@@ -871,9 +871,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_worker_error(f"{where}{exc.strerror or exc}")
         return 2
     except UserError as exc:
+        from paratron.config.arguments import as_typed
         from paratron.distributed.launch import report_worker_error
 
-        report_worker_error(str(exc))
+        report_worker_error(as_typed(str(exc), rest))
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

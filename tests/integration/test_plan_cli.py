@@ -8,14 +8,17 @@ import subprocess
 import sys
 
 import pytest
+from torch.distributed.run import get_args_parser
 
 from paratron.cli import main, train_parser
 from paratron.config.arguments import parse_config_arguments
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import build_config
+from paratron.distributed.launch import slurm_settings
 from paratron.errors import ConfigError
 from paratron.planning.command import run_plan
 
+TORCHRUN_2x8 = "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB"
 LLAMA = ["--model", "llama3-8b", "--global-batch-size", "64", "--seq-length", "4096", "--mock-data"]
 
 
@@ -29,11 +32,12 @@ def test_table_json_and_plot(tmp_path, capsys):
     rows = [line for line in printed if line[:3].strip().isdigit()]
     assert len(rows) == 3
     best = next(line for line in printed if line.startswith("best: "))[len("best: ") :]
-    assert best.startswith("torchrun --nnodes 2 --nproc-per-node 8 -m paratron train --model-name llama3-8b ")
+    assert best.startswith(f"{TORCHRUN_2x8} -m paratron train --model-name llama3-8b ")
     document = json.loads(out.read_text())
     assert document["request"]["world_size"] == 16 and document["hardware"]["name"] == "h100-80g"
     plans = document["plans"]
     assert plans[0]["command"] == best and len(plans) >= 3
+    assert plans[0]["slurm_command"].startswith("srun --nodes 2 --ntasks-per-node 1 paratron train --nproc-per-node 8 ")
     first = plans[0]
     assert {"layout", "settings", "memory_per_rank", "step_time_breakdown_s", "mfu", "tokens_per_s"} <= set(first)
     assert sum(first["step_time_breakdown_s"].values()) == pytest.approx(first["step_time_s"])
@@ -54,7 +58,7 @@ def test_table_json_and_plot(tmp_path, capsys):
     for other in others:
         if other["reason"] == "slower":
             assert (other["step_time_s"] or other["step_time_at_least_s"]) > 1.1 * plans[0]["step_time_s"]
-            assert other["command"].startswith("torchrun --nnodes 2 ")
+            assert other["command"].startswith(TORCHRUN_2x8)
         if other["reason"] == "out of memory" and other["peak_memory_bytes"] is not None:
             assert other["peak_memory_bytes"] > 80e9
     described = {p["layout"] for p in plans}
@@ -114,6 +118,45 @@ def test_the_best_command_runs_as_printed(capsys, data):
         assert printed[-1].startswith("(no data was given, so it trains on --mock-data: replace that with --data-path")
     assert main(["train", *args, "--dry-run", "--world-size", "2"]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.startswith("dry run: world 2 = ")
+
+
+def test_a_plan_across_nodes_prints_what_runs_on_every_node(capsys):
+    """Across nodes every node starts its own launcher and they must meet: torchrun's own parser reads the
+    printed line as a c10d rendezvous at the placeholders (not its default of a static one on 127.0.0.1, where
+    every node would start as node 0), a line under it says what to fill in, and the srun line runs under
+    Slurm as `paratron train` reads Slurm's environment."""
+    shape = ["--model", "debug", "--global-batch-size", "8", "--seq-length", "32", "--hardware", "cpu"]
+    assert run_plan([*shape, "--nodes", "2", "--gpus-per-node", "2", "--top", "1"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(printed) if line.startswith("best: "))
+    best, told, slurm = printed[at][len("best: ") :], printed[at + 1], printed[at + 2]
+    torchrun = get_args_parser().parse_args(best.split()[1:])
+    assert (torchrun.nnodes, torchrun.nproc_per_node) == ("2", "2")
+    assert (torchrun.rdzv_backend, torchrun.rdzv_endpoint, torchrun.rdzv_id) == ("c10d", "HOST:PORT", "JOB")
+    assert torchrun.module and torchrun.training_script == "paratron" and torchrun.training_script_args[0] == "train"
+    assert told == (
+        "(run it on each of the 2 nodes, with HOST:PORT replaced by one node's address and a free port there and "
+        "JOB by a name for the run, the same on every node; under Slurm this one line, in an allocation of 2 "
+        "nodes, starts them all:)"
+    )
+    assert slurm.startswith("slurm: srun --nodes 2 --ntasks-per-node 1 paratron train --nproc-per-node 2 ")
+    flags = slurm.split(" train ", 1)[1].split()
+    assert flags[2:] == torchrun.training_script_args[1:]
+    recipe, overrides, _ = parse_config_arguments(train_parser(), flags)
+    config = build_config(overrides, recipe)
+    env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": "1"}
+    launch = slurm_settings({**env, "SLURM_JOB_NODELIST": "cpu[07-08]"}, config.parallel)
+    assert (launch.nnodes, launch.nproc_per_node, launch.node_rank) == (2, 2, 1)
+    assert (launch.rdzv_endpoint, launch.rdzv_id) == ("cpu07:29500", "slurm-77")
+    assert main(["train", *flags, "--dry-run", "--world-size", "4"]) == 0, capsys.readouterr().err
+
+
+def test_a_plan_on_one_node_prints_one_command(capsys):
+    shape = ["--model", "debug", "--global-batch-size", "8", "--seq-length", "32", "--hardware", "cpu"]
+    assert run_plan([*shape, "--gpus-per-node", "4", "--top", "1", "--mock-data"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].startswith("best: paratron train --nproc-per-node 4 --model-name debug ")
+    assert not any(line.startswith(("slurm:", "(run it")) for line in printed)
 
 
 def test_global_batch_is_required():

@@ -15,7 +15,7 @@ from paratron.config.arguments import parse_config_arguments
 from paratron.config.fields import all_fields
 from paratron.config.schema import Config, ModelConfig
 from paratron.errors import ConfigError
-from paratron.planning.search import config_arguments
+from paratron.planning.launch_line import config_arguments
 
 OLD_SAVED = {
     "model": {

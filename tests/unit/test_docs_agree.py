@@ -11,8 +11,10 @@ import pytest
 import paratron.checkpoint.hf as hf
 from paratron.checkpoint.pretrained import load_pretrained
 from paratron.cli import COMMANDS, main
-from paratron.config.loading import available_recipes
+from paratron.config.loading import available_recipes, build_config
 from paratron.config.presets import MODELS
+from paratron.model.registry import count_active_parameters, count_parameters
+from paratron.planning.dry_run import with_vocabulary
 from paratron.planning.hardware import preset_names
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,3 +84,33 @@ def test_the_architecture_page_names_every_module():
     wanted += [path.relative_to(package).as_posix() + "/" for path in folders if path != package]
     missing = sorted(name for name in wanted if name not in named and "__pycache__" not in name)
     assert not missing, f"docs/architecture.md's module map does not name {missing}"
+
+
+def millions(count: int) -> str:
+    """A parameter count as the README's model table writes it: 0.38M, 8,030.3M."""
+    return f"{count / 1e6:,.2f}M" if count < 1e6 else f"{count / 1e6:,.1f}M"
+
+
+def parameters_cell(name: str) -> str:
+    """The README's parameters of `--model NAME`, from the code: the model `--model NAME --mock-data` builds
+    (with mock data's vocabulary where the entry has none, and then a shipped recipe's too), its active
+    parameters where it has experts."""
+    model = with_vocabulary(build_config({"model_name": name, "mock_data": True})).model
+    notes = []
+    if MODELS[name].get("vocab_size") is None:
+        notes.append(f"vocab {model.vocab_size:,} of `--mock-data`")
+        for recipe in available_recipes():
+            ran = with_vocabulary(build_config({}, recipe)).model
+            if ran.model_name == name and ran.vocab_size != model.vocab_size:
+                notes.append(f"{millions(count_parameters(ran))} with the `{recipe}` recipe's vocab {ran.vocab_size:,}")
+    if model.num_experts:
+        notes.append(f"{millions(count_active_parameters(model))} active")
+    return millions(count_parameters(model)) + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def test_the_readme_model_table_gives_the_parameters_the_code_builds():
+    after = README[README.index("### Named model sizes") :]
+    rows = re.search(r"\n(\|.*\|\n\|[-| :]+\|\n(?:\|.*\|\n)+)", after).group(1).splitlines()[2:]
+    cells = {re.match(r"\| `([^`]+)`", row).group(1): row.split(" | ")[1] for row in rows}
+    expected = {name: parameters_cell(name) for name in MODELS}
+    assert cells == expected

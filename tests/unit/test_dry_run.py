@@ -153,3 +153,21 @@ def test_an_unknown_hardware_preset_exits_2_listing_the_presets(capsys):
     run = _train(capsys, "--model", "debug", "--mock-data", "--dry-run", "--world-size", "2", "--hardware", "tpu-v9")
     assert run.returncode == 2
     assert "--hardware tpu-v9: unknown preset; choose one of h100-80g" in run.stderr
+
+
+def test_a_dry_run_asks_for_no_data_source(capsys):
+    """It reads no data: without a source it counts the model a data path would train (the vocabulary a
+    trained BPE aims for, said), and the same with --mock-data's; only contradictory sources are refused."""
+    shape = ["--model", "debug", "--global-batch-size", "8", "--seq-length", "32", "--dry-run", "--world-size", "2"]
+    run = _train(capsys, *shape)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("dry run: world 2 = ") and run.stderr == ""
+    assert run.stdout.splitlines()[-1] == (
+        "(no data was given: counted with a vocabulary of 8,192, what a trained ByteLevelBPE tokenizer aims for; "
+        "give --vocab-size or your tokenizer's flags for yours)"
+    )
+    run = _train(capsys, *shape, "--vocab-size", "512")
+    assert run.returncode == 0 and "no data was given" not in run.stdout
+    run = _train(capsys, *shape, "--mock-data", "--corpus", "stdlib")
+    assert run.returncode == 2
+    assert "give exactly one of --data-path" in run.stderr and "(got --mock-data and --corpus)" in run.stderr

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_peft
+from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf, paratron_to_peft
 from paratron.checkpoint.hf import model_from_hf
 from paratron.checkpoint.io import CheckpointContent, read_checkpoint, save_checkpoint
 from paratron.config import build_config
@@ -218,8 +218,26 @@ def test_peft_export_refusals(tmp_path):
     gpt = build_model(config.model)
     add_adapters(gpt, rank=2, alpha=16.0, targets=ALL)
     save_checkpoint(tmp_path / "gpt", CheckpointContent(0, 0, config, gpt))
-    with pytest.raises(CheckpointError, match="a gpt2 model; PEFT export supports llama, mistral, qwen2"):
+    with pytest.raises(CheckpointError) as refused:
         paratron_to_peft(tmp_path / "gpt", tmp_path / "out")
+    assert str(refused.value).endswith(
+        "a gpt2 model; PEFT export supports llama, mistral, qwen2, qwen3 models; convert with --to hf DIR "
+        "--merge-lora instead, which writes the adapters merged into the base weights"
+    )
+    with pytest.raises(CheckpointError) as unmerged:  # (the fix it names for a family PEFT does not cover)
+        paratron_to_hf(tmp_path / "gpt", tmp_path / "plain")
+    assert str(unmerged.value).endswith(
+        "holds LoRA adapters; add --merge-lora to write them merged into the base weights"
+    )
+    merged = paratron_to_hf(tmp_path / "gpt", tmp_path / "merged", merge_lora=True)
+    assert json.loads((merged / "config.json").read_text())["model_type"] == "gpt2"
+    adapter_checkpoint(tmp_path / "llama", "llama")
+    with pytest.raises(CheckpointError) as unmerged:  # (a family PEFT covers: both ways named)
+        paratron_to_hf(tmp_path / "llama" / "tuned", tmp_path / "plain")
+    assert str(unmerged.value).endswith(
+        "--merge-lora to write them merged into the base weights, or convert with --to peft DIR to write the "
+        "adapters alone"
+    )
 
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file").write_text("x")

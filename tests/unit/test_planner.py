@@ -23,10 +23,11 @@ from paratron.planning import hardware as hw
 from paratron.planning.candidates import balanced_ends, micro_batch_sizes, shapes, zero_bubble_too_long, zero_stages
 from paratron.planning.cost import predict_step, step_bound
 from paratron.planning.dry_run import with_vocabulary
+from paratron.planning.launch_line import config_arguments
 from paratron.planning.live import live_counts
 from paratron.planning.operations import stage_operations
 from paratron.planning.published import RUNS, evaluate
-from paratron.planning.search import WITHIN, _Search, apply, config_arguments, plan
+from paratron.planning.search import WITHIN, _Search, apply, plan
 
 H100 = hw.PRESETS["h100-80g"]
 
@@ -205,7 +206,10 @@ def test_the_command_rebuilds_the_layout():
     config = config_of(model_name="llama3-8b", mock_data=True, train_iters=5)
     for found in plan(config, 16, H100, global_batch=64, seq_length=4096, top=3):
         command = found.command()
-        assert command.startswith("torchrun --nnodes 2 --nproc-per-node 8 -m paratron train --model-name llama3-8b")
+        assert command.startswith(
+            "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB "
+            "-m paratron train --model-name llama3-8b"
+        )
         recipe, overrides, _ = parse_config_arguments(train_parser(), command.split(" train ", 1)[1].split())
         rebuilt = build_config(overrides, recipe)
         assert resolve_layout(rebuilt, 16) == found.layout

@@ -24,6 +24,7 @@ from paratron.data.vision import (
     VisionSFTDataset,
     read_vision_file,
 )
+from paratron.data.vision.llava import encode_prompt
 from paratron.errors import ConfigError, DataError
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<image>"]
@@ -343,3 +344,18 @@ def test_mock_samples(tok):
     assert any(not np.array_equal(other[k].input_ids, mock[k].input_ids) for k in range(5))
     with pytest.raises(ConfigError, match="--seq-length 6 cannot hold one image's 6 tokens"):
         MockVisionSamples(50, 6, 7, 6, 8, 0)
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [("missing.png", "image {} does not exist"), ("notes.png", "{} is not an image Pillow can read (PNG, JPEG, ...)")],
+)
+def test_an_unreadable_image_prompt_names_image_and_its_path(tok, folder, name, problem):
+    """A prompt's image came from --image, not a data file: the fix names --image and the path."""
+    (folder / "notes.png").write_text("not a picture")
+    path = folder / name
+    with pytest.raises(DataError) as caught:
+        encode_prompt("What is this?", [path], tok, _settings(tok))
+    assert str(caught.value) == (
+        f"--image {path}: {problem.format(path)}; give --image the path of an existing image file"
+    )

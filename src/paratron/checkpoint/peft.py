@@ -42,7 +42,10 @@ def write_peft(model: Converted, destination: Path, options: ConvertOptions) -> 
         raise CheckpointError(f"{source}: holds no LoRA adapters; train with --lora-rank")
     kind = model_type_of(m, model.hf_model_type)
     if kind not in PEFT_FAMILIES:
-        raise CheckpointError(f"{source}: a {kind} model; PEFT export supports {', '.join(PEFT_FAMILIES)} models")
+        raise CheckpointError(
+            f"{source}: a {kind} model; PEFT export supports {', '.join(PEFT_FAMILIES)} models; convert with "
+            "--to hf DIR --merge-lora instead, which writes the adapters merged into the base weights"
+        )
     with model.open_tensors() as opened:
         tensors, modules = peft_tensors(opened, m, kind)
     _write_folder(destination, tensors, adapter_config(m, modules), options.fix)

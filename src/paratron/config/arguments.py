@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,6 +247,24 @@ def parse_config_arguments(
     fields = all_fields()
     overrides = {k: v for k, v in vars(namespace).items() if k in fields or k in FOLDED}
     return namespace.config, overrides, namespace
+
+
+def as_typed(message: str, argv: Sequence[str]) -> str:
+    """`message` (a one-line error) with each flag in the spelling the user typed: `--nproc 0` is
+    answered about `--nproc`, not the `--nproc-per-node` it sets, unless that was typed too or the
+    message already names both."""
+    typed = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+    fields = all_fields()
+    for alias, name in RENAMES.items():
+        own = fields[name].flag
+        if alias in typed and own not in typed and not _whole_flag(alias).search(message):
+            message = _whole_flag(own).sub(alias, message)
+    return message
+
+
+def _whole_flag(flag: str) -> re.Pattern[str]:
+    """`flag` as a whole word of a message (not the start of a longer flag)."""
+    return re.compile(rf"(?<![\w-]){re.escape(flag)}(?![\w-])")
 
 
 def given_settings(overrides: dict[str, Any], namespace: argparse.Namespace) -> set[str]:

@@ -39,10 +39,11 @@ def parse_split(split: str) -> tuple[float, float, float]:
     return weights[0] / total, weights[1] / total, weights[2] / total
 
 
-def validate(config: Config, world_size: int, check_data: bool = True) -> Layout:
+def validate(config: Config, world_size: int, check_data: bool = True, needs_source: bool = True) -> Layout:
     """Raise ConfigError for the first inconsistent setting of a run on `world_size` processes;
     return the run's layout. `check_data=False` skips the data section (for library use that
-    brings its own data)."""
+    brings its own data); `needs_source=False` checks the data settings given but asks for no data
+    source (for `--dry-run`, which reads no data)."""
     _check_bounds(config)
     _check_launch(config.parallel)
     _check_precision(config.training)
@@ -66,7 +67,7 @@ def validate(config: Config, world_size: int, check_data: bool = True) -> Layout
     _check_gradient_precision(config)
     check_fp8_settings(config, layout)
     if check_data:
-        _check_data(config.data, config.training, config.model)
+        _check_data(config.data, config.training, config.model, needs_source)
     return layout
 
 
@@ -494,8 +495,9 @@ def _check_rampup(config: Config, layout: Layout) -> None:
                 raise ConfigError(f"{where}: the ramp's batch of {batch}: {exc}; change the ramp") from None
 
 
-def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
-    """The data settings agree with each other (whether the files exist is `data.checks`' part)."""
+def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig, needs_source: bool = True) -> None:
+    """The data settings agree with each other (whether the files exist is `data.checks`' part);
+    one source of data is given, unless `needs_source` is False (then at most one)."""
     per_split = bool(d.train_data_path or d.valid_data_path or d.test_data_path)
     sources = [
         name
@@ -507,7 +509,7 @@ def _check_data(d: DataConfig, t: TrainingConfig, m: ModelConfig) -> None:
         )
         if on
     ]
-    if len(sources) != 1:
+    if len(sources) > 1 or (needs_source and not sources):
         what = "none" if not sources else " and ".join(sources)
         raise ConfigError(
             f"give exactly one of {flag.data_path}, {flag.train_data_path} (with "

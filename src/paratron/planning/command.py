@@ -7,9 +7,10 @@ takes train's flags that a plan depends on (the model, the batch, precision; the
 tokenizer flags, passed on to the printed command) and the machine (a --hardware preset, --nodes x
 --gpus-per-node devices, and any of the preset's numbers overridden), prints the best plans as a
 table with the `paratron train` command of the best (it runs as printed: without data flags it
-trains on --mock-data, and says so), and with --output writes plans.json and a PNG of the best
-plans' time and memory (--plot PATH to put it elsewhere). GPU presets plan bf16 unless --precision
-is given.
+trains on --mock-data, and says so; across nodes it is torchrun's line for each node, with the
+rendezvous to fill in, and the srun line that starts every node under Slurm), and with --output
+writes plans.json and a PNG of the best plans' time and memory (--plot PATH to put it elsewhere).
+GPU presets plan bf16 unless --precision is given.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from paratron.config.schema import LAUNCH_FIELDS, MODEL_ARCHITECTURE
 from paratron.errors import ConfigError
 from paratron.planning.calibration import calibrate, read_calibration
 from paratron.planning.hardware import CPU, hardware_from
+from paratron.planning.launch_line import fill_in
 from paratron.planning.report import plot, table, write_json
 from paratron.planning.search import LAYOUT_FIELDS, WITHIN, search
 
@@ -147,6 +149,9 @@ def run_plan(argv: Sequence[str]) -> int:
         print("\n".join(measured))
     print(table(plans, args.top))
     print(f"\nbest: {plans[0].command()}")
+    across = fill_in(world, plans[0].gpus_per_node)
+    if across is not None:  # (each node starts its own launcher, and they must meet)
+        print(f"({across})\nslurm: {plans[0].slurm_command()}")
     if no_data:
         print(
             f"(no data was given, so it trains on {flag.mock_data}: replace that with {flag.data_path} PREFIX "

@@ -45,6 +45,8 @@ from paratron.planning.memory import CATEGORIES, RankMemory
 from paratron.planning.vision import images_per_micro_batch
 
 META = torch.device("meta")
+BPE = "ByteLevelBPE"
+"""The tokenizer a run trains on its data when none is named."""
 
 
 def with_vocabulary(config: Config) -> Config:
@@ -55,11 +57,17 @@ def with_vocabulary(config: Config) -> Config:
         return config
     if d.mock_data:
         vocab = MOCK_VOCAB
-    elif d.resolved_tokenizer_type != "ByteLevelBPE":
+    elif d.resolved_tokenizer_type != BPE:
         vocab = tokenizer_for(d, None).vocab_size
     else:
         vocab = DEFAULT_BPE_VOCAB
     return replace(config, model=replace(m, vocab_size=vocab))
+
+
+def _has_source(config: Config) -> bool:
+    """Whether any data source is given (the dry run reads none, but its vocabulary may come from it)."""
+    d = config.data
+    return bool(d.blend_flags() or d.corpus or d.mock_data)
 
 
 def _first_step(model: ParallelModel, optimizer: MasterWeightsOptimizer) -> None:
@@ -148,8 +156,9 @@ def run_dry_run(config: Config) -> int:
     """`paratron train --dry-run`: validate `config` for --world-size ranks, build each rank role
     on the meta device, print its memory, and fail (ConfigError) when a rank does not fit."""
     world = config.planning.world_size or config.parallel.nproc_per_node * config.parallel.nnodes
+    guessed = not (config.model.vocab_size or _has_source(config)) and config.data.resolved_tokenizer_type == BPE
     config = with_vocabulary(config)
-    layout = validate(config, world)
+    layout = validate(config, world, needs_source=False)  # (it reads no data: none need be given)
     planning = config.planning
     device_gb = planning.device_memory_gb
     if device_gb is None and planning.calibration is not None:
@@ -187,6 +196,11 @@ def run_dry_run(config: Config) -> int:
             f"pipeline stage {worst.stage} needs {_gb(worst.total)} GB per rank, more than the {device_gb:g} GB of "
             f"{flag.device_memory_gb if planning.device_memory_gb else flag.hardware}; shard more (tensor, pipeline, "
             "ZeRO stage), recompute, or lower the micro-batch size: `paratron plan` finds a layout that fits"
+        )
+    if guessed:
+        print(
+            f"(no data was given: counted with a vocabulary of {config.model.vocab_size:,}, what a trained {BPE} "
+            f"tokenizer aims for; give {flag.vocab_size} or your tokenizer's flags for yours)"
         )
     if device_gb is not None:
         share = worst.total / (device_gb * 1e9)

@@ -77,6 +77,7 @@ def plan_record(plan: Plan) -> dict[str, Any]:
         "model_tflops_per_device": p.model_tflops_per_device,
         "mfu": p.mfu,
         "command": plan.command(),
+        "slurm_command": plan.slurm_command(),
     }
 
 
@@ -100,6 +101,7 @@ def unpriced_record(other: Unpriced) -> dict[str, Any]:
         "memory_per_rank": memory_records(other.memory) if other.memory is not None else None,
         "peak_memory_bytes": max(m.total for m in other.memory) if other.memory is not None else None,
         "command": other.command(),
+        "slurm_command": other.slurm_command(),
     }
 
 

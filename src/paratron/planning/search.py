@@ -24,17 +24,15 @@ between ZeRO stages. tests/unit/test_planner.py checks the plans against pricing
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from paratron.config.fields import all_fields, flag
 from paratron.config.layout import Layout
-from paratron.config.loading import build_config, override, settings_of
-from paratron.config.schema import LAUNCH_FIELDS, SECTIONS, Config
+from paratron.config.loading import override
+from paratron.config.schema import Config
 from paratron.config.validation import validate
 from paratron.errors import ConfigError
 from paratron.planning.activations import KERNELS
@@ -50,6 +48,7 @@ from paratron.planning.candidates import (
 from paratron.planning.cost import StepPrediction, predict_step, step_bound
 from paratron.planning.dry_run import with_vocabulary
 from paratron.planning.hardware import Hardware
+from paratron.planning.launch_line import launch_command, slurm_command
 from paratron.planning.memory import RankMemory, predict_memory
 
 LAYOUT_FIELDS = (
@@ -104,6 +103,9 @@ class Plan:
     def command(self) -> str:
         return launch_command(self.config, self.layout.world_size, self.gpus_per_node)
 
+    def slurm_command(self) -> str | None:
+        return slurm_command(self.config, self.layout.world_size, self.gpus_per_node)
+
 
 @dataclass(frozen=True)
 class Unpriced:
@@ -135,18 +137,10 @@ class Unpriced:
             return None
         return launch_command(self.config, self.layout.world_size, self.gpus_per_node)
 
-
-def launch_command(config: Config, world_size: int, gpus_per_node: int) -> str:
-    """The `paratron train` command line that runs `config` on `world_size` devices (under torchrun
-    across nodes): every setting that differs from the defaults and the model's registry entry, by
-    its flag."""
-    nodes = max(1, world_size // gpus_per_node)
-    per_node = world_size // nodes
-    if nodes > 1:
-        launch = f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m paratron train"
-    else:
-        launch = f"paratron train {flag.nproc_per_node} {per_node}" if per_node > 1 else "paratron train"
-    return " ".join([launch, *map(shlex.quote, config_arguments(config))])
+    def slurm_command(self) -> str | None:
+        if self.config is None or self.layout is None:
+            return None
+        return slurm_command(self.config, self.layout.world_size, self.gpus_per_node)
 
 
 def describe(settings: dict[str, Any], layout: Layout) -> str:
@@ -167,52 +161,6 @@ def describe(settings: dict[str, Any], layout: Layout) -> str:
         f"TP{layout.tp} CP{layout.cp}{ep} PP{layout.pp}{pipe} DP{layout.dp} mbs{layout.micro_batch_size}{schedule}"
         f" ZeRO-{s['zero_stage']}{recompute}"
     )
-
-
-def config_arguments(config: Config) -> list[str]:
-    """Flags that rebuild `config` (with `build_config`): its settings that differ from the defaults
-    and its model's registry entry; planning and launch settings (the launcher's) are left out."""
-    flat, baseline = _flat(config), _defaults(config.model.model_name)
-    args: list[str] = []
-    if config.model.model_name:
-        args += [flag.model_name, config.model.model_name]
-    for name, info in all_fields().items():
-        value = flat[name]
-        if name == "model_name" or name in LAUNCH_FIELDS or info.section == "planning" or value == baseline[name]:
-            continue
-        if info.base_type is bool:
-            args.append(info.flag if value else "--no-" + info.flag[2:])
-        elif value is None:
-            raise ConfigError(f"{info.flag}: a plan cannot unset it on the command line; drop it from the recipe")
-        elif info.base_type in (list, tuple):
-            args += [info.flag, *map(str, value)]
-        else:
-            args += [info.flag, str(value)]
-    return args
-
-
-def _flat(config: Config) -> dict[str, Any]:
-    """Every setting of `config` by its field name, as saved (derived ones None, tuples as lists)."""
-    flat: dict[str, Any] = {}
-    for name in SECTIONS:
-        section = getattr(config, name)
-        known = _SECTION_SETTINGS.get(id(section))
-        if known is None or known[0] is not section:
-            if len(_SECTION_SETTINGS) >= 4096:
-                _SECTION_SETTINGS.clear()
-            known = _SECTION_SETTINGS[id(section)] = (section, settings_of(section))
-        flat.update(known[1])
-    return flat
-
-
-_SECTION_SETTINGS: dict[int, tuple[Any, dict[str, Any]]] = {}
-"""`settings_of` by section (plans of one search share most sections: a few hundred, for thousands of commands)."""
-
-
-@functools.lru_cache(maxsize=8)
-def _defaults(model_name: str | None) -> dict[str, Any]:
-    """The settings of the model's registry entry with every other default (read only)."""
-    return _flat(build_config({"model_name": model_name}))
 
 
 def plan(

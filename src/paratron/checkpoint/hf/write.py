@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from paratron.checkpoint.conversion import Converted, ConvertOptions, file_bytes
+from paratron.checkpoint.hf.families import PEFT_FAMILIES
 from paratron.checkpoint.hf.settings import hf_config, model_type_of
 from paratron.checkpoint.hf.weights import weights_to_hf
 from paratron.config.schema import ModelConfig
@@ -27,12 +28,12 @@ def write_hf(model: Converted, destination: Path, options: ConvertOptions) -> Pa
     converted model; LoRA adapters are merged into the base weights when the options say
     `merge_lora` (without it such a model is refused)."""
     m = model.config.model
-    if m.lora_rank is not None and not options.merge_lora:
-        raise CheckpointError(
-            f"{model.path}: holds LoRA adapters; add --merge-lora to write merged weights, or convert with "
-            "--to peft DIR to write the adapters alone"
-        )
     kind = model_type_of(m, model.hf_model_type)
+    if m.lora_rank is not None and not options.merge_lora:
+        alone = ", or convert with --to peft DIR to write the adapters alone" if kind in PEFT_FAMILIES else ""
+        raise CheckpointError(
+            f"{model.path}: holds LoRA adapters; add --merge-lora to write them merged into the base weights{alone}"
+        )
     needed = _export_bytes(m) + file_bytes(model.tokenizer_file) + FOLDER_SLACK
     with new_folder(HF_MODEL, destination, needed, options.fix) as tmp:
         with model.open_tensors() as tensors, ShardWriter(tmp) as writer:

@@ -54,10 +54,16 @@ class ImageRef:
     shard: str = ""
 
 
-def _open(path: Path, where: str, member: tuple[int, int] | None = None, shard: str = "") -> Image.Image:
-    """The opened image (header read, pixels not yet decoded), or a DataError naming `where`.
+DATA_FILE_FIX = "fix the path in the data file or --image-folder"
+"""What to do about an unreadable image a data file names (the default of `image_ref`'s `fix`)."""
+
+
+def _open(
+    path: Path, where: str, member: tuple[int, int] | None = None, shard: str = "", fix: str = DATA_FILE_FIX
+) -> Image.Image:
+    """The opened image (header read, pixels not yet decoded), or a DataError naming `where` and `fix`.
     With `member`, the image is the bytes at (offset, size) of the tar shard `shard`."""
-    fix = "fix the path in the data file or --image-folder" if member is None else "replace it in the shard"
+    fix = fix if member is None else "replace it in the shard"
     try:
         if member is not None:
             return Image.open(io.BytesIO(_read_member(Path(shard), *member)))
@@ -84,11 +90,17 @@ def _read_member(shard: Path, offset: int, size: int) -> bytes:
 
 
 def image_ref(
-    path: Path, settings: ImageSettings, where: str, member: tuple[int, int] | None = None, shard: str = ""
+    path: Path,
+    settings: ImageSettings,
+    where: str,
+    member: tuple[int, int] | None = None,
+    shard: str = "",
+    fix: str = DATA_FILE_FIX,
 ) -> ImageRef:
-    """Check that `path` is a readable image and count its tiles, reading only its header.
-    With `member`, `path` names the image "SHARD#MEMBER" and its bytes are at (offset, size) of `shard`."""
-    with _open(path, where, member, shard) as image:
+    """Check that `path` is a readable image and count its tiles, reading only its header; `fix` says
+    what to do when it is not (where its path came from). With `member`, `path` names the image
+    "SHARD#MEMBER" and its bytes are at (offset, size) of `shard`."""
+    with _open(path, where, member, shard, fix) as image:
         width, height = image.size
     if width < 1 or height < 1:
         raise DataError(f"{where}: image {path} is {width} x {height} pixels, so it holds nothing; replace it")
@@ -96,9 +108,9 @@ def image_ref(
     return ImageRef(str(path), tiles, member, shard)
 
 
-def load_pixels(ref: ImageRef, settings: ImageSettings, where: str) -> torch.Tensor:
+def load_pixels(ref: ImageRef, settings: ImageSettings, where: str, fix: str = DATA_FILE_FIX) -> torch.Tensor:
     """float32 [ref.tiles, 3, H, W]: the image decoded and processed (tiled when tiling is on)."""
-    with _open(Path(ref.path), where, ref.member, ref.shard) as image:
+    with _open(Path(ref.path), where, ref.member, ref.shard, fix) as image:
         try:
             image.load()
         except (OSError, ValueError, SyntaxError) as exc:  # Pillow reports broken data as any of these
@@ -115,8 +127,8 @@ def load_pixels(ref: ImageRef, settings: ImageSettings, where: str) -> torch.Ten
     return pixels
 
 
-def load_images(refs: list[ImageRef], settings: ImageSettings, where: str) -> torch.Tensor:
+def load_images(refs: list[ImageRef], settings: ImageSettings, where: str, fix: str = DATA_FILE_FIX) -> torch.Tensor:
     """float32 [sum of tiles, 3, H, W]: the images in order (empty when there are none)."""
     if not refs:
         return settings.no_images()
-    return torch.cat([load_pixels(ref, settings, where) for ref in refs])
+    return torch.cat([load_pixels(ref, settings, where, fix) for ref in refs])

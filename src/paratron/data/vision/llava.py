@@ -240,11 +240,12 @@ def encode_prompt(
         raise DataError(
             f"the prompt names {text.count(PLACEHOLDER)} {PLACEHOLDER} for {len(paths)} --image; give one each"
         )
-    refs = [image_ref(path, settings, f"--image {path}") for path in paths]
+    fix = "give --image the path of an existing image file"
+    refs = [image_ref(path, settings, f"--image {path}", fix=fix) for path in paths]
     ids = np.asarray(tokenizer.encode(text.replace(PLACEHOLDER, image_token(tokenizer, settings.image_token_id))))
     repeats = np.ones(len(ids), dtype=np.int64)
     repeats[ids == settings.image_token_id] = [ref.tiles * settings.tokens_per_image for ref in refs]
-    return np.repeat(ids, repeats).tolist(), load_images(refs, settings, "--image")
+    return np.repeat(ids, repeats).tolist(), load_images(refs, settings, "--image", fix)
 
 
 def image_token(tokenizer: Tokenizer, image_token_id: int) -> str:
