@@ -32,7 +32,7 @@ from paratron.config.loading import override
 from paratron.config.schema import Config
 from paratron.data.build import cache_root, evaluation_sources
 from paratron.data.datasets import SampleSource
-from paratron.data.loader import BatchPlan, micro_batches
+from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
 from paratron.data.sft.packing import SFTSample
 from paratron.distributed import comm
 from paratron.distributed.init import initialize, shutdown
@@ -95,6 +95,30 @@ def whole_batches(
     padded = _Whole(source, seq_length, plan.global_batch_size)
     for first in range(0, len(padded), plan.global_batch_size):
         yield micro_batches(padded, plan, first, device)
+
+
+def validation_batches(
+    config: Config,
+    tasks: dict[str, SampleSource],
+    plan: BatchPlan,
+    documents: DocumentLayout | None,
+    number: int,
+    device: torch.device,
+) -> dict[str, Iterator[list[Batch]]]:
+    """Each validation task's global batches in a training run's `number`-th evaluation. As in Megatron-LM, each
+    evaluation reads the next --eval-iters batches (the evaluation at step i is number ceil(i / eval_interval) - 1),
+    so the order is a pure function of the step. With --sft and no --eval-iters, every evaluation reads each
+    validation sample once instead (`whole_batches`)."""
+    iters = config.training.eval_batches(config.data.sft)
+    if iters is None:
+        return {name: whole_batches(source, plan, config.data.seq_length, device) for name, source in tasks.items()}
+    first = number * iters * plan.global_batch_size
+
+    def batches(source: SampleSource) -> Iterator[list[Batch]]:
+        for i in range(iters):
+            yield micro_batches(source, plan, first + i * plan.global_batch_size, device, documents)
+
+    return {name: batches(source) for name, source in tasks.items()}
 
 
 def evaluate_tasks(

@@ -18,7 +18,6 @@ from paratron.config.layout import Layout
 from paratron.config.samples import batch_schedule
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
-from paratron.data.datasets import SampleSource
 from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
 from paratron.debugging.loss_spike import Spike
 from paratron.distributed.init import DistributedContext, release_unused_memory
@@ -32,7 +31,7 @@ from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.data.fully_sharded import reshard
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.pipeline.schedules import build_schedule
-from paratron.training.evaluate import task_loss_sums, whole_batches
+from paratron.training.evaluate import task_loss_sums, validation_batches
 from paratron.training.exit import ExitConditions
 from paratron.training.faults import AttemptFault, check_spike_fault
 from paratron.training.instruments import StepInstruments
@@ -318,37 +317,19 @@ class Trainer:
     # ---------------------------------------------------------------- evaluation
 
     def evaluate(self, number: int) -> tuple[float, dict[str, dict[str, float]]]:
-        """Per-token mean loss over the `number`-th run of eval_iters global batches of each
-        validation task (one task, unless fine-tuning data names several files): the overall loss
-        and {task: {"loss", "tokens"}}.
-
-        As in Megatron-LM, each evaluation reads the next batches (the evaluation at step i is
-        number ceil(i / eval_interval) - 1), so the order is a pure function of the step. With --sft and no
-        --eval-iters, every evaluation reads each validation sample once instead (`whole_batches`)."""
+        """Per-token mean loss of the `number`-th evaluation of each validation task (one task, unless fine-tuning
+        data names several files; which batches: `validation_batches`): the overall loss and {task: {"loss",
+        "tokens"}}."""
         assert self.data.valid is not None
         tasks = self.data.valid_tasks or {"valid": self.data.valid}
-        iters, device = self.config.training.eval_batches(self.config.data.sft), self.ctx.device
-        if iters is None:
-            seq_length = self.config.data.seq_length
-            whole = {name: whole_batches(source, self.plan, seq_length, device) for name, source in tasks.items()}
-            return self._task_losses(whole)
-        first = number * iters * self.global_batch_size
-
-        def batches(source: SampleSource) -> Iterator[list[Batch]]:
-            for i in range(iters):
-                yield micro_batches(source, self.plan, first + i * self.global_batch_size, device, self.documents)
-
-        return self._task_losses({name: batches(source) for name, source in tasks.items()})
-
-    def _task_losses(self, tasks: dict[str, Iterator[list[Batch]]]) -> tuple[float, dict[str, dict[str, float]]]:
-        """The overall per-token loss of the tasks' global batches and {task: {"loss", "tokens"}}."""
+        chosen = validation_batches(self.config, tasks, self.plan, self.documents, number, self.ctx.device)
 
         def moving(batches: Iterator[list[Batch]]) -> Iterator[list[Batch]]:
             for batch in batches:
                 self._moved(self.state.iteration)  # (a long evaluation is progress, not a hang)
                 yield batch
 
-        losses, tokens = task_loss_sums(self.model, {n: moving(b) for n, b in tasks.items()}, self.ctx.device)
+        losses, tokens = task_loss_sums(self.model, {n: moving(b) for n, b in chosen.items()}, self.ctx.device)
         reshard(self.model.module)  # (ZeRO-3: the forwards left the root's parameters gathered)
         results = {name: {"loss": s / max(n, 1), "tokens": n} for name, s, n in zip(tasks, losses, tokens)}
         return sum(losses) / max(sum(tokens), 1), results
