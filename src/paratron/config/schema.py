@@ -113,8 +113,9 @@ class ModelConfig(VisionSettings):
     or RMSNorm, the q/k norms included) stores its scale as w, starting at 0, and multiplies by 1 + w; the same
     function as a plain norm with scale 1 + w, but weight decay pulls the scale towards 1 rather than 0."""
 
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    """MLP activation: GELU, or SwiGLU (gated, as in Llama); --swiglu selects the latter."""
+    activation: Literal["gelu", "swiglu", "squared_relu"] = "gelu"
+    """MLP activation: GELU, SwiGLU (gated, as in Llama; --swiglu) or squared ReLU, relu(x)^2 (not gated, as in
+    Nemotron-4; --squared-relu)."""
 
     openai_gelu: bool = False
     """GELU in its tanh approximation (GPT-2's, Megatron-LM's --openai-gelu) instead of the exact erf form
