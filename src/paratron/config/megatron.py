@@ -294,11 +294,6 @@ REFUSED: dict[str, Refused] = {
     ),
     "use-mup": Refused("Maximal-update parametrisation.", "muP is not implemented"),
     "mup-base-hidden-size": Refused("muP's base width.", "muP is not implemented"),
-    "fim-data": Refused(
-        "Fill-in-the-middle training data.", "fill-in-the-middle datasets are not implemented; train on --data-path"
-    ),
-    "fim-rate": Refused("Fraction of fill-in-the-middle samples.", "fill-in-the-middle datasets are not implemented"),
-    "fim-spm-rate": Refused("Fraction of FIM samples in SPM order.", "fill-in-the-middle datasets are not implemented"),
     "pipeline-model-parallel-split-rank": Refused(
         "Encoder/decoder split of the pipeline (T5).", "paratron trains decoder-only models"
     ),

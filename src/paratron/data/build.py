@@ -29,6 +29,7 @@ from paratron.config.schema import Config
 from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend, split_ranges
 from paratron.data.corpus import files_signature, stdlib_files
 from paratron.data.datasets import MockTokens, SampleSource
+from paratron.data.fim import FIMSamples, FIMTransform, fim_transform
 from paratron.data.gpt_dataset import GPTDataset, StreamWindows
 from paratron.data.indexed import IndexedDataset, dataset_exists
 from paratron.data.loader import DocumentLayout, LoaderSource
@@ -116,6 +117,8 @@ class _Builder:
         self.config, self.local_rank, self.log = config, local_rank, log
         self.cache = cache_root(config)
         self.once = partial(build_once, local_rank=local_rank, log=log)
+        self.fim: FIMTransform | None = None
+        """With --fim-data: what rewrites every pretraining sample (set once the tokenizer is known)."""
 
     # -- raw text -------------------------------------------------------------------------
 
@@ -196,8 +199,9 @@ class _Builder:
 
     # -- datasets -------------------------------------------------------------------------
 
-    def gpt_dataset(self, prefix: str, documents: np.ndarray, num_samples: int | None) -> GPTDataset:
-        return GPTDataset(
+    def gpt_dataset(self, prefix: str, documents: np.ndarray, num_samples: int | None) -> GPTDataset | FIMSamples:
+        """One split of one dataset's samples (rewritten for fill-in-the-middle with --fim-data)."""
+        samples = GPTDataset(
             IndexedDataset(prefix, self.config.data.mmap_bin_files),
             documents,
             self.config.data.seq_length,
@@ -206,6 +210,7 @@ class _Builder:
             self.cache / "indices",
             lambda path, build: self.once(path, build),
         )
+        return samples if self.fim is None else FIMSamples(samples, self.fim, self.config.training.seed)
 
     def blend(
         self, prefixes: list[str], ranges: list[np.ndarray], weights: list[float] | None, size: int, what: str
@@ -264,6 +269,8 @@ def build_data(
         train, valid = _ordered(config, sft.train, True), _ordered(config, sft.valid, False)
         return DataBundle(train, valid, tokenizer, vocab, sft.valid_tasks, image_token)
 
+    if d.fim_data:
+        builder.fim = fim_transform(d, tokenizer)
     if d.corpus == "stdlib":
         blends = {"--data-path": Blend([builder.preprocessed(stdlib_files(), False, tokenizer, tokenizer_id)], None)}
     else:
