@@ -225,3 +225,20 @@ def test_a_runs_samples_are_the_same_at_every_data_parallel_layout(tokenizer, tm
     changed = [a != b for a, b in zip(single, plain)]
     assert any(changed) and not all(changed)  # (rate 0.7: most samples rewritten)
     assert all(prefix in a for a, c in zip(single, changed) if c)
+
+
+def test_a_tokenizer_trained_for_the_run_gets_the_sentinels(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARATRON_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"f{i}.py").write_text(TEXTS[i % 3] * 3)
+    settings = dict(data_path=[str(corpus)], seq_length=32, split="100,0,0", eval_iters=0, train_iters=2)
+    config = build_config({**settings, "fim_data": True, "fim_rate": 1.0, "fim_split_sample": "<file_sep>",
+                           "fim_fragment_rate": 0.5})  # fmt: skip
+    bundle = build_data(config, global_batch_size=2, log=lambda _: None)
+    sentinels = [bundle.tokenizer.hf.token_to_id(text) for text in SENTINELS]
+    assert None not in sentinels
+    assert any(sentinels[0] in bundle.train[k].tolist() for k in range(4))
+    plain = build_data(build_config(settings), global_batch_size=2, log=lambda _: None).tokenizer
+    assert plain.hf.token_to_id("<fim_prefix>") is None  # (a run without FIM trains without them)

@@ -29,7 +29,7 @@ from paratron.config.schema import Config
 from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend, split_ranges
 from paratron.data.corpus import files_signature, stdlib_files
 from paratron.data.datasets import MockTokens, SampleSource
-from paratron.data.fim import FIMSamples, FIMTransform, fim_transform
+from paratron.data.fim import FIMSamples, FIMTransform, fim_sentinels, fim_transform
 from paratron.data.gpt_dataset import GPTDataset, StreamWindows
 from paratron.data.indexed import IndexedDataset, dataset_exists
 from paratron.data.loader import DocumentLayout, LoaderSource
@@ -158,14 +158,15 @@ class _Builder:
             )
         target = m.vocab_size or DEFAULT_BPE_VOCAB
         signature = _digest(*(files_signature(files) for files, _ in sources))
-        path = self.cache / f"tokenizer-bpe{target}-{_digest(signature, target)}.json"
+        special = fim_sentinels(d) if d.fim_data else ()  # (a run that rewrites its samples needs them)
+        path = self.cache / f"tokenizer-bpe{target}-{_digest(signature, target, *special)}.json"
 
         def texts():
             for files, strict in sources:
                 for document in read_documents(files, ["text"], PreprocessResult([]), skip_bad_lines=not strict):
                     yield document.texts[0]
 
-        self.once(path, lambda tmp: train_byte_level_bpe(texts(), target).save(tmp))
+        self.once(path, lambda tmp: train_byte_level_bpe(texts(), target, special).save(tmp))
         return Tokenizer.from_file(path), path.stem
 
     def tokenizer_and_vocabulary(self, saved: Tokenizer | None) -> tuple[AnyTokenizer, str, int]:

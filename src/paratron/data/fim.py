@@ -136,6 +136,13 @@ _SENTINELS = (
 )
 
 
+def fim_sentinels(d: DataConfig) -> tuple[str, ...]:
+    """The texts of the tokens --fim-data needs beside the end-of-document one (what a tokenizer trained for the
+    run is given)."""
+    split = () if d.fim_split_sample is None else (d.fim_split_sample,)
+    return (*(getattr(d, setting) for _, setting in _SENTINELS), *split)
+
+
 def fim_transform(d: DataConfig, tokenizer: AnyTokenizer) -> FIMTransform:
     """The transform --fim-data and its settings describe, with the tokenizer's ids of the sentinel tokens (one
     line naming the setting and the fix when the tokenizer lacks one)."""
