@@ -73,3 +73,17 @@ def test_hugging_face_export_is_refused_in_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="--squared-relu"):
         paratron_to_hf(tmp_path / "native", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_hugging_face_relu2_configs_are_refused_in_one_line():
+    from paratron.checkpoint.hf import model_settings
+
+    nemotron = {"model_type": "nemotron", "architectures": ["NemotronForCausalLM"], "hidden_act": "relu2"}
+    llama_relu2 = {"model_type": "llama", "hidden_act": "relu2", "hidden_size": 32, "num_attention_heads": 4}
+    for config, message in (
+        (nemotron, "model_type 'nemotron' .*is not supported; convert one of"),
+        (llama_relu2, "hidden_act 'relu2' is not supported"),
+    ):
+        with pytest.raises(CheckpointError, match=message) as e:
+            model_settings(config)
+        assert "\n" not in str(e.value)
