@@ -37,7 +37,15 @@ LLAMA_FLAVOUR = dict(
     untie_embeddings_and_output_weights=True,
     make_vocab_size_divisible_by=4,
 )
-FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
+NEMOTRON_FLAVOUR = dict(  # Nemotron-4's MLP: squared ReLU, not gated; rope, zero-centred LayerNorm, no biases
+    GPT_FLAVOUR,
+    activation="squared_relu",
+    position_embedding_type="rope",
+    apply_layernorm_1p=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+)
+FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR, "nemotron": NEMOTRON_FLAVOUR}
 
 
 def _init(world: int):
@@ -215,7 +223,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("world", [2, 4])
 def test_logits_and_gradients_equal_the_single_device_model(world):
     worst = run_ranks(model_parity, world, world)
-    assert set(worst[0]) == {"gpt", "gpt-sp", "llama", "llama-sp"}
+    assert set(worst[0]) == {"gpt", "gpt-sp", "llama", "llama-sp", "nemotron", "nemotron-sp"}
 
 
 def train_curve(run_dir: str, overrides: dict) -> list[float]:

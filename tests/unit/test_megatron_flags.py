@@ -124,8 +124,8 @@ def test_accepted_flags_change_nothing():
 
 
 def test_refusals_name_the_flag_and_suggestions_keep_the_meaning():
-    with pytest.raises(ConfigError, match=r"^--fim-data: Megatron-LM's flag is not supported"):
-        parse(["--fim-data"])  # not "did you mean --mock-data"
+    with pytest.raises(ConfigError, match=r"^--use-mup: Megatron-LM's flag is not supported"):
+        parse(["--use-mup"])  # not "did you mean --use-..."
     with pytest.raises(ConfigError, match=r"unknown flag --hiden-size; did you mean --hidden-size\?"):
         parse(["--hiden-size", "3"])
     with pytest.raises(ConfigError, match=r"^unknown flag --use-mcore-model \("):

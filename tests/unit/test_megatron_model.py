@@ -88,9 +88,11 @@ def megatron_to_paratron(params: dict[str, torch.Tensor], config: ModelConfig) -
 def megatron_kwargs(config: ModelConfig) -> dict[str, Any]:
     """oracle_gpt keywords for a paratron ModelConfig (GELU: the exact one, or the tanh form with
     --openai-gelu, as in Megatron-LM)."""
-    from megatron.core.transformer.utils import openai_gelu  # start-up speed: megatron is heavy
+    from megatron.core.activations import squared_relu  # start-up speed: megatron is heavy
+    from megatron.core.transformer.utils import openai_gelu
 
     swiglu = config.activation == "swiglu"
+    ungated = squared_relu if config.activation == "squared_relu" else openai_gelu if config.openai_gelu else F.gelu
     return dict(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -111,7 +113,7 @@ def megatron_kwargs(config: ModelConfig) -> dict[str, Any]:
         add_bias_linear=config.add_bias_linear,
         add_qkv_bias=config.add_qkv_bias,
         gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else openai_gelu if config.openai_gelu else F.gelu,
+        activation_func=F.silu if swiglu else ungated,
         apply_query_key_layer_scaling=config.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=config.attention_softmax_in_fp32,
         share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
@@ -151,6 +153,9 @@ FEATURES: dict[str, ModelConfig] = {
     "query_key_layer_scaling": dataclasses.replace(LLAMA_TINY, apply_query_key_layer_scaling=True),
     "softmax_in_fp32": dataclasses.replace(GPT_TINY, attention_softmax_in_fp32=True),
     "no_position_embedding": dataclasses.replace(GPT_TINY, position_embedding_type="none"),
+    "squared_relu": dataclasses.replace(  # Nemotron-4's layers
+        ROPE_GPT, activation="squared_relu", apply_layernorm_1p=True, rotary_percent=0.5, add_bias_linear=False
+    ),
 }
 MEASURED: dict[str, float] = {}
 
@@ -263,9 +268,8 @@ MEGATRON_TEST_MODELS: dict[str, str] = {
     "gpt3_mcore_te_tp2_pp1_modelopt_distill_resume": "--hidden-size 96 --num-attention-heads 8 --normalization RMSNorm "
     "--position-embedding-type rope --rotary-percent 0.5 --swiglu --disable-bias-linear "
     "--untie-embeddings-and-output-weights --tensor-model-parallel-size 2",
-    # (--squared-relu left out: paratron has no squared ReLU; the shapes are a GELU MLP's.)
     "gpt3_15b_8t_release": "--hidden-size 96 --num-attention-heads 12 --group-query-attention --num-query-groups 4 "
-    "--apply-layernorm-1p --position-embedding-type rope --rotary-percent 0.5 --disable-bias-linear "
+    "--squared-relu --apply-layernorm-1p --position-embedding-type rope --rotary-percent 0.5 --disable-bias-linear "
     "--untie-embeddings-and-output-weights --tensor-model-parallel-size 8 --make-vocab-size-divisible-by 16",
     "gpt3_7b_tp4_pp1_memory_speed": "--hidden-size 64 --num-attention-heads 8 --group-query-attention "
     "--untie-embeddings-and-output-weights --tensor-model-parallel-size 4",
@@ -292,6 +296,8 @@ def megatron_model_from_flags(argv: list[str]) -> tuple[dict[str, Any], int]:
     (megatron/training/arguments.py: --swiglu's default width, --group-query-attention's groups;
     tokenizer.py: the vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP);
     and the tensor-parallel size."""
+    from megatron.core.activations import squared_relu  # start-up speed: megatron is heavy
+
     flags = flag_values(argv)
     hidden = int(flags["hidden-size"])
     tp = int(flags.get("tensor-model-parallel-size", 1))
@@ -317,7 +323,7 @@ def megatron_model_from_flags(argv: list[str]) -> tuple[dict[str, Any], int]:
         qk_layernorm="qk-layernorm" in flags,
         add_bias_linear="disable-bias-linear" not in flags,
         gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else F.gelu,
+        activation_func=F.silu if swiglu else squared_relu if "squared-relu" in flags else F.gelu,
         apply_query_key_layer_scaling="apply-query-key-layer-scaling" in flags,
         attention_softmax_in_fp32="attention-softmax-in-fp32" in flags,
         share_embeddings_and_output_weights="untie-embeddings-and-output-weights" not in flags,

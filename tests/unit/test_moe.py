@@ -263,8 +263,10 @@ def reference_output(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
             if layer.experts.gated:
                 gate, up = h.chunk(2)
                 h = torch.nn.functional.silu(gate) * up
+            elif layer.experts.kind == "squared_relu":
+                h = torch.where(h > 0, h * h, 0.0)  # (Nemotron-4's relu(h)^2)
             else:
-                h = torch.nn.functional.gelu(h, approximate=layer.experts.gelu)  # (tanh with --openai-gelu)
+                h = torch.nn.functional.gelu(h, approximate=layer.experts.kind)  # (tanh with --openai-gelu)
             row = row + routing.probs[n, e] * (w_out[e] @ h)
         rows.append(row)
     return torch.stack(rows).view_as(x)
@@ -280,7 +282,7 @@ def built(config: ModelConfig, seed: int = 0) -> MoELayer:
     return layer
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "squared_relu"])
 @pytest.mark.parametrize("grouped", [False, True])
 def test_layer_is_the_weighted_sum_of_its_chosen_experts(activation, grouped):
     layer = built(moe_config(activation=activation, moe_grouped_gemm=grouped, moe_router_topk=3))

@@ -43,6 +43,11 @@ SWITCHES: dict[str, tuple[str, Any, str]] = {
     "fp16": ("precision", "fp16", "Train in fp16 mixed precision with dynamic loss scaling (sets --precision fp16)."),
     "bf16": ("precision", "bf16", "Train in bf16 mixed precision (sets --precision bf16)."),
     "swiglu": ("activation", "swiglu", "Use the SwiGLU MLP (sets --activation swiglu)."),
+    "squared_relu": (
+        "activation",
+        "squared_relu",
+        "Use relu(x)^2 as the MLP activation, Nemotron-4's (sets --activation squared_relu).",
+    ),
     "disable_bias_linear": ("add_bias_linear", False, "Linear layers without biases (sets --no-add-bias-linear)."),
     "recompute_activations": (
         "recompute_granularity",
@@ -284,21 +289,12 @@ REFUSED: dict[str, Refused] = {
     "attention-output-gate": Refused(
         "Gate the attention output by a sigmoid of the input.", "gated attention outputs are not implemented"
     ),
-    "squared-relu": Refused(
-        "Squared-ReLU MLP activation.",
-        "the MLP activations are GELU and SwiGLU (--activation); squared ReLU is not implemented",
-    ),
     "apply-wd-to-qk-layernorm": Refused(
         "Apply weight decay to the query/key norms.",
         "paratron never decays norms (their weights are not matrices); drop it, or ask for it as a feature",
     ),
     "use-mup": Refused("Maximal-update parametrisation.", "muP is not implemented"),
     "mup-base-hidden-size": Refused("muP's base width.", "muP is not implemented"),
-    "fim-data": Refused(
-        "Fill-in-the-middle training data.", "fill-in-the-middle datasets are not implemented; train on --data-path"
-    ),
-    "fim-rate": Refused("Fraction of fill-in-the-middle samples.", "fill-in-the-middle datasets are not implemented"),
-    "fim-spm-rate": Refused("Fraction of FIM samples in SPM order.", "fill-in-the-middle datasets are not implemented"),
     "pipeline-model-parallel-split-rank": Refused(
         "Encoder/decoder split of the pipeline (T5).", "paratron trains decoder-only models"
     ),

@@ -113,8 +113,9 @@ class ModelConfig(VisionSettings):
     or RMSNorm, the q/k norms included) stores its scale as w, starting at 0, and multiplies by 1 + w; the same
     function as a plain norm with scale 1 + w, but weight decay pulls the scale towards 1 rather than 0."""
 
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    """MLP activation: GELU, or SwiGLU (gated, as in Llama); --swiglu selects the latter."""
+    activation: Literal["gelu", "swiglu", "squared_relu"] = "gelu"
+    """MLP activation: GELU, SwiGLU (gated, as in Llama; --swiglu) or squared ReLU, relu(x)^2 (not gated, as in
+    Nemotron-4; --squared-relu)."""
 
     openai_gelu: bool = False
     """GELU in its tanh approximation (GPT-2's, Megatron-LM's --openai-gelu) instead of the exact erf form
@@ -820,6 +821,47 @@ class DataConfig:
     data_sharding: bool = True
     """With --dataloader-type cyclic: each data-parallel rank shuffles its own contiguous share of the samples
     (Megatron-LM's default); --no-data-sharding shuffles them all and deals them out to the ranks in turn."""
+
+    fim_data: bool = False
+    """Fill-in-the-middle pretraining samples for code models (Megatron-LM's --fim-data, after Bavarian et al.
+    2022): with probability --fim-rate a sample's text between end-of-document tokens is cut at two random
+    characters into prefix, middle and suffix and rewritten as <prefix> prefix <suffix> suffix <middle> middle (PSM)
+    or, with probability --fim-spm-rate, <prefix> <suffix> suffix <middle> prefix middle (SPM), then cut or padded
+    back to the sample's length. Each sample draws from its own random stream, seeded by (--seed, its index), so the
+    samples are the same at every layout and after a resume. The tokenizer must have the sentinel tokens
+    (--fim-prefix-token ...)."""
+
+    fim_rate: float = 0.5
+    """With --fim-data: the probability that a document (a fragment's file, with --fim-split-sample) is rewritten."""
+
+    fim_spm_rate: float = 0.5
+    """With --fim-data: the probability that a rewritten document takes the SPM order rather than PSM."""
+
+    fim_split_sample: str | None = None
+    """With --fim-data: a token (a repository's file separator, say) that cuts each document into fragments; with
+    probability --fim-rate the document's fragments are each rewritten with probability --fim-fragment-rate."""
+
+    fim_fragment_rate: float | None = None
+    """With --fim-split-sample: the probability that each fragment is rewritten."""
+
+    fim_no_prefix: str | None = None
+    """With --fim-data: documents (fragments) whose text starts with this string are left as they are."""
+
+    fim_prefix_token: str = "<fim_prefix>"
+    """With --fim-data: the tokenizer's token that opens the prefix."""
+
+    fim_middle_token: str = "<fim_middle>"
+    """With --fim-data: the tokenizer's token that opens the middle."""
+
+    fim_suffix_token: str = "<fim_suffix>"
+    """With --fim-data: the tokenizer's token that opens the suffix."""
+
+    fim_pad_token: str = "<fim_pad>"
+    """With --fim-data: the tokenizer's token that pads a sample the rewriting made shorter."""
+
+    fim_eod_token: str | None = None
+    """With --fim-data: the token that separates documents in a sample (unset: the tokenizer's end-of-document
+    token; Megatron-LM's default names <|endoftext|>)."""
 
     mmap_bin_files: bool = True
     """Memory-map the .bin token files; --no-mmap-bin-files reads each sequence with a file read instead (Megatron-LM's

@@ -18,6 +18,7 @@ from typing import Any
 from paratron.config.eval_tasks import check_eval_tasks
 from paratron.config.faults import parse_faults
 from paratron.config.fields import FieldInfo, all_fields, flag
+from paratron.config.fim_checks import check_fim
 from paratron.config.layout import Layout, check_schedule, resolve_layout
 from paratron.config.samples import batch_ramp, schedule_lengths, step_schedule
 from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
@@ -68,6 +69,7 @@ def validate(config: Config, world_size: int, check_data: bool = True, needs_sou
     check_fp8_settings(config, layout)
     if check_data:
         _check_data(config.data, config.training, config.model, needs_source)
+        check_fim(config.data)
     return layout
 
 

@@ -29,6 +29,7 @@ from paratron.config.schema import Config
 from paratron.data.blending import Blend, BlendedDataset, component_sizes, parse_blend, split_ranges
 from paratron.data.corpus import files_signature, stdlib_files
 from paratron.data.datasets import MockTokens, SampleSource
+from paratron.data.fim import FIMSamples, FIMTransform, fim_sentinels, fim_transform
 from paratron.data.gpt_dataset import GPTDataset, StreamWindows
 from paratron.data.indexed import IndexedDataset, dataset_exists
 from paratron.data.loader import DocumentLayout, LoaderSource
@@ -120,6 +121,8 @@ class _Builder:
         self.config, self.local_rank, self.log = config, local_rank, log
         self.cache = cache_root(config)
         self.once = partial(build_once, local_rank=local_rank, log=log)
+        self.fim: FIMTransform | None = None
+        """With --fim-data: what rewrites every pretraining sample (set once the tokenizer is known)."""
 
     # -- raw text -------------------------------------------------------------------------
 
@@ -159,14 +162,15 @@ class _Builder:
             )
         target = m.vocab_size or DEFAULT_BPE_VOCAB
         signature = _digest(*(files_signature(files) for files, _ in sources))
-        path = self.cache / f"tokenizer-bpe{target}-{_digest(signature, target)}.json"
+        special = fim_sentinels(d) if d.fim_data else ()  # (a run that rewrites its samples needs them)
+        path = self.cache / f"tokenizer-bpe{target}-{_digest(signature, target, *special)}.json"
 
         def texts():
             for files, strict in sources:
                 for document in read_documents(files, ["text"], PreprocessResult([]), skip_bad_lines=not strict):
                     yield document.texts[0]
 
-        self.once(path, lambda tmp: train_byte_level_bpe(texts(), target).save(tmp))
+        self.once(path, lambda tmp: train_byte_level_bpe(texts(), target, special).save(tmp))
         return Tokenizer.from_file(path), path.stem
 
     def tokenizer_and_vocabulary(self, saved: Tokenizer | None) -> tuple[AnyTokenizer, str, int]:
@@ -200,8 +204,9 @@ class _Builder:
 
     # -- datasets -------------------------------------------------------------------------
 
-    def gpt_dataset(self, prefix: str, documents: np.ndarray, num_samples: int | None) -> GPTDataset:
-        return GPTDataset(
+    def gpt_dataset(self, prefix: str, documents: np.ndarray, num_samples: int | None) -> GPTDataset | FIMSamples:
+        """One split of one dataset's samples (rewritten for fill-in-the-middle with --fim-data)."""
+        samples = GPTDataset(
             IndexedDataset(prefix, self.config.data.mmap_bin_files),
             documents,
             self.config.data.seq_length,
@@ -210,6 +215,7 @@ class _Builder:
             self.cache / "indices",
             lambda path, build: self.once(path, build),
         )
+        return samples if self.fim is None else FIMSamples(samples, self.fim, self.config.training.seed)
 
     def blend(
         self, prefixes: list[str], ranges: list[np.ndarray], weights: list[float] | None, size: int, what: str
@@ -268,6 +274,8 @@ def build_data(
         train, valid = _ordered(config, sft.train, True), _ordered(config, sft.valid, False)
         return DataBundle(train, valid, tokenizer, vocab, sft.valid_tasks, image_token, sft.truncated)
 
+    if d.fim_data:
+        builder.fim = fim_transform(d, tokenizer)
     if d.corpus == "stdlib":
         blends = {"--data-path": Blend([builder.preprocessed(stdlib_files(), False, tokenizer, tokenizer_id)], None)}
     else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -266,14 +266,15 @@ def tokenizer_for(data: DataConfig, vocab_size: int | None) -> AnyTokenizer:
     )
 
 
-def train_byte_level_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:
-    """Train byte-level BPE (GPT-2 style) on `texts` with `vocab_size` entries, EOD included."""
+def train_byte_level_bpe(texts: Iterator[str], vocab_size: int, special_tokens: Sequence[str] = ()) -> Tokenizer:
+    """Train byte-level BPE (GPT-2 style) on `texts` with `vocab_size` entries, EOD and `special_tokens` (the
+    fill-in-the-middle sentinels of a --fim-data run) included."""
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOD_TOKEN],
+        special_tokens=[EOD_TOKEN, *special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -74,8 +74,27 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 _swiglu = FusibleOp(swiglu)
 
 
+def ungated_activation(h: torch.Tensor, kind: str) -> torch.Tensor:
+    """A non-gated MLP's activation by `activation_kind`: relu(h)^2 (Nemotron-4's squared ReLU), CLIP's quick GELU,
+    or GELU exact ("none") or in its tanh approximation ("tanh", GPT-2's)."""
+    if kind == "squared_relu":
+        return F.relu(h).square()
+    if kind == "quick_gelu":
+        return h * torch.sigmoid(1.702 * h)
+    return F.gelu(h, approximate=kind)
+
+
+def activation_kind(config: ModelConfig) -> str:
+    """What `ungated_activation` computes for `config`: squared_relu, quick_gelu, or GELU's approximation
+    ("tanh" with --openai-gelu, else "none")."""
+    if config.activation in ("squared_relu", "quick_gelu"):
+        return config.activation
+    return "tanh" if config.openai_gelu else "none"
+
+
 class MLP(nn.Module):
-    """GELU MLP (GPT; quick GELU, CLIP's) or SwiGLU MLP (Llama): up-projection, activation, down-projection.
+    """GELU MLP (GPT; quick GELU, CLIP's), squared-ReLU MLP (Nemotron-4) or SwiGLU MLP (Llama): up-projection,
+    activation, down-projection.
     `inner`, `bias` and `dropout` default to the config's (a shared expert sets its own)."""
 
     def __init__(
@@ -85,8 +104,7 @@ class MLP(nn.Module):
         hidden, inner = config.hidden_size, inner or config.ffn_hidden_size
         bias = config.add_bias_linear if bias is None else bias
         self.gated = config.activation == "swiglu"
-        self.quick = config.activation == "quick_gelu"
-        self.gelu = "tanh" if config.openai_gelu else "none"  # GPT-2's approximation, or the exact GELU
+        self.kind = activation_kind(config)
         self.swiglu_fusion = config.bias_swiglu_fusion
         self.in_proj = Projections(hidden, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias)
         self.out_proj = nn.Linear(inner, hidden, bias=bias)
@@ -98,5 +116,5 @@ class MLP(nn.Module):
             h = _swiglu(self.swiglu_fusion, gate, up)
         else:
             (up,) = self.in_proj(x)
-            h = up * torch.sigmoid(1.702 * up) if self.quick else F.gelu(up, approximate=self.gelu)
+            h = ungated_activation(up, self.kind)
         return self.dropout(self.out_proj(h))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
-from paratron.model.mlp import MLP
+from paratron.model.mlp import MLP, activation_kind, ungated_activation
 
 # ---------------------------------------------------------------- router
 
@@ -213,13 +213,13 @@ class Router(nn.Module):
 # ---------------------------------------------------------------- experts
 
 
-def _activation(h: torch.Tensor, gated: bool, gelu: str = "none") -> torch.Tensor:
-    """The dense MLP's activation: silu(gate) * up on [gate | up] (SwiGLU), or GELU (`gelu`: its
-    approximation, "tanh" with --openai-gelu)."""
+def _activation(h: torch.Tensor, gated: bool, kind: str = "none") -> torch.Tensor:
+    """The dense MLP's activation: silu(gate) * up on [gate | up] (SwiGLU), or the non-gated one `kind` names
+    (`mlp.activation_kind`: squared ReLU, or GELU's approximation, "tanh" with --openai-gelu)."""
     if gated:
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return F.gelu(h, approximate=gelu)
+    return ungated_activation(h, kind)
 
 
 def _weighted(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -230,11 +230,11 @@ def _weighted(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 
 def expert_mlp(
-    x: torch.Tensor, probs: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gated: bool, gelu: str
+    x: torch.Tensor, probs: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gated: bool, kind: str
 ) -> torch.Tensor:
     """One expert on its rows x [n, H] (n may be 0), each row's activation scaled by its prob [n]."""
     torch._check(probs.size(0) == x.size(0))  # (one count of rows: what a compiled call may assume)
-    return F.linear(_weighted(_activation(F.linear(x, w_in), gated, gelu), probs), w_out)
+    return F.linear(_weighted(_activation(F.linear(x, w_in), gated, kind), probs), w_out)
 
 
 def grouped_expert_mlp(
@@ -244,13 +244,13 @@ def grouped_expert_mlp(
     w_out: torch.Tensor,
     ends: torch.Tensor,
     gated: bool,
-    gelu: str,
+    kind: str,
 ) -> torch.Tensor:
     """Every expert on its rows at once: rows [ends[e-1], ends[e]) of x [M, H] through expert e (weights
     stacked [E, ...]), one grouped matmul per projection."""
     torch._check(probs.size(0) == x.size(0))
     h = _grouped_mm(x, w_in.transpose(1, 2), ends)
-    return _grouped_mm(_weighted(_activation(h, gated, gelu), probs), w_out.transpose(1, 2), ends)
+    return _grouped_mm(_weighted(_activation(h, gated, kind), probs), w_out.transpose(1, 2), ends)
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,7 @@ class Experts(nn.Module):
         E, H = config.num_experts, config.hidden_size
         F_ = config.moe_ffn_hidden_size or config.ffn_hidden_size
         self.gated = config.activation == "swiglu"
-        self.gelu = "tanh" if config.openai_gelu else "none"
+        self.kind = activation_kind(config)
         self.grouped = config.moe_grouped_gemm
         self.kernels = ExpertKernels()
         self.w_in = nn.Parameter(torch.empty(E, (2 if self.gated else 1) * F_, H))
@@ -302,7 +302,7 @@ class Experts(nn.Module):
                 continue
             if pad_to is not None and pad_to > n:
                 x, p = F.pad(x, (0, 0, 0, pad_to - n)), F.pad(p, (0, pad_to - n))
-            outputs.append(self.kernels.one(x, p, self.w_in[e], self.w_out[e], self.gated, self.gelu)[:n])
+            outputs.append(self.kernels.one(x, p, self.w_in[e], self.w_out[e], self.gated, self.kind)[:n])
         return torch.cat(outputs) if outputs else tokens.new_zeros(0, self.w_out.size(1))
 
     def _grouped(
@@ -319,7 +319,7 @@ class Experts(nn.Module):
             probs = probs.new_zeros(sum(rows)).index_put((position,), probs)
             return self._grouped(tokens, rows, probs, None)[position]
         ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-        return self.kernels.grouped(tokens, probs, self.w_in, self.w_out, ends, self.gated, self.gelu)
+        return self.kernels.grouped(tokens, probs, self.w_in, self.w_out, ends, self.gated, self.kind)
 
 
 class _ContiguousGrad(torch.autograd.Function):

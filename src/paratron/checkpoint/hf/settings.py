@@ -58,6 +58,7 @@ def family_of(hf: dict[str, Any], source: str) -> Family:
 
 def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
     """A Hugging Face `config.json` for paratron model `m` as architecture `kind`."""
+    _refuse_squared_relu(m)
     family = FAMILIES[kind]
     if family.text_families:  # (a vision-language model: its language model's config.json nested)
         language = {k: v for k, v in hf_config(m, _language_type_of(m)).items() if k not in _TOP_LEVEL_ONLY}
@@ -98,12 +99,22 @@ def _refuse_megatron_only_features(m: ModelConfig) -> None:
         "--rotary-interleaved (rotation of interleaved feature pairs)": m.rotary_interleaved,
         "--position-embedding-type none (no position embeddings)": m.position_embedding_type == "none",
     }
+    _refuse_squared_relu(m)
     for setting, used in unsupported.items():
         if used:
             raise CheckpointError(
                 f"this model uses {setting}, which the Hugging Face Llama/Qwen/Mistral/GPT-2 formats cannot express; "
                 "keep it as a paratron checkpoint"
             )
+
+
+def _refuse_squared_relu(m: ModelConfig) -> None:
+    """Squared ReLU is Nemotron's MLP (hidden_act relu2), a family paratron does not convert."""
+    if m.activation == "squared_relu":
+        raise CheckpointError(
+            "this model uses --squared-relu (relu(x)^2, Hugging Face's hidden_act relu2 of Nemotron), and paratron "
+            "converts no Hugging Face family with it; keep it as a paratron or Megatron-LM checkpoint"
+        )
 
 
 def model_type_of(m: ModelConfig, preferred: str | None = None) -> str:

@@ -37,8 +37,10 @@ def model_settings(args: dict[str, Any], source: str = "args") -> dict[str, Any]
             raise refuse(f"--{name.replace('_', '-')} {value}")
     if args.get("use_rope_scaling"):
         raise refuse("--use-rope-scaling")
-    if args.get("squared_relu") or args.get("multi_latent_attention"):
-        raise refuse("squared ReLU / multi-latent attention")
+    if args.get("multi_latent_attention"):
+        raise refuse("multi-latent attention")
+    if args.get("squared_relu") and args.get("swiglu"):
+        raise refuse("--squared-relu with --swiglu (two MLP activations)")
     position = args.get("position_embedding_type", "learned_absolute")
     if position not in ("learned_absolute", "rope", "none"):
         raise refuse(f"--position-embedding-type {position}")
@@ -60,7 +62,7 @@ def model_settings(args: dict[str, Any], source: str = "args") -> dict[str, Any]
         position_embedding_type=position,
         normalization=normalization,
         norm_epsilon=float(args.get("norm_epsilon", 1e-5)),
-        activation="swiglu" if args.get("swiglu") else "gelu",
+        activation="swiglu" if args.get("swiglu") else "squared_relu" if args.get("squared_relu") else "gelu",
         openai_gelu=bool(args.get("openai_gelu", False)),
         add_bias_linear=bool(args.get("add_bias_linear", True)),
         add_qkv_bias=bool(args.get("add_qkv_bias", False)),
@@ -121,6 +123,7 @@ def megatron_args(config: Config, tp: int, pp: int, padded: int, iteration: int,
         normalization=m.normalization,
         norm_epsilon=m.norm_epsilon,
         swiglu=m.activation == "swiglu",
+        squared_relu=m.activation == "squared_relu",
         openai_gelu=m.openai_gelu,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
