@@ -763,16 +763,14 @@ class DataConfig:
     chat_template.jinja beside its tokenizer.json), chatml, llama3, or a path to a jinja file."""
 
     sft_pack: bool = True
-    """With --sft: pack several conversations into each sequence, each attending only to itself with positions from 0;
-    --no-sft-pack gives one conversation per sequence, padded."""
+    """With --sft: pack several conversations into each sequence, each attending only to itself with positions from 0
+    (else one conversation per sequence, padded)."""
 
     sft_truncation: Literal["truncate", "error"] = "truncate"
-    """With --sft: a conversation longer than --seq-length is cut to it (counted in the log and the run's summary), or
-    refused (error, as --no-truncate)."""
+    """With --sft: cut a conversation longer than --seq-length, or refuse it (error)."""
 
     truncate: bool = True
-    """With --sft: a conversation longer than --seq-length is cut to it, counted in the log and the run's summary;
-    --no-truncate refuses it, naming it (raise --seq-length or drop the long conversations)."""
+    """With --sft: cut conversations longer than --seq-length (counted in the run's summary), else refuse them."""
 
     def truncation(self) -> Literal["truncate", "error"]:
         """What becomes of a conversation longer than --seq-length: "error" under --no-truncate or --sft-truncation
