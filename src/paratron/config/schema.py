@@ -773,9 +773,9 @@ class DataConfig:
     own folder)."""
 
     image_processor: str | None = None
-    """With a vision model: a Hugging Face preprocessor_config.json (or its folder) saying how images become pixel
-    values (default: the one beside the tokenizer, which checkpoints keep, else the encoder family's: CLIP's or
-    SigLIP's)."""
+    """With a vision model: a Hugging Face processor_config.json or preprocessor_config.json (or their folder) saying
+    how images become pixel values (default: the one beside the tokenizer, which checkpoints keep, else the encoder
+    family's: CLIP's or SigLIP's)."""
 
     use_tiling: bool = False
     """With a vision model: cut each image into tiles of the encoder's size on the grid closest to its aspect ratio

@@ -14,11 +14,9 @@ from paratron.config.schema import Config
 from paratron.data.tokenizer import Tokenizer
 from paratron.data.vision.images import ImageSettings
 from paratron.data.vision.llava import PLACEHOLDER
-from paratron.data.vision.processor import ImageProcessor
+from paratron.data.vision.processor import ImageProcessor, settings_file
 from paratron.data.vision.tiling import ImageTiling
 from paratron.errors import ConfigError, DataError
-
-PROCESSOR_FILE = "preprocessor_config.json"
 
 
 def image_token_id(config: Config, tokenizer: Tokenizer) -> int:
@@ -35,19 +33,20 @@ def image_token_id(config: Config, tokenizer: Tokenizer) -> int:
 
 
 def image_processor(config: Config, tokenizer: Tokenizer) -> ImageProcessor:
-    """--image-processor's file, else the preprocessor_config.json beside the tokenizer's file (a Hugging Face
-    folder's, kept in the checkpoints made from it), else the encoder family's defaults at its image size."""
+    """--image-processor's file, else the processor settings beside the tokenizer's file (a Hugging Face
+    folder's processor_config.json or preprocessor_config.json, kept in the checkpoints made from it), else the
+    encoder family's defaults at its image size."""
     d, m = config.data, config.model
     given = d.image_processor
-    beside = Path(tokenizer.source).parent / PROCESSOR_FILE if tokenizer.source else None
-    if given is None and beside is not None and beside.is_file():
+    beside = settings_file(Path(tokenizer.source).parent) if tokenizer.source else None
+    if given is None and beside is not None:
         given = str(beside)
     if given is not None:
         processor = ImageProcessor.from_file(Path(given))
         if processor.output_size != (m.img_h, m.img_w):
             raise ConfigError(
                 f"{flag.image_processor} {given}: makes {processor.output_size[0]}x{processor.output_size[1]} images, "
-                f"but the encoder takes {m.img_h}x{m.img_w}; use the encoder's own preprocessor_config.json"
+                f"but the encoder takes {m.img_h}x{m.img_w}; give the encoder's own with {flag.image_processor}"
             )
         return processor
     if m.img_h != m.img_w:
