@@ -405,6 +405,7 @@ MODEL_ADJUSTABLE: tuple[str, ...] = (
     "lora_alpha",
     "lora_targets",
     "vision_model",
+    "add_image_token",
     "freeze_vision_model",
     "freeze_language_model",
 )
@@ -414,7 +415,7 @@ numerics that compute the same function (fp32 softmax, query-key layer scaling),
 loaded), vocabulary padding under tensor parallelism, the experts' balancing losses and capacity, kernels and LoRA
 adapters. Without a flag they too keep the checkpoint's values."""
 
-MODEL_PER_RUN: tuple[str, ...] = ("freeze_vision_model", "freeze_language_model")
+MODEL_PER_RUN: tuple[str, ...] = ("add_image_token", "freeze_vision_model", "freeze_language_model")
 """Model settings that say what one run trains, not what the model is: a run that loads a checkpoint does not take
 them from it (a stage-2 run after a projector-only stage 1 trains what its own flags say)."""
 
