@@ -106,3 +106,11 @@ def save_random_hf_model(model_class: type, config: Any, directory: Path) -> tor
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def write_processor_config(folder: Path, image_processor: dict[str, Any]) -> None:
+    """A folder in the layout of transformers' newest releases: the whole processor in processor_config.json,
+    the image processor's settings under "image_processor", and no preprocessor_config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    whole = {"image_processor": image_processor, "processor_class": "LlavaProcessor", "patch_size": 8}
+    (folder / "processor_config.json").write_text(json.dumps(whole), encoding="utf-8")

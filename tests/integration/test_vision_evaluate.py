@@ -1,7 +1,10 @@
 """`paratron evaluate` on a LLaVA-format file with real image files reports the loss transformers computes for the
 same samples with its own processor (LlavaProcessor: the tokenizer's chat template, CLIP's image processor, the
 image token expanded), labels -100 outside the assistant's turns: within 1e-5 relative, packed and unpacked on one
-process, and at TP2. The image processor travels from the Hugging Face folder into the converted checkpoint."""
+process, and at TP2. The image processor travels from the Hugging Face folder into the converted checkpoint, in
+either of the layouts transformers saves it in: preprocessor_config.json (the image processor's settings alone) and
+processor_config.json (the whole processor, the image settings under "image_processor"; the newest releases write
+no preprocessor_config.json)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from tokenizers import AddedToken
 from paratron.cli import main
 from paratron.data.tokenizer import train_byte_level_bpe
 
-from tiny import WORDS, save_random_hf_model
+from tiny import WORDS, save_random_hf_model, write_processor_config
 
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 60, 230), (240, 220, 30)]
 SAMPLES = [
@@ -41,9 +44,16 @@ SAMPLES = [
 ROLES = {"human": "user", "gpt": "assistant"}
 
 
-def llava_folder(folder: Path) -> Path:
+NEWEST_STATISTICS = dict(image_mean=[0.3, 0.6, 0.2], image_std=[0.2, 0.25, 0.4])
+"""The image statistics of the folder in the newest layout: not CLIP's defaults, so that defaults in their place
+would change the loss."""
+
+
+def llava_folder(folder: Path, newest_layout: bool = False) -> Path:
     """A random LLaVA (CLIP encoder, Llama with grouped-query attention) with a ChatML tokenizer holding <image>,
-    and CLIP's image processor at 16 pixels, as transformers saves them."""
+    and CLIP's image processor at 16 pixels, as transformers saves them; `newest_layout`: the processor written
+    as the newest transformers writes it (processor_config.json, no preprocessor_config.json), with
+    `NEWEST_STATISTICS`."""
     tokenizer = train_byte_level_bpe(iter([" ".join(WORDS)] * 20), 200)
     tokenizer.hf.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>", "<image>")])
     folder.mkdir(parents=True)
@@ -61,7 +71,12 @@ def llava_folder(folder: Path) -> Path:
         image_token_id=tokenizer.hf.token_to_id("<image>"),
     )
     save_random_hf_model(transformers.LlavaForConditionalGeneration, config, folder)
-    transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16).save_pretrained(folder)
+    if not newest_layout:
+        transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16).save_pretrained(folder)
+        return folder
+    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16, **NEWEST_STATISTICS)
+    write_processor_config(folder, json.loads(image_processor.to_json_string()))
+    assert not (folder / "preprocessor_config.json").exists()
     return folder
 
 
@@ -102,16 +117,19 @@ def transformers_loss(folder: Path, images: Path) -> tuple[float, int]:
     return total / count, count
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> tuple[Path, Path, float, int]:
-    root = tmp_path_factory.mktemp("llava")
-    folder = llava_folder(root / "hf")
+def _prepare(root: Path, newest_layout: bool) -> tuple[Path, Path, float, int]:
+    folder = llava_folder(root / "hf", newest_layout)
     for name, colour, size in zip("abcd", COLOURS, [(20, 24), (40, 16), (16, 16), (30, 50)]):
         Image.new("RGB", size, colour).save(root / f"{name}.png")
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps(s) + "\n" for s in SAMPLES), encoding="utf-8")
     assert main(["convert", "--from", "hf", str(folder), "--to", "paratron", str(root / "ckpt")]) == 0
     return root, data, *transformers_loss(folder, root)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> tuple[Path, Path, float, int]:
+    return _prepare(tmp_path_factory.mktemp("llava"), newest_layout=False)
 
 
 def _evaluate(root: Path, data: Path, *flags: str) -> dict:
@@ -126,6 +144,18 @@ def test_evaluate_equals_transformers_on_images(prepared, packing):
     root, data, expected, tokens = prepared
     assert (root / "ckpt").is_dir() and any((root / "ckpt").rglob("preprocessor_config.json"))
     result = _evaluate(root, data, packing)
+    assert result["tokens"] == tokens
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_evaluate_equals_transformers_with_the_newest_processor_layout(tmp_path):
+    """The processor settings transformers' newest releases write (processor_config.json alone) are read, carried
+    into the converted checkpoint and used: the loss is transformers' (CLIP's default statistics in their place
+    would change it)."""
+    root, data, expected, tokens = _prepare(tmp_path, newest_layout=True)
+    carried = list((root / "ckpt").rglob("processor_config.json"))
+    assert carried and json.loads(carried[0].read_text())["image_processor"]["image_mean"] == [0.3, 0.6, 0.2]
+    result = _evaluate(root, data, "--sft-pack")
     assert result["tokens"] == tokens
     assert result["loss"] == pytest.approx(expected, rel=1e-5)
 

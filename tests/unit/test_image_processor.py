@@ -20,7 +20,10 @@ from paratron.data.vision import (
     tile_count,
     tile_grid,
 )
+from paratron.data.vision.processor import settings_file
 from paratron.errors import ConfigError, DataError
+
+from tiny import write_processor_config
 
 try:
     import transformers
@@ -141,11 +144,61 @@ def test_bad_settings_name_the_file_and_the_fix(tmp_path, config, message):
 
 
 def test_missing_and_malformed_files(tmp_path):
-    with pytest.raises(DataError, match="preprocessor_config.json: no such file"):
+    with pytest.raises(DataError, match="holds neither processor_config.json nor preprocessor_config.json"):
         ImageProcessor.from_file(tmp_path)
+    with pytest.raises(DataError, match="preprocessor_config.json: no such file"):
+        ImageProcessor.from_file(tmp_path / "preprocessor_config.json")
     (tmp_path / "preprocessor_config.json").write_text("{oops")
     with pytest.raises(DataError, match="not readable JSON"):
         ImageProcessor.from_file(tmp_path)
+
+
+def test_both_layouts_of_a_processor_are_read(tmp_path):
+    odd = ImageProcessor.clip(12).to_dict() | {"image_mean": [0.1, 0.2, 0.3], "image_std": [0.4, 0.5, 0.6]}
+    expected = ImageProcessor.from_dict(odd)
+    assert expected != ImageProcessor.clip(12)  # (so that defaults in its place would show)
+    write_processor_config(tmp_path / "nested", odd)
+    assert ImageProcessor.from_file(tmp_path / "nested") == expected
+    assert ImageProcessor.from_file(tmp_path / "nested" / "processor_config.json") == expected
+    assert settings_file(tmp_path / "nested") == tmp_path / "nested" / "processor_config.json"
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "alone" / "preprocessor_config.json").write_text(json.dumps(odd))
+    assert ImageProcessor.from_file(tmp_path / "alone") == expected
+    # a processor_config.json without image settings gives way to a preprocessor_config.json beside it,
+    # as in transformers; the nested settings win over it
+    (tmp_path / "alone" / "processor_config.json").write_text(json.dumps({"processor_class": "LlavaProcessor"}))
+    assert ImageProcessor.from_file(tmp_path / "alone") == expected
+    (tmp_path / "nested" / "preprocessor_config.json").write_text(json.dumps(ImageProcessor.clip(12).to_dict()))
+    assert ImageProcessor.from_file(tmp_path / "nested") == expected
+    assert settings_file(tmp_path) is None
+
+
+def test_a_processor_without_image_settings_is_refused_by_name(tmp_path):
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "LlavaProcessor"}))
+    for path in (tmp_path, tmp_path / "processor_config.json"):
+        with pytest.raises(DataError, match="processor_config.json: declares the processor LlavaProcessor but holds no "
+                           "image processor settings .*; give the encoder's preprocessor_config.json with "
+                           "--image-processor"):  # fmt: skip
+            ImageProcessor.from_file(path)
+    write_processor_config(tmp_path, {"image_processor_type": "BlipImageProcessor"})
+    with pytest.raises(DataError, match=r"processor_config.json \(image_processor\): image_processor_type 'Blip"):
+        ImageProcessor.from_file(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty: holds neither processor_config.json nor preprocessor_config.json"):
+        ImageProcessor.from_file(tmp_path / "empty")
+
+
+@needs_transformers
+def test_the_newest_layout_is_what_transformers_reads(tmp_path):
+    """transformers reads the nested settings of a processor_config.json as its image processor: the same
+    settings here."""
+    theirs = transformers.CLIPImageProcessorPil(size={"shortest_edge": 12}, crop_size=12, image_mean=[0.1, 0.2, 0.3])
+    write_processor_config(tmp_path, _json(theirs))
+    loaded = transformers.CLIPImageProcessorPil.from_pretrained(tmp_path)
+    assert list(loaded.image_mean) == [0.1, 0.2, 0.3]
+    mine = ImageProcessor.from_file(tmp_path)
+    picture = _picture(20, 14, "RGB")
+    np.testing.assert_allclose(mine(picture).numpy(), _theirs(loaded, picture), atol=1e-6)
 
 
 # ---------------------------------------------------------------- tiling

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratron.checkpoint.grow import NEW_PARTS, fill_grown, grows
 from paratron.checkpoint.optimizer_state import optimizer_file, optimizer_snapshot
 from paratron.checkpoint.optimizer_state import write_index as write_optimizer_index
 from paratron.checkpoint.pieces import Catalog, box_key, writes
@@ -651,10 +652,12 @@ def weight_catalog(info: CheckpointInfo) -> Catalog:
 
 
 @torch.no_grad()
-def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = True) -> None:
+def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = True, grow: bool = False) -> None:
     """Copy the checkpoint's weights into `model` (or, whole=False, this rank's pipeline stage of
     it), each rank reading only the boxes it holds (`fully_sharded.held_boxes`) from the files,
-    whatever layout wrote them; refuses a checkpoint of another shape."""
+    whatever layout wrote them; refuses a checkpoint of another shape. A text checkpoint leaves a
+    vision model's encoder and projector as initialized, and `grow` (--add-image-token) lets the
+    vocabulary have more rows than the checkpoint's (`checkpoint.grow`)."""
     expected = dict(model.named_parameters())
     buffers = persistent_buffers(model)
     with weight_catalog(info) as catalog:
@@ -663,6 +666,8 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = Tru
                 catalog.fill(name, buffer, [(whole_box(buffer.shape), whole_box(buffer.shape))])
         if not any(is_adapter(name) for name in catalog.boxes):  # a base model for LoRA: new adapters keep their init
             expected = {name: param for name, param in expected.items() if not is_adapter(name)}
+        if not info.config.model.has_vision:  # a text model gaining an encoder and projector: they keep their init
+            expected = {name: param for name, param in expected.items() if not name.startswith(NEW_PARTS)}
         for name in expected:
             if name not in catalog:
                 raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
@@ -673,16 +678,28 @@ def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = Tru
             )
         for name, param in expected.items():
             shape = catalog.shapes[name]
-            if shape != full_shape(param):
-                raise CheckpointError(
-                    f"{info.path}: {name} has shape {list(shape)} there but "
-                    f"{list(full_shape(param))} in this model; use the same model settings"
-                )
             local = local_tensor(param)
             record = param_info(param)
             if record.shard is not None or record.expert_shard is not None:
                 local.zero_()  # (padding: in no box)
+            if shape != full_shape(param):
+                if not (grow and grows(name, shape, full_shape(param))):
+                    raise CheckpointError(_shape_mismatch(info, name, shape, full_shape(param)))
+                fill_grown(catalog, name, local, held_boxes(param))
+                continue
             catalog.fill(name, local, held_boxes(param))
+
+
+def _shape_mismatch(info: CheckpointInfo, name: str, saved: tuple[int, ...], wanted: tuple[int, ...]) -> str:
+    """The one line that refuses a tensor of another shape, naming --add-image-token where it is the fix."""
+    line = f"{info.path}: {name} has shape {list(saved)} there but {list(wanted)} in this model"
+    if grows(name, saved, wanted):
+        return (
+            f"{line}: the tokenizer has {wanted[0] - saved[0]} token(s) more than the checkpoint's vocabulary; add "
+            "--add-image-token with --finetune (and a --vision-model) to grow it, the new rows the mean of the old, "
+            "or use the checkpoint's own tokenizer"
+        )
+    return f"{line}; use the same model settings"
 
 
 def load_training_state(checkpoint: CheckpointInfo, topology: Topology) -> tuple[dict[str, Any], bool]:

@@ -23,6 +23,7 @@ from paratron.config.fields import FieldInfo, all_fields, coerce
 from paratron.config.megatron import ignored_like_megatron
 from paratron.config.presets import model_preset
 from paratron.config.samples import batch_schedule, sample_based_train_iters, step_schedule
+from paratron.config.vision import VisionSettings
 from paratron.errors import ConfigError
 
 try:  # where the Traversable protocol lives: Python 3.11 and later, then 3.10
@@ -114,6 +115,9 @@ NAMES_A_TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_f
 COUNTED = ("NullTokenizer", "TikTokenizer")
 """Tokenizers whose ids --vocab-size counts (Megatron-LM's meaning): a checkpoint's vocabulary, which holds
 NullTokenizer's end-of-document id too, is not that count."""
+
+VISION_FIELDS = frozenset(VisionSettings.__dataclass_fields__)
+"""The settings of a vision model's encoder and projector, free where a text checkpoint gains them."""
 
 SCHEDULE_LENGTHS = (
     ("train_iters", ("lr_decay_iters", "lr_wsd_decay_iters"), "lr_warmup_iters"),
@@ -258,6 +262,8 @@ def _keep_architecture(
             continue
         if name == "vocab_size" and not config.data.mock_data:
             continue  # (the tokenizer decides it; the weights' shapes are checked as they load)
+        if name in VISION_FIELDS and not theirs_model.has_vision:
+            continue  # (a text checkpoint has no encoder to contradict: the run's is new)
         given = as_flag(name, getattr(config.model, name))
         origin = origins.get(name)
         label = "query groups" if name in ("group_query_attention", "num_query_groups") else name.replace("_", " ")
@@ -278,6 +284,8 @@ def _keep_architecture(
     kept = {name: getattr(theirs_model, name) for name in schema.MODEL_ARCHITECTURE}
     if not config.data.mock_data:
         del kept["vocab_size"]  # (the tokenizer decides it)
+    if not theirs_model.has_vision:
+        kept = {name: value for name, value in kept.items() if name not in VISION_FIELDS}
     origins.update(dict.fromkeys(kept, saved.where))
     return dataclasses.replace(config, model=dataclasses.replace(config.model, **kept))
 

@@ -406,6 +406,7 @@ MODEL_ADJUSTABLE: tuple[str, ...] = (
     "lora_alpha",
     "lora_targets",
     "vision_model",
+    "add_image_token",
     "freeze_vision_model",
     "freeze_language_model",
 )
@@ -415,7 +416,7 @@ numerics that compute the same function (fp32 softmax, query-key layer scaling),
 loaded), vocabulary padding under tensor parallelism, the experts' balancing losses and capacity, kernels and LoRA
 adapters. Without a flag they too keep the checkpoint's values."""
 
-MODEL_PER_RUN: tuple[str, ...] = ("freeze_vision_model", "freeze_language_model")
+MODEL_PER_RUN: tuple[str, ...] = ("add_image_token", "freeze_vision_model", "freeze_language_model")
 """Model settings that say what one run trains, not what the model is: a run that loads a checkpoint does not take
 them from it (a stage-2 run after a projector-only stage 1 trains what its own flags say)."""
 
@@ -782,9 +783,9 @@ class DataConfig:
     own folder)."""
 
     image_processor: str | None = None
-    """With a vision model: a Hugging Face preprocessor_config.json (or its folder) saying how images become pixel
-    values (default: the one beside the tokenizer, which checkpoints keep, else the encoder family's: CLIP's or
-    SigLIP's)."""
+    """With a vision model: a Hugging Face processor_config.json or preprocessor_config.json (or their folder) saying
+    how images become pixel values (default: the one beside the tokenizer, which checkpoints keep, else the encoder
+    family's: CLIP's or SigLIP's)."""
 
     use_tiling: bool = False
     """With a vision model: cut each image into tiles of the encoder's size on the grid closest to its aspect ratio

@@ -22,7 +22,7 @@ from paratron.config.fim_checks import check_fim
 from paratron.config.layout import Layout, check_schedule, resolve_layout
 from paratron.config.samples import batch_ramp, schedule_lengths, step_schedule
 from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
-from paratron.config.vision_checks import check_vision_layout, check_vision_model
+from paratron.config.vision_checks import check_added_image_token, check_vision_layout, check_vision_model
 from paratron.errors import ConfigError
 
 
@@ -50,6 +50,7 @@ def validate(config: Config, world_size: int, check_data: bool = True, needs_sou
     _check_precision(config.training)
     _check_model(config.model, config.data)
     check_vision_model(config.model, config.data.seq_length)
+    check_added_image_token(config)
     _check_megatron_model_features(config)
     _check_step_batch_schedule(config, world_size)
     layout = resolve_layout(config, world_size)

@@ -122,6 +122,12 @@ class VisionSettings:
     """Token id of the image placeholder: each image's features take the places of as many placeholders as the
     encoder yields tokens (default: the tokenizer's image token, else the last id of the vocabulary)."""
 
+    add_image_token: bool = False
+    """Give the tokenizer an image token `<image>` (a new special token) where it has none, and grow the embedding
+    and output rows of the checkpoint loaded with --finetune to the new vocabulary, each new row the mean of the old
+    ones (LLaVA's recipe): a text model's start of a vision-language fine-tune. Nothing is added where the tokenizer
+    has `<image>` already or --image-token-id (or the checkpoint) names the image token."""
+
     freeze_vision_model: bool = False
     """Train neither the vision encoder's weights nor keep optimizer state for them (Megatron-LM's --freeze-ViT)."""
 

@@ -54,6 +54,23 @@ def check_vision_model(m: ModelConfig, seq_length: int) -> None:
         )
 
 
+def check_added_image_token(config: Config) -> None:
+    """--add-image-token gives a tokenizer the image token of a vision model: it needs both, and a token of its own."""
+    m = config.model
+    if not m.add_image_token:
+        return
+    if not m.has_vision:
+        raise ConfigError(
+            f"{flag.add_image_token} adds the image token of a vision-language model; add {flag.vision_model} NAME "
+            "or leave it out"
+        )
+    if config.data.mock_data:
+        raise ConfigError(
+            f"{flag.add_image_token} adds a token to a tokenizer, and {flag.mock_data} has none (its image token is "
+            "the last id of the vocabulary); leave it out"
+        )
+
+
 def check_vision_layout(config: Config, layout: Layout) -> None:
     """What the parallel layout asks of the encoder."""
     m = config.model

@@ -38,7 +38,7 @@ from paratron.data.sft.dataset import SFTDataset
 from paratron.data.sft.sources import sft_sources, unique_task_names, whole_tasks
 from paratron.data.tokenizer import AnyTokenizer, NullTokenizer, Tokenizer, tokenizer_for, train_byte_level_bpe
 from paratron.data.vision import MockVisionSamples
-from paratron.data.vision.settings import image_token_id
+from paratron.data.vision.settings import image_token_id, with_image_token
 from paratron.distributed.init import raise_any_failure
 from paratron.errors import DataError
 from paratron.storage import temporary_beside
@@ -175,14 +175,27 @@ class _Builder:
 
     def tokenizer_and_vocabulary(self, saved: Tokenizer | None) -> tuple[AnyTokenizer, str, int]:
         """The tokenizer, its cache identity and the model's vocabulary size (the tokenizer's unless
-        --vocab-size asks for more)."""
+        --vocab-size asks for more; with --add-image-token the tokenizer's `<image>` counts)."""
         tokenizer, tokenizer_id = self.tokenizer(saved)
+        grown = self.config.model.add_image_token  # (the checkpoint's rows grow to the vocabulary as they load)
+        if grown and self.config.model.image_token_id is None:  # (one named, by a flag or the checkpoint, is kept)
+            tokenizer = with_image_token(tokenizer)
+            tokenizer_id = _digest(tokenizer.spec())
         if isinstance(tokenizer, NullTokenizer):
             vocab = tokenizer.vocab_size  # --vocab-size ids plus the end-of-document id, as in Megatron
         else:
             vocab = self.config.model.vocab_size or tokenizer.vocab_size
+            vocab = max(vocab, tokenizer.vocab_size) if grown else vocab
         if vocab < tokenizer.vocab_size:
-            raise DataError(f"--vocab-size {vocab} is smaller than the tokenizer's {tokenizer.vocab_size}; raise it")
+            grow = (
+                ", add --add-image-token to grow the checkpoint's vocabulary to it"
+                if self.config.model.has_vision
+                else ""
+            )
+            raise DataError(
+                f"--vocab-size {vocab} (given, or the loaded checkpoint's) is smaller than the tokenizer's "
+                f"{tokenizer.vocab_size}; raise it{grow}, or use the checkpoint's own tokenizer"
+            )
         return tokenizer, tokenizer_id, vocab
 
     def resolve(self, path: str, flag: str, tokenizer: AnyTokenizer, tokenizer_id: str) -> str:

@@ -73,7 +73,10 @@ def check_data_inputs(config: Config, saved_tokenizer: bool = False) -> None:
         if kind == "TikTokenizer" and d.legacy_tokenizer and d.tiktoken_pattern is None:
             raise ConfigError(f"{flag.legacy_tokenizer} with TikTokenizer needs {flag.tiktoken_pattern} v1 or v2")
     if d.tokenizer_special_tokens and kind != "TikTokenizer":
-        raise ConfigError(f"{flag.tokenizer_special_tokens} applies to TikTokenizer only here; remove it for {kind}")
+        image = f" (to give it an image token <image>, use {flag.add_image_token})" if config.model.has_vision else ""
+        raise ConfigError(
+            f"{flag.tokenizer_special_tokens} applies to TikTokenizer only here; remove it for {kind}{image}"
+        )
     if kind == "HuggingFaceTokenizer" and d.tokenizer_model:
         model = Path(d.tokenizer_model).expanduser()
         if not (model.is_file() or (model / "tokenizer.json").is_file()):

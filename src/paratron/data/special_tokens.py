@@ -36,6 +36,7 @@ CARRIED_FILES = (
     CHAT_TEMPLATE_FILE,
     "generation_config.json",
     "preprocessor_config.json",
+    "processor_config.json",
 )
 """Hugging Face files beside tokenizer.json that a checkpoint keeps: the chat template, the declarations, and a
 vision-language model's image preprocessing."""

@@ -104,7 +104,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="PATH",
         help="An image for a vision-language model (repeat for several): each <image> of the prompt, or else one "
-        "before it, stands for one; preprocessed as the checkpoint's preprocessor_config.json says.",
+        "before it, stands for one; preprocessed as the checkpoint's processor settings say.",
     )
     prompts.add_argument(
         "--jsonl",

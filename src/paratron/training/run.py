@@ -205,7 +205,7 @@ def _assemble(
     n_params = sum(q.numel() for q in meta.parameters())
     model = parallelize(meta, config, topology, ctx.device, layout)
     if resume is not None:  # (before the optimizer takes its masters)
-        load_model_weights(resume, model.module, whole=topology.size(Axis.PP) == 1)
+        load_model_weights(resume, model.module, whole=topology.size(Axis.PP) == 1, grow=config.model.add_image_token)
     optimizer = build_optimizer(model, config.optimizer)
     seed_everything(t.seed + 100 * topology.pp_rank)  # dropout; weights and data have their own seeds
     state = plan.initial_state()
@@ -272,6 +272,12 @@ def _describe(
             if resume.weights_only
             else f"step {resume.iteration}" + (", fresh optimizer state (--no-load-optim)" if c.no_load_optim else "")
         )
+        if m.has_vision and not resume.config.model.has_vision:
+            grown = m.vocab_size - resume.config.model.vocab_size if m.add_image_token else 0
+            rows = (
+                f"; {grown} vocabulary row(s) added, each the mean of the old (--add-image-token)" if grown > 0 else ""
+            )
+            say(f"vision: a text checkpoint: the encoder and projector start from their initialization{rows}")
         for problem in resume.passed_over:
             say(f"warning: passed over a damaged checkpoint: {problem}")
         say(f"loaded {resume.path}: {how}")

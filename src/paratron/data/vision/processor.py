@@ -1,5 +1,11 @@
 """Images -> the pixel tensors a vision encoder reads, as Hugging Face's CLIP and SigLIP image
-processors make them (read from a checkpoint's `preprocessor_config.json`).
+processors make them (read from a model folder's `processor_config.json` or `preprocessor_config.json`).
+
+transformers has written a processor's settings in two layouts: the image processor's alone in
+`preprocessor_config.json`, and (newer releases, which no longer write that file) the whole processor in
+`processor_config.json`, the image processor's settings under its "image_processor" key. Both are read,
+with transformers' own precedence (the nested settings first); a folder that declares a processor whose
+image settings are in neither is refused, never replaced by the defaults.
 
 The steps and their order are those processors' own, so a model converted from Hugging Face sees
 the pixels it was trained on:
@@ -31,6 +37,11 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
 BICUBIC = int(Image.Resampling.BICUBIC)
 RESAMPLERS = {int(r): r.name.lower() for r in Image.Resampling}
+PROCESSOR_FILE = "processor_config.json"
+"""The whole processor's settings; transformers 5 puts its image processor's under "image_processor"."""
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+"""The image processor's settings alone (the layout of earlier releases)."""
+NESTED_KEY = "image_processor"
 KINDS = {"CLIPImageProcessor": "clip", "SiglipImageProcessor": "siglip"}
 """Hugging Face's processors whose steps these are (their Pil and Fast twins read the same settings)."""
 FIELDS = (
@@ -92,16 +103,31 @@ class ImageProcessor:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ImageProcessor:
-        """A checkpoint's `preprocessor_config.json` (or the folder holding one)."""
+        """A model folder's image processor: its `processor_config.json` or `preprocessor_config.json`
+        (`settings_file` picks), or either file itself."""
         path = Path(path).expanduser()
         if path.is_dir():
-            path = path / "preprocessor_config.json"
+            found = settings_file(path)
+            if found is None:
+                raise DataError(
+                    f"{path}: holds neither {PROCESSOR_FILE} nor {IMAGE_PROCESSOR_FILE}; give the folder or file of "
+                    "the model's image processor"
+                )
+            path = found
         if not path.is_file():
-            raise DataError(f"{path}: no such file; give a preprocessor_config.json or the folder holding one")
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DataError(f"{path}: not readable JSON ({exc}); fix the file") from None
+            raise DataError(
+                f"{path}: no such file; give a {IMAGE_PROCESSOR_FILE}, a {PROCESSOR_FILE} or the folder holding one"
+            )
+        config = _read_json(path)
+        if isinstance(config, dict) and (NESTED_KEY in config or path.name == PROCESSOR_FILE):
+            nested = config.get(NESTED_KEY)
+            if not isinstance(nested, dict):
+                raise DataError(
+                    f"{path}: declares the processor {config.get('processor_class', '(unnamed)')} but holds no image "
+                    f'processor settings ("{NESTED_KEY}"), and no {IMAGE_PROCESSOR_FILE} is beside it; give the '
+                    f"encoder's {IMAGE_PROCESSOR_FILE} with --image-processor"
+                )
+            return cls.from_dict(nested, f"{path} ({NESTED_KEY})")
         return cls.from_dict(config, str(path))
 
     @classmethod
@@ -187,6 +213,28 @@ class ImageProcessor:
         edge = self.size["shortest_edge"]
         scaled = int(edge * long / short)
         return (scaled, edge) if width <= height else (edge, scaled)
+
+
+def settings_file(folder: Path) -> Path | None:
+    """The file of `folder` that says how its images are processed, in transformers' order: a
+    `processor_config.json` with "image_processor" settings, else a `preprocessor_config.json`, else a
+    `processor_config.json` without them (which `ImageProcessor.from_file` refuses by name); None when
+    the folder declares no processor."""
+    whole, alone = folder / PROCESSOR_FILE, folder / IMAGE_PROCESSOR_FILE
+    if whole.is_file():
+        config = _read_json(whole)
+        if isinstance(config, dict) and isinstance(config.get(NESTED_KEY), dict):
+            return whole
+    if alone.is_file():
+        return alone
+    return whole if whole.is_file() else None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: not readable JSON ({exc}); fix the file") from None
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
