@@ -61,11 +61,11 @@ def _rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _adjacent_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """One view over `tensors` if each starts in their storage where the one before ends (None otherwise, or
-    where autograd watches them: a view of the first would not pass gradients to the others)."""
+    """One view over `tensors` if each starts in their storage where the one before ends (None otherwise, under
+    compile, or where autograd watches them: a view of the first would not pass gradients to the others)."""
     first = tensors[0]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return None
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None  # (a compiled graph has its own memory plan: it concatenates)
     storage, offset, rest = first.untyped_storage().data_ptr(), first.storage_offset(), first.shape[1:]
     for tensor in tensors:
         if (
