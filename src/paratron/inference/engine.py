@@ -171,10 +171,10 @@ class Engine:
         logits = self.runner.run(plan)
         touched = self._score_prompts(rows, logits)
         touched |= self._sample(work, rows, logits)
-        for request_id in sorted(touched, key=list(self._requests).index):
-            request = self._requests[request_id]
-            outputs.append(request.output())
-            if request.output().finished:
+        for request_id in [r for r in self._requests if r in touched]:  # (in the order they came)
+            output = self._requests[request_id].output()
+            outputs.append(output)
+            if output.finished:
                 del self._requests[request_id]
         return outputs
 

@@ -19,7 +19,7 @@ from paratron.inference.params import Completion, SamplingParams
 from paratron.inference.text import IncrementalText
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """One completion of a request: its tokens (prompt, then generated) and where their keys are cached."""
 
