@@ -134,15 +134,14 @@ def calm(tmp_path_factory) -> dict[int, float]:
     return losses(root / "run")
 
 
-def test_a_run_that_loses_a_rank_six_times_ends_as_the_uninterrupted_one(tmp_path, calm):
-    """Six kills (SIGKILL of a seeded random rank at a seeded random step, one per attempt, steps
-    in order so each fires: twice at step 1, before any checkpoint, and twice at the last step),
-    --max-restarts 6, a checkpoint every 2 steps: every restart resumes from the newest intact
+def test_a_run_that_loses_a_rank_four_times_ends_as_the_uninterrupted_one(tmp_path, calm):
+    """Four kills (SIGKILL of a seeded random rank, one per attempt, steps in order so each fires:
+    twice at step 1, before any checkpoint, once between checkpoints and once at the last step),
+    --max-restarts 4, a checkpoint every 2 steps: every restart resumes from the newest intact
     checkpoint, and the losses are the uninterrupted run's."""
-    steps, kills = STEPS, 6
+    steps, kills = STEPS, 4
     chance = random.Random(10)
-    faults = [f"{chance.randrange(2)}:{step}:crash" for step in sorted(chance.randint(1, steps) for _ in range(kills))]
-    assert [int(fault.split(":")[1]) for fault in faults] == [1, 1, 4, 7, 8, 8]
+    faults = [f"{chance.randrange(2)}:{step}:crash" for step in (1, 1, 5, steps)]
     code, out, err = finish(
         start(
             *BROKEN,
