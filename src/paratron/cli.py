@@ -169,7 +169,7 @@ def _like_megatron(
     starts from scratch. A --load elsewhere that holds nothing stays an error (check_inputs).
     `notes_first`: how the settings were resolved (`config.loading.Resolution.notes`), printed before;
     `ignored`: the warnings of the settings resolved as if not given (`Resolution.ignored`)."""
-    from paratron.checkpoint.io import holds_checkpoint
+    from paratron.checkpoint.verify import holds_checkpoint
     from paratron.config.megatron import adjust_like_megatron
 
     config, adjusted = adjust_like_megatron(config, given)

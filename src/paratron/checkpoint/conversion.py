@@ -20,7 +20,9 @@ from typing import Any, Protocol
 import torch
 import yaml
 
-from paratron.checkpoint.io import CONVERT_FIX, CheckpointInfo, weight_catalog
+from paratron.checkpoint.load import weight_catalog
+from paratron.checkpoint.save import CONVERT_FIX
+from paratron.checkpoint.verify import CheckpointInfo
 from paratron.config.loading import build_config, config_to_dict
 from paratron.config.schema import Config
 from paratron.data.tokenizer import Tokenizer

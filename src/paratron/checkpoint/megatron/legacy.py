@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from paratron.checkpoint.conversion import Converted, ConvertOptions
-from paratron.checkpoint.io import TRACKER
+from paratron.checkpoint.files import TRACKER
 from paratron.checkpoint.megatron.layout import LAYER, Shapes, from_paratron, merge_tp, split_tp, to_paratron
 from paratron.checkpoint.megatron.locate import MEGATRON_FILE, MegatronCheckpoint, legacy_pp, rank_file
 from paratron.checkpoint.megatron.settings import megatron_args, padded_vocab
