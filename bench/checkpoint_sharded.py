@@ -91,7 +91,7 @@ def measure(settings: dict, directory: str, rounds: int) -> dict:
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.parallel import parallelize
-    from paratron.parallel.data.fully_sharded import local_tensor
+    from paratron.parallel.data_parallel.fully_sharded import local_tensor
     from paratron.parallel.sharding import full_shape
 
     ctx = initialize("gloo")  # (one process: no process group)

@@ -20,7 +20,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from paratron.checkpoint.convert import paratron_to_hf
+from paratron.checkpoint.formats import paratron_to_hf
 from paratron.checkpoint.lock import LOCK_NAME
 from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.checkpoint.verify import read_checkpoint

@@ -15,7 +15,7 @@ import transformers  # the reference; installed with the test extras
 from safetensors.torch import load_file, save_file
 
 from paratron.checkpoint import load_pretrained
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_hf
 from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import main

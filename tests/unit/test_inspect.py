@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_megatron
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_megatron
 from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import main
 from paratron.debugging import inspect_diff

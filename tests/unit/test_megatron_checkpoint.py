@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint import megatron as mc
-from paratron.checkpoint.convert import megatron_to_paratron, paratron_to_megatron
+from paratron.checkpoint.formats import megatron_to_paratron, paratron_to_megatron
 from paratron.checkpoint.load import model_from_checkpoint
 from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.checkpoint.verify import read_checkpoint

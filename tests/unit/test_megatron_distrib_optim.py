@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from paratron.checkpoint import megatron as mc
-from paratron.checkpoint.convert import megatron_to_paratron
+from paratron.checkpoint.formats import megatron_to_paratron
 from paratron.checkpoint.megatron.distrib_optim import Bucketing, bucket_places
 from paratron.checkpoint.verify import read_checkpoint
 from paratron.distributed.local_ranks import run_ranks

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paratron.checkpoint import megatron as mc
-from paratron.checkpoint.convert import megatron_to_paratron, paratron_to_hf, paratron_to_megatron
+from paratron.checkpoint.formats import megatron_to_paratron, paratron_to_hf, paratron_to_megatron
 from paratron.checkpoint.hf import hf_config, model_type_of
 from paratron.checkpoint.load import model_from_checkpoint
 from paratron.checkpoint.save import CheckpointContent, save_checkpoint

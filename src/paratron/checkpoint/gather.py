@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratron.distributed.topology import Axis, Topology
-from paratron.parallel.data.fully_sharded import full_parameter
+from paratron.parallel.data_parallel.fully_sharded import full_parameter
 from paratron.parallel.sharding import gather_full, param_info
 
 

@@ -21,7 +21,7 @@ from paratron.distributed.topology import Axis, Topology
 from paratron.errors import CheckpointError
 from paratron.model.gpt import GPT, build_model
 from paratron.model.lora import is_adapter
-from paratron.parallel.data.fully_sharded import held_boxes, local_tensor
+from paratron.parallel.data_parallel.fully_sharded import held_boxes, local_tensor
 from paratron.parallel.sharding import full_shape, param_info, whole_box
 
 

@@ -15,7 +15,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from paratron.checkpoint.convert import hf_to_paratron, megatron_to_paratron
+from paratron.checkpoint.formats import hf_to_paratron, megatron_to_paratron
 from paratron.checkpoint.megatron import cache_name, config_of, detect_format, open_megatron
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.checkpoint.verify import CheckpointInfo, holds_checkpoint, read_checkpoint

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from paratron.checkpoint.conversion import (
+from paratron.checkpoint.converted import (
     Converted,
     ConvertOptions,
     build_converted,

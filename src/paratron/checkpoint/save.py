@@ -39,7 +39,7 @@ from paratron.data.special_tokens import CHAT_TEMPLATE_FILE
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.errors import UserError
 from paratron.optim.protocol import TrainingOptimizer
-from paratron.parallel.data.fully_sharded import held_boxes, local_tensor
+from paratron.parallel.data_parallel.fully_sharded import held_boxes, local_tensor
 from paratron.parallel.sharding import full_shape
 from paratron.storage import (
     Space,

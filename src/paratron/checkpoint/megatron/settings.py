@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from paratron.checkpoint.conversion import config_from_settings
-from paratron.checkpoint.megatron.layout import Shapes
+from paratron.checkpoint.converted import config_from_settings
+from paratron.checkpoint.megatron.tensor_layout import Shapes
 from paratron.config.schema import Config, ModelConfig
 from paratron.errors import CheckpointError
 
