@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import CheckpointInfo, load_model_weights, read_checkpoint, weight_catalog
+from paratron.checkpoint.load import load_model_weights, weight_catalog
 from paratron.checkpoint.model_of import (
     is_hf_folder,
     paratron_checkpoint,
@@ -26,6 +26,7 @@ from paratron.checkpoint.model_of import (
     saved_tokenizer,
     with_checkpoint,
 )
+from paratron.checkpoint.verify import CheckpointInfo, read_checkpoint
 from paratron.config.fields import flag
 from paratron.config.inference import InferenceConfig
 from paratron.config.layout import resolve_layout
