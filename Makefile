@@ -5,6 +5,9 @@
 # the tests compare with: megatron-core, transformers, peft, the openai client, lm-evaluation-harness).
 
 PYTHON ?= python3
+TEST_WORKERS ?= 2
+# (`make test` runs the suite on TEST_WORKERS processes: most tests wait on process start-up and on each other's
+# ranks, so two workers share two cores well)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 RUN_STAMP  := $(VENV)/.installed
@@ -34,7 +37,7 @@ vlm-demo: $(RUN_STAMP)
 	$(PY) scripts/vlm_demo.py
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not spawns"
