@@ -20,6 +20,7 @@ from paratron.config.faults import parse_faults
 from paratron.config.fields import FieldInfo, all_fields, flag
 from paratron.config.fim_checks import check_fim
 from paratron.config.layout import Layout, check_schedule, resolve_layout
+from paratron.config.pattern_checks import check_layer_pattern
 from paratron.config.samples import batch_ramp, schedule_lengths, step_schedule
 from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from paratron.config.vision_checks import check_added_image_token, check_vision_layout, check_vision_model
@@ -49,6 +50,7 @@ def validate(config: Config, world_size: int, check_data: bool = True, needs_sou
     _check_launch(config.parallel)
     _check_precision(config.training)
     _check_model(config.model, config.data)
+    check_layer_pattern(config)
     check_vision_model(config.model, config.data.seq_length)
     check_added_image_token(config)
     _check_megatron_model_features(config)

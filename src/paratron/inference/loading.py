@@ -37,6 +37,7 @@ from paratron.distributed import comm
 from paratron.distributed.init import collective_device
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.errors import ConfigError
+from paratron.inference.attention import key_value_layers
 from paratron.inference.engine import Engine
 from paratron.inference.kv_cache import PagedKVCache, bytes_per_token
 from paratron.inference.runner import ModelRunner, ReplicaGroups
@@ -181,7 +182,7 @@ def _engine(
     the engine."""
     device = next(p.device for p in model.parameters())
     heads = max(1, config.num_query_groups // groups.tensor.size)
-    layers = [i for i, layer in enumerate(model.layers) if layer is not None]
+    layers = key_value_layers(model)
     per_token = bytes_per_token(len(layers), heads, config.kv_channels, dtype)
     block = settings.kv_block_size
     context = config.max_position_embeddings

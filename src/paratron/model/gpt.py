@@ -16,8 +16,8 @@ from paratron.model.init import init_weights
 from paratron.model.lora import add_adapters
 from paratron.model.transformer import (
     KVCache,
-    TransformerBlock,
     TransformerLayers,
+    build_layers,
     make_norm,
     rotary_cos_sin,
     rotary_width,
@@ -26,7 +26,8 @@ from paratron.model.vision import VisionModel
 
 
 class GPT(nn.Module):
-    """Token (+ learned position) embedding, a stack of blocks, a final norm and the output layer.
+    """Token (+ learned position) embedding, a stack of layers (Transformer blocks, or the residual sublayers of a
+    --hybrid-layer-pattern: `model.transformer.build_layers`), a final norm and the output layer.
 
     `forward(input_ids)` returns logits [B, T, vocab]; `position_ids` and `segment_ids` ([B, T])
     lay out several sequences packed in one row (see `model.batch`). When `input_ids` holds only
@@ -51,9 +52,7 @@ class GPT(nn.Module):
         learned = config.position_embedding_type == "learned_absolute"
         self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = TransformerLayers(
-            TransformerBlock(config, moe, number) for number, moe in enumerate(config.moe_layer_pattern, start=1)
-        )
+        self.layers = TransformerLayers(build_layers(config))
         self.final_norm = make_norm(config)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

@@ -39,8 +39,8 @@ def apply_compile(model: GPT, backend: str) -> int:
     generator fork switches to it around the compiled call."""
     blocks = [block for block in model.layers if block is not None]
     for block in blocks:
-        moe = getattr(block, "mlp", None)
-        if not isinstance(moe, MoELayer):
+        moe = block.kind_of(MoELayer)
+        if moe is None:
             _compile_region(block, backend)
             continue
         for region in _regions_around_experts(block, moe):
