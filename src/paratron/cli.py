@@ -90,11 +90,9 @@ def _check_and_launch(
     this process is a worker and goes on, with the settings returned (fitted to this machine's
     GPUs). `origins`: where settings came from (`Resolution.origins`), for the error line."""
     from paratron.config.loading import explain_origins
-    from paratron.config.validation import validate
     from paratron.distributed.init import computing_device_type, env_world_size, fit_to_devices, launched_by_torchrun
     from paratron.distributed.launch import needs_agent, run_under_torchrun, slurm_settings
-    from paratron.parallel.fp8 import check_fp8
-    from paratron.training.run import check_inputs
+    from paratron.training.preflight import check_before_launch
 
     torchrun = launched_by_torchrun()
     resolved = config  # (remembers where its settings came from)
@@ -103,9 +101,8 @@ def _check_and_launch(
         config, argv = fit_to_devices(config, argv)  # (one process per GPU, counted before any starts)
     p = config.parallel
     try:
-        validate(config, env_world_size() if torchrun else p.nproc_per_node * p.nnodes)
-        check_inputs(config)
-        check_fp8(config.training, computing_device_type(p.distributed_backend))
+        world_size = env_world_size() if torchrun else p.nproc_per_node * p.nnodes
+        check_before_launch(config, world_size, computing_device_type(p.distributed_backend))
     except UserError as exc:  # say which settings a recipe, a preset or the checkpoint gave
         raise type(exc)(explain_origins(str(exc), origins or {}, resolved, config)) from None
     if needs_agent(p) and not torchrun:

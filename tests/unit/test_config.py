@@ -13,7 +13,7 @@ from paratron.config.arguments import parse_config_arguments
 from paratron.config.fields import all_fields
 from paratron.config.megatron import from_megatron_dict
 from paratron.errors import ConfigError
-from paratron.training.run import check_inputs
+from paratron.training.preflight import check_inputs
 
 MEGATRON_COMMAND = """
 --num-layers 6 --hidden-size 96 --ffn-hidden-size 256 --num-attention-heads 6 --group-query-attention

@@ -8,7 +8,6 @@ import pytest
 from paratron.config import build_config, validate
 from paratron.data.blending import BlendedDataset
 from paratron.data.build import build_data
-from paratron.data.checks import check_data_inputs
 from paratron.data.corpus import stdlib_files
 from paratron.data.datasets import MockTokens
 from paratron.data.gpt_dataset import GPTDataset
@@ -16,6 +15,7 @@ from paratron.data.loader import BatchPlan
 from paratron.data.preprocess import input_files, preprocess
 from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.errors import ConfigError, DataError
+from paratron.training.preflight.data_files import check_data_inputs
 
 TEXTS = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "print('héllo wörld')\n", "数据并行与张量并行\n"]
 

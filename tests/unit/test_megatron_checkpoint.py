@@ -372,7 +372,8 @@ def test_round_trip_through_megatron_is_exact(oracle, tmp_path, kind):
 @pytest.mark.spawns
 def test_train_loads_a_megatron_checkpoint(oracle, tmp_path):
     from paratron.checkpoint.io import read_weight
-    from paratron.training.run import check_inputs, run_training
+    from paratron.training.preflight import check_inputs
+    from paratron.training.run import run_training
 
     from tiny import tiny_config
 

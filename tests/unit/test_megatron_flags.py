@@ -80,7 +80,7 @@ def test_sequence_parallel_at_tensor_parallel_one_is_turned_off_with_a_warning(c
 
 
 def test_load_of_the_empty_save_directory_starts_fresh_elsewhere_it_is_refused(tmp_path, capsys):
-    from paratron.training.run import check_inputs
+    from paratron.training.preflight import check_inputs
 
     same = str(tmp_path / "ckpt")
     config = parse(["--save", same, "--load", same, "--mock-data"])

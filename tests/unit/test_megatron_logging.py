@@ -22,7 +22,8 @@ from paratron.distributed.local_ranks import run_ranks
 from paratron.errors import ConfigError
 from paratron.model.gpt import build_model
 from paratron.training.flops import bounded_mfu, peak_flops
-from paratron.training.run import check_logging_settings, run_training
+from paratron.training.preflight.logging_settings import check_logging_settings
+from paratron.training.run import run_training
 
 from tiny import LLAMA_STYLE, tiny_config
 

@@ -326,13 +326,24 @@ def refresh_megatron_doc(path: str) -> None:
 
 def markdown_megatron() -> str:
     """docs/megatron.md's reference part: how paratron treats every Megatron-LM flag it knows of."""
-    fields = all_fields()
     mlm = megatron_flags()
     lines = [
         "## Every flag",
         "",
         "Generated from `src/paratron/config/megatron.py` by `make docs`; do not edit by hand.",
         "",
+        *_megatron_implemented(mlm),
+        *_megatron_accepted_and_refused(),
+        *_megatron_others(mlm),
+    ]
+    return "\n".join(lines)
+
+
+def _megatron_implemented(mlm: frozenset[str]) -> list[str]:
+    """The section on the flags paratron implements: its own settings under Megatron-LM's names, then the
+    switches, translated values and other spellings."""
+    fields = all_fields()
+    lines = [
         "### Implemented with Megatron-LM's meaning",
         "",
         "Settings whose flag is Megatron-LM's own. The meaning column is paratron's `--help` text; where "
@@ -353,7 +364,12 @@ def markdown_megatron() -> str:
         lines.append(f"| `--{alias.replace('_', '-')}` | {text} |")
     for flag, name in sorted(RENAMES.items()):
         lines.append(f"| `{flag}` | Another spelling of `{fields[name].flag}`. |")
-    lines += [
+    return lines
+
+
+def _megatron_accepted_and_refused() -> list[str]:
+    """The sections on the flags paratron accepts without effect and on those it refuses."""
+    lines = [
         "",
         "### Accepted: no effect on the numbers",
         "",
@@ -371,11 +387,16 @@ def markdown_megatron() -> str:
     ]
     for flag, entry in sorted(REFUSED.items()):
         lines.append(f"| `--{flag}` | {entry.meaning} | {entry.reason.capitalize()}. |")
+    return lines
+
+
+def _megatron_others(mlm: frozenset[str]) -> list[str]:
+    """The section listing Megatron-LM's flags that paratron's parser neither takes nor refuses with a reason."""
     parser = ArgumentParser(prog="paratron train")
     add_config_arguments(parser)
     listed = {flag[2:] for flag in parser._option_string_actions} | set(REFUSED)
     others = sorted(f for f in mlm if f not in listed)
-    lines += [
+    return [
         "",
         "### Other Megatron-LM flags",
         "",
@@ -386,4 +407,3 @@ def markdown_megatron() -> str:
         ", ".join(f"`--{f}`" for f in others) + ".",
         "",
     ]
-    return "\n".join(lines)

@@ -50,7 +50,7 @@ from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettin
 from paratron.parallel.data.fully_sharded import held_boxes, local_tensor, shard_fully
 from paratron.parallel.data.param_gather import FlatParameters
 from paratron.parallel.expert.apply import ExpertGroups, apply_expert_parallel
-from paratron.parallel.fp8 import check_fp8, convert_to_float8, precompute_weight_scales
+from paratron.parallel.fp8 import convert_to_float8, precompute_weight_scales
 from paratron.parallel.model import FusedLoss, ParallelModel, TokenLoss
 from paratron.parallel.pipeline.p2p import ACTIVATION, GRADIENT, StageComm
 from paratron.parallel.pipeline.runtime import PipelineRuntime
@@ -85,7 +85,6 @@ def parallelize(
         apply_context_parallel(model, topology.group(Axis.CP), config.parallel.cp_comm_type)
     token_loss, rng = _model_parallel(model, config, topology, device)
     if t.fp8_format is not None and device.type != "meta":  # (torchao's fp8 layers; a dry run prices them as bf16)
-        check_fp8(t, device.type)
         convert_to_float8(model, t)
     if t.recompute_granularity is not None:
         apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)

@@ -21,8 +21,8 @@ import torch
 
 from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import ModelConfig
-from paratron.model.transformer import layer_kinds
 from paratron.distributed.init import accelerator_peak_flops, synchronize
+from paratron.model.transformer import layer_kinds
 
 
 def matmul_parameters(config: ModelConfig) -> int:

@@ -16,22 +16,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import (
-    CheckpointInfo,
-    load_model_weights,
-    read_checkpoint,
-    whole_model_state,
-)
+from paratron.checkpoint.io import CheckpointInfo, load_model_weights, whole_model_state
 from paratron.checkpoint.lock import SaveLock, held_by_the_launcher
-from paratron.checkpoint.megatron import check_load
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
-from paratron.config.fields import flag
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
 from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import Config
 from paratron.data.build import build_data, cache_root
-from paratron.data.checks import check_data_inputs
 from paratron.data.tokenizer import Tokenizer
 from paratron.debugging.batches import BatchSource, dump_batches
 from paratron.distributed.init import (
@@ -47,7 +39,7 @@ from paratron.distributed.init import (
 from paratron.distributed.parent import expected_parent
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.distributed.watchdog import Watchdog
-from paratron.errors import CheckpointError, ConfigError
+from paratron.errors import CheckpointError
 from paratron.inference.generate import generate
 from paratron.model.attention_kernel import attention_kernel
 from paratron.model.gpt import GPT, build_model
@@ -55,9 +47,10 @@ from paratron.optim.build import build_optimizer
 from paratron.parallel.parallelize import parallelize
 from paratron.training.flops import peak_flops, training_flops_per_token
 from paratron.training.loop import Trainer
-from paratron.training.metrics import MetricsWriter, ProgressLog, require_wandb
+from paratron.training.metrics import MetricsWriter, ProgressLog
 from paratron.training.plot import plot_loss_curve
-from paratron.training.profiling import check_profile_settings, manual_gc
+from paratron.training.preflight.checkpoint import uses_saved_tokenizer
+from paratron.training.profiling import manual_gc
 from paratron.training.resume import ResumePlan, TrainState, plan_resume
 
 
@@ -66,44 +59,12 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
-def check_inputs(config: Config) -> None:
-    """Cheap checks of the files a run will read, made before any worker starts: the checkpoint to
-    load (it exists and is complete), and the data and tokenizer files."""
-    load, info = config.checkpoint.load, None
-    if load is not None:
-        if not Path(load).expanduser().is_dir():
-            raise ConfigError(f"{flag.load} {load}: no such checkpoint directory; check the path")
-        if check_load(Path(load).expanduser(), config.checkpoint.ckpt_format) == "paratron":  # (or Megatron-LM's)
-            info = read_checkpoint(Path(load).expanduser(), verify=False)
-    check_data_inputs(config, saved_tokenizer=uses_saved_tokenizer(config, info))
-    check_logging_settings(config)
-    if config.inference.eval_tasks:  # (names the harness does not know, before training starts)
-        from paratron.inference.tasks import TRAINING_FLAGS, task_manager  # (start-up speed, docs/architecture.md)
-
-        task_manager(config.inference.eval_tasks, config.inference.eval_tasks_include_path, TRAINING_FLAGS)
-
-
-def uses_saved_tokenizer(config: Config, info: CheckpointInfo | None) -> bool:
-    """Whether a run takes the tokenizer saved with the checkpoint it loads: when it fine-tunes from it
-    (--sft, --finetune, or a converted model's weights) and the checkpoint has one; a resume builds its
-    own (the same one, from the same settings). A tokenizer the run names still comes first (`build_data`)."""
-    fine_tuning = info is not None and (config.data.sft or config.checkpoint.finetune or info.weights_only)
-    return fine_tuning and (info.path / "tokenizer.json").is_file()
-
-
-def check_logging_settings(config: Config) -> None:
-    """--profile's steps and ranks, and wandb installed when asked for (one-line errors)."""
-    check_profile_settings(config.logging)
-    require_wandb(config.logging)
-
-
 def run_training(config: Config) -> TrainState:
     """Train as configured on this process's rank; returns the final state (all ranks). A process
     group the caller started is used and left running; one started here is shut down."""
     owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
-        check_logging_settings(config)
         with _save_lock(config, ctx), deterministic_algorithms(config.training.deterministic_mode, ctx.device):
             return _run(config, ctx)
     finally:

@@ -112,24 +112,10 @@ def train_step(
         with timers.time("optimizer-unscale-and-check-inf"):
             overflow = precision.unscale(grads.tensors, grads.group)
         grad_norm, nonfinite, zeros = None, False, None
-        if not overflow and stats is not None:
-            stats.take_grads(grads)
         if not overflow:
-            with timers.time("optimizer-clip-main-grad"):
-                grad_norm = clip_grad_norm(grads.tensors, clip_grad, grads.group, grads.weights)
-            # without the check (--no-check-for-nan-in-loss-and-grad) a non-finite step is applied, as in Megatron-LM
-            nonfinite = options.check_nonfinite and not bool(torch.isfinite(grad_norm))
-            if options.count_zeros:
-                with timers.time("optimizer-count-zeros"):
-                    zeros = count_zeros(grads)
-            if not (nonfinite or withheld):
-                with timers.time("optimizer-inner-step"):
-                    optimizer.step()
-                if stats is not None:
-                    stats.take_update()
-                with timers.time("optimizer-copy-main-to-model-params"):
-                    optimizer.after_step()
-                update_expert_biases(model, experts)
+            grad_norm, nonfinite, zeros = _clip_and_apply(
+                model, optimizer, grads, clip_grad, options, timers, experts, withheld
+            )
         precision.update(overflow)
     if options.empty_unused_memory_level >= 2 and options.device is not None:
         release_unused_memory(options.device)
@@ -145,6 +131,40 @@ def train_step(
         images=images,
         withheld=withheld,
     )
+
+
+def _clip_and_apply(
+    model: ParallelModel,
+    optimizer: TrainingOptimizer,
+    grads: GradsForNorm,
+    clip_grad: float,
+    options: StepOptions,
+    timers: StepTimers,
+    experts: ExpertStats | None,
+    withheld: bool,
+) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+    """Clip the unscaled gradients of a step that did not overflow and apply them unless their norm is not finite
+    or the step is withheld; returns the norm before clipping, whether it was not finite, and the zero count."""
+    stats = options.layer_stats
+    if stats is not None:
+        stats.take_grads(grads)
+    with timers.time("optimizer-clip-main-grad"):
+        grad_norm = clip_grad_norm(grads.tensors, clip_grad, grads.group, grads.weights)
+    # without the check (--no-check-for-nan-in-loss-and-grad) a non-finite step is applied, as in Megatron-LM
+    nonfinite = options.check_nonfinite and not bool(torch.isfinite(grad_norm))
+    zeros = None
+    if options.count_zeros:
+        with timers.time("optimizer-count-zeros"):
+            zeros = count_zeros(grads)
+    if not (nonfinite or withheld):
+        with timers.time("optimizer-inner-step"):
+            optimizer.step()
+        if stats is not None:
+            stats.take_update()
+        with timers.time("optimizer-copy-main-to-model-params"):
+            optimizer.after_step()
+        update_expert_biases(model, experts)
+    return grad_norm, nonfinite, zeros
 
 
 def count_zeros(grads: GradsForNorm) -> torch.Tensor:

@@ -107,7 +107,8 @@ def sft_sources(
     build_once: BuildOnce,
     log: Log,
 ) -> SFTSources:
-    d = config.data
+    """A run's conversations: the training blend of `train_samples`, and its validation sets (one per task, and
+    their blend) when the run evaluates."""
     template = tokenizer_chat_template(config.data.chat_template, tokenizer)
     assert isinstance(tokenizer, Tokenizer)
     images = vision_data(config, tokenizer)
@@ -115,9 +116,28 @@ def sft_sources(
     def dataset(conversations: Sequence[TokenizedConversation], samples: int | None, name: str) -> SFTDataset:
         return make_dataset(config, tokenizer, images, conversations, samples, name)
 
-    def load(path: str) -> Sequence[TokenizedConversation]:
-        return load_task(path, template, tokenizer, images)
+    tasks = _split_tasks(config, lambda path: load_task(path, template, tokenizer, images))
+    train, truncated = _training_blend(config, tasks, train_samples, dataset, cache_dir, build_once, log)
+    if config.training.eval_iters == 0:
+        return SFTSources(train, None, {}, truncated)
+    valid, valid_tasks = _validation_sets(config, tasks, valid_samples, dataset, cache_dir, build_once)
+    return SFTSources(train, valid, valid_tasks, truncated)
 
+
+@dataclass
+class _Tasks:
+    """A run's tasks, split: each task's training and validation conversations, names and blend weights."""
+
+    train: list[Sequence[TokenizedConversation]]
+    names: list[str]
+    weights: list[float] | None
+    valid: list[Sequence[TokenizedConversation]]
+    valid_names: list[str]
+
+
+def _split_tasks(config: Config, load: Callable[[str], Sequence[TokenizedConversation]]) -> _Tasks:
+    """--data-path's tasks cut by --split, or --train-data-path's and --valid-data-path's tasks as they are."""
+    d = config.data
     if d.data_path:
         blend = parse_blend(d.data_path)
         tasks = [load(p) for p in blend.paths]
@@ -125,47 +145,67 @@ def sft_sources(
         cuts = [split_ranges(len(task), d.split) for task in tasks]
         train_parts = [_Subset(task, cut[0]) for task, cut in zip(tasks, cuts)]
         valid_parts = [_Subset(task, cut[1]) for task, cut in zip(tasks, cuts)]
-        weights = blend.weights
-    else:
-        train_blend, valid_blend = parse_blend(d.train_data_path, "--train-data-path"), None
-        train_parts = [load(p) for p in train_blend.paths]
-        names, weights = unique_task_names(train_blend.paths), train_blend.weights
-        valid_parts, valid_names = [], []
-        if d.valid_data_path:
-            valid_blend = parse_blend(d.valid_data_path, "--valid-data-path")
-            valid_parts = [load(p) for p in valid_blend.paths]
-            valid_names = unique_task_names(valid_blend.paths)
-    for part, name in zip(train_parts, names):
+        return _Tasks(train_parts, names, blend.weights, valid_parts, names)
+    train_blend = parse_blend(d.train_data_path, "--train-data-path")
+    train_parts = [load(p) for p in train_blend.paths]
+    valid_parts, valid_names = [], []
+    if d.valid_data_path:
+        valid_blend = parse_blend(d.valid_data_path, "--valid-data-path")
+        valid_parts = [load(p) for p in valid_blend.paths]
+        valid_names = unique_task_names(valid_blend.paths)
+    return _Tasks(train_parts, unique_task_names(train_blend.paths), train_blend.weights, valid_parts, valid_names)
+
+
+def _training_blend(
+    config: Config,
+    tasks: _Tasks,
+    size: int,
+    dataset: Callable[[Sequence[TokenizedConversation], int | None, str], SFTDataset],
+    cache_dir: Path,
+    build_once: BuildOnce,
+    log: Log,
+) -> tuple[SampleSource, tuple[int, int]]:
+    """The training blend of `size` samples, and (conversations cut to --seq-length, conversations)."""
+    for part, name in zip(tasks.train, tasks.names):
         if len(part) == 0:
             raise DataError(f"{name}: no conversations fall in the train split; change --split")
-    epochs = [dataset(p, None, n) for p, n in zip(train_parts, names)]
-    train = _blend(epochs, weights, train_samples, dataset, names, cache_dir, build_once)
+    epochs = [dataset(p, None, n) for p, n in zip(tasks.train, tasks.names)]
+    train = _blend(epochs, tasks.weights, size, dataset, tasks.names, cache_dir, build_once)
     truncated = (sum(e.truncated for e in epochs), sum(len(e.conversations) for e in epochs))
     if truncated[0]:
         log(
-            f"{truncated[0]} of {truncated[1]} training conversation(s) longer than --seq-length {d.seq_length} were "
-            "truncated (--no-truncate refuses them)"
+            f"{truncated[0]} of {truncated[1]} training conversation(s) longer than --seq-length "
+            f"{config.data.seq_length} were truncated (--no-truncate refuses them)"
         )
-    if config.training.eval_iters == 0:
-        return SFTSources(train, None, {}, truncated)
+    return train, truncated
+
+
+def _validation_sets(
+    config: Config,
+    tasks: _Tasks,
+    size: int,
+    dataset: Callable[[Sequence[TokenizedConversation], int | None, str], SFTDataset],
+    cache_dir: Path,
+    build_once: BuildOnce,
+) -> tuple[SampleSource | None, dict[str, SampleSource]]:
+    """Each task's validation set (each sample once, in order, when the run evaluates whole sets; else `size`
+    samples), and the one the run evaluates: the only task's, or their blend."""
     whole = config.training.eval_batches(True) is None  # (each validation sample once, in order)
-    if d.data_path:
-        valid_names = names
     valid_tasks = {}
-    for part, name in zip(valid_parts, valid_names):
+    for part, name in zip(tasks.valid, tasks.valid_names):
         if len(part) == 0:
             raise DataError(
                 f"{name}: no conversations fall in the validation split; change --split, give --valid-data-path, "
                 "or set --eval-iters 0"
             )
-        valid_tasks[name] = dataset(part, None if whole else valid_samples, name)
+        valid_tasks[name] = dataset(part, None if whole else size, name)
     valid = next(iter(valid_tasks.values())) if len(valid_tasks) == 1 else None
     if valid is None and valid_tasks:
         sizes = [len(task) for task in valid_tasks.values()]
         shares = [n / sum(sizes) for n in sizes] if whole else [1.0 / len(valid_tasks)] * len(valid_tasks)
-        size = sum(sizes) if whole else valid_samples
-        valid = BlendedDataset(list(valid_tasks.values()), shares, size, cache_dir, build_once, valid_names)
-    return SFTSources(train, valid, valid_tasks, truncated)
+        total = sum(sizes) if whole else size
+        valid = BlendedDataset(list(valid_tasks.values()), shares, total, cache_dir, build_once, tasks.valid_names)
+    return valid, valid_tasks
 
 
 def _blend(

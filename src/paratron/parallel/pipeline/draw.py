@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from paratron.parallel.pipeline.schedules import Span
 from paratron.storage import save_figure, write_text_atomic
@@ -34,7 +35,6 @@ def draw_timeline(spans: list[list[Span]], path: Path, title: str, unit: str = "
     # (matplotlib is imported lazily, for start-up speed: most runs never draw; docs/architecture.md)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     path = Path(path)
     ranks = len(spans)
@@ -53,43 +53,57 @@ def draw_timeline(spans: list[list[Span]], path: Path, title: str, unit: str = "
 
     present: set[tuple[str, int]] = set()
     for rank, row in enumerate(spans):
-        groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
-        for action, start, end in row:
-            groups.setdefault((action.kind, action.chunk), []).append((start, end - start))
-            label = str(action.microbatch)
-            if (end - start) * px_per_unit >= _LABEL_PX_PER_CHAR * len(label) + 2:
-                ax.text(
-                    (start + end) / 2,
-                    rank,
-                    label,
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="white" if action.chunk == 0 or chunks == 1 else "black",
-                )
-        for (kind, chunk), boxes in groups.items():
-            ax.broken_barh(
-                boxes,
-                (rank - 0.4, 0.8),
-                facecolors=_shade(_COLOURS.get(kind, "grey"), chunk, chunks),
-                edgecolors="white",
-                linewidth=0.5,
-            )
-            present.add((kind, chunk))
+        present |= _draw_row(ax, rank, row, chunks, px_per_unit)
 
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.set_xlabel(f"time {unit}".strip())
     ax.set_title(title)
+    handles = _legend_handles(present, chunks)
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    return save_figure(fig, path, "the pipeline timeline", "free space or choose another --output")
+
+
+def _draw_row(ax: Any, rank: int, row: list[Span], chunks: int, px_per_unit: float) -> set[tuple[str, int]]:
+    """Draw one rank's boxes, one bar series per (kind, chunk), labelling those wide enough with their
+    micro-batch; returns the (kind, chunk) pairs drawn, for the legend."""
+    groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for action, start, end in row:
+        groups.setdefault((action.kind, action.chunk), []).append((start, end - start))
+        label = str(action.microbatch)
+        if (end - start) * px_per_unit >= _LABEL_PX_PER_CHAR * len(label) + 2:
+            ax.text(
+                (start + end) / 2,
+                rank,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if action.chunk == 0 or chunks == 1 else "black",
+            )
+    for (kind, chunk), boxes in groups.items():
+        ax.broken_barh(
+            boxes,
+            (rank - 0.4, 0.8),
+            facecolors=_shade(_COLOURS.get(kind, "grey"), chunk, chunks),
+            edgecolors="white",
+            linewidth=0.5,
+        )
+    return set(groups)
+
+
+def _legend_handles(present: set[tuple[str, int]], chunks: int) -> list[Any]:
+    """One legend entry per (kind, chunk) drawn, in F, B, W order; B is named input gradients when W is there."""
+    from matplotlib.patches import Patch  # (lazy for start-up speed, docs/architecture.md)
+
     split = any(kind == "W" for kind, _ in present)
     handles = []
     for kind, chunk in sorted(present, key=lambda kc: ("FBW".find(kc[0]), kc[1])):
         name = "backward (input gradients)" if kind == "B" and split else _NAMES.get(kind, kind)
         label = f"{kind} {name}" + (f", chunk {chunk}" if chunks > 1 else "")
         handles.append(Patch(facecolor=_shade(_COLOURS.get(kind, "grey"), chunk, chunks), label=label))
-    if handles:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
-    return save_figure(fig, path, "the pipeline timeline", "free space or choose another --output")
+    return handles
 
 
 def write_chrome_trace(path: Path, spans_per_rank: dict[int, list[Span]]) -> Path:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -43,6 +44,17 @@ class GradientSync(Protocol):
     def require_sync(self, enabled: bool) -> None: ...
 
     def grad_ready(self, param: nn.Parameter) -> None: ...
+
+
+@dataclass
+class _StepState:
+    """What one step's operations share: the loss total, the clock's origin, and per (micro-batch, chunk) the
+    input whose gradient B sends back (None on the first stage) and the output (or loss) B starts from."""
+
+    total: torch.Tensor
+    origin: float = 0.0
+    inputs: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 class PipelineRuntime:
@@ -84,59 +96,83 @@ class PipelineRuntime:
         count = len(batches)
         if count != self.schedule.microbatches:
             raise ValueError(f"the schedule is for {self.schedule.microbatches} micro-batches, got {count}")
-        inputs: dict[tuple[int, int], torch.Tensor | None] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        total = torch.zeros((), device=batches[0].device)
+        step = _StepState(total=torch.zeros((), device=batches[0].device))
         self.spans = []
         if self.record:
             self.synchronize()  # (only then: a device sync in every step would cost time)
-        origin = time.perf_counter()
+        step.origin = time.perf_counter()
         actions = self.schedule.ranks[self.rank]
         self.peak_live = 0
         incoming = self._post_receive(actions[0], batches)
         for position, action in enumerate(actions):
-            key = (action.microbatch, action.chunk)
             batch = batches[action.microbatch]
-            first, last = self.runner.is_first(action.chunk), self.runner.is_last(action.chunk)
             if action.kind == "F":
-                x = batch.input_ids if incoming is None else incoming.wait().requires_grad_()
-                begin = self._now(origin)
-                out = self.runner(action.chunk, x, batch)
-                if last:
-                    loss = self._token_losses(out, batch).sum() * weights[action.microbatch]
-                    total += loss.detach()
-                    outputs[key] = loss
-                else:
-                    self._send(out, action, +1, ACTIVATION)
-                    _free_values(out)
-                    outputs[key] = out
-                inputs[key] = None if first else x
-                self.peak_live = max(self.peak_live, len(outputs))
+                begin = self._forward(action, batch, incoming, weights[action.microbatch], step)
             elif action.kind == "B":
-                self.gradients.require_sync(action.microbatch == count - 1)
-                out = outputs.pop(key)
-                grad = None if incoming is None else incoming.wait()
-                begin = self._now(origin)
-                with self.store.capture(key) if self.store is not None else contextlib.nullcontext():
-                    if last:
-                        backward(out)
-                    else:
-                        _backward_through(out, grad)
-                x = inputs.pop(key)
-                if x is not None:
-                    self._send(x.grad, action, -1, GRADIENT)
+                begin = self._backward(action, incoming, backward, action.microbatch == count - 1, step)
             else:
-                self.gradients.require_sync(action.microbatch == count - 1)
-                begin = self._now(origin)
-                if self.store is not None:  # (without one, B computed the weight gradients)
-                    self.store.run(key, self.gradients.grad_ready)
+                begin = self._weight_grads(action, action.microbatch == count - 1, step)
             if self.record:
-                self.spans.append((action, begin, self._now(origin)))
+                self.spans.append((action, begin, self._now(step.origin)))
             # this operation's sends leave now, with the next operation's receive
             following = actions[position + 1] if position + 1 < len(actions) else None
             incoming = self._post_receive(following, batches) if following is not None else None
         self.comm.wait_sends()
-        return total
+        return step.total
+
+    def _forward(
+        self, action: Action, batch: Batch, incoming: PendingReceive | None, weight: torch.Tensor, step: _StepState
+    ) -> float:
+        """F: run the chunk and send its output on, or turn it into the weighted loss on the last stage; returns
+        when the operation began."""
+        key = (action.microbatch, action.chunk)
+        x = batch.input_ids if incoming is None else incoming.wait().requires_grad_()
+        begin = self._now(step.origin)
+        out = self.runner(action.chunk, x, batch)
+        if self.runner.is_last(action.chunk):
+            loss = self._token_losses(out, batch).sum() * weight
+            step.total += loss.detach()
+            step.outputs[key] = loss
+        else:
+            self._send(out, action, +1, ACTIVATION)
+            _free_values(out)
+            step.outputs[key] = out
+        step.inputs[key] = None if self.runner.is_first(action.chunk) else x
+        self.peak_live = max(self.peak_live, len(step.outputs))
+        return begin
+
+    def _backward(
+        self,
+        action: Action,
+        incoming: PendingReceive | None,
+        backward: Callable[[torch.Tensor], None],
+        last_microbatch: bool,
+        step: _StepState,
+    ) -> float:
+        """B: backward from the loss or the received output gradient, then send the input gradient back; returns
+        when the operation began."""
+        key = (action.microbatch, action.chunk)
+        self.gradients.require_sync(last_microbatch)
+        out = step.outputs.pop(key)
+        grad = None if incoming is None else incoming.wait()
+        begin = self._now(step.origin)
+        with self.store.capture(key) if self.store is not None else contextlib.nullcontext():
+            if self.runner.is_last(action.chunk):
+                backward(out)
+            else:
+                _backward_through(out, grad)
+        x = step.inputs.pop(key)
+        if x is not None:
+            self._send(x.grad, action, -1, GRADIENT)
+        return begin
+
+    def _weight_grads(self, action: Action, last_microbatch: bool, step: _StepState) -> float:
+        """W: the weight gradients B deferred; returns when the operation began."""
+        self.gradients.require_sync(last_microbatch)
+        begin = self._now(step.origin)
+        if self.store is not None:  # (without one, B computed the weight gradients)
+            self.store.run((action.microbatch, action.chunk), self.gradients.grad_ready)
+        return begin
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> torch.Tensor:

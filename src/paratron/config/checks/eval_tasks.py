@@ -1,5 +1,5 @@
 """What `train --eval-tasks` needs of a run: a tokenizer (the harness speaks text) and a layout the inference engine
-runs. The task names themselves are checked against the harness' index with the input files (`training.run`)."""
+runs. The task names themselves are checked against the harness' index with the input files (`training.preflight`)."""
 
 from __future__ import annotations
 
