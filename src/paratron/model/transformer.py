@@ -1,7 +1,8 @@
 """The Transformer's pieces, shared by the language model (`model/gpt.py`) and the vision encoder
-(`model/vision.py`): rotary positions, the KV cache, attention, norms, the pre-norm block and the stack of
-blocks. Plain single-device PyTorch; head counts are derived from weight shapes (`view(B, T, -1, head_dim)`), so
-tensor parallelism can swap `nn.Linear` for its sharded twins without touching this file.
+(`model/vision.py`): rotary positions, what attention asks of a KV cache, attention (and the gated attention), norms,
+the layers (pre-norm blocks, or the residual sublayers of a layer pattern) and their stack. Plain single-device
+PyTorch; head counts are derived from weight shapes (`view(B, T, -1, head_dim)`), so tensor parallelism can swap
+`nn.Linear` for its sharded twins without touching this file.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ _rotate = FusibleOp(rotate_queries_and_keys)
 
 class LayerCache(Protocol):
     """What attention asks of a layer's KV cache: take the new keys and values, give back all it attends over (the
-    contiguous `LayerKVCache` below; the inference engine's paged one, `inference.kv_cache`)."""
+    inference engine's paged cache, `inference.kv_cache`)."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -97,40 +98,6 @@ class LayerCaches(Protocol):
 
     @property
     def layers(self) -> Sequence[LayerCache | None]: ...
-
-
-class LayerKVCache:
-    """Keys and values of one layer for the positions seen so far; allocated on first use."""
-
-    def __init__(self, max_length: int) -> None:
-        self.max_length = max_length
-        self.length = 0
-        """Positions held so far: the next keys and values go after them."""
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the keys and values of the new positions; all of them so far."""
-        if self.keys is None:
-            shape = (k.size(0), k.size(1), self.max_length, k.size(3))
-            self.keys = k.new_empty(shape)
-            self.values = v.new_empty(shape)
-        start, end = self.length, self.length + k.size(2)
-        self.keys[:, :, start:end] = k
-        self.values[:, :, start:end] = v  # type: ignore[index]
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]  # type: ignore[index]
-
-
-class KVCache:
-    """Per-layer caches; `length` is the number of positions already processed."""
-
-    def __init__(self, num_layers: int, max_length: int) -> None:
-        self.layers = [LayerKVCache(max_length) for _ in range(num_layers)]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
 
 
 # ---------------------------------------------------------------- attention
