@@ -27,6 +27,7 @@ from paratron.model.layer_kind import Column, LayerKind, PartialGradient, Random
 from paratron.model.mlp import MLP
 from paratron.model.moe import MoELayer
 from paratron.model.transformer import Attention, GatedAttention, PatternLayer, TransformerBlock
+from paratron.planning.memory import local_parameters
 from paratron.training.flops import matmul_parameters, training_flops_per_token
 
 TINY = dict(
@@ -187,3 +188,9 @@ def test_the_pattern_places_the_pipeline_stages_and_num_layers_is_ignored_with_a
 def test_hugging_face_export_refuses_layers_its_families_lack(setting):
     with pytest.raises(CheckpointError, match="cannot express; keep it as a paratron checkpoint"):
         hf_config(ModelConfig(num_layers=2, **TINY, **setting), "llama")
+
+
+def test_the_planner_says_it_does_not_price_a_pattern_yet():
+    config = ModelConfig(hybrid_layer_pattern="*-*-", **TINY)
+    with pytest.raises(ConfigError, match="the planner prices Transformer blocks; a --hybrid-layer-pattern model"):
+        local_parameters(config, 1, 1, None)
