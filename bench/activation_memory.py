@@ -7,7 +7,7 @@ For each model variant (GPT-2 style: LayerNorm, GELU, dropout 0.1; Llama style: 
 rotary, no dropout), recomputation mode (none, selective, full) and layout (one process; tensor
 parallel 2 with sequence parallelism, two gloo processes) it builds the model through
 `paratron.parallel.parallelize` in bf16 with 1 and with 2 layers, runs one forward of one
-micro-batch under `paratron.training.memory.SavedActivations`, and takes the difference: the
+micro-batch under `paratron.training.memory_report.SavedActivations`, and takes the difference: the
 bytes one layer keeps for backward on rank 0, exactly (tensor storages, each counted once,
 parameters excluded).
 
@@ -71,7 +71,7 @@ def measure(tp: int, sequence_parallel: bool) -> dict[str, float]:
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model.gpt import GPT
     from paratron.parallel.parallelize import parallelize
-    from paratron.training.memory import SavedActivations
+    from paratron.training.memory_report import SavedActivations
 
     dist.init_process_group("gloo")
     topology = Topology(ParallelDims(tp, tp=tp), dist.get_rank())

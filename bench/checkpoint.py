@@ -34,16 +34,10 @@ from pathlib import Path
 import torch
 
 from common import RESULTS, add_smoke_argument, apply_smoke
-from paratron.checkpoint.io import (
-    BackgroundSave,
-    CheckpointContent,
-    begin_save,
-    load_model_weights,
-    read_checkpoint,
-    save_checkpoint,
-    write_text_atomic,
-)
+from paratron.checkpoint.load import load_model_weights
 from paratron.checkpoint.optimizer_state import load_optimizer
+from paratron.checkpoint.save import BackgroundSave, CheckpointContent, begin_save, save_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.config import build_config
 from paratron.distributed import rng
 from paratron.distributed.topology import ParallelDims, Topology
@@ -51,6 +45,7 @@ from paratron.model.batch import Batch
 from paratron.model.gpt import GPT
 from paratron.optim.build import build_optimizer
 from paratron.parallel import parallelize
+from paratron.storage import write_text_atomic
 
 
 def _size(path: Path) -> int:

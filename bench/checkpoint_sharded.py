@@ -79,15 +79,10 @@ def measure(settings: dict, directory: str, rounds: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from paratron.checkpoint.io import (
-        CheckpointContent,
-        load_model_weights,
-        read_checkpoint,
-        save_checkpoint,
-        weight_boxes,
-        weight_catalog,
-    )
+    from paratron.checkpoint.load import load_model_weights, weight_catalog
     from paratron.checkpoint.optimizer_state import load_optimizer, optimizer_snapshot
+    from paratron.checkpoint.save import CheckpointContent, save_checkpoint, weight_boxes
+    from paratron.checkpoint.verify import read_checkpoint
     from paratron.config import build_config
     from paratron.distributed import rng
     from paratron.distributed.init import initialize
@@ -96,7 +91,7 @@ def measure(settings: dict, directory: str, rounds: int) -> dict:
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.parallel import parallelize
-    from paratron.parallel.data.fully_sharded import local_tensor
+    from paratron.parallel.data_parallel.fully_sharded import local_tensor
     from paratron.parallel.sharding import full_shape
 
     ctx = initialize("gloo")  # (one process: no process group)

@@ -34,7 +34,7 @@ from tokenizers import AddedToken
 
 from common import NO_DROPOUT, add_smoke_argument, apply_smoke
 from llama_common import save_random_llama
-from paratron.checkpoint.convert import hf_to_paratron
+from paratron.checkpoint.formats import hf_to_paratron
 from paratron.config import build_config
 from paratron.data.corpus import docstring_instructions, stdlib_files
 from paratron.data.tokenizer import train_byte_level_bpe

@@ -31,8 +31,9 @@ import transformers
 
 from common import RESULTS, SEED, add_smoke_argument, apply_smoke
 from llama_common import save_random_llama
-from paratron.checkpoint.convert import hf_to_paratron
-from paratron.checkpoint.io import model_from_checkpoint, read_checkpoint
+from paratron.checkpoint.formats import hf_to_paratron
+from paratron.checkpoint.load import model_from_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.config.inference import InferenceConfig
 from paratron.inference.engine import Engine
 from paratron.inference.loading import engine_for_model

@@ -30,7 +30,7 @@ from lm_eval.models.huggingface import HFLM
 from common import RESULTS, add_smoke_argument, apply_smoke
 from llama_common import save_random_llama
 from paratron.checkpoint import load_pretrained
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_hf
 from paratron.config.inference import InferenceConfig
 from paratron.data.corpus import stdlib_files
 from paratron.data.tokenizer import Tokenizer, train_byte_level_bpe

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from common import RESULTS, ROOT, add_smoke_argument, apply_smoke
-from paratron.checkpoint.io import CheckpointContent, save_checkpoint
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.config import build_config
 from paratron.debugging.inspect import run_inspect
 from paratron.distributed.topology import ParallelDims, Topology

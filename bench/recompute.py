@@ -9,7 +9,7 @@ One process builds the same GPT-2-style model (dropout 0.1, so the attention cor
 quadratic activations) once per mode from the same seed and trains it in fp32 with paratron's
 training step on the same batches. Rounds alternate the modes, so drift in the machine's speed
 hits all of them; the time reported is the median over rounds of the mean step time. Each mode's
-activations saved for backward are counted once with `paratron.training.memory.SavedActivations`.
+activations saved for backward are counted once with `paratron.training.memory_report.SavedActivations`.
 
 Writes bench/results/recompute.json and .md (a section for BENCHMARKS.md).
 """
@@ -45,7 +45,7 @@ def run(args: dict) -> dict:
     from paratron.optim.build import build_optimizer
     from paratron.optim.mixed_precision import Precision
     from paratron.parallel.parallelize import parallelize
-    from paratron.training.memory import SavedActivations
+    from paratron.training.memory_report import SavedActivations
     from paratron.training.step import train_step
 
     torch.set_num_threads(args["threads"])

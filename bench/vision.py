@@ -48,7 +48,7 @@ from paratron.distributed.local_ranks import run_ranks
 from paratron.model.gpt import GPT, build_model
 from paratron.planning.candidates import balanced_ends, output_ratio, vision_ratio
 from paratron.planning.dry_run import dry_run, kernels_for
-from paratron.planning.memory import predict_memory
+from paratron.planning.memory_prediction import predict_memory
 from paratron.training.run import run_training
 
 PARTS = ("step", "pixels", "memory")

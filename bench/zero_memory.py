@@ -7,7 +7,7 @@
 For each data-parallel size N it spawns N gloo processes on this machine; each builds the same
 Llama-shaped GPT (4 layers, hidden 512, vocabulary 8192, untied input and output embeddings, about
 21M parameters) at every requested ZeRO stage, runs one fp32 training step so that Adam's state
-exists, and counts its training state with `paratron.parallel.data.memory.training_state_elements`
+exists, and counts its training state with `paratron.parallel.data_parallel.state_memory.training_state_elements`
 (exact: the tensors themselves, storage shared by views counted once). Stage 0 is plain data
 parallelism (full gradient buffer, ordinary AdamW).
 
@@ -51,7 +51,7 @@ def measure(stages: list[int], shape: dict) -> list[dict]:
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
     from paratron.optim.mixed_precision import Precision
-    from paratron.parallel.data.memory import paper_bytes, training_state_elements
+    from paratron.parallel.data_parallel.state_memory import paper_bytes, training_state_elements
     from paratron.parallel.parallelize import parallelize
     from paratron.training.step import train_step
 
@@ -110,7 +110,7 @@ def measure(stages: list[int], shape: dict) -> list[dict]:
 
 def summarize(size: int, per_rank: list[list[dict]]) -> list[dict]:
     """One entry per stage: rank 0's figures, the maximum over ranks, and the formulas."""
-    from paratron.parallel.data.memory import zero_formula
+    from paratron.parallel.data_parallel.state_memory import zero_formula
 
     entries = []
     for i, first in enumerate(per_rank[0]):
@@ -155,7 +155,8 @@ def markdown(entries: list[dict], command: str) -> str:
         f"    {command}",
         "",
         f"Training state held by one data-parallel rank after one step (AdamW), counted tensor by tensor with "
-        f"`paratron.parallel.data.memory.training_state_elements`: a Llama-shaped GPT of 4 layers, hidden 512, "
+        f"`paratron.parallel.data_parallel.state_memory.training_state_elements`: "
+        f"a Llama-shaped GPT of 4 layers, hidden 512, "
         f"vocabulary 8192, untied embeddings, **psi = {psi:,} parameters**, gradient buckets of 4M elements, "
         f'N gloo processes on CPU. Element counts are multiples of psi (maximum over ranks). "Mixed" prices '
         f"those counts at the ZeRO paper's widths (2-byte parameters and gradients, 4-byte master weights, "

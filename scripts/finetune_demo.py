@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from paratron.checkpoint.io import read_checkpoint
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.data.corpus import docstring_instructions, stdlib_files
 from paratron.data.sft import tokenizer_chat_template
 

@@ -33,8 +33,9 @@ import torch
 from PIL import Image, ImageDraw
 from tokenizers import AddedToken
 
-from paratron.checkpoint.io import model_from_checkpoint, read_checkpoint
+from paratron.checkpoint.load import model_from_checkpoint
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.config import Config, build_config
 from paratron.config.schema import CheckpointConfig
 from paratron.data.sft import chat_stop_ids, tokenizer_chat_template

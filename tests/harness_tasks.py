@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, processors
 
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_hf
 from paratron.data.tokenizer import EOD_TOKEN, train_byte_level_bpe
 
 from tiny import WORDS

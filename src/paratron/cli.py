@@ -166,7 +166,7 @@ def _like_megatron(
     starts from scratch. A --load elsewhere that holds nothing stays an error (check_inputs).
     `notes_first`: how the settings were resolved (`config.loading.Resolution.notes`), printed before;
     `ignored`: the warnings of the settings resolved as if not given (`Resolution.ignored`)."""
-    from paratron.checkpoint.io import holds_checkpoint
+    from paratron.checkpoint.verify import holds_checkpoint
     from paratron.config.megatron import adjust_like_megatron
 
     config, adjusted = adjust_like_megatron(config, given)
@@ -290,7 +290,7 @@ def cmd_evaluate(argv: list[str]) -> int:
     launched, config = _check_and_launch(config, ["evaluate", *argv], resolution.origins)
     if launched is not None:
         return launched
-    from paratron.training.evaluate import run_evaluation
+    from paratron.training.validation_loss import run_evaluation
 
     run_evaluation(config, namespace.output)
     return 0
@@ -572,7 +572,10 @@ def cmd_serve(argv: list[str]) -> int:
         raise ConfigError(f"--port {namespace.port}: must be between 0 (a free port) and 65535")
     if namespace.api_key is not None and not namespace.api_key.strip():
         raise ConfigError("--api-key: empty; give a key, or leave it out to serve without one")
-    from paratron.inference.serving import run_server, serve_settings  # (start-up speed, docs/architecture.md: torch)
+    from paratron.inference.serve_processes import (  # (start-up speed, docs/architecture.md: torch)
+        run_server,
+        serve_settings,
+    )
 
     resolution = serve_settings(overrides, recipe)
     launched, config = _check_and_launch(resolution.config, ["serve", *argv], resolution.origins)
@@ -587,8 +590,8 @@ def cmd_serve(argv: list[str]) -> int:
 
 @command("convert", "convert weights between Hugging Face, Megatron-LM and paratron checkpoints")
 def cmd_convert(argv: list[str]) -> int:
-    from paratron.checkpoint.conversion import ConvertOptions
-    from paratron.checkpoint.convert import UNSUPPORTED, convert, converts
+    from paratron.checkpoint.converted import ConvertOptions
+    from paratron.checkpoint.formats import UNSUPPORTED, convert, converts
     from paratron.checkpoint.hf import FAMILY_NAMES
     from paratron.config.arguments import ArgumentParser
 

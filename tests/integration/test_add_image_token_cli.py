@@ -14,7 +14,8 @@ from PIL import Image
 from test_cli import QUIET, assert_one_line_error, in_process
 from tokenizers import AddedToken
 
-from paratron.checkpoint.io import read_checkpoint, read_weight
+from paratron.checkpoint.load import read_weight
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import main
 from paratron.data.tokenizer import Tokenizer, train_byte_level_bpe
 

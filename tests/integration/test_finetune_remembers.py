@@ -14,8 +14,8 @@ import pytest
 import transformers
 from test_cli import QUIET, assert_one_line_error, in_process
 
-from paratron.checkpoint.io import read_checkpoint
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import main
 from paratron.data.sft import tokenizer_chat_template
 from paratron.data.sft.templates import CHATML

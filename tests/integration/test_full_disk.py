@@ -20,9 +20,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from paratron.checkpoint.convert import paratron_to_hf
-from paratron.checkpoint.io import CheckpointContent, read_checkpoint, save_checkpoint
+from paratron.checkpoint.formats import paratron_to_hf
 from paratron.checkpoint.lock import LOCK_NAME
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import main
 from paratron.data.preprocess import save_trained_tokenizer
 from paratron.data.tokenizer import train_byte_level_bpe

@@ -18,7 +18,7 @@ from PIL import Image
 from test_vision_evaluate import llava_folder
 from tokenizers import AddedToken
 
-from paratron.checkpoint.convert import paratron_to_megatron
+from paratron.checkpoint.formats import paratron_to_megatron
 from paratron.cli import main
 from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.inference import generate_command

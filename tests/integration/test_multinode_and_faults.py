@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from paratron.checkpoint.io import TRACKER, read_checkpoint
+from paratron.checkpoint.files import TRACKER
 from paratron.checkpoint.lock import LOCK_NAME
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import main
 from paratron.distributed.local_ranks import free_port
 from paratron.distributed.watchdog import Watchdog

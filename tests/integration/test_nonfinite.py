@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from paratron.checkpoint.io import read_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.distributed.local_ranks import run_ranks
 from paratron.errors import NonFiniteStop
 from paratron.training.run import run_training

@@ -18,7 +18,7 @@ import openai
 import pytest
 import requests
 
-from paratron.checkpoint.convert import hf_to_paratron
+from paratron.checkpoint.formats import hf_to_paratron
 from paratron.inference.params import SamplingParams
 from serve_model import engine_of, tiny_llama_folder
 

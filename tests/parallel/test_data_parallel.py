@@ -92,7 +92,7 @@ def reduced_shards(mode: str, scatter_by_all_reduce: bool) -> list[torch.Tensor]
 
     from paratron.distributed.init import initialize
     from paratron.distributed.topology import RankGroup
-    from paratron.parallel.data.buckets import GradientReducer
+    from paratron.parallel.data_parallel.buckets import GradientReducer
 
     initialize("gloo")
     torch.manual_seed(0)

@@ -13,8 +13,8 @@ import pytest
 from paratron.config import build_config
 from paratron.data.tokenizer import Tokenizer
 from paratron.distributed.local_ranks import run_ranks
-from paratron.training.evaluate import run_evaluation
 from paratron.training.run import run_training
+from paratron.training.validation_loss import run_evaluation
 
 from tiny import PARITY_RUN, WORDS, write_conversations
 

@@ -43,7 +43,7 @@ def losses_at_layouts(checkpoint: str, run_dir: str, layouts: dict[str, dict]) -
 def test_training_starts_from_converted_weights_at_any_layout(tmp_path):
     import transformers  # the reference (imported here: the spawned ranks need not load it)
 
-    from paratron.checkpoint.convert import hf_to_paratron
+    from paratron.checkpoint.formats import hf_to_paratron
 
     settings = dict(
         vocab_size=128,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from paratron.checkpoint.convert import hf_to_paratron
+from paratron.checkpoint.formats import hf_to_paratron
 from paratron.config import build_config
 from paratron.distributed.init import initialize
 from paratron.distributed.local_ranks import run_ranks

@@ -230,7 +230,7 @@ def test_training_starts_from_a_converted_mixtral_at_any_layout(tmp_path):
     import torch
     import transformers
 
-    from paratron.checkpoint.convert import hf_to_paratron
+    from paratron.checkpoint.formats import hf_to_paratron
 
     config = transformers.MixtralConfig(
         vocab_size=96,

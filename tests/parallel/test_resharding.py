@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from paratron.checkpoint import load_pretrained
-from paratron.checkpoint.convert import paratron_to_hf
+from paratron.checkpoint.formats import paratron_to_hf
 from paratron.checkpoint.hf import write as hf_write
 from paratron.checkpoint.pieces import parse_key
 from paratron.distributed.init import initialize

@@ -22,7 +22,7 @@ from paratron.distributed.local_ranks import run_ranks
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.model import init
 from paratron.model.gpt import GPT, build_model
-from paratron.parallel.data.fully_sharded import full_parameter, local_tensor
+from paratron.parallel.data_parallel.fully_sharded import full_parameter, local_tensor
 from paratron.parallel.sharding import gather_full
 
 transform = importlib.import_module("paratron.parallel.parallelize")  # (the module: the package exports its function)

@@ -1,4 +1,4 @@
-"""Per-rank training-state accounting (`parallel/data/memory.py`) against the ZeRO formulas, exactly.
+"""Per-rank training-state accounting (`parallel/data_parallel/state_memory.py`) against the ZeRO formulas, exactly.
 
 Two gloo ranks build the debug model at stages 0-3 with an odd MLP width (129), so that some
 gradient buckets need padding to split in two and FSDP2 gives the two ranks shards of different
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from paratron.distributed.local_ranks import run_ranks
-from paratron.parallel.data.memory import paper_bytes, training_state_elements, zero_formula
+from paratron.parallel.data_parallel.state_memory import paper_bytes, training_state_elements, zero_formula
 
 from tiny import tiny_config
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 from tokenizers import AddedToken
 
-from paratron.checkpoint.io import CheckpointContent, load_model_weights, read_checkpoint, save_checkpoint
+from paratron.checkpoint.load import load_model_weights
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.config import build_config
 from paratron.config.validation import validate
 from paratron.data.tokenizer import NullTokenizer, train_byte_level_bpe

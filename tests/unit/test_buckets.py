@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from paratron.distributed.topology import RankGroup
-from paratron.parallel.data.buckets import GradientReducer, plan_buckets
+from paratron.parallel.data_parallel.buckets import GradientReducer, plan_buckets
 
 
 def params(*sizes: int) -> list[nn.Parameter]:

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 
-from paratron.checkpoint.convert import paratron_to_megatron
-from paratron.checkpoint.io import CheckpointContent, save_checkpoint
+from paratron.checkpoint.formats import paratron_to_megatron
 from paratron.checkpoint.model_of import megatron_tokenizer
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.cli import main, train_config
 from paratron.config import build_config, validate
 from paratron.config.loading import SavedModel, resolve_settings

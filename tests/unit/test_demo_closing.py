@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from paratron.checkpoint.io import CheckpointContent, save_checkpoint
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.config import build_config
 from paratron.data.tokenizer import Tokenizer
 from paratron.model.gpt import build_model

@@ -15,7 +15,7 @@ from paratron.config import build_config, validate
 from paratron.model.registry import count_parameters, model_config
 from paratron.planning.activations import CPU, CUDA
 from paratron.planning.dry_run import dry_run, with_vocabulary
-from paratron.planning.memory import predict_memory
+from paratron.planning.memory_prediction import predict_memory
 
 from tiny import LLAMA_STYLE
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf, paratron_to_megatron
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_hf, paratron_to_megatron
 from paratron.cli import main
 from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.storage import current_umask, honour_umask, save_tensors

@@ -19,12 +19,12 @@ from paratron.model.batch import Batch
 from paratron.model.gpt import GPT
 from paratron.optim.build import build_optimizer
 from paratron.parallel import parallelize
-from paratron.parallel.data.memory import training_state_elements
+from paratron.parallel.data_parallel.state_memory import training_state_elements
 from paratron.planning.activations import CPU
 from paratron.planning.cost import predict_step
 from paratron.planning.dry_run import dry_run, with_vocabulary
 from paratron.planning.hardware import PRESETS
-from paratron.planning.memory import predict_memory
+from paratron.planning.memory_prediction import predict_memory
 
 TINY = dict(
     num_layers=2,

@@ -10,7 +10,7 @@ import torch
 import transformers  # the reference; installed with the test extras
 
 from paratron.checkpoint import load_pretrained
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_hf
 from paratron.errors import CheckpointError
 
 from tiny import save_random_hf_model

@@ -15,8 +15,9 @@ import transformers  # the reference; installed with the test extras
 from safetensors.torch import load_file, save_file
 
 from paratron.checkpoint import load_pretrained
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf
-from paratron.checkpoint.io import CheckpointContent, read_checkpoint, save_checkpoint
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_hf
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import main
 from paratron.config import build_config
 from paratron.errors import CheckpointError

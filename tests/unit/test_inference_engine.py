@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from paratron.checkpoint.convert import hf_to_paratron
+from paratron.checkpoint.formats import hf_to_paratron
 from paratron.checkpoint.pretrained import load_pretrained
 from paratron.config import build_config
 from paratron.config.inference import InferenceConfig

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_megatron
-from paratron.checkpoint.io import read_checkpoint
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_megatron
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import main
 from paratron.debugging import inspect_diff
 from paratron.debugging.checkpoint_view import mapped_tensors

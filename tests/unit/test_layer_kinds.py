@@ -27,7 +27,7 @@ from paratron.model.layer_kind import Column, LayerKind, PartialGradient, Random
 from paratron.model.mlp import MLP
 from paratron.model.moe import MoELayer
 from paratron.model.transformer import Attention, GatedAttention, PatternLayer, TransformerBlock
-from paratron.planning.memory import local_parameters
+from paratron.planning.memory_prediction import local_parameters
 from paratron.training.flops import matmul_parameters, training_flops_per_token
 
 TINY = dict(

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf, paratron_to_peft
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_hf, paratron_to_peft
 from paratron.checkpoint.hf import model_from_hf
-from paratron.checkpoint.io import CheckpointContent, read_checkpoint, save_checkpoint
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.config import build_config
 from paratron.config.loading import override
 from paratron.errors import CheckpointError, ConfigError

@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint import megatron as mc
-from paratron.checkpoint.convert import megatron_to_paratron, paratron_to_megatron
-from paratron.checkpoint.io import CheckpointContent, model_from_checkpoint, read_checkpoint, save_checkpoint
+from paratron.checkpoint.formats import megatron_to_paratron, paratron_to_megatron
+from paratron.checkpoint.load import model_from_checkpoint
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.config.loading import build_config
 from paratron.distributed.local_ranks import run_ranks
 from paratron.errors import CheckpointError
@@ -371,7 +373,7 @@ def test_round_trip_through_megatron_is_exact(oracle, tmp_path, kind):
 
 @pytest.mark.spawns
 def test_train_loads_a_megatron_checkpoint(oracle, tmp_path):
-    from paratron.checkpoint.io import read_weight
+    from paratron.checkpoint.load import read_weight
     from paratron.training.preflight import check_inputs
     from paratron.training.run import run_training
 

@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from paratron.checkpoint import megatron as mc
-from paratron.checkpoint.convert import megatron_to_paratron
-from paratron.checkpoint.io import read_checkpoint
+from paratron.checkpoint.formats import megatron_to_paratron
 from paratron.checkpoint.megatron.distrib_optim import Bucketing, bucket_places
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.distributed.local_ranks import run_ranks
 
 VOCAB, SEQ, BUCKET = 128, 16, 3000
@@ -357,7 +357,7 @@ def test_resumed_run_steps_as_megatron_would(dp2, tmp_path):
     loaded) moves the weights as megatron-core's next step did, within fp32 tolerance."""
     import dataclasses
 
-    from paratron.checkpoint.io import read_weight
+    from paratron.checkpoint.load import read_weight
     from paratron.checkpoint.native import load_converted_optimizer
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model import GPT

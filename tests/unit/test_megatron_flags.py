@@ -203,7 +203,7 @@ def test_no_accepted_flag_is_shadowed_by_a_setting():
 
 
 def test_save_retain_interval_keeps_the_multiples_and_the_newest(tmp_path):
-    from paratron.checkpoint.io import prune_checkpoints
+    from paratron.checkpoint.prune import prune_checkpoints
 
     for step in (2, 4, 6, 8, 10):
         (tmp_path / f"iter_{step:07d}").mkdir()

@@ -13,9 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from paratron.checkpoint import megatron as mc
-from paratron.checkpoint.convert import megatron_to_paratron
-from paratron.checkpoint.io import model_from_checkpoint, read_checkpoint
+from paratron.checkpoint.formats import megatron_to_paratron
+from paratron.checkpoint.load import model_from_checkpoint
 from paratron.checkpoint.megatron.fsdp_dtensor import fsdp_weights
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.config import build_config
 from paratron.errors import CheckpointError
 from paratron.model.gpt import build_model

@@ -18,7 +18,7 @@ from paratron.optim.master_weights import ReplicatedOptimizer
 from paratron.optim.mixed_precision import LossScaler, Precision
 from paratron.parallel import parallelize
 from paratron.parallel.recompute import apply_recompute
-from paratron.training.memory import SavedActivations
+from paratron.training.memory_report import SavedActivations
 from paratron.training.run import run_training
 
 from tiny import tiny_config

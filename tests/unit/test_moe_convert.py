@@ -9,7 +9,7 @@ import transformers  # the reference; installed with the test extras
 from safetensors import safe_open
 
 from paratron.checkpoint import load_pretrained
-from paratron.checkpoint.convert import hf_to_paratron, paratron_to_hf
+from paratron.checkpoint.formats import hf_to_paratron, paratron_to_hf
 
 SHAPE = dict(
     vocab_size=96,

@@ -14,9 +14,9 @@ from starlette.testclient import TestClient
 
 from paratron.cli import main
 from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
+from paratron.inference.http_app import ServerSettings, build_app
 from paratron.inference.openai_api import CompletionRequest, TokenTexts, completion_logprobs
 from paratron.inference.params import SamplingParams, TokenLogprob
-from paratron.inference.server import ServerSettings, build_app
 from paratron.inference.text import IncrementalText, TextDecoder, special_token_ids
 from serve_model import engine_of, tiny_llama_folder
 

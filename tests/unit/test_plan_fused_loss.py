@@ -15,7 +15,7 @@ from paratron.config.layout import resolve_layout
 from paratron.planning.activations import CUDA
 from paratron.planning.dry_run import with_vocabulary
 from paratron.planning.hardware import PRESETS
-from paratron.planning.memory import predict_memory
+from paratron.planning.memory_prediction import predict_memory
 from paratron.planning.operations import stage_operations
 
 LLAMA3_8B = dict(model_name="llama3-8b", precision="bf16", seq_length=8192, micro_batch_size=1, global_batch_size=64)

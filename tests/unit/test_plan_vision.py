@@ -23,9 +23,9 @@ from paratron.planning.candidates import balanced_ends, output_ratio, vision_rat
 from paratron.planning.cost import predict_step
 from paratron.planning.dry_run import dry_run, with_vocabulary
 from paratron.planning.hardware import PRESETS
-from paratron.planning.memory import predict_memory
+from paratron.planning.memory_prediction import predict_memory
 from paratron.training.flops import vision_flops_per_image
-from paratron.training.memory import SavedActivations
+from paratron.training.memory_report import SavedActivations
 
 TINY = dict(
     model_name=None,

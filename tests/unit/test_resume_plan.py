@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.checkpoint.io import CheckpointInfo
+from paratron.checkpoint.verify import CheckpointInfo
 from paratron.config.schema import CheckpointConfig, Config
 from paratron.training.resume import ResumePlan, Start, TrainState, restarted_from, rollback_plan
 from paratron.training.step_log import StepWindow

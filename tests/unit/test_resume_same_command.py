@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.checkpoint.io import TRACKER
+from paratron.checkpoint.files import TRACKER
 from paratron.cli import main, train_settings
 from paratron.config.loading import config_to_dict, override
 from paratron.config.schema import Config

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from paratron.checkpoint.io import read_checkpoint
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import main
 from paratron.config import build_config
 from paratron.data.sft import tokenizer_chat_template

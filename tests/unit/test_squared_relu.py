@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from paratron.checkpoint import megatron as mc
-from paratron.checkpoint.convert import megatron_to_paratron, paratron_to_hf, paratron_to_megatron
+from paratron.checkpoint.formats import megatron_to_paratron, paratron_to_hf, paratron_to_megatron
 from paratron.checkpoint.hf import hf_config, model_type_of
-from paratron.checkpoint.io import CheckpointContent, model_from_checkpoint, read_checkpoint, save_checkpoint
+from paratron.checkpoint.load import model_from_checkpoint
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.cli import train_config
 from paratron.config import build_config
 from paratron.config.megatron import from_megatron_dict

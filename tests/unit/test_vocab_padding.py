@@ -10,8 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from paratron.checkpoint.io import CheckpointContent, full_state, load_model_weights, read_checkpoint, save_checkpoint
+from paratron.checkpoint.gather import full_state
+from paratron.checkpoint.load import load_model_weights
 from paratron.checkpoint.optimizer_state import load_optimizer
+from paratron.checkpoint.save import CheckpointContent, save_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.config import build_config
 from paratron.debugging.compare_report import compare_captures
 from paratron.debugging.layer_stats import LayerStats

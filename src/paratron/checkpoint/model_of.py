@@ -15,10 +15,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from paratron.checkpoint.convert import hf_to_paratron, megatron_to_paratron
-from paratron.checkpoint.io import CheckpointInfo, holds_checkpoint, read_checkpoint
+from paratron.checkpoint.formats import hf_to_paratron, megatron_to_paratron
 from paratron.checkpoint.megatron import cache_name, config_of, detect_format, open_megatron
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
+from paratron.checkpoint.verify import CheckpointInfo, holds_checkpoint, read_checkpoint
 from paratron.config.loading import Resolution, SavedModel, resolve_settings
 from paratron.data.build import Log, build_once
 from paratron.data.tokenizer import AnyTokenizer, load_tokenizer

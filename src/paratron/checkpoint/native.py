@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from paratron.checkpoint.conversion import (
+from paratron.checkpoint.converted import (
     Converted,
     ConvertOptions,
     build_converted,
@@ -20,16 +20,12 @@ from paratron.checkpoint.conversion import (
     file_bytes,
     write_recipe,
 )
-from paratron.checkpoint.io import (
-    CONVERTED,
-    CheckpointContent,
-    file_sha256,
-    read_checkpoint,
-    save_checkpoint,
-    weight_catalog,
-)
+from paratron.checkpoint.files import file_sha256
+from paratron.checkpoint.load import weight_catalog
 from paratron.checkpoint.optimizer_state import INDEX as OPTIMIZER_INDEX
 from paratron.checkpoint.optimizer_state import load_optimizer, optimizer_file, write_index
+from paratron.checkpoint.save import CONVERTED, CheckpointContent, save_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.storage import FOLDER_SLACK, new_folder, save_tensors, tensor_bytes
 
 

@@ -31,7 +31,7 @@ from paratron.distributed.topology import Topology
 from paratron.errors import CheckpointError
 from paratron.optim.master_weights import step_counter
 from paratron.optim.protocol import OptimizerPiece, TrainingOptimizer
-from paratron.parallel.data.fully_sharded import local_tensor
+from paratron.parallel.data_parallel.fully_sharded import local_tensor
 from paratron.parallel.sharding import Shard, boxes, full_shape, param_info, whole_box
 
 PREFIX = "optimizer_"

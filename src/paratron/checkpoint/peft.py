@@ -11,7 +11,7 @@ checkpoint was converted from). Only the adapters are written, under PEFT's name
 (the module part of each name is `checkpoint.hf`'s mapping of the layer's weight). Both
 compute W x + (lora_alpha / r) B A x, with the same A [r, in] and B [out, r]. The families whose
 layers map one to one onto PEFT's target modules only (`checkpoint.hf.PEFT_FAMILIES`: Llama,
-Mistral, Qwen2, Qwen3). `write_peft` is the writer `checkpoint.convert` uses.
+Mistral, Qwen2, Qwen3). `write_peft` is the writer `checkpoint.formats` uses.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from paratron.checkpoint.conversion import Converted, ConvertOptions, Tensors
+from paratron.checkpoint.converted import Converted, ConvertOptions, Tensors
 from paratron.checkpoint.hf import PEFT_FAMILIES, model_type_of, weights_to_hf
 from paratron.config.schema import ModelConfig
 from paratron.errors import CheckpointError

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from paratron.distributed.topology import Axis, Topology
 from paratron.errors import CheckpointError
-from paratron.parallel.data.fully_sharded import is_sharded
+from paratron.parallel.data_parallel.fully_sharded import is_sharded
 from paratron.parallel.sharding import Index, bounded, box_shape, box_size, full_shape, param_info, place, whole_box
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from paratron.checkpoint.hf import model_from_hf
-from paratron.checkpoint.io import CheckpointInfo, model_from_checkpoint, read_checkpoint
+from paratron.checkpoint.load import model_from_checkpoint
+from paratron.checkpoint.verify import CheckpointInfo, read_checkpoint
 from paratron.data.tokenizer import Tokenizer
 from paratron.model.gpt import GPT
 

@@ -75,7 +75,7 @@ from paratron.model.transformer import TransformerLayers
 from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.context.attention import ContextParallelAttention
 from paratron.parallel.context.split import token_index
-from paratron.parallel.data.fully_sharded import is_sharded, local_tensor
+from paratron.parallel.data_parallel.fully_sharded import is_sharded, local_tensor
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.recompute import Recomputed, is_recomputing
 from paratron.parallel.sharding import boxes, full_shape, param_info

@@ -4,7 +4,7 @@ consumed samples, tokenizer, optimizer and other training state, its files with 
 checked, and its tensors under single-device names, opened one at a time.
 
 Formats are recognized as `--load` recognizes them (`model_of.is_hf_folder`, `megatron.detect_format`); the
-tensors come from the readers of `paratron convert`'s table (`checkpoint.convert`), so a Megatron-LM or Hugging Face
+tensors come from the readers of `paratron convert`'s table (`checkpoint.formats`), so a Megatron-LM or Hugging Face
 checkpoint lists the names paratron would load it under, and any two checkpoints can be compared tensor by tensor.
 """
 
@@ -21,14 +21,16 @@ import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer as HFTokenizer
 
-from paratron.checkpoint.conversion import CheckpointTensors, ConvertOptions, Tensors, in_memory
+from paratron.checkpoint.converted import CheckpointTensors, ConvertOptions, Tensors, in_memory
+from paratron.checkpoint.files import TRACKER, WEIGHTS_INDEX, file_sha256
 from paratron.checkpoint.hf import read_hf_folder
-from paratron.checkpoint.io import TRACKER, WEIGHTS_INDEX, CheckpointInfo, file_sha256, read_checkpoint, weight_catalog
+from paratron.checkpoint.load import weight_catalog
 from paratron.checkpoint.megatron import detect_format, megatron_optimizer, megatron_weights, open_megatron
 from paratron.checkpoint.megatron.settings import config_of
 from paratron.checkpoint.model_of import is_hf_folder, megatron_tokenizer
 from paratron.checkpoint.optimizer_state import INDEX as OPTIMIZER_INDEX
 from paratron.checkpoint.pieces import parse_key
+from paratron.checkpoint.verify import CheckpointInfo, read_checkpoint
 from paratron.config.schema import Config
 from paratron.errors import CheckpointError
 from paratron.parallel.sharding import whole_box

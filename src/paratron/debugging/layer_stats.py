@@ -38,7 +38,7 @@ from paratron.distributed import comm
 from paratron.distributed.topology import Axis, RankGroup
 from paratron.model.moe import MoELayer, Router
 from paratron.optim.protocol import GradsForNorm, TrainingOptimizer
-from paratron.parallel.data.fully_sharded import local_tensor
+from paratron.parallel.data_parallel.fully_sharded import local_tensor
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.recompute import is_recomputing
 from paratron.parallel.tensor.layers import VocabParallelOutput

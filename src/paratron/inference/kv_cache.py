@@ -6,7 +6,7 @@ offset p % block_size (its "slot"). Blocks are taken as a sequence grows and giv
 requests of any length share the memory without padding, and one that finishes frees room at once.
 
 An engine step runs the new tokens of several sequences as one row (`StepPlan`): each layer writes the new keys
-and values to their slots, then each sequence's tokens attend over its own keys (`inference.attention`). Two
+and values to their slots, then each sequence's tokens attend over its own keys (`inference.paged_attention`). Two
 sides:
 
 - `BlockPool` (the controller rank): which blocks are free;
@@ -76,7 +76,7 @@ class StepPlan:
     images: torch.Tensor | None = None
     """[N, 3, H, W] the images whose placeholders are among the new tokens, in order (vision-language models)."""
     attention: dict = field(default_factory=dict, repr=False, compare=False)
-    """What attention works out once per step for every layer (`inference.attention`)."""
+    """What attention works out once per step for every layer (`inference.paged_attention`)."""
 
     SIZED = {
         "T": ("input_ids", "positions", "slots"),
@@ -98,7 +98,7 @@ class PagedLayerCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the step's new keys and values k, v [1, heads, T, head_dim] in their slots (attention then reads
-        each sequence's keys from the cache: `inference.attention.PagedAttention`)."""
+        each sequence's keys from the cache: `inference.paged_attention.PagedAttention`)."""
         plan = self.plan
         assert plan is not None, "PagedKVCache.prepare(plan) before running the layers"
         self.keys.index_copy_(0, plan.slots, k[0].transpose(0, 1).to(self.keys.dtype))

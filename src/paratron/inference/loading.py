@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import CheckpointInfo, load_model_weights, read_checkpoint, weight_catalog
+from paratron.checkpoint.load import load_model_weights, weight_catalog
 from paratron.checkpoint.model_of import (
     is_hf_folder,
     paratron_checkpoint,
@@ -26,6 +26,7 @@ from paratron.checkpoint.model_of import (
     saved_tokenizer,
     with_checkpoint,
 )
+from paratron.checkpoint.verify import CheckpointInfo, read_checkpoint
 from paratron.config.fields import flag
 from paratron.config.inference import InferenceConfig
 from paratron.config.layout import resolve_layout
@@ -37,9 +38,9 @@ from paratron.distributed import comm
 from paratron.distributed.init import collective_device
 from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.errors import ConfigError
-from paratron.inference.attention import key_value_layers
 from paratron.inference.engine import Engine
 from paratron.inference.kv_cache import PagedKVCache, bytes_per_token
+from paratron.inference.paged_attention import key_value_layers
 from paratron.inference.runner import ModelRunner, ReplicaGroups
 from paratron.model.fused_linear import lay_out_stacked
 from paratron.model.gpt import GPT

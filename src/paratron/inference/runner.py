@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
-from paratron.inference.attention import PagedAttention, paged_cores
 from paratron.inference.kv_cache import PagedKVCache, StepPlan
+from paratron.inference.paged_attention import PagedAttention, paged_cores
 from paratron.model.attention import make_pattern
 from paratron.model.gpt import GPT
 from paratron.model.layer_kind import DecodeState

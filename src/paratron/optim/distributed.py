@@ -2,10 +2,10 @@
 weights and optimizer state of its shard of every gradient bucket, and only those (the experts'
 buckets, under expert parallelism, are sharded over the expert-data-parallel ranks).
 
-After backward the gradients are reduce-scattered (`parallel.data.buckets.GradientReducer`), so
+After backward the gradients are reduce-scattered (`parallel.data_parallel.buckets.GradientReducer`), so
 each rank holds the data-parallel mean of its shard; it steps that shard with an ordinary
 PyTorch optimizer over one tensor per parameter piece, writes the result into the flat
-parameter buffer, and the buckets are all-gathered back (`parallel.data.param_gather`). The
+parameter buffer, and the buckets are all-gathered back (`parallel.data_parallel.param_gather`). The
 update of every element is the one the single-device optimizer makes: AdamW works element by
 element, and weight decay follows the parameter a piece belongs to.
 
@@ -31,7 +31,7 @@ from paratron.config.schema import OptimizerConfig
 from paratron.distributed.topology import RankGroup
 from paratron.optim.master_weights import MasterWeightsOptimizer, make_inner_optimizer, optimizer_groups
 from paratron.optim.protocol import OptimizerPiece
-from paratron.parallel.data.param_gather import FlatParameters
+from paratron.parallel.data_parallel.param_gather import FlatParameters
 
 
 class DistributedOptimizer(MasterWeightsOptimizer):

@@ -29,7 +29,7 @@ from torch import nn
 from paratron.config.schema import OptimizerConfig
 from paratron.distributed.topology import RankGroup
 from paratron.optim.protocol import GradsForNorm, OptimizerPiece
-from paratron.parallel.data.fully_sharded import fsdp_rows, local_tensor
+from paratron.parallel.data_parallel.fully_sharded import fsdp_rows, local_tensor
 
 FUSED_DEVICE_TYPES = frozenset({"cuda"})
 """Device types whose masters torch's fused AdamW / SGD kernels step (one pass, few launches).

@@ -3,7 +3,7 @@ accumulates.
 
 - The model's parameters are bf16 or fp16; forward and backward run in that type.
 - Gradients are accumulated over micro-batches and reduced over data-parallel ranks in fp32
-  "main gradients" (the gradient buffer of `parallel.data`, see `GradientReducer`).
+  "main gradients" (the gradient buffer of `parallel.data_parallel`, see `GradientReducer`).
 - The optimizer steps fp32 master copies of the weights, with fp32 state, and writes the
   result back into the 16-bit parameters (`master_weights.py`).
 - fp16 multiplies the loss by a scale before backward so that small gradients do not flush to

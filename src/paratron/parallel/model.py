@@ -25,9 +25,9 @@ from paratron.model.batch import Batch
 from paratron.model.loss import mean_loss
 from paratron.model.moe import MoELayer
 from paratron.parallel.context.split import split_batch
-from paratron.parallel.data.ddp import DataParallelGradients
-from paratron.parallel.data.fully_sharded import gather_for_use
-from paratron.parallel.data.param_gather import FlatParameters
+from paratron.parallel.data_parallel.ddp import DataParallelGradients
+from paratron.parallel.data_parallel.fully_sharded import gather_for_use
+from paratron.parallel.data_parallel.param_gather import FlatParameters
 from paratron.parallel.pipeline.runtime import PipelineRuntime
 from paratron.parallel.sharding import grad_norm_weight, is_expert
 

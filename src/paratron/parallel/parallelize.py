@@ -46,9 +46,9 @@ from paratron.model.loss import token_losses
 from paratron.model.moe import grouped_gemm_available
 from paratron.parallel.compile import apply_compile
 from paratron.parallel.context.apply import apply_context_parallel
-from paratron.parallel.data.ddp import DataParallelGradients, DataParallelSettings
-from paratron.parallel.data.fully_sharded import held_boxes, local_tensor, shard_fully
-from paratron.parallel.data.param_gather import FlatParameters
+from paratron.parallel.data_parallel.ddp import DataParallelGradients, DataParallelSettings
+from paratron.parallel.data_parallel.fully_sharded import held_boxes, local_tensor, shard_fully
+from paratron.parallel.data_parallel.param_gather import FlatParameters
 from paratron.parallel.expert.apply import ExpertGroups, apply_expert_parallel
 from paratron.parallel.fp8 import convert_to_float8, precompute_weight_scales
 from paratron.parallel.model import FusedLoss, ParallelModel, TokenLoss

@@ -1,7 +1,7 @@
 """The activations a rank keeps for backward, from the tensors each layer saves.
 
 The count follows the tensors autograd saves, each storage once, as `--log-memory`'s meter
-(`training/memory.py`) sees them; docs/memory.md derives each term and docs/planning.md gives
+(`training/memory_report.py`) sees them; docs/memory.md derives each term and docs/planning.md gives
 the measured error. Per token of a micro-batch on this rank (n = micro-batch x sequence / CP
 tokens; w = bytes of the compute type; t = TP; a, g = query and key/value heads of this rank,
 d = head width, f = MLP width / t; a norm's tokens and the layer input are / t under sequence

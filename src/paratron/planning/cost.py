@@ -24,7 +24,7 @@ from paratron.parallel.pipeline.timing import FlatSchedule, flatten, rank_times
 from paratron.planning.activations import WIDTHS, grad_width
 from paratron.planning.hardware import Hardware, all_gather_time, all_reduce_time, link, reduce_scatter_time
 from paratron.planning.live import pipeline_schedule
-from paratron.planning.memory import RankMemory
+from paratron.planning.memory_prediction import RankMemory
 from paratron.planning.operations import PARTS, rank_stages, stage_operations, stage_parameters
 from paratron.training.flops import training_flops_per_token, vision_flops_per_image
 

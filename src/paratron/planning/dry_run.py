@@ -7,7 +7,7 @@ construction), this process joins a fake world of N ranks as that stage's first 
 the topology's process groups, builds the model on the meta device and hands it to the real
 `parallelize` and `build_optimizer`; one optimizer step on meta tensors creates the optimizer
 state. The training state is then counted by the same ledger `--log-memory` uses
-(`parallel/data/memory.py`), so weights, gradients, master weights and optimizer state are
+(`parallel/data_parallel/state_memory.py`), so weights, gradients, master weights and optimizer state are
 those of the built shards, not of a second copy of the sharding rules. Activations and
 communication buffers come from the formulas of `planning/activations.py`.
 """
@@ -35,13 +35,13 @@ from paratron.model.gpt import GPT
 from paratron.model.registry import count_parameters
 from paratron.optim.build import build_optimizer
 from paratron.optim.master_weights import MasterWeightsOptimizer
-from paratron.parallel.data.memory import training_state_elements
+from paratron.parallel.data_parallel.state_memory import training_state_elements
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.parallelize import parallelize
 from paratron.planning.activations import CPU, CUDA, Kernels, activation_peak, buffer_bytes
 from paratron.planning.calibration import device_memory_gb, read_calibration
 from paratron.planning.hardware import hardware_from
-from paratron.planning.memory import CATEGORIES, RankMemory
+from paratron.planning.memory_prediction import CATEGORIES, RankMemory
 from paratron.planning.vision import images_per_micro_batch
 
 META = torch.device("meta")

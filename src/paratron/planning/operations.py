@@ -48,7 +48,7 @@ from paratron.planning.hardware import (
     p2p_time,
     reduce_scatter_time,
 )
-from paratron.planning.memory import Parts, local_parameters
+from paratron.planning.memory_prediction import Parts, local_parameters
 from paratron.planning.vision import images_per_micro_batch, vision_work
 from paratron.training.flops import attended_keys
 
@@ -120,7 +120,7 @@ def _layer_kinds(moe_of: tuple[bool, ...], counts: tuple[int, ...]) -> tuple[tup
 
 def stage_parameters(config: Config, layout: Layout) -> list[tuple[int, int]]:
     """Per model stage, the (dense, expert) elements one rank trains, counted on the real shards
-    (`memory.local_parameters`): its layers, the embedding (and a vision encoder and projector) on the first
+    (`memory_prediction.local_parameters`): its layers, the embedding (and a vision encoder and projector) on the first
     stage, the head (and a tied output layer's copy) on the last."""
     p = config.parallel
     sizes = (layout.tp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)

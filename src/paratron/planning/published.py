@@ -59,7 +59,7 @@ from paratron.config.validation import validate
 from paratron.planning.activations import KERNELS
 from paratron.planning.cost import predict_step
 from paratron.planning.hardware import Hardware, preset
-from paratron.planning.memory import predict_memory
+from paratron.planning.memory_prediction import predict_memory
 from paratron.planning.search import apply, plan
 from paratron.training.flops import matmul_parameters, training_flops_per_token
 

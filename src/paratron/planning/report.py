@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from paratron.planning.hardware import Hardware
-from paratron.planning.memory import CATEGORIES, RankMemory
+from paratron.planning.memory_prediction import CATEGORIES, RankMemory
 from paratron.planning.operations import PARTS
 from paratron.planning.search import Plan, Unpriced
 from paratron.storage import save_figure, write_text_atomic

@@ -8,7 +8,7 @@ interleaved, zb-h1, zb-v). Tensor parallelism, and expert x tensor parallelism, 
 node; sequence parallelism is on wherever tensor parallelism is (the same traffic, less memory),
 and so are gradient-reduction overlap and, with the distributed optimizer, parameter-gather
 overlap. Each candidate (enumerated in `candidates`) passes `config.validation.validate`, then
-`memory.predict_memory` (the numbers `paratron train --dry-run` prints) against the device memory,
+`memory_prediction.predict_memory` (the numbers `paratron train --dry-run` prints) against the device memory,
 then `cost.predict_step`.
 
 Pruning, so that thousands of devices plan in seconds: candidates are priced in the order of a
@@ -49,7 +49,7 @@ from paratron.planning.cost import StepPrediction, predict_step, step_bound
 from paratron.planning.dry_run import with_vocabulary
 from paratron.planning.hardware import Hardware
 from paratron.planning.launch_line import launch_command, slurm_command
-from paratron.planning.memory import RankMemory, predict_memory
+from paratron.planning.memory_prediction import RankMemory, predict_memory
 
 LAYOUT_FIELDS = (
     "tensor_model_parallel_size",

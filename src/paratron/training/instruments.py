@@ -25,7 +25,7 @@ from paratron.optim.protocol import TrainingOptimizer
 from paratron.parallel.compile import CompileReport
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.pipeline.profile import profile_step
-from paratron.training.memory import SavedActivations, rank_memory, report_memory
+from paratron.training.memory_report import SavedActivations, rank_memory, report_memory
 from paratron.training.metrics import tensorboard_folder
 from paratron.training.profiling import StepProfiler, StepTimers, collect_after_step
 from paratron.training.step_log import StepWindow

@@ -28,10 +28,9 @@ from paratron.model.batch import Batch
 from paratron.optim.lr_schedule import LRSchedule
 from paratron.optim.mixed_precision import Precision, build_loss_scaler
 from paratron.optim.protocol import TrainingOptimizer
-from paratron.parallel.data.fully_sharded import reshard
+from paratron.parallel.data_parallel.fully_sharded import reshard
 from paratron.parallel.model import ParallelModel
 from paratron.parallel.pipeline.schedules import build_schedule
-from paratron.training.evaluate import task_loss_sums, validation_batches
 from paratron.training.exit import ExitConditions
 from paratron.training.faults import AttemptFault, check_spike_fault
 from paratron.training.instruments import StepInstruments
@@ -44,6 +43,7 @@ from paratron.training.resume import Restorer, ResumePlan, TrainState
 from paratron.training.saving import CheckpointSaver
 from paratron.training.step import StepOptions, StepResult, train_step
 from paratron.training.step_log import StepLogger, StepWindow
+from paratron.training.validation_loss import task_loss_sums, validation_batches
 
 if TYPE_CHECKING:  # (imported when --eval-tasks first runs, for start-up speed: lm_eval)
     from paratron.inference.tasks import TrainingTasks

@@ -15,16 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paratron.checkpoint.io import (
-    CheckpointInfo,
-    load_model_weights,
-    load_training_state,
-    read_checkpoint,
-    weight_catalog,
-)
+from paratron.checkpoint.load import load_model_weights, load_training_state, weight_catalog
 from paratron.checkpoint.model_of import paratron_checkpoint
 from paratron.checkpoint.native import load_converted_optimizer
 from paratron.checkpoint.optimizer_state import load_optimizer
+from paratron.checkpoint.verify import CheckpointInfo, read_checkpoint
 from paratron.config.schema import CheckpointConfig, Config
 from paratron.distributed import rng
 from paratron.distributed.launch import restart_count

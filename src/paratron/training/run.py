@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import CheckpointInfo, load_model_weights, whole_model_state
+from paratron.checkpoint.gather import whole_model_state
+from paratron.checkpoint.load import load_model_weights
 from paratron.checkpoint.lock import SaveLock, held_by_the_launcher
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
+from paratron.checkpoint.verify import CheckpointInfo
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
 from paratron.config.precision import PRECISION_DTYPES

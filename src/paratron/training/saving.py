@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratron.checkpoint.io import BackgroundSave, CheckpointContent, begin_save
+from paratron.checkpoint.save import BackgroundSave, CheckpointContent, begin_save
 from paratron.config.schema import Config
 from paratron.data.sft import tokenizer_chat_template
 from paratron.data.tokenizer import AnyTokenizer, Tokenizer

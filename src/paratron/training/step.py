@@ -28,7 +28,7 @@ from paratron.model.batch import Batch
 from paratron.optim.build import clip_grad_norm
 from paratron.optim.mixed_precision import Precision
 from paratron.optim.protocol import GradsForNorm, TrainingOptimizer
-from paratron.parallel.data.fully_sharded import local_tensor
+from paratron.parallel.data_parallel.fully_sharded import local_tensor
 from paratron.parallel.model import ParallelModel
 from paratron.training.expert_load import ExpertStats, take_expert_stats, update_expert_biases
 from paratron.training.profiling import StepTimers

@@ -24,7 +24,7 @@ default is to blame.
 
 One `Family` row each (`families.FAMILIES`) says what a family is; `settings` maps config.json both
 ways, `weights` the tensors, `read` and `write` the directories (the reader and writer of
-`checkpoint.convert`).
+`checkpoint.formats`).
 
 A converted checkpoint is an ordinary paratron checkpoint at iteration 0 marked "weights only"
 (no optimizer state): `paratron train --load` starts from its weights at any layout, and

@@ -4,7 +4,7 @@ the vision half of a CLIPModel or SiglipModel) become a paratron model with a pr
 initialized as paratron initializes it, ready for LLaVA's first stage (training the projector alone). Which layer
 feeds the projector, which features it keeps and the projector's kind come from the options.
 
-`read_hf_folder` is the Hugging Face reader of `checkpoint.convert`'s table: one folder, or the two combined.
+`read_hf_folder` is the Hugging Face reader of `checkpoint.formats`'s table: one folder, or the two combined.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from paratron.checkpoint.conversion import Converted, ConvertOptions, config_from_settings, in_memory
+from paratron.checkpoint.converted import Converted, ConvertOptions, config_from_settings, in_memory
 from paratron.checkpoint.hf.families import FAMILIES
 from paratron.checkpoint.hf.llava import TOWER, VISION_TOWERS, check_feature_layer, tower_weights, vision_tower_settings
 from paratron.checkpoint.hf.read import load_tensors, read_hf_config, read_hf_model, weight_shapes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from paratron.checkpoint.hf import layers, llava
+from paratron.checkpoint.hf import layer_settings, llava
 from paratron.checkpoint.hf.family import Family
 
 # paratron name -> Hugging Face name, per family (layer index as {i})
@@ -59,11 +59,11 @@ _GPT2_NAMES = {
     "layers.{i}.mlp.out_proj.{w}": "transformer.h.{i}.mlp.c_proj.{w}",
 }
 
-_ROTARY = dict(read_settings=layers.rotary_settings, write_config=layers.rotary_config)
-_QWEN = dict(write_windows=layers.qwen_window_config)
+_ROTARY = dict(read_settings=layer_settings.rotary_settings, write_config=layer_settings.rotary_config)
+_QWEN = dict(write_windows=layer_settings.qwen_window_config)
 _QWEN_MOE = dict(
-    read_experts=layers.qwen_experts,
-    write_experts=layers.qwen_expert_config,
+    read_experts=layer_settings.qwen_experts,
+    write_experts=layer_settings.qwen_expert_config,
     weight_names=_QWEN_MOE_NAMES,
     expert_names=_QWEN_MOE_EXPERT,
 )
@@ -77,8 +77,8 @@ FAMILIES: dict[str, Family] = {
             "Llama",
             _LLAMA_NAMES,
             **_ROTARY,
-            read_windows=layers.every_layer_windows,
-            write_windows=layers.window_config,
+            read_windows=layer_settings.every_layer_windows,
+            write_windows=layer_settings.window_config,
             fixed_config={"attention_bias": False, "mlp_bias": False},
             peft=True,
         ),
@@ -88,8 +88,8 @@ FAMILIES: dict[str, Family] = {
             "Mistral",
             _LLAMA_NAMES,
             **_ROTARY,
-            read_windows=layers.every_layer_windows,
-            write_windows=layers.window_config,
+            read_windows=layer_settings.every_layer_windows,
+            write_windows=layer_settings.window_config,
             peft=True,
         ),
         Family(
@@ -99,7 +99,7 @@ FAMILIES: dict[str, Family] = {
             _LLAMA_NAMES,
             **_ROTARY,
             **_QWEN,
-            read_windows=layers.upper_layer_windows,
+            read_windows=layer_settings.upper_layer_windows,
             qkv_bias=True,
             peft=True,
         ),
@@ -108,8 +108,8 @@ FAMILIES: dict[str, Family] = {
             "GPT2LMHeadModel",
             "GPT-2",
             _GPT2_NAMES,
-            read_settings=layers.gpt2_settings,
-            write_config=layers.gpt2_config,
+            read_settings=layer_settings.gpt2_settings,
+            write_config=layer_settings.gpt2_config,
             fused_qkv="transformer.h.{i}.attn.c_attn.{w}",
             transposed=re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$"),
         ),
@@ -119,10 +119,10 @@ FAMILIES: dict[str, Family] = {
             "Mixtral",
             _MIXTRAL_NAMES,
             **_ROTARY,
-            read_windows=layers.every_layer_windows,
-            write_windows=layers.window_config,
-            read_experts=layers.mixtral_experts,
-            write_experts=layers.mixtral_expert_config,
+            read_windows=layer_settings.every_layer_windows,
+            write_windows=layer_settings.window_config,
+            read_experts=layer_settings.mixtral_experts,
+            write_experts=layer_settings.mixtral_expert_config,
             expert_names=_MIXTRAL_EXPERT,
         ),
         Family(
@@ -132,7 +132,7 @@ FAMILIES: dict[str, Family] = {
             **_ROTARY,
             **_QWEN,
             **_QWEN_MOE,
-            read_windows=layers.even_lower_layer_windows,
+            read_windows=layer_settings.even_lower_layer_windows,
             experts_field="num_experts",
             shared_expert=True,
             qkv_bias="qkv_bias",
@@ -144,7 +144,7 @@ FAMILIES: dict[str, Family] = {
             _LLAMA_NAMES,
             **_ROTARY,
             **_QWEN,
-            read_windows=layers.upper_layer_windows,
+            read_windows=layer_settings.upper_layer_windows,
             qk_norm=True,
             fixed_config={"attention_bias": False},
             peft=True,
@@ -156,7 +156,7 @@ FAMILIES: dict[str, Family] = {
             **_ROTARY,
             **_QWEN,
             **_QWEN_MOE,
-            read_windows=layers.every_layer_windows_when_used,
+            read_windows=layer_settings.every_layer_windows_when_used,
             qk_norm=True,
             fixed_config={"attention_bias": False},
         ),

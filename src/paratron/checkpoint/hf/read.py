@@ -2,7 +2,7 @@
 weights (model.safetensors, or the shards model.safetensors.index.json names), checked against the
 model the file describes, by name and shape, before any is loaded; a mismatch, or a weights file
 that is missing, empty, cut short or not safetensors, is refused in one line naming the file, and
-the left-out field whose default is to blame. `read_hf_model` is the reader `checkpoint.convert` and
+the left-out field whose default is to blame. `read_hf_model` is the reader `checkpoint.formats` and
 `load_pretrained` use.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from paratron.checkpoint.conversion import Converted, ConvertOptions, build_converted, config_from_settings, in_memory
+from paratron.checkpoint.converted import Converted, ConvertOptions, build_converted, config_from_settings, in_memory
 from paratron.checkpoint.hf.families import FAMILIES
 from paratron.checkpoint.hf.settings import model_settings
 from paratron.checkpoint.hf.weights import IGNORED, tied_head_name, weights_from_hf, weights_to_hf, written_layout

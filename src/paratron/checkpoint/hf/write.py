@@ -1,6 +1,6 @@
 """Writing a Hugging Face model directory: config.json, the weights in Hugging Face's sharded
 safetensors layout (one layer at a time: never the whole model in memory), and tokenizer.json with
-the special tokens' ids config.json names. `write_hf` is the writer `checkpoint.convert` uses.
+the special tokens' ids config.json names. `write_hf` is the writer `checkpoint.formats` uses.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from paratron.checkpoint.conversion import Converted, ConvertOptions, file_bytes
+from paratron.checkpoint.converted import Converted, ConvertOptions, file_bytes
 from paratron.checkpoint.hf.families import PEFT_FAMILIES
 from paratron.checkpoint.hf.settings import hf_config, model_type_of
 from paratron.checkpoint.hf.weights import weights_to_hf

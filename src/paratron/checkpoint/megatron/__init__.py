@@ -15,23 +15,12 @@ distributed optimizer's flat buffers (legacy `distrib_optim.pt`, torch_dist `dp_
 mapped to parameters through megatron-core's gradient-buffer layout rebuilt from the saved args.
 
 One module per concern: `unpickle` (restricted unpickling), `locate` (format, folders, args),
-`settings` (args <-> model settings), `layout` (fused tensors and TP slices <-> paratron's names),
+`settings` (args <-> model settings), `tensor_layout` (fused tensors and TP slices <-> paratron's names),
 `legacy`, `torch_dist` and `fsdp_dtensor` (the file formats), `distrib_optim` (the distributed optimizer's
-buffers), `convert` (the reader `checkpoint.convert` uses;
+buffers), `reader` (the reader `checkpoint.formats` uses;
 the writer is `legacy.write_megatron`).
 """
 
-from paratron.checkpoint.megatron.convert import megatron_optimizer, megatron_weights, read_megatron
-from paratron.checkpoint.megatron.layout import (
-    Shapes,
-    from_paratron,
-    fuse_qkv,
-    merge_tp,
-    split_qkv,
-    split_tp,
-    to_paratron,
-    tp_dim,
-)
 from paratron.checkpoint.megatron.legacy import MEGATRON_CHECKPOINT, write_megatron
 from paratron.checkpoint.megatron.locate import (
     MEGATRON_FILE,
@@ -42,12 +31,23 @@ from paratron.checkpoint.megatron.locate import (
     detect_format,
     open_megatron,
 )
+from paratron.checkpoint.megatron.reader import megatron_optimizer, megatron_weights, read_megatron
 from paratron.checkpoint.megatron.settings import (
     config_of,
     megatron_args,
     model_settings,
     padded_vocab,
     vocab_size_of,
+)
+from paratron.checkpoint.megatron.tensor_layout import (
+    Shapes,
+    from_paratron,
+    fuse_qkv,
+    merge_tp,
+    split_qkv,
+    split_tp,
+    to_paratron,
+    tp_dim,
 )
 from paratron.checkpoint.megatron.torch_dist import unstack
 from paratron.checkpoint.megatron.unpickle import ALLOWED_GLOBALS, MegatronStandIn, safe_load

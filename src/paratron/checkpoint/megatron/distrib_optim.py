@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from paratron.checkpoint.megatron.layout import LAYER, merge_tp, to_paratron, tp_dim
 from paratron.checkpoint.megatron.legacy import chunk_keys, chunk_parameters, legacy_files, merge_legacy
 from paratron.checkpoint.megatron.locate import MegatronCheckpoint, legacy_pp, rank_file
+from paratron.checkpoint.megatron.tensor_layout import LAYER, merge_tp, to_paratron, tp_dim
 from paratron.checkpoint.megatron.torch_dist import dist_chunk_bounds, dist_shapes, dist_tensors
 from paratron.checkpoint.megatron.unpickle import safe_load
 from paratron.config.schema import ModelConfig

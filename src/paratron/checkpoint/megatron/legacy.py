@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from paratron.checkpoint.conversion import Converted, ConvertOptions
-from paratron.checkpoint.io import TRACKER
-from paratron.checkpoint.megatron.layout import LAYER, Shapes, from_paratron, merge_tp, split_tp, to_paratron
+from paratron.checkpoint.converted import Converted, ConvertOptions
+from paratron.checkpoint.files import TRACKER
 from paratron.checkpoint.megatron.locate import MEGATRON_FILE, MegatronCheckpoint, legacy_pp, rank_file
 from paratron.checkpoint.megatron.settings import megatron_args, padded_vocab
+from paratron.checkpoint.megatron.tensor_layout import LAYER, Shapes, from_paratron, merge_tp, split_tp, to_paratron
 from paratron.checkpoint.megatron.unpickle import safe_load
 from paratron.config.schema import ModelConfig
 from paratron.data.tokenizer import export_tokenizer

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paratron.checkpoint.io import TRACKER, read_checkpoint
+from paratron.checkpoint.files import TRACKER
 from paratron.checkpoint.megatron.fsdp_dtensor import FSDP_DTENSOR, fsdp_objects, is_fsdp_dtensor
 from paratron.checkpoint.megatron.unpickle import safe_load
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.errors import CheckpointError
 
 MEGATRON_FILE = "model_optim_rng.pt"

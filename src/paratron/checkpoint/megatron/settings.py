@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from paratron.checkpoint.conversion import config_from_settings
-from paratron.checkpoint.megatron.layout import Shapes
+from paratron.checkpoint.converted import config_from_settings
+from paratron.checkpoint.megatron.tensor_layout import Shapes
 from paratron.config.schema import Config, ModelConfig
 from paratron.errors import CheckpointError
 
@@ -21,12 +21,25 @@ from paratron.errors import CheckpointError
 def model_settings(args: dict[str, Any], source: str = "args") -> dict[str, Any]:
     """paratron model settings for Megatron-LM `args` (refused with one line where paratron's
     layers differ)."""
+    extra = _carried_settings(args, source)
+    settings = _layer_settings(args)
+    if settings["position_embedding_type"] == "rope":
+        settings["rotary_base"] = float(args.get("rotary_base", 10000))
+        settings.update(extra)
+    else:
+        settings.update({k: v for k, v in extra.items() if k == "apply_layernorm_1p"})
+    return settings
 
-    def refuse(what: str) -> CheckpointError:
-        return CheckpointError(f"{source}: {what} is not supported by paratron's GPT layers")
 
+def _refusal(source: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{source}: {what} is not supported by paratron's GPT layers")
+
+
+def _carried_settings(args: dict[str, Any], source: str) -> dict[str, Any]:
+    """The settings of `args` that paratron's model has too, carried over as they are; raises the
+    one-line refusal of the first thing in `args` that paratron's layers do not have."""
     if args.get("num_experts"):
-        raise refuse("a mixture of experts (--num-experts)")
+        raise _refusal(source, "a mixture of experts (--num-experts)")
     optional = {f.name for f in dataclasses.fields(ModelConfig)}
     extra = {}
     for name, default in (("apply_layernorm_1p", False), ("rotary_interleaved", False), ("rotary_percent", 1.0)):
@@ -34,23 +47,29 @@ def model_settings(args: dict[str, Any], source: str = "args") -> dict[str, Any]
         if name in optional:  # (paratron has the setting: carried over as it is)
             extra[name] = type(default)(value)
         elif value != default:
-            raise refuse(f"--{name.replace('_', '-')} {value}")
+            raise _refusal(source, f"--{name.replace('_', '-')} {value}")
     if args.get("use_rope_scaling"):
-        raise refuse("--use-rope-scaling")
+        raise _refusal(source, "--use-rope-scaling")
     if args.get("multi_latent_attention"):
-        raise refuse("multi-latent attention")
+        raise _refusal(source, "multi-latent attention")
     if args.get("squared_relu") and args.get("swiglu"):
-        raise refuse("--squared-relu with --swiglu (two MLP activations)")
+        raise _refusal(source, "--squared-relu with --swiglu (two MLP activations)")
     position = args.get("position_embedding_type", "learned_absolute")
     if position not in ("learned_absolute", "rope", "none"):
-        raise refuse(f"--position-embedding-type {position}")
+        raise _refusal(source, f"--position-embedding-type {position}")
     normalization = args.get("normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
-        raise refuse(f"--normalization {normalization}")
+        raise _refusal(source, f"--normalization {normalization}")
+    return extra
+
+
+def _layer_settings(args: dict[str, Any]) -> dict[str, Any]:
+    """The shapes and switches of the layers `args` describe, under paratron's names (with Megatron-LM's
+    defaults for what the args leave out)."""
     heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
     groups = args.get("num_query_groups") if args.get("group_query_attention") else None
     kv = args.get("kv_channels")
-    settings = dict(
+    return dict(
         num_layers=int(args["num_layers"]),
         hidden_size=hidden,
         ffn_hidden_size=int(args.get("ffn_hidden_size") or 4 * hidden),
@@ -59,8 +78,8 @@ def model_settings(args: dict[str, Any], source: str = "args") -> dict[str, Any]
         kv_channels=int(kv) if kv and int(kv) * heads != hidden else None,
         max_position_embeddings=int(args.get("max_position_embeddings") or args.get("seq_length") or 1024),
         vocab_size=vocab_size_of(args),
-        position_embedding_type=position,
-        normalization=normalization,
+        position_embedding_type=args.get("position_embedding_type", "learned_absolute"),
+        normalization=args.get("normalization", "LayerNorm"),
         norm_epsilon=float(args.get("norm_epsilon", 1e-5)),
         activation="swiglu" if args.get("swiglu") else "squared_relu" if args.get("squared_relu") else "gelu",
         openai_gelu=bool(args.get("openai_gelu", False)),
@@ -73,12 +92,6 @@ def model_settings(args: dict[str, Any], source: str = "args") -> dict[str, Any]
         init_method_std=float(args.get("init_method_std", 0.02)),
         make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by", 128)),
     )
-    if position == "rope":
-        settings["rotary_base"] = float(args.get("rotary_base", 10000))
-        settings.update(extra)
-    else:
-        settings.update({k: v for k, v in extra.items() if k == "apply_layernorm_1p"})
-    return settings
 
 
 def vocab_size_of(args: dict[str, Any]) -> int:

@@ -9,8 +9,8 @@ import re
 
 import torch
 
-from paratron.checkpoint.megatron.layout import to_paratron
 from paratron.checkpoint.megatron.locate import MegatronCheckpoint
+from paratron.checkpoint.megatron.tensor_layout import to_paratron
 from paratron.checkpoint.megatron.unpickle import dcp_reader
 from paratron.config.schema import ModelConfig
 from paratron.errors import CheckpointError

@@ -39,7 +39,7 @@ from paratron.parallel.pipeline.zero_bubble import WeightGradStore
 
 
 class GradientSync(Protocol):
-    """What the pipeline tells data parallelism (`parallel.data.DataParallelGradients`)."""
+    """What the pipeline tells data parallelism (`parallel.data_parallel.DataParallelGradients`)."""
 
     def require_sync(self, enabled: bool) -> None: ...
 

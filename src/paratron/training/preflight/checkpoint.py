@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratron.checkpoint.io import CheckpointInfo, read_checkpoint
 from paratron.checkpoint.megatron import check_load
+from paratron.checkpoint.verify import CheckpointInfo, read_checkpoint
 from paratron.config.fields import flag
 from paratron.config.schema import Config
 from paratron.errors import ConfigError

@@ -5,7 +5,7 @@ refused; a converted paratron checkpoint carries its recipe in `model.yaml`).
 A reader turns a folder of some format into a `Converted`: the paratron configuration, the tensors
 under paratron's single-device names (opened on demand, so a writer can take one layer at a time),
 and what else the format knows (tokenizer, iteration, optimizer state, the Hugging Face family it
-came from). A writer turns a `Converted` into a folder of its format. `checkpoint.convert` holds
+came from). A writer turns a `Converted` into a folder of its format. `checkpoint.formats` holds
 the table of both.
 """
 
@@ -20,7 +20,9 @@ from typing import Any, Protocol
 import torch
 import yaml
 
-from paratron.checkpoint.io import CONVERT_FIX, CheckpointInfo, weight_catalog
+from paratron.checkpoint.load import weight_catalog
+from paratron.checkpoint.save import CONVERT_FIX
+from paratron.checkpoint.verify import CheckpointInfo
 from paratron.config.loading import build_config, config_to_dict
 from paratron.config.schema import Config
 from paratron.data.tokenizer import Tokenizer

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratron.parallel.data.fully_sharded import local_tensor
+from paratron.parallel.data_parallel.fully_sharded import local_tensor
 from paratron.parallel.model import ParallelModel
 
 CATEGORIES = ("parameters", "gradients", "master", "optimizer_state")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratron.distributed.topology import RankGroup
-from paratron.parallel.data.buckets import GradientReducer
+from paratron.parallel.data_parallel.buckets import GradientReducer
 
 
 class FlatParameters:

@@ -27,8 +27,8 @@ from paratron.data.build import Log
 from paratron.distributed.init import initialize, raise_any_failure, shutdown
 from paratron.errors import ConfigError
 from paratron.inference.engine import Engine
+from paratron.inference.http_app import ServerSettings, build_app
 from paratron.inference.loading import engine_settings, open_engine
-from paratron.inference.server import ServerSettings, build_app
 
 
 def serve_settings(overrides: dict[str, Any], recipe: str | None) -> Resolution:

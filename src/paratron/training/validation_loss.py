@@ -24,9 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.io import load_model_weights, read_checkpoint
+from paratron.checkpoint.load import load_model_weights
 from paratron.checkpoint.model_of import paratron_checkpoint
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
+from paratron.checkpoint.verify import read_checkpoint
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import override
 from paratron.config.schema import Config

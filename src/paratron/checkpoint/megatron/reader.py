@@ -1,4 +1,4 @@
-"""Megatron-LM's reader for `checkpoint.convert`: a checkpoint of any format it reads (legacy `torch`,
+"""Megatron-LM's reader for `checkpoint.formats`: a checkpoint of any format it reads (legacy `torch`,
 `torch_dist`, `fsdp_dtensor`) as a converted model: its weights under paratron's names, checked against what its args
 describe, and (unless only the weights are wanted) its iteration, consumed samples and Adam's state.
 """
@@ -9,17 +9,17 @@ from pathlib import Path
 
 import torch
 
-from paratron.checkpoint.conversion import Converted, ConvertOptions, in_memory
+from paratron.checkpoint.converted import Converted, ConvertOptions, in_memory
 from paratron.checkpoint.megatron.distrib_optim import (
     dp_reshardable_optimizer,
     has_distrib_optim,
     legacy_distributed_optimizer,
 )
 from paratron.checkpoint.megatron.fsdp_dtensor import FSDP_DTENSOR, fsdp_weights
-from paratron.checkpoint.megatron.layout import to_paratron
 from paratron.checkpoint.megatron.legacy import legacy_optimizer, legacy_weights
 from paratron.checkpoint.megatron.locate import MegatronCheckpoint, open_megatron
 from paratron.checkpoint.megatron.settings import config_of
+from paratron.checkpoint.megatron.tensor_layout import to_paratron
 from paratron.checkpoint.megatron.torch_dist import dist_optimizer, dist_weights
 from paratron.config.schema import ModelConfig
 from paratron.errors import CheckpointError

@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratron.checkpoint.conversion import Converted, ConvertOptions, refuse_existing
+from paratron.checkpoint.converted import Converted, ConvertOptions, refuse_existing
 from paratron.checkpoint.hf import read_hf_folder, write_hf
-from paratron.checkpoint.io import CONVERT_FIX
 from paratron.checkpoint.megatron import read_megatron, write_megatron
 from paratron.checkpoint.native import read_paratron, write_paratron
 from paratron.checkpoint.peft import write_peft
+from paratron.checkpoint.save import CONVERT_FIX
 
 
 def _trainable(written: Path, destination: Path, model: Converted) -> str:

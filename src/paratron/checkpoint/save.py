@@ -1,39 +1,19 @@
-"""Saving and loading training checkpoints.
-
-Layout (Megatron-LM's tracker file and iteration folders):
-
-    SAVE/latest_checkpointed_iteration.txt      newest complete checkpoint
-    SAVE/iter_0000200/model_tp000_pp000_dp000.safetensors
-                                                weights: what one rank holds, as boxes of the
-                                                single-device tensors (`pieces.py`)
-    SAVE/iter_0000200/model.safetensors.index.json
-                                                every stored box's file, the single-device shapes
-    SAVE/iter_0000200/optimizer_tp000_pp000_dp000.safetensors, optimizer.index.json
-                                                optimizer state, the same way (`optimizer_state.py`)
-    SAVE/iter_0000200/training_state_tp000_pp000.pt
-                                                per tensor- and pipeline-parallel rank: RNG and
-                                                loss-scaler state (tensors and numbers only)
-    SAVE/iter_0000200/tokenizer.json            the run's tokenizer, if it has one
-    SAVE/iter_0000200/chat_template.jinja       the chat template a fine-tuning run trained with
-    SAVE/iter_0000200/meta.json                 iteration, consumed samples, config, checksums
+"""Saving training checkpoints (the folder's files: `checkpoint.files`).
 
 Every rank writes only what it holds, and of values several ranks hold (data-parallel replicas,
 tensors whole on every tensor-parallel rank) one rank writes: no rank gathers anything. A single
-process writes one model.safetensors of whole tensors under single-device names; older
-checkpoints (whole tensors per pipeline stage) and converted ones load the same way.
+process writes one model.safetensors of whole tensors under single-device names.
 
 A checkpoint is written into a temporary folder and renamed into place before the
 tracker moves, so a crash mid-save never leaves a half checkpoint behind the tracker. A save
 that the filesystem cannot hold is refused before anything is written (the ranks writing to one
 filesystem add up their bytes); one that runs out of space anyway removes the temporary folder.
 Either ends on every rank with the same one-line `UserError` (`paratron.storage`).
-Loading never unpickles arbitrary objects: safetensors, `torch.load(weights_only=True)`, JSON.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -47,20 +27,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratron.checkpoint.grow import NEW_PARTS, fill_grown, grows
+from paratron.checkpoint.files import TRACKER, WEIGHTS_INDEX, file_sha256, rank_state_file, weights_file
+from paratron.checkpoint.gather import first_replica, persistent_buffers
 from paratron.checkpoint.optimizer_state import optimizer_file, optimizer_snapshot
 from paratron.checkpoint.optimizer_state import write_index as write_optimizer_index
-from paratron.checkpoint.pieces import Catalog, box_key, writes
-from paratron.config.loading import config_from_dict, config_to_dict
+from paratron.checkpoint.pieces import box_key, writes
+from paratron.checkpoint.prune import prune_checkpoints
+from paratron.config.loading import config_to_dict
 from paratron.config.schema import Config
 from paratron.data.special_tokens import CHAT_TEMPLATE_FILE
 from paratron.distributed.topology import Axis, ParallelDims, Topology
-from paratron.errors import CheckpointError, UserError
-from paratron.model.gpt import GPT, build_model
-from paratron.model.lora import is_adapter
+from paratron.errors import UserError
 from paratron.optim.protocol import TrainingOptimizer
-from paratron.parallel.data.fully_sharded import full_parameter, held_boxes, local_tensor
-from paratron.parallel.sharding import full_shape, gather_full, param_info, whole_box
+from paratron.parallel.data_parallel.fully_sharded import held_boxes, local_tensor
+from paratron.parallel.sharding import full_shape
 from paratron.storage import (
     Space,
     is_disk_full,
@@ -73,99 +53,12 @@ from paratron.storage import (
     write_text_atomic,
 )
 
-TRACKER = "latest_checkpointed_iteration.txt"
-WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 SAVE_FIX = "free space or choose another --save"
 CONVERT_FIX = "free space or choose another destination (convert --to FORMAT DIR)"
 CONVERTED = "the converted checkpoint"
 """What a full disk's line says a conversion to paratron was writing."""
 FILE_SLACK = 8192
 """Bytes a checkpoint file may take beyond its tensors: its header, the filesystem's last block."""
-
-
-@dataclass
-class CheckpointInfo:
-    path: Path
-    iteration: int
-    consumed_samples: int
-    config: Config
-    weights_only: bool = False
-    """Only weights, no training state (converted from Hugging Face): training starts from them at step 0."""
-    hf_model_type: str | None = None
-    """The Hugging Face architecture it was converted from, if any (kept for the way back)."""
-    passed_over: list[str] = field(default_factory=list)
-    """Why newer checkpoints of the same save directory were not used (damaged)."""
-
-
-def file_sha256(path: Path) -> str:
-    """The checksum meta.json lists for every file of a checkpoint (read in 1 MiB chunks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def full_state(model: nn.Module, topology: Topology, keep: bool = True) -> dict[str, torch.Tensor]:
-    """Every parameter this rank's stage holds, once (a tied output weight appears as the
-    embedding; the last pipeline stage's copy of it is left to the first), whole and on the CPU:
-    tensor-parallel slices (and experts held by other expert-parallel ranks) are gathered one
-    tensor at a time (collective over those groups; ranks with keep=False take part and keep nothing)."""
-    out = {}
-    tp_group, ep_group, etp_group = topology.group(Axis.TP), topology.group(Axis.EP), topology.group(Axis.EXPERT_TP)
-    for name, param in model.named_parameters():
-        if param_info(param).pipeline_duplicate:
-            continue
-        full = gather_full(param, tp_group, full_parameter(param), ep_group, etp_group)
-        if keep:
-            out[name] = full.cpu()
-    if keep:
-        out.update({name: buffer.detach().cpu() for name, buffer in persistent_buffers(model).items()})
-    return out
-
-
-def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """State that is not a parameter but belongs in a checkpoint (a MoE router's expert bias)."""
-    out = {}
-    for prefix, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = buffer
-    return out
-
-
-def _stage_writer(topology: Topology) -> bool:
-    """The rank that writes its pipeline stage's weights: the stage's first tensor-, context- and
-    data-parallel rank."""
-    return _first_replica(topology) and topology.tp_rank == 0
-
-
-def _first_replica(topology: Topology) -> bool:
-    """The first of the ranks that hold the same model part (data- and context-parallel peers)."""
-    return topology.local_rank(Axis.DP_CP) == 0
-
-
-def whole_model_state(model: nn.Module, topology: Topology) -> dict[str, torch.Tensor]:
-    """The whole model's weights on rank 0 (empty elsewhere): each pipeline stage's, gathered over
-    tensor parallelism, sent to it. Collective over the tensor-parallel group; the stage writers
-    also take part over the pipeline-parallel group."""
-    stage_writer, main = _stage_writer(topology), topology.rank == 0
-    state = full_state(model, topology, keep=stage_writer)
-    pp = topology.group(Axis.PP)
-    if pp.size == 1 or not stage_writer:
-        return state if main else {}
-    stages: list[Any] = [None] * pp.size
-    dist.gather_object(state, stages if main else None, dst=0, group=pp.process_group)
-    return {name: t for part in stages for name, t in part.items()} if main else {}
-
-
-def weights_file(topology: Topology) -> str:
-    """This rank's weights file: model.safetensors for a single process."""
-    if topology.dims.world_size == 1:
-        return WEIGHTS
-    return (
-        f"model_tp{topology.tp_rank:03d}_pp{topology.pp_rank:03d}_dp{topology.local_rank(Axis.DP_CP):03d}.safetensors"
-    )
 
 
 def weight_boxes(model: nn.Module, topology: Topology) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
@@ -181,15 +74,10 @@ def weight_boxes(model: nn.Module, topology: Topology) -> tuple[dict[str, torch.
         shapes[name] = list(shape)
         for whole, mine in held_boxes(param):
             tensors[box_key(name, whole, shape)] = local[mine].cpu()
-    if topology.tp_rank == 0 and _first_replica(topology):
+    if topology.tp_rank == 0 and first_replica(topology):
         for name, buffer in persistent_buffers(model).items():
             tensors[name], shapes[name] = buffer.detach().cpu(), list(buffer.shape)
     return tensors, shapes
-
-
-def rank_state_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """training_state_tp000[_pp000].pt: random-generator states and loss scaler of one rank."""
-    return f"training_state_tp{tp_rank:03d}" + (f"_pp{pp_rank:03d}" if pp_size > 1 else "") + ".pt"
 
 
 @dataclass
@@ -248,14 +136,29 @@ def begin_save(
     what = what or f"checkpoint iteration {content.iteration}"
     collective = topology is not None  # (without one, this process alone: a conversion, which a job runs once)
     topology = topology or Topology(ParallelDims(1))
-    pp_rank, pp_size, tp_rank = topology.pp_rank, topology.size(Axis.PP), topology.tp_rank
-    sharded = content.config.parallel.zero_stage > 0 and topology.size(Axis.DP_CP) > 1
     weights, shapes = weight_boxes(content.model, topology)
-    rank_state = content.rank_state if _first_replica(topology) else None
+    rank_state = content.rank_state if first_replica(topology) else None
     if snapshot:
         weights = {n: t.clone() for n, t in weights.items()}
         rank_state = copy.deepcopy(rank_state)
-    pending = PendingSave(
+    pending = _pending_save(root, content, topology, what, fix, collective)
+    if weights:
+        pending.add(weights_file(topology), weights, {"format": "pt"}, "model", shapes)
+    _add_optimizer_state(pending, content, topology, snapshot)
+    if rank_state is not None:
+        name = rank_state_file(topology.tp_rank, topology.pp_rank, topology.size(Axis.PP))
+        pending.files[name] = ("torch", rank_state, None)
+    _check_space(pending, topology)
+    failure = _make_temporary_folder(pending) if pending.writer else None
+    _raise_on_every_rank(failure, pending.collective)  # (and the barrier after which every rank may write)
+    return pending
+
+
+def _pending_save(
+    root: Path, content: CheckpointContent, topology: Topology, what: str, fix: str, collective: bool
+) -> PendingSave:
+    """An empty `PendingSave` of `content` for this rank: rank 0 writes the shared files."""
+    return PendingSave(
         root,
         content.iteration,
         content.consumed_samples,
@@ -270,28 +173,32 @@ def begin_save(
         collective=collective,
         chat_template=content.chat_template,
     )
-    if weights:
-        pending.add(weights_file(topology), weights, {"format": "pt"}, "model", shapes)
-    if content.optimizer is not None:
-        state = optimizer_snapshot(content.optimizer, content.model, topology, sharded, copy=snapshot)
-        pending.step = state.step
-        if state.tensors or state.shapes:
-            # (numbered within the data- x context-parallel group: under context parallelism ZeRO shards over both)
-            name = optimizer_file(tp_rank, pp_rank, topology.local_rank(Axis.DP_CP))
-            pending.add(name, state.tensors, {"format": "pt"}, "optimizer", state.shapes)
-    if rank_state is not None:
-        pending.files[rank_state_file(tp_rank, pp_rank, pp_size)] = ("torch", rank_state, None)
-    _check_space(pending, topology)
-    failure = None
-    if pending.writer:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(pending.tmp, ignore_errors=True)
-            pending.tmp.mkdir()
-        except OSError as error:
-            failure = pending.failure(error)
-    _raise_on_every_rank(failure, pending.collective)  # (and the barrier after which every rank may write)
-    return pending
+
+
+def _add_optimizer_state(pending: PendingSave, content: CheckpointContent, topology: Topology, snapshot: bool) -> None:
+    """This rank's boxes of the optimizer state (sharded under ZeRO across the data- x context-parallel
+    group), and the optimizer's step count for the index."""
+    if content.optimizer is None:
+        return
+    sharded = content.config.parallel.zero_stage > 0 and topology.size(Axis.DP_CP) > 1
+    state = optimizer_snapshot(content.optimizer, content.model, topology, sharded, copy=snapshot)
+    pending.step = state.step
+    if state.tensors or state.shapes:
+        # (numbered within the data- x context-parallel group: under context parallelism ZeRO shards over both)
+        name = optimizer_file(topology.tp_rank, topology.pp_rank, topology.local_rank(Axis.DP_CP))
+        pending.add(name, state.tensors, {"format": "pt"}, "optimizer", state.shapes)
+
+
+def _make_temporary_folder(pending: PendingSave) -> str | None:
+    """The writer rank's fresh temporary folder (an old one of a failed save removed); why it could
+    not be made, or None."""
+    try:
+        pending.root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(pending.tmp, ignore_errors=True)
+        pending.tmp.mkdir()
+    except OSError as error:
+        return pending.failure(error)
+    return None
 
 
 def _bytes_to_write(pending: PendingSave) -> int:
@@ -526,22 +433,6 @@ class BackgroundSave:
         return self.pending.publish()
 
 
-def prune_checkpoints(root: Path, keep: int, retain_interval: int | None = None) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints under `root` (none with `keep` 0), and
-    with `retain_interval` all but the newest and those whose step is a multiple of it (Megatron-LM's
-    --save-retain-interval); each is first renamed out of sight, so no reader meets a half-deleted
-    one. Returns what was deleted."""
-    complete = sorted(p for p in root.glob("iter_*") if p.is_dir() and (p / "meta.json").exists())
-    doomed = complete[:-keep] if keep > 0 else []
-    if retain_interval:
-        doomed += [p for p in complete[:-1] if p not in doomed and int(p.name[5:]) % retain_interval]
-    for path in doomed:
-        hidden = root / f".old-{path.name}-{os.getpid()}"
-        path.replace(hidden)
-        shutil.rmtree(hidden, ignore_errors=True)
-    return doomed
-
-
 def _raise_on_every_rank(failure: str | None, collective: bool = True) -> None:
     """Rank 0's verdict on every rank (so also a barrier): nothing, or the same one-line error; a
     save that is not `collective` raises its own."""
@@ -551,180 +442,3 @@ def _raise_on_every_rank(failure: str | None, collective: bool = True) -> None:
         failure = verdict[0]
     if failure is not None:
         raise UserError(failure)
-
-
-def holds_checkpoint(path: Path) -> bool:
-    """Whether a directory holds anything a checkpoint leaves (a tracker, an iteration folder, a
-    checkpoint's meta.json, Megatron-LM's `release` folder), intact or not."""
-    if not path.is_dir():
-        return False
-    marks = (path / TRACKER, path / "meta.json", path / "release")
-    return any(mark.exists() for mark in marks) or any(path.glob("iter_*"))
-
-
-def _candidates(path: Path) -> list[Path]:
-    """Iteration folders to try, best first: the folder itself; or the tracker's, then the other
-    complete ones of a save directory, newest first."""
-    if (path / "meta.json").is_file():
-        return [path]
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory; check --load")
-    tracker = path / TRACKER
-    others = sorted((p for p in path.glob("iter_*") if (p / "meta.json").is_file()), reverse=True)
-    first: list[Path] = []
-    if tracker.is_file():
-        try:
-            first = [path / f"iter_{int(tracker.read_text().strip()):07d}"]
-        except ValueError:
-            pass
-    folders = first + [p for p in others if p not in first]
-    if not folders:
-        raise CheckpointError(f"{path}: no checkpoint here (neither {TRACKER} nor meta.json); check --load")
-    return folders
-
-
-def read_checkpoint(path: Path, verify: bool = True) -> CheckpointInfo:
-    """Locate a checkpoint and (unless verify=False) check every file's checksum; loads no tensors.
-
-    Given a save directory, a damaged newest checkpoint (missing, truncated or corrupted files) is
-    passed over for the newest good one, and `CheckpointInfo.passed_over` says why; given one
-    iteration folder, damage is an error."""
-    problems: list[str] = []
-    for folder in _candidates(path):
-        try:
-            info = _read_folder(folder, verify)
-        except CheckpointError as exc:
-            if folder == path:
-                raise
-            problems.append(str(exc))
-            continue
-        info.passed_over = problems
-        return info
-    raise CheckpointError(
-        f"{path}: no intact checkpoint ({problems[0]}"
-        + (f", and {len(problems) - 1} more" if len(problems) > 1 else "")
-        + ")"
-    )
-
-
-def _read_folder(folder: Path, verify: bool) -> CheckpointInfo:
-    if not (folder / "meta.json").is_file():
-        raise CheckpointError(f"{folder}: missing or incomplete; the checkpoint is damaged")
-    try:
-        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
-        files: dict[str, str] = meta["files"]
-    except (ValueError, KeyError):
-        raise CheckpointError(f"{folder / 'meta.json'}: unreadable; the checkpoint is damaged") from None
-    for name, digest in files.items():
-        file = folder / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing; the checkpoint is incomplete")
-        if verify and file_sha256(file) != digest:
-            raise CheckpointError(f"{file}: checksum mismatch; the file is corrupted")
-    try:
-        config = config_from_dict(meta["config"])
-    except UserError as exc:
-        raise CheckpointError(f"{folder / 'meta.json'}: its config does not load ({exc})") from None
-    return CheckpointInfo(
-        folder,
-        int(meta["iteration"]),
-        int(meta["consumed_samples"]),
-        config,
-        bool(meta.get("weights_only", False)),
-        meta.get("hf_model_type"),
-    )
-
-
-def weight_catalog(info: CheckpointInfo) -> Catalog:
-    """Every stored box of the checkpoint's weights (close it, or use it in a `with`)."""
-    index = info.path / WEIGHTS_INDEX
-    if index.is_file():
-        try:
-            record = json.loads(index.read_text(encoding="utf-8"))
-            return Catalog(info.path, dict(record["weight_map"]), record.get("shapes"))
-        except (ValueError, KeyError):
-            raise CheckpointError(f"{index}: unreadable; the checkpoint is damaged") from None
-    if not (info.path / WEIGHTS).is_file():
-        raise CheckpointError(f"{info.path}: holds no weights (neither {WEIGHTS} nor {WEIGHTS_INDEX}); it is damaged")
-    with Catalog(info.path, {}) as probe:
-        keys = list(probe.handle(WEIGHTS).keys())
-    return Catalog(info.path, {key: WEIGHTS for key in keys})
-
-
-@torch.no_grad()
-def load_model_weights(info: CheckpointInfo, model: nn.Module, whole: bool = True, grow: bool = False) -> None:
-    """Copy the checkpoint's weights into `model` (or, whole=False, this rank's pipeline stage of
-    it), each rank reading only the boxes it holds (`fully_sharded.held_boxes`) from the files,
-    whatever layout wrote them; refuses a checkpoint of another shape. A text checkpoint leaves a
-    vision model's encoder and projector as initialized, and `grow` (--add-image-token) lets the
-    vocabulary have more rows than the checkpoint's (`checkpoint.grow`)."""
-    expected = dict(model.named_parameters())
-    buffers = persistent_buffers(model)
-    with weight_catalog(info) as catalog:
-        for name, buffer in buffers.items():  # (a checkpoint without them, a converted one, leaves them at zero)
-            if name in catalog:
-                catalog.fill(name, buffer, [(whole_box(buffer.shape), whole_box(buffer.shape))])
-        if not any(is_adapter(name) for name in catalog.boxes):  # a base model for LoRA: new adapters keep their init
-            expected = {name: param for name, param in expected.items() if not is_adapter(name)}
-        if not info.config.model.has_vision:  # a text model gaining an encoder and projector: they keep their init
-            expected = {name: param for name, param in expected.items() if not name.startswith(NEW_PARTS)}
-        for name in expected:
-            if name not in catalog:
-                raise CheckpointError(f"{info.path}: has no tensor {name}; it belongs to a different model")
-        extra = set(catalog.boxes) - set(expected) - set(buffers)
-        if whole and extra:
-            raise CheckpointError(
-                f"{info.path}: has tensors this model lacks ({sorted(extra)[0]}, ...); it belongs to a different model"
-            )
-        for name, param in expected.items():
-            shape = catalog.shapes[name]
-            local = local_tensor(param)
-            record = param_info(param)
-            if record.shard is not None or record.expert_shard is not None:
-                local.zero_()  # (padding: in no box)
-            if shape != full_shape(param):
-                if not (grow and grows(name, shape, full_shape(param))):
-                    raise CheckpointError(_shape_mismatch(info, name, shape, full_shape(param)))
-                fill_grown(catalog, name, local, held_boxes(param))
-                continue
-            catalog.fill(name, local, held_boxes(param))
-
-
-def _shape_mismatch(info: CheckpointInfo, name: str, saved: tuple[int, ...], wanted: tuple[int, ...]) -> str:
-    """The one line that refuses a tensor of another shape, naming --add-image-token where it is the fix."""
-    line = f"{info.path}: {name} has shape {list(saved)} there but {list(wanted)} in this model"
-    if grows(name, saved, wanted):
-        return (
-            f"{line}: the tokenizer has {wanted[0] - saved[0]} token(s) more than the checkpoint's vocabulary; add "
-            "--add-image-token with --finetune (and a --vision-model) to grow it, the new rows the mean of the old, "
-            "or use the checkpoint's own tokenizer"
-        )
-    return f"{line}; use the same model settings"
-
-
-def load_training_state(checkpoint: CheckpointInfo, topology: Topology) -> tuple[dict[str, Any], bool]:
-    """The saved RNG and loss-scaler state for this rank, and whether it is this rank's own (the
-    checkpoint has the same tensor- and pipeline-parallel layout). At another layout it is the
-    first rank's: its loss scaler and counters apply, its random-generator states do not."""
-    saved = checkpoint.config.parallel
-    pp_size = topology.size(Axis.PP)
-    same = (saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size) == (topology.size(Axis.TP), pp_size)
-    name = (
-        rank_state_file(topology.tp_rank, topology.pp_rank, pp_size)
-        if same
-        else rank_state_file(0, 0, saved.pipeline_model_parallel_size)
-    )
-    return torch.load(checkpoint.path / name, map_location="cpu", weights_only=True), same
-
-
-def read_weight(info: CheckpointInfo, name: str) -> torch.Tensor:
-    """One single-device tensor of the checkpoint's weights, assembled from its stored boxes."""
-    with weight_catalog(info) as catalog:
-        return catalog.whole(name)
-
-
-def model_from_checkpoint(checkpoint: CheckpointInfo, device: torch.device | str = "cpu") -> GPT:
-    """The single-device model of a checkpoint, in eval mode."""
-    model = build_model(checkpoint.config.model, device, seed=checkpoint.config.training.seed)
-    load_model_weights(checkpoint, model)
-    return model.eval()

@@ -1,4 +1,4 @@
-"""Where a rank's memory goes: training state (`parallel/data/memory.py`) and the activations
+"""Where a rank's memory goes: training state (`parallel/data_parallel/state_memory.py`) and the activations
 autograd keeps for backward, counted exactly.
 
 `SavedActivations` is a saved-tensor hook: every tensor autograd saves during forward passes
@@ -26,8 +26,8 @@ from torch import nn
 
 from paratron.distributed.init import peak_memory_bytes
 from paratron.distributed.topology import Topology
-from paratron.parallel.data.fully_sharded import is_sharded
-from paratron.parallel.data.memory import CATEGORIES, training_state_elements
+from paratron.parallel.data_parallel.fully_sharded import is_sharded
+from paratron.parallel.data_parallel.state_memory import CATEGORIES, training_state_elements
 from paratron.storage import write_text_atomic
 
 

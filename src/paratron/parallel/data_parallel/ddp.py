@@ -31,8 +31,8 @@ from torch import nn
 
 from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
-from paratron.parallel.data.buckets import GradientReducer
-from paratron.parallel.data.fully_sharded import local_tensor
+from paratron.parallel.data_parallel.buckets import GradientReducer
+from paratron.parallel.data_parallel.fully_sharded import local_tensor
 from paratron.parallel.sharding import is_expert, param_info, partial_grad_groups
 
 REDUCTION_MODES = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter-shard"}
