@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from paratron.checkpoint.hf.settings import hf_config
+from paratron.checkpoint.megatron.settings import megatron_args, model_settings
 from paratron.config import build_config
 from paratron.config.inference import InferenceConfig
 from paratron.config.layer_pattern import read_layer_pattern
 from paratron.config.layout import resolve_layout
 from paratron.config.megatron import ignored_like_megatron
-from paratron.config.schema import ModelConfig
+from paratron.config.schema import Config, ModelConfig
 from paratron.config.validation import validate
 from paratron.errors import CheckpointError, ConfigError
 from paratron.inference.loading import engine_for_model
@@ -194,3 +195,11 @@ def test_the_planner_says_it_does_not_price_a_pattern_yet():
     config = ModelConfig(hybrid_layer_pattern="*-*-", **TINY)
     with pytest.raises(ConfigError, match="the planner prices Transformer blocks; a --hybrid-layer-pattern model"):
         local_parameters(config, 1, 1, None)
+
+
+def test_megatron_checkpoints_refuse_layer_patterns_both_ways():
+    with pytest.raises(CheckpointError, match="Megatron-LM checkpoints are written for Transformer blocks"):
+        megatron_args(Config(model=ModelConfig(hybrid_layer_pattern="*-", **TINY)), 1, 1, 64, 1, 0)
+    for args in (dict(hybrid_override_pattern="M*-"), dict(attention_output_gate=True)):
+        with pytest.raises(CheckpointError, match="is not supported by paratron's GPT layers"):
+            model_settings(dict(num_layers=2, hidden_size=32, num_attention_heads=4, **args))
