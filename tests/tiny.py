@@ -12,8 +12,11 @@ import torch
 from tokenizers import AddedToken
 
 from paratron.config import Config, build_config
+from paratron.config.inference import InferenceConfig
 from paratron.config.schema import ModelConfig
 from paratron.data.tokenizer import train_byte_level_bpe
+from paratron.inference.loading import engine_for_model
+from paratron.inference.params import SamplingParams
 from paratron.training.run import run_training
 
 GPT_FLAVOUR = ModelConfig(
@@ -114,3 +117,23 @@ def write_processor_config(folder: Path, image_processor: dict[str, Any]) -> Non
     folder.mkdir(parents=True, exist_ok=True)
     whole = {"image_processor": image_processor, "processor_class": "LlavaProcessor", "patch_size": 8}
     (folder / "processor_config.json").write_text(json.dumps(whole), encoding="utf-8")
+
+
+def decoding_error(model: torch.nn.Module, prompt: list[int], new_tokens: int, chunk: int) -> float:
+    """Worst difference between the log-probabilities of the inference engine (the prompt run through its paged
+    KV cache in pieces of `chunk` tokens, then `new_tokens` decoded one at a time, greedily) and those of one
+    forward pass over the whole sequence; asserts that the greedy tokens are that forward's argmax."""
+    settings = InferenceConfig(kv_cache_tokens=256, kv_block_size=4, max_batch_tokens=chunk)
+    engine = engine_for_model(model, None, settings)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    output = engine.generate([prompt], params)[0]
+    tokens = output.completions[0].token_ids
+    with torch.no_grad():
+        whole = torch.log_softmax(model(torch.tensor([prompt + tokens]))[0].float(), dim=-1)
+    assert tokens == whole[len(prompt) - 1 : -1].argmax(-1).tolist()
+    scored = [(entry.logprob, whole[i, prompt[i + 1]]) for i, entry in enumerate(output.prompt_logprobs[1:])]
+    scored += [
+        (entry.logprob, whole[len(prompt) - 1 + i, t])
+        for i, (entry, t) in enumerate(zip(output.completions[0].logprobs, tokens))
+    ]
+    return max(abs(ours - float(theirs)) for ours, theirs in scored)

@@ -24,7 +24,7 @@ from paratron.model.attention import (
 )
 from paratron.model.gpt import build_model
 
-from tiny import LLAMA_FLAVOUR
+from tiny import LLAMA_FLAVOUR, decoding_error
 
 
 def reference_mask(name: str, length: int, segments: torch.Tensor | None, **settings) -> torch.Tensor:
@@ -103,17 +103,11 @@ def test_a_window_reaches_a_fixed_number_of_key_blocks_whatever_the_length():
 
 
 def test_decoding_with_a_cache_gives_the_logits_of_the_whole_window_run():
+    """Prompt pieces of 5 and decoded tokens past the window of 6 attend over the cached keys the window keeps."""
     config = dataclasses.replace(LLAMA_FLAVOUR, attention_type="sliding-window", window_size=6)
     model = build_model(config, seed=1).eval()
-    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
-    from paratron.model.transformer import KVCache
-
-    with torch.no_grad():
-        whole = model(ids)
-        cache = KVCache(config.num_layers, 20)
-        first = model(ids[:, :12], cache)
-        steps = [model(ids[:, i : i + 1], cache) for i in range(12, 20)]
-    torch.testing.assert_close(torch.cat([first, *steps], dim=1), whole, rtol=1e-5, atol=1e-5)
+    prompt = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert decoding_error(model, prompt, new_tokens=8, chunk=5) < 1e-4
 
 
 def test_document_attention_trains_each_document_as_if_alone():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from paratron.config.fields import flag
+from paratron.config.layer_pattern import read_layer_pattern
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
 
@@ -232,8 +233,12 @@ def _plan_pipeline(config: Config, global_batch: int, microbatches: int) -> Pipe
                 f"{m.num_layers} layers; set it to {m.num_layers} or drop it (Megatron-LM refuses it too)"
             )
     ends = (first, last) if pp > 1 else (None, None)
+    stages = read_layer_pattern(m.hybrid_layer_pattern).stage_sizes if m.hybrid_layer_pattern else ()
     try:
-        counts = layer_counts(m.num_layers, pp * chunks, *ends, embedding=embedding, loss=loss)
+        if len(stages) > 1:  # (a pattern's '|' places each stage's layers; `pattern_checks` matched them to the run)
+            counts = list(stages)
+        else:
+            counts = layer_counts(m.num_layers, pp * chunks, *ends, embedding=embedding, loss=loss)
     except ValueError as exc:
         virtual = f" x {chunks} virtual stages" if chunks > 1 else ""
         fix = (

@@ -80,6 +80,7 @@ RENAMES: dict[str, str] = {
     "--override-opt_param-scheduler": "override_opt_param_scheduler",
     "--freeze-ViT": "freeze_vision_model",  # (Megatron-LM's examples/multimodal)
     "--freeze-LM": "freeze_language_model",
+    "--hybrid-override-pattern": "hybrid_layer_pattern",  # (Megatron-LM's older spelling)
 }
 """Other spellings of a setting's flag (Megatron-LM's own included)."""
 
@@ -286,9 +287,6 @@ REFUSED: dict[str, Refused] = {
     "linear-value-head-dim": Refused("Linear attention: value head width.", _LINEAR),
     "linear-num-key-heads": Refused("Linear attention: key heads.", _LINEAR),
     "linear-num-value-heads": Refused("Linear attention: value heads.", _LINEAR),
-    "attention-output-gate": Refused(
-        "Gate the attention output by a sigmoid of the input.", "gated attention outputs are not implemented"
-    ),
     "apply-wd-to-qk-layernorm": Refused(
         "Apply weight decay to the query/key norms.",
         "paratron never decays norms (their weights are not matrices); drop it, or ask for it as a feature",
@@ -370,6 +368,11 @@ def ignored_like_megatron(config: Config, given: Collection[str]) -> dict[str, s
         ignored["num_query_groups"] = (
             f"--num-query-groups {config.model.num_query_groups} is ignored without --group-query-attention, as "
             "Megatron-LM ignores it; add --group-query-attention for grouped-query attention"
+        )
+    if "num_layers" in given and config.model.hybrid_layer_pattern:
+        ignored["num_layers"] = (
+            f"--num-layers is ignored under --hybrid-layer-pattern, whose {config.model.num_layers} symbols are the "
+            "layers, as Megatron-LM ignores it; drop --num-layers"
         )
     return ignored
 

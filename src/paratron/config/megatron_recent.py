@@ -209,7 +209,6 @@ RECENT_REFUSED: dict[str, Refused] = {
     "gdp-num-householder": Refused("Gated Delta Product: Householder reflections.", LINEAR_REASON),
     "gdp-cutedsl-kernel": Refused("Gated Delta Product: CuTeDSL kernel.", LINEAR_REASON),
     "gdp-num-chunk-states-to-recompute": Refused("Gated Delta Product: recomputed chunk states.", LINEAR_REASON),
-    "hybrid-layer-pattern": Refused("Layer pattern of a hybrid (Mamba, attention, MLP, MoE) stack.", _HYBRID),
     "mamba-training-ssm-states-dtype": Refused("Precision of Mamba's inter-chunk states.", _HYBRID),
     "mamba-inference-conv-states-dtype": Refused("Precision of Mamba's inference convolution states.", _HYBRID),
     "mamba-inference-ssm-states-dtype": Refused("Precision of Mamba's inference SSM states.", _HYBRID),

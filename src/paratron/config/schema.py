@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from paratron.config.inference import InferenceConfig
+from paratron.config.layer_pattern import LayerPattern, read_layer_pattern
 from paratron.config.limits import ABOVE_ZERO, DERIVED, FRACTION, ZERO_OR_MORE
 from paratron.config.vision import VisionSettings
 
@@ -45,6 +46,14 @@ def moe_layer_pattern(freq: str, num_layers: int) -> tuple[bool, ...]:
     return tuple(e == "1" for e in entries)
 
 
+def _readable_pattern(text: str | None) -> LayerPattern | None:
+    """--hybrid-layer-pattern read, or None when it is unset or not one paratron builds."""
+    try:
+        return read_layer_pattern(text) if text else None
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class ModelConfig(VisionSettings):
     """Transformer architecture (and, with a vision model, the image encoder and projector in front of it)."""
@@ -54,7 +63,15 @@ class ModelConfig(VisionSettings):
     model settings override."""
 
     num_layers: int = field(default=2, metadata=ABOVE_ZERO)
-    """Number of Transformer layers."""
+    """Number of Transformer layers (under --hybrid-layer-pattern: the pattern's layers; a different value given is
+    ignored, with a warning, as Megatron-LM ignores it)."""
+
+    hybrid_layer_pattern: str | None = None
+    """The layers as a pattern, one symbol per residual sublayer (each with its own norm), as Megatron-LM's hybrid
+    models give them: `*` attention, `-` MLP, `E` mixture of experts, `|` between pipeline stages; for example
+    `*-*E|*-*E`. The pattern sets the layer count. Unset: --num-layers Transformer blocks, each attention then MLP
+    (or mixture of experts). Megatron-LM's `M` (Mamba), `G` (gated DeltaNet), `+` (multi-latent attention), `D`
+    (DeepSeek sparse attention) and `/` (multi-token prediction) are refused by name."""
 
     hidden_size: int = field(default=64, metadata=ABOVE_ZERO)
     """Width of the residual stream."""
@@ -130,6 +147,10 @@ class ModelConfig(VisionSettings):
     qk_layernorm: bool = False
     """Normalize each head's queries and keys (the model's norm over the head dimension, before rotary embeddings), as
     Qwen3 does."""
+
+    attention_output_gate: bool = False
+    """Gate the attention output feature by feature with a sigmoid of the layer's input, before the output projection
+    (the full-attention layers of Qwen3-Next): a fourth input projection beside the queries, keys and values."""
 
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of sharing the input embedding."""
@@ -274,7 +295,13 @@ class ModelConfig(VisionSettings):
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_derived", frozenset(derived))
-        object.__setattr__(self, "_moe_layer_pattern", moe_layer_pattern(self.moe_layer_freq, self.num_layers))
+        pattern = _readable_pattern(self.hybrid_layer_pattern)
+        if pattern is not None:  # (the pattern sets the layers; an unreadable one is refused by validation)
+            object.__setattr__(self, "num_layers", pattern.num_layers)
+            experts = tuple(symbol == "E" for symbol in pattern.symbols)
+        else:
+            experts = moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+        object.__setattr__(self, "_moe_layer_pattern", experts)
 
     def _derived_defaults(self) -> dict[str, Any]:
         """The MLP width (4h; int(4h x 2/3 / 64) x 64 with SwiGLU, which keeps the parameter count of a 4h GELU MLP),
@@ -348,6 +375,8 @@ MODEL_ARCHITECTURE: tuple[str, ...] = (
     "add_bias_linear",
     "add_qkv_bias",
     "qk_layernorm",
+    "attention_output_gate",
+    "hybrid_layer_pattern",
     "untie_embeddings_and_output_weights",
     "num_experts",
     "moe_layer_freq",

@@ -23,6 +23,7 @@ from paratron.config.checks.parallel import (
     check_expert_parallel,
     check_tensor_parallel,
 )
+from paratron.config.checks.pattern import check_layer_pattern
 from paratron.config.checks.precision import check_fp8_settings, check_gradient_precision, check_precision
 from paratron.config.checks.recompute import check_recompute
 from paratron.config.checks.vision import check_added_image_token, check_vision_layout, check_vision_model
@@ -42,6 +43,7 @@ def validate(config: Config, world_size: int, check_data: bool = True, needs_sou
     check_launch(config.parallel)
     check_precision(config.training)
     check_model(config.model, config.data)
+    check_layer_pattern(config)
     check_vision_model(config.model, config.data.seq_length)
     check_added_image_token(config)
     check_rotary(config)

@@ -68,6 +68,7 @@ from paratron.distributed.rng import Forked
 from paratron.distributed.topology import Axis, Topology
 from paratron.model.attention import AttentionCore
 from paratron.model.gpt import GPT
+from paratron.model.layer_kind import LayerKind
 from paratron.model.mlp import Projections
 from paratron.model.moe import Experts, Router, Routing
 from paratron.model.transformer import TransformerLayers
@@ -271,7 +272,7 @@ class DebugCapture:
         attention = self.modules.get(name.rsplit(".", 1)[0])
         if sequence is None or attention is None:
             return None
-        query = _inner(attention.in_proj)["q"] if isinstance(_inner(attention.in_proj), nn.ModuleDict) else None
+        query = attention.query_projection() if isinstance(attention, LayerKind) else None
         info = self.weight_infos.get(id(query)) if query is not None else None
         shard = info.shard if info is not None else None
         if shard is None:

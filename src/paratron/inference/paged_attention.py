@@ -24,6 +24,7 @@ from torch import nn
 
 from paratron.inference.kv_cache import PagedLayerCache, StepPlan
 from paratron.model.attention import AttentionPattern
+from paratron.model.layer_kind import DecodeState
 
 
 @dataclass
@@ -123,15 +124,24 @@ class PagedAttention(nn.Module):
 
 
 @contextlib.contextmanager
-def paged_cores(layers: nn.ModuleList, cores: dict[int, PagedAttention]) -> Iterator[None]:
-    """The layers' attention cores swapped for `cores` (layer number -> core) while the step runs. (Through the
-    modules' child tables: `Module.__setattr__`'s checks cost a per-step tenth of a millisecond per layer.)"""
-    tables = {i: layers[i].attention._modules for i in cores}
-    saved = {i: table["core"] for i, table in tables.items()}
-    for i, table in tables.items():
-        table["core"] = cores[i]
+def paged_cores(cores: dict[nn.Module, PagedAttention]) -> Iterator[None]:
+    """The `core` of each layer kind that keeps keys and values swapped for its paged one (`cores`: kind -> core)
+    while the step runs. (Through the modules' child tables: `Module.__setattr__`'s checks cost a per-step tenth of
+    a millisecond per layer.)"""
+    saved = {kind: kind._modules["core"] for kind in cores}
+    for kind, core in cores.items():
+        kind._modules["core"] = core
     try:
         yield
     finally:
-        for i, table in tables.items():
-            table["core"] = saved[i]
+        for kind, core in saved.items():
+            kind._modules["core"] = core
+
+
+def key_value_layers(model: nn.Module) -> list[int]:
+    """The layers this rank holds whose kind keeps keys and values between decoding steps (`DecodeState`)."""
+    return [
+        i
+        for i, layer in enumerate(model.layers)
+        if layer is not None and any(k.decode_state is DecodeState.KEY_VALUE for k in layer.kinds().values())
+    ]

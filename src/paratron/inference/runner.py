@@ -23,6 +23,7 @@ from paratron.inference.kv_cache import PagedKVCache, StepPlan
 from paratron.inference.paged_attention import PagedAttention, paged_cores
 from paratron.model.attention import make_pattern
 from paratron.model.gpt import GPT
+from paratron.model.layer_kind import DecodeState
 
 STEP, IDLE, CLOSE = 0, 1, 2
 """What a message from the controller says: run this plan, nothing to do yet, stop following."""
@@ -81,7 +82,12 @@ class ModelRunner:
         held = [i for i, layer in enumerate(model.layers) if layer is not None]
         self.layers = range(held[0], held[-1] + 1) if held else range(0)  # (a stage's layers are consecutive)
         pattern = make_pattern(model.config)
-        self.cores = {i: PagedAttention(pattern, cache.layers[i]) for i in self.layers}  # type: ignore[arg-type]
+        self.cores = {  # (the kinds that keep keys and values attend over the paged cache during a step)
+            kind: PagedAttention(pattern, cache.layers[i])  # type: ignore[arg-type]
+            for i in self.layers
+            for kind in model.layers[i].kinds().values()
+            if kind.decode_state is DecodeState.KEY_VALUE
+        }
         self.device = next(p.device for p in model.parameters())
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
 
@@ -138,7 +144,7 @@ class ModelRunner:
         else:
             x = torch.empty(1, len(plan.input_ids), model.config.hidden_size, dtype=self.dtype, device=self.device)
             dist.recv(x, src=groups.pipeline.ranks[groups.pipeline.rank - 1])
-        with paged_cores(model.layers, self.cores):
+        with paged_cores(self.cores):
             x = model.layers(x, self.layers, model.rotary_tables(positions), self.cache)
         if not groups.last_stage:
             dist.send(x.contiguous(), dst=groups.pipeline.ranks[groups.pipeline.rank + 1])

@@ -3,6 +3,5 @@
 from paratron.model.gpt import GPT, build_model
 from paratron.model.init import init_parameter
 from paratron.model.registry import MODELS, count_parameters, model_config
-from paratron.model.transformer import KVCache
 
-__all__ = ["GPT", "KVCache", "build_model", "init_parameter", "MODELS", "count_parameters", "model_config"]
+__all__ = ["GPT", "build_model", "init_parameter", "MODELS", "count_parameters", "model_config"]

@@ -15,9 +15,8 @@ from paratron.model.attention import TokenPlaces
 from paratron.model.init import init_weights
 from paratron.model.lora import add_adapters
 from paratron.model.transformer import (
-    KVCache,
-    TransformerBlock,
     TransformerLayers,
+    build_layers,
     make_norm,
     rotary_cos_sin,
     rotary_width,
@@ -26,7 +25,8 @@ from paratron.model.vision import VisionModel
 
 
 class GPT(nn.Module):
-    """Token (+ learned position) embedding, a stack of blocks, a final norm and the output layer.
+    """Token (+ learned position) embedding, a stack of layers (Transformer blocks, or the residual sublayers of a
+    --hybrid-layer-pattern: `model.transformer.build_layers`), a final norm and the output layer.
 
     `forward(input_ids)` returns logits [B, T, vocab]; `position_ids` and `segment_ids` ([B, T])
     lay out several sequences packed in one row (see `model.batch`). When `input_ids` holds only
@@ -51,9 +51,7 @@ class GPT(nn.Module):
         learned = config.position_embedding_type == "learned_absolute"
         self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = TransformerLayers(
-            TransformerBlock(config, moe, number) for number, moe in enumerate(config.moe_layer_pattern, start=1)
-        )
+        self.layers = TransformerLayers(build_layers(config))
         self.final_norm = make_norm(config)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -88,17 +86,15 @@ class GPT(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: KVCache | None = None,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,
         images: torch.Tensor | None = None,
         before_output: bool = False,
     ) -> torch.Tensor:
-        start = cache.length if cache is not None else 0
-        positions, places = self.token_layout(input_ids, position_ids, segment_ids, token_index, start=start)
+        positions, places = self.token_layout(input_ids, position_ids, segment_ids, token_index)
         x = self.embed(input_ids, positions, images)
-        x = self.layers(x, range(len(self.layers)), self.rotary_tables(positions), cache, places)
+        x = self.layers(x, range(len(self.layers)), self.rotary_tables(positions), places=places)
         return self.final_norm(x) if before_output else self.head(x)
 
     # The pieces of forward, in order; a pipeline stage runs some of them on its own layers.
@@ -109,16 +105,13 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,
-        *,
-        start: int = 0,
     ) -> tuple[torch.Tensor, TokenPlaces]:
         """The positions (for embeddings) and the places in their rows (for attention masks) of the
-        tokens of `input_ids`, the first of them at place `start` (the positions a KV cache already
-        holds); the other arguments are `forward`'s."""
+        tokens of `input_ids`; the arguments are `forward`'s."""
         if token_index is not None:
             places = TokenPlaces(token_index, segment_ids)
         else:
-            places = TokenPlaces.row(input_ids.size(1), input_ids.device, start, segment_ids)
+            places = TokenPlaces.row(input_ids.size(1), input_ids.device, segments=segment_ids)
         if position_ids is None:
             return places.index, places
         return (position_ids if token_index is None else position_ids[:, token_index]), places

@@ -16,6 +16,7 @@ from torch import nn
 from paratron.config.schema import ModelConfig
 from paratron.model.fused_linear import linears
 from paratron.model.fused_ops import FusibleOp
+from paratron.model.layer_kind import Column, LayerKind, Random, Row, Split
 from paratron.model.lora import LoRALinear
 
 
@@ -92,10 +93,12 @@ def activation_kind(config: ModelConfig) -> str:
     return "tanh" if config.openai_gelu else "none"
 
 
-class MLP(nn.Module):
+class MLP(LayerKind):
     """GELU MLP (GPT; quick GELU, CLIP's), squared-ReLU MLP (Nemotron-4) or SwiGLU MLP (Llama): up-projection,
     activation, down-projection.
     `inner`, `bias` and `dropout` default to the config's (a shared expert sets its own)."""
+
+    symbol, kind_name, slot = "-", "MLP", "mlp"
 
     def __init__(
         self, config: ModelConfig, inner: int | None = None, bias: bool | None = None, dropout: float | None = None
@@ -109,6 +112,15 @@ class MLP(nn.Module):
         self.in_proj = Projections(hidden, {"gate": inner, "up": inner} if self.gated else {"up": inner}, bias)
         self.out_proj = nn.Linear(inner, hidden, bias=bias)
         self.dropout = nn.Dropout(config.hidden_dropout if dropout is None else dropout)
+
+    def tensor_parallel_plan(self) -> dict[str, Split]:
+        """Up (and gate) column-parallel as one matrix, down row-parallel."""
+        return {"in_proj": Column(), "out_proj": Row(), "dropout": Random(sequence_parallel_only=True)}
+
+    @classmethod
+    def matmul_weights(cls, config: ModelConfig) -> int:
+        projections = 3 if config.activation == "swiglu" else 2
+        return projections * config.hidden_size * config.ffn_hidden_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
+from paratron.model.layer_kind import ContextParallel, LayerKind
 from paratron.model.mlp import MLP, activation_kind, ungated_activation
 
 # ---------------------------------------------------------------- router
@@ -384,7 +385,7 @@ def run_experts(
 # ---------------------------------------------------------------- the layer
 
 
-class MoELayer(nn.Module):
+class MoELayer(LayerKind):
     """Router, experts and optional shared expert in place of a block's MLP: [B, T, H] -> [B, T, H].
 
     Dropless unless --moe-expert-capacity-factor is set. The load-balancing and z losses do not
@@ -392,7 +393,22 @@ class MoELayer(nn.Module):
     `aux_loss_scale` x their gradients, and the training step sets that scale (the loss scale
     over the micro-batches). `last_stats` holds the last forward's losses and tokens per expert;
     `load` sums the tokens per expert over the forwards that record gradients (not the
-    recomputation in backward), for logging and the expert-bias update."""
+    recomputation in backward), for logging and the expert-bias update.
+
+    Expert parallelism (`parallel.expert`) splits it, experts over ranks, so it declares no tensor-parallel plan of
+    its own; under context parallelism its router counts the experts chosen over the whole sequence."""
+
+    symbol, kind_name, slot = "E", "mixture of experts", "mlp"
+    context_parallel = ContextParallel.SEQUENCE_ROUTER
+
+    @classmethod
+    def matmul_weights(cls, config: ModelConfig) -> int:
+        """The router, the top-k routed experts and the shared expert (active weights only)."""
+        h, projections = config.hidden_size, 3 if config.activation == "swiglu" else 2
+        expert = projections * h * (config.moe_ffn_hidden_size or config.ffn_hidden_size)
+        shared = projections * h * (config.moe_shared_expert_intermediate_size or 0)
+        experts = config.num_experts or 0
+        return experts * h + config.moe_router_topk * expert + shared + h * config.moe_shared_expert_gate
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

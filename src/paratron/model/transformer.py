@@ -1,21 +1,33 @@
 """The Transformer's pieces, shared by the language model (`model/gpt.py`) and the vision encoder
-(`model/vision.py`): rotary positions, the KV cache, attention, norms, the pre-norm block and the stack of
-blocks. Plain single-device PyTorch; head counts are derived from weight shapes (`view(B, T, -1, head_dim)`), so
-tensor parallelism can swap `nn.Linear` for its sharded twins without touching this file.
+(`model/vision.py`): rotary positions, what attention asks of a KV cache, attention (and the gated attention), norms,
+the layers (pre-norm blocks, or the residual sublayers of a layer pattern) and their stack. Plain single-device
+PyTorch; head counts are derived from weight shapes (`view(B, T, -1, head_dim)`), so tensor parallelism can swap
+`nn.Linear` for its sharded twins without touching this file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratron.config.layer_pattern import read_layer_pattern
 from paratron.config.schema import ModelConfig
 from paratron.model.attention import AttentionCore, TokenPlaces, make_pattern
 from paratron.model.fused_ops import FusibleOp
+from paratron.model.layer_kind import (
+    Column,
+    ContextParallel,
+    DecodeState,
+    LayerKind,
+    PartialGradient,
+    Random,
+    Row,
+    Split,
+)
 from paratron.model.mlp import MLP, Projections
 from paratron.model.moe import MoELayer
 
@@ -76,7 +88,7 @@ _rotate = FusibleOp(rotate_queries_and_keys)
 
 class LayerCache(Protocol):
     """What attention asks of a layer's KV cache: take the new keys and values, give back all it attends over (the
-    contiguous `LayerKVCache` below; the inference engine's paged one, `inference.kv_cache`)."""
+    inference engine's paged cache, `inference.kv_cache`)."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -88,47 +100,21 @@ class LayerCaches(Protocol):
     def layers(self) -> Sequence[LayerCache | None]: ...
 
 
-class LayerKVCache:
-    """Keys and values of one layer for the positions seen so far; allocated on first use."""
-
-    def __init__(self, max_length: int) -> None:
-        self.max_length = max_length
-        self.length = 0
-        """Positions held so far: the next keys and values go after them."""
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the keys and values of the new positions; all of them so far."""
-        if self.keys is None:
-            shape = (k.size(0), k.size(1), self.max_length, k.size(3))
-            self.keys = k.new_empty(shape)
-            self.values = v.new_empty(shape)
-        start, end = self.length, self.length + k.size(2)
-        self.keys[:, :, start:end] = k
-        self.values[:, :, start:end] = v  # type: ignore[index]
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]  # type: ignore[index]
-
-
-class KVCache:
-    """Per-layer caches; `length` is the number of positions already processed."""
-
-    def __init__(self, num_layers: int, max_length: int) -> None:
-        self.layers = [LayerKVCache(max_length) for _ in range(num_layers)]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-
 # ---------------------------------------------------------------- attention
 
 
-class Attention(nn.Module):
+class Attention(LayerKind):
     """Self-attention of the configured pattern (causal, sliding window, ...: `model/attention.py`);
     grouped-query when there are fewer key/value heads than query heads. `layer_number` (from 1, as
     Megatron-LM numbers layers) divides the scores under --apply-query-key-layer-scaling."""
+
+    symbol, kind_name, slot = "*", "attention", "attention"
+    sees_positions = True
+    context_parallel = ContextParallel.ATTENTION_CORE
+    decode_state = DecodeState.KEY_VALUE
+    selective_recompute = ("core",)
+    projections: tuple[str, ...] = ("q", "k", "v")
+    """The input projections, in the order of their rows in the one matmul."""
 
     def __init__(self, config: ModelConfig, layer_number: int = 1) -> None:
         super().__init__()
@@ -136,8 +122,7 @@ class Attention(nn.Module):
         groups = config.num_query_groups
         self.head_dim = config.kv_channels
         bias = config.add_bias_linear
-        widths = {"q": heads * self.head_dim, "k": groups * self.head_dim, "v": groups * self.head_dim}
-        self.in_proj = Projections(config.hidden_size, widths, bias or config.add_qkv_bias)
+        self.in_proj = Projections(config.hidden_size, self.projection_widths(config), bias or config.add_qkv_bias)
         self.out_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
         self.core = AttentionCore(
             make_pattern(config),
@@ -150,6 +135,35 @@ class Attention(nn.Module):
         # (--qk-layernorm: each head's queries and keys normalized, as Qwen3's q_norm / k_norm)
         self.q_norm = make_norm(config, self.head_dim) if config.qk_layernorm else None
         self.k_norm = make_norm(config, self.head_dim) if config.qk_layernorm else None
+        self.heads = {"q": (self.head_dim, heads), "k": (self.head_dim, groups), "v": (self.head_dim, groups)}
+
+    @classmethod
+    def projection_widths(cls, config: ModelConfig) -> dict[str, int]:
+        """Each input projection's output width."""
+        head_dim = config.kv_channels
+        heads = config.num_attention_heads
+        groups = config.num_query_groups
+        return {"q": heads * head_dim, "k": groups * head_dim, "v": groups * head_dim}
+
+    def tensor_parallel_plan(self) -> dict[str, Split]:
+        """Projections by heads (key/value heads replicated when fewer than the ranks), the output row-parallel,
+        the core on this rank's heads under the tensor-parallel random stream; the query/key norms whole, each
+        rank normalizing its own heads."""
+        plan: dict[str, Split] = {"in_proj": Column(self.heads), "out_proj": Row(), "core": Random()}
+        plan |= {name: PartialGradient() for name in ("q_norm", "k_norm") if getattr(self, name) is not None}
+        return plan | {"output_dropout": Random(sequence_parallel_only=True)}
+
+    def query_projection(self) -> nn.Module:
+        return self.in_proj["q"]
+
+    @classmethod
+    def matmul_weights(cls, config: ModelConfig) -> int:
+        widths = cls.projection_widths(config)
+        return config.hidden_size * (sum(widths.values()) + config.num_attention_heads * config.kv_channels)
+
+    @classmethod
+    def attention_width(cls, config: ModelConfig) -> int:
+        return config.num_attention_heads * config.kv_channels
 
     def forward(
         self,
@@ -158,7 +172,7 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
         places: TokenPlaces | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.in_proj(x)
+        q, k, v, *extra = self.in_proj(x)
         if rotary is not None or self.q_norm is not None:
             # (v is a slice of the projections' one output: kept alone for backward, it would keep the unrotated
             # queries and keys alive beside their rotated copies)
@@ -174,7 +188,37 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)
         y = self.core(q, k, v, places).transpose(1, 2).reshape(B, T, -1)
-        return self.output_dropout(self.out_proj(y))
+        return self.output_dropout(self.out_proj(self.gated(y, extra)))
+
+    def gated(self, y: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
+        """The attention output [B, T, heads x head width] before the output projection (as it is, here)."""
+        return y
+
+
+class GatedAttention(Attention):
+    """Attention whose output is gated per feature by a sigmoid of the layer's input (--attention-output-gate;
+    the full-attention layers of Qwen3-Next): y x sigmoid(x W_gate) before the output projection. The gate is a
+    fourth input projection, one row per query feature, so it splits by heads exactly as the queries do."""
+
+    projections = ("q", "k", "v", "gate")
+
+    def __init__(self, config: ModelConfig, layer_number: int = 1) -> None:
+        super().__init__(config, layer_number)
+        self.heads = self.heads | {"gate": self.heads["q"]}
+
+    @classmethod
+    def projection_widths(cls, config: ModelConfig) -> dict[str, int]:
+        widths = super().projection_widths(config)
+        return widths | {"gate": widths["q"]}
+
+    def gated(self, y: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
+        (gate,) = extra
+        return y * torch.sigmoid(gate)
+
+
+def attention_kind(config: ModelConfig) -> type[Attention]:
+    """The attention layers' kind: gated with --attention-output-gate."""
+    return GatedAttention if config.attention_output_gate else Attention
 
 
 # ---------------------------------------------------------------- block and model
@@ -220,14 +264,39 @@ def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
     return (LayerNorm1P if config.apply_layernorm_1p else nn.LayerNorm)(size, eps=config.norm_epsilon)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)); in an MoE layer the
-    MLP is a mixture of experts (`model/moe.py`)."""
+KindT = TypeVar("KindT", bound=LayerKind)
+
+
+class Residual(nn.Module):
+    """What the layers of the stack have in common: residual sublayers x + kind(norm(x)), run in order.
+    `residual_slots` names each: (its norm's attribute, its kind's attribute). The parallel swaps, recomputation,
+    compilation and the inference engine reach a layer's kinds through `kinds()`, never by a child's name."""
+
+    residual_slots: tuple[tuple[str, str], ...] = ()
+
+    def kinds(self) -> dict[str, LayerKind]:
+        """The layer's kinds by their attribute (`attention`, `mlp`), in order."""
+        return {kind: getattr(self, kind) for _, kind in self.residual_slots}
+
+    def norms(self) -> list[nn.Module]:
+        """The norms in front of the kinds."""
+        return [getattr(self, norm) for norm, _ in self.residual_slots]
+
+    def kind_of(self, kind: type[KindT]) -> KindT | None:
+        """The layer's first kind that is a `kind` (its parallel twins included), if any."""
+        return next((k for k in self.kinds().values() if isinstance(k, kind)), None)
+
+
+class TransformerBlock(Residual):
+    """Pre-norm Transformer block: x + attention(norm(x)), then x + mlp(norm(x)); in an MoE layer the
+    MLP is a mixture of experts (`model/moe.py`). The layer of a model built from --num-layers."""
+
+    residual_slots = (("attention_norm", "attention"), ("mlp_norm", "mlp"))
 
     def __init__(self, config: ModelConfig, moe: bool = False, layer_number: int = 1) -> None:
         super().__init__()
         self.attention_norm = make_norm(config)
-        self.attention = Attention(config, layer_number)
+        self.attention = attention_kind(config)(config, layer_number)
         self.mlp_norm = make_norm(config)
         self.mlp = MoELayer(config) if moe else MLP(config)
 
@@ -240,6 +309,55 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rotary, cache, places)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class PatternLayer(Residual):
+    """One residual sublayer of a --hybrid-layer-pattern: x + kind(norm(x)), its weights under `norm` and the
+    kind's slot (`attention` or `mlp`)."""
+
+    def __init__(self, config: ModelConfig, symbol: str, layer_number: int = 1) -> None:
+        super().__init__()
+        kind = _SYMBOL_KINDS[symbol](config, layer_number)
+        self.norm = make_norm(config)
+        self.add_module(kind.slot, kind)
+        self.residual_slots = (("norm", kind.slot),)
+        self.slot, self.sees_positions = kind.slot, kind.sees_positions
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: LayerCache | None = None,
+        places: TokenPlaces | None = None,
+    ) -> torch.Tensor:
+        kind = getattr(self, self.slot)
+        h = self.norm(x)
+        return x + (kind(h, rotary, cache, places) if self.sees_positions else kind(h))
+
+
+_SYMBOL_KINDS: dict[str, Callable[[ModelConfig, int], LayerKind]] = {
+    "*": lambda config, number: attention_kind(config)(config, number),
+    "-": lambda config, number: MLP(config),
+    "E": lambda config, number: MoELayer(config),
+}
+"""How each symbol of --hybrid-layer-pattern is built."""
+
+
+def build_layers(config: ModelConfig) -> list[Residual]:
+    """The model's layers: one per symbol of --hybrid-layer-pattern, or --num-layers Transformer blocks."""
+    if config.hybrid_layer_pattern:
+        symbols = read_layer_pattern(config.hybrid_layer_pattern).symbols
+        return [PatternLayer(config, symbol, number) for number, symbol in enumerate(symbols, start=1)]
+    return [TransformerBlock(config, moe, number) for number, moe in enumerate(config.moe_layer_pattern, start=1)]
+
+
+def layer_kinds(config: ModelConfig) -> list[tuple[type[LayerKind], ...]]:
+    """The kinds of each layer `build_layers` makes, without building them (for FLOPs and memory estimates)."""
+    attention = attention_kind(config)
+    if config.hybrid_layer_pattern:
+        classes = {"*": attention, "-": MLP, "E": MoELayer}
+        return [(classes[symbol],) for symbol in read_layer_pattern(config.hybrid_layer_pattern).symbols]
+    return [(attention, MoELayer if moe else MLP) for moe in config.moe_layer_pattern]
 
 
 class TransformerLayers(nn.ModuleList):

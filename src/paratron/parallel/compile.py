@@ -31,6 +31,7 @@ from paratron.distributed.rng import fork_outside
 from paratron.model.attention import TokenPlaces
 from paratron.model.gpt import GPT
 from paratron.model.moe import ExpertKernels, MoELayer
+from paratron.model.transformer import Residual
 from paratron.parallel.context.attention import ContextParallelAttention
 
 
@@ -39,8 +40,8 @@ def apply_compile(model: GPT, backend: str) -> int:
     generator fork switches to it around the compiled call."""
     blocks = [block for block in model.layers if block is not None]
     for block in blocks:
-        moe = getattr(block, "mlp", None)
-        if not isinstance(moe, MoELayer):
+        moe = block.kind_of(MoELayer) if isinstance(block, Residual) else None
+        if moe is None:
             _compile_region(block, backend)
             continue
         for region in _regions_around_experts(block, moe):

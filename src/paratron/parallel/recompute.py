@@ -4,8 +4,9 @@
                     only each group's input is kept; the group runs again in backward
     full, block     the first N layers of each pipeline chunk are recomputed one by one,
                     the others keep everything
-    selective       only the attention core (softmax(q k^T) v and its dropout): the part
-                    whose saved activations grow with the square of the sequence length
+    selective       only what each layer kind names (`LayerKind.selective_recompute`): attention's
+                    core (softmax(q k^T) v and its dropout), the part whose saved activations
+                    grow with the square of the sequence length
 
 Applied as module swaps, the way tensor parallelism swaps layers: the model's stack of blocks
 is replaced by a `RecomputedLayers` holding the same blocks (so every parameter keeps its
@@ -118,8 +119,10 @@ def apply_recompute(
     and a vision encoder's alike."""
     stacks = [model] + ([model.vision.encoder] if model.vision is not None else [])
     for stack in stacks:
-        if granularity == "selective":
+        if granularity == "selective":  # (each kind names the children whose activations grow fastest)
             for block in stack.layers:
-                block.attention.core = Recomputed(block.attention.core, rng)
+                for kind in block.kinds().values():
+                    for name in kind.selective_recompute:
+                        setattr(kind, name, Recomputed(getattr(kind, name), rng))
         else:
             stack.layers = RecomputedLayers(stack.layers, method or "uniform", num_layers or 1, rng)

@@ -31,6 +31,7 @@ from paratron.config.layout import Layout, resolve_layout
 from paratron.config.schema import Config, ModelConfig, ParallelConfig
 from paratron.distributed.fake import fake_world
 from paratron.distributed.topology import ParallelDims, Topology
+from paratron.errors import ConfigError
 from paratron.model.gpt import GPT
 from paratron.parallel.parallelize import parallelize
 from paratron.parallel.sharding import is_expert
@@ -110,6 +111,11 @@ class LocalParameters:
 
 def _counting_model(model: ModelConfig) -> ModelConfig:
     """The model with one layer of each kind it has (and its whole vision encoder: its layers are few)."""
+    if model.hybrid_layer_pattern:  # (its layers are single sublayers, which the activation terms do not price)
+        raise ConfigError(
+            "the planner prices Transformer blocks; a --hybrid-layer-pattern model is not priced yet: give its "
+            "layout yourself (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...)"
+        )
     kinds = sorted(set(model.moe_layer_pattern))
     if len(kinds) == 2:
         return replace(model, num_layers=2, moe_layer_freq="[0,1]")

@@ -4,7 +4,7 @@ Training FLOPs per token = 6 x P_matmul + 12 x L x s x d_attn, where
   P_matmul = weights of every matrix multiply a token goes through (attention and MLP
              projections, the output layer; under MoE the router, its top-k experts and the
              shared expert, the active parameters; embeddings are lookups and do not count),
-  L = layers, s = the keys a query attends to, d_attn = heads x head width.
+  L x d_attn = the attention layers' heads x head width, summed, s = the keys a query attends to.
 6 = 2 (multiply + add) x 3 (forward, and backward for inputs and for weights). The
 attention term counts QK^T and attention x V over the full s x s square, like Megatron-LM, with
 s the sequence length; a sparse pattern counts the keys it computes (a window of W: min(W, s);
@@ -22,26 +22,20 @@ import torch
 from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import ModelConfig
 from paratron.distributed.init import accelerator_peak_flops, synchronize
+from paratron.model.transformer import layer_kinds
 
 
 def matmul_parameters(config: ModelConfig) -> int:
-    """Weights of the matrix multiplies one token goes through: under MoE, the router, the top-k
-    routed experts and the shared expert of each MoE layer (active parameters only)."""
-    h = config.hidden_size
-    heads = config.num_attention_heads
-    groups = config.num_query_groups
-    head_dim = config.kv_channels
-    projections = 3 if config.activation == "swiglu" else 2
-    attention = h * heads * head_dim * 2 + h * groups * head_dim * 2
-    dense = projections * h * config.ffn_hidden_size
-    moe = 0
-    if config.num_experts:
-        expert = projections * h * (config.moe_ffn_hidden_size or config.ffn_hidden_size)
-        shared = projections * h * (config.moe_shared_expert_intermediate_size or 0)
-        moe = config.num_experts * h + config.moe_router_topk * expert + shared + h * config.moe_shared_expert_gate
-    layers = config.moe_layer_pattern
-    mlps = sum(moe if is_moe else dense for is_moe in layers)
-    return config.num_layers * attention + mlps + h * (config.vocab_size or 0)
+    """Weights of the matrix multiplies one token goes through, as each layer's kinds count them
+    (`LayerKind.matmul_weights`: under MoE the router, the top-k routed experts and the shared expert, the active
+    parameters only), and the output layer."""
+    layers = sum(kind.matmul_weights(config) for kinds in layer_kinds(config) for kind in kinds)
+    return layers + config.hidden_size * (config.vocab_size or 0)
+
+
+def attention_width(config: ModelConfig) -> int:
+    """Heads x head width of the attention scores of every layer, summed (`LayerKind.attention_width`)."""
+    return sum(kind.attention_width(config) for kinds in layer_kinds(config) for kind in kinds)
 
 
 def attended_keys(config: ModelConfig, seq_length: int) -> int:
@@ -55,10 +49,8 @@ def attended_keys(config: ModelConfig, seq_length: int) -> int:
 
 
 def training_flops_per_token(config: ModelConfig, seq_length: int) -> float:
-    heads = config.num_attention_heads
-    d_attn = heads * config.kv_channels
     keys = attended_keys(config, seq_length)
-    return 6.0 * matmul_parameters(config) + 12.0 * config.num_layers * keys * d_attn
+    return 6.0 * matmul_parameters(config) + 12.0 * keys * attention_width(config)
 
 
 def vision_flops_per_image(config: ModelConfig) -> float:

@@ -59,6 +59,7 @@ def family_of(hf: dict[str, Any], source: str) -> Family:
 def hf_config(m: ModelConfig, kind: str) -> dict[str, Any]:
     """A Hugging Face `config.json` for paratron model `m` as architecture `kind`."""
     _refuse_squared_relu(m)
+    _refuse_layer_kinds(m)
     family = FAMILIES[kind]
     if family.text_families:  # (a vision-language model: its language model's config.json nested)
         language = {k: v for k, v in hf_config(m, _language_type_of(m)).items() if k not in _TOP_LEVEL_ONLY}
@@ -104,6 +105,19 @@ def _refuse_megatron_only_features(m: ModelConfig) -> None:
         if used:
             raise CheckpointError(
                 f"this model uses {setting}, which the Hugging Face Llama/Qwen/Mistral/GPT-2 formats cannot express; "
+                "keep it as a paratron checkpoint"
+            )
+
+
+def _refuse_layer_kinds(m: ModelConfig) -> None:
+    """A layer pattern and the gated attention: layers none of the converted families has."""
+    for setting, used in (
+        ("--hybrid-layer-pattern (layers given one sublayer at a time)", m.hybrid_layer_pattern),
+        ("--attention-output-gate (gated attention outputs)", m.attention_output_gate),
+    ):
+        if used:
+            raise CheckpointError(
+                f"this model uses {setting}, which the Hugging Face families paratron converts cannot express; "
                 "keep it as a paratron checkpoint"
             )
 

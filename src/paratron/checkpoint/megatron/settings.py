@@ -52,6 +52,10 @@ def _carried_settings(args: dict[str, Any], source: str) -> dict[str, Any]:
         raise _refusal(source, "--use-rope-scaling")
     if args.get("multi_latent_attention"):
         raise _refusal(source, "multi-latent attention")
+    if args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern"):
+        raise _refusal(source, "a hybrid layer stack (--hybrid-layer-pattern)")
+    if args.get("attention_output_gate"):
+        raise _refusal(source, "--attention-output-gate")
     if args.get("squared_relu") and args.get("swiglu"):
         raise _refusal(source, "--squared-relu with --swiglu (two MLP activations)")
     position = args.get("position_embedding_type", "learned_absolute")
@@ -113,6 +117,15 @@ def config_of(args: dict[str, Any], source: str) -> Config:
 def megatron_args(config: Config, tp: int, pp: int, padded: int, iteration: int, consumed: int) -> argparse.Namespace:
     """The `args` Namespace of a written checkpoint: the model's architecture and the layout."""
     m = config.model
+    for setting, used in (
+        ("--hybrid-layer-pattern", m.hybrid_layer_pattern),
+        ("--attention-output-gate", m.attention_output_gate),
+    ):
+        if used:  # (Megatron-LM's GPT checkpoints hold Transformer blocks: the layer names differ)
+            raise CheckpointError(
+                f"{setting}: Megatron-LM checkpoints are written for Transformer blocks; keep this model as a "
+                "paratron checkpoint"
+            )
     heads = m.num_attention_heads
     groups = Shapes.of(m).groups
     extra = {name: getattr(m, name, None) for name in ("apply_layernorm_1p", "rotary_percent", "rotary_interleaved")}

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
-from paratron.model.moe import Experts
+from paratron.model.moe import Experts, MoELayer
 from paratron.parallel.sharding import Index, bounded, copy_info, full_shape, place
 
 
@@ -60,7 +60,8 @@ def shard_fully(
     for block in model.layers:
         if block is None:
             continue
-        experts = getattr(block.mlp, "experts", None)
+        moe = block.kind_of(MoELayer)
+        experts = moe.experts if moe is not None else None
         if expert_group is not None and isinstance(experts, Experts):
             fully_shard(experts, mesh=meshes.of(expert_group), mp_policy=policy)
             experts.set_gradient_divide_factor(float(group.size))  # type: ignore[operator]

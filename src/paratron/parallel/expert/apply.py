@@ -39,7 +39,8 @@ from paratron.model.gpt import GPT
 from paratron.model.moe import MoELayer, Routing
 from paratron.parallel.expert.dispatch import DISPATCHERS, Dispatcher
 from paratron.parallel.sharding import Shard, set_partial_grad, set_shard, update_info
-from paratron.parallel.tensor.layers import ColumnParallelProjections, RowParallelLinear, TPContext
+from paratron.parallel.tensor.apply import split_by_plan
+from paratron.parallel.tensor.layers import TPContext
 
 
 @dataclass(frozen=True)
@@ -117,22 +118,28 @@ def apply_expert_parallel(
 ) -> GPT:
     """Replace `model`'s MoE layers in place by their parallel twins; returns the model."""
     for block in model.layers:
-        if block is None or not isinstance(block.mlp, MoELayer):
-            continue
-        layer = block.mlp
-        _split_experts(layer, groups)
-        if tp.size > 1:
-            set_partial_grad(layer.router.weight, tp.group)
-            if layer.shared_expert is not None:
-                layer.shared_expert.in_proj = ColumnParallelProjections(layer.shared_expert.in_proj, tp, {})
-                layer.shared_expert.out_proj = RowParallelLinear(layer.shared_expert.out_proj, tp)
-            if layer.shared_expert_gate is not None and tp.sequence_parallel:
-                set_partial_grad(layer.shared_expert_gate.weight, tp.group)
-            if tp.sequence_parallel and rng is not None:
-                layer.dropout = Forked(layer.dropout, rng, TENSOR_PARALLEL)
-        engine = DISPATCHERS[dispatcher](groups.ep, layer.router.num_experts)
-        block.mlp = ParallelMoELayer.twin(layer, tp, engine, groups.etp)
+        for slot, layer in (block.kinds() if block is not None else {}).items():
+            if isinstance(layer, MoELayer):
+                setattr(block, slot, _parallel_moe(layer, groups, tp, dispatcher, rng))
     return model
+
+
+def _parallel_moe(
+    layer: MoELayer, groups: ExpertGroups, tp: TPContext, dispatcher: str, rng: RNGStates | None
+) -> ParallelMoELayer:
+    """One MoE layer's parallel twin: this rank's experts; under TP the router whole (its gradient summed) and
+    the shared expert split as a dense MLP is (its dropout, which drops nothing, left alone)."""
+    _split_experts(layer, groups)
+    if tp.size > 1:
+        set_partial_grad(layer.router.weight, tp.group)
+        if layer.shared_expert is not None:
+            split_by_plan(layer.shared_expert, tp, None, None)
+        if layer.shared_expert_gate is not None and tp.sequence_parallel:
+            set_partial_grad(layer.shared_expert_gate.weight, tp.group)
+        if tp.sequence_parallel and rng is not None:
+            layer.dropout = Forked(layer.dropout, rng, TENSOR_PARALLEL)
+    engine = DISPATCHERS[dispatcher](groups.ep, layer.router.num_experts)
+    return ParallelMoELayer.twin(layer, tp, engine, groups.etp)
 
 
 def _split_experts(layer: MoELayer, groups: ExpertGroups) -> None:

@@ -33,13 +33,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from paratron.config.schema import ModelConfig
 from paratron.distributed import comm
 from paratron.distributed.rng import TENSOR_PARALLEL, Forked, RNGStates
 from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
-from paratron.model.moe import MoELayer
-from paratron.model.vision import encoder_layer_config
+from paratron.model.layer_kind import Column, LayerKind, PartialGradient, Row
+from paratron.model.transformer import Residual
 from paratron.parallel.sharding import set_partial_grad
 from paratron.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -62,13 +61,12 @@ def apply_tensor_parallel(
     model: GPT, tp: TPContext, rng: RNGStates | None, divisible_by: int, kv_replica_group: RankGroup | None = None
 ) -> GPT:
     """Replace `model`'s layers in place by their tensor-parallel twins; returns the model."""
-    config = model.config
     for block in model.layers:
-        _split_block(block, config, tp, rng, kv_replica_group)
+        _split_block(block, tp, rng, kv_replica_group)
     if model.vision is not None:  # (the encoder's layers split as the language model's, never by sequence)
-        whole, layer_config = dataclasses.replace(tp, sequence_parallel=False), encoder_layer_config(config)
+        whole = dataclasses.replace(tp, sequence_parallel=False)
         for block in model.vision.encoder.layers:
-            _split_block(block, layer_config, whole, rng, None)
+            _split_block(block, whole, rng, None)
         if tp.sequence_parallel:  # the features join the whole rows, which are then cut by sequence
             model.vision.register_forward_hook(partial(_to_sequence_shard, group=tp.group))
 
@@ -93,42 +91,37 @@ def apply_vocab_parallel(model: GPT, tp: TPContext, divisible_by: int) -> GPT:
     return model
 
 
-def _split_block(
-    block: nn.Module, config: ModelConfig, tp: TPContext, rng: RNGStates | None, kv_replica_group: RankGroup | None
-) -> None:
-    """One block's attention and (dense) MLP swapped for their tensor-parallel twins, in place."""
-    head_dim = config.kv_channels
-    groups = config.num_query_groups
-
-    def forked(module: nn.Module) -> nn.Module:
-        return _forked(module, rng)
-
-    heads = {"q": (head_dim, config.num_attention_heads), "k": (head_dim, groups), "v": (head_dim, groups)}
-    attention = block.attention
-    attention.in_proj = ColumnParallelProjections(attention.in_proj, tp, heads)
-    if groups < tp.size:  # a replicated key/value head: its gradient is split over the replicas
-        for name in ("k", "v"):
-            for param in _replicated_rows(attention.in_proj[name]):
-                set_partial_grad(param, kv_replica_group)
-    attention.out_proj = RowParallelLinear(attention.out_proj, tp)
-    attention.core = forked(attention.core)
-    for norm in (attention.q_norm, attention.k_norm):  # (each rank normalizes its own heads)
-        for param in norm.parameters() if norm is not None else ():
-            set_partial_grad(param, tp.group)
-
-    mlp = block.mlp
-    dense = not isinstance(mlp, MoELayer)  # (MoE layers are split by parallel/expert)
-    if dense:
-        mlp.in_proj = ColumnParallelProjections(mlp.in_proj, tp, {})
-        mlp.out_proj = RowParallelLinear(mlp.out_proj, tp)
-
+def _split_block(block: Residual, tp: TPContext, rng: RNGStates | None, kv_replica_group: RankGroup | None) -> None:
+    """One layer's kinds swapped for their tensor-parallel twins as each kind's plan declares, in place; under
+    sequence parallelism the norms in front of them run on sequence shards, their gradients summed over TP."""
+    for kind in block.kinds().values():
+        split_by_plan(kind, tp, rng, kv_replica_group)
     if tp.sequence_parallel:
-        for norm in (block.attention_norm, block.mlp_norm):
+        for norm in block.norms():
             for param in norm.parameters():
                 set_partial_grad(param, tp.group)
-        attention.output_dropout = forked(attention.output_dropout)
-        if dense:
-            mlp.dropout = forked(mlp.dropout)
+
+
+def split_by_plan(kind: LayerKind, tp: TPContext, rng: RNGStates | None, kv_replica_group: RankGroup | None) -> None:
+    """`kind`'s children split as its `tensor_parallel_plan()` says (`model.layer_kind`), in place."""
+    for name, split in kind.tensor_parallel_plan().items():
+        child = getattr(kind, name)
+        if isinstance(split, Column) and not isinstance(child, nn.ModuleDict):
+            setattr(kind, name, ColumnParallelLinear.split(child, tp, 1, None))
+        elif isinstance(split, Column):
+            twin = ColumnParallelProjections(child, tp, dict(split.heads))
+            setattr(kind, name, twin)
+            for projection, (_, heads) in split.heads.items():
+                if heads < tp.size:  # a replicated key/value head: its gradient is split over the replicas
+                    for param in _replicated_rows(twin[projection]):
+                        set_partial_grad(param, kv_replica_group)
+        elif isinstance(split, Row):
+            setattr(kind, name, RowParallelLinear(child, tp))
+        elif isinstance(split, PartialGradient):
+            for param in child.parameters():
+                set_partial_grad(param, tp.group)
+        elif not split.sequence_parallel_only or tp.sequence_parallel:  # (Random)
+            setattr(kind, name, _forked(child, rng))
 
 
 def _forked(module: nn.Module, rng: RNGStates | None) -> nn.Module:
