@@ -1,4 +1,4 @@
-"""Fine-tuning at every layout equals the single process: 20-step loss curves of full SFT and of
+"""Fine-tuning at every layout equals the single process: 6-step loss curves of full SFT and of
 LoRA (per-token loss over packed conversations), and `paratron evaluate` of one checkpoint on
 conversations and on a text file (whole: its last window padded, its token count n - 1).
 
@@ -42,7 +42,7 @@ def settings(data: str, run_dir: str, **overrides) -> dict:
             micro_batch_size=2,
             global_batch_size=4,
             run_dir=run_dir,
-            **PARITY_RUN,
+            **dict(PARITY_RUN, train_iters=6),
         ),
         **overrides,
     )
@@ -136,7 +136,8 @@ def at_layout(reference) -> Callable[[str], dict]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_finetuning_at_every_layout_equals_one_process(reference, at_layout, name):
     _, single = reference
-    assert len(single["full"]) == 20 and single["full"][-1] < single["full"][0] - 0.5  # it learns
+    # it learns (in 6 steps: 0.27 off the first loss, 0.11 with LoRA)
+    assert len(single["full"]) == 6 and single["full"][-1] < single["full"][0] - 0.2
     assert single["lora"][-1] < single["lora"][0] - 0.1
     result = at_layout(name)
     assert result["full"] == pytest.approx(single["full"], rel=1e-5)
