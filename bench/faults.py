@@ -1,7 +1,7 @@
 """What surviving faults costs, on this machine, against torchrun's own restarts.
 
     python bench/faults.py --output bench/results/faults.json
-    python bench/faults.py --smoke  # one kill, one trial each: does it still run, with its outcomes?
+    python bench/faults.py --smoke  # one kill, one trial each, every job at once: does it still run, with its outcomes?
 
 - Restarts: the debug model on 2 processes, --train-iters 16 with a checkpoint every 2 steps,
   once uninterrupted and once with --kills SIGKILLs of a seeded random rank at seeded random steps
@@ -40,6 +40,8 @@ import textwrap
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -134,23 +136,33 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def restarts(folder: Path, steps: int, kills: int, seed: int) -> dict:
+def at_once(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Each job's result, the jobs run side by side (each in a thread; an exception in one is raised here)."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        started = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in started.items()}
+
+
+def one_by_one(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Each job's result, the jobs run one after another (timings that no other job disturbs)."""
+    return {name: job() for name, job in jobs.items()}
+
+
+def restarts(folder: Path, steps: int, kills: int, seed: int, run: Callable[[dict], dict] = one_by_one) -> dict:
     common = [*RUN, "--train-iters", str(steps), "--save-interval", "2", *QUIET]
-    calm = paratron(*common, "--save", str(folder / "ck0"), "--run-dir", str(folder / "calm"))
-    assert calm.returncode == 0, calm.stderr[-2000:]
     chance = random.Random(seed)
     faults = [f"{chance.randrange(2)}:{s}:crash" for s in sorted(chance.randint(1, steps) for _ in range(kills))]
-    faulty = paratron(
-        *common,
-        "--save",
-        str(folder / "ck"),
-        "--run-dir",
-        str(folder / "faulty"),
-        "--max-restarts",
-        str(kills),
-        "--fault-inject",
-        *faults,
+    faulty_flags = ["--max-restarts", str(kills), "--fault-inject", *faults]
+    ended = run(
+        {
+            "calm": lambda: paratron(*common, "--save", str(folder / "ck0"), "--run-dir", str(folder / "calm")),
+            "faulty": lambda: paratron(
+                *common, "--save", str(folder / "ck"), "--run-dir", str(folder / "faulty"), *faulty_flags
+            ),
+        }
     )
+    calm, faulty = ended["calm"], ended["faulty"]
+    assert calm.returncode == 0, calm.stderr[-2000:]
     assert faulty.returncode == 0, faulty.stderr[-2000:]
     return {
         "steps": steps,
@@ -323,14 +335,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     apply_smoke(args, parser, steps=4, kills=1, trials=1, peer_timeout=6.0, outlive=2.0, start_within=120.0)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # (--smoke checks outcomes, not timings: its jobs run side by side, each in folders of its own)
+    run = at_once if args.smoke else one_by_one
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        results = {
-            "restarts": restarts(folder, args.steps, args.kills, args.seed),
-            "torchrun_restart": torchrun_restart(folder, args.trials, args.peer_timeout),
-            "hang": hang(folder),
-            "killed_launcher": killed_launcher(folder, args.trials, args.outlive, args.start_within),
-        }
+        results = run(
+            {
+                "restarts": lambda: restarts(folder, args.steps, args.kills, args.seed, run),
+                "torchrun_restart": lambda: torchrun_restart(folder, args.trials, args.peer_timeout),
+                "hang": lambda: hang(folder),
+                "killed_launcher": lambda: killed_launcher(folder, args.trials, args.outlive, args.start_within),
+            }
+        )
     print(json.dumps(results, indent=2))
     if args.smoke:
         check(results)

@@ -42,10 +42,10 @@ ONE = (1, 0)
 MOE_REGIONS = (4, 0)  # (norms, attention, router, the experts' matmuls: one graph each, no break)
 EP2 = dict(num_experts=4, expert_model_parallel_size=2)
 CURVES = {  # layout: (settings, steps, (graphs, graph breaks))
-    "tp2+sp, dropout": (dict(tensor_model_parallel_size=2, sequence_parallel=True, **DROPOUT), 20, ONE),
+    "tp2+sp, dropout": (dict(tensor_model_parallel_size=2, sequence_parallel=True, **DROPOUT), 6, ONE),
     "pp2 zero-bubble": (
         dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", global_batch_size=8),
-        20,
+        6,
         ONE,
     ),
     "cp2 ring": (dict(context_parallel_size=2), 6, ONE),

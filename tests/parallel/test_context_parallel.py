@@ -1,6 +1,6 @@
 """Context parallelism equals one process: the split attention core (ring and all-gather) gives
 the single-device attention's output and gradients for every pattern, with GQA and packed
-documents; and 20-step fp32 training curves at CP2 and CP4, alone and with TP, PP, DP + ZeRO-1
+documents; and 6-step fp32 training curves at CP2 and CP4, alone and with TP, PP, DP + ZeRO-1
 and recomputation, equal the CP1 curve."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def settings(run_dir: str, **overrides) -> dict:
             micro_batch_size=1,
             global_batch_size=4,
             run_dir=run_dir,
-            **dict(PARITY_RUN, train_iters=12),  # (12 steps of sequences of 256: the loss falls by 0.23)
+            **dict(PARITY_RUN, train_iters=6),  # (6 steps of sequences of 256: the loss falls by 0.14)
         ),
         **overrides,
     )
@@ -141,7 +141,7 @@ def curves_of_layouts(run_dir: str, layouts: dict[str, dict]) -> dict[str, list[
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_training_equals_one_process(tmp_path, references, world):
     for reference in references.values():
-        assert len(reference) == 12 and reference[-1]["loss"] < reference[0]["loss"] - 0.15
+        assert len(reference) == 6 and reference[-1]["loss"] < reference[0]["loss"] - 0.1
     assert references["window"][-1]["loss"] != pytest.approx(references["causal"][-1]["loss"], rel=1e-3)
     layouts = {name: layout for name, (size, layout) in LAYOUTS.items() if size == world}
     for name, ours in run_ranks(curves_of_layouts, world, str(tmp_path), layouts)[0].items():

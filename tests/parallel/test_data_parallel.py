@@ -13,7 +13,7 @@ from paratron.training.run import run_training
 
 from tiny import tiny_config
 
-STEPS = 20
+STEPS = 6
 
 
 def train_losses(run_dir: str, overrides: dict) -> list[float]:

@@ -1,6 +1,6 @@
 """--cross-entropy-loss-fusion under pipeline parallelism and ZeRO-3 (with tensor and sequence parallelism inside
-both), on 4 gloo ranks: 20-step fp32 loss curves (and two validation losses) equal the unfused single process's
-within 1e-5 relative, with the fused loss cut into several chunks per micro-batch."""
+both), on 4 gloo ranks: 6-step fp32 loss curves (and two validation losses) equal the unfused single process's
+within 1e-5 relative at every step, with the fused loss cut into several chunks per micro-batch."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from paratron.training.run import run_training
 
 from tiny import PARITY_RUN, tiny_config
 
-STEPS = 20
+STEPS = 6
 CHUNK = 5
 """Tokens per chunk of the fused loss in these runs: several chunks per micro-batch of 32, the last one short."""
 SHAPE = dict(
     PARITY_RUN,
+    train_iters=STEPS,
     model_name=None,
     num_layers=4,  # (PP 2 with two chunks per rank: one layer each)
     hidden_size=32,
@@ -27,7 +28,7 @@ SHAPE = dict(
     seq_length=16,
     micro_batch_size=2,
     global_batch_size=8,
-    eval_interval=10,  # (evaluation runs the fused loss too: forward only, through the pipeline's evaluate)
+    eval_interval=STEPS // 2,  # (evaluation runs the fused loss too: forward only, through the pipeline's evaluate)
     eval_iters=1,
 )
 GPT = SHAPE  # (tied embeddings: under PP 2 the output layer is the first stage's embedding's copy)
@@ -58,7 +59,7 @@ ZeRO-3 alone, inside TP + SP and beside PP."""
 
 
 def curve(config) -> list[float]:
-    """The training loss of every step, then the validation losses (after steps 10 and 20)."""
+    """The training loss of every step, then the validation losses (after steps 3 and 6)."""
     state = run_training(config)
     return [*state.losses, *state.val_losses]
 
@@ -91,4 +92,5 @@ def test_fused_loss_curves_equal_the_unfused_single_process_under_pp_and_zero3(t
         worst[name] = max(abs(ours - ref) / abs(ref) for ours, ref in zip(losses, expected))
     print({name: f"{error:.1e}" for name, error in worst.items()})  # (the margins, with -s)
     assert max(worst.values()) <= 1e-5, f"relative distance from the unfused single process's curve: {worst}"
-    assert reference["gpt"][STEPS - 1] < reference["gpt"][0] - 0.1  # (it learns: the curves compared carry information)
+    # (it learns: the curves compared carry information; 6 steps at this rate take 0.018 off the first loss)
+    assert reference["gpt"][STEPS - 1] < reference["gpt"][0] - 0.01

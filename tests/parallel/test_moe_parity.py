@@ -1,4 +1,4 @@
-"""A mixture-of-experts model trains the same at every supported layout: 10-step fp32 curves of
+"""A mixture-of-experts model trains the same at every supported layout: 6-step fp32 curves of
 the loss, the load-balancing and z losses and the experts' load (with the aux-loss-free expert
 bias moving after every step), against one process; expert-parallel checkpoints resume exactly
 and load at other expert-parallel sizes."""
@@ -35,7 +35,7 @@ def settings(run_dir: str, **overrides) -> dict:
             seq_length=16,
             micro_batch_size=2,
             global_batch_size=8,
-            train_iters=10,
+            train_iters=6,
             lr=3e-3,
             lr_warmup_iters=2,
             eval_iters=0,
@@ -147,7 +147,7 @@ def curves_of_layouts(run_dir: str, layouts: dict[str, dict]) -> dict[str, list[
 @pytest.mark.spawns
 @pytest.mark.parametrize("world", sorted({world for world, _ in LAYOUTS.values()}))
 def test_moe_training_at_every_layout_equals_one_process(tmp_path, single, world):
-    assert len(single) == 10 and single[-1]["loss"] < single[0]["loss"] - 0.2
+    assert len(single) == 6 and single[-1]["loss"] < single[0]["loss"] - 0.2  # (0.28 in 6 steps)
     assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in single)
     layouts = {name: layout for name, (size, layout) in LAYOUTS.items() if size == world}
     for name, ours in run_ranks(curves_of_layouts, world, str(tmp_path), layouts)[0].items():
