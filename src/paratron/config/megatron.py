@@ -407,8 +407,8 @@ def carry_on_like_megatron(
 ) -> tuple[Config, list[str]]:
     """Carry on where Megatron-LM carries on with a warning: its setting adjustments (`adjust_like_megatron`),
     and a --load that names the --save directory before its first checkpoint starts from scratch. A --load
-    elsewhere that holds nothing stays an error (`training.run.check_inputs`). The settings and the warnings to
-    print. `holds_checkpoint` says whether a directory holds one (`checkpoint.io.holds_checkpoint`, passed in:
+    elsewhere that holds nothing stays an error (`training.preflight`). The settings and the warnings to
+    print. `holds_checkpoint` says whether a directory holds one (`checkpoint.verify.holds_checkpoint`, passed in:
     config imports no later layer)."""
     config, notes = adjust_like_megatron(config, given)
     c = config.checkpoint
