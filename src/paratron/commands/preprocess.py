@@ -9,18 +9,11 @@ import time
 from pathlib import Path
 
 from paratron.config.arguments import ArgumentParser
-from paratron.data.preprocess import (
-    PreprocessResult,
-    add_tokenizer_arguments,
-    input_files,
-    preprocess,
-    read_documents,
-    save_trained_tokenizer,
-    tokenizer_from_arguments,
-    tokenizer_type_of,
-)
-from paratron.data.tokenizer import AnyTokenizer, Tokenizer, train_byte_level_bpe
-from paratron.errors import UserError
+from paratron.config.fields import all_fields
+from paratron.config.schema import DataConfig
+from paratron.data.preprocess import PreprocessResult, input_files, preprocess, read_documents, save_trained_tokenizer
+from paratron.data.tokenizer import AnyTokenizer, Tokenizer, tokenizer_for, train_byte_level_bpe
+from paratron.errors import DataError, UserError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -70,6 +63,78 @@ def parser() -> argparse.ArgumentParser:
         help="With --sft: tokenizer (the tokenizer folder's own template), chatml, llama3 or a jinja file.",
     )
     return parser
+
+
+def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's tokenizer flags, with the meaning `paratron train` gives them (see DataConfig)."""
+    parser.add_argument(
+        "--tokenizer-type",
+        choices=all_fields()["tokenizer_type"].choices,
+        metavar="TYPE",
+        help="The tokenizer (one of "
+        + ", ".join(all_fields()["tokenizer_type"].choices or ())
+        + ") (default: GPT2BPETokenizer when --vocab-file/--merge-file are given, as Megatron-LM's "
+        "pretrain_gpt.py, else ByteLevelBPE, trained on the input and saved as OUTPUT_PREFIX_tokenizer.json).",
+    )
+    parser.add_argument(
+        "--tokenizer-model",
+        metavar="PATH",
+        help="tokenizer.json or its folder (HuggingFaceTokenizer), SentencePiece .model (GPTSentencePieceTokenizer, "
+        "Llama2Tokenizer) or Megatron's tiktoken vocabulary .json (TikTokenizer).",
+    )
+    parser.add_argument("--vocab-file", metavar="FILE", help="GPT-2 vocab.json for GPT2BPETokenizer.")
+    parser.add_argument("--merge-file", metavar="FILE", help="GPT-2 merges.txt for GPT2BPETokenizer.")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        metavar="N",
+        help="Vocabulary size: of the trained BPE (default 8192), of NullTokenizer's ids, or TikTokenizer's (default "
+        "131072).",
+    )
+    parser.add_argument(
+        "--tiktoken-pattern", choices=["v1", "v2"], metavar="v1|v2", help="TikTokenizer's regex (default v2)."
+    )
+    parser.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="TikTokenizer's special ids (default 1000).",
+    )
+    for name in ("--tiktoken-special-tokens", "--tokenizer-special-tokens"):
+        parser.add_argument(name, nargs="+", metavar="TOKEN", help="TikTokenizer's named special tokens, in id order.")
+    parser.add_argument(
+        "--legacy-tokenizer",
+        action="store_true",
+        help="Megatron-LM's older tokenizer classes: Llama2Tokenizer starts documents with <s>; TikTokenizer reads "
+        "special-token text as plain text.",
+    )
+    parser.add_argument(
+        "--vocab-extra-ids", type=int, default=0, metavar="N", help="T5/BERT sentinel tokens: only 0 is accepted."
+    )
+
+
+def tokenizer_type_of(args: argparse.Namespace) -> str:
+    """The tokenizer type `add_tokenizer_arguments`' flags name (ByteLevelBPE: to be trained)."""
+    if args.vocab_extra_ids:
+        raise DataError(f"--vocab-extra-ids {args.vocab_extra_ids}: sentinel tokens are for T5/BERT; remove it")
+    return args.tokenizer_type or ("GPT2BPETokenizer" if args.vocab_file or args.merge_file else "ByteLevelBPE")
+
+
+def tokenizer_from_arguments(args: argparse.Namespace) -> AnyTokenizer:
+    """The existing tokenizer `add_tokenizer_arguments`' flags name."""
+    data = DataConfig(
+        tokenizer_type=tokenizer_type_of(args),
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
+        tokenizer_special_tokens=args.tokenizer_special_tokens,
+        legacy_tokenizer=args.legacy_tokenizer,
+    )
+    return tokenizer_for(data, args.vocab_size)
 
 
 def run(argv: list[str]) -> int:
