@@ -20,8 +20,8 @@ from tokenizers import AddedToken
 
 from paratron.checkpoint.formats import paratron_to_megatron
 from paratron.cli import main
+from paratron.commands import generate as generate_command
 from paratron.data.tokenizer import train_byte_level_bpe
-from paratron.inference import generate_command
 from paratron.inference.engine import Engine
 
 from tiny import WORDS

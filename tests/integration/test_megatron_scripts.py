@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from paratron.cli import main, train_config
+from paratron.cli import main
+from paratron.commands.train import train_config
 from paratron.config import validate
 from paratron.distributed.local_ranks import run_ranks
 from paratron.errors import ConfigError

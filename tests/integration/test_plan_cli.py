@@ -10,13 +10,14 @@ import sys
 import pytest
 from torch.distributed.run import get_args_parser
 
-from paratron.cli import main, train_parser
+from paratron.cli import main
+from paratron.commands.plan import run as run_plan
+from paratron.commands.train import parser as train_parser
 from paratron.config.arguments import parse_config_arguments
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import build_config
 from paratron.distributed.launch import slurm_settings
 from paratron.errors import ConfigError
-from paratron.planning.command import run_plan
 
 TORCHRUN_2x8 = "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB"
 LLAMA = ["--model", "llama3-8b", "--global-batch-size", "64", "--seq-length", "4096", "--mock-data"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-from paratron.cli import train_config
+from paratron.commands.train import train_config
 from paratron.config import build_config
 from paratron.config.validation import validate
 from paratron.distributed.init import initialize

@@ -21,6 +21,7 @@ LAYERS = [
     "inference",
     "training",
     "planning",
+    "commands",
     "cli",
     "megatron_api",
 ]

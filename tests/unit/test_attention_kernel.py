@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend
 
-from paratron.cli import train_config
+from paratron.commands.train import train_config
 from paratron.distributed.init import attention_kernel_priority
 from paratron.model.attention_kernel import attention_kernel
 

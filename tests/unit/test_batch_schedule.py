@@ -9,7 +9,8 @@ import warnings
 
 import pytest
 
-from paratron.cli import main, train_config
+from paratron.cli import main
+from paratron.commands.train import train_config
 from paratron.config import validate
 from paratron.config.samples import BatchRamp, step_schedule
 from paratron.errors import ConfigError

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from paratron.cli import evaluate_parser, main
+from paratron.cli import main
+from paratron.commands.evaluate import parser as evaluate_parser
+from paratron.commands.plan import parser as plan_parser
 from paratron.config.arguments import parse_config_arguments
-from paratron.planning.command import plan_parser
 
 OPTION = re.compile(r"^  (-[-\w]+)(?: ([^\s,]+(?: \[[^\]]+\])?))?", re.MULTILINE)
 """An option at the start of a help line, with its metavar (argparse's layout)."""

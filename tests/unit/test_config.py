@@ -7,7 +7,7 @@ import re
 import pytest
 
 import paratron
-from paratron.cli import train_parser
+from paratron.commands.train import parser as train_parser
 from paratron.config import build_config, validate
 from paratron.config.arguments import parse_config_arguments
 from paratron.config.fields import all_fields

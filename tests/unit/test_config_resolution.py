@@ -17,7 +17,8 @@ import transformers
 from paratron.checkpoint.formats import paratron_to_megatron
 from paratron.checkpoint.model_of import megatron_tokenizer
 from paratron.checkpoint.save import CheckpointContent, save_checkpoint
-from paratron.cli import main, train_config
+from paratron.cli import main
+from paratron.commands.train import train_config
 from paratron.config import build_config, validate
 from paratron.config.loading import SavedModel, resolve_settings
 from paratron.config.schema import MODEL_ADJUSTABLE, MODEL_ARCHITECTURE, ModelConfig

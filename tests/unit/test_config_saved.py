@@ -9,7 +9,7 @@ import re
 import pytest
 import yaml
 
-from paratron.cli import train_parser
+from paratron.commands.train import parser as train_parser
 from paratron.config import build_config, config_from_dict, config_to_dict, override, validate
 from paratron.config.arguments import parse_config_arguments
 from paratron.config.fields import all_fields

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paratron.cli import train_config
+from paratron.commands.train import train_config
 from paratron.config import build_config, validate
 from paratron.data.build import build_data
 from paratron.data.fim import FIMRates, FIMSamples, FIMTokens, FIMTransform, fim_transform, sample_stream

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from paratron.cli import train_config
+from paratron.commands.train import train_config
 from paratron.config.validation import validate
 from paratron.distributed.init import has_fp8_matmuls
 from paratron.errors import ConfigError

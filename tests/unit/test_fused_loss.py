@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from paratron.cli import train_parser
+from paratron.commands.train import parser as train_parser
 from paratron.config import build_config, validate
 from paratron.config.arguments import parse_config_arguments
 from paratron.model.batch import IGNORE_INDEX

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from paratron.cli import train_parser
+from paratron.commands.train import parser as train_parser
 from paratron.config import build_config
 from paratron.config.arguments import parse_config_arguments
 from paratron.model import fused_ops

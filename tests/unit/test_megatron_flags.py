@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.cli import train_config, train_parser
+from paratron.commands.train import parser as train_parser
+from paratron.commands.train import train_config
 from paratron.config import build_config, validate
 from paratron.config.arguments import MEGATRON_DOC_MARK, markdown_megatron
 from paratron.config.megatron import megatron_flags

@@ -333,7 +333,7 @@ def megatron_model_from_flags(argv: list[str]) -> tuple[dict[str, Any], int]:
 
 def paratron_config_from_flags(argv: list[str]) -> Any:
     """paratron's whole Config from the same flags, through its CLI parser."""
-    from paratron.cli import train_parser
+    from paratron.commands.train import parser as train_parser
     from paratron.config.arguments import parse_config_arguments
     from paratron.config.loading import build_config
 

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from paratron.cli import train_config
+from paratron.commands.train import train_config
 from paratron.config import build_config, validate
 from paratron.config.layout import Layout, layer_counts
 from paratron.errors import ConfigError

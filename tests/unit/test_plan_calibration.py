@@ -7,12 +7,12 @@ import json
 
 import pytest
 
+from paratron.commands.plan import run as run_plan
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import build_config
 from paratron.errors import ConfigError
 from paratron.planning import hardware as hw
 from paratron.planning.calibration import calibrate, fit_link, read_calibration
-from paratron.planning.command import run_plan
 from paratron.planning.cost import predict_step
 from paratron.planning.dry_run import run_dry_run, with_vocabulary
 from paratron.planning.hardware import ring_terms

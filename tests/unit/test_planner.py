@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from paratron.cli import train_parser
+from paratron.commands.train import parser as train_parser
 from paratron.config.arguments import parse_config_arguments
 from paratron.config.layout import resolve_layout
 from paratron.config.loading import build_config

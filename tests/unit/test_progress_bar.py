@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from paratron.cli import train_parser
+from paratron.commands.train import parser as train_parser
 from paratron.config.arguments import parse_config_arguments
 from paratron.config.loading import build_config
 from paratron.training.metrics import MetricsWriter, wants_progress_bar

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from paratron.checkpoint.files import TRACKER
-from paratron.cli import main, train_settings
+from paratron.cli import main
+from paratron.commands.plan import run as run_plan
+from paratron.commands.train import train_settings
 from paratron.config.loading import config_to_dict, override
 from paratron.config.schema import Config
 from paratron.debugging.compare import resolve_run, same_model
 from paratron.errors import ConfigError
 from paratron.model.gpt import GPT
-from paratron.planning.command import run_plan
 from paratron.planning.dry_run import with_vocabulary
 
 TINY = "--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2"

@@ -13,7 +13,7 @@ from paratron.checkpoint.hf import hf_config, model_type_of
 from paratron.checkpoint.load import model_from_checkpoint
 from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.checkpoint.verify import read_checkpoint
-from paratron.cli import train_config
+from paratron.commands.train import train_config
 from paratron.config import build_config
 from paratron.config.megatron import from_megatron_dict
 from paratron.config.schema import ModelConfig

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -403,6 +403,26 @@ def adjust_like_megatron(config: Config, given: set[str]) -> tuple[Config, list[
         )
         parallel = dataclasses.replace(parallel, sequence_parallel=False)
     return dataclasses.replace(config, model=model, parallel=parallel), notes
+
+
+def carry_on_like_megatron(
+    config: Config, given: set[str], holds_checkpoint: Callable[[Path], bool]
+) -> tuple[Config, list[str]]:
+    """Carry on where Megatron-LM carries on with a warning: its setting adjustments (`adjust_like_megatron`),
+    and a --load that names the --save directory before its first checkpoint starts from scratch. A --load
+    elsewhere that holds nothing stays an error (`training.preflight`). The settings and the warnings to
+    print. `holds_checkpoint` says whether a directory holds one (`checkpoint.verify.holds_checkpoint`, passed in:
+    config imports no later layer)."""
+    config, notes = adjust_like_megatron(config, given)
+    c = config.checkpoint
+    if c.load and c.save and Path(c.load).expanduser().resolve() == Path(c.save).expanduser().resolve():
+        if not holds_checkpoint(Path(c.load).expanduser()):
+            notes.append(
+                f"--load {c.load} holds no checkpoint yet; it is also --save, so training starts from scratch "
+                "(as Megatron-LM does)"
+            )
+            config = dataclasses.replace(config, checkpoint=dataclasses.replace(c, load=None))
+    return config, notes
 
 
 def from_megatron_dict(args: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,6 @@ document) stops with the file and line, or is skipped and counted with --skip-ba
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -23,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -236,13 +236,91 @@ def preprocess(
     prefixes = [f"{output_prefix}_{key}_document" for key in json_keys]
     result = PreprocessResult(prefixes)
     total_bytes = sum(p.stat().st_size for p in files)
-    dtype = optimal_dtype(tokenizer.vocab_size)
-    writers: list[IndexedDatasetWriter] = []
-    written = [[0, 0] for _ in json_keys]  # tokens and documents of each key's dataset so far
-    bar = pool = None
-    in_flight: deque = deque()
+    output = _Output(result, tokenizer, append_eod, skip_bad_lines, total_bytes, start)
+    tokenizing = None
+    try:
+        output.open()
+        if progress:
+            output.bar = _progress_bar(total_bytes)
+        tokenizing = _Tokenizing(output, tokenizer, workers, len(json_keys))
+        for batch in _batches(read_documents(files, json_keys, result, skip_bad_lines)):
+            tokenizing.submit(batch)
+        tokenizing.finish()
+        if result.documents == 0:
+            raise DataError(f"{' '.join(map(str, files))}: no documents to write")
+        output.finalize()
+    except BaseException:
+        output.abort()
+        raise
+    finally:
+        if tokenizing is not None:
+            tokenizing.close()
+        output.close_bar()
+    result.seconds = time.perf_counter() - start
+    return result
 
-    def write(batch: list[Document], encoded: list) -> None:
+
+def _batches(documents: Iterator[Document]) -> Iterator[list[Document]]:
+    """Documents in batches of BATCH_DOCUMENTS, or fewer that reach BATCH_BYTES."""
+    batch: list[Document] = []
+    batch_bytes = 0
+    for document in documents:
+        batch.append(document)
+        batch_bytes += document.nbytes
+        if len(batch) >= BATCH_DOCUMENTS or batch_bytes >= BATCH_BYTES:
+            yield batch
+            batch, batch_bytes = [], 0
+    if batch:
+        yield batch
+
+
+def _progress_bar(total_bytes: int) -> Any:
+    """The bar of the input read so far, in bytes."""
+    from tqdm import tqdm  # (lazy for start-up speed of the tokenizing workers, docs/architecture.md)
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess", dynamic_ncols=True)
+
+
+class _Output:
+    """The datasets being written, one per json key, with the counts so far and the progress bar: each tokenized
+    batch goes to every key's dataset, less the documents that are bad under any key."""
+
+    def __init__(
+        self,
+        result: PreprocessResult,
+        tokenizer: AnyTokenizer,
+        append_eod: bool,
+        skip_bad_lines: bool,
+        total_bytes: int,
+        start: float,
+    ) -> None:
+        self.result, self.tokenizer = result, tokenizer
+        self.append_eod, self.skip_bad_lines = append_eod, skip_bad_lines
+        self.total_bytes, self.start = total_bytes, start
+        self.dtype = optimal_dtype(tokenizer.vocab_size)
+        self.writers: list[IndexedDatasetWriter] = []
+        self.written = [[0, 0] for _ in result.prefixes]  # tokens and documents of each key's dataset so far
+        self.bar: Any = None
+
+    def open(self) -> None:
+        for prefix in self.result.prefixes:
+            self.writers.append(IndexedDatasetWriter(prefix, self.dtype))
+
+    def write(self, batch: list[Document], encoded: list) -> None:
+        """A batch's tokens (`_encode`'s, one entry per key) appended to the datasets, its bad documents rejected."""
+        bad = self._reject_bad(batch, encoded)
+        keep = np.ones(len(batch), dtype=bool)
+        keep[list(bad)] = False
+        share = (self.result.input_bytes + sum(d.nbytes for d in batch)) / max(self.total_bytes, 1)
+        for writer, (tokens, lengths, _), counts in zip(self.writers, encoded, self.written):
+            if bad:
+                tokens, lengths = _kept(tokens, lengths, keep)
+            self._add(writer, tokens, lengths, counts, share)
+        self.result.documents += int(keep.sum())
+        self._advance(sum(d.nbytes for d in batch))
+
+    def _reject_bad(self, batch: list[Document], encoded: list) -> dict[int, str]:
+        """The batch's documents that are bad under any key (an error, no tokens), each rejected (`_reject`)."""
         bad: dict[int, str] = {}
         for _, lengths, errors in encoded:
             bad.update(errors)
@@ -250,162 +328,84 @@ def preprocess(
                 {int(i): "the document has no tokens" for i in np.flatnonzero(lengths == 0) if int(i) not in bad}
             )
         for i in sorted(bad):
-            _reject(f"{batch[i].where}: {bad[i]}", result, skip_bad_lines)
-        keep = np.ones(len(batch), dtype=bool)
-        keep[list(bad)] = False
-        share = (result.input_bytes + sum(d.nbytes for d in batch)) / max(total_bytes, 1)
-        for writer, (tokens, lengths, _), counts in zip(writers, encoded, written):
-            if bad:
-                pieces = np.split(tokens, np.cumsum(lengths)[:-1])
-                tokens = np.concatenate([t for t, k in zip(pieces, keep) if k]) if keep.any() else tokens[:0]
-                lengths = lengths[keep]
-            if append_eod:
-                tokens, lengths = _with_eod(tokens, lengths, tokenizer.eod_id)
-            counts[0] += tokens.size
-            counts[1] += lengths.size
-            writer.expected_bytes = _projected_bytes(counts[0], counts[1], dtype, share)
-            try:
-                writer.add_documents(tokens, lengths)
-            except ValueError as exc:  # ids beyond what the tokenizer's vocabulary size promised
-                raise DataError(
-                    f"{writer.prefix}: {exc}; the tokenizer's vocabulary size is {tokenizer.vocab_size}"
-                ) from None
-            result.tokens += int(lengths.sum())
-        result.documents += int(keep.sum())
-        nbytes = sum(d.nbytes for d in batch)
-        result.input_bytes += nbytes
-        if bar is not None:
-            bar.update(nbytes)
-            elapsed = max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix(docs_s=f"{result.documents / elapsed:,.0f}", refresh=False)
+            _reject(f"{batch[i].where}: {bad[i]}", self.result, self.skip_bad_lines)
+        return bad
 
-    def submit(batch: list[Document]) -> None:
-        texts = [[d.texts[k] for d in batch] for k in range(len(json_keys))]
-        if pool is None:
-            write(batch, _encode(texts, tokenizer))
-            return
-        in_flight.append((batch, pool.apply_async(_encode, (texts,))))
-        while len(in_flight) >= 2 * workers:
-            done, job = in_flight.popleft()
-            write(done, job.get())
+    def _add(
+        self, writer: IndexedDatasetWriter, tokens: np.ndarray, lengths: np.ndarray, counts: list[int], share: float
+    ) -> None:
+        """One key's documents appended (with the end-of-document token if asked), with the dataset's projected
+        size for a full disk's line (`share`: of the input read once this batch is written)."""
+        if self.append_eod:
+            tokens, lengths = _with_eod(tokens, lengths, self.tokenizer.eod_id)
+        counts[0] += tokens.size
+        counts[1] += lengths.size
+        writer.expected_bytes = _projected_bytes(counts[0], counts[1], self.dtype, share)
+        try:
+            writer.add_documents(tokens, lengths)
+        except ValueError as exc:  # ids beyond what the tokenizer's vocabulary size promised
+            raise DataError(
+                f"{writer.prefix}: {exc}; the tokenizer's vocabulary size is {self.tokenizer.vocab_size}"
+            ) from None
+        self.result.tokens += int(lengths.sum())
 
-    try:
-        writers.extend(IndexedDatasetWriter(p, dtype) for p in prefixes)
-        if progress:
-            from tqdm import tqdm  # (lazy for start-up speed of the tokenizing workers, docs/architecture.md)
+    def _advance(self, nbytes: int) -> None:
+        """The input read so far, on the bar with the documents per second."""
+        self.result.input_bytes += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
+            self.bar.set_postfix(docs_s=f"{self.result.documents / elapsed:,.0f}", refresh=False)
 
-            bar = tqdm(
-                total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess", dynamic_ncols=True
-            )
+    def finalize(self) -> None:
+        for writer in self.writers:
+            writer.finalize()
+
+    def abort(self) -> None:
+        for writer in self.writers:
+            writer.abort()
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _kept(tokens: np.ndarray, lengths: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The documents `keep` marks, of a batch's concatenated tokens and their lengths."""
+    pieces = np.split(tokens, np.cumsum(lengths)[:-1])
+    tokens = np.concatenate([t for t, k in zip(pieces, keep) if k]) if keep.any() else tokens[:0]
+    return tokens, lengths[keep]
+
+
+class _Tokenizing:
+    """Batches tokenized here (one worker) or by a pool of N processes with at most 2 x N batches in flight,
+    written in the order they were read."""
+
+    def __init__(self, output: _Output, tokenizer: AnyTokenizer, workers: int, keys: int) -> None:
+        self.output, self.tokenizer, self.workers, self.keys = output, tokenizer, workers, keys
+        self.in_flight: deque = deque()
+        self.pool = None
         if workers > 1:
-            pool = multiprocessing.get_context("spawn").Pool(
+            self.pool = multiprocessing.get_context("spawn").Pool(
                 workers, initializer=_init_worker, initargs=(tokenizer.spec(),)
             )
-        batch: list[Document] = []
-        batch_bytes = 0
-        for document in read_documents(files, json_keys, result, skip_bad_lines):
-            batch.append(document)
-            batch_bytes += document.nbytes
-            if len(batch) >= BATCH_DOCUMENTS or batch_bytes >= BATCH_BYTES:
-                submit(batch)
-                batch, batch_bytes = [], 0
-        if batch:
-            submit(batch)
-        while in_flight:
-            done, job = in_flight.popleft()
-            write(done, job.get())
-        if result.documents == 0:
-            raise DataError(f"{' '.join(map(str, files))}: no documents to write")
-        for writer in writers:
-            writer.finalize()
-    except BaseException:
-        for writer in writers:
-            writer.abort()
-        raise
-    finally:
-        if pool is not None:
-            pool.terminate()
-        if bar is not None:
-            bar.close()
-    result.seconds = time.perf_counter() - start
-    return result
 
+    def submit(self, batch: list[Document]) -> None:
+        texts = [[d.texts[k] for d in batch] for k in range(self.keys)]
+        if self.pool is None:
+            self.output.write(batch, _encode(texts, self.tokenizer))
+            return
+        self.in_flight.append((batch, self.pool.apply_async(_encode, (texts,))))
+        while len(self.in_flight) >= 2 * self.workers:
+            done, job = self.in_flight.popleft()
+            self.output.write(done, job.get())
 
-# ---------------------------------------------------------------- the tokenizer flags of `paratron preprocess`
+    def finish(self) -> None:
+        """The batches still in flight, written."""
+        while self.in_flight:
+            done, job = self.in_flight.popleft()
+            self.output.write(done, job.get())
 
-
-def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
-    """Megatron-LM's tokenizer flags, with the meaning `paratron train` gives them (see DataConfig)."""
-    from paratron.config.fields import all_fields  # (start-up speed of the tokenizing workers: docs/architecture.md)
-
-    parser.add_argument(
-        "--tokenizer-type",
-        choices=all_fields()["tokenizer_type"].choices,
-        metavar="TYPE",
-        help="The tokenizer (one of "
-        + ", ".join(all_fields()["tokenizer_type"].choices or ())
-        + ") (default: GPT2BPETokenizer when --vocab-file/--merge-file are given, as Megatron-LM's "
-        "pretrain_gpt.py, else ByteLevelBPE, trained on the input and saved as OUTPUT_PREFIX_tokenizer.json).",
-    )
-    parser.add_argument(
-        "--tokenizer-model",
-        metavar="PATH",
-        help="tokenizer.json or its folder (HuggingFaceTokenizer), SentencePiece .model (GPTSentencePieceTokenizer, "
-        "Llama2Tokenizer) or Megatron's tiktoken vocabulary .json (TikTokenizer).",
-    )
-    parser.add_argument("--vocab-file", metavar="FILE", help="GPT-2 vocab.json for GPT2BPETokenizer.")
-    parser.add_argument("--merge-file", metavar="FILE", help="GPT-2 merges.txt for GPT2BPETokenizer.")
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        metavar="N",
-        help="Vocabulary size: of the trained BPE (default 8192), of NullTokenizer's ids, or TikTokenizer's (default "
-        "131072).",
-    )
-    parser.add_argument(
-        "--tiktoken-pattern", choices=["v1", "v2"], metavar="v1|v2", help="TikTokenizer's regex (default v2)."
-    )
-    parser.add_argument(
-        "--tiktoken-num-special-tokens",
-        type=int,
-        default=1000,
-        metavar="N",
-        help="TikTokenizer's special ids (default 1000).",
-    )
-    for name in ("--tiktoken-special-tokens", "--tokenizer-special-tokens"):
-        parser.add_argument(name, nargs="+", metavar="TOKEN", help="TikTokenizer's named special tokens, in id order.")
-    parser.add_argument(
-        "--legacy-tokenizer",
-        action="store_true",
-        help="Megatron-LM's older tokenizer classes: Llama2Tokenizer starts documents with <s>; TikTokenizer reads "
-        "special-token text as plain text.",
-    )
-    parser.add_argument(
-        "--vocab-extra-ids", type=int, default=0, metavar="N", help="T5/BERT sentinel tokens: only 0 is accepted."
-    )
-
-
-def tokenizer_type_of(args: argparse.Namespace) -> str:
-    """The tokenizer type `add_tokenizer_arguments`' flags name (ByteLevelBPE: to be trained)."""
-    if args.vocab_extra_ids:
-        raise DataError(f"--vocab-extra-ids {args.vocab_extra_ids}: sentinel tokens are for T5/BERT; remove it")
-    return args.tokenizer_type or ("GPT2BPETokenizer" if args.vocab_file or args.merge_file else "ByteLevelBPE")
-
-
-def tokenizer_from_arguments(args: argparse.Namespace) -> AnyTokenizer:
-    """The existing tokenizer `add_tokenizer_arguments`' flags name."""
-    from paratron.config.schema import DataConfig  # (start-up speed of the tokenizing workers: docs/architecture.md)
-    from paratron.data.tokenizer import tokenizer_for
-
-    data = DataConfig(
-        tokenizer_type=tokenizer_type_of(args),
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tiktoken_pattern=args.tiktoken_pattern,
-        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-        tiktoken_special_tokens=args.tiktoken_special_tokens,
-        tokenizer_special_tokens=args.tokenizer_special_tokens,
-        legacy_tokenizer=args.legacy_tokenizer,
-    )
-    return tokenizer_for(data, args.vocab_size)
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()

@@ -20,6 +20,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from paratron.config.arguments import (
     ArgumentParser,
@@ -30,13 +31,13 @@ from paratron.config.arguments import (
 )
 from paratron.config.fields import flag
 from paratron.config.loading import override, resolve_command_line
-from paratron.config.schema import LAUNCH_FIELDS, MODEL_ARCHITECTURE
+from paratron.config.schema import LAUNCH_FIELDS, MODEL_ARCHITECTURE, Config
 from paratron.errors import ConfigError
 from paratron.planning.calibration import calibrate, read_calibration
-from paratron.planning.hardware import CPU, hardware_from
+from paratron.planning.hardware import CPU, Hardware, hardware_from
 from paratron.planning.launch_line import fill_in
 from paratron.planning.report import plot, table, write_json
-from paratron.planning.search import LAYOUT_FIELDS, WITHIN, search
+from paratron.planning.search import LAYOUT_FIELDS, WITHIN, Plan, search
 
 PLAN_TAKES = (
     MODEL_ARCHITECTURE,  # (the weights' shapes and the work: the plan builds the model on the meta device)
@@ -56,7 +57,7 @@ the batch, precision and the optimizer's state, the data (passed on to the print
 layout is what the plans choose."""
 
 
-def plan_parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     """train's flags that a plan depends on, and the cluster's and the report's."""
     parser = ArgumentParser(
         prog="paratron plan",
@@ -102,21 +103,64 @@ def plan_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_plan(argv: Sequence[str]) -> int:
+def run(argv: Sequence[str]) -> int:
     """`paratron plan ARGV`; user mistakes raise ConfigError (one line, exit 2)."""
-    recipe, overrides, args = parse_config_arguments(plan_parser(), list(argv))
+    recipe, overrides, args = parse_config_arguments(parser(), list(argv))
+    _check_report_flags(args)
+    config, no_data = _plan_settings(overrides, recipe, args)
+    hardware, measured = _hardware(config, args)
+    world = _world(config.planning.world_size, args.nodes, hardware.gpus_per_node)
+    hardware = dataclasses.replace(hardware, nodes=max(1, world // hardware.gpus_per_node))
+    start = time.perf_counter()
+    plans, others = search(config, world, hardware, within=args.within)
+    seconds = time.perf_counter() - start
+    name = config.model.model_name or f"{config.model.num_layers}-layer model"
+    print(
+        f"{name} on {world} x {hardware.name} ({hardware.device_memory_gb:g} GB, {hardware.peak_tflops:g} TFLOP/s "
+        f"x {hardware.matmul_efficiency:g}), {flag.global_batch_size} {config.training.global_batch_size} x "
+        f"{flag.seq_length} {config.data.seq_length}: {len(plans)} plans within {args.within:g}x of the fastest, "
+        f"{len(others)} other layouts considered ({seconds:.1f}s)"
+    )
+    if measured:
+        print("\n".join(measured))
+    _print_best(plans, args.top, world, no_data)
+    if args.output is not None:
+        request = {"argv": list(argv), "world_size": world, "within": args.within, "search_seconds": seconds}
+        if measured:
+            request["calibration"] = measured
+        write_json(args.output, plans, hardware, request, others)
+        print(f"plans: {args.output}")
+    picture = args.plot or (args.output.with_suffix(".png") if args.output is not None else None)
+    if picture is not None:
+        print(f"plot: {plot(plans, picture)}")
+    return 0
+
+
+def _check_report_flags(args: argparse.Namespace) -> None:
+    """The cluster's sizes and the report's counts: one line for a value that cannot be."""
     for name in ("nodes", "gpus_per_node", "top"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least 1")
     if args.within < 1:
         raise ConfigError(f"--within {args.within:g}: must be at least 1 (a factor of the fastest step time)")
-    config = resolve_command_line(overrides, recipe, given_settings(overrides, args)).config  # (as train builds it)
+
+
+def _plan_settings(overrides: dict[str, Any], recipe: str | None, args: argparse.Namespace) -> tuple[Config, bool]:
+    """The settings as train builds them, in bf16 on a GPU preset unless --precision says, and whether no data was
+    given (the printed command must run: it then trains on synthetic tokens, and says so)."""
+    config = resolve_command_line(overrides, recipe, given_settings(overrides, args)).config
     if "precision" not in overrides and (config.planning.hardware or "h100-80g") != CPU:
         config = override(config, precision="bf16")
     no_data = not (config.data.blend_flags() or config.data.corpus or config.data.mock_data or config.data.sft)
-    if no_data:  # (the printed command must run: it trains on synthetic tokens, and says so)
+    if no_data:
         config = override(config, mock_data=True)
+    return config, no_data
+
+
+def _hardware(config: Config, args: argparse.Namespace) -> tuple[Hardware, list[str]]:
+    """The machine: the --hardware preset with the numbers the flags give, then a --calibration report's measured
+    figures in place of the preset's (not of those given); the lines that say which were measured."""
     given = dict(
         gpus_per_node=args.gpus_per_node,
         peak_tflops=config.logging.peak_tflops,
@@ -133,21 +177,12 @@ def run_plan(argv: Sequence[str]) -> int:
         keep |= {"device_memory_gb"} if config.planning.device_memory_gb is not None else set()
         calibration = read_calibration(config.planning.calibration)
         hardware, measured = calibrate(hardware, calibration, keep, config.training.precision)
-    world = _world(config.planning.world_size, args.nodes, hardware.gpus_per_node)
-    hardware = dataclasses.replace(hardware, nodes=max(1, world // hardware.gpus_per_node))
-    start = time.perf_counter()
-    plans, others = search(config, world, hardware, within=args.within)
-    seconds = time.perf_counter() - start
-    name = config.model.model_name or f"{config.model.num_layers}-layer model"
-    print(
-        f"{name} on {world} x {hardware.name} ({hardware.device_memory_gb:g} GB, {hardware.peak_tflops:g} TFLOP/s "
-        f"x {hardware.matmul_efficiency:g}), {flag.global_batch_size} {config.training.global_batch_size} x "
-        f"{flag.seq_length} {config.data.seq_length}: {len(plans)} plans within {args.within:g}x of the fastest, "
-        f"{len(others)} other layouts considered ({seconds:.1f}s)"
-    )
-    if measured:
-        print("\n".join(measured))
-    print(table(plans, args.top))
+    return hardware, measured
+
+
+def _print_best(plans: Sequence[Plan], top: int, world: int, no_data: bool) -> None:
+    """The table of the best `top` plans and the command lines that run the best."""
+    print(table(plans, top))
     print(f"\nbest: {plans[0].command()}")
     across = fill_in(world, plans[0].gpus_per_node)
     if across is not None:  # (each node starts its own launcher, and they must meet)
@@ -157,16 +192,6 @@ def run_plan(argv: Sequence[str]) -> int:
             f"(no data was given, so it trains on {flag.mock_data}: replace that with {flag.data_path} PREFIX "
             "and the tokenizer's flags to train on yours)"
         )
-    if args.output is not None:
-        request = {"argv": list(argv), "world_size": world, "within": args.within, "search_seconds": seconds}
-        if measured:
-            request["calibration"] = measured
-        write_json(args.output, plans, hardware, request, others)
-        print(f"plans: {args.output}")
-    picture = args.plot or (args.output.with_suffix(".png") if args.output is not None else None)
-    if picture is not None:
-        print(f"plot: {plot(plans, picture)}")
-    return 0
 
 
 def _world(world_size: int | None, nodes: int | None, gpus_per_node: int) -> int:

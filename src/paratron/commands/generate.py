@@ -8,6 +8,7 @@ controller rank (the one that schedules and samples) reads prompts and prints; t
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import queue
@@ -20,6 +21,8 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from paratron.commands.launching import check_and_launch
+from paratron.config.arguments import ArgumentParser, Takes, add_config_arguments, parse_config_arguments
 from paratron.config.loading import Resolution
 from paratron.config.schema import Config
 from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
@@ -28,10 +31,62 @@ from paratron.data.vision.settings import image_settings
 from paratron.distributed.init import initialize, shutdown
 from paratron.errors import CheckpointError, ConfigError, UserError
 from paratron.inference.engine import Engine
-from paratron.inference.generate_options import SAMPLING_FLAGS, GenerateOptions, Prompt, read_prompt_lines
+from paratron.inference.generate_options import (
+    SAMPLING_FLAGS,
+    GenerateOptions,
+    Prompt,
+    add_generate_arguments,
+    generate_options,
+    read_prompt_lines,
+)
 from paratron.inference.loading import engine_settings, open_engine
 from paratron.inference.params import Completion, RequestError, RequestOutput, SamplingParams
 from paratron.inference.runner import KEEP_ALIVE_S
+
+GENERATE_TAKES = (
+    ("load", "ckpt_format", "data_cache_path", "precision"),
+    ("image_processor", "use_tiling", "max_num_tiles", "use_thumbnail"),
+    ("kv_cache_gb", "kv_cache_tokens", "kv_block_size", "max_batch_tokens", "max_running_requests"),
+    ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id"),
+    ("rdzv_timeout_seconds", "distributed_backend", "distributed_timeout_minutes"),
+    ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+)
+"""The settings `paratron generate` uses (train's flags): the checkpoint, its precision, the images' preprocessing,
+the engine's KV cache and batching, and the layout it runs at; the model and tokenizer come from the checkpoint."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """train's flags that generate uses (GENERATE_TAKES), and its own (prompts, sampling, output)."""
+    parser = ArgumentParser(prog="paratron generate", allow_abbrev=False)
+    takes = Takes(
+        "paratron generate",
+        fields=sum(GENERATE_TAKES, ()),
+        why=(("model", "paratron generate takes the model from the checkpoint (--load); drop the model flags"),),
+    )
+    add_config_arguments(parser, takes)
+    add_generate_arguments(parser)
+    parser.usage = (
+        "paratron generate --load CKPT (--prompt TEXT... | --prompt-file FILE | --chat) [sampling flags] [flags]"
+    )
+    parser.description = (
+        "Continue prompts with a saved model (a paratron or Megatron-LM checkpoint, or a Hugging Face folder) at any "
+        "layout (--nproc, tensor and pipeline parallelism). All prompts run together in the inference engine "
+        "(continuous batching) and are printed in order; a lone prompt is streamed as it is generated; --chat holds "
+        "a conversation read from standard input."
+    )
+    return parser
+
+
+def run(argv: list[str]) -> int:
+    """`paratron generate ARGV`: the prompts read and the flags checked, then the workers launched, or this
+    process generates (a worker, or the only process)."""
+    recipe, overrides, namespace = parse_config_arguments(parser(), argv)
+    options = generate_options(namespace, sys.stdin)  # (files read and flags checked before any worker starts)
+    resolution = generate_settings(overrides, recipe)
+    launched, config = check_and_launch(resolution.config, ["generate", *argv], resolution.origins)
+    if launched is not None:
+        return launched
+    return generate(config, options, sys.stdin, precision=overrides.get("precision"))
 
 
 def _aside(message: str) -> None:
@@ -59,7 +114,7 @@ def generate_settings(overrides: dict[str, Any], recipe: str | None) -> Resoluti
     return engine_settings(overrides, recipe, "generate", "the model to generate with", _aside)
 
 
-def run_generate(config: Config, options: GenerateOptions, stdin: TextIO, precision: str | None = None) -> int:
+def generate(config: Config, options: GenerateOptions, stdin: TextIO, precision: str | None = None) -> int:
     """Open the --load checkpoint's engine on this process's ranks and generate (controller) or follow (others);
     in the checkpoint's precision unless `precision` (--bf16, --fp16, --fp32) says."""
     owned = not dist.is_initialized()
