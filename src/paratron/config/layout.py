@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from paratron.config.fields import flag
-from paratron.config.layer_pattern import read_layer_pattern
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
 
@@ -233,7 +232,7 @@ def _plan_pipeline(config: Config, global_batch: int, microbatches: int) -> Pipe
                 f"{m.num_layers} layers; set it to {m.num_layers} or drop it (Megatron-LM refuses it too)"
             )
     ends = (first, last) if pp > 1 else (None, None)
-    stages = read_layer_pattern(m.hybrid_layer_pattern).stage_sizes if m.hybrid_layer_pattern else ()
+    stages = m.layer_pattern.stage_sizes if m.layer_pattern is not None else ()
     try:
         if len(stages) > 1:  # (a pattern's '|' places each stage's layers; `pattern_checks` matched them to the run)
             counts = list(stages)

@@ -302,6 +302,7 @@ class ModelConfig(VisionSettings):
         else:
             experts = moe_layer_pattern(self.moe_layer_freq, self.num_layers)
         object.__setattr__(self, "_moe_layer_pattern", experts)
+        object.__setattr__(self, "_layer_pattern", pattern)
 
     def _derived_defaults(self) -> dict[str, Any]:
         """The MLP width (4h; int(4h x 2/3 / 64) x 64 with SwiGLU, which keeps the parameter count of a 4h GELU MLP),
@@ -318,6 +319,11 @@ class ModelConfig(VisionSettings):
     def derived(self) -> frozenset[str]:
         """The settings this config worked out itself (they were None when it was built)."""
         return self._derived  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def layer_pattern(self) -> LayerPattern | None:
+        """--hybrid-layer-pattern read (None: unset, or one that validation refuses)."""
+        return self._layer_pattern  # type: ignore[attr-defined,no-any-return]
 
     @property
     def moe_layer_pattern(self) -> tuple[bool, ...]:

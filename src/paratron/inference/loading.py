@@ -40,7 +40,7 @@ from paratron.distributed.topology import Axis, ParallelDims, Topology
 from paratron.errors import ConfigError
 from paratron.inference.engine import Engine
 from paratron.inference.kv_cache import PagedKVCache, bytes_per_token
-from paratron.inference.paged_attention import key_value_layers
+from paratron.inference.paged_attention import key_value_kinds
 from paratron.inference.runner import ModelRunner, ReplicaGroups
 from paratron.model.fused_linear import lay_out_stacked
 from paratron.model.gpt import GPT
@@ -183,7 +183,7 @@ def _engine(
     the engine."""
     device = next(p.device for p in model.parameters())
     heads = max(1, config.num_query_groups // groups.tensor.size)
-    layers = key_value_layers(model)
+    layers = list(key_value_kinds(model))
     per_token = bytes_per_token(len(layers), heads, config.kv_channels, dtype)
     block = settings.kv_block_size
     context = config.max_position_embeddings

@@ -138,10 +138,13 @@ def paged_cores(cores: dict[nn.Module, PagedAttention]) -> Iterator[None]:
             kind._modules["core"] = core
 
 
-def key_value_layers(model: nn.Module) -> list[int]:
-    """The layers this rank holds whose kind keeps keys and values between decoding steps (`DecodeState`)."""
-    return [
-        i
+def key_value_kinds(model: nn.Module) -> dict[int, nn.Module]:
+    """By layer number, the kind of each layer this rank holds that keeps keys and values between decoding steps
+    (`DecodeState`): the layers the KV cache is for, and whose cores attend over it."""
+    return {
+        i: kind
         for i, layer in enumerate(model.layers)
-        if layer is not None and any(k.decode_state is DecodeState.KEY_VALUE for k in layer.kinds().values())
-    ]
+        if layer is not None
+        for kind in layer.kinds().values()
+        if kind.decode_state is DecodeState.KEY_VALUE
+    }

@@ -20,10 +20,9 @@ import torch.distributed as dist
 from paratron.distributed import comm
 from paratron.distributed.topology import RankGroup
 from paratron.inference.kv_cache import PagedKVCache, StepPlan
-from paratron.inference.paged_attention import PagedAttention, paged_cores
+from paratron.inference.paged_attention import PagedAttention, key_value_kinds, paged_cores
 from paratron.model.attention import make_pattern
 from paratron.model.gpt import GPT
-from paratron.model.layer_kind import DecodeState
 
 STEP, IDLE, CLOSE = 0, 1, 2
 """What a message from the controller says: run this plan, nothing to do yet, stop following."""
@@ -82,12 +81,7 @@ class ModelRunner:
         held = [i for i, layer in enumerate(model.layers) if layer is not None]
         self.layers = range(held[0], held[-1] + 1) if held else range(0)  # (a stage's layers are consecutive)
         pattern = make_pattern(model.config)
-        self.cores = {  # (the kinds that keep keys and values attend over the paged cache during a step)
-            kind: PagedAttention(pattern, cache.layers[i])  # type: ignore[arg-type]
-            for i in self.layers
-            for kind in model.layers[i].kinds().values()
-            if kind.decode_state is DecodeState.KEY_VALUE
-        }
+        self.cores = {kind: PagedAttention(pattern, cache.layers[i]) for i, kind in key_value_kinds(model).items()}  # type: ignore[arg-type]
         self.device = next(p.device for p in model.parameters())
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
 

@@ -7,14 +7,13 @@ PyTorch; head counts are derived from weight shapes (`view(B, T, -1, head_dim)`)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratron.config.layer_pattern import read_layer_pattern
 from paratron.config.schema import ModelConfig
 from paratron.model.attention import AttentionCore, TokenPlaces, make_pattern
 from paratron.model.fused_ops import FusibleOp
@@ -317,7 +316,8 @@ class PatternLayer(Residual):
 
     def __init__(self, config: ModelConfig, symbol: str, layer_number: int = 1) -> None:
         super().__init__()
-        kind = _SYMBOL_KINDS[symbol](config, layer_number)
+        kind_class = _symbol_kinds(config)[symbol]
+        kind = kind_class(config, layer_number) if issubclass(kind_class, Attention) else kind_class(config)
         self.norm = make_norm(config)
         self.add_module(kind.slot, kind)
         self.residual_slots = (("norm", kind.slot),)
@@ -335,29 +335,25 @@ class PatternLayer(Residual):
         return x + (kind(h, rotary, cache, places) if self.sees_positions else kind(h))
 
 
-_SYMBOL_KINDS: dict[str, Callable[[ModelConfig, int], LayerKind]] = {
-    "*": lambda config, number: attention_kind(config)(config, number),
-    "-": lambda config, number: MLP(config),
-    "E": lambda config, number: MoELayer(config),
-}
-"""How each symbol of --hybrid-layer-pattern is built."""
+def _symbol_kinds(config: ModelConfig) -> dict[str, type[LayerKind]]:
+    """The kind each symbol of --hybrid-layer-pattern builds."""
+    return {"*": attention_kind(config), "-": MLP, "E": MoELayer}
 
 
 def build_layers(config: ModelConfig) -> list[Residual]:
     """The model's layers: one per symbol of --hybrid-layer-pattern, or --num-layers Transformer blocks."""
-    if config.hybrid_layer_pattern:
-        symbols = read_layer_pattern(config.hybrid_layer_pattern).symbols
+    if config.layer_pattern is not None:
+        symbols = config.layer_pattern.symbols
         return [PatternLayer(config, symbol, number) for number, symbol in enumerate(symbols, start=1)]
     return [TransformerBlock(config, moe, number) for number, moe in enumerate(config.moe_layer_pattern, start=1)]
 
 
 def layer_kinds(config: ModelConfig) -> list[tuple[type[LayerKind], ...]]:
     """The kinds of each layer `build_layers` makes, without building them (for FLOPs and memory estimates)."""
-    attention = attention_kind(config)
-    if config.hybrid_layer_pattern:
-        classes = {"*": attention, "-": MLP, "E": MoELayer}
-        return [(classes[symbol],) for symbol in read_layer_pattern(config.hybrid_layer_pattern).symbols]
-    return [(attention, MoELayer if moe else MLP) for moe in config.moe_layer_pattern]
+    if config.layer_pattern is not None:
+        kinds = _symbol_kinds(config)
+        return [(kinds[symbol],) for symbol in config.layer_pattern.symbols]
+    return [(attention_kind(config), MoELayer if moe else MLP) for moe in config.moe_layer_pattern]
 
 
 class TransformerLayers(nn.ModuleList):

@@ -4,16 +4,16 @@ kinds paratron builds, its mixture-of-experts layers have experts, and its pipel
 from __future__ import annotations
 
 from paratron.config.fields import flag
-from paratron.config.layer_pattern import LayerPattern, read_layer_pattern
+from paratron.config.layer_pattern import read_layer_pattern
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
 
 
-def check_layer_pattern(config: Config) -> LayerPattern | None:
-    """Raise ConfigError for the first setting the layer pattern contradicts; the pattern read (None: unset)."""
+def check_layer_pattern(config: Config) -> None:
+    """Raise ConfigError for the first setting the layer pattern contradicts."""
     m, p = config.model, config.parallel
     if not m.hybrid_layer_pattern:
-        return None
+        return
     try:
         pattern = read_layer_pattern(m.hybrid_layer_pattern)
     except ValueError as exc:
@@ -45,4 +45,3 @@ def check_layer_pattern(config: Config) -> LayerPattern | None:
                 f"{flag.hybrid_layer_pattern}'s '|' places every stage's layers; drop "
                 f"{flag.decoder_first_pipeline_num_layers} / {flag.decoder_last_pipeline_num_layers}"
             )
-    return pattern
