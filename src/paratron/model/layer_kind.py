@@ -103,7 +103,8 @@ class DecodeState(enum.Enum):
 class CheckpointNames:
     """Where a kind's weights live in Hugging Face and Megatron-LM checkpoints, below its layer (the converters put
     the layer's own prefix in front). The Hugging Face names are Llama's convention, which every converted family
-    but GPT-2 and Mixtral follows; those two override them in their `Family` rows (`checkpoint.hf.families`)."""
+    follows but GPT-2 (its own names throughout) and Mixtral (its experts'); `checkpoint.hf.families` states those
+    differences beside the families' rows."""
 
     hf_module: str
     """Its module in a Hugging Face layer (`self_attn`, `mlp`)."""
