@@ -184,6 +184,7 @@ class ParallelDims:
 
 
 def checked_axis(axis: Axis) -> Axis:
+    """`axis`, or TypeError when it is not an `Axis` (a misspelt kind must not become a one-rank group)."""
     if not isinstance(axis, Axis):
         known = ", ".join(f"Axis.{a.name}" for a in Axis)
         raise TypeError(f"process groups are asked for by Axis ({known}), not {axis!r}")
