@@ -11,7 +11,6 @@ instead of working the numbers out again. Errors are ConfigErrors that name the 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -202,17 +201,17 @@ def resolve_layout(config: Config, world_size: int) -> Layout:
             f"world size {world_size} is not divisible by {flag.tensor_model_parallel_size} {tp} x {context}"
             f"{flag.pipeline_model_parallel_size} {pp}; use a multiple of {tp * cp * pp} processes"
         )
-    dims = _dims(config, world_size)
-    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dims.dp):
+    dense = ParallelDims(world_size, tp=tp, pp=pp, cp=cp)  # (the experts' grid is checked last, as validation does)
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dense.dp):
         raise ConfigError(
             f"{flag.global_batch_size} {t.global_batch_size} is not divisible by "
-            f"{flag.micro_batch_size} {t.micro_batch_size} x data-parallel size {dims.dp}; use a multiple of "
-            f"{t.micro_batch_size * dims.dp}"
+            f"{flag.micro_batch_size} {t.micro_batch_size} x data-parallel size {dense.dp}; use a multiple of "
+            f"{t.micro_batch_size * dense.dp}"
         )
-    global_batch = t.global_batch_size or t.micro_batch_size * dims.dp
-    layout = Layout(dims, t.micro_batch_size, global_batch, PipelinePlan((), 1, None))  # (its plan is next)
-    plan = _plan_pipeline(config, global_batch, layout.num_micro_batches)
-    return dataclasses.replace(layout, pipeline=plan)
+    global_batch = t.global_batch_size or t.micro_batch_size * dense.dp
+    batches = Layout(dense, t.micro_batch_size, global_batch, PipelinePlan((), 1, None))  # (its plan is next)
+    plan = _plan_pipeline(config, global_batch, batches.num_micro_batches)
+    return Layout(_dims(config, world_size), t.micro_batch_size, global_batch, plan)
 
 
 def _dims(config: Config, world_size: int) -> ParallelDims:
