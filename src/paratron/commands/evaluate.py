@@ -105,9 +105,10 @@ def _evaluate_tasks(argv: list[str], recipe: str | None, overrides: dict, namesp
     from paratron.inference.loading import engine_settings  # (start-up speed, docs/architecture.md: torch)
     from paratron.inference.tasks import run_tasks
 
-    names = _task_names(resolve_settings(overrides, recipe).config, namespace)
+    first = resolve_settings(overrides, recipe)
+    names = _task_names(first.config, namespace)
     aside = functools.partial(print, file=sys.stderr)
-    resolution = engine_settings(overrides, recipe, "evaluate", "the model to evaluate", aside)
+    resolution = engine_settings(overrides, recipe, "evaluate", "the model to evaluate", aside, first)
     launched, config, layout = check_and_launch(resolution.config, ["evaluate", *argv], resolution.origins)
     if launched is not None:
         return launched

@@ -72,12 +72,20 @@ def checkpoint_dtype(load: Path, info: CheckpointInfo) -> torch.dtype:
     return stored if stored != torch.float32 else PRECISION_DTYPES[info.config.training.precision]
 
 
-def engine_settings(overrides: dict[str, Any], recipe: str | None, command: str, purpose: str, log: Log) -> Resolution:
+def engine_settings(
+    overrides: dict[str, Any],
+    recipe: str | None,
+    command: str,
+    purpose: str,
+    log: Log,
+    first: Resolution | None = None,
+) -> Resolution:
     """The settings of a command that runs the engine (`paratron generate | serve | evaluate --tasks`) over the
     model of its --load checkpoint, as a one-step run on mock data for the layout's checks (the engine reads no
     samples). A Hugging Face folder is converted once into the cache and that copy is loaded. `purpose` says what
-    the checkpoint is for, in the line that asks for one."""
-    resolution = resolve_settings(overrides, recipe)
+    the checkpoint is for, in the line that asks for one. `first`: the flags' settings without the checkpoint,
+    when the command has resolved them already (`resolve_settings(overrides, recipe)`)."""
+    resolution = first if first is not None else resolve_settings(overrides, recipe)
     if not resolution.config.checkpoint.load:
         raise ConfigError(f"paratron {command} needs {flag.load} CKPT ({purpose})")
     load = Path(resolution.config.checkpoint.load).expanduser()
