@@ -60,6 +60,15 @@ MODEL: dict[str, Any] = {
     **NO_DROPOUT,
 }
 """The model and batch every layout trains (7.4M parameters; 2,048 tokens per step)."""
+SMOKE_SHAPE: dict[str, Any] = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "seq_length": 32,
+    "max_position_embeddings": 32,
+    "vocab_size": 512,
+    "global_batch_size": 8,
+}
+"""--smoke's model instead (it checks that measuring and predicting run, not what they find)."""
 
 # name -> (processes, settings beyond MODEL). Micro-batch 2 unless said; the global batch is
 # MODEL's everywhere, so data parallelism runs fewer micro-batches per rank.
@@ -468,6 +477,8 @@ def main(argv: list[str] | None = None) -> None:
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
     apply_smoke(args, parser, only=["w1", "dp2"], rounds=1, warmup=1, steps=1, quiet_below=1.0, extra_rounds=0)
+    if args.smoke:
+        MODEL.update(SMOKE_SHAPE)
 
     if args.from_json:
         results = json.loads(args.from_json.read_text())
