@@ -1,5 +1,5 @@
 """Pipeline parallelism on gloo ranks: every schedule's loss and gradients against the
-single-device model, and 12-step loss curves of whole training runs."""
+single-device model, and 6-step loss curves of whole training runs."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ LLAMA_FLAVOUR = dict(
 )
 FLAVOURS = {"gpt": GPT_FLAVOUR, "llama": LLAMA_FLAVOUR}
 MICRO_BATCHES = 4
+CURVE_STEPS = 6
+"""Steps of the loss curves (every schedule's warm-up, steady state and cool-down run in each step)."""
 
 
 def _layouts(pp: int) -> list[tuple[str, dict]]:
@@ -206,7 +208,7 @@ def test_pipeline_with_tensor_parallelism_gives_the_single_device_gradients():
 
 
 def train_curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
-    """12-step training runs, one after another in one process group: loss of every step."""
+    """Training runs, one after another in one process group: loss of every step."""
     from paratron.distributed.init import initialize
 
     initialize("gloo")
@@ -219,7 +221,7 @@ def _curve_settings(flavour: str) -> dict:
     return dict(
         FLAVOURS[flavour],
         model_name=None,
-        train_iters=12,
+        train_iters=CURVE_STEPS,
         micro_batch_size=2,
         global_batch_size=2 * MICRO_BATCHES,
         seq_length=16,
@@ -227,7 +229,7 @@ def _curve_settings(flavour: str) -> dict:
 
 
 @pytest.mark.parametrize("pp", [2, 4])
-def test_twelve_step_loss_curves_equal_single_device(tmp_path, pp):
+def test_six_step_loss_curves_equal_single_device(tmp_path, pp):
     reference = {f: train_curves(str(tmp_path / "single"), {f: _curve_settings(f)})[f] for f in FLAVOURS}
     runs = {
         f"{flavour}-{case}": dict(_curve_settings(flavour), **settings, pipeline_model_parallel_size=pp)
@@ -238,12 +240,12 @@ def test_twelve_step_loss_curves_equal_single_device(tmp_path, pp):
     curves = run_ranks(train_curves, pp, str(tmp_path / f"pp{pp}"), runs)[0]
     for name, curve in curves.items():
         expected = reference[name.split("-")[0]]
-        assert len(curve) == 12
+        assert len(curve) == CURVE_STEPS
         for step, (ours, ref) in enumerate(zip(curve, expected), start=1):
             assert abs(ours - ref) <= 1e-5 * abs(ref), f"{name} PP={pp}: step {step}: {ours} vs {ref}"
 
 
-def test_pipeline_with_tensor_parallelism_twelve_step_curve(tmp_path):
+def test_pipeline_with_tensor_parallelism_six_step_curve(tmp_path):
     reference = train_curves(str(tmp_path / "single"), {"llama": _curve_settings("llama")})["llama"]
     runs = {
         name: dict(
@@ -258,7 +260,7 @@ def test_pipeline_with_tensor_parallelism_twelve_step_curve(tmp_path):
     }
     curves = run_ranks(train_curves, 4, str(tmp_path / "pp2-tp2"), runs)[0]
     for name, curve in curves.items():
-        assert len(curve) == 12
+        assert len(curve) == CURVE_STEPS
         for step, (ours, ref) in enumerate(zip(curve, reference), start=1):
             assert abs(ours - ref) <= 1e-5 * abs(ref), f"{name} PP2 x TP2: step {step}: {ours} vs {ref}"
 
