@@ -154,6 +154,10 @@ def test_validation_names_what_the_pattern_contradicts(tmp_path):
     for message, settings in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             checked(tmp_path, **settings)
+    zero_bubble_v = dict(TINY, mock_data=True, seq_length=16, run_dir=str(tmp_path), global_batch_size=8)
+    zero_bubble_v |= dict(hybrid_layer_pattern="*-|*-", pipeline_model_parallel_size=2, pipeline_schedule="zb-v")
+    with pytest.raises(ConfigError, match=re.escape("has 2 pipeline stages ('|' between them) but the run has 4")):
+        validate(build_config(zero_bubble_v), 2)  # (zb-v runs two chunks per rank)
 
 
 def test_the_engine_keeps_keys_only_where_a_layer_attends_and_equals_the_forward():
