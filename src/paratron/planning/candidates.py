@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from paratron.config.layout import layer_counts
 from paratron.config.schema import Config
-from paratron.planning.layers import distinct_layers, layer_work, model_layer_kinds, work_share
+from paratron.planning.layers import layer_works, model_layer_kinds, work_share
 from paratron.planning.vision import images_per_micro_batch, vision_work
 
 MAX_MICRO_BATCH = 16
@@ -141,11 +141,11 @@ def _layer_forward(config: Config, tp: int, cp: int) -> float:
     in its share of them; the first takes what the others leave, so that the shares sum to one)."""
     model, share = config.model, work_share(config, tp, cp, 1)
     kinds = model_layer_kinds(model)
-    layers = distinct_layers(model)
+    works = layer_works(model, share)
+    layers = list(works)
     shares = [kinds.count(layer) / model.num_layers for layer in layers[1:]]
     shares.insert(0, 1 - sum(shares))
-    works = [layer_work(model, layer, share) for layer in layers]
-    return sum(part * (work.linear + work.scores) for part, work in zip(shares, works, strict=True))
+    return sum(part * (works[layer].linear + works[layer].scores) for part, layer in zip(shares, layers, strict=True))
 
 
 def output_ratio(config: Config, tp: int, cp: int) -> float:

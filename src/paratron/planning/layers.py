@@ -10,7 +10,6 @@ same kinds are priced once (a stage holds many alike, and the search prices thou
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from paratron.config.schema import Config, ModelConfig
@@ -34,28 +33,54 @@ def by_symbols(kinds: LayerKinds) -> str:
     return "".join(kind.symbol for kind in kinds)
 
 
-@functools.lru_cache(maxsize=256)
+class _ModelLayers:
+    """One model's layers by their kinds, and what has been worked out from them (per stage split, per share)."""
+
+    def __init__(self, model: ModelConfig) -> None:
+        self.model = model
+        self.kinds = tuple(layer_kinds(model))
+        self.distinct = tuple(sorted(set(self.kinds), key=by_symbols))
+        self.stages: dict[tuple[int, ...], tuple[StageKinds, ...]] = {}
+        self.works: dict[MicroBatchShare, dict[LayerKinds, LayerWork]] = {}
+
+
+_MODELS: dict[int, _ModelLayers] = {}
+"""By the model's identity: a search asks thousands of times about one model, and hashing a ModelConfig (every
+field) would cost more than the answers."""
+
+
+def _layers_of(model: ModelConfig) -> _ModelLayers:
+    found = _MODELS.get(id(model))
+    if found is None or found.model is not model:
+        if len(_MODELS) >= 256:
+            _MODELS.clear()
+        found = _MODELS[id(model)] = _ModelLayers(model)
+    return found
+
+
 def model_layer_kinds(model: ModelConfig) -> tuple[LayerKinds, ...]:
     """Each layer's kinds, by layer number."""
-    return tuple(layer_kinds(model))
+    return _layers_of(model).kinds
 
 
-def distinct_layers(model: ModelConfig) -> list[LayerKinds]:
+def distinct_layers(model: ModelConfig) -> tuple[LayerKinds, ...]:
     """The model's different layers, in `by_symbols` order."""
-    return sorted(set(model_layer_kinds(model)), key=by_symbols)
+    return _layers_of(model).distinct
 
 
-@functools.lru_cache(maxsize=4096)
 def stage_kinds(model: ModelConfig, counts: tuple[int, ...]) -> tuple[StageKinds, ...]:
     """Per model stage (`counts`: layers of each), its distinct layers and how many of each."""
-    kinds, out, start = model_layer_kinds(model), [], 0
-    for count in counts:
-        held: dict[LayerKinds, int] = {}
-        for layer in kinds[start : start + count]:
-            held[layer] = held.get(layer, 0) + 1
-        out.append(tuple(sorted(held.items(), key=lambda item: by_symbols(item[0]))))
-        start += count
-    return tuple(out)
+    layers = _layers_of(model)
+    if counts not in layers.stages:
+        out, start = [], 0
+        for count in counts:
+            held: dict[LayerKinds, int] = {}
+            for layer in layers.kinds[start : start + count]:
+                held[layer] = held.get(layer, 0) + 1
+            out.append(tuple(sorted(held.items(), key=lambda item: by_symbols(item[0]))))
+            start += count
+        layers.stages[counts] = tuple(out)
+    return layers.stages[counts]
 
 
 def computed_keys(model: ModelConfig, seq_length: int) -> float:
@@ -97,6 +122,14 @@ class LayerWork:
     """Sublayers whose keys and values pass around the context-parallel ring."""
     all_to_alls: int
     """Sublayers whose tokens travel to their experts and back through all-to-alls."""
+
+
+def layer_works(model: ModelConfig, share: MicroBatchShare) -> dict[LayerKinds, LayerWork]:
+    """`layer_work` of each of the model's different layers (the search prices many layouts of one share)."""
+    layers = _layers_of(model)
+    if share not in layers.works:
+        layers.works[share] = {kinds: layer_work(model, kinds, share) for kinds in layers.distinct}
+    return layers.works[share]
 
 
 def layer_work(model: ModelConfig, kinds: LayerKinds, share: MicroBatchShare) -> LayerWork:

@@ -53,8 +53,7 @@ from paratron.planning.layers import (
     LayerKinds,
     LayerWork,
     StageKinds,
-    distinct_layers,
-    layer_work,
+    layer_works,
     stage_kinds,
     work_share,
 )
@@ -119,7 +118,7 @@ def stage_operations(
     """Per model stage: one micro-batch's F, B and W durations, and the same time split by PARTS."""
     comm = _Comm.of(config, layout, hardware)
     share = work_share(config, layout.tp, layout.cp, layout.micro_batch_size)
-    works = {kinds: layer_work(config.model, kinds, share) for kinds in distinct_layers(config.model)}
+    works = layer_works(config.model, share)
     layer = {(kinds, again): comm.layer(work, again) for kinds, work in works.items() for again in (0, 1)}
     t = config.training
     block = t.recompute_num_layers or 1 if t.recompute_method == "block" else None
