@@ -195,10 +195,12 @@ def test_hugging_face_export_refuses_layers_its_families_lack(setting):
         hf_config(ModelConfig(num_layers=2, **TINY, **setting), "llama")
 
 
-def test_the_planner_says_it_does_not_price_a_pattern_yet():
-    config = ModelConfig(hybrid_layer_pattern="*-*-", **TINY)
-    with pytest.raises(ConfigError, match="the planner prices Transformer blocks; a --hybrid-layer-pattern model"):
-        local_parameters(config, 1, 1, None)
+def test_the_planner_counts_a_patterns_sublayers_as_the_blocks_they_spell():
+    pattern = local_parameters(ModelConfig(hybrid_layer_pattern="*-*E", num_experts=4, **TINY), 1, 1, None).layers
+    blocks = local_parameters(ModelConfig(num_layers=2, **TINY), 1, 1, None).layers
+    assert set(pattern) == {(Attention,), (MLP,), (MoELayer,)}
+    assert pattern[(Attention,)] + pattern[(MLP,)] == blocks[(Attention, MLP)]
+    assert pattern[(MoELayer,)].experts > 0 == pattern[(MLP,)].experts
 
 
 def test_megatron_checkpoints_refuse_layer_patterns_both_ways():
