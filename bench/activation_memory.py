@@ -68,6 +68,7 @@ def measure(tp: int, sequence_parallel: bool) -> dict[str, float]:
     import torch.distributed as dist
 
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model.gpt import GPT
     from paratron.parallel.parallelize import parallelize
@@ -100,7 +101,9 @@ def measure(tp: int, sequence_parallel: bool) -> dict[str, float]:
                 )
                 with torch.device("meta"):
                     meta = GPT(config.model)
-                model = parallelize(meta, config, topology, torch.device("cpu"))
+                model = parallelize(
+                    meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+                )
                 torch.manual_seed(0)
                 with SavedActivations(model.module) as activations:
                     logits = model(ids)

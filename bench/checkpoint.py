@@ -39,6 +39,7 @@ from paratron.checkpoint.optimizer_state import load_optimizer
 from paratron.checkpoint.save import BackgroundSave, CheckpointContent, begin_save, save_checkpoint
 from paratron.checkpoint.verify import read_checkpoint
 from paratron.config import build_config
+from paratron.config.layout import resolve_layout
 from paratron.distributed import rng
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.model.batch import Batch
@@ -55,7 +56,7 @@ def _size(path: Path) -> int:
 def _trained(config):
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"), resolve_layout(config, 1))
     optimizer = build_optimizer(model, config.optimizer)
     ids = torch.randint(0, config.model.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
     model.forward_backward([Batch(ids[:, :-1], ids[:, 1:])])

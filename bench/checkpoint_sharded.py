@@ -84,6 +84,7 @@ def measure(settings: dict, directory: str, rounds: int) -> dict:
     from paratron.checkpoint.save import CheckpointContent, save_checkpoint, weight_boxes
     from paratron.checkpoint.verify import read_checkpoint
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.distributed import rng
     from paratron.distributed.init import initialize
     from paratron.distributed.topology import Axis, ParallelDims, Topology
@@ -106,7 +107,7 @@ def measure(settings: dict, directory: str, rounds: int) -> dict:
     topology.create_groups()
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, topology, torch.device("cpu"))
+    model = parallelize(meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size))
     optimizer = build_optimizer(model, config.optimizer)
     ids = torch.randint(
         0, config.model.vocab_size, (1, RUN["seq_length"] + 1), generator=torch.Generator().manual_seed(0)

@@ -122,6 +122,7 @@ class Side:
 
 
 def _paratron(args: dict, topology: Any, **parallel: Any) -> Side:
+    from paratron.config.layout import resolve_layout
     from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
@@ -132,7 +133,7 @@ def _paratron(args: dict, topology: Any, **parallel: Any) -> Side:
     config = _config(args, **parallel)
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, topology, torch.device("cpu"))
+    model = parallelize(meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size))
     optimizer = build_optimizer(model, config.optimizer)
     precision = Precision(config.training.precision)
     return Side(lambda batches: train_step(model, optimizer, [Batch(*b) for b in batches], precision, 1.0).loss, model)

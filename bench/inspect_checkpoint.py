@@ -55,6 +55,7 @@ import torch
 from common import RESULTS, ROOT, add_smoke_argument, apply_smoke
 from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.config import build_config
+from paratron.config.layout import resolve_layout
 from paratron.debugging.inspect import run_inspect
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.model.gpt import GPT
@@ -89,7 +90,7 @@ def write_checkpoints(args: argparse.Namespace, work: Path) -> tuple[Path, Path,
     )
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu")).module
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"), resolve_layout(config, 1)).module
     save_checkpoint(work / "a", CheckpointContent(100, 800, config, model))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

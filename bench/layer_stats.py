@@ -28,6 +28,7 @@ import torch
 
 from common import RESULTS, add_smoke_argument, apply_smoke
 from paratron.config import build_config
+from paratron.config.layout import resolve_layout
 from paratron.debugging.layer_stats import LayerStats
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.model.batch import Batch
@@ -68,7 +69,9 @@ def model_builder(args: dict) -> Callable[[], tuple[ParallelModel, TrainingOptim
     def build() -> tuple[ParallelModel, TrainingOptimizer]:
         with torch.device("meta"):
             meta = GPT(config.model)
-        model = parallelize(meta, config, topology, torch.device("cpu"))
+        model = parallelize(
+            meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+        )
         return model, build_optimizer(model, config.optimizer)
 
     return build

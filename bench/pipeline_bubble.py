@@ -271,7 +271,7 @@ def _bubble_run(args: dict, topology: Any, name: str, split: str, batches: list)
     counts = list(resolve_layout(config, pp).pipeline.counts)
     with torch.device("meta"):
         meta = GPT(dataclasses.replace(config.model))
-    ours = parallelize(meta, config, topology, torch.device("cpu"))
+    ours = parallelize(meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size))
     for _ in range(args["warmup"]):
         ours.zero_grad()
         ours.forward_backward(batches, backward=lambda loss: loss.backward())

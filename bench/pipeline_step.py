@@ -232,6 +232,7 @@ def _pairing(
     """Build both sides of one pairing, time them, measure paratron's bubble, check the gradients agree."""
     import torch.distributed as dist
 
+    from paratron.config.layout import resolve_layout
     from paratron.model.gpt import GPT, build_model
     from paratron.parallel.parallelize import parallelize
     from paratron.parallel.pipeline.profile import measured_bubble
@@ -246,7 +247,7 @@ def _pairing(
     config = build(args, name)
     with torch.device("meta"):
         meta = GPT(dataclasses.replace(config.model))
-    ours = parallelize(meta, config, topology, torch.device("cpu"))
+    ours = parallelize(meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size))
     chunks = ours.pipeline.schedule.chunks
     reference = build_model(config.model, seed=config.training.seed)
     torch_stages = 2 if name in ("interleaved", "zb-v") else (args["torch_zb_stages"] if name == "zb-h1" else 1)

@@ -38,6 +38,7 @@ MODES = {
 def run(args: dict) -> dict:
     """In a one-rank gloo world: per mode, step times of every round and saved activation bytes."""
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.distributed.init import initialize
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model.batch import Batch
@@ -69,7 +70,9 @@ def run(args: dict) -> dict:
         config = build_config(dict(shape, **recompute))
         with torch.device("meta"):
             meta = GPT(config.model)
-        model = parallelize(meta, config, topology, torch.device("cpu"))
+        model = parallelize(
+            meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+        )
         models[mode] = (model, build_optimizer(model, config.optimizer))
     tokens = torch.randint(
         0, 8192, (args["micro_batch_size"], args["seq_length"] + 1), generator=torch.Generator().manual_seed(0)

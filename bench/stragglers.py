@@ -39,6 +39,7 @@ THRESHOLD = 0.2
 def _build(args: dict, topology: Any) -> Any:
     """A step function of paratron's DP 2 model over a list of (inputs, labels) micro-batches."""
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
@@ -59,7 +60,7 @@ def _build(args: dict, topology: Any) -> Any:
     )
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, topology, torch.device("cpu"))
+    model = parallelize(meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size))
     optimizer = build_optimizer(model, config.optimizer)
     precision = Precision(PRECISION)
     return lambda batches: train_step(model, optimizer, [Batch(*b) for b in batches], precision, 1.0).loss

@@ -49,12 +49,13 @@ def _config(sequence_parallel: bool, tp: int, model: dict):
 
 
 def _paratron_model(config, topology):
+    from paratron.config.layout import resolve_layout
     from paratron.model.gpt import GPT
     from paratron.parallel.parallelize import parallelize
 
     with torch.device("meta"):
         meta = GPT(dataclasses.replace(config.model))
-    return parallelize(meta, config, topology, torch.device("cpu"))
+    return parallelize(meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size))
 
 
 def _dtensor_model(config, mesh, sequence_parallel: bool):

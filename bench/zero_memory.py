@@ -46,6 +46,7 @@ def measure(stages: list[int], shape: dict) -> list[dict]:
     import torch.distributed as dist
 
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
@@ -71,7 +72,9 @@ def measure(stages: list[int], shape: dict) -> list[dict]:
         with torch.device("meta"):
             meta = GPT(config.model)
         psi = sum(p.numel() for p in meta.parameters())
-        model = parallelize(meta, config, topology, torch.device("cpu"))
+        model = parallelize(
+            meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+        )
         optimizer = build_optimizer(model, config.optimizer)
         # the gradient storage alive during backward, after each parameter's gradient has been
         # taken in (stage 2 must hold its shard plus the buckets being filled, never the full buffer)

@@ -17,7 +17,7 @@ from paratron.config.megatron import from_megatron_dict
 from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.validation import validate
 from paratron.distributed.init import env_world_size, initialize, seed_everything
-from paratron.distributed.topology import ParallelDims, Topology
+from paratron.distributed.topology import Topology
 
 _ARGS: SimpleNamespace | None = None
 
@@ -39,7 +39,7 @@ def initialize_megatron(
         **{name: getattr(getattr(config, info.section), name) for name, info in all_fields().items()}
     )
     p = config.parallel
-    topology = Topology(ParallelDims.from_config(world, p))
+    topology = Topology(layout.dims)
     if init_distributed:
         ctx = initialize(p.distributed_backend)
         topology = Topology(topology.dims, ctx.rank)

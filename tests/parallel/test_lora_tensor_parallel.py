@@ -43,6 +43,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _models(settings: dict, sequence_parallel: bool, topology, adapters: bool):
     """The single-device reference and this rank's tensor-parallel model, from the same seed."""
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.model.gpt import GPT
     from paratron.model.lora import add_adapters
     from paratron.parallel.parallelize import materialize, parallelize
@@ -63,7 +64,9 @@ def _models(settings: dict, sequence_parallel: bool, topology, adapters: bool):
         add_adapters(reference, RANK, ALPHA, TARGETS)
         add_adapters(meta, RANK, ALPHA, TARGETS)
     materialize(reference, "cpu", 11)
-    return reference, parallelize(meta, config, topology, torch.device("cpu"))
+    return reference, parallelize(
+        meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+    )
 
 
 def _randomize_adapters(reference: torch.nn.Module, parallel: dict[str, torch.nn.Parameter]) -> None:

@@ -114,6 +114,7 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.distributed.init import initialize
     from paratron.distributed.topology import Axis, ParallelDims, Topology
     from paratron.model.batch import Batch
@@ -161,7 +162,9 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
 
             with torch.device("meta"):
                 meta = GPT(dataclasses.replace(config.model))
-            model = parallelize(meta, config, topology, torch.device("cpu"))
+            model = parallelize(
+                meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+            )
             model.zero_grad()
             loss = model.forward_backward(batches, backward=lambda loss: loss.backward())
             expected_live = peak_live_activations(model.pipeline.schedule)[topology.local_rank(Axis.PP)]

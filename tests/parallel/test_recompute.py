@@ -33,6 +33,7 @@ MODES = {
 def one_step_per_mode(world: int) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
     """Loss and gradients of one training step in every mode, from the same weights and seed."""
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.distributed.init import initialize
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model.gpt import GPT
@@ -57,7 +58,9 @@ def one_step_per_mode(world: int) -> dict[str, tuple[float, dict[str, torch.Tens
         )
         with torch.device("meta"):
             meta = GPT(dataclasses.replace(config.model))
-        model = parallelize(meta, config, topology, torch.device("cpu"))
+        model = parallelize(
+            meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+        )
         torch.manual_seed(99)  # the default generator's dropout draws start alike in every mode
         loss = model.loss_function(model(ids[:, :-1]), ids[:, 1:])
         loss.backward()

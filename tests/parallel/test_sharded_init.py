@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.config import build_config
+from paratron.config.layout import resolve_layout
 from paratron.distributed.init import initialize
 from paratron.distributed.local_ranks import run_ranks
 from paratron.distributed.topology import Axis, ParallelDims, Topology
@@ -86,7 +87,9 @@ def build_layout(settings: dict) -> dict:
     transform.materialize = _noting_peak(transform.materialize, peaks)
     transform.materialize_shards = _noting_peak(transform.materialize_shards, peaks)
     before = _reset_peak()
-    model = transform.parallelize(meta, config, topology, torch.device("cpu"))
+    model = transform.parallelize(
+        meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+    )
     grown = peaks[0] - before
     params = dict(model.module.named_parameters())
     shards = sum(local_tensor(p).numel() * 4 for p in params.values())

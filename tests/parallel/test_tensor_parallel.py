@@ -128,6 +128,7 @@ def model_parity(world: int) -> dict:
     """Every flavour with and without sequence parallelism: initial weights, logits, loss and every
     gradient against the single-device model built on this rank. Returns the worst relative errors."""
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.distributed import comm
     from paratron.distributed.topology import Axis
     from paratron.model.gpt import GPT, build_model
@@ -153,7 +154,9 @@ def model_parity(world: int) -> dict:
             reference = build_model(config.model, seed=11)
             with torch.device("meta"):
                 meta = GPT(dataclasses.replace(config.model))
-            model = parallelize(meta, config, topology, torch.device("cpu"))
+            model = parallelize(
+                meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+            )
             names = dict(model.module.named_parameters())
             for name, param in reference.named_parameters():
                 assert torch.equal(gather_full(names[name], topology.group(Axis.TP)), param), f"{key}: init of {name}"
@@ -338,6 +341,7 @@ def test_mixed_precision_under_tensor_parallelism(tmp_path):
 def fp16_overflow_on_one_rank(world: int) -> dict:
     """An overflow in rank 0's shard only must skip the step and back the scale off on every rank."""
     from paratron.config import build_config
+    from paratron.config.layout import resolve_layout
     from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
     from paratron.optim.build import build_optimizer
@@ -351,7 +355,7 @@ def fp16_overflow_on_one_rank(world: int) -> dict:
     )
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, topology, torch.device("cpu"))
+    model = parallelize(meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size))
     optimizer = build_optimizer(model, config.optimizer)
     precision = Precision("fp16", LossScaler(65536.0, hysteresis=1))
     weight = model.module.layers[0].mlp.in_proj.up.weight

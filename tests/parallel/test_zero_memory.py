@@ -30,6 +30,7 @@ def measure_stages(run_dir: str) -> list[dict]:
     """On each rank: build every stage, take one step, count; stage 2 also with a planted leak."""
     import torch.distributed as dist
 
+    from paratron.config.layout import resolve_layout
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model.batch import Batch
     from paratron.model.gpt import GPT
@@ -49,7 +50,9 @@ def measure_stages(run_dir: str) -> list[dict]:
         with torch.device("meta"):
             meta = GPT(config.model)
         shapes = [tuple(p.shape) for p in meta.parameters()]
-        model = parallelize(meta, config, topology, torch.device("cpu"))
+        model = parallelize(
+            meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+        )
         optimizer = build_optimizer(model, config.optimizer)
         train_step(model, optimizer, [Batch(tokens[:, :-1], tokens[:, 1:])], Precision("fp32"), 1.0)
         entry = {"stage": stage, "shapes": shapes, "report": training_state_elements(model, optimizer)}

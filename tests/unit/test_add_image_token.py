@@ -18,6 +18,7 @@ from paratron.checkpoint.load import load_model_weights
 from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.checkpoint.verify import read_checkpoint
 from paratron.config import build_config
+from paratron.config.layout import resolve_layout
 from paratron.config.validation import validate
 from paratron.data.tokenizer import NullTokenizer, train_byte_level_bpe
 from paratron.data.vision.settings import with_image_token
@@ -53,7 +54,9 @@ def _model(settings: dict, topology: Topology | None = None):
     with torch.device("meta"):
         meta = GPT(config.model)
     topology = topology or Topology(ParallelDims(1))
-    return config, parallelize(meta, config, topology, torch.device("cpu"))
+    return config, parallelize(
+        meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+    )
 
 
 def _text_checkpoint(folder: Path, untied: bool) -> tuple[dict[str, torch.Tensor], Path]:

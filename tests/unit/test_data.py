@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from paratron.config import build_config, validate
+from paratron.config.layout import BatchPlan
 from paratron.data.blending import BlendedDataset
 from paratron.data.build import build_data
 from paratron.data.corpus import stdlib_files
 from paratron.data.datasets import MockTokens
 from paratron.data.gpt_dataset import GPTDataset
-from paratron.data.loader import BatchPlan
 from paratron.data.preprocess import input_files, preprocess
 from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.errors import ConfigError, DataError

@@ -11,8 +11,10 @@ import torch
 
 from paratron.cli import main
 from paratron.config import build_config
+from paratron.config.dims import ParallelDims
+from paratron.config.layout import BatchPlan, Layout, PipelinePlan
 from paratron.data.build import build_data
-from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
+from paratron.data.loader import DocumentLayout, micro_batches
 from paratron.data.tokenizer import Tokenizer
 from paratron.debugging.batches import RECORDS, TEXT, BatchSource, dump_batches, sample_record, sample_text
 from paratron.model.batch import IGNORE_INDEX, Batch
@@ -20,6 +22,11 @@ from paratron.model.batch import IGNORE_INDEX, Batch
 from tiny import write_conversations
 
 EOD, SEQ = 0, 12
+
+
+def data_parallel(micro_batch_size: int, dp: int) -> Layout:
+    """The layout of `dp` data-parallel ranks of one stage each, at `micro_batch_size`."""
+    return Layout(ParallelDims(dp), micro_batch_size, micro_batch_size * dp, PipelinePlan((1,), 1, None))
 
 
 def documents_source() -> list[np.ndarray]:
@@ -37,7 +44,7 @@ def test_pretraining_dump_is_the_loaders_batches_with_documents(tmp_path):
     layout = DocumentLayout(eod_id=EOD, reset_position_ids=True, eod_mask_loss=True)
     dumps = {}
     for dp in (1, 2):
-        source = BatchSource(samples, 2, dp, lambda _: 4, layout)
+        source = BatchSource(samples, data_parallel(2, dp), lambda _: 4, layout)
         text = dump_batches(source, 2, 4, tmp_path / f"dp{dp}", first_step=2)
         dumps[dp] = [json.loads(line) for line in open(tmp_path / f"dp{dp}" / RECORDS)]
         assert text == tmp_path / f"dp{dp}" / TEXT
@@ -90,7 +97,7 @@ def test_sft_dump_masks_the_prompt_and_trains_the_assistant(tmp_path):
     config = sft_config(tmp_path)
     data = build_data(config, 4, log=lambda *_: None)
     assert isinstance(data.tokenizer, Tokenizer)
-    source = BatchSource(data.train, 2, 1, lambda _: 4, DocumentLayout(), data.tokenizer)
+    source = BatchSource(data.train, data_parallel(2, 1), lambda _: 4, DocumentLayout(), data.tokenizer)
     text = dump_batches(source, 1, 0, tmp_path / "run").read_text()
     records = [json.loads(line) for line in open(tmp_path / "run" / RECORDS)]
     assert len(records) == 4
@@ -126,7 +133,7 @@ def test_image_placeholders_and_targets_past_the_inputs():
     ids = torch.tensor([[1, image, image, image, 5, 6, 7, 3, 3]])
     labels = torch.tensor([[-100, -100, -100, -100, 6, 7, 2, -100, -100]])
     segments = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1, 1]])
-    source = BatchSource([], 1, 1, lambda _: 1, image_token_id=image)
+    source = BatchSource([], data_parallel(1, 1), lambda _: 1, image_token_id=image)
     record = sample_record(source, 1, (0, 0, 0), Batch(ids, labels, segment_ids=segments), 0)
     assert record.image_tokens == [[1, 4]] and record.document_starts == [7]
     assert record.loss_mask == [0, 0, 0, 0, 1, 1, 1, 0, 0]

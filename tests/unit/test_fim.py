@@ -9,9 +9,9 @@ import pytest
 
 from paratron.commands.train import train_config
 from paratron.config import build_config, validate
+from paratron.config.layout import BatchPlan
 from paratron.data.build import build_data
 from paratron.data.fim import FIMRates, FIMSamples, FIMTokens, FIMTransform, fim_transform, sample_stream
-from paratron.data.loader import BatchPlan
 from paratron.data.tokenizer import NullTokenizer, Tokenizer, train_byte_level_bpe
 from paratron.errors import ConfigError, DataError
 

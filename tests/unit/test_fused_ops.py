@@ -65,6 +65,7 @@ def _run(op: FusibleOp, fused: bool, args: tuple) -> list[torch.Tensor]:
     return [*outs, *(a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad)]
 
 
+@pytest.mark.spawns  # (inductor compiles its C++ kernels with the system compiler)
 def test_inductor_kernels_equal_eager_with_gradients_and_no_recompile_for_another_length():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -120,7 +120,9 @@ def test_one_process_trains_with_the_fitted_settings(monkeypatch, tmp_path, caps
     (4 processes x 2) kept through 4 micro-batches."""
     gpus(monkeypatch, 1)
     argv = ["--config", recipe(tmp_path, "parallel: {nproc_per_node: 4}\ntraining: {micro_batch_size: 2}\n")]
-    launched, config = launching.check_and_launch(train_config([*argv, "--mock-data"]), ["train", *argv, "--mock-data"])
+    launched, config, _ = launching.check_and_launch(
+        train_config([*argv, "--mock-data"]), ["train", *argv, "--mock-data"]
+    )
     assert launched is None
     assert (config.parallel.nproc_per_node, config.training.global_batch_size) == (1, 8)
     assert "running 1, 4 micro-batches per step for the same global batch of 8" in capsys.readouterr().err

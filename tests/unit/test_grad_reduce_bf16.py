@@ -44,7 +44,7 @@ def _build(zero_stage: int, bf16_grads: bool):
     config = build_config(dict(TINY, zero_stage=zero_stage, grad_reduce_in_bf16=bf16_grads))
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"), resolve_layout(config, 1))
     return model, build_optimizer(model, config.optimizer)
 
 
@@ -95,7 +95,9 @@ def test_data_parallel_buffers_and_fsdp_reduce_in_bf16():
             topology.create_groups()
             with torch.device("meta"):
                 meta = GPT(config.model)
-            model = parallelize(meta, config, topology, torch.device("meta"))
+            model = parallelize(
+                meta, config, topology, torch.device("meta"), resolve_layout(config, topology.dims.world_size)
+            )
             if stage == 3:
                 policies = {unit._get_fsdp_state()._mp_policy for unit in model.gradients.sharded_units}
                 assert {(p.param_dtype, p.reduce_dtype) for p in policies} == {(torch.bfloat16, torch.bfloat16)}
@@ -117,7 +119,9 @@ def test_expert_gradients_are_bf16_too():
         topology.create_groups()
         with torch.device("meta"):
             meta = GPT(config.model)
-        model = parallelize(meta, config, topology, torch.device("meta"))
+        model = parallelize(
+            meta, config, topology, torch.device("meta"), resolve_layout(config, topology.dims.world_size)
+        )
         dense, experts = model.gradients.reducer, model.gradients.expert_reducer
         assert experts is not None and experts.group.size == 1 and dense.group.size == 2
         assert dense.grad_buffer.dtype == experts.grad_buffer.dtype == torch.bfloat16

@@ -12,6 +12,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from paratron.config.layout import resolve_layout
 from paratron.debugging.layer_stats import LayerStats, finish_statistics, layer_names, layer_of
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.model import GPT
@@ -53,7 +54,7 @@ def one_step(config, micro_batches: int = 2, seed: int = 0):
     model before the step, the model, the micro-batches, the statistics' sums)."""
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"), resolve_layout(config, 1))
     optimizer = build_optimizer(model, config.optimizer)
     vocab = config.model.vocab_size
     tokens = torch.randint(0, vocab, (2 * micro_batches, 17), generator=torch.Generator().manual_seed(seed))

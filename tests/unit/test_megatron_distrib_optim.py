@@ -359,6 +359,7 @@ def test_resumed_run_steps_as_megatron_would(dp2, tmp_path):
 
     from paratron.checkpoint.load import read_weight
     from paratron.checkpoint.native import load_converted_optimizer
+    from paratron.config.layout import resolve_layout
     from paratron.distributed.topology import ParallelDims, Topology
     from paratron.model import GPT
     from paratron.model.batch import Batch
@@ -372,7 +373,7 @@ def test_resumed_run_steps_as_megatron_would(dp2, tmp_path):
     config = dataclasses.replace(info.config, optimizer=settings)
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"), resolve_layout(config, 1))
     with torch.no_grad():
         for name, param in model.module.named_parameters():
             param.copy_(read_weight(info, name))

@@ -17,10 +17,11 @@ import torch
 
 from paratron.commands.preprocess import add_tokenizer_arguments, tokenizer_from_arguments, tokenizer_type_of
 from paratron.config import build_config
+from paratron.config.layout import BatchPlan
 from paratron.data.build import build_data
 from paratron.data.gpt_dataset import GPTDataset
 from paratron.data.indexed import IndexedDataset, IndexedDatasetWriter
-from paratron.data.loader import BatchPlan, DocumentLayout, LoaderSource, cyclic_sample_indices, micro_batches
+from paratron.data.loader import DocumentLayout, LoaderSource, cyclic_sample_indices, micro_batches
 from paratron.data.preprocess import preprocess
 from paratron.data.tokenizer import load_tokenizer, tokenizer_for, tokenizer_from_spec, train_byte_level_bpe
 from paratron.errors import ConfigError, DataError

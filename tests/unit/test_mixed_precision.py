@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from paratron.config import build_config
+from paratron.config.layout import resolve_layout
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.model.batch import Batch
 from paratron.model.gpt import GPT, build_model
@@ -81,7 +82,7 @@ def test_sixteen_bit_weights_have_fp32_master_weights_and_gradients():
     )
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"), resolve_layout(config, 1))
     optimizer = build_optimizer(model, config.optimizer)
     assert isinstance(optimizer, ReplicatedOptimizer)
     weight = model.module.layers[0].mlp.out_proj.weight

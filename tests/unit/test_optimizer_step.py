@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratron.config import build_config
+from paratron.config.layout import resolve_layout
 from paratron.config.schema import OptimizerConfig
 from paratron.distributed.fake import fake_world
 from paratron.distributed.topology import ParallelDims, RankGroup, Topology
@@ -124,7 +125,7 @@ def test_the_model_optimizers_step_foreach_and_equal_the_loop(zero_stage: int) -
     config = build_config(dict(TINY, zero_stage=zero_stage, weight_decay=0.1))
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"), resolve_layout(config, 1))
     optimizer = build_optimizer(model, config.optimizer)
     assert isinstance(optimizer, DistributedOptimizer if zero_stage else ReplicatedOptimizer)
     _assert_steps_equal_the_loop(optimizer, config.optimizer)
@@ -138,7 +139,9 @@ def test_fsdp_dtensor_shards_step_foreach_and_equal_the_loop() -> None:
         topology.create_groups()
         with torch.device("meta"):
             meta = GPT(config.model)
-        model = parallelize(meta, config, topology, torch.device("cpu"))
+        model = parallelize(
+            meta, config, topology, torch.device("cpu"), resolve_layout(config, topology.dims.world_size)
+        )
         optimizer = build_optimizer(model, config.optimizer)
         assert isinstance(optimizer, FullyShardedOptimizer)
         assert all(isinstance(m, DTensor) for m in optimizer.masters)

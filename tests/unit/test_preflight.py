@@ -80,7 +80,9 @@ def test_each_check_runs_once_before_launch(flags, tmp_path, monkeypatch, capsys
     (corpus / "a.txt").write_text("one two three\n" * 50)
     argv = [{"CORPUS": str(corpus), "SAVE": str(tmp_path / "save")}.get(f, f) for f in flags]
     trained = []
-    monkeypatch.setattr(paratron.training.run, "run_training", trained.append)  # (the workers' part)
+    monkeypatch.setattr(
+        paratron.training.run, "run_training", lambda config, layout: trained.append(config)
+    )  # (the workers' part)
     calls, checks = count_calls(monkeypatch)
     assert main(["train", *argv, "--run-dir", str(tmp_path / "run")]) == 0, capsys.readouterr().err
     assert len(trained) == 1

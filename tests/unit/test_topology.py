@@ -8,7 +8,8 @@ import itertools
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
-from paratron.distributed.topology import GRIDS, GROUP_AXES, Axis, ParallelDims, RankGroup, Topology
+from paratron.config.dims import GRIDS, GROUP_AXES, Axis, ParallelDims
+from paratron.distributed.topology import RankGroup, Topology
 
 LAYOUTS = [
     dict(world_size=1),

@@ -11,6 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from paratron.checkpoint import load_pretrained, read_checkpoint
+from paratron.config.layout import resolve_layout
 from paratron.distributed.topology import ParallelDims, Topology
 from paratron.errors import CheckpointError
 from paratron.model import GPT
@@ -28,7 +29,7 @@ def one_process_model(config):
     """`parallelize` on a single process: the model, its gradient buffer and its step."""
     with torch.device("meta"):
         meta = GPT(config.model)
-    return parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    return parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"), resolve_layout(config, 1))
 
 
 def test_loss_falls_by_a_margin(tmp_path):

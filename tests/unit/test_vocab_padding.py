@@ -16,6 +16,7 @@ from paratron.checkpoint.optimizer_state import load_optimizer
 from paratron.checkpoint.save import CheckpointContent, save_checkpoint
 from paratron.checkpoint.verify import read_checkpoint
 from paratron.config import build_config
+from paratron.config.layout import resolve_layout
 from paratron.debugging.compare_report import compare_captures
 from paratron.debugging.layer_stats import LayerStats
 from paratron.distributed.topology import ParallelDims, Topology
@@ -55,7 +56,7 @@ def _build(divisible_by: int, **overrides):
     config = build_config(dict(TINY, make_vocab_size_divisible_by=divisible_by, **overrides))
     with torch.device("meta"):
         meta = GPT(config.model)
-    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"))
+    model = parallelize(meta, config, Topology(ParallelDims(1)), torch.device("cpu"), resolve_layout(config, 1))
     return config, model, build_optimizer(model, config.optimizer)
 
 

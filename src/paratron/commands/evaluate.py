@@ -91,12 +91,12 @@ def run(argv: list[str]) -> int:
     resolution = with_checkpoint(resolution, {**overrides, "finetune": True}, recipe)
     # (its weights, no schedule to fit)
     config = override(resolution.config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True)
-    launched, config = check_and_launch(config, ["evaluate", *argv], resolution.origins)
+    launched, config, layout = check_and_launch(config, ["evaluate", *argv], resolution.origins)
     if launched is not None:
         return launched
     from paratron.training.validation_loss import run_evaluation  # (start-up speed, docs/architecture.md: torch)
 
-    run_evaluation(config, namespace.output)
+    run_evaluation(config, namespace.output, layout)
     return 0
 
 
@@ -105,14 +105,15 @@ def _evaluate_tasks(argv: list[str], recipe: str | None, overrides: dict, namesp
     from paratron.inference.loading import engine_settings  # (start-up speed, docs/architecture.md: torch)
     from paratron.inference.tasks import run_tasks
 
-    names = _task_names(resolve_settings(overrides, recipe).config, namespace)
+    first = resolve_settings(overrides, recipe)
+    names = _task_names(first.config, namespace)
     aside = functools.partial(print, file=sys.stderr)
-    resolution = engine_settings(overrides, recipe, "evaluate", "the model to evaluate", aside)
-    launched, config = check_and_launch(resolution.config, ["evaluate", *argv], resolution.origins)
+    resolution = engine_settings(overrides, recipe, "evaluate", "the model to evaluate", aside, first)
+    launched, config, layout = check_and_launch(resolution.config, ["evaluate", *argv], resolution.origins)
     if launched is not None:
         return launched
     n = namespace
-    run_tasks(config, names, n.num_fewshot, n.include_path, n.limit, n.output)
+    run_tasks(config, names, n.num_fewshot, n.include_path, n.limit, n.output, layout=layout)
     return 0
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from paratron.commands.launching import check_and_launch
 from paratron.config.arguments import ArgumentParser, Takes, add_config_arguments, parse_config_arguments
+from paratron.config.layout import Layout
 from paratron.config.loading import Resolution
 from paratron.config.schema import Config
 from paratron.data.sft import chat_stop_ids, tokenizer_chat_template
@@ -83,10 +84,10 @@ def run(argv: list[str]) -> int:
     recipe, overrides, namespace = parse_config_arguments(parser(), argv)
     options = generate_options(namespace, sys.stdin)  # (files read and flags checked before any worker starts)
     resolution = generate_settings(overrides, recipe)
-    launched, config = check_and_launch(resolution.config, ["generate", *argv], resolution.origins)
+    launched, config, layout = check_and_launch(resolution.config, ["generate", *argv], resolution.origins)
     if launched is not None:
         return launched
-    return generate(config, options, sys.stdin, precision=overrides.get("precision"))
+    return generate(config, options, sys.stdin, precision=overrides.get("precision"), layout=layout)
 
 
 def _aside(message: str) -> None:
@@ -114,13 +115,20 @@ def generate_settings(overrides: dict[str, Any], recipe: str | None) -> Resoluti
     return engine_settings(overrides, recipe, "generate", "the model to generate with", _aside)
 
 
-def generate(config: Config, options: GenerateOptions, stdin: TextIO, precision: str | None = None) -> int:
+def generate(
+    config: Config,
+    options: GenerateOptions,
+    stdin: TextIO,
+    precision: str | None = None,
+    layout: Layout | None = None,
+) -> int:
     """Open the --load checkpoint's engine on this process's ranks and generate (controller) or follow (others);
-    in the checkpoint's precision unless `precision` (--bf16, --fp16, --fp32) says."""
+    in the checkpoint's precision unless `precision` (--bf16, --fp16, --fp32) says. `layout`: the one validation
+    worked out (`open_engine`)."""
     owned = not dist.is_initialized()
     initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
-        engine = open_engine(config, log=_aside, precision=precision)
+        engine = open_engine(config, log=_aside, precision=precision, layout=layout)
         if not engine.is_controller:
             engine.follow()
             return 0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from paratron.errors import UserError
 
 if TYPE_CHECKING:  # (the schema itself is imported when a command launches)
+    from paratron.config.layout import Layout
     from paratron.config.schema import Config
 
 CPP_LOG_LEVEL, USER_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL", "PARATRON_USER_CPP_LOG_LEVEL"
@@ -28,11 +29,12 @@ def quiet_launcher_logs() -> None:
 
 def check_and_launch(
     config: Config, argv: list[str], origins: dict[str, str] | None = None
-) -> tuple[int | None, Config]:
+) -> tuple[int | None, Config, Layout]:
     """Validate the settings and the input files before any worker starts; with --nproc N (and not
     started by torchrun) run `paratron ARGV` under torchrun and return its exit code, else None:
     this process is a worker and goes on, with the settings returned (fitted to this machine's
-    GPUs). `origins`: where settings came from (`Resolution.origins`), for the error line."""
+    GPUs) and the run's layout validation worked out for them, which the worker passes down.
+    `origins`: where settings came from (`Resolution.origins`), for the error line."""
     from paratron.config.loading import explain_origins  # (start-up speed, docs/architecture.md: cli imports this)
     from paratron.distributed.init import computing_device_type, env_world_size, fit_to_devices, launched_by_torchrun
     from paratron.distributed.launch import needs_agent, run_under_torchrun, slurm_settings
@@ -46,12 +48,12 @@ def check_and_launch(
     p = config.parallel
     try:
         world_size = env_world_size() if torchrun else p.nproc_per_node * p.nnodes
-        check_before_launch(config, world_size, computing_device_type(p.distributed_backend))
+        layout = check_before_launch(config, world_size, computing_device_type(p.distributed_backend))
     except UserError as exc:  # say which settings a recipe, a preset or the checkpoint gave
         raise type(exc)(explain_origins(str(exc), origins or {}, resolved, config)) from None
     if needs_agent(p) and not torchrun:
         from paratron.checkpoint.lock import held_for_the_launch
 
         with held_for_the_launch(config.checkpoint.save if argv[0] == "train" else None, p):  # one writer
-            return run_under_torchrun(p, argv), config
-    return None, config
+            return run_under_torchrun(p, argv), config, layout
+    return None, config, layout

@@ -85,11 +85,11 @@ def run(argv: list[str]) -> int:
     )
 
     resolution = serve_settings(overrides, recipe)
-    launched, config = check_and_launch(resolution.config, ["serve", *argv], resolution.origins)
+    launched, config, layout = check_and_launch(resolution.config, ["serve", *argv], resolution.origins)
     if launched is not None:
         return launched
     log = functools.partial(print, flush=True)
     precision = config.training.precision if "precision" in overrides else None  # (else the checkpoint's)
     args = (namespace.host, namespace.port, namespace.api_key, namespace.served_model_name, log, precision)
-    run_server(config, *args)
+    run_server(config, *args, layout=layout)
     return 0

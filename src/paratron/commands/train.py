@@ -78,12 +78,12 @@ def run(argv: list[str]) -> int:
     if settings.config.planning.auto:
         argv, settings = _auto(settings.config, argv)
     config = settings.config
-    launched, config = check_and_launch(config, ["train", *argv], settings.origins)
+    launched, config, layout = check_and_launch(config, ["train", *argv], settings.origins)
     if launched is not None:
         return launched
     from paratron.training.run import run_training  # (start-up speed, docs/architecture.md: torch)
 
-    run_training(config)
+    run_training(config, layout)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Typed configuration: schema (frozen dataclasses), loading (YAML, CLI, Megatron names), the
-layout arithmetic, validation."""
+layout arithmetic (the parallel sizes, the batches, the pipeline plan), validation."""
 
-from paratron.config.layout import Layout, resolve_layout
+from paratron.config.dims import ParallelDims
+from paratron.config.layout import BatchPlan, Layout, resolve_layout
 from paratron.config.loading import build_config, config_from_dict, config_to_dict, override
 from paratron.config.schema import (
     CheckpointConfig,
@@ -34,5 +35,7 @@ __all__ = [
     "override",
     "validate",
     "Layout",
+    "BatchPlan",
+    "ParallelDims",
     "resolve_layout",
 ]

@@ -1,10 +1,12 @@
-"""The layout arithmetic of a run, in one place with no dependencies: how many data-parallel
-ranks there are, the global batch and the micro-batches each rank runs per step, and the
-pipeline plan (layers per stage, model chunks per rank, the schedule's name).
+"""The shape of a run, worked out once with no dependencies: the size of every parallel axis (a
+`config.dims.ParallelDims`, the one place data-parallel sizes are computed), the global batch and the
+micro-batches each rank runs per step (`BatchPlan`, one data-parallel rank's view), and the pipeline
+plan (layers per stage, model chunks per rank, the schedule's name).
 
 `resolve_layout(config, world_size)` is called by validation, which returns its result; the
-data loader, `parallelize` and the training loop read that `Layout` instead of working the
-numbers out again. Errors are ConfigErrors that name the setting to change.
+commands hand that `Layout` to the workers' entry (`training.run.run_training`, `run_evaluation`,
+`open_engine`), which pass it to the topology, the data loader, `parallelize` and the training loop
+instead of working the numbers out again. Errors are ConfigErrors that name the setting to change.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from paratron.config.dims import ParallelDims
 from paratron.config.fields import flag
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
@@ -35,30 +38,82 @@ class PipelinePlan:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How a run on `world_size` ranks is laid out."""
+class BatchPlan:
+    """One data-parallel rank's view of a step's batch: which samples it reads, in how many micro-batches.
+    Made by `Layout.batches` (a batch-size ramp gives the step's global batch)."""
 
-    world_size: int
-    tp: int
-    pp: int
+    global_batch_size: int
+    micro_batch_size: int
+    dp_size: int
+    dp_rank: int
+
+    @property
+    def num_micro_batches(self) -> int:
+        """A global batch is consumed as this many steps of micro_batch_size x dp samples."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    def sample_indices(self, consumed_samples: int) -> list[list[int]]:
+        """Global sample indices of this rank's micro-batches in the batch starting at `consumed_samples`."""
+        step = self.micro_batch_size * self.dp_size
+        out = []
+        for m in range(self.num_micro_batches):
+            first = consumed_samples + m * step + self.dp_rank * self.micro_batch_size
+            out.append(list(range(first, first + self.micro_batch_size)))
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is laid out: the sizes of every parallel axis (`dims`), the batches and the pipeline."""
+
+    dims: ParallelDims
     micro_batch_size: int
     global_batch_size: int
     pipeline: PipelinePlan
-    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
+    def etp(self) -> int:
+        """The experts' tensor-parallel size (the tensor-parallel size unless set)."""
+        return self.dims.expert_tp
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.cp * self.pp)
+        return self.dims.dp
+
+    @property
+    def edp(self) -> int:
+        return self.dims.edp
 
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches each data-parallel rank runs per step."""
-        return micro_batches_per_rank(self.global_batch_size, self.micro_batch_size, self.dp)
+        return self.batches(0).num_micro_batches
 
-
-def micro_batches_per_rank(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
-    """A global batch is consumed as this many steps of micro_batch_size x dp samples."""
-    return global_batch_size // (micro_batch_size * dp)
+    def batches(self, dp_rank: int, global_batch_size: int | None = None) -> BatchPlan:
+        """Data-parallel rank `dp_rank`'s view of a step of `global_batch_size` samples (the run's global
+        batch unless a batch-size ramp says otherwise)."""
+        size = self.global_batch_size if global_batch_size is None else global_batch_size
+        return BatchPlan(size, self.micro_batch_size, self.dp, dp_rank)
 
 
 def layer_counts(
@@ -146,16 +201,62 @@ def resolve_layout(config: Config, world_size: int) -> Layout:
             f"world size {world_size} is not divisible by {flag.tensor_model_parallel_size} {tp} x {context}"
             f"{flag.pipeline_model_parallel_size} {pp}; use a multiple of {tp * cp * pp} processes"
         )
-    dp = world_size // (tp * cp * pp)
-    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+    dense = ParallelDims(world_size, tp=tp, pp=pp, cp=cp)  # (the experts' grid is checked last, as validation does)
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dense.dp):
         raise ConfigError(
             f"{flag.global_batch_size} {t.global_batch_size} is not divisible by "
-            f"{flag.micro_batch_size} {t.micro_batch_size} x data-parallel size {dp}; use a multiple of "
-            f"{t.micro_batch_size * dp}"
+            f"{flag.micro_batch_size} {t.micro_batch_size} x data-parallel size {dense.dp}; use a multiple of "
+            f"{t.micro_batch_size * dense.dp}"
         )
-    global_batch = t.global_batch_size or t.micro_batch_size * dp
-    plan = _plan_pipeline(config, global_batch, micro_batches_per_rank(global_batch, t.micro_batch_size, dp))
-    return Layout(world_size, tp, pp, t.micro_batch_size, global_batch, plan, cp)
+    global_batch = t.global_batch_size or t.micro_batch_size * dense.dp
+    batches = Layout(dense, t.micro_batch_size, global_batch, PipelinePlan((), 1, None))  # (its plan is next)
+    plan = _plan_pipeline(config, global_batch, batches.num_micro_batches)
+    return Layout(_dims(config, world_size), t.micro_batch_size, global_batch, plan)
+
+
+def _dims(config: Config, world_size: int) -> ParallelDims:
+    """The sizes of every axis; an expert grid that does not fold over the ranks of a pipeline stage is
+    the ConfigError validation gives for it (`check_expert_grid`)."""
+    p = config.parallel
+    try:
+        return ParallelDims.from_config(world_size, p)
+    except ValueError:
+        stage = world_size // p.pipeline_model_parallel_size
+        check_expert_grid(config, p.tensor_model_parallel_size, p.context_parallel_size, stage)
+        raise
+
+
+def check_expert_grid(config: Config, tp: int, cp: int, stage: int) -> None:
+    """The experts' grid (expert-TP x EP x expert-DP) folded over the `stage` = TP x CP x DP ranks of each
+    pipeline stage, as Megatron-Core lays it; a dense model asks for no expert parallelism."""
+    m, p = config.model, config.parallel
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    dp = stage // (tp * cp)
+    if ep < 1:
+        raise ConfigError(f"{flag.expert_model_parallel_size} {ep}: must be at least 1")
+    if etp is not None and stage % etp:
+        raise ConfigError(
+            f"{flag.expert_tensor_parallel_size} {etp} does not divide the {stage} ranks of a pipeline stage "
+            f"(TP {tp} x CP {cp} x DP {dp}); choose a divisor"
+        )
+    if not m.num_experts:  # (Megatron-LM accepts an expert tensor-parallel size for a dense model; it changes nothing)
+        if ep > 1:
+            raise ConfigError(
+                f"{flag.expert_model_parallel_size} needs a mixture-of-experts model: add {flag.num_experts}"
+            )
+        return
+    if m.num_experts % ep:
+        raise ConfigError(
+            f"{flag.num_experts} {m.num_experts} is not divisible by {flag.expert_model_parallel_size} {ep}; "
+            "choose an expert-parallel size that divides the number of experts"
+        )
+    expert_tp = tp if etp is None else etp
+    if stage % (ep * expert_tp):
+        raise ConfigError(
+            f"{flag.expert_model_parallel_size} {ep} x expert tensor-parallel size {expert_tp} = {ep * expert_tp} "
+            f"does not divide the {stage} ranks of a pipeline stage (TP {tp} x CP {cp} x DP "
+            f"{dp}), over which the experts' grid is laid; choose sizes whose product divides it"
+        )
 
 
 def _chunks(config: Config) -> tuple[int, str]:

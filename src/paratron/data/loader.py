@@ -26,33 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from paratron.config.layout import micro_batches_per_rank
+from paratron.config.layout import BatchPlan
 from paratron.config.schema import DataConfig, ModelConfig
 from paratron.data.datasets import SampleSource
 from paratron.data.vision import VisionSample
 from paratron.model.attention import ATTENTION_TYPES
 from paratron.model.batch import IGNORE_INDEX, Batch
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    global_batch_size: int
-    micro_batch_size: int
-    dp_size: int
-    dp_rank: int
-
-    @property
-    def num_micro_batches(self) -> int:
-        return micro_batches_per_rank(self.global_batch_size, self.micro_batch_size, self.dp_size)
-
-    def sample_indices(self, consumed_samples: int) -> list[list[int]]:
-        """Global sample indices of this rank's micro-batches in the batch starting at `consumed_samples`."""
-        step = self.micro_batch_size * self.dp_size
-        out = []
-        for m in range(self.num_micro_batches):
-            first = consumed_samples + m * step + self.dp_rank * self.micro_batch_size
-            out.append(list(range(first, first + self.micro_batch_size)))
-        return out
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from paratron.config.layout import BatchPlan, Layout
 from paratron.data.datasets import SampleSource
-from paratron.data.loader import BatchPlan, DocumentLayout, LoaderSource, collate
+from paratron.data.loader import DocumentLayout, LoaderSource, collate
 from paratron.data.tokenizer import AnyTokenizer, Tokenizer
 from paratron.model.batch import IGNORE_INDEX, Batch
 from paratron.storage import write_text_atomic
@@ -38,8 +39,8 @@ class BatchSource:
     """What the loader draws a run's global batches from, and how it lays them out."""
 
     samples: SampleSource
-    micro_batch_size: int
-    dp_size: int
+    layout: Layout
+    """The run's layout: its data-parallel ranks and micro-batch size."""
     global_batch_at: Callable[[int], int]
     """The global batch size of the step that starts after this many samples (--rampup-batch-size)."""
     documents: DocumentLayout = DocumentLayout()
@@ -73,7 +74,7 @@ def global_batch_rows(source: BatchSource, consumed: int) -> Iterator[tuple[int,
     """(global sample index, data-parallel rank, micro-batch, the collated micro-batch, row) of every sample of the
     global batch at `consumed`, in the loader's order."""
     size = source.global_batch_at(consumed)
-    plans = [BatchPlan(size, source.micro_batch_size, source.dp_size, rank) for rank in range(source.dp_size)]
+    plans = [source.layout.batches(rank, size) for rank in range(source.layout.dp)]
     per_rank = [_indices(source.samples, plan, consumed) for plan in plans]
     for micro in range(plans[0].num_micro_batches):
         for rank, indices in enumerate(per_rank):

@@ -29,14 +29,14 @@ from paratron.checkpoint.model_of import (
 from paratron.checkpoint.verify import CheckpointInfo, read_checkpoint
 from paratron.config.fields import flag
 from paratron.config.inference import InferenceConfig
-from paratron.config.layout import resolve_layout
+from paratron.config.layout import Layout, resolve_layout
 from paratron.config.loading import Resolution, override, resolve_settings
 from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import Config, ModelConfig
 from paratron.data.build import Log, cache_root
 from paratron.distributed import comm
 from paratron.distributed.init import collective_device
-from paratron.distributed.topology import Axis, ParallelDims, Topology
+from paratron.distributed.topology import Axis, Topology, worker_topology
 from paratron.errors import ConfigError
 from paratron.inference.engine import Engine
 from paratron.inference.kv_cache import PagedKVCache, bytes_per_token
@@ -72,12 +72,20 @@ def checkpoint_dtype(load: Path, info: CheckpointInfo) -> torch.dtype:
     return stored if stored != torch.float32 else PRECISION_DTYPES[info.config.training.precision]
 
 
-def engine_settings(overrides: dict[str, Any], recipe: str | None, command: str, purpose: str, log: Log) -> Resolution:
+def engine_settings(
+    overrides: dict[str, Any],
+    recipe: str | None,
+    command: str,
+    purpose: str,
+    log: Log,
+    first: Resolution | None = None,
+) -> Resolution:
     """The settings of a command that runs the engine (`paratron generate | serve | evaluate --tasks`) over the
     model of its --load checkpoint, as a one-step run on mock data for the layout's checks (the engine reads no
     samples). A Hugging Face folder is converted once into the cache and that copy is loaded. `purpose` says what
-    the checkpoint is for, in the line that asks for one."""
-    resolution = resolve_settings(overrides, recipe)
+    the checkpoint is for, in the line that asks for one. `first`: the flags' settings without the checkpoint,
+    when the command has resolved them already (`resolve_settings(overrides, recipe)`)."""
+    resolution = first if first is not None else resolve_settings(overrides, recipe)
     if not resolution.config.checkpoint.load:
         raise ConfigError(f"paratron {command} needs {flag.load} CKPT ({purpose})")
     load = Path(resolution.config.checkpoint.load).expanduser()
@@ -94,10 +102,12 @@ def engine_settings(overrides: dict[str, Any], recipe: str | None, command: str,
     return dataclasses.replace(resolution, config=config)
 
 
-def open_engine(config: Config, log: Log = print, precision: str | None = None) -> Engine:
+def open_engine(config: Config, log: Log = print, precision: str | None = None, layout: Layout | None = None) -> Engine:
     """The engine of `config.checkpoint.load` (a paratron or Megatron-LM checkpoint or a Hugging Face folder) at
     `config`'s tensor x pipeline layout over every rank of the process group (collective). The weights keep the
-    checkpoint's precision (`checkpoint_dtype`) unless `precision` (fp32, bf16, fp16: the user's flag) says."""
+    checkpoint's precision (`checkpoint_dtype`) unless `precision` (fp32, bf16, fp16: the user's flag) says.
+    `layout` is the one validation worked out for `config` (the commands pass it); without one it is worked
+    out here, once."""
     assert config.checkpoint.load is not None
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -116,9 +126,8 @@ def open_engine(config: Config, log: Log = print, precision: str | None = None) 
     if tokenizer is not None and model_config.vocab_size is None:
         model_config = dataclasses.replace(model_config, vocab_size=tokenizer.vocab_size)
     config = dataclasses.replace(config, model=model_config)
-    topology = Topology(ParallelDims.from_config(world, config.parallel), rank)
-    topology.create_groups()
-    layout = resolve_layout(config, world)
+    layout = layout or resolve_layout(config, world)
+    topology = worker_topology(layout, world, rank)
     device = collective_device()
     with torch.device("meta"):
         model = GPT(model_config)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import uvicorn
 from fastapi import FastAPI
 
+from paratron.config.layout import Layout
 from paratron.config.loading import Resolution
 from paratron.config.schema import Config
 from paratron.data.build import Log
@@ -98,9 +99,11 @@ def run_server(
     served_model_name: str | None = None,
     log: Log = print,
     precision: str | None = None,
+    layout: Layout | None = None,
 ) -> None:
     """Serve `config.checkpoint.load` at `config`'s layout (every rank of the job calls this) until terminated;
-    in the checkpoint's precision unless `precision` (fp32, bf16, fp16: the user's flag) says."""
+    in the checkpoint's precision unless `precision` (fp32, bf16, fp16: the user's flag) says. `layout`: the one
+    validation worked out (`open_engine`)."""
     owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     sock = None
@@ -112,7 +115,7 @@ def run_server(
             except ConfigError as exc:
                 failure = exc
         raise_any_failure(failure, "rank 0 could not listen; see its message")
-        engine = open_engine(config, log if ctx.is_main else (lambda *a, **k: None), precision)
+        engine = open_engine(config, log if ctx.is_main else (lambda *a, **k: None), precision, layout)
         if not engine.is_controller:
             signal.signal(signal.SIGTERM, _finish_quietly)  # (the controller ends the engine, and then this rank)
             engine.follow()

@@ -22,6 +22,7 @@ from lm_eval.utils import handle_non_serializable, make_table
 
 from paratron.config.fields import flag
 from paratron.config.inference import InferenceConfig
+from paratron.config.layout import Layout
 from paratron.config.schema import Config
 from paratron.distributed.init import initialize, shutdown
 from paratron.distributed.topology import Topology
@@ -186,16 +187,18 @@ def run_tasks(
     bootstrap_iters: int = 100_000,
     log_samples: bool = False,
     log: Callable[[str], None] = print,
+    layout: Layout | None = None,
 ) -> dict[str, Any] | None:
     """`paratron evaluate --tasks`: the --load checkpoint on the harness' tasks at config's layout (every rank of
     the model takes part). Prints the results table and writes `output` (JSON) on rank 0; returns the results there
-    (with each document's requests and answers under "samples" with `log_samples`), None elsewhere."""
+    (with each document's requests and answers under "samples" with `log_samples`), None elsewhere. `layout`: the
+    one validation worked out (`open_engine`)."""
     manager = task_manager(names, include_path, ("--tasks", "--include-path"))
     owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
         say = log if ctx.is_main else (lambda *a, **k: None)
-        engine = open_engine(config, log=say)
+        engine = open_engine(config, log=say, layout=layout)
         results = on_controller(
             engine, lambda: evaluate_engine(engine, names, manager, num_fewshot, limit, bootstrap_iters, log_samples)
         )

@@ -19,10 +19,12 @@ mixture of experts (`E`). A kind is an `nn.Module` subclass of `LayerKind` that 
                             what it saves for backward and the forward FLOPs it runs for one rank's share of a
                             micro-batch (`MicroBatchShare`), which the planner sums over the layers each pipeline
                             stage holds (`planning.activations`, `planning.operations`)
+    checkpoint_names        its weights' names, and the name of the norm in front of it, in Hugging Face checkpoints
+                            (Llama's convention) and Megatron-LM's (`CheckpointNames`)
 
 The tensor-parallel swap (`parallel.tensor.apply`), context parallelism, recomputation, compiled regions, the debug
-capture, the inference engine, the FLOPs count and the planner read these declarations; none of them names a kind's
-children.
+capture, the inference engine, the FLOPs count, the planner and the checkpoint converters read these declarations;
+none of them names a kind's children.
 docs/extending.md ("How to add a layer kind") walks through adding one.
 
 The model's stack of layers is a pattern (`--hybrid-layer-pattern`, read by `config.layer_pattern`): one symbol per
@@ -156,6 +158,37 @@ class KindWork:
     """Its tokens are dispatched to their experts and combined through all-to-alls (expert parallelism)."""
 
 
+# ---------------------------------------------------------------- names in other frameworks' checkpoints
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """Where a kind's weights live in Hugging Face and Megatron-LM checkpoints, below its layer (the converters put
+    the layer's own prefix in front). The Hugging Face names are Llama's convention, which every converted family
+    follows but GPT-2 (its own names throughout) and Mixtral (its experts'); `checkpoint.hf.families` states those
+    differences beside the families' rows."""
+
+    hf_module: str
+    """Its module in a Hugging Face layer (`self_attn`, `mlp`)."""
+    hf_norm: str
+    """The Hugging Face name of the norm in front of it (`input_layernorm`, `post_attention_layernorm`)."""
+    hf_weights: Mapping[str, str]
+    """Its tensors (below the kind; projection {p}, weight or bias {w}) -> theirs below `hf_module`."""
+    megatron_module: str
+    """Its module in a megatron-core layer (`self_attention`, `mlp`)."""
+    megatron_norm: str
+    """The megatron-core name of the norm in front of it as its own module (the local spec: `input_layernorm`)."""
+    megatron_fused_norm: str | None
+    """That norm under Transformer Engine's spec, fused into its first linear layer (`linear_qkv.layer_norm`, whose
+    tensors are `layer_norm_weight` and `layer_norm_bias`); None: it stays its own module."""
+    megatron_children: Mapping[str, str]
+    """Its children (or tensors) -> theirs below `megatron_module`, in megatron-core's registration order. Megatron
+    fuses an `in_proj` into one linear layer: an attention's q, k and v interleaved per query group (`linear_qkv`),
+    an MLP's [gate; up] (`linear_fc1`); `checkpoint.megatron.tensor_layout` fuses and splits them."""
+    hf_experts: tuple[str, ...] = ()
+    """One expert's (gate, up, down) weights below `hf_module` (expert {e}), which paratron stacks."""
+
+
 # ---------------------------------------------------------------- the interface
 
 
@@ -178,6 +211,8 @@ class LayerKind(nn.Module):
     decode_state: ClassVar[DecodeState] = DecodeState.NONE
     selective_recompute: ClassVar[tuple[str, ...]] = ()
     """Children that selective recomputation runs again in backward (their saved activations grow fastest)."""
+    checkpoint_names: ClassVar[CheckpointNames]
+    """Its names in Hugging Face and Megatron-LM checkpoints (every kind declares them)."""
 
     def tensor_parallel_plan(self) -> dict[str, Split]:
         """Child name -> how it splits over tensor-parallel ranks (children not named stay whole)."""

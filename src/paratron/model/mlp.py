@@ -16,7 +16,7 @@ from torch import nn
 from paratron.config.schema import ModelConfig
 from paratron.model.fused_linear import linears
 from paratron.model.fused_ops import FusibleOp
-from paratron.model.layer_kind import Column, KindWork, LayerKind, MicroBatchShare, Random, Row, Split
+from paratron.model.layer_kind import CheckpointNames, Column, KindWork, LayerKind, MicroBatchShare, Random, Row, Split
 from paratron.model.lora import LoRALinear
 
 
@@ -99,6 +99,17 @@ class MLP(LayerKind):
     `inner`, `bias` and `dropout` default to the config's (a shared expert sets its own)."""
 
     symbol, kind_name, slot = "-", "MLP", "mlp"
+
+    # (its names in checkpoints)
+    checkpoint_names = CheckpointNames(
+        hf_module="mlp",
+        hf_norm="post_attention_layernorm",
+        hf_weights={"in_proj.{p}.weight": "{p}_proj.weight", "out_proj.weight": "down_proj.weight"},
+        megatron_module="mlp",
+        megatron_norm="pre_mlp_layernorm",
+        megatron_fused_norm="linear_fc1.layer_norm",
+        megatron_children={"in_proj": "linear_fc1", "out_proj": "linear_fc2"},
+    )
 
     def __init__(
         self, config: ModelConfig, inner: int | None = None, bias: bool | None = None, dropout: float | None = None

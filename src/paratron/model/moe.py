@@ -27,8 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
-from paratron.model.layer_kind import ContextParallel, KindWork, LayerKind, MicroBatchShare
+from paratron.model.layer_kind import CheckpointNames, ContextParallel, KindWork, LayerKind, MicroBatchShare
 from paratron.model.mlp import MLP, activation_kind, ungated_activation
+
+_SHARED_EXPERT = MLP.checkpoint_names
+"""The shared expert is an MLP: its checkpoint names are an MLP's, below `shared_expert` (Hub), `shared_experts`
+(megatron-core)."""
 
 # ---------------------------------------------------------------- router
 
@@ -400,6 +404,27 @@ class MoELayer(LayerKind):
 
     symbol, kind_name, slot = "E", "mixture of experts", "mlp"
     context_parallel = ContextParallel.SEQUENCE_ROUTER
+
+    # (its names in checkpoints; the routed experts, stacked here, are stored one by one: on the Hub as `hf_experts`,
+    # in megatron-core as each expert's linear layers, not declared: paratron's Megatron-LM converters refuse experts)
+    checkpoint_names = CheckpointNames(
+        hf_module="mlp",
+        hf_norm="post_attention_layernorm",
+        hf_weights={
+            "router.weight": "gate.weight",
+            **{f"shared_expert.{ours}": f"shared_expert.{hub}" for ours, hub in _SHARED_EXPERT.hf_weights.items()},
+            "shared_expert_gate.weight": "shared_expert_gate.weight",
+        },
+        hf_experts=("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight", "experts.{e}.down_proj.weight"),
+        megatron_module="mlp",
+        megatron_norm="pre_mlp_layernorm",
+        megatron_fused_norm=None,
+        megatron_children={
+            "router": "router",
+            **{f"shared_expert.{ours}": f"shared_experts.{m}" for ours, m in _SHARED_EXPERT.megatron_children.items()},
+            "shared_expert_gate.weight": "shared_experts.gate_weight",
+        },
+    )
 
     @classmethod
     def matmul_weights(cls, config: ModelConfig) -> int:

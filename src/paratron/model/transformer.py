@@ -18,6 +18,7 @@ from paratron.config.schema import ModelConfig
 from paratron.model.attention import AttentionCore, TokenPlaces, make_pattern
 from paratron.model.fused_ops import FusibleOp
 from paratron.model.layer_kind import (
+    CheckpointNames,
     Column,
     ContextParallel,
     DecodeState,
@@ -116,6 +117,26 @@ class Attention(LayerKind):
     selective_recompute = ("core",)
     projections: tuple[str, ...] = ("q", "k", "v")
     """The input projections, in the order of their rows in the one matmul."""
+
+    # (its names in checkpoints)
+    checkpoint_names = CheckpointNames(
+        hf_module="self_attn",
+        hf_norm="input_layernorm",
+        hf_weights={
+            "in_proj.{p}.{w}": "{p}_proj.{w}",
+            "out_proj.weight": "o_proj.weight",
+            "{p}_norm.weight": "{p}_norm.weight",
+        },
+        megatron_module="self_attention",
+        megatron_norm="input_layernorm",
+        megatron_fused_norm="linear_qkv.layer_norm",
+        megatron_children={
+            "out_proj": "linear_proj",
+            "in_proj": "linear_qkv",
+            "q_norm": "q_layernorm",
+            "k_norm": "k_layernorm",
+        },
+    )
 
     def __init__(self, config: ModelConfig, layer_number: int = 1) -> None:
         super().__init__()

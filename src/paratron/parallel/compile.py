@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch import nn
 
 from paratron.distributed.rng import fork_outside

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from paratron.config.fields import flag
-from paratron.config.layout import Layout, resolve_layout
+from paratron.config.layout import Layout
 from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import Config, ModelConfig
 from paratron.distributed.init import synchronize
@@ -65,12 +65,9 @@ from paratron.parallel.tensor.fused_cross_entropy import output_vocab_start, voc
 from paratron.parallel.tensor.layers import TPContext, VocabParallelOutput, padded_vocab_size
 
 
-def parallelize(
-    model: GPT, config: Config, topology: Topology, device: torch.device, layout: Layout | None = None
-) -> ParallelModel:
+def parallelize(model: GPT, config: Config, topology: Topology, device: torch.device, layout: Layout) -> ParallelModel:
     """`model` is built on the meta device; returns this rank's part, materialized, with what
-    trains it. `layout` is the one validation returned (worked out from `config` if not given)."""
-    layout = layout or resolve_layout(config, topology.dims.world_size)
+    trains it. `layout` is the one validation returned (`config.layout.resolve_layout`), passed down."""
     t = config.training
     if (
         config.model.num_experts

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from paratron.config.layout import Layout
 from paratron.config.schema import Config
-from paratron.distributed.topology import ParallelDims
 from paratron.parallel.pipeline.timing import FlatSchedule, flatten, rank_times
 from paratron.planning.activations import WIDTHS, grad_width
 from paratron.planning.hardware import Hardware, all_gather_time, all_reduce_time, link, reduce_scatter_time
@@ -215,7 +214,7 @@ def _optimizer_time(
         return (read_write + (2 * state.optimizer_state if not state.master else 0)) / (hardware.memory_gbps * 1e9)
     p = config.parallel
     shard = layout.dp * layout.cp if p.zero_stage >= 1 else 1
-    expert_shard = ParallelDims.from_config(layout.world_size, p).edp if p.zero_stage >= 1 else 1
+    expert_shard = layout.edp if p.zero_stage >= 1 else 1
     elements = params[0] / shard + params[1] / expert_shard
     return elements * OPTIMIZER_BYTES_PER_PARAMETER / (hardware.memory_gbps * 1e9)
 

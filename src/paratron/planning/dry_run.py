@@ -29,7 +29,7 @@ from paratron.data.build import DEFAULT_BPE_VOCAB, MOCK_VOCAB
 from paratron.data.tokenizer import tokenizer_for
 from paratron.distributed.fake import fake_world
 from paratron.distributed.init import peak_memory_bytes
-from paratron.distributed.topology import ParallelDims, Topology
+from paratron.distributed.topology import Topology
 from paratron.errors import ConfigError
 from paratron.model.gpt import GPT
 from paratron.model.registry import count_parameters
@@ -84,8 +84,7 @@ def build_role(config: Config, layout: Layout, stage: int) -> tuple[dict[str, in
     """The training-state bytes per category of the first rank of pipeline stage `stage`, built
     through `parallelize` on the meta device in a fake world of `layout.world_size` ranks; also
     the elements it trains and its largest layer's (before ZeRO-3 sharding)."""
-    p = config.parallel
-    dims = ParallelDims.from_config(layout.world_size, p)
+    dims = layout.dims
     rank = dims.rank_of(pp=stage)
     with fake_world(layout.world_size, rank):
         topology = Topology(dims, rank)
@@ -169,7 +168,7 @@ def run_dry_run(config: Config) -> int:
     started = time.perf_counter()
     roles = dry_run(config, layout, kernels)
     elapsed = time.perf_counter() - started
-    dims = ParallelDims.from_config(world, config.parallel)
+    dims = layout.dims
     n_params = count_parameters(config.model)
     images = images_per_micro_batch(config, config.training.micro_batch_size) if config.model.has_vision else 0
     print(

@@ -236,7 +236,7 @@ def predict_memory(
     p = config.parallel
     local = local_parameters(config.model, layout.tp, p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     dp = layout.dp * layout.cp
-    edp = ParallelDims.from_config(world_size, p).edp
+    edp = layout.edp
     roles = []
     peaks = activations if activations is not None else activation_peaks(config, layout, kernels)
     for pp_rank, (parts, largest) in enumerate(_rank_parts(config, layout, local)):

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paratron.config.layout import Layout
+from paratron.config.layout import BatchPlan, Layout
 from paratron.config.samples import batch_schedule
 from paratron.config.schema import Config
 from paratron.data.build import DataBundle
-from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
+from paratron.data.loader import DocumentLayout, micro_batches
 from paratron.debugging.loss_spike import Spike
 from paratron.distributed.init import DistributedContext, release_unused_memory
 from paratron.distributed.launch import restart_count
@@ -75,7 +75,7 @@ class Trainer:
         """Told of every step and save; a loop that stops moving is reported (distributed/watchdog.py)."""
         self.progress: ProgressLog | None = None
         """--log-progress: told of every saved checkpoint."""
-        self.plan = BatchPlan(layout.global_batch_size, layout.micro_batch_size, layout.dp, topology.dp_rank)
+        self.plan = layout.batches(topology.dp_rank)
         self.schedule = LRSchedule.of(config, layout.global_batch_size)
         self.ramp = batch_schedule(t, layout.global_batch_size, d.seq_length)  # (a changing batch: None without)
         self.precision = Precision(t.precision, build_loss_scaler(t), ctx.device)
@@ -231,8 +231,7 @@ class Trainer:
         pipeline schedule is rebuilt for their count)."""
         if self.ramp is None:
             return self.plan
-        base = self.plan
-        plan = BatchPlan(self.ramp.batch_at(consumed_samples), base.micro_batch_size, base.dp_size, base.dp_rank)
+        plan = self.layout.batches(self.plan.dp_rank, self.ramp.batch_at(consumed_samples))
         pipeline = self.model.pipeline
         if pipeline is not None and pipeline.schedule.microbatches != plan.num_micro_batches:
             old = pipeline.schedule

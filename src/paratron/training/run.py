@@ -21,7 +21,7 @@ from paratron.checkpoint.load import load_model_weights
 from paratron.checkpoint.lock import SaveLock, held_by_the_launcher
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.checkpoint.verify import CheckpointInfo
-from paratron.config.layout import resolve_layout
+from paratron.config.layout import Layout, resolve_layout
 from paratron.config.loading import override
 from paratron.config.precision import PRECISION_DTYPES
 from paratron.config.schema import Config
@@ -39,7 +39,7 @@ from paratron.distributed.init import (
     shutdown,
 )
 from paratron.distributed.parent import expected_parent
-from paratron.distributed.topology import Axis, ParallelDims, Topology
+from paratron.distributed.topology import Axis, Topology, worker_topology
 from paratron.distributed.watchdog import Watchdog
 from paratron.errors import CheckpointError
 from paratron.inference.generate import generate
@@ -61,14 +61,17 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
-def run_training(config: Config) -> TrainState:
-    """Train as configured on this process's rank; returns the final state (all ranks). A process
-    group the caller started is used and left running; one started here is shut down."""
+def run_training(config: Config, layout: Layout | None = None) -> TrainState:
+    """Train as configured on this process's rank; returns the final state (all ranks). `layout` is the one
+    the settings' validation worked out for this world (`paratron train` passes it); without one (library
+    use) it is worked out here, once. A process group the caller started is used and left running; one
+    started here is shut down."""
     owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
+        layout = layout or resolve_layout(config, ctx.world_size)
         with _save_lock(config, ctx), deterministic_algorithms(config.training.deterministic_mode, ctx.device):
-            return _run(config, ctx)
+            return _run(config, ctx, layout)
     finally:
         if owned:
             shutdown()
@@ -96,17 +99,13 @@ def _save_lock(config: Config, ctx: DistributedContext) -> Iterator[None]:
             lock.release()
 
 
-def _run(config: Config, ctx: DistributedContext) -> TrainState:
+def _run(config: Config, ctx: DistributedContext, layout: Layout) -> TrainState:
     started = time.perf_counter()
     p = config.parallel
-    topology = Topology(
-        ParallelDims.from_config(ctx.world_size, p),
-        ctx.rank,
-    )
-    topology.create_groups()
+    topology = worker_topology(layout, ctx.world_size, ctx.rank)
     say = print if ctx.is_main else (lambda *a, **k: None)
     peak, peak_source = peak_flops(ctx.device, config.logging.peak_tflops, config.training.precision)
-    trainer, plan, n_params = _assemble(config, ctx, topology, peak, say)
+    trainer, plan, n_params = _assemble(config, ctx, topology, layout, peak, say)
     config = trainer.config  # (completed with the tokenizer's vocabulary)
     _describe(trainer, plan.checkpoint, n_params, peak_source, say)
     if config.logging.dump_batches and ctx.is_main:  # (the other ranks go on: the dump reads, it consumes nothing)
@@ -150,12 +149,16 @@ def _run(config: Config, ctx: DistributedContext) -> TrainState:
 
 
 def _assemble(
-    config: Config, ctx: DistributedContext, topology: Topology, peak: float, say: Callable[[str], None]
+    config: Config,
+    ctx: DistributedContext,
+    topology: Topology,
+    layout: Layout,
+    peak: float,
+    say: Callable[[str], None],
 ) -> tuple[Trainer, ResumePlan, int]:
     """Data, model, optimizer and trainer, going on where the resume plan says; also the plan and
     the single-device parameter count."""
     t = config.training
-    layout = resolve_layout(config, ctx.world_size)  # (the settings were validated before the workers started)
     plan = plan_resume(config, cache_root(config), ctx.local_rank, say)
     resume = plan.checkpoint
     saved_tokenizer = tokenizer_from_checkpoint(resume) if uses_saved_tokenizer(config, resume) else None
@@ -251,8 +254,7 @@ def _dump_batches(trainer: Trainer) -> Path:
     config, data, ramp = trainer.config, trainer.data, trainer.ramp
     source = BatchSource(
         data.train,
-        trainer.plan.micro_batch_size,
-        trainer.plan.dp_size,
+        trainer.layout,
         ramp.batch_at if ramp is not None else lambda _: trainer.global_batch_size,
         trainer.documents,
         data.tokenizer,

@@ -28,16 +28,16 @@ from paratron.checkpoint.load import load_model_weights
 from paratron.checkpoint.model_of import paratron_checkpoint
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.checkpoint.verify import read_checkpoint
-from paratron.config.layout import resolve_layout
+from paratron.config.layout import BatchPlan, Layout, resolve_layout
 from paratron.config.loading import override
 from paratron.config.schema import Config
 from paratron.data.build import cache_root, evaluation_sources
 from paratron.data.datasets import SampleSource
-from paratron.data.loader import BatchPlan, DocumentLayout, micro_batches
+from paratron.data.loader import DocumentLayout, micro_batches
 from paratron.data.sft.packing import SFTSample
 from paratron.distributed import comm
 from paratron.distributed.init import initialize, shutdown
-from paratron.distributed.topology import Axis, ParallelDims, Topology
+from paratron.distributed.topology import Axis, worker_topology
 from paratron.model.batch import IGNORE_INDEX, Batch
 from paratron.model.gpt import GPT
 from paratron.parallel.model import ParallelModel
@@ -140,9 +140,10 @@ def evaluate_tasks(
     return result
 
 
-def run_evaluation(config: Config, output: Path | None) -> dict[str, Any]:
+def run_evaluation(config: Config, output: Path | None, layout: Layout | None = None) -> dict[str, Any]:
     """Evaluate the --load checkpoint (its own model settings) on --data-path; print a line per
-    task on rank 0 and write `output` (JSON)."""
+    task on rank 0 and write `output` (JSON). `layout` is the one validation worked out (`paratron
+    evaluate` passes it, validated with the checkpoint's model); without one it is worked out here, once."""
     owned = not dist.is_initialized()
     ctx = initialize(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     try:
@@ -155,20 +156,15 @@ def run_evaluation(config: Config, output: Path | None) -> dict[str, Any]:
         config = dataclasses.replace(
             config, model=info.config.model, data=dataclasses.replace(config.data, **documents)
         )
-        p = config.parallel
-        topology = Topology(
-            ParallelDims.from_config(ctx.world_size, p),
-            ctx.rank,
-        )
-        topology.create_groups()
-        layout = resolve_layout(config, ctx.world_size)
+        layout = layout or resolve_layout(config, ctx.world_size)
+        topology = worker_topology(layout, ctx.world_size, ctx.rank)
         _, vocab, tasks = evaluation_sources(config, ctx.local_rank, say, tokenizer_from_checkpoint(info))
         config = override(config, vocab_size=max(vocab, config.model.vocab_size or 0))
         with torch.device("meta"):
             meta = GPT(config.model)
         model = parallelize(meta, config, topology, ctx.device, layout)
         load_model_weights(info, model.module, whole=topology.size(Axis.PP) == 1)
-        plan = BatchPlan(layout.global_batch_size, layout.micro_batch_size, layout.dp, topology.dp_rank)
+        plan = layout.batches(topology.dp_rank)
         result = evaluate_tasks(model, tasks, plan, config.data.seq_length, ctx.device)
         for name, task in [*result["tasks"].items(), ("(overall)", result)]:
             say(f"{name}: loss {task['loss']:.6f} | perplexity {task['perplexity']:.3f} | {task['tokens']:,} tokens")

@@ -5,6 +5,10 @@ layers, with its sliding window), Qwen2 (biases on the query, key and value proj
 norm on each head's queries and keys), GPT-2 (learned positions, LayerNorm, tanh GELU, fused QKV
 stored as Conv1D, i.e. transposed), the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE, and the
 vision-language LLaVA (a CLIP or SigLIP vision tower and a projector before a Llama, Mistral or Qwen2; `llava`).
+
+The names of a Transformer block's layers come from its layer kinds (`LayerKind.checkpoint_names`: attention, MLP,
+mixture of experts); the tables here add only where a family's Hub names differ from theirs (GPT-2's, Mixtral's
+experts, LLaVA's `language_model.` prefix and its vision tower's CLIP names).
 """
 
 from __future__ import annotations
@@ -13,42 +17,53 @@ import re
 
 from paratron.checkpoint.hf import layer_settings, llava
 from paratron.checkpoint.hf.family import Family
+from paratron.model.layer_kind import LayerKind
+from paratron.model.mlp import MLP
+from paratron.model.moe import MoELayer
+from paratron.model.transformer import Attention, TransformerBlock
 
-# paratron name -> Hugging Face name, per family (layer index as {i})
-_LLAMA_NAMES = {
+# paratron name -> Hugging Face name, per family (layer index as {i}). A Transformer block's layers take their names
+# from its kinds' declarations (`LayerKind.checkpoint_names`, Llama's convention); a family whose Hub names differ
+# says how here.
+_BLOCK_NORMS = {slot: norm for norm, slot in TransformerBlock.residual_slots}
+"""Each kind's slot in a Transformer block -> the attribute of the norm in front of it."""
+_TOP_LEVEL = {
     "embedding.weight": "model.embed_tokens.weight",
     "final_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.attention.in_proj.{p}.{w}": "model.layers.{i}.self_attn.{p}_proj.{w}",
-    "layers.{i}.attention.out_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.attention.{p}_norm.weight": "model.layers.{i}.self_attn.{p}_norm.weight",
-    "layers.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.mlp.in_proj.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",
-    "layers.{i}.mlp.out_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
-_MIXTRAL_NAMES = {
-    **{k: v for k, v in _LLAMA_NAMES.items() if ".mlp." not in k},
-    "layers.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+
+
+def _layer_names(
+    kind: type[LayerKind], module: str | None = None, weights: dict[str, str] | None = None
+) -> dict[str, str]:
+    """paratron name -> Hub name of a block's sublayer of `kind` and the norm in front of it, as the kind declares
+    them; `module` and `weights` stand for the kind's Hub module and tensors where a family names them otherwise."""
+    names = kind.checkpoint_names
+    ours, hub = f"layers.{{i}}.{kind.slot}.", f"model.layers.{{i}}.{module or names.hf_module}."
+    table = {f"layers.{{i}}.{_BLOCK_NORMS[kind.slot]}.weight": f"model.layers.{{i}}.{names.hf_norm}.weight"}
+    return table | {ours + weight: hub + theirs for weight, theirs in (weights or names.hf_weights).items()}
+
+
+def _expert_names(module: str, experts: tuple[str, ...]) -> tuple[str, str, str]:
+    """The Hub names of one expert's (gate, up, down) weights (layer {i}, expert {e}) below `module`."""
+    gate, up, down = (f"model.layers.{{i}}.{module}.{weight}" for weight in experts)
+    return gate, up, down
+
+
+_MOE = MoELayer.checkpoint_names
+_LLAMA_NAMES = {**_TOP_LEVEL, **_layer_names(Attention), **_layer_names(MLP)}
+_MIXTRAL_NAMES = {  # (its experts under `block_sparse_moe`, its router the `gate`, no shared expert)
+    **_TOP_LEVEL,
+    **_layer_names(Attention),
+    **_layer_names(MoELayer, module="block_sparse_moe", weights={"router.weight": "gate.weight"}),
 }
-_MIXTRAL_EXPERT = (
-    "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
-    "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
-    "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+_MIXTRAL_EXPERT = _expert_names(
+    "block_sparse_moe", ("experts.{e}.w1.weight", "experts.{e}.w3.weight", "experts.{e}.w2.weight")
 )
-_QWEN_MOE_NAMES = {
-    **_LLAMA_NAMES,
-    "layers.{i}.mlp.router.weight": "model.layers.{i}.mlp.gate.weight",
-    "layers.{i}.mlp.shared_expert.in_proj.{p}.weight": "model.layers.{i}.mlp.shared_expert.{p}_proj.weight",
-    "layers.{i}.mlp.shared_expert.out_proj.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
-    "layers.{i}.mlp.shared_expert_gate.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
-}
-_QWEN_MOE_EXPERT = (
-    "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-    "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
-    "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
-)
-_GPT2_NAMES = {
+_QWEN_MOE_NAMES = {**_LLAMA_NAMES, **_layer_names(MoELayer)}  # (its dense layers' MLPs, and the experts)
+_QWEN_MOE_EXPERT = _expert_names(_MOE.hf_module, _MOE.hf_experts)
+_GPT2_NAMES = {  # (GPT-2 names every layer its own way; its q, k and v are one fused tensor: `Family.fused_qkv`)
     "embedding.weight": "transformer.wte.weight",
     "position_embedding.weight": "transformer.wpe.weight",
     "final_norm.{w}": "transformer.ln_f.{w}",

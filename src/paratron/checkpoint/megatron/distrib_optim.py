@@ -31,10 +31,11 @@ import torch
 
 from paratron.checkpoint.megatron.legacy import chunk_keys, chunk_parameters, legacy_files, merge_legacy
 from paratron.checkpoint.megatron.locate import MegatronCheckpoint, legacy_pp, rank_file
-from paratron.checkpoint.megatron.tensor_layout import LAYER, merge_tp, to_paratron, tp_dim
+from paratron.checkpoint.megatron.tensor_layout import LAYER, MODULE_ORDER, merge_tp, to_paratron, tp_dim
 from paratron.checkpoint.megatron.torch_dist import dist_chunk_bounds, dist_shapes, dist_tensors
 from paratron.checkpoint.megatron.unpickle import safe_load
 from paratron.config.schema import ModelConfig
+from paratron.model.transformer import Attention
 
 DISTRIB_OPTIM = "distrib_optim.pt"
 _STATES = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -198,9 +199,10 @@ _BUCKET_KEY = re.compile(
 )
 _TOP_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
               "decoder.final_layernorm.", "output_layer.")  # fmt: skip
-_LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
-                "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
-                "mlp.linear_fc1.", "mlp.linear_fc2.")  # fmt: skip
+_LAYER_ORDER = tuple(f"{module}." for module in MODULE_ORDER)
+_ATTENTION = Attention.checkpoint_names
+_FUSED_ATTENTION_NORM = f"{_ATTENTION.megatron_module}.{_ATTENTION.megatron_fused_norm}_"
+"""Transformer Engine's spelling of the attention's norm (`self_attention.linear_qkv.layer_norm_`)."""
 _PARAM_ORDER = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
 
 
@@ -213,8 +215,8 @@ def _order(name: str, local_spec: bool) -> tuple[int, ...] | None:
     if top is None or (layer is None) != (top != 2):
         return None
     rest = layer.group(2) if layer else name
-    if local_spec and rest.startswith("self_attention.linear_qkv.layer_norm_"):
-        rest = "input_layernorm." + rest.rsplit(".", 1)[1]
+    if local_spec and rest.startswith(_FUSED_ATTENTION_NORM):
+        rest = f"{_ATTENTION.megatron_norm}." + rest.rsplit(".", 1)[1]
     module = next((i for i, p in enumerate(_LAYER_ORDER) if rest.startswith(p)), None) if layer else 0
     leaf = rest.rsplit(".", 1)[-1]
     if module is None or leaf not in _PARAM_ORDER:

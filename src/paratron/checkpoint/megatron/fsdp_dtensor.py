@@ -16,10 +16,12 @@ import torch
 
 from paratron.checkpoint.megatron.unpickle import dcp_reader, safe_load_bytes
 from paratron.errors import CheckpointError
+from paratron.model.mlp import MLP
 
 FSDP_DTENSOR = "fsdp_dtensor"
 _MODEL = re.compile(r"^model\.(?:module\.)*(.+)$")
-_SWIGLU = re.compile(r"^(.+\.linear_fc1\.(?:weight|bias))_(w|v)$")
+_SWIGLU = re.compile(rf"^(.+\.{re.escape(MLP.checkpoint_names.megatron_children['in_proj'])}\.(?:weight|bias))_(w|v)$")
+"""A SwiGLU MLP's input projection, stored as its gate (`_w`) and up (`_v`) halves."""
 _OBJECTS = ("args", "iteration", "checkpoint_version")
 
 

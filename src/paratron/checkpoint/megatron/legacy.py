@@ -17,7 +17,15 @@ from paratron.checkpoint.converted import Converted, ConvertOptions
 from paratron.checkpoint.files import TRACKER
 from paratron.checkpoint.megatron.locate import MEGATRON_FILE, MegatronCheckpoint, legacy_pp, rank_file
 from paratron.checkpoint.megatron.settings import megatron_args, padded_vocab
-from paratron.checkpoint.megatron.tensor_layout import LAYER, Shapes, from_paratron, merge_tp, split_tp, to_paratron
+from paratron.checkpoint.megatron.tensor_layout import (
+    LAYER,
+    LINEAR_MODULES,
+    Shapes,
+    from_paratron,
+    merge_tp,
+    split_tp,
+    to_paratron,
+)
 from paratron.checkpoint.megatron.unpickle import safe_load
 from paratron.config.schema import ModelConfig
 from paratron.data.tokenizer import export_tokenizer
@@ -237,7 +245,7 @@ def _stage(whole: dict[str, torch.Tensor], m: ModelConfig, stage: int, pp: int, 
         for name, tensor in whole.items():
             if name.startswith(prefix):
                 out[f"decoder.layers.{local}." + name[len(prefix) :]] = tensor
-        for linear in ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2"):
+        for linear in LINEAR_MODULES:
             out[f"decoder.layers.{local}.{linear}._extra_state"] = None
     if last:
         out.update({k: v for k, v in whole.items() if k.startswith("decoder.final_layernorm.")})

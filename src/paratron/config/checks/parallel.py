@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from paratron.config.fields import flag
-from paratron.config.layout import Layout
+from paratron.config.layout import Layout, check_expert_grid
 from paratron.config.schema import Config
 from paratron.errors import ConfigError
 
@@ -39,36 +39,13 @@ def check_tensor_parallel(config: Config, layout: Layout) -> None:
 
 
 def check_expert_parallel(config: Config, layout: Layout) -> None:
-    """Expert parallelism: the experts' grid (expert-TP x EP x expert-DP) folded over each pipeline
-    stage's TP x CP x DP ranks, as Megatron-Core lays it; experts that split evenly over it."""
-    m, p = config.model, config.parallel
-    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
-    stage = layout.tp * layout.cp * layout.dp
-    if ep < 1:
-        raise ConfigError(f"{flag.expert_model_parallel_size} {ep}: must be at least 1")
-    if etp is not None and stage % etp:
-        raise ConfigError(
-            f"{flag.expert_tensor_parallel_size} {etp} does not divide the {stage} ranks of a pipeline stage "
-            f"(TP {layout.tp} x CP {layout.cp} x DP {layout.dp}); choose a divisor"
-        )
-    if not m.num_experts:  # (Megatron-LM accepts an expert tensor-parallel size for a dense model; it changes nothing)
-        if ep > 1:
-            raise ConfigError(
-                f"{flag.expert_model_parallel_size} needs a mixture-of-experts model: add {flag.num_experts}"
-            )
+    """Expert parallelism: the experts' grid folded over each pipeline stage's ranks (`check_expert_grid`,
+    which `resolve_layout` runs too when the grid does not fold); experts that split evenly over it."""
+    m = config.model
+    check_expert_grid(config, layout.tp, layout.cp, layout.tp * layout.cp * layout.dp)
+    if not m.num_experts:
         return
-    if m.num_experts % ep:
-        raise ConfigError(
-            f"{flag.num_experts} {m.num_experts} is not divisible by {flag.expert_model_parallel_size} {ep}; "
-            "choose an expert-parallel size that divides the number of experts"
-        )
-    expert_tp = layout.tp if etp is None else etp
-    if stage % (ep * expert_tp):
-        raise ConfigError(
-            f"{flag.expert_model_parallel_size} {ep} x expert tensor-parallel size {expert_tp} = {ep * expert_tp} "
-            f"does not divide the {stage} ranks of a pipeline stage (TP {layout.tp} x CP {layout.cp} x DP "
-            f"{layout.dp}), over which the experts' grid is laid; choose sizes whose product divides it"
-        )
+    expert_tp = layout.etp
     ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
     if ffn % expert_tp:
         raise ConfigError(

@@ -20,19 +20,30 @@ shards a tensor of the same shape the same way.
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
 from paratron.model.moe import Experts, MoELayer
 from paratron.parallel.sharding import Index, bounded, copy_info, full_shape, place
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# FSDP2 and DTensor are imported where a model is sharded (start-up speed: docs/architecture.md). Until then no
+# tensor or module can be theirs, which is how the checks below answer without importing them.
+_FSDP, _DTENSOR = "torch.distributed.fsdp", "torch.distributed.tensor"
+
+
+def _is_fsdp_unit(module: nn.Module) -> bool:
+    fsdp = sys.modules.get(_FSDP)
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def shard_fully(
@@ -50,6 +61,8 @@ def shard_fully(
     that type for compute and reduces gradients in `reduce_dtype` (fp32, or bf16 under --grad-reduce-in-bf16),
     then keeps each rank's gradient shard in fp32 beside its fp32 weight shard. `expert_group`: the
     experts' expert-data-parallel group, when it is not `group` (each block's experts a unit over it)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # (start-up speed: docs/architecture.md)
+
     root = model if root is None else root
     # (a model on the meta device, as --dry-run builds, keeps its shards there; the mesh needs a real device type)
     meshes = _Meshes("cpu" if device.type == "meta" else device.type)
@@ -92,6 +105,8 @@ class _Meshes:
             if self.alone is None:
                 self.alone, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
             process_group = self.alone
+        from torch.distributed.device_mesh import DeviceMesh  # (start-up speed: docs/architecture.md)
+
         return DeviceMesh.from_group(process_group, self.device_type)
 
 
@@ -100,8 +115,8 @@ def reshard(module: nn.Module) -> None:
     root unit keeps its gathered ones after a forward, expecting the backward, and those are not
     the parameters the optimizer and checkpoints hold. No-op without FSDP2."""
     for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
+        if _is_fsdp_unit(unit):
+            unit.reshard()  # type: ignore[operator]
 
 
 def gather_for_use(unit: nn.Module) -> None:
@@ -110,20 +125,21 @@ def gather_for_use(unit: nn.Module) -> None:
     gradients on the gathered parameters, which the unit's post-backward reduce-scatters into its shards as for
     any gradient of its forward. No-op when they are gathered already (the root keeps them so after a forward) or
     without FSDP2."""
-    if isinstance(unit, FSDPModule):
-        unit.unshard()
+    if _is_fsdp_unit(unit):
+        unit.unshard()  # type: ignore[operator]
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is FSDP2's sharded form (a DTensor) of a parameter, gradient or state."""
-    return isinstance(tensor, DTensor)
+    dtensor = sys.modules.get(_DTENSOR)
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP2's sharded tensors), or the tensor itself; a one-tensor wrapper
     (torchao's fp8 weights under --fp8-param-gather) gives the plain tensor it wraps, whose storage is the
     parameter's."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
     while is_traceable_wrapper_subclass(local):
         inner, _ = local.__tensor_flatten__()
         if len(inner) != 1:
@@ -143,6 +159,9 @@ def fsdp_rows(param: torch.Tensor) -> tuple[int, int] | None:
     holds of an FSDP-sharded parameter; None when the parameter is not sharded."""
     if not is_sharded(param):
         return None
+    # (start-up speed: docs/architecture.md; loaded with the DTensor `param` is)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)  # type: ignore[attr-defined]
     if not shape:
         return 0, 0
