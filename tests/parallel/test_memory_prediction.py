@@ -1,6 +1,7 @@
 """Predicted memory against measured memory: for 18 layouts of a small model (world 1-8; tensor,
 sequence, pipeline (1f1b, interleaved, zb-h1, zb-v), data, context and expert parallelism; ZeRO 0-3;
-selective and full recomputation; dropout; the fused loss; fp32 and bf16), every rank's training state and activations
+selective and full recomputation; dropout; the fused loss; fp32 and bf16; and, in this process, a
+--hybrid-layer-pattern's sublayers and the gated attention), every rank's training state and activations
 saved for backward as `--log-memory` measures them after one real step, against what
 `paratron train --dry-run` predicts for that rank's pipeline stage (training state from the shards
 built on the meta device, activations from `planning/activations.py`). Asserted within 5%.
@@ -114,6 +115,14 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 }
 WORLDS = sorted({world for world, _ in LAYOUTS.values()})
 
+KIND_LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "pattern moe bf16": (1, dict(MOE, **BF16, hybrid_layer_pattern="*E*-")),
+    "pattern gated attention fp32": (1, dict(LLAMA, hybrid_layer_pattern="*-*-", attention_output_gate=True)),
+    "gpt gated attention bf16": (1, dict(BF16, attention_output_gate=True)),
+}
+"""Layer kinds priced from their own declarations: a --hybrid-layer-pattern's sublayers, the gated attention (one
+process each: in this process)."""
+
 
 def measure(names: list[str], root: str) -> dict[str, list[dict[str, Any]]]:
     """On each rank: train one step of each layout with --log-memory; rank 0 returns memory.json's ranks."""
@@ -122,7 +131,7 @@ def measure(names: list[str], root: str) -> dict[str, list[dict[str, Any]]]:
     reports = {}
     for name in names:
         run_dir = Path(root) / name.replace(" ", "_")
-        run_training(build_config(dict(BASE, run_dir=str(run_dir), **LAYOUTS[name][1])))
+        run_training(build_config(dict(BASE, run_dir=str(run_dir), **(LAYOUTS | KIND_LAYOUTS)[name][1])))
         path = run_dir / "memory.json"
         if path.exists():
             reports[name] = json.loads(path.read_text())["ranks"]
@@ -148,12 +157,20 @@ def test_there_are_enough_layouts():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_predicted_memory_is_within_5_percent_of_measured(measured, name):
-    world, settings = LAYOUTS[name]
+    _assert_predicted(name, measured[name])
+
+
+@pytest.mark.parametrize("name", list(KIND_LAYOUTS))
+def test_layer_kinds_are_predicted_within_5_percent_of_measured(tmp_path, name):
+    _assert_predicted(name, measure([name], str(tmp_path))[name])
+
+
+def _assert_predicted(name: str, ranks: list[dict[str, Any]]) -> None:
+    world, settings = (LAYOUTS | KIND_LAYOUTS)[name]
     config = with_vocabulary(build_config(dict(BASE, **settings)))
     layout = validate(config, world)
     roles = dry_run(config, layout, CPU)
     dims = ParallelDims(world, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=config.parallel.expert_model_parallel_size)
-    ranks = measured[name]
     assert len(ranks) == world
     for rank, report in enumerate(ranks):
         predicted = roles[dims.coordinates(rank)["pp"]]

@@ -154,6 +154,10 @@ def test_validation_names_what_the_pattern_contradicts(tmp_path):
     for message, settings in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             checked(tmp_path, **settings)
+    zero_bubble_v = dict(TINY, mock_data=True, seq_length=16, run_dir=str(tmp_path), global_batch_size=8)
+    zero_bubble_v |= dict(hybrid_layer_pattern="*-|*-", pipeline_model_parallel_size=2, pipeline_schedule="zb-v")
+    with pytest.raises(ConfigError, match=re.escape("has 2 pipeline stages ('|' between them) but the run has 4")):
+        validate(build_config(zero_bubble_v), 2)  # (zb-v runs two chunks per rank)
 
 
 def test_the_engine_keeps_keys_only_where_a_layer_attends_and_equals_the_forward():
@@ -191,10 +195,12 @@ def test_hugging_face_export_refuses_layers_its_families_lack(setting):
         hf_config(ModelConfig(num_layers=2, **TINY, **setting), "llama")
 
 
-def test_the_planner_says_it_does_not_price_a_pattern_yet():
-    config = ModelConfig(hybrid_layer_pattern="*-*-", **TINY)
-    with pytest.raises(ConfigError, match="the planner prices Transformer blocks; a --hybrid-layer-pattern model"):
-        local_parameters(config, 1, 1, None)
+def test_the_planner_counts_a_patterns_sublayers_as_the_blocks_they_spell():
+    pattern = local_parameters(ModelConfig(hybrid_layer_pattern="*-*E", num_experts=4, **TINY), 1, 1, None).layers
+    blocks = local_parameters(ModelConfig(num_layers=2, **TINY), 1, 1, None).layers
+    assert set(pattern) == {(Attention,), (MLP,), (MoELayer,)}
+    assert pattern[(Attention,)] + pattern[(MLP,)] == blocks[(Attention, MLP)]
+    assert pattern[(MoELayer,)].experts > 0 == pattern[(MLP,)].experts
 
 
 def test_megatron_checkpoints_refuse_layer_patterns_both_ways():

@@ -15,12 +15,16 @@ mixture of experts (`E`). A kind is an `nn.Module` subclass of `LayerKind` that 
     matmul_weights(), attention_width()
                             the weights one token's matmuls go through and the width of its attention scores, for
                             model FLOPs and MFU (`training.flops`)
+    activation_bytes(), forward_work()
+                            what it saves for backward and the forward FLOPs it runs for one rank's share of a
+                            micro-batch (`MicroBatchShare`), which the planner sums over the layers each pipeline
+                            stage holds (`planning.activations`, `planning.operations`)
     checkpoint_names        its weights' names, and the name of the norm in front of it, in Hugging Face checkpoints
                             (Llama's convention) and Megatron-LM's (`CheckpointNames`)
 
 The tensor-parallel swap (`parallel.tensor.apply`), context parallelism, recomputation, compiled regions, the debug
-capture, the inference engine, the FLOPs count and the checkpoint converters read these declarations; none of them
-names a kind's children.
+capture, the inference engine, the FLOPs count, the planner and the checkpoint converters read these declarations;
+none of them names a kind's children.
 docs/extending.md ("How to add a layer kind") walks through adding one.
 
 The model's stack of layers is a pattern (`--hybrid-layer-pattern`, read by `config.layer_pattern`): one symbol per
@@ -96,6 +100,64 @@ class DecodeState(enum.Enum):
     """The keys and values of every position so far; the engine swaps its `core` for paged attention."""
 
 
+# ---------------------------------------------------------------- what the planner prices a kind against
+
+
+@dataclass(frozen=True)
+class MicroBatchShare:
+    """One rank's share of a micro-batch, as the planner sees it: the kinds price their saved activations and their
+    forward work against it (`LayerKind.activation_bytes`, `LayerKind.forward_work`). The planner builds it from the
+    layout and the device's kernels; the model only reads it."""
+
+    tokens: float
+    """Micro-batch x sequence / CP: the tokens this rank's layers see."""
+    seq: int
+    """Sequence / CP."""
+    keys: int
+    """Keys a query attends to (the s x s terms of attention that keeps its probabilities)."""
+    computed_keys: float
+    """Keys per query the attention kernels compute (causal masking skips the upper triangle): the scores' work."""
+    width: int
+    """Bytes per element of the compute type."""
+    tp: int
+    expert_tp: int
+    sp: bool
+    """Sequence parallelism: the replicated parts (a layer's input and output) are split by sequence over TP."""
+    cp: int
+    cp_gather: bool
+    """Context parallelism by all-gather: every rank keeps every rank's keys and values."""
+    mask_bytes: int | None = None
+    """Bytes per element of a dropout mask (None: those of the compute type, as on the CPU)."""
+    flash_with_dropout: bool = False
+    """Attention with dropout still runs a fused kernel (nothing of size s x s kept)."""
+
+    @property
+    def sharded_tokens(self) -> float:
+        """Tokens of the replicated parts (norms, layer inputs and outputs): / TP under sequence parallelism."""
+        return self.tokens / self.tp if self.sp else self.tokens
+
+    @property
+    def mask(self) -> int:
+        """Bytes per element of a dropout mask."""
+        return self.mask_bytes or self.width
+
+    def output_dropout(self, config: ModelConfig) -> float:
+        """The mask of the dropout on a kind's output (--hidden-dropout), over the layer's replicated tokens."""
+        return self.mask * config.hidden_size * self.sharded_tokens if config.hidden_dropout > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class KindWork:
+    """A kind's forward FLOPs for one rank's share of a micro-batch (the planner prices backward from them)."""
+
+    linear: float
+    """Matmuls with weights (backward: twice as much, half of it for the weights)."""
+    scores: float = 0.0
+    """Attention scores and their product with the values, over the keys each query computes."""
+    all_to_all: bool = False
+    """Its tokens are dispatched to their experts and combined through all-to-alls (expert parallelism)."""
+
+
 # ---------------------------------------------------------------- names in other frameworks' checkpoints
 
 
@@ -169,3 +231,16 @@ class LayerKind(nn.Module):
     def attention_width(cls, config: ModelConfig) -> int:
         """Heads x head width of the attention scores it computes per token (0: none)."""
         return 0
+
+    # ------------------------------------------------------------ the planner's terms
+
+    @classmethod
+    def activation_bytes(cls, config: ModelConfig, share: MicroBatchShare, selective: bool) -> float:
+        """Bytes it saves for backward over one rank's share of a micro-batch, its norm aside (the residual layer's,
+        which the planner prices); `selective`: under --recompute-granularity selective. Every kind declares it."""
+        raise NotImplementedError(f"{cls.__name__} declares no activation_bytes: the planner cannot price it")
+
+    @classmethod
+    def forward_work(cls, config: ModelConfig, share: MicroBatchShare) -> KindWork:
+        """Its forward FLOPs over one rank's share of a micro-batch. Every kind declares it."""
+        raise NotImplementedError(f"{cls.__name__} declares no forward_work: the planner cannot price it")

@@ -16,7 +16,7 @@ from torch import nn
 from paratron.config.schema import ModelConfig
 from paratron.model.fused_linear import linears
 from paratron.model.fused_ops import FusibleOp
-from paratron.model.layer_kind import CheckpointNames, Column, LayerKind, Random, Row, Split
+from paratron.model.layer_kind import CheckpointNames, Column, KindWork, LayerKind, MicroBatchShare, Random, Row, Split
 from paratron.model.lora import LoRALinear
 
 
@@ -132,6 +132,23 @@ class MLP(LayerKind):
     def matmul_weights(cls, config: ModelConfig) -> int:
         projections = 3 if config.activation == "swiglu" else 2
         return projections * config.hidden_size * config.ffn_hidden_size
+
+    # ------------------------------------------------------------ the planner's terms
+
+    @classmethod
+    def activation_bytes(cls, config: ModelConfig, share: MicroBatchShare, selective: bool) -> float:
+        """Per token, over this rank's f = MLP width / TP: SwiGLU keeps gate, up, silu(gate) and their product
+        (4·w·f), quick GELU its input, sigmoid and output (3·w·f), GELU and squared ReLU their input and output
+        (2·w·f). Plus the output dropout's mask."""
+        kept = {"swiglu": 4, "quick_gelu": 3}.get(config.activation, 2)  # (quick GELU keeps its sigmoid too)
+        f = config.ffn_hidden_size // share.tp
+        return kept * share.width * f * share.tokens + share.output_dropout(config)
+
+    @classmethod
+    def forward_work(cls, config: ModelConfig, share: MicroBatchShare) -> KindWork:
+        """Its up (and gate) and down projections, / TP."""
+        projections = 3 if config.activation == "swiglu" else 2
+        return KindWork(2 * share.tokens * projections * config.hidden_size * config.ffn_hidden_size / share.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
-from paratron.model.layer_kind import CheckpointNames, ContextParallel, LayerKind
+from paratron.model.layer_kind import CheckpointNames, ContextParallel, KindWork, LayerKind, MicroBatchShare
 from paratron.model.mlp import MLP, activation_kind, ungated_activation
 
 _SHARED_EXPERT = MLP.checkpoint_names
@@ -434,6 +434,34 @@ class MoELayer(LayerKind):
         shared = projections * h * (config.moe_shared_expert_intermediate_size or 0)
         experts = config.num_experts or 0
         return experts * h + config.moe_router_topk * expert + shared + h * config.moe_shared_expert_gate
+
+    # ------------------------------------------------------------ the planner's terms
+
+    @classmethod
+    def activation_bytes(cls, config: ModelConfig, share: MicroBatchShare, selective: bool) -> float:
+        """Per token: the router's scores over E experts, and for each of the k routed copies its dispatched input,
+        output and bookkeeping, and the expert's gate and up (one tensor), activation, weighted activation (5 w f);
+        the shared expert's SwiGLU (4 w f); plus the output dropout's mask. Fitted to the meter on the CPU (dropless
+        routing: exact; under expert parallelism each rank's experts see n k copies on average, so a rank's figure
+        moves with the routing's balance)."""
+        w, h, etp = share.width, config.hidden_size, share.expert_tp
+        f = (config.moe_ffn_hidden_size or config.ffn_hidden_size) // etp
+        experts = config.num_experts or 0
+        router = (4 if w == 4 else 6) * experts + (0 if w == 4 else w * h)
+        per_copy = w * h + 4 * h + 32 + 5 * w * f
+        shared = 4 * w * (config.moe_shared_expert_intermediate_size or 0) // share.tp * share.tokens
+        routed = share.tokens * etp / share.tp  # (with whole experts each TP rank routes its share of the tokens)
+        return (router + config.moe_router_topk * per_copy) * routed + shared + share.output_dropout(config)
+
+    @classmethod
+    def forward_work(cls, config: ModelConfig, share: MicroBatchShare) -> KindWork:
+        """The router, each token's top-k experts (/ expert TP) and the shared expert (/ TP); its tokens travel to
+        their experts and back through all-to-alls."""
+        h, tokens, projections = config.hidden_size, share.tokens, 3 if config.activation == "swiglu" else 2
+        ffn = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        routed = 2 * tokens * projections * h * ffn * config.moe_router_topk / share.expert_tp
+        shared = 2 * tokens * projections * h * (config.moe_shared_expert_intermediate_size or 0) / share.tp
+        return KindWork(routed + shared + 2 * tokens * h * (config.num_experts or 0), all_to_all=True)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -22,7 +22,9 @@ from paratron.model.layer_kind import (
     Column,
     ContextParallel,
     DecodeState,
+    KindWork,
     LayerKind,
+    MicroBatchShare,
     PartialGradient,
     Random,
     Row,
@@ -214,6 +216,37 @@ class Attention(LayerKind):
         """The attention output [B, T, heads x head width] before the output projection (as it is, here)."""
         return y
 
+    # ------------------------------------------------------------ the planner's terms
+
+    @classmethod
+    def activation_bytes(cls, config: ModelConfig, share: MicroBatchShare, selective: bool) -> float:
+        """Per token (a, g: this rank's query and key/value heads, d: head width, w: bytes of the compute type):
+        queries w·a·d, keys and values 2·w·g·d (every CP rank's under the all-gather), the output w·a·d, the
+        log-sum-exp 4a (the fused kernels keep nothing of size s²; selective recomputation drops it); under CP the
+        output's copy laid out for the projection; the reference kernel with attention dropout (the CPU) its fp32
+        probabilities, their mask and the dropped ones. Plus the output dropout's mask."""
+        w, d = share.width, config.kv_channels
+        a, g = config.num_attention_heads // share.tp, max(config.num_query_groups // share.tp, 1)
+        keys_values = 2 * w * g * d * (share.cp if share.cp_gather else 1)
+        per_token = w * a * d + keys_values + w * a * d  # queries, keys and values, output
+        if not selective:
+            per_token += 4 * a  # log-sum-exp
+        if share.cp > 1:
+            per_token += w * a * d  # the output laid out for the projection
+        if config.attention_dropout > 0 and not share.flash_with_dropout and not selective:
+            per_token += 12 * a * share.keys + (4 - w) * (a + 2 * g) * d
+        return per_token * share.tokens + share.output_dropout(config)
+
+    @classmethod
+    def forward_work(cls, config: ModelConfig, share: MicroBatchShare) -> KindWork:
+        """The query and output projections (/ TP), the key/value ones (replicated when fewer heads than ranks), and
+        the scores and their product with the values over the keys each query computes."""
+        h, heads, head_dim, tp = config.hidden_size, config.num_attention_heads, config.kv_channels, share.tp
+        kv_per_rank = max(config.num_query_groups / tp, 1)  # replicated when fewer than TP ranks
+        linear = 2 * share.tokens * h * head_dim * (2 * heads / tp + 2 * kv_per_rank)
+        scores = 4 * share.tokens * share.computed_keys * heads * head_dim / tp
+        return KindWork(linear, scores)
+
 
 class GatedAttention(Attention):
     """Attention whose output is gated per feature by a sigmoid of the layer's input (--attention-output-gate;
@@ -234,6 +267,26 @@ class GatedAttention(Attention):
     def gated(self, y: torch.Tensor, extra: list[torch.Tensor]) -> torch.Tensor:
         (gate,) = extra
         return y * torch.sigmoid(gate)
+
+    # ------------------------------------------------------------ the planner's terms
+
+    @classmethod
+    def activation_bytes(cls, config: ModelConfig, share: MicroBatchShare, selective: bool) -> float:
+        """Attention's, and per token the gate's sigmoid and the gated output the projection keeps (2·w·a·d); where
+        the projections' one output is kept whole (no rotary tables, or query/key norms over its views), the gate's
+        rows of it too (w·a·d)."""
+        a, d = config.num_attention_heads // share.tp, config.kv_channels
+        copies = 2 if config.position_embedding_type == "rope" and not config.qk_layernorm else 3
+        gate = copies * share.width * a * d * share.tokens
+        return super().activation_bytes(config, share, selective) + gate
+
+    @classmethod
+    def forward_work(cls, config: ModelConfig, share: MicroBatchShare) -> KindWork:
+        """Attention's, and the gate's projection (heads x head width rows, / TP as the queries)."""
+        work = super().forward_work(config, share)
+        heads = config.num_attention_heads
+        gate = 2 * share.tokens * config.hidden_size * config.kv_channels * heads / share.tp
+        return KindWork(work.linear + gate, work.scores, work.all_to_all)
 
 
 def attention_kind(config: ModelConfig) -> type[Attention]:

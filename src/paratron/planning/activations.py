@@ -2,10 +2,12 @@
 
 The count follows the tensors autograd saves, each storage once, as `--log-memory`'s meter
 (`training/memory_report.py`) sees them; docs/memory.md derives each term and docs/planning.md gives
-the measured error. Per token of a micro-batch on this rank (n = micro-batch x sequence / CP
-tokens; w = bytes of the compute type; t = TP; a, g = query and key/value heads of this rank,
-d = head width, f = MLP width / t; a norm's tokens and the layer input are / t under sequence
-parallelism):
+the measured error. A layer is priced from its kinds (`planning.layers`): each kind declares what it saves for one
+rank's share of a micro-batch (`LayerKind.activation_bytes`: attention, gated attention, the MLP, the mixture of
+experts, each with its output dropout's mask), and each residual sublayer adds its norm here (a Transformer block
+two, a --hybrid-layer-pattern layer one). Per token of a micro-batch on this rank (n = micro-batch x sequence / CP
+tokens; w = bytes of the compute type; t = TP; a, g = query and key/value heads of this rank, d = head width,
+f = MLP width / t; a norm's tokens and the layer input are / t under sequence parallelism):
 
     norm           RMSNorm: 4h fp32 input + 4h normalized + 4 rstd + wh output where the
                    kernel is composite (CPU); wh + 4 + wh where it is fused. LayerNorm: wh
@@ -14,7 +16,9 @@ parallelism):
                    fused kernels keep nothing of size s²); CP ring: + the output's copy w·a·d;
                    CP all-gather: every rank's keys and values (2·w·g·d·CP) instead of its own;
                    CPU with attention dropout (the reference kernel): + 12·a·keys for the
-                   probabilities, their mask and the dropped ones in fp32
+                   probabilities, their mask and the dropped ones in fp32; an output gate: + its sigmoid
+                   and the gated output 2·w·a·d (+ its rows of the projections' output, w·a·d, where that
+                   is kept whole)
     MLP            SwiGLU: gate, up, silu(gate), their product, 4·w·f; GELU: its input and output, 2·w·f
     dropout        a mask per dropout (w bytes per element on the CPU, 1 on CUDA)
 
@@ -34,19 +38,21 @@ walking its schedule, adding a chunk's bytes at each forward and releasing them 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from paratron.config.layout import Layout
 from paratron.config.schema import Config, ModelConfig
 from paratron.model.fused_loss import chunk_tokens
+from paratron.model.layer_kind import MicroBatchShare
+from paratron.model.mlp import MLP
+from paratron.model.transformer import attention_kind
 from paratron.model.vision import encoder_layer_config
 from paratron.parallel.pipeline.schedules import stage_of
 from paratron.parallel.tensor.layers import padded_vocab_size
+from paratron.planning.layers import WIDTHS, LayerKinds, computed_keys, distinct_layers, model_layer_kinds
 from paratron.planning.live import schedule_peak
 from paratron.planning.vision import images_per_micro_batch
 from paratron.training.flops import attended_keys
-
-WIDTHS = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes per element of each --precision's compute type."""
 
 
 def grad_width(config: Config) -> int:
@@ -118,6 +124,24 @@ class _Shape:
     def mask(self) -> int:
         return self.kernels.mask_bytes or self.w
 
+    @cached_property
+    def share(self) -> MicroBatchShare:
+        """The same share as the layer kinds price against (`LayerKind.activation_bytes`)."""
+        return MicroBatchShare(
+            tokens=self.tokens,
+            seq=self.seq,
+            keys=self.keys,
+            computed_keys=computed_keys(self.model, self.seq * self.cp),
+            width=self.w,
+            tp=self.tp,
+            expert_tp=self.expert_tp,
+            sp=self.sp,
+            cp=self.cp,
+            cp_gather=self.cp_gather,
+            mask_bytes=self.kernels.mask_bytes,
+            flash_with_dropout=self.kernels.flash_with_dropout,
+        )
+
 
 def _norm(shape: _Shape) -> float:
     h, w = shape.h, shape.w
@@ -129,51 +153,26 @@ def _norm(shape: _Shape) -> float:
     return per_token * shape.sharded_tokens
 
 
-def _attention(shape: _Shape, selective: bool) -> float:
-    m, w, d = shape.model, shape.w, shape.head_dim
-    a, g = shape.heads, shape.groups
-    keys_values = 2 * w * g * d * (shape.cp if shape.cp_gather else 1)
-    per_token = w * a * d + keys_values + w * a * d  # queries, keys and values, output
-    if not selective:
-        per_token += 4 * a  # log-sum-exp
-    if shape.cp > 1:
-        per_token += w * a * d  # the output laid out for the projection
-    if m.attention_dropout > 0 and not shape.kernels.flash_with_dropout and not selective:
-        per_token += 12 * a * shape.keys + (4 - w) * (a + 2 * g) * d
-    dropout = shape.mask * shape.h * shape.sharded_tokens if m.hidden_dropout > 0 else 0.0
-    return per_token * shape.tokens + dropout
+def layer_bytes(shape: _Shape, kinds: LayerKinds, selective: bool) -> float:
+    """One layer's saved activations for one micro-batch: a norm per residual sublayer and what each of its kinds
+    declares (`LayerKind.activation_bytes`)."""
+    total = len(kinds) * _norm(shape)
+    for kind in kinds:
+        total += kind.activation_bytes(shape.model, shape.share, selective)
+    return total
 
 
-def _mlp(shape: _Shape, moe: bool = False) -> float:
-    m = shape.model
-    kept = {"swiglu": 4, "quick_gelu": 3}.get(m.activation, 2)  # (quick GELU keeps its sigmoid too)
-    dropout = shape.mask * shape.h * shape.sharded_tokens if m.hidden_dropout > 0 else 0.0
-    if not moe:
-        f = m.ffn_hidden_size // shape.tp
-        return kept * shape.w * f * shape.tokens + dropout
-    return _experts(shape) + dropout
-
-
-def _experts(shape: _Shape) -> float:
-    """An MoE layer's MLP, per token: the router's scores over E experts, and for each of the k
-    routed copies its dispatched input, output and bookkeeping, and the expert's gate and up
-    (one tensor), activation, weighted activation (5 w f). Fitted to the meter on the CPU
-    (dropless routing: exact; under expert parallelism each rank's experts see n k copies on
-    average, so a rank's figure moves with the routing's balance)."""
-    m, w, h = shape.model, shape.w, shape.h
-    etp = shape.expert_tp
-    f = (m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp
-    experts = m.num_experts or 0
-    router = (4 if w == 4 else 6) * experts + (0 if w == 4 else w * h)
-    per_copy = w * h + 4 * h + 32 + 5 * w * f
-    shared = 4 * w * (m.moe_shared_expert_intermediate_size or 0) // shape.tp * shape.tokens
-    routed = shape.tokens * etp / shape.tp  # (with whole experts each TP rank routes its share of the tokens)
-    return (router + m.moe_router_topk * per_copy) * routed + shared
-
-
-def layer_bytes(shape: _Shape, selective: bool, moe: bool = False) -> float:
-    """One transformer layer's saved activations for one micro-batch."""
-    return 2 * _norm(shape) + _attention(shape, selective) + _mlp(shape, moe)
+def _recomputed_layer(config: Config, shape: _Shape) -> LayerKinds:
+    """The layer full recomputation's group is priced by: one with experts where the model has them (what a rank's
+    experts see moves with the routing), else the largest."""
+    layers = distinct_layers(config.model)
+    return max(
+        layers,
+        key=lambda kinds: (
+            any(kind.forward_work(config.model, shape.share).all_to_all for kind in kinds),
+            layer_bytes(shape, kinds, False),
+        ),
+    )
 
 
 def _first_stage_bytes(shape: _Shape) -> float:
@@ -240,11 +239,11 @@ def _stack_bytes(config: Config, shape: _Shape, full: list[float]) -> tuple[floa
 
 def chunk_bytes(config: Config, layout: Layout, shape: _Shape, stage: int) -> float:
     """One micro-batch's saved activations on model stage `stage` (all of the model without PP)."""
-    t, moe = config.training, config.model.moe_layer_pattern
+    t, kinds = config.training, model_layer_kinds(config.model)
     indices = layout.pipeline.ranges[stage]
     selective = t.recompute_granularity == "selective"
-    kinds = {kind: layer_bytes(shape, selective, kind) for kind in {moe[i] for i in indices}}  # (each kind once)
-    full = [kinds[moe[i]] for i in indices]
+    priced = {layer: layer_bytes(shape, layer, selective) for layer in {kinds[i] for i in indices}}  # (each once)
+    full = [priced[kinds[i]] for i in indices]
     kept, recomputed = _stack_bytes(config, shape, full)
     if recomputed < len(indices):  # (inside recomputed layers the rotary tables are not kept)
         kept += _rotary_bytes(shape)
@@ -293,7 +292,8 @@ def vision_bytes(config: Config, layout: Layout, kernels: Kernels) -> float:
     if not m.encoder_trains:
         return projector + placed
     selective = config.training.recompute_granularity == "selective"
-    layers, _ = _stack_bytes(config, shape, [layer_bytes(shape, selective)] * m.vision_run_layers)
+    block = (attention_kind(shape.model), MLP)  # (the encoder's layers are Transformer blocks)
+    layers, _ = _stack_bytes(config, shape, [layer_bytes(shape, block, selective)] * m.vision_run_layers)
     pixels = w * images * 3 * m.img_h * m.img_w
     statistic = 4 if kernels.fp32_norm_statistics else w
     pre_norm = (w * shape.h + 2 * statistic) * shape.tokens if m.class_token else 0.0
@@ -316,11 +316,11 @@ def activation_peaks(config: Config, layout: Layout, kernels: Kernels) -> list[i
     shape = shape_of(config, layout, kernels)
     if layout.pp == 1:
         return [round(chunk_bytes(config, layout, shape, 0))]
-    moe, last = config.model.moe_layer_pattern, layout.pp * layout.pipeline.chunks - 1
+    kinds, last = model_layer_kinds(config.model), layout.pp * layout.pipeline.chunks - 1
     sized: dict[tuple, float] = {}
     sizes = []
     for stage, indices in enumerate(layout.pipeline.ranges):
-        kind = (tuple(moe[i] for i in indices), stage == 0, stage == last)
+        kind = (kinds[indices.start : indices.stop], stage == 0, stage == last)
         if kind not in sized:
             sized[kind] = chunk_bytes(config, layout, shape, stage)
         sizes.append(sized[kind])
@@ -364,7 +364,7 @@ def buffer_bytes(
     if zero == 3 and layout.dp > 1:
         total += (2 * w + g) * layer_elements
     if t.recompute_granularity == "full":
-        total += (t.recompute_num_layers or 1) * layer_bytes(shape, False, any(config.model.moe_layer_pattern))
+        total += (t.recompute_num_layers or 1) * layer_bytes(shape, _recomputed_layer(config, shape), False)
     return round(total)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from paratron.config.layout import layer_counts
 from paratron.config.schema import Config
-from paratron.planning.operations import layer_work
+from paratron.planning.layers import layer_works, model_layer_kinds, work_share
 from paratron.planning.vision import images_per_micro_batch, vision_work
 
 MAX_MICRO_BATCH = 16
@@ -94,6 +94,10 @@ def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
     the layers, the interleaved (of short chunks) and ZB-V ones again with the embedding and the loss counted
     as layers where those make the cut even."""
     layers, pp = config.model.num_layers, shape.pp
+    pattern = config.model.layer_pattern
+    if pattern is not None and len(pattern.stage_sizes) > 1:
+        yield from _pattern_pipelines(shape, len(pattern.stage_sizes))
+        return
     if pp == 1:
         yield shape
         return
@@ -118,11 +122,30 @@ def _pipelines(config: Config, shape: Shape) -> Iterator[Shape]:
         yield dataclasses.replace(shape, schedule="zb-v", chunks=2, ends_counted=True)
 
 
+def _pattern_pipelines(shape: Shape, stages: int) -> Iterator[Shape]:
+    """The pipeline arrangements of a --hybrid-layer-pattern whose '|' places the stages: those with as many model
+    stages (PP x chunks), each holding the pattern's."""
+    if shape.pp == stages:
+        for schedule in ("1f1b", "zb-h1"):
+            yield dataclasses.replace(shape, schedule=schedule)
+    if shape.pp == 1:  # (virtual stages need pipeline parallelism)
+        return
+    if stages % shape.pp == 0 and stages > shape.pp:
+        yield dataclasses.replace(shape, schedule="interleaved", chunks=stages // shape.pp)
+    if stages == 2 * shape.pp:
+        yield dataclasses.replace(shape, schedule="zb-v", chunks=2)
+
+
 def _layer_forward(config: Config, tp: int, cp: int) -> float:
-    """A language-model layer's forward work for one sample (dense and MoE layers in their proportion)."""
-    dense, moe = layer_work(config, tp, cp, 1)
-    share = sum(config.model.moe_layer_pattern) / config.model.num_layers
-    return (1 - share) * (dense.linear + dense.scores) + share * (moe.linear + moe.scores)
+    """A language-model layer's forward work for one sample, averaged over the model's layers (each distinct layer
+    in its share of them; the first takes what the others leave, so that the shares sum to one)."""
+    model, share = config.model, work_share(config, tp, cp, 1)
+    kinds = model_layer_kinds(model)
+    works = layer_works(model, share)
+    layers = list(works)
+    shares = [kinds.count(layer) / model.num_layers for layer in layers[1:]]
+    shares.insert(0, 1 - sum(shares))
+    return sum(part * (works[layer].linear + works[layer].scores) for part, layer in zip(shares, layers, strict=True))
 
 
 def output_ratio(config: Config, tp: int, cp: int) -> float:

@@ -3,7 +3,8 @@
 `paratron train --dry-run` builds every rank role for real (`planning/dry_run.py`); the planner
 cannot afford that for each of thousands of candidates, so `predict_memory` builds the model
 once per tensor- x expert-parallel size, on the meta device through the real `parallelize`
-(one layer of each kind, the embeddings and the head), counts what one rank holds of each part,
+(one layer of each kind: each distinct Transformer block, or each symbol of a --hybrid-layer-pattern once;
+the embeddings and the head), counts what one rank holds of each part,
 and prices the training state of each pipeline rank from those counts with ZeRO's arithmetic:
 
     stage 0    weights w P, gradients g P, masters 4 P (none in fp32), Adam 8 P
@@ -31,7 +32,6 @@ from paratron.config.layout import Layout, resolve_layout
 from paratron.config.schema import Config, ModelConfig, ParallelConfig
 from paratron.distributed.fake import fake_world
 from paratron.distributed.topology import ParallelDims, Topology
-from paratron.errors import ConfigError
 from paratron.model.gpt import GPT
 from paratron.parallel.parallelize import parallelize
 from paratron.parallel.sharding import is_expert
@@ -43,6 +43,7 @@ from paratron.planning.activations import (
     grad_width,
     rank_model_stages,
 )
+from paratron.planning.layers import LayerKinds, StageKinds, model_layer_kinds, stage_kinds
 
 CATEGORIES = ("parameters", "gradients", "master", "optimizer_state", "activations", "buffers")
 
@@ -101,8 +102,8 @@ class Parts:
 class LocalParameters:
     """What one rank holds of each part of the model at a tensor- and expert-parallel size."""
 
-    dense_layer: Parts
-    moe_layer: Parts
+    layers: dict[LayerKinds, Parts]
+    """Each distinct layer's (by its kinds: a Transformer block, a pattern's sublayer)."""
     embedding: Parts  # token and learned position embeddings
     head: Parts  # final norm, and the output layer when it is not the embedding
     output_copy: Parts  # the tied output layer a last pipeline stage holds of its own
@@ -110,12 +111,10 @@ class LocalParameters:
 
 
 def _counting_model(model: ModelConfig) -> ModelConfig:
-    """The model with one layer of each kind it has (and its whole vision encoder: its layers are few)."""
-    if model.hybrid_layer_pattern:  # (its layers are single sublayers, which the activation terms do not price)
-        raise ConfigError(
-            "the planner prices Transformer blocks; a --hybrid-layer-pattern model is not priced yet: give its "
-            "layout yourself (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...)"
-        )
+    """The model with one layer of each kind it has (and its whole vision encoder: its layers are few): a pattern's
+    symbols once each, or one Transformer block of each kind."""
+    if model.layer_pattern is not None:
+        return replace(model, hybrid_layer_pattern="".join(dict.fromkeys(model.layer_pattern.symbols)))
     kinds = sorted(set(model.moe_layer_pattern))
     if len(kinds) == 2:
         return replace(model, num_layers=2, moe_layer_freq="[0,1]")
@@ -148,14 +147,12 @@ def local_parameters(model: ModelConfig, tp: int, ep: int, etp: int | None) -> L
                 else (Parts(experts=param.numel()) if is_expert(param) else Parts(dense=param.numel()))
             )
             parts[key] = parts.get(key, Parts()) + one
-    moe = counting.model.moe_layer_pattern
-    layers = {is_moe: parts[f"layers.{i}"] for i, is_moe in enumerate(moe)}
+    layers = {kinds: parts[f"layers.{i}"] for i, kinds in enumerate(model_layer_kinds(counting.model))}
     tied = not model.untie_embeddings_and_output_weights
     embedding = parts["embedding"] + parts.get("position_embedding", Parts())
     head = parts["final_norm"] + (Parts() if tied else parts["output"])
     return LocalParameters(
-        dense_layer=layers.get(False, Parts()),
-        moe_layer=layers.get(True, Parts()),
+        layers=layers,
         embedding=embedding,
         head=head,
         output_copy=parts["embedding"] if tied else Parts(),
@@ -165,18 +162,17 @@ def local_parameters(model: ModelConfig, tp: int, ep: int, etp: int | None) -> L
 
 def _rank_parts(config: Config, layout: Layout, local: LocalParameters) -> list[tuple[Parts, int]]:
     """Per pipeline rank, the elements it holds and its largest layer's (each kind of model stage counted once)."""
-    moe, last = config.model.moe_layer_pattern, layout.pp * layout.pipeline.chunks - 1
-    counted: dict[tuple[int, int, bool, bool], tuple[Parts, int]] = {}
+    last = layout.pp * layout.pipeline.chunks - 1
+    counted: dict[tuple[StageKinds, bool, bool], tuple[Parts, int]] = {}
     stages = []
-    for stage, indices in enumerate(layout.pipeline.ranges):
-        experts = sum(1 for i in indices if moe[i])
-        kind = (len(indices) - experts, experts, stage == 0, stage == last)
+    for stage, held in enumerate(stage_kinds(config.model, tuple(layout.pipeline.counts))):
+        kind = (held, stage == 0, stage == last)
         if kind not in counted:
             counted[kind] = _stage_parts(layout, local, *kind)
         stages.append(counted[kind])
-    held = [[0] if layout.pp == 1 else rank_model_stages(layout, r) for r in range(layout.pp)]
+    held_stages = [[0] if layout.pp == 1 else rank_model_stages(layout, r) for r in range(layout.pp)]
     out = []
-    for mine in held:
+    for mine in held_stages:
         total, largest = Parts(), 0
         for stage in mine:
             total, largest = total + stages[stage][0], max(largest, stages[stage][1])
@@ -185,13 +181,13 @@ def _rank_parts(config: Config, layout: Layout, local: LocalParameters) -> list[
 
 
 def _stage_parts(
-    layout: Layout, local: LocalParameters, dense: int, experts: int, first: bool, last: bool
+    layout: Layout, local: LocalParameters, held: StageKinds, first: bool, last: bool
 ) -> tuple[Parts, int]:
-    """Elements a model stage of `dense` and `experts` (MoE) layers holds, and its largest layer's."""
+    """Elements a model stage holding `held` layers holds, and its largest layer's."""
     total, largest = Parts(), 0
-    for layer, count in ((local.dense_layer, dense), (local.moe_layer, experts)):
-        if count:
-            total, largest = total + layer * count, max(largest, layer.trained + layer.frozen)
+    for kinds, count in held:
+        layer = local.layers[kinds]
+        total, largest = total + layer * count, max(largest, layer.trained + layer.frozen)
     if first:
         total = total + local.embedding + local.vision
     if last:

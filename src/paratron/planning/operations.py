@@ -5,19 +5,20 @@ Kept apart from `cost`, which runs these per-stage times through the pipeline sc
 what follows it (the data-parallel tail, the optimizer step); this module is the per-layer
 arithmetic of FLOPs and message bytes.
 
-Each operation costs its compute (FLOPs at `Hardware.flops`: matmuls / TP, attention scores over
-the keys each query computes / (TP x CP), the output layer and loss on the last stage;
-recomputation repeats forward work in B; a vision model's encoder and projector on the first stage, forward only
-where the encoder is frozen) plus the communication it cannot hide:
+Each operation costs its compute (FLOPs at `Hardware.flops`, each layer's summed from what its kinds declare,
+`LayerKind.forward_work` through `planning.layers`: matmuls / TP, attention scores over the keys each query
+computes / (TP x CP); the output layer and loss on the last stage; recomputation repeats forward work in B; a vision
+model's encoder and projector on the first stage, forward only where the encoder is frozen) plus the communication
+it cannot hide:
 
-- tensor parallelism: two all-reduces of the micro-batch's activations per layer in forward and two
-  in backward; under sequence parallelism two all-gathers and two reduce-scatters in forward, and in
-  backward four all-gathers (the inputs are gathered again, as Megatron-LM does) and two
-  reduce-scatters; not overlapped (Megatron does not by default), so all of it counts;
-- context parallelism: the ring passes key/value blocks while the previous block's attention runs,
+- tensor parallelism: an all-reduce of the micro-batch's activations per residual sublayer (two per Transformer
+  block) in forward and one in backward; under sequence parallelism an all-gather and a reduce-scatter in forward,
+  and in backward two all-gathers (the inputs are gathered again, as Megatron-LM does) and a reduce-scatter; not
+  overlapped (Megatron does not by default), so all of it counts;
+- context parallelism: each attention's ring passes key/value blocks while the previous block's attention runs,
   so only max(0, ring - attention) counts (all of it where the hardware does not overlap
   communication with compute: the CPU);
-- expert parallelism: the dispatch and combine all-to-alls, all of it;
+- expert parallelism: each mixture of experts' dispatch and combine all-to-alls, all of it;
 - ZeRO-2: every micro-batch's gradients reduce-scattered behind its backward;
 - ZeRO-3 (FSDP2): parameter all-gathers in forward and backward, prefetched behind compute;
 - the pipeline's point-to-point message, charged to the operation that receives it.
@@ -48,9 +49,16 @@ from paratron.planning.hardware import (
     p2p_time,
     reduce_scatter_time,
 )
+from paratron.planning.layers import (
+    LayerKinds,
+    LayerWork,
+    StageKinds,
+    layer_works,
+    stage_kinds,
+    work_share,
+)
 from paratron.planning.memory_prediction import Parts, local_parameters
 from paratron.planning.vision import images_per_micro_batch, vision_work
-from paratron.training.flops import attended_keys
 
 PARTS = ("compute", "tensor_parallel", "context_parallel", "expert_parallel", "pipeline_p2p", "data_parallel")
 """What one micro-batch's operations spend their time on (the step adds the bubble and the optimizer)."""
@@ -63,59 +71,9 @@ the forward's two)."""
 # ---------------------------------------------------------------- work and parameters
 
 
-@dataclass(frozen=True)
-class LayerWork:
-    """Forward FLOPs of one layer for one micro-batch on one rank, by kind."""
-
-    linear: float
-    """Matmuls with weights (attention projections, MLP or experts): backward = 2x, half of it W."""
-    scores: float
-    """Attention scores and their product with values, over the keys each query computes."""
-    moe: bool
-    """An MoE layer (its dispatch and combine are all-to-alls)."""
-
-
-def computed_keys(model: ModelConfig, seq_length: int) -> float:
-    """Keys per query the attention kernels compute: of the attended keys, causal masking skips
-    the upper triangle (a query at position q sees min(q + 1, keys) of them)."""
-    keys = attended_keys(model, seq_length)
-    return keys * (1 - keys / (2 * seq_length)) + 0.5
-
-
-def layer_work(config: Config, tp: int, cp: int, micro_batch: int) -> tuple[LayerWork, LayerWork]:
-    """(dense layer, MoE layer) forward work on one rank: tokens b x s / CP, matrices / TP."""
-    m, seq = config.model, config.data.seq_length
-    h, heads = m.hidden_size, m.num_attention_heads
-    head_dim = m.kv_channels
-    kv_per_rank = max(m.num_query_groups / tp, 1)  # replicated when fewer than TP ranks
-    tokens = micro_batch * seq / cp
-    projections = 3 if m.activation == "swiglu" else 2
-    attention = 2 * tokens * h * head_dim * (2 * heads / tp + 2 * kv_per_rank)
-    scores = 4 * tokens * computed_keys(m, seq) * heads * head_dim / tp
-    dense = 2 * tokens * projections * h * m.ffn_hidden_size / tp
-    moe = dense
-    if m.num_experts:
-        ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
-        expert_tp = config.parallel.expert_tensor_parallel_size or tp
-        routed = 2 * tokens * projections * h * ffn * m.moe_router_topk / expert_tp
-        shared = 2 * tokens * projections * h * (m.moe_shared_expert_intermediate_size or 0) / tp
-        moe = routed + shared + 2 * tokens * h * m.num_experts
-    return LayerWork(attention + dense, scores, False), LayerWork(attention + moe, scores, True)
-
-
-def stage_layer_kinds(config: Config, layout: Layout) -> list[tuple[int, int]]:
-    """Per model stage, its (dense, MoE) layer counts."""
-    return list(_layer_kinds(config.model.moe_layer_pattern, tuple(layout.pipeline.counts)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _layer_kinds(moe_of: tuple[bool, ...], counts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    out, start = [], 0
-    for count in counts:
-        moe = sum(moe_of[start : start + count])
-        out.append((count - moe, moe))
-        start += count
-    return tuple(out)
+def stage_layer_kinds(config: Config, layout: Layout) -> tuple[StageKinds, ...]:
+    """Per model stage, its distinct layers (their kinds) and how many of each."""
+    return stage_kinds(config.model, tuple(layout.pipeline.counts))
 
 
 def stage_parameters(config: Config, layout: Layout) -> list[tuple[int, int]]:
@@ -132,11 +90,11 @@ def _stage_parameters(
     model: ModelConfig, sizes: tuple[int, int, int | None], counts: tuple[int, ...], pp: int
 ) -> list[tuple[int, int]]:
     local = local_parameters(model, *sizes)
-    moe_of, start, out = model.moe_layer_pattern, 0, []
-    for stage, count in enumerate(counts):
-        moe = sum(moe_of[start : start + count])
-        start += count
-        parts = local.dense_layer * (count - moe) + local.moe_layer * moe
+    out = []
+    for stage, held in enumerate(stage_kinds(model, counts)):
+        parts = Parts()
+        for layer, count in held:
+            parts = parts + local.layers[layer] * count
         parts = parts + (local.embedding + local.vision if stage == 0 else Parts())
         parts = parts + (
             local.head + (local.output_copy if pp > 1 else Parts()) if stage == len(counts) - 1 else Parts()
@@ -159,9 +117,9 @@ def stage_operations(
 ) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     """Per model stage: one micro-batch's F, B and W durations, and the same time split by PARTS."""
     comm = _Comm.of(config, layout, hardware)
-    dense, moe = layer_work(config, layout.tp, layout.cp, layout.micro_batch_size)
-    kinds = ((False, dense), (True, moe)) if config.model.num_experts else ((False, dense),)
-    layer = {(kind, again): comm.layer(work, again) for kind, work in kinds for again in (0, 1)}
+    share = work_share(config, layout.tp, layout.cp, layout.micro_batch_size)
+    works = layer_works(config.model, share)
+    layer = {(kinds, again): comm.layer(work, again) for kinds, work in works.items() for again in (0, 1)}
     t = config.training
     block = t.recompute_num_layers or 1 if t.recompute_method == "block" else None
     params = stage_parameters(config, layout)
@@ -173,12 +131,12 @@ def stage_operations(
         ends[0] = _sum(ends[0], comm.vision(layout, block))
     ops, parts, seen = [], [], {}
     owner = [_rank_of(layout, s) for s in range(stages)]
-    for s, (dense_count, moe_count) in enumerate(stage_layer_kinds(config, layout)):
+    for s, held in enumerate(stage_layer_kinds(config, layout)):
         before = s > 0 and owner[s - 1] != owner[s]
         after = s < stages - 1 and owner[s + 1] != owner[s]
-        signature = (dense_count, moe_count, ends.get(s) and s, before, after)
+        signature = (held, ends.get(s) and s, before, after)
         if signature not in seen:  # (most stages of a pipeline look alike: price each kind once)
-            counts = _recomputed(t.recompute_granularity == "full", block, dense_count, moe_count)
+            counts = _recomputed(t.recompute_granularity == "full", block, held)
             counts = {key: n for key, n in counts.items() if n}
             op = {k: sum(n * layer[key][0][k] for key, n in counts.items()) for k in "FBW"}
             part = {name: sum(n * layer[key][1][name] for key, n in counts.items()) for name in PARTS}
@@ -186,7 +144,7 @@ def stage_operations(
                 _add(op, part, *ends[s])
             _add(op, part, {"F": message * before, "B": message * after}, {"pipeline_p2p": message * (before + after)})
             if config.parallel.zero_stage >= 2:
-                extra = comm.sharded(sum(params[s]), dense_count + moe_count, op)
+                extra = comm.sharded(sum(params[s]), sum(n for _, n in held), op)
                 _add(op, part, extra, {"data_parallel": sum(extra.values())})
             if not comm.split:  # without zero-bubble W, weight gradients are part of the backward
                 op["B"], op["W"] = op["B"] + op["W"], 0.0
@@ -196,18 +154,17 @@ def stage_operations(
     return ops, parts
 
 
-def _recomputed(full: bool, block: int | None, dense: int, moe: int) -> dict[tuple[bool, int], float]:
-    """A stage's layers by (MoE, recomputed): full recomputation takes every layer, or with the block
-    method the first `block` of the chunk (their kinds in the stage's proportion)."""
-    count = dense + moe
+def _recomputed(full: bool, block: int | None, held: StageKinds) -> dict[tuple[LayerKinds, int], float]:
+    """A stage's layers by (kinds, recomputed): full recomputation takes every layer, or with the block
+    method the first `block` of the chunk (its layers in the stage's proportion)."""
+    count = sum(n for _, n in held)
     again = 0 if not full else (count if block is None else min(block, count))
     share = again / count if count else 0.0
-    return {
-        (False, 0): dense * (1 - share),
-        (False, 1): dense * share,
-        (True, 0): moe * (1 - share),
-        (True, 1): moe * share,
-    }
+    out: dict[tuple[LayerKinds, int], float] = {}
+    for kinds, n in held:
+        out[(kinds, 0)] = n * (1 - share)
+        out[(kinds, 1)] = n * share
+    return out
 
 
 def _sum(
@@ -261,18 +218,18 @@ class _Comm:
         recomputation (its forward, communication included, runs again in backward)."""
         rate, m, p = self.hardware.flops, self.config.model, self.config.parallel
         tp_link = link(self.hardware, 1, self.tp)
-        if p.sequence_parallel:  # forward: 2 gathers, 2 reduce-scatters; backward: 4 gathers (inputs again), 2
+        if p.sequence_parallel:  # per sublayer, forward: gather, reduce-scatter; backward: 2 gathers (input again), 1
             gather = all_gather_time(self.activation, self.tp, tp_link)
-            tp_fwd, tp_bwd = 4 * gather, 6 * gather
-        else:  # two all-reduces each way
-            tp_fwd = tp_bwd = 2 * all_reduce_time(self.activation, self.tp, tp_link)
+            tp_fwd, tp_bwd = 2 * work.sublayers * gather, 3 * work.sublayers * gather
+        else:  # an all-reduce each way per sublayer
+            tp_fwd = tp_bwd = work.sublayers * all_reduce_time(self.activation, self.tp, tp_link)
         kv = 2 * self.tokens * max(m.num_query_groups / self.tp, 1) * m.kv_channels
-        ring = (
-            (self.cp - 1) * p2p_time(kv * self.act_bytes, link(self.hardware, self.tp, self.cp)) if self.cp > 1 else 0
-        )
+        hop = link(self.hardware, self.tp, self.cp)
+        ring = work.attentions * ((self.cp - 1) * p2p_time(kv * self.act_bytes, hop)) if self.cp > 1 else 0
         ep = p.expert_model_parallel_size
         routed = self.tokens / (self.tp if p.sequence_parallel else 1) * m.moe_router_topk * m.hidden_size
-        a2a = all_to_all_time(routed * self.act_bytes, ep, link(self.hardware, self.expert_tp, ep)) if work.moe else 0
+        ep_link = link(self.hardware, self.expert_tp, ep)
+        a2a = work.all_to_alls * all_to_all_time(routed * self.act_bytes, ep, ep_link) if work.all_to_alls else 0
         scores_f, scores_b = work.scores / rate, FLASH_BACKWARD * work.scores / rate
         hides = self.hardware.overlaps_communication
         fwd = {"compute": work.linear / rate + scores_f, "tensor_parallel": tp_fwd}
@@ -302,7 +259,8 @@ class _Comm:
         is frozen (no gradient passes through it); the patch embedding and the projector whole on each TP rank."""
         m, rate = self.config.model, self.hardware.flops
         work = vision_work(self.config, self.tp, images_per_micro_batch(self.config, layout.micro_batch_size))
-        layer, trains = LayerWork(work.linear, work.scores, False), m.encoder_trains
+        layer = LayerWork(work.linear, work.scores, sublayers=2, attentions=1, all_to_alls=0)  # (a Transformer block)
+        trains = m.encoder_trains
         whole_rows = dataclasses.replace(self.config.parallel, sequence_parallel=False)
         encoder = dataclasses.replace(
             self,
@@ -313,7 +271,7 @@ class _Comm:
         )
         ops, parts = {"F": 0.0, "B": 0.0, "W": 0.0}, dict.fromkeys(PARTS, 0.0)
         full = self.config.training.recompute_granularity == "full"
-        for (_, again), count in _recomputed(full, block, m.vision_run_layers, 0).items():
+        for (_, again), count in _recomputed(full, block, (((), m.vision_run_layers),)).items():  # (blocks alike)
             times, spent = encoder.layer(layer, bool(again))
             if not trains:
                 times = {"F": times["F"], "B": 0.0, "W": 0.0}

@@ -1,7 +1,7 @@
 """The work of a vision-language model's image side for the cost model: a micro-batch's images through the
 vision encoder and the projector, which run on the first pipeline stage before its language-model layers.
 
-Forward FLOPs only, as `operations.layer_work` counts a layer's; `operations` prices their backward and
+Forward FLOPs only, as `layers.layer_work` counts a layer's; `operations` prices their backward and
 communication and `candidates` weighs them when it balances the pipeline's stages. The training FLOPs of one
 image (for MFU) are `training.flops.vision_flops_per_image`.
 """

@@ -33,6 +33,8 @@ def check_layer_pattern(config: Config) -> None:
     stages = len(pattern.stage_sizes)
     if stages > 1:
         pp, chunks = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+        if p.pipeline_schedule == "zb-v" and pp > 1:  # (zb-v places two chunks per rank itself)
+            chunks = 2
         if stages != pp * chunks:
             raise ConfigError(
                 f"{flag.hybrid_layer_pattern} {m.hybrid_layer_pattern} has {stages} pipeline stages ('|' between "
