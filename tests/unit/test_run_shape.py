@@ -1,14 +1,17 @@
 """The shape of a run is worked out once: the `Layout` carries the one `ParallelDims` (data-parallel sizes are
 computed there alone), a bad expert grid is the ConfigError validation names, the batch plans are the layout's
-per-rank views, and a worker trains with the layout its entry validated instead of resolving it again."""
+per-rank views, a worker trains with the layout its entry validated instead of resolving it again, and a worker
+its launcher started takes the settings and layout the launcher checked, resolving and checking nothing."""
 
 from __future__ import annotations
 
 import pytest
 
+import paratron.commands.train as train_command
 import paratron.training.preflight as preflight
 import paratron.training.run as run
 from paratron.cli import main
+from paratron.commands.launching import _handing_over, check_and_launch
 from paratron.config import build_config
 from paratron.config.dims import ParallelDims
 from paratron.config.layout import BatchPlan, Layout, resolve_layout
@@ -115,3 +118,31 @@ def test_the_worker_trains_with_the_layout_its_entry_validated(monkeypatch, tmp_
     assert main(args) == 0
     assert len(validated) == 1 and used == validated and used[0] is validated[0]
     assert used[0].num_micro_batches == 2
+
+
+@pytest.mark.parametrize("settings", SHAPES)
+def test_a_layout_reads_back_from_what_the_launcher_writes(settings):
+    layout = resolve_layout(_config(settings), settings["nproc_per_node"])
+    assert Layout.from_dict(layout.to_dict()) == layout
+
+
+def test_a_worker_its_launcher_started_takes_the_checked_settings_and_layout(monkeypatch):
+    settings = dict(nproc_per_node=2, tensor_model_parallel_size=2, micro_batch_size=2, global_batch_size=8)
+    config = _config(settings)
+    layout = validate(config, 2)
+    trained = []
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the worker resolved or checked its settings again")
+
+    monkeypatch.setattr(run, "run_training", lambda *handed: trained.append(handed))
+    monkeypatch.setattr(train_command, "train_settings", refuse)
+    monkeypatch.setattr(preflight, "check_before_launch", refuse)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with _handing_over(config, layout):
+        assert main(["train", "--config", "no-such-recipe"]) == 0  # (its flags are not read)
+        # evaluate's, generate's and serve's workers read their own options, then take the launcher's settings
+        other = _config(dict(settings, global_batch_size=4))
+        assert check_and_launch(other, ["evaluate"]) == (None, config, layout)
+    assert trained == [(config, layout)]

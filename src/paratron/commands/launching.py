@@ -6,8 +6,13 @@ command launches.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paratron.errors import UserError
@@ -27,20 +32,29 @@ def quiet_launcher_logs() -> None:
     os.environ[CPP_LOG_LEVEL] = "FATAL"
 
 
+HANDED_OVER_ENV = "PARATRON_LAUNCHED_RUN"
+"""The file in which a launcher leaves the settings and the layout it checked, for the workers it starts."""
+
+
 def check_and_launch(
     config: Config, argv: list[str], origins: dict[str, str] | None = None
 ) -> tuple[int | None, Config, Layout]:
     """Validate the settings and the input files before any worker starts; with --nproc N (and not
     started by torchrun) run `paratron ARGV` under torchrun and return its exit code, else None:
     this process is a worker and goes on, with the settings returned (fitted to this machine's
-    GPUs) and the run's layout validation worked out for them, which the worker passes down.
-    `origins`: where settings came from (`Resolution.origins`), for the error line."""
+    GPUs) and the run's layout validation worked out for them, which the worker passes down. A
+    worker this launcher started takes the launcher's settings and layout as they were checked
+    (`handed_over`), and checks nothing again. `origins`: where settings came from
+    (`Resolution.origins`), for the error line."""
     from paratron.config.loading import explain_origins  # (start-up speed, docs/architecture.md: cli imports this)
     from paratron.distributed.init import computing_device_type, env_world_size, fit_to_devices, launched_by_torchrun
     from paratron.distributed.launch import needs_agent, run_under_torchrun, slurm_settings
     from paratron.training.preflight import check_before_launch
 
     torchrun = launched_by_torchrun()
+    handed = handed_over() if torchrun else None
+    if handed is not None:
+        return None, *handed
     resolved = config  # (remembers where its settings came from)
     if not torchrun:
         config = dataclasses.replace(config, parallel=slurm_settings(os.environ, config.parallel))
@@ -55,5 +69,35 @@ def check_and_launch(
         from paratron.checkpoint.lock import held_for_the_launch
 
         with held_for_the_launch(config.checkpoint.save if argv[0] == "train" else None, p):  # one writer
-            return run_under_torchrun(p, argv), config, layout
+            with _handing_over(config, layout):
+                return run_under_torchrun(p, argv), config, layout
     return None, config, layout
+
+
+@contextlib.contextmanager
+def _handing_over(config: Config, layout: Layout) -> Iterator[None]:
+    """While the workers run: the settings and layout this launcher checked, in a file they read
+    (`handed_over`) instead of resolving and checking the command line again."""
+    from paratron.config.loading import config_to_dict  # (start-up speed, docs/architecture.md: cli imports this)
+
+    with tempfile.TemporaryDirectory(prefix="paratron-run-") as folder:
+        path = Path(folder) / "run.json"
+        path.write_text(json.dumps({"config": config_to_dict(config), "layout": layout.to_dict()}), encoding="utf-8")
+        os.environ[HANDED_OVER_ENV] = str(path)
+        try:
+            yield
+        finally:
+            del os.environ[HANDED_OVER_ENV]
+
+
+def handed_over() -> tuple[Config, Layout] | None:
+    """In a worker its launcher started: the settings and layout the launcher checked; None in a
+    process started otherwise (alone, or by a user's torchrun), which resolves its own."""
+    from paratron.config.layout import Layout  # (start-up speed, docs/architecture.md: cli imports this)
+    from paratron.config.loading import config_from_dict
+
+    where = os.environ.get(HANDED_OVER_ENV)
+    if where is None:
+        return None
+    run = json.loads(Path(where).read_text(encoding="utf-8"))
+    return config_from_dict(run["config"]), Layout.from_dict(run["layout"])

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from paratron.commands.launching import check_and_launch, quiet_launcher_logs
+from paratron.commands.launching import check_and_launch, handed_over, quiet_launcher_logs
 from paratron.config.arguments import ArgumentParser, add_config_arguments, given_settings, parse_config_arguments
 from paratron.config.loading import Resolution, resolve_command_line
 from paratron.config.megatron import carry_on_like_megatron
@@ -70,6 +70,12 @@ def _print_notes(notes: Sequence[str], warnings: Sequence[str]) -> None:
 def run(argv: list[str]) -> int:
     """`paratron train ARGV`: a dry run, or the run (with --auto, at the planner's layout) launched under
     torchrun or trained in this process (a worker, or the only process)."""
+    handed = handed_over()
+    if handed is not None:  # a worker its launcher started: the settings and layout the launcher checked
+        from paratron.training.run import run_training  # (start-up speed, docs/architecture.md: torch)
+
+        run_training(*handed)
+        return 0
     settings = train_settings(argv)
     if settings.config.planning.dry_run:
         from paratron.planning.dry_run import run_dry_run  # (start-up speed, docs/architecture.md: torch)

@@ -6,13 +6,16 @@ plan (layers per stage, model chunks per rank, the schedule's name).
 `resolve_layout(config, world_size)` is called by validation, which returns its result; the
 commands hand that `Layout` to the workers' entry (`training.run.run_training`, `run_evaluation`,
 `open_engine`), which pass it to the topology, the data loader, `parallelize` and the training loop
-instead of working the numbers out again. Errors are ConfigErrors that name the setting to change.
+instead of working the numbers out again; a launcher hands it, with the settings, to the workers it starts
+(`commands.launching`). Errors are ConfigErrors that name the setting to change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from paratron.config.dims import ParallelDims
 from paratron.config.fields import flag
@@ -108,6 +111,20 @@ class Layout:
     def num_micro_batches(self) -> int:
         """Micro-batches each data-parallel rank runs per step."""
         return self.batches(0).num_micro_batches
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON), which `from_dict` reads back: how a launcher hands the layout to its workers."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Layout:
+        pipeline = data["pipeline"]
+        return cls(
+            ParallelDims(**data["dims"]),
+            data["micro_batch_size"],
+            data["global_batch_size"],
+            PipelinePlan(tuple(pipeline["counts"]), pipeline["chunks"], pipeline["schedule"]),
+        )
 
     def batches(self, dp_rank: int, global_batch_size: int | None = None) -> BatchPlan:
         """Data-parallel rank `dp_rank`'s view of a step of `global_batch_size` samples (the run's global
