@@ -146,3 +146,21 @@ def test_a_worker_its_launcher_started_takes_the_checked_settings_and_layout(mon
         other = _config(dict(settings, global_batch_size=4))
         assert check_and_launch(other, ["evaluate"]) == (None, config, layout)
     assert trained == [(config, layout)]
+
+
+def test_auto_resolves_the_settings_once_and_trains_the_plan(monkeypatch, tmp_path, capsys):
+    resolved, trained = [], []
+    resolve = train_command.train_settings
+    monkeypatch.setattr(train_command, "train_settings", lambda argv: resolved.append(argv) or resolve(argv))
+    monkeypatch.setattr(run, "run_training", lambda *args: trained.append(args))
+    args = ["train", "--config", "debug", "--mock-data", "--auto", "--train-iters", "2", "--run-dir", str(tmp_path)]
+    assert main(args) == 0
+    assert len(resolved) == 1
+    ((config, layout),) = trained
+    chosen = capsys.readouterr().out.splitlines()[0]
+    assert chosen.startswith("--auto: TP1 CP1 PP1 DP1 ") and not config.planning.auto
+    assert config.training.global_batch_size == layout.global_batch_size
+    assert (
+        f" mbs{config.training.micro_batch_size} " in chosen
+        and layout.micro_batch_size == config.training.micro_batch_size
+    )

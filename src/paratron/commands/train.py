@@ -82,7 +82,8 @@ def run(argv: list[str]) -> int:
 
         return run_dry_run(settings.config)
     if settings.config.planning.auto:
-        argv, settings = _auto(settings.config, argv)
+        argv, planned = _auto(settings.config, argv)
+        settings = dataclasses.replace(settings, config=planned)
     config = settings.config
     launched, config, layout = check_and_launch(config, ["train", *argv], settings.origins)
     if launched is not None:
@@ -93,8 +94,9 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def _auto(config: Config, argv: list[str]) -> tuple[list[str], Resolution]:
-    """--auto: the planner's top layout for this machine, as flags the workers read too."""
+def _auto(config: Config, argv: list[str]) -> tuple[list[str], Config]:
+    """--auto: the settings with the planner's top layout for this machine (resolved once: the layout's flags
+    are added to the workers' command lines, which show it, and the settings themselves handed to them)."""
     from paratron.distributed.init import launched_by_torchrun  # (start-up speed, docs/architecture.md: torch)
     from paratron.planning.auto import auto_layout
 
@@ -104,9 +106,9 @@ def _auto(config: Config, argv: list[str]) -> tuple[list[str], Resolution]:
             "`paratron plan` and start its command under torchrun"
         )
     world = config.planning.world_size or config.parallel.nproc_per_node * config.parallel.nnodes
-    argv, best = auto_layout(config, argv, world)
+    planned, argv, best = auto_layout(config, argv, world)
     print(
         f"--auto: {best.describe()}, predicted {best.prediction.tokens_per_s:,.0f} tokens/s, "
         f"peak {best.peak_memory / 1e9:.2f} GB per rank"
     )
-    return argv, train_settings(argv)
+    return argv, planned

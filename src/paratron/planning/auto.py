@@ -1,9 +1,10 @@
 """`paratron train --auto`: train with the planner's top layout for this machine.
 
-The launching process plans once, before any worker starts, and passes the chosen layout on as
-flags, so every rank runs the same layout (the CPU's measured speed varies from run to run, so
-ranks must not plan on their own). The hardware is this machine's: a known GPU's preset with the
-device's real memory, or the CPU measured on the spot for the processes that will share it.
+The launching process plans once, before any worker starts, and hands the settings with the chosen
+layout to its workers (`commands.launching`), so every rank runs the same layout (the CPU's measured
+speed varies from run to run, so ranks must not plan on their own). The hardware is this machine's: a
+known GPU's preset with the device's real memory, or the CPU measured on the spot for the processes
+that will share it.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def _given_layout_flags(argv: list[str]) -> list[str]:
     return [a.split("=")[0] for a in argv if a.split("=")[0] in flags]
 
 
-def auto_layout(config: Config, argv: list[str], world_size: int) -> tuple[list[str], Plan]:
-    """`argv` with --auto replaced by the top plan's layout flags, and that plan."""
+def auto_layout(config: Config, argv: list[str], world_size: int) -> tuple[Config, list[str], Plan]:
+    """The settings with the top plan's layout, `argv` with --auto replaced by its layout flags (what the
+    workers' command lines show), and that plan."""
     given = _given_layout_flags(argv)
     if given:
         raise ConfigError(f"{flag.auto} chooses the layout itself; drop {', '.join(given)} (or drop {flag.auto})")
@@ -56,6 +58,7 @@ def auto_layout(config: Config, argv: list[str], world_size: int) -> tuple[list[
         config = override(config, global_batch_size=batch)
         chosen += [flag.global_batch_size, str(batch)]
     best = plan(config, world_size, hardware, top=1)[0]
+    planned = override(config, **{name: best.settings[name] for name in LAYOUT_FIELDS}, auto=False)
     defaults = build_config({})
     for name in LAYOUT_FIELDS:
         info, value = all_fields()[name], best.settings[name]
@@ -65,4 +68,4 @@ def auto_layout(config: Config, argv: list[str], world_size: int) -> tuple[list[
             chosen.append(info.flag if value else "--no-" + info.flag[2:])
         else:
             chosen += [info.flag, str(value)]
-    return [a for a in argv if a != flag.auto] + chosen, best
+    return planned, [a for a in argv if a != flag.auto] + chosen, best
