@@ -107,10 +107,6 @@ class _Shape:
         return self.model.kv_channels
 
     @property
-    def heads(self) -> int:
-        return self.model.num_attention_heads // self.tp
-
-    @property
     def groups(self) -> int:
         groups = self.model.num_query_groups
         return max(groups // self.tp, 1)
