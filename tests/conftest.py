@@ -42,7 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """One intra-op thread in the test process, whatever paratron asks for (it gives a process the
     machine's cores): the tests' models are so small that two threads mostly wait on each other,
     and on busy cores a step took 25 times longer with two than with one (the same losses). Gloo
-    ranks and subprocesses are fresh interpreters: they keep paratron's own setting."""
+    ranks and subprocesses get one thread through OMP_NUM_THREADS, which paratron honours."""
+    os.environ["OMP_NUM_THREADS"] = "1"
     set_num_threads = torch.set_num_threads
     set_num_threads(1)
     torch.set_num_threads = lambda threads: set_num_threads(1)

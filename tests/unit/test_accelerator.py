@@ -69,3 +69,16 @@ def test_several_processes_on_mps_are_refused(monkeypatch):
 def test_backends_torch_pairs_with_each_device():
     assert [default_backend(kind) for kind in ("cuda", "xpu", "mps", "cpu")] == ["nccl", "xccl", "gloo", "gloo"]
     assert init.collective_device() == torch.device("cpu")  # (no process group here)
+
+
+@pytest.mark.parametrize(
+    "given, cores, local_world, threads",
+    [(None, 8, 2, 4), (None, 2, 4, 1), ("3", 8, 2, 3), ("x", 8, 4, 2), ("0", 8, 1, 8)],
+)
+def test_cpu_processes_take_omp_num_threads_or_a_share_of_the_cores(monkeypatch, given, cores, local_world, threads):
+    monkeypatch.setattr(init.os, "cpu_count", lambda: cores)
+    if given is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", given)
+    assert init.cpu_threads(local_world) == threads
