@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from paratron.checkpoint import model_of
 from paratron.checkpoint.files import TRACKER
 from paratron.cli import main
 from paratron.commands.plan import run as run_plan
 from paratron.commands.train import train_settings
+from paratron.config import loading
 from paratron.config.loading import config_to_dict, override
 from paratron.config.schema import Config
 from paratron.debugging.compare import resolve_run, same_model
@@ -158,6 +160,32 @@ def test_an_ignored_count_falls_back_to_the_recipes_and_the_checkpoints(tmp_path
     assert config.model.num_query_groups == 2
     write_settings(config, tmp_path / "ckpt")
     assert train_settings(again).config.model.num_query_groups == 2
+
+
+def test_a_resume_reads_its_recipe_and_its_checkpoint_once(tmp_path, monkeypatch):
+    """One pass: the recipe and the checkpoint's settings are read once, an ignored count included."""
+    argv, again = argv_of("recipe-file-groups-other-without-switch", tmp_path)
+    write_settings(override(train_settings(argv).config, vocab_size=4096), tmp_path / "ckpt")
+    reads: list[str] = []
+    for module, name in ((loading, "read_yaml"), (model_of, "saved_model")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name: reads.append(name) or real(*a))
+    assert train_settings(again).config.model.num_query_groups == 2
+    assert sorted(reads) == ["read_yaml", "saved_model"]
+
+
+def test_a_count_the_checkpoints_grouped_model_agrees_with_is_not_ignored(tmp_path, capsys):
+    """Megatron-LM ignores --num-query-groups where the model has no grouped-query attention: a checkpoint whose
+    model has it gives it to the run, so the count is compared with the checkpoint's, not dropped with a warning."""
+    argv, _ = argv_of("switch-and-groups", tmp_path)
+    write_settings(override(train_settings(argv).config, vocab_size=4096), tmp_path / "ckpt")
+    capsys.readouterr()
+    load = ["--load", str(tmp_path / "ckpt"), *shlex.split(TINY)]
+    resumed = train_settings([*load, "--num-query-groups", "2"])
+    assert (resumed.config.model.group_query_attention, resumed.config.model.num_query_groups) == (True, 2)
+    assert "ignored" not in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--num-query-groups 1 contradicts the checkpoint .* \\(query groups 2\\)"):
+        train_settings([*load, "--num-query-groups", "1"])
 
 
 def test_debug_compare_sees_the_model_train_builds():

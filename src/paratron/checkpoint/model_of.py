@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,9 @@ from paratron.checkpoint.formats import hf_to_paratron, megatron_to_paratron
 from paratron.checkpoint.megatron import cache_name, config_of, detect_format, open_megatron
 from paratron.checkpoint.pretrained import tokenizer_from_checkpoint
 from paratron.checkpoint.verify import CheckpointInfo, holds_checkpoint, read_checkpoint
-from paratron.config.loading import Resolution, SavedModel, resolve_settings
-from paratron.data.build import Log, build_once
+from paratron.config.loading import CheckpointReader, SavedModel
+from paratron.data.build import Log, build_once, cache_folder
 from paratron.data.tokenizer import AnyTokenizer, load_tokenizer
-from paratron.errors import ConfigError
 
 MEGATRON_TOKENIZER_ARGS = (
     "tokenizer_type",
@@ -65,24 +65,26 @@ def megatron_tokenizer(args: dict[str, Any], root: Path | None = None) -> dict[s
     return settings if settings.get("tokenizer_type") else {}
 
 
-def with_checkpoint(
-    first: Resolution, overrides: dict[str, Any], recipe: str | None, checkpoint_wins: bool = False
-) -> Resolution:
-    """`first` (the settings resolved without a checkpoint) resolved again over the model of the checkpoint it
-    loads, if any, without the settings Megatron-LM ignores (`first.ignored`): the checkpoint is compared with the
-    model as it was built. `checkpoint_wins` (Megatron-LM's --use-checkpoint-args): model settings that contradict the
-    checkpoint give way to it, with a note, instead of being refused."""
-    c = first.config.checkpoint
-    if not c.load:
-        if checkpoint_wins:
-            raise ConfigError("--use-checkpoint-args takes the model's settings from the checkpoint: add --load CKPT")
-        return first
-    saved = saved_model(c.load, c.save)
-    if saved is None:
-        return first
-    in_effect = {name: value for name, value in overrides.items() if name not in first.ignored}
-    resolution = resolve_settings(in_effect, recipe, saved, checkpoint_wins)
-    return dataclasses.replace(resolution, ignored=first.ignored)
+def read_saved_model(settings: Mapping[str, Any]) -> SavedModel | None:
+    """`config.loading.CheckpointReader` of train, evaluate and debug compare: `saved_model` of the settings' --load
+    (and --save)."""
+    save = settings.get("save")
+    return saved_model(str(settings["load"]), None if save is None else str(save))
+
+
+def converting_reader(log: Log) -> CheckpointReader:
+    """`config.loading.CheckpointReader` of the commands that run the engine: a Hugging Face folder given to --load is
+    converted once into the cache (`paratron_checkpoint`) and its copy is what the run loads."""
+
+    def read(settings: Mapping[str, Any]) -> SavedModel | None:
+        load = Path(str(settings["load"])).expanduser()
+        if not (load.is_dir() and is_hf_folder(load)):
+            return read_saved_model(settings)
+        converted = str(paratron_checkpoint(load, cache_folder(settings.get("data_cache_path")), True, log=log))
+        saved = saved_model(converted)
+        return None if saved is None else dataclasses.replace(saved, folder=converted)
+
+    return read
 
 
 def is_hf_folder(path: Path) -> bool:

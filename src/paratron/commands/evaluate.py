@@ -79,16 +79,14 @@ def run(argv: list[str]) -> int:
     recipe, overrides, namespace = parse_config_arguments(parser(), argv)
     if namespace.tasks is not None:
         return _evaluate_tasks(argv, recipe, overrides, namespace)
-    resolution = resolve_settings(overrides, recipe)
-    config = resolution.config
-    if not config.checkpoint.load:
-        raise ConfigError(f"paratron evaluate needs {flag.load} CKPT (the model to evaluate)")
-    if not config.data.data_path:
-        raise ConfigError(f"paratron evaluate needs {flag.data_path} FILE... (the data to evaluate on)")
-    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
+    from paratron.checkpoint.model_of import read_saved_model  # (start-up speed, docs/architecture.md: torch)
 
     # (validated with the checkpoint's model, whose context is the default --seq-length, as for fine-tuning)
-    resolution = with_checkpoint(resolution, {**overrides, "finetune": True}, recipe)
+    resolution = resolve_settings({**overrides, "finetune": True}, recipe, read_checkpoint=read_saved_model)
+    if not resolution.config.checkpoint.load:
+        raise ConfigError(f"paratron evaluate needs {flag.load} CKPT (the model to evaluate)")
+    if not resolution.config.data.data_path:
+        raise ConfigError(f"paratron evaluate needs {flag.data_path} FILE... (the data to evaluate on)")
     # (its weights, no schedule to fit)
     config = override(resolution.config, eval_iters=0, train_iters=1, lr_warmup_iters=0, finetune=True)
     launched, config, layout = check_and_launch(config, ["evaluate", *argv], resolution.origins)
@@ -105,10 +103,9 @@ def _evaluate_tasks(argv: list[str], recipe: str | None, overrides: dict, namesp
     from paratron.inference.loading import engine_settings  # (start-up speed, docs/architecture.md: torch)
     from paratron.inference.tasks import run_tasks
 
-    first = resolve_settings(overrides, recipe)
-    names = _task_names(first.config, namespace)
     aside = functools.partial(print, file=sys.stderr)
-    resolution = engine_settings(overrides, recipe, "evaluate", "the model to evaluate", aside, first)
+    resolution = engine_settings(overrides, recipe, "evaluate", "the model to evaluate", aside)
+    names = _task_names(resolution.config, namespace)
     launched, config, layout = check_and_launch(resolution.config, ["evaluate", *argv], resolution.origins)
     if launched is not None:
         return launched

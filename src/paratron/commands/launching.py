@@ -27,7 +27,9 @@ CPP_LOG_LEVEL, USER_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL", "PARATRON_USER_CPP_LO
 def quiet_launcher_logs() -> None:
     """Keep torch's C++ log (a stack trace per failed connection to the rendezvous) out of the
     launch agent, which reports failures in one line; the workers get the user's level back
-    (`paratron.cli.main`). Before torch is imported, which reads it once."""
+    (`paratron.cli.main`). Before torch is imported, which reads it once; a second call changes nothing."""
+    if USER_CPP_LOG_LEVEL in os.environ:
+        return
     os.environ[USER_CPP_LOG_LEVEL] = os.environ.get(CPP_LOG_LEVEL, "")
     os.environ[CPP_LOG_LEVEL] = "FATAL"
 

@@ -30,7 +30,7 @@ from paratron.config.arguments import (
     parse_config_arguments,
 )
 from paratron.config.fields import flag
-from paratron.config.loading import override, resolve_command_line
+from paratron.config.loading import override, resolve_settings
 from paratron.config.schema import LAUNCH_FIELDS, MODEL_ARCHITECTURE, Config
 from paratron.errors import ConfigError
 from paratron.planning.calibration import calibrate, read_calibration
@@ -149,7 +149,7 @@ def _check_report_flags(args: argparse.Namespace) -> None:
 def _plan_settings(overrides: dict[str, Any], recipe: str | None, args: argparse.Namespace) -> tuple[Config, bool]:
     """The settings as train builds them, in bf16 on a GPU preset unless --precision says, and whether no data was
     given (the printed command must run: it then trains on synthetic tokens, and says so)."""
-    config = resolve_command_line(overrides, recipe, given_settings(overrides, args)).config
+    config = resolve_settings(overrides, recipe, given=given_settings(overrides, args)).config
     if "precision" not in overrides and (config.planning.hardware or "h100-80g") != CPU:
         config = override(config, precision="bf16")
     no_data = not (config.data.blend_flags() or config.data.corpus or config.data.mock_data or config.data.sft)

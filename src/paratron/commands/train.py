@@ -10,11 +10,12 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from paratron.commands.launching import check_and_launch, handed_over, quiet_launcher_logs
 from paratron.config.arguments import ArgumentParser, add_config_arguments, given_settings, parse_config_arguments
-from paratron.config.loading import Resolution, resolve_command_line
+from paratron.config.loading import Resolution, SavedModel, resolve_settings
 from paratron.config.megatron import carry_on_like_megatron
 from paratron.config.schema import MODEL_ARCHITECTURE, Config
 from paratron.errors import ConfigError
@@ -43,18 +44,32 @@ def train_settings(argv: list[str]) -> Resolution:
     where Megatron-LM carries on, with where each came from."""
     recipe, overrides, namespace = parse_config_arguments(parser(), argv)
     given = given_settings(overrides, namespace)
-    resolution = resolve_command_line(overrides, recipe, given)
-    if "RANK" not in os.environ and resolution.config.parallel.nnodes > 1:
-        quiet_launcher_logs()  # (before torch is imported, below)
-    from paratron.checkpoint.model_of import with_checkpoint  # (start-up speed, docs/architecture.md: torch)
-    from paratron.checkpoint.verify import holds_checkpoint
+    checkpoint_wins = "use_checkpoint_args" in given
+    resolution = resolve_settings(
+        overrides, recipe, checkpoint_wins=checkpoint_wins, read_checkpoint=_read_checkpoint, given=given
+    )
+    _quiet_a_launcher_of_nodes(resolution.config.parallel.nnodes)
+    from paratron.checkpoint.verify import holds_checkpoint  # (start-up speed, docs/architecture.md: torch)
 
-    resolution = with_checkpoint(resolution, overrides, recipe, checkpoint_wins="use_checkpoint_args" in given)
     if resolution.saved is not None:  # (its architecture came from the checkpoint, whatever the flags said)
         given -= set(MODEL_ARCHITECTURE)
     config, adjusted = carry_on_like_megatron(resolution.config, given, holds_checkpoint)
     _print_notes(resolution.notes, [*resolution.ignored.values(), *adjusted])
     return dataclasses.replace(resolution, config=config)
+
+
+def _read_checkpoint(settings: Mapping[str, Any]) -> SavedModel | None:
+    """What the checkpoint --load names says of its model (`checkpoint.model_of.read_saved_model`)."""
+    _quiet_a_launcher_of_nodes(int(settings.get("nnodes") or 1))  # (before torch is imported, below)
+    from paratron.checkpoint.model_of import read_saved_model  # (start-up speed, docs/architecture.md: torch)
+
+    return read_saved_model(settings)
+
+
+def _quiet_a_launcher_of_nodes(nnodes: int) -> None:
+    """Before torch is imported: the launcher of a run over several nodes keeps torch's C++ log quiet."""
+    if "RANK" not in os.environ and nnodes > 1:
+        quiet_launcher_logs()
 
 
 def _print_notes(notes: Sequence[str], warnings: Sequence[str]) -> None:

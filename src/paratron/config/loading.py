@@ -11,7 +11,7 @@ import difflib
 import importlib.resources
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +137,8 @@ class SavedModel:
     tokenizer: dict[str, Any] = field(default_factory=dict)
     """Data settings of its tokenizer (a Megatron-LM checkpoint's args), for a run that names none; a paratron
     checkpoint carries its tokenizer file instead."""
+    folder: str | None = None
+    """The folder the run loads where it is not --load's: a Hugging Face folder's converted copy."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ class Resolution:
     saved: SavedModel | None = None
     ignored: dict[str, str] = field(default_factory=dict)
     """The command line's settings that Megatron-LM ignores in these settings (resolved as if not given), each with
-    the warning to print (`resolve_command_line`)."""
+    the warning to print (`resolve_settings` with `given`)."""
 
 
 def build_config(overrides: dict[str, Any] | None = None, recipe: str | None = None) -> schema.Config:
@@ -161,20 +163,39 @@ def build_config(overrides: dict[str, Any] | None = None, recipe: str | None = N
     return resolve_settings(overrides, recipe).config
 
 
+CheckpointReader = Callable[[Mapping[str, Any]], "SavedModel | None"]
+"""What the checkpoint a run loads says of its model, from the settings that name it as the command line and the
+recipe give them (load, save, data_cache_path); None when the run loads none (`checkpoint.model_of.read_saved_model`).
+The checkpoint layer reads it: this one imports nothing of it."""
+
+
 def resolve_settings(
     overrides: dict[str, Any] | None = None,
     recipe: str | None = None,
     saved: SavedModel | None = None,
     checkpoint_wins: bool = False,
+    *,
+    read_checkpoint: CheckpointReader | None = None,
+    given: Collection[str] = (),
 ) -> Resolution:
-    """The run's settings, lowest precedence first: defaults < the checkpoint it loads (`saved`) < --model's preset <
-    the recipe < the command line (`overrides`). A data source on the command line replaces the recipe's; a model
-    setting that defines the architecture must agree with the checkpoint's (or, with `checkpoint_wins`, gives way to
-    it); recipe schedule lengths a shorter run cannot hold are scaled to it."""
+    """The run's settings in one pass, lowest precedence first: defaults < the checkpoint it loads (`saved`, or what
+    `read_checkpoint` reads of the one --load names) < --model's preset < the recipe < the command line
+    (`overrides`). A data source on the command line replaces the recipe's; settings of `given` (those set on the
+    command line) that Megatron-LM ignores in the result (`megatron.ignored_like_megatron`: --num-query-groups without
+    --group-query-attention) are taken as not given, so that they fall back to the checkpoint's, the preset's, the
+    recipe's or the default; a model setting that defines the architecture must then agree with the checkpoint's (or,
+    with `checkpoint_wins`, gives way to it); recipe schedule lengths a shorter run cannot hold are scaled to it."""
     overrides = dict(overrides or {})
     from_yaml = read_yaml(find_recipe(recipe)) if recipe else {}
     if any(overrides.get(name) for name in DATA_SOURCES):
         from_yaml = {name: value for name, value in from_yaml.items() if name not in DATA_SOURCES}
+    if read_checkpoint is not None:
+        naming = {**from_yaml, **overrides}
+        if checkpoint_wins and not naming.get("load"):
+            raise ConfigError("--use-checkpoint-args takes the model's settings from the checkpoint: add --load CKPT")
+        saved = read_checkpoint(naming) if naming.get("load") else None
+        if saved is not None and saved.folder is not None:  # (a converted copy is what the run loads)
+            overrides["load"] = saved.folder
     model_name = overrides.get("model_name", from_yaml.get("model_name"))
     named_by = (
         f"--model {model_name}" if "model_name" in overrides else f"model_name {model_name} in the recipe {recipe}"
@@ -184,30 +205,39 @@ def resolve_settings(
         (named_by, model_preset(model_name) if model_name else {}),
         (f"the recipe {recipe}", from_yaml),
     ]
-    merged: dict[str, Any] = {}
-    origins: dict[str, str] = {}
+    below: dict[str, Any] = {}
+    below_origins: dict[str, str] = {}
     for origin, values in layers:
-        merged.update(values)
-        origins.update(dict.fromkeys(values, origin))
-    named = any(merged.get(name) or overrides.get(name) for name in (*NAMES_A_TOKENIZER, "mock_data"))
+        below.update(values)
+        below_origins.update(dict.fromkeys(values, origin))
+    named = any(below.get(name) or overrides.get(name) for name in (*NAMES_A_TOKENIZER, "mock_data"))
     if saved and saved.tokenizer and not named:
         _check_saved_tokenizer(saved)
-        merged.update(saved.tokenizer)
-        origins.update(dict.fromkeys(saved.tokenizer, saved.where))
-    merged.update(overrides)
-    for name in overrides:
-        origins.pop(name, None)
+        below.update(saved.tokenizer)
+        below_origins.update(dict.fromkeys(saved.tokenizer, saved.where))
+    config, origins = _over(below, below_origins, overrides, saved)
+    ignored = ignored_like_megatron(config, given) if given else {}
+    if ignored:
+        overrides = {name: value for name, value in overrides.items() if name not in ignored}
+        config, origins = _over(below, below_origins, overrides, saved)
+    notes: list[str] = []
+    if saved is not None:
+        config = _keep_architecture(config, saved, origins, checkpoint_wins, notes)
+    config = _fit_schedule(config, overrides, from_yaml, f"the recipe {recipe}", notes)
+    return Resolution(config, origins, notes, saved, ignored)
+
+
+def _over(
+    below: dict[str, Any], below_origins: dict[str, str], overrides: dict[str, Any], saved: SavedModel | None
+) -> tuple[schema.Config, dict[str, str]]:
+    """The settings of the layers `below` the command line with its `overrides` over them, and where each came from."""
+    merged, origins = {**below, **overrides}, {k: v for k, v in below_origins.items() if k not in overrides}
     context = _checkpoint_context(merged, saved)
     if context is not None:
         merged["seq_length"], origins["seq_length"] = context, saved.where  # type: ignore[union-attr]
     if saved is not None and origins.get("vocab_size") == saved.where and merged.get("tokenizer_type") in COUNTED:
         del merged["vocab_size"], origins["vocab_size"]  # (there --vocab-size counts the tokenizer's ids)
-    config = config_from_flat(merged)
-    notes: list[str] = []
-    if saved is not None:
-        config = _keep_architecture(config, saved, origins, checkpoint_wins, notes)
-    config = _fit_schedule(config, overrides, from_yaml, f"the recipe {recipe}", notes)
-    return Resolution(config, origins, notes, saved)
+    return config_from_flat(merged), origins
 
 
 def _checkpoint_context(merged: dict[str, Any], saved: SavedModel | None) -> int | None:
@@ -220,19 +250,6 @@ def _checkpoint_context(merged: dict[str, Any], saved: SavedModel | None) -> int
         return None
     context = saved.model.get("max_position_embeddings")
     return int(context) if context else None
-
-
-def resolve_command_line(overrides: dict[str, Any], recipe: str | None, given: Collection[str]) -> Resolution:
-    """A command line's settings as the model is built from them: those Megatron-LM ignores in the resolved settings
-    (`megatron.ignored_like_megatron`: --num-query-groups without --group-query-attention) resolved again as if not
-    given, so that they fall back to the recipe's, the preset's or the default, and, with --load, the checkpoint's
-    (`checkpoint.model_of.with_checkpoint` leaves them out too). `given`: the settings set on the command line."""
-    first = resolve_settings(overrides, recipe)
-    ignored = ignored_like_megatron(first.config, given)
-    if not ignored:
-        return first
-    kept = {name: value for name, value in overrides.items() if name not in ignored}
-    return dataclasses.replace(resolve_settings(kept, recipe), ignored=ignored)
 
 
 def _carried(model: dict[str, Any]) -> dict[str, Any]:

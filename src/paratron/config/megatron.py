@@ -361,8 +361,8 @@ def unknown_megatron_flag_message(flag: str) -> str:
 def ignored_like_megatron(config: Config, given: Collection[str]) -> dict[str, str]:
     """The settings of a command line that Megatron-LM ignores in `config` (resolved from it), each with the warning
     to print. `given` names the settings set on the command line. The run is resolved as if they were not given
-    (`config.loading.resolve_command_line`), so that what a checkpoint is compared with, and what a second command
-    line is compared with, is the model as it is built."""
+    (`config.loading.resolve_settings` with `given`), so that what a checkpoint is compared with, and what a second
+    command line is compared with, is the model as it is built."""
     ignored: dict[str, str] = {}
     if "num_query_groups" in given and not config.model.group_query_attention:
         ignored["num_query_groups"] = (

@@ -63,8 +63,12 @@ class DataBundle:
 
 
 def cache_root(config: Config) -> Path:
-    path = config.data.data_cache_path or os.environ.get("PARATRON_CACHE") or "~/.cache/paratron"
-    return Path(path).expanduser()
+    return cache_folder(config.data.data_cache_path)
+
+
+def cache_folder(data_cache_path: str | None) -> Path:
+    """The data cache: --data-cache-path, else PARATRON_CACHE, else ~/.cache/paratron."""
+    return Path(data_cache_path or os.environ.get("PARATRON_CACHE") or "~/.cache/paratron").expanduser()
 
 
 def build_once(path: Path, build: Callable[[Path], None], local_rank: int, log: Log) -> None:

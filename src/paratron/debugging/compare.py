@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paratron.checkpoint.model_of import with_checkpoint
+from paratron.checkpoint.model_of import read_saved_model
 from paratron.config.arguments import ArgumentParser, add_config_arguments, given_settings, parse_config_arguments
 from paratron.config.fields import section_fields
-from paratron.config.loading import LEGACY_SETTINGS, as_flag, resolve_command_line
+from paratron.config.loading import LEGACY_SETTINGS, as_flag, resolve_settings
 from paratron.config.validation import validate
 from paratron.debugging.capture import INDEX_FILE, run_identity
 from paratron.debugging.compare_report import DEFAULT_TOL, compare_captures, format_report
@@ -166,8 +166,8 @@ def resolve_run(flags: Sequence[str], label: str) -> dict[str, Any]:
     two compared runs must share (`capture.run_identity`)."""
     try:
         recipe, overrides, namespace = parse_config_arguments(_train_parser(label), list(flags))
-        first = resolve_command_line(overrides, recipe, given_settings(overrides, namespace))
-        config = with_checkpoint(first, overrides, recipe).config  # (the model as `paratron train` builds it)
+        given = given_settings(overrides, namespace)  # (the model as `paratron train` builds it)
+        config = resolve_settings(overrides, recipe, read_checkpoint=read_saved_model, given=given).config
         p = config.parallel
         layout = validate(config, p.nproc_per_node * p.nnodes, check_data=False)
     except UserError as exc:

@@ -19,13 +19,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint.load import load_model_weights, weight_catalog
-from paratron.checkpoint.model_of import (
-    is_hf_folder,
-    paratron_checkpoint,
-    saved_model,
-    saved_tokenizer,
-    with_checkpoint,
-)
+from paratron.checkpoint.model_of import converting_reader, is_hf_folder, paratron_checkpoint, saved_tokenizer
 from paratron.checkpoint.verify import CheckpointInfo, read_checkpoint
 from paratron.config.fields import flag
 from paratron.config.inference import InferenceConfig
@@ -72,28 +66,14 @@ def checkpoint_dtype(load: Path, info: CheckpointInfo) -> torch.dtype:
     return stored if stored != torch.float32 else PRECISION_DTYPES[info.config.training.precision]
 
 
-def engine_settings(
-    overrides: dict[str, Any],
-    recipe: str | None,
-    command: str,
-    purpose: str,
-    log: Log,
-    first: Resolution | None = None,
-) -> Resolution:
+def engine_settings(overrides: dict[str, Any], recipe: str | None, command: str, purpose: str, log: Log) -> Resolution:
     """The settings of a command that runs the engine (`paratron generate | serve | evaluate --tasks`) over the
     model of its --load checkpoint, as a one-step run on mock data for the layout's checks (the engine reads no
     samples). A Hugging Face folder is converted once into the cache and that copy is loaded. `purpose` says what
-    the checkpoint is for, in the line that asks for one. `first`: the flags' settings without the checkpoint,
-    when the command has resolved them already (`resolve_settings(overrides, recipe)`)."""
-    resolution = first if first is not None else resolve_settings(overrides, recipe)
+    the checkpoint is for, in the line that asks for one."""
+    resolution = resolve_settings(overrides, recipe, read_checkpoint=converting_reader(log))
     if not resolution.config.checkpoint.load:
         raise ConfigError(f"paratron {command} needs {flag.load} CKPT ({purpose})")
-    load = Path(resolution.config.checkpoint.load).expanduser()
-    if load.is_dir() and is_hf_folder(load):
-        converted = str(paratron_checkpoint(load, cache_root(resolution.config), True, log=log))
-        resolution = resolve_settings({**overrides, "load": converted}, recipe, saved_model(converted))
-    else:
-        resolution = with_checkpoint(resolution, overrides, recipe)
     config = resolution.config
     positions = config.model.max_position_embeddings or config.data.seq_length
     config = override(
