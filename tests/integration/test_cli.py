@@ -1,7 +1,8 @@
-"""The command line end to end: training on several processes and generation in subprocesses as a
-user runs them; what starts no worker (validation messages, conversion, one-process training) in
-process through `paratron.cli.main` (the console script's code path), and one subprocess showing
-that a message reaches the terminal as the exit code 2 and one line."""
+"""The command line end to end: training on several processes in subprocesses as a user runs them
+(`--nproc` and torchrun); what starts no worker (validation messages, conversion, one-process
+training, generation from the trained checkpoints) in process through `paratron.cli.main` (the
+console script's code path), and one subprocess showing that a message reaches the terminal as the
+exit code 2 and one line."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def test_help_shows_field_docs(capsys):
     assert top.returncode == 0 and "train" in top.stdout and "generate" in top.stdout
 
 
-def test_tensor_parallel_training_then_generate(tmp_path):
+def test_tensor_parallel_training_then_generate(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(30):
@@ -162,41 +163,75 @@ def test_tensor_parallel_training_then_generate(tmp_path):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [4, 8]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
-    generated = paratron("generate", "--load", str(ckpt), "--prompt", "def f1", "--max-new-tokens", "5")
+    generated = in_process(capsys, "generate", "--load", str(ckpt), "--prompt", "def f1", "--max-new-tokens", "5")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("def f1") and len(generated.stdout) > len("def f1")
 
 
-def test_distributed_optimizer_run_saves_each_shard_and_resumes_at_another_layout(tmp_path, capsys):
-    ckpt = tmp_path / "ckpt"
-    result = paratron(
-        "train",
-        "--config",
-        "debug",
-        "--nproc",
-        "2",
-        "--use-distributed-optimizer",
-        "--overlap-grad-reduce",
-        "--overlap-param-gather",
-        "--ddp-bucket-size",
-        "20000",
-        "--train-iters",
-        "3",
-        "--lr-warmup-iters",
-        "1",
-        "--eval-iters",
-        "0",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--save",
-        str(ckpt),
-        *QUIET,
+@pytest.fixture(scope="module")
+def data_parallel_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """One data-parallel run with the distributed optimizer, started by torchrun: (its result, run folder,
+    checkpoint). Two tests read it: each launch costs three interpreter starts."""
+    root = tmp_path_factory.mktemp("data-parallel")
+    run, ckpt = root / "run", root / "ckpt"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "paratron",
+            "train",
+            "--config",
+            "debug",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--ddp-bucket-size",
+            "20000",
+            "--train-iters",
+            "3",
+            "--lr-warmup-iters",
+            "1",
+            "--log-interval",
+            "2",
+            "--eval-iters",
+            "0",
+            "--run-dir",
+            str(run),
+            "--save",
+            str(ckpt),
+            *QUIET,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
+    return result, run, ckpt
+
+
+def test_runs_when_started_by_torchrun(data_parallel_run):
+    result, run, _ = data_parallel_run
+    assert result.returncode == 0, result.stderr
+    assert "world 2 = TP 1 x CP 1 x DP 2" in result.stdout
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3]  # every log interval, and the last step
+
+
+def test_distributed_optimizer_run_saves_each_shard_and_resumes_at_another_layout(data_parallel_run, tmp_path, capsys):
+    result, _, ckpt = data_parallel_run
     assert result.returncode == 0, result.stderr
     files = sorted(p.name for p in (ckpt / "iter_0000003").glob("optimizer_*"))
     assert files == ["optimizer_tp000_pp000_dp000.safetensors", "optimizer_tp000_pp000_dp001.safetensors"]
-    # the shards hold single-device names: one process without ZeRO resumes from them
-    result = paratron(
+    # the shards hold single-device names: one process without ZeRO resumes from them (in this process)
+    result = in_process(
+        capsys,
         "train",
         "--config",
         "debug",
@@ -270,39 +305,6 @@ def test_pipeline_training_with_profile_then_generate(tmp_path):
 
     model = load_pretrained(ckpt)  # one device, from the two stages' files
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 512)
-
-
-def test_runs_when_started_by_torchrun(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "paratron",
-            "train",
-            "--config",
-            "debug",
-            "--train-iters",
-            "6",
-            "--run-dir",
-            str(tmp_path),
-            *QUIET,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "world 2 = TP 1 x CP 1 x DP 2" in result.stdout
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [5, 6]  # every log interval, and the last step
 
 
 def test_a_data_error_inside_the_workers_exits_2_without_hanging(tmp_path):

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
 from test_cli import assert_one_line_error, in_process
 
 from harness_tasks import CONTEXT, TASKS, checkpoints, write_tasks
@@ -21,6 +23,7 @@ from paratron.config import build_config
 from paratron.config.inference import InferenceConfig
 from paratron.data.tokenizer import NullTokenizer, Tokenizer
 from paratron.errors import UserError
+from paratron.inference import tasks as task_index
 from paratron.inference.harness import ParatronLM
 from paratron.inference.loading import engine_for_model
 from paratron.inference.tasks import evaluate_engine, kept_alive, task_manager
@@ -32,6 +35,26 @@ def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("harness")
     checkpoint, hf = checkpoints(root)
     return {"checkpoint": checkpoint, "hf": hf, "tasks": write_tasks(root / "tasks")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_index_of_the_harness_tasks() -> Iterator[None]:
+    """The harness' index of its own ~15,000 tasks built once for the module: each build parses every YAML file
+    (about 20 s), and the refusals of an unknown task name each build it (the folder-only indexes stay fresh)."""
+    built: dict[tuple, TaskManager] = {}
+    real = task_index.TaskManager
+
+    def cached(*args, **kwargs) -> TaskManager:
+        if kwargs.get("include_defaults", True) is False:
+            return real(*args, **kwargs)
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = real(*args, **kwargs)
+        return built[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(task_index, "TaskManager", cached)
+        yield
 
 
 def engine_of(checkpoint: Path):

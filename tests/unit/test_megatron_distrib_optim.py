@@ -1,9 +1,9 @@
 """Megatron-LM's distributed optimizer state (legacy `distrib_optim.pt`, torch_dist `dp_reshardable`)
 -> paratron, with megatron-core 0.16.1 as the oracle.
 
-Two spawns of two gloo ranks each: megatron-core's GPTModel (local spec, CPU, fp32, tied
-embedding) wrapped in its own DistributedDataParallel with the distributed optimizer takes two Adam
-steps, at two data-parallel ranks (buckets cut at `BUCKET` elements, each rank holding half of
+One spawn of two gloo ranks: megatron-core's GPTModel (local spec, CPU, fp32, tied embedding)
+wrapped in its own DistributedDataParallel with the distributed optimizer takes two Adam steps, at
+two data-parallel ranks (buckets cut at `BUCKET` elements, each rank holding half of
 every bucket) and at two pipeline stages (the tied embedding and its last-stage copy in buckets of
 their own); megatron-core's own `save_parameter_state` and `dist_checkpointing.save` of its
 `dp_reshardable` sharded state dict write the two formats. paratron's conversion must give, for
@@ -111,22 +111,26 @@ def _held(optimizer: Any, names: dict[torch.nn.Parameter, str]) -> Pieces:
     return held
 
 
-def _data_parallel_rank(root: str) -> tuple[Pieces, dict[str, torch.Tensor]]:
-    """One of two data-parallel ranks (each its own batch)."""
+Saved = tuple[Pieces, dict[str, torch.Tensor]]
+"""One rank's share of a layout's saves: what its optimizer held, and its weights."""
+
+
+def _both_layouts_rank(data_parallel_root: str, pipeline_root: str) -> tuple[Saved, Saved]:
+    """One of two ranks: first a data-parallel rank, then a pipeline stage (one spawn for both layouts:
+    each rank start imports megatron-core, seconds of CPU)."""
     import multiprocessing
 
     import torch.distributed as dist
 
     multiprocessing.current_process()._config["daemon"] = False  # (megatron's torch_dist writer forks)
     dist.init_process_group("gloo")
-    return _megatron_run(root, dist.get_world_size())
+    return _megatron_run(data_parallel_root, dist.get_world_size()), _pipeline_run(pipeline_root)
 
 
-def _pipeline_rank(root: str) -> tuple[Pieces, dict[str, torch.Tensor]]:
+def _pipeline_run(root: str) -> Saved:
     """One of two pipeline stages of a tied-embedding model (the embedding and its last-stage copy each in
     a bucket of their own, buckets cut on the first stage only); gradients made up per parameter name,
     the same for both copies of the embedding, two steps."""
-    import multiprocessing
     import zlib
 
     import torch.distributed as dist
@@ -135,8 +139,6 @@ def _pipeline_rank(root: str) -> tuple[Pieces, dict[str, torch.Tensor]]:
 
     from megatron_oracle import cpu_megatron, cpu_optimizer, destroy_oracle, oracle_gpt
 
-    multiprocessing.current_process()._config["daemon"] = False  # (megatron's torch_dist writer forks)
-    dist.init_process_group("gloo")
     stage = dist.get_rank()
     with cpu_megatron(), cpu_optimizer():
         model, config = oracle_gpt(
@@ -241,10 +243,20 @@ def _save_torch_dist(
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory) -> dict[str, Any]:
+def both_layouts(tmp_path_factory) -> tuple[Path, Path, list[tuple[Saved, Saved]]]:
+    """megatron-core's saves at two data-parallel ranks and at two pipeline stages, from one spawn: (the
+    data-parallel folder, the pipeline folder, each rank's (data-parallel, pipeline) shares)."""
+    data_parallel_root = tmp_path_factory.mktemp("distrib_optim_dp2")
+    pipeline_root = tmp_path_factory.mktemp("distrib_optim_pp2")
+    ranks = run_ranks(_both_layouts_rank, 2, str(data_parallel_root), str(pipeline_root), timeout=300)
+    return data_parallel_root, pipeline_root, ranks
+
+
+@pytest.fixture(scope="module")
+def dp2(both_layouts) -> dict[str, Any]:
     """megatron-core's saves at two data-parallel ranks (each holding half of every bucket)."""
-    root = tmp_path_factory.mktemp("distrib_optim_dp2")
-    ranks = run_ranks(_data_parallel_rank, 2, str(root), timeout=240)
+    root, _, both = both_layouts
+    ranks = [data_parallel for data_parallel, _ in both]
     assert all(len(pieces) < len(ranks[0][1]) * 3 for pieces, _ in ranks)  # (no rank holds everything)
     after = ranks[0][1]
     assert all(torch.equal(after[name], w) for name, w in ranks[1][1].items())
@@ -252,10 +264,10 @@ def dp2(tmp_path_factory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pp2(tmp_path_factory) -> dict[str, Any]:
+def pp2(both_layouts) -> dict[str, Any]:
     """megatron-core's saves at two pipeline stages, the embedding tied."""
-    root = tmp_path_factory.mktemp("distrib_optim_pp2")
-    ranks = run_ranks(_pipeline_rank, 2, str(root), timeout=240)
+    _, root, both = both_layouts
+    ranks = [pipeline for _, pipeline in both]
     weights = {**ranks[0][1], **ranks[1][1]}
     expected = _assemble([p for pieces, _ in ranks for p in pieces], weights)
     for by_name in expected.values():  # (the last stage's copy of the tied embedding holds the same state)
