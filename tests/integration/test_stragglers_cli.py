@@ -1,39 +1,37 @@
-"""--straggler-threshold and --profile on two ranks, as a user runs them: a rank made slow for one
-step (--fault-inject RANK:STEP:slow) is named with the group it delays, on that log interval only,
-and the profiled steps of both ranks come out as one timeline."""
+"""--straggler-threshold and --profile on two ranks, through `paratron train`'s entry point as each
+worker runs it: a rank made slow for one step (--fault-inject RANK:STEP:slow) is named with the group
+it delays, on that log interval only, and the profiled steps of both ranks come out as one timeline.
+Both happen in the workers, so the ranks are forked gloo ranks (`run_ranks`): a launcher and its two
+workers would cost three imports of torch."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from paratron.cli import main
+from paratron.distributed.local_ranks import run_ranks
 
 
 @pytest.mark.spawns
-def test_a_slow_rank_is_named_and_both_ranks_profiles_are_merged(tmp_path):
+def test_a_slow_rank_is_named_and_both_ranks_profiles_are_merged(tmp_path, capfd):
     run = tmp_path / "run"
-    args = ["train", "--config", "debug", "--nproc", "2", "--train-iters", "9", "--log-interval", "3"]
+    args = ["train", "--config", "debug", "--train-iters", "9", "--log-interval", "3"]
     args += ["--eval-iters", "0", "--lr-warmup-iters", "1", "--run-dir", str(run), "--no-progress-bar"]
     # steps of ~0.1 s (hidden 256, 128 tokens); the slow step's rank is ~600% above the median, a busy
     # machine's jitter stays under the threshold of 100%
     args += ["--hidden-size", "256", "--seq-length", "128"]
     args += ["--fault-inject", "1:3:slow", "--straggler-threshold", "1.0"]
     args += ["--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "0", "1"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "paratron", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr
+    codes = run_ranks(main, 2, args)
+    stdout, stderr = capfd.readouterr()
+    assert codes == [0, 0], stderr
 
-    lines = [line for line in result.stdout.splitlines() if "stragglers:" in line]
-    assert len(lines) == 1, result.stdout  # the intervals ending at steps 6 and 9 name no one
+    lines = [line for line in stdout.splitlines() if "stragglers:" in line]
+    assert len(lines) == 1, stdout  # the intervals ending at steps 6 and 9 name no one
     assert re.fullmatch(
         r"step 3: stragglers: rank 1 computes [\d.]+ s/step, \d+% above the median [\d.]+ s/step; "
         r"delays dp group \[0, 1\] \(its peers waited [\d.]+ s/step\)",
@@ -50,7 +48,7 @@ def test_a_slow_rank_is_named_and_both_ranks_profiles_are_merged(tmp_path):
     assert slow["straggler/rank0/wait_s"] > 0.5
     assert quiet["straggler/ranks"] == [] and records[9]["straggler/ranks"] == []
 
-    (merged_line,) = [line for line in result.stdout.splitlines() if "merged into one timeline" in line]
+    (merged_line,) = [line for line in stdout.splitlines() if "merged into one timeline" in line]
     merged = json.loads(Path(merged_line.rsplit(": ", 1)[1]).read_text())
     assert Path(merged_line.rsplit(": ", 1)[1]).name == "profile_merged_steps2-4.json"
     rows = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}
