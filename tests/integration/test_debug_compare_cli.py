@@ -3,17 +3,29 @@ parallelism, expert parallelism and ZeRO stage 3 agree with one process; a defec
 tensor-parallel layer, in a module of the second pipeline stage, or in a router whose experts are
 split over two ranks is named exactly.
 
-The single-process reference is trained once (--keep) and reused by the other compares (--reference)."""
+The single-process reference is trained once (--keep) by the command as a user starts it (its own
+process, both runs launched with `paratron train`, run A under torchrun) and reused by the other
+compares (--reference). Those run the command in this process, each of its runs of `paratron train`
+on two ranks forked from `run_ranks`' server instead of a torchrun launch: every fresh interpreter
+spends seconds importing torch, and what they check (the captures, the report, the exit code) does
+not depend on how the ranks started."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+
+from paratron.cli import main
+from paratron.debugging import compare as compare_command
+from paratron.debugging.capture import DEFECT_VARIABLE
+from paratron.distributed.local_ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = (
@@ -22,14 +34,53 @@ TINY = (
 )
 
 
-def compare(*args: str, defect: str | None = None, steps: int = 2) -> subprocess.CompletedProcess:
+@dataclasses.dataclass
+class Outcome:
+    """What the command returned and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def compare(*args: str, steps: int = 2) -> subprocess.CompletedProcess:
+    """`python -m paratron debug compare --steps STEPS ARGS`, as a user starts it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
-    env.pop("PARATRON_DEBUG_DEFECT", None)
-    if defect is not None:
-        env["PARATRON_DEBUG_DEFECT"] = defect
+    env.pop(DEFECT_VARIABLE, None)
     command = [sys.executable, "-m", "paratron", "debug", "compare", "--steps", str(steps), *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def train_command(flags: list[str]) -> int:
+    """One rank of `paratron train FLAGS`, as a worker that torchrun started."""
+    return main(["train", *flags])
+
+
+def train_on_forked_ranks(label: str, flags: Sequence[str], folder: Path) -> None:
+    """The compare's run of `paratron train` (`debugging.compare.train`) on --nproc forked ranks."""
+    flags = list(flags)
+    codes = run_ranks(train_command, int(flags[flags.index("--nproc") + 1]), flags)
+    assert set(codes) == {0}, f"run {label} failed: exit codes {codes}"
+
+
+def compare_in_process(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    *args: str,
+    defect: str | None = None,
+    steps: int = 2,
+) -> Outcome:
+    """`paratron debug compare --steps STEPS ARGS` in this process, its runs on forked ranks, with
+    PARATRON_DEBUG_DEFECT=`defect` (the ranks get this process's environment)."""
+    monkeypatch.setattr(compare_command, "train", train_on_forked_ranks)
+    monkeypatch.delenv(DEFECT_VARIABLE, raising=False)
+    if defect is not None:
+        monkeypatch.setenv(DEFECT_VARIABLE, defect)
+    capsys.readouterr()
+    code = main(["debug", "compare", "--steps", str(steps), *args])
+    out, err = capsys.readouterr()
+    return Outcome(code, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +108,20 @@ def test_tensor_parallel_agrees_with_one_process(kept: tuple[Path, subprocess.Co
 @pytest.mark.parametrize(
     "layout", ["--expert-model-parallel-size 2", "--zero-stage 3"], ids=["expert-parallel", "zero-3"]
 )
-def test_experts_and_zero3_agree_with_one_process(kept: tuple[Path, subprocess.CompletedProcess], layout: str) -> None:
+def test_experts_and_zero3_agree_with_one_process(
+    kept: tuple[Path, subprocess.CompletedProcess],
+    layout: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
     """Experts split over two ranks, and FSDP2's sharded parameters and gradients, assemble to the
     single-device tensors: every router's logits and weights, every expert's gradient."""
     folder, first = kept
     assert first.returncode == 0, first.stderr
     output = folder.parent / f"{layout.split()[0][2:]}.json"
-    done = compare(
-        "--reference", str(folder / "B" / "capture"), "--output", str(output), "--", f"{TINY} --nproc 2 {layout}"
+    reference = str(folder / "B" / "capture")
+    done = compare_in_process(
+        monkeypatch, capsys, "--reference", reference, "--output", str(output), "--", f"{TINY} --nproc 2 {layout}"
     )
     assert done.returncode == 0, done.stderr + done.stdout
     report = json.loads(output.read_text())
@@ -84,13 +141,20 @@ def test_experts_and_zero3_agree_with_one_process(kept: tuple[Path, subprocess.C
     ],
     ids=["tensor-parallel", "pipeline-stage-1", "expert-parallel-router"],
 )
-def test_a_planted_defect_is_named(kept: tuple[Path, subprocess.CompletedProcess], layout: str, defect: str) -> None:
+def test_a_planted_defect_is_named(
+    kept: tuple[Path, subprocess.CompletedProcess],
+    layout: str,
+    defect: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
     folder, first = kept
     assert first.returncode == 0, first.stderr
     reference = str(folder / "B" / "capture")
     output = folder.parent / f"{defect}.json"
     # (one step: the defect parts the runs at step 1)
-    done = compare("--reference", reference, "--output", str(output), "--", f"{TINY} {layout}", defect=defect, steps=1)
+    args = ("--reference", reference, "--output", str(output), "--", f"{TINY} {layout}")
+    done = compare_in_process(monkeypatch, capsys, *args, defect=defect, steps=1)
     assert done.returncode == 1, done.stderr + done.stdout
     assert done.stdout.startswith(f"the runs part at step 1, forward, {defect}: rel. diff "), done.stdout
     first = json.loads(output.read_text())["first"]
