@@ -34,8 +34,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-PRELOADED = ["torch", "paratron.training.run"]
-"""What the fork server imports once for every rank it starts."""
+PRELOADED = ["torch", "torch._dynamo", "paratron.training.run"]
+"""What the fork server imports once for every rank it starts (torch._dynamo too: torch imports it at a run's first
+model built on the meta device, some 2 s of CPU that every rank would pay again)."""
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 """Where Linux says which ports it hands out as the local end of outgoing connections."""
 
