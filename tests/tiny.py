@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from tokenizers import AddedToken
 
@@ -17,6 +20,7 @@ from paratron.config.schema import ModelConfig
 from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.inference.loading import engine_for_model
 from paratron.inference.params import SamplingParams
+from paratron.training import run as training_run
 from paratron.training.run import run_training
 
 GPT_FLAVOUR = ModelConfig(
@@ -68,6 +72,15 @@ def training_records(settings: dict[str, Any]) -> list[dict[str, Any]]:
     run_training(build_config(settings))
     path = Path(settings["run_dir"]) / "metrics.jsonl"
     return [json.loads(line) for line in open(path)] if path.exists() else []
+
+
+@contextmanager
+def no_loss_plot() -> Iterator[None]:
+    """Runs in this block draw no loss.png (their losses and metrics.jsonl unchanged): matplotlib's drawing costs a
+    tiny run about as much CPU as a step, and its import a second in each fresh rank. For tests that compare numbers."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training_run, "plot_loss_curve", lambda run_dir, title="": Path(run_dir) / "loss.png")
+        yield
 
 
 def write_conversations(folder: Path, chats: int = 40, pairs: int = 30) -> None:

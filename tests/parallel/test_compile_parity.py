@@ -18,7 +18,7 @@ from paratron.distributed.local_ranks import run_ranks
 from paratron.parallel.compile import CompileReport
 from paratron.training.run import run_training
 
-from tiny import LLAMA_STYLE, QUIET
+from tiny import LLAMA_STYLE, QUIET, no_loss_plot
 
 pytestmark = pytest.mark.spawns
 
@@ -42,13 +42,13 @@ ONE = (1, 0)
 MOE_REGIONS = (4, 0)  # (norms, attention, router, the experts' matmuls: one graph each, no break)
 EP2 = dict(num_experts=4, expert_model_parallel_size=2)
 CURVES = {  # layout: (settings, steps, (graphs, graph breaks))
-    "tp2+sp, dropout": (dict(tensor_model_parallel_size=2, sequence_parallel=True, **DROPOUT), 6, ONE),
+    "tp2+sp, dropout": (dict(tensor_model_parallel_size=2, sequence_parallel=True, **DROPOUT), 4, ONE),
     "pp2 zero-bubble": (
         dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1", global_batch_size=8),
-        6,
+        4,
         ONE,
     ),
-    "cp2 ring": (dict(context_parallel_size=2), 6, ONE),
+    "cp2 ring": (dict(context_parallel_size=2), 4, ONE),
     "ep2 all-to-all": (dict(EP2, moe_token_dispatcher_type="alltoall"), 4, MOE_REGIONS),
     # (dropout in the tensor-parallel stream and out of it in one block; the attention core recomputed)
     "tp2, both dropouts, selective": (
@@ -74,7 +74,7 @@ def _train(run_dir: str, steps: int, layout: dict, compiled: bool, strict: bool 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     flags = dict(compile=True, compile_backend="aot_eager") if compiled else {}
-    with torch._dynamo.config.patch(error_on_recompile=strict):
+    with torch._dynamo.config.patch(error_on_recompile=strict), no_loss_plot():
         result = run_training(build_config(dict(SETTINGS, run_dir=run_dir, train_iters=steps, **layout, **flags)))
     made = CompileReport.now()
     return result.losses, (made.graphs, made.graph_breaks)

@@ -17,7 +17,7 @@ from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 from paratron.training.validation_loss import run_evaluation
 
-from tiny import PARITY_RUN, WORDS, write_conversations
+from tiny import PARITY_RUN, WORDS, no_loss_plot, write_conversations
 
 
 def settings(data: str, run_dir: str, **overrides) -> dict:
@@ -69,10 +69,11 @@ def evaluations(data: str, run_dir: str, checkpoint: str, layout: dict) -> dict:
 
 def finetune_and_evaluate(data: str, run_dir: str, checkpoint: str, layout: dict) -> dict:
     """Full SFT and LoRA curves, then the evaluations of `checkpoint`, at `layout` (on every rank)."""
-    full = run_training(build_config(settings(data, f"{run_dir}/full", **layout))).losses
-    lora = run_training(
-        build_config(settings(data, f"{run_dir}/lora", lora_rank=4, lora_alpha=8.0, lr=1e-2, **layout))
-    ).losses
+    with no_loss_plot():
+        full = run_training(build_config(settings(data, f"{run_dir}/full", **layout))).losses
+        lora = run_training(
+            build_config(settings(data, f"{run_dir}/lora", lora_rank=4, lora_alpha=8.0, lr=1e-2, **layout))
+        ).losses
     return {"full": full, "lora": lora, **evaluations(data, run_dir, checkpoint, layout)}
 
 
@@ -106,8 +107,11 @@ def reference(tmp_path_factory):
     write_conversations(folder / "data")
     data, runs = str(folder / "data"), folder / "runs"
     text = Path(write_text(data)).read_text()
-    full = run_training(build_config(settings(data, str(runs / "full"), save=str(folder / "ckpt")))).losses
-    lora = run_training(build_config(settings(data, str(runs / "lora"), lora_rank=4, lora_alpha=8.0, lr=1e-2))).losses
+    with no_loss_plot():
+        full = run_training(build_config(settings(data, str(runs / "full"), save=str(folder / "ckpt")))).losses
+        lora = run_training(
+            build_config(settings(data, str(runs / "lora"), lora_rank=4, lora_alpha=8.0, lr=1e-2))
+        ).losses
     single = {"full": full, "lora": lora, **evaluations(data, str(runs), str(folder / "ckpt"), {})}
     stream = len(Tokenizer.from_file(folder / "data" / "tokenizer.json").encode(text)) + 1  # + end of document
     assert stream % 64 != 1 and stream > 4 * 64  # a partial last window, several global batches

@@ -19,6 +19,8 @@ from paratron.inference import tasks as inference_tasks
 from paratron.inference.tasks import run_tasks
 from paratron.training.run import run_training
 
+from tiny import no_loss_plot
+
 LAYOUTS = {"tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2)}
 
 
@@ -72,7 +74,8 @@ def trained_metrics(checkpoint: str, tasks: str, run_dir: str, overrides: dict) 
     )
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     text.write_text("alpha beta gamma delta epsilon zeta eta theta\n" * 50, encoding="utf-8")
-    run_training(build_config(settings, recipe=f"{checkpoint}/model.yaml"))
+    with no_loss_plot():
+        run_training(build_config(settings, recipe=f"{checkpoint}/model.yaml"))
     metrics = Path(run_dir) / "metrics.jsonl"
     if dist.is_initialized() and dist.get_rank() != 0:  # (rank 0 writes the metrics)
         return []

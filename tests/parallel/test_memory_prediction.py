@@ -25,23 +25,24 @@ from paratron.planning.activations import CPU
 from paratron.planning.dry_run import dry_run, with_vocabulary
 from paratron.training.run import run_training
 
-from tiny import LLAMA_STYLE, QUIET
+from tiny import LLAMA_STYLE, QUIET, no_loss_plot
 
 BASE = dict(
     QUIET,
     mock_data=True,
     train_iters=1,
     log_memory=True,
-    seq_length=64,
-    max_position_embeddings=64,
+    seq_length=32,
+    max_position_embeddings=32,
     micro_batch_size=2,
     num_layers=4,
-    hidden_size=64,
+    hidden_size=32,
     num_attention_heads=4,
-    vocab_size=512,
+    vocab_size=128,
 )
-LLAMA = dict(LLAMA_STYLE, num_query_groups=2, ffn_hidden_size=128)
-MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
+"""Small, and still well inside 5%: the worst layout (TP 2 x EP 2: the routing's balance) is 1.3% off (planning.md)."""
+LLAMA = dict(LLAMA_STYLE, num_query_groups=2, ffn_hidden_size=64)
+MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
 BF16 = dict(precision="bf16")
 
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
@@ -131,7 +132,8 @@ def measure(names: list[str], root: str) -> dict[str, list[dict[str, Any]]]:
     reports = {}
     for name in names:
         run_dir = Path(root) / name.replace(" ", "_")
-        run_training(build_config(dict(BASE, run_dir=str(run_dir), **(LAYOUTS | KIND_LAYOUTS)[name][1])))
+        with no_loss_plot():
+            run_training(build_config(dict(BASE, run_dir=str(run_dir), **(LAYOUTS | KIND_LAYOUTS)[name][1])))
         path = run_dir / "memory.json"
         if path.exists():
             reports[name] = json.loads(path.read_text())["ranks"]

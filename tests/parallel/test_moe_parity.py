@@ -5,6 +5,8 @@ and load at other expert-parallel sizes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from paratron.config import build_config
@@ -12,7 +14,7 @@ from paratron.distributed.init import initialize
 from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
-from tiny import training_records
+from tiny import no_loss_plot, training_records
 
 
 def settings(run_dir: str, **overrides) -> dict:
@@ -47,6 +49,12 @@ def settings(run_dir: str, **overrides) -> dict:
         ),
         **overrides,
     )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_loss_plot() -> Iterator[None]:
+    with no_loss_plot():
+        yield
 
 
 def curves(run_dir: str, layout: dict) -> list[dict]:
@@ -141,7 +149,8 @@ def single(tmp_path_factory) -> list[dict]:
 def curves_of_layouts(run_dir: str, layouts: dict[str, dict]) -> dict[str, list[dict]]:
     """Each layout's curve, one after the other on one process group (one spawn for all)."""
     initialize("gloo")
-    return {name: curves(f"{run_dir}/{name}", layout) for name, layout in layouts.items()}
+    with no_loss_plot():
+        return {name: curves(f"{run_dir}/{name}", layout) for name, layout in layouts.items()}
 
 
 @pytest.mark.spawns
@@ -156,8 +165,12 @@ def test_moe_training_at_every_layout_equals_one_process(tmp_path, single, world
         assert [r["moe_tokens_per_expert"] for r in ours] == [r["moe_tokens_per_expert"] for r in single], name
 
 
+RESUMED_AT = 3
+"""Saved at step 3 of 6 (past the warm-up), resumed from there."""
+
+
 def resumed_losses(run_dir: str, layout: dict) -> list[float]:
-    return run_training(build_config(settings(run_dir, train_iters=8, **layout))).losses
+    return run_training(build_config(settings(run_dir, train_iters=2 * RESUMED_AT, **layout))).losses
 
 
 def resumed_at_four_ranks(run_dir: str, save: str) -> dict[str, list[float]]:
@@ -165,14 +178,16 @@ def resumed_at_four_ranks(run_dir: str, save: str) -> dict[str, list[float]]:
     layout, at EP 4 and folded from the unfolded save, one after the other on one process group
     (one spawn for the runs)."""
     initialize("gloo")
-    runs = {"straight": resumed_losses(f"{run_dir}/a", dict(EP2_TP2, save=f"{save}/unfolded", save_interval=4))}
-    checkpoint = f"{save}/unfolded/iter_{4:07d}"
-    runs["same"] = resumed_losses(f"{run_dir}/b", dict(EP2_TP2, load=checkpoint))
-    runs["ep4"] = resumed_losses(
-        f"{run_dir}/c", dict(expert_model_parallel_size=4, use_distributed_optimizer=True, load=checkpoint)
-    )
-    runs["folded_from_unfolded"] = resumed_losses(f"{run_dir}/d", dict(FOLDED, load=checkpoint))
-    runs["folded"] = resumed_losses(f"{run_dir}/e", dict(FOLDED, save=f"{save}/folded", save_interval=4))
+    with no_loss_plot():
+        at = dict(save_interval=RESUMED_AT)
+        runs = {"straight": resumed_losses(f"{run_dir}/a", dict(EP2_TP2, save=f"{save}/unfolded", **at))}
+        checkpoint = f"{save}/unfolded/iter_{RESUMED_AT:07d}"
+        runs["same"] = resumed_losses(f"{run_dir}/b", dict(EP2_TP2, load=checkpoint))
+        runs["ep4"] = resumed_losses(
+            f"{run_dir}/c", dict(expert_model_parallel_size=4, use_distributed_optimizer=True, load=checkpoint)
+        )
+        runs["folded_from_unfolded"] = resumed_losses(f"{run_dir}/d", dict(FOLDED, load=checkpoint))
+        runs["folded"] = resumed_losses(f"{run_dir}/e", dict(FOLDED, save=f"{save}/folded", **at))
     return runs
 
 
@@ -185,19 +200,19 @@ FOLDED = dict(EP2_TP2, expert_model_parallel_size=4, expert_tensor_parallel_size
 
 @pytest.mark.spawns
 def test_expert_parallel_checkpoint_resumes_exactly_and_loads_at_ep1_and_ep4(tmp_path):
-    """Saved at EP 2 x TP 2 (experts split both ways, ZeRO-1 pieces of both kinds), step 4 of 8;
+    """Saved at EP 2 x TP 2 (experts split both ways, ZeRO-1 pieces of both kinds), step 3 of 6;
     a folded layout's save loads on one process, and it loads the unfolded one."""
     save = str(tmp_path / "ckpt")
     runs = run_ranks(resumed_at_four_ranks, 4, str(tmp_path), save)[0]
     straight = runs["straight"]
-    assert runs["same"] == straight[4:]  # bit for bit
+    assert runs["same"] == straight[RESUMED_AT:]  # bit for bit
     for name in ("ep4", "folded_from_unfolded"):
-        assert runs[name] == pytest.approx(straight[4:], rel=1e-6), name
+        assert runs[name] == pytest.approx(straight[RESUMED_AT:], rel=1e-6), name
     assert runs["folded"] == pytest.approx(straight, rel=1e-6)
     for folded in (False, True):
-        checkpoint = f"{save}/{'folded' if folded else 'unfolded'}/iter_{4:07d}"
+        checkpoint = f"{save}/{'folded' if folded else 'unfolded'}/iter_{RESUMED_AT:07d}"
         ep1 = resumed_losses(str(tmp_path / f"single-{folded}"), dict(load=checkpoint))
-        assert ep1 == pytest.approx(straight[4:], rel=1e-6), f"folded={folded}"
+        assert ep1 == pytest.approx(straight[RESUMED_AT:], rel=1e-6), f"folded={folded}"
 
 
 def converted_losses(checkpoint: str, run_dir: str, layout: dict) -> list[float]:
@@ -222,7 +237,8 @@ def converted_losses(checkpoint: str, run_dir: str, layout: dict) -> list[float]
 def converted_losses_at_layouts(checkpoint: str, run_dir: str, layouts: dict[str, dict]) -> dict[str, list[float]]:
     """Each layout's losses, one after the other on one process group (one spawn for all)."""
     initialize("gloo")
-    return {name: converted_losses(checkpoint, f"{run_dir}/{name}", layout) for name, layout in layouts.items()}
+    with no_loss_plot():
+        return {name: converted_losses(checkpoint, f"{run_dir}/{name}", layout) for name, layout in layouts.items()}
 
 
 @pytest.mark.spawns

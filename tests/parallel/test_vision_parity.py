@@ -14,7 +14,7 @@ from paratron.checkpoint.pretrained import load_pretrained
 from paratron.distributed.local_ranks import run_ranks
 from paratron.training.run import run_training
 
-from tiny import PARITY_RUN, tiny_config
+from tiny import PARITY_RUN, no_loss_plot, tiny_config
 
 VISION = dict(
     model_name=None,
@@ -61,16 +61,20 @@ def curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
     from paratron.distributed.init import initialize
 
     initialize("gloo")
-    return {name: run_training(tiny_config(f"{run_dir}/{name}", **settings)).losses for name, settings in runs.items()}
+    with no_loss_plot():
+        return {
+            name: run_training(tiny_config(f"{run_dir}/{name}", **settings)).losses for name, settings in runs.items()
+        }
 
 
 @pytest.mark.spawns
 def test_vision_language_loss_curves_equal_single_process_at_every_layout(tmp_path):
     cases = {"dense": {"save": str(tmp_path / "single-ckpt")}, "frozen": {"freeze_vision_model": True}, "moe": EXPERTS}
-    reference = {
-        case: run_training(tiny_config(tmp_path / f"single-{case}", **VISION, **settings)).losses
-        for case, settings in cases.items()
-    }
+    with no_loss_plot():
+        reference = {
+            case: run_training(tiny_config(tmp_path / f"single-{case}", **VISION, **settings)).losses
+            for case, settings in cases.items()
+        }
     assert reference["dense"] != reference["frozen"]  # (freezing the encoder changes what trains)
     runs = {name: dict(VISION, **layout) for name, layout in LAYOUTS.items()}
     runs["moe-ep2-tp2"] = dict(VISION, **EXPERTS, expert_model_parallel_size=2, tensor_model_parallel_size=2)
