@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
     apply_smoke(args, parser, max_bytes=65536, iters=3, rounds=1)
-    raw = spawn(_worker, WORLD, {"max_bytes": args.max_bytes, "iters": args.iters, "rounds": args.rounds})
+    sizes = {"max_bytes": args.max_bytes, "iters": args.iters, "rounds": args.rounds}
+    raw = spawn(_worker, WORLD, sizes, forked=args.smoke)
     rows = summarize(raw)
     check(rows, raw["sizes"])
     print(

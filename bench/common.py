@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from paratron.distributed.local_ranks import free_port
+from paratron.distributed.local_ranks import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -116,9 +116,23 @@ def test_helper(name: str) -> ModuleType:
     return module
 
 
-def spawn(worker: Callable[..., None], world: int, *args: Any) -> Any:
+def spawn(worker: Callable[..., None], world: int, *args: Any, forked: bool = False) -> Any:
     """Run `worker(rank, world, port, *args, out)` on `world` spawned processes and return the JSON
-    that rank 0 wrote to `out`. Unlike `run_ranks` there is no time limit: full runs take minutes."""
+    that rank 0 wrote to `out`. Unlike `run_ranks` there is no time limit: full runs take minutes.
+
+    `forked` (--smoke): the ranks are forked by `run_ranks` from a server that imported torch once,
+    not started as fresh interpreters that each spend seconds importing it: the same computation,
+    but not a full run's conditions (the server's C library settings, run_ranks' time limit)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.spawn(worker, args=(world, free_port(), *args, out.name), nprocs=world)
+        if forked:
+            run_ranks(_ranked, world, worker, args, out.name)
+        else:
+            mp.spawn(worker, args=(world, free_port(), *args, out.name), nprocs=world)
         return json.loads(Path(out.name).read_text())
+
+
+def _ranked(worker: Callable[..., None], args: tuple[Any, ...], out: str) -> None:
+    """One rank of `spawn(..., forked=True)`: `worker` called as `mp.spawn` calls it, from the
+    torchrun environment `run_ranks` set."""
+    rank, world, port = (int(os.environ[key]) for key in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+    worker(rank, world, port, *args, out)

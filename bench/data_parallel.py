@@ -433,8 +433,8 @@ def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None
     dist.destroy_process_group()
 
 
-def step(args: dict) -> dict:
-    return spawn(_step_worker, 2, args)
+def step(args: dict, forked: bool = False) -> dict:
+    return spawn(_step_worker, 2, args, forked=forked)
 
 
 def check(results: dict, pairings: list[str]) -> None:
@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> None:
         md_path.write_text(markdown(json.loads(args.output.read_text())))
         return
     settings = {k: v for k, v in vars(args).items() if k not in ("what", "output", "markdown", "smoke")}
-    results = step(settings)
+    results = step(settings, forked=args.smoke)
     if args.smoke:
         check(results, args.only)
     from paratron.model.gpt import build_model

@@ -51,6 +51,14 @@ MODEL = dict(
     moe_aux_loss_coeff=1e-2,
     **NO_DROPOUT,
 )
+SMOKE_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=256)
+SMOKE_MODEL |= dict(num_experts=4, moe_ffn_hidden_size=64)
+"""--smoke's shape instead (4 experts: EP 2 still holds two per rank)."""
+
+
+def model_settings(smoke: bool) -> dict[str, Any]:
+    """The MoE model of the runs: MODEL, or its smoke shape."""
+    return MODEL | SMOKE_MODEL if smoke else MODEL
 
 
 def _count_bytes(sent: list[int]) -> None:
@@ -99,7 +107,7 @@ def _worker(args: dict, layout: dict, run_dir: str) -> int:
     sent = [0]
     _count_bytes(sent)
     settings = dict(
-        MODEL,
+        model_settings(args["smoke"]),
         mock_data=True,
         seq_length=args["seq"],
         micro_batch_size=args["batch"],
@@ -119,7 +127,7 @@ def _worker(args: dict, layout: dict, run_dir: str) -> int:
 
 def _run(args: argparse.Namespace, world: int, layout: dict, folder: Path, name: str) -> dict[str, Any]:
     """`world` processes of one layout; tokens/s and the bytes every rank sent per step."""
-    settings = {key: value for key, value in vars(args).items() if key not in ("output", "smoke")}
+    settings = {key: value for key, value in vars(args).items() if key != "output"}
     sent = run_ranks(_worker, world, settings, layout, str(folder / name), timeout=900)
     records = [json.loads(line) for line in open(folder / name / "metrics.jsonl")][args.warmup :]
     return {
@@ -130,13 +138,14 @@ def _run(args: argparse.Namespace, world: int, layout: dict, folder: Path, name:
 
 def formula(args: argparse.Namespace, ep: int, dispatcher: str) -> float:
     """Bytes each rank sends per step by the module docstring's formulas (even routing)."""
-    N, H, k, E = args.seq * args.batch, MODEL["hidden_size"], MODEL["moe_router_topk"], MODEL["num_experts"]
+    model = model_settings(args.smoke)
+    N, H, k, E = args.seq * args.batch, model["hidden_size"], model["moe_router_topk"], model["num_experts"]
     if dispatcher == "alltoall":
         routed = N * k * (ep - 1) / ep
         per_layer = 2 * (2 * routed * H + routed) * 4 + 8 * E * (ep - 1) / ep
     else:
         per_layer = (ep - 1) * N * (16 * H + 8 * E + E)
-    return per_layer * MODEL["num_layers"]
+    return per_layer * model["num_layers"]
 
 
 FOLDINGS = {
@@ -165,8 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path)
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
-    apply_smoke(args, parser, seq=32, batch=2, steps=3, warmup=1, worlds=[2])
-    results: dict[str, Any] = {"settings": {**vars(args), "output": None, **MODEL}, "torch": torch.__version__}
+    apply_smoke(args, parser, seq=32, batch=2, steps=2, warmup=1, worlds=[2])
+    model = model_settings(args.smoke)
+    results: dict[str, Any] = {"settings": {**vars(args), "output": None, **model}, "torch": torch.__version__}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:

@@ -1,7 +1,7 @@
 """What surviving faults costs, on this machine, against torchrun's own restarts.
 
     python bench/faults.py --output bench/results/faults.json
-    python bench/faults.py --smoke  # one kill, one trial each, every job at once: does it still run, with its outcomes?
+    python bench/faults.py --smoke  # one kill, one trial, every job at once: does it still run, with its outcomes?
 
 - Restarts: the debug model on 2 processes, --train-iters 16 with a checkpoint every 2 steps,
   once uninterrupted and once with --kills SIGKILLs of a seeded random rank at seeded random steps
@@ -190,16 +190,25 @@ print(f"attempt {attempt} rank {rank}: done", flush=True)
 """
 
 
-def torchrun_restart(folder: Path, trials: int, timeout: float) -> dict:
-    """`trials` runs of PEER under torchrun --max-restarts 2, with the agent's shared store (torchrun's
-    default) and with a store per attempt (what paratron's launcher sets): how many recovered at
-    the first restart, later, or not at all (failed, or still hanging after `timeout` s)."""
+STORES = {"shared store (torchrun's default)": {}, "store per attempt": STORE_PER_ATTEMPT}
+"""The rendezvous store settings the peer runs under, by name: their environment."""
+SMOKE_STORES = ["store per attempt"]
+"""--smoke's: one setting runs the same code as both (each attempt starts torchrun's agent and two
+workers, every one of them importing torch)."""
+
+
+def torchrun_restart(folder: Path, trials: int, timeout: float, stores: list[str] | None = None) -> dict:
+    """`trials` runs of PEER under torchrun --max-restarts 2, with each of `stores` (default both): the
+    agent's shared store (torchrun's default) and a store per attempt (what paratron's launcher sets):
+    how many recovered at the first restart, later, or not at all (failed, or still hanging after
+    `timeout` s)."""
     script = folder / "peer.py"
     script.write_text(textwrap.dedent(PEER))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += ["--max-restarts", "2", str(script)]
     results = {}
-    for setting, env in (("shared store (torchrun's default)", {}), ("store per attempt", STORE_PER_ATTEMPT)):
+    for setting in stores or STORES:
+        env = STORES[setting]
         outcomes = {"first restart": 0, "second restart": 0, "failed": 0, "hung": 0}
         for _ in range(trials):
             ended = run_job(command, timeout, {**os.environ, **env})
@@ -342,7 +351,9 @@ def main(argv: list[str] | None = None) -> None:
         results = run(
             {
                 "restarts": lambda: restarts(folder, args.steps, args.kills, args.seed, run),
-                "torchrun_restart": lambda: torchrun_restart(folder, args.trials, args.peer_timeout),
+                "torchrun_restart": lambda: torchrun_restart(
+                    folder, args.trials, args.peer_timeout, SMOKE_STORES if args.smoke else None
+                ),
                 "hang": lambda: hang(folder),
                 "killed_launcher": lambda: killed_launcher(folder, args.trials, args.outlive, args.start_within),
             }

@@ -350,8 +350,9 @@ def _bubble_worker(rank: int, world: int, port: int, args: dict, out: str) -> No
     dist.destroy_process_group()
 
 
-def bubble(args: dict) -> dict:
-    """Measured bubble of paratron's one-chunk schedules with the even split and the balanced one."""
+def bubble(args: dict, forked: bool = False) -> dict:
+    """Measured bubble of paratron's one-chunk schedules with the even split and the balanced one
+    (`forked`: ranks as `spawn` forks them for --smoke)."""
     splits: dict[str, dict[str, tuple[int | None, int | None]]] = {}
     sources: dict[str, str] = {}
     for name in args["only"]:
@@ -369,7 +370,7 @@ def bubble(args: dict) -> dict:
     busy, start = busy_seconds(), time.perf_counter()
     if args["steady_malloc"]:
         os.environ.update(STEADY_MALLOC)  # (read by each spawned process's C library at its start)
-    results = spawn(_bubble_worker, args["pp"], dict(args, splits=splits))
+    results = spawn(_bubble_worker, args["pp"], dict(args, splits=splits), forked=forked)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     for run in results["runs"]:
         first, last = splits[run["schedule"]][run["split"]]
@@ -452,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     apply_smoke(args, parser, **SMOKE, warmup=1, quiet_below=1.0)
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "smoke")}
-    results = bubble(settings)
+    results = bubble(settings, forked=args.smoke)
     print(json.dumps({k: v for k, v in results.items() if k != "model"}, indent=2), flush=True)
     print(bubble_table(args.pp, results), flush=True)
     changed = [

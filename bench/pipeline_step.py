@@ -355,8 +355,8 @@ def _step_worker(rank: int, world: int, port: int, args: dict, out: str) -> None
     dist.destroy_process_group()
 
 
-def step(args: dict) -> dict:
-    results = spawn(_step_worker, args["pp"], args)
+def step(args: dict, forked: bool = False) -> dict:
+    results = spawn(_step_worker, args["pp"], args, forked=forked)
     results["model"] = run_settings(args)
     results["timing"] = {
         "rounds": args["rounds"],
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     if uneven and set(args.only) & {"interleaved", "zb-v"}:
         parser.error("--first-layers / --last-layers apply to the one-chunk schedules: add --only 1f1b zb-h1")
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "smoke")}
-    results = step(settings)
+    results = step(settings, forked=args.smoke)
     print(json.dumps({k: v for k, v in results.items() if k != "model"}, indent=2), flush=True)
     print(table(args.pp, results), flush=True)
     if args.smoke:

@@ -4,7 +4,7 @@
     python bench/plan_cpu.py --rounds 1 --steps 3 --only w1 dp2 pp2-1f1b          # a quick look
     python bench/plan_cpu.py --from-json bench/results/plan_cpu.json --output ... # predict again, no training
     python bench/plan_cpu.py --from-json X.json --rounds 2 --output X.json      # two more rounds, then predict
-    python bench/plan_cpu.py --smoke                                              # one step of two layouts
+    python bench/plan_cpu.py --smoke                                              # one step of two 1-process layouts
 
 One small GPT (fp32, mock data; `MODEL` below) is trained with `paratron train --nproc N` in
 each of the layouts of `LAYOUTS` (world 1, 2 and 4 on this machine's cores: data, tensor,
@@ -93,6 +93,10 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "tp2-pp2": (4, {"micro_batch_size": 2, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}),
     "pp4-1f1b": (4, {"micro_batch_size": 2, "pipeline_model_parallel_size": 4, "pipeline_schedule": "1f1b"}),
 }
+
+SMOKE_LAYOUTS = ["w1", "w1-recompute"]
+"""--smoke's layouts: two, for a ranking to compare, of one process each (`paratron train --nproc 2`
+starts three interpreters that each import torch; measuring and predicting run alike at any count)."""
 
 QUIET: dict[str, Any] = {
     "mock_data": True,
@@ -476,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--markdown", type=Path, default=None, help="default: --output with .md")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
-    apply_smoke(args, parser, only=["w1", "dp2"], rounds=1, warmup=1, steps=1, quiet_below=1.0, extra_rounds=0)
+    apply_smoke(args, parser, only=SMOKE_LAYOUTS, rounds=1, warmup=0, steps=1, quiet_below=1.0, extra_rounds=0)
     if args.smoke:
         MODEL.update(SMOKE_SHAPE)
 

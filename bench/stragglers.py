@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         args, parser, layers=2, hidden=64, ffn=256, vocab=256, seq=32, micro_batch_size=2, steps=1, rounds=2, calls=200
     )
     load_before = os.getloadavg()[0]
-    result = spawn(_worker, 2, vars(args) | {"output": str(args.output)})
+    result = spawn(_worker, 2, vars(args) | {"output": str(args.output)}, forked=args.smoke)
     result["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}  # (others' work: a warning sign)
     print(json.dumps(result, indent=2))
     if args.smoke:

@@ -192,8 +192,8 @@ def _step_worker(rank: int, world: int, port: int, rounds: int, steps: int, mode
     dist.destroy_process_group()
 
 
-def step(rounds: int, steps: int, model: dict) -> dict:
-    results = spawn(_step_worker, 2, rounds, steps, model)
+def step(rounds: int, steps: int, model: dict, forked: bool = False) -> dict:
+    results = spawn(_step_worker, 2, rounds, steps, model, forked=forked)
     results["model"] = model | {"precision": PRECISION}
     return results
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         results["memory"] = memory(args.device_gb, (1, 2) if args.smoke else (1, 2, 4, 8))
         print(json.dumps(results["memory"], indent=2), flush=True)
     if args.what in ("step", "all"):
-        results["step"] = step(args.rounds, args.steps, model)
+        results["step"] = step(args.rounds, args.steps, model, forked=args.smoke)
         print(json.dumps({k: v for k, v in results["step"].items() if k != "model"}, indent=2), flush=True)
     if args.output:
         args.output.write_text(json.dumps(results, indent=2))
