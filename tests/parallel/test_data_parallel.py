@@ -70,13 +70,22 @@ def assert_same_norms(ours: list[float], reference: list[float], what: str) -> N
     assert_same_curve(ours, reference, what, rel=1e-4)
 
 
+ZERO_STAGE_RUN = dict(train_iters=STEPS, global_batch_size=16)
+"""The runs every data-parallel size and ZeRO stage is compared on: 16 sequences a step."""
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory) -> tuple[list[float], list[float]]:
+    """The single-process curve and gradient norms of `ZERO_STAGE_RUN`, trained once for every DP size."""
+    run_dir = tmp_path_factory.mktemp("single")
+    return train_losses(str(run_dir), dict(ZERO_STAGE_RUN, micro_batch_size=4)), grad_norms(run_dir)
+
+
 @pytest.mark.parametrize("dp, micro", [(2, 4), (4, 2)])
-def test_every_zero_stage_gives_the_single_process_curve_and_grad_norms(tmp_path, dp, micro):
+def test_every_zero_stage_gives_the_single_process_curve_and_grad_norms(tmp_path, single_process_run, dp, micro):
     """Two micro-batches per rank and step: gradients accumulate before they are synchronised."""
-    common = dict(train_iters=STEPS, global_batch_size=16)
-    reference = train_losses(str(tmp_path / "single"), dict(common, micro_batch_size=4))
-    reference_norms = grad_norms(tmp_path / "single")
-    runs = {name: dict(common, micro_batch_size=micro, **settings) for name, settings in LAYOUTS.items()}
+    reference, reference_norms = single_process_run
+    runs = {name: dict(ZERO_STAGE_RUN, micro_batch_size=micro, **settings) for name, settings in LAYOUTS.items()}
     per_rank = run_ranks(train_curves, dp, str(tmp_path / "dp"), runs)
     assert all(curves == per_rank[0] for curves in per_rank), "ranks disagree on the averaged loss"
     for name, curve in per_rank[0].items():

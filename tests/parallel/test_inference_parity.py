@@ -72,6 +72,12 @@ def models(tmp_path_factory) -> dict[str, str]:
     return {name: str(folder / f"{name}-converted") for name in ("llama", "mixtral")}
 
 
+@pytest.fixture(scope="module")
+def single_device(models) -> dict[str, Results]:
+    """Every model's results on one device, computed once for every layout compared with them."""
+    return {name: engine_results(path, {"one": {}})["one"] for name, path in models.items()}
+
+
 def on_ranks(by_model: dict[str, dict[str, dict]]) -> dict[str, Results]:
     """`engine_results` of every model's layouts, on one process group (one spawn for all)."""
     initialize("gloo")
@@ -81,8 +87,7 @@ def on_ranks(by_model: dict[str, dict[str, dict]]) -> dict[str, Results]:
     return merged
 
 
-def test_two_rank_layouts_equal_one_device(models):
-    single = {name: engine_results(path, {"one": {}})["one"] for name, path in models.items()}
+def test_two_rank_layouts_equal_one_device(models, single_device):
     by_model = {
         models["llama"]: {
             "llama tp2": dict(tensor_model_parallel_size=2),
@@ -93,14 +98,13 @@ def test_two_rank_layouts_equal_one_device(models):
     outcome = run_ranks(on_ranks, 2, by_model)[0]
     assert list(outcome) == ["llama tp2", "llama pp2", "mixtral tp2"]
     for name, ours in outcome.items():
-        assert_same(ours, single[name.split()[0]], name)
+        assert_same(ours, single_device[name.split()[0]], name)
 
 
-def test_tp2_x_pp2_equals_one_device(models):
-    single = engine_results(models["llama"], {"one": {}})["one"]
+def test_tp2_x_pp2_equals_one_device(models, single_device):
     layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     ours = run_ranks(on_ranks, 4, {models["llama"]: {"tp2 x pp2": layout}})[0]["tp2 x pp2"]
-    assert_same(ours, single, "tp2 x pp2")
+    assert_same(ours, single_device["llama"], "tp2 x pp2")
     assert torch.tensor(ours[1][2]).lt(0).all()  # (log-probabilities, not zeros)
 
 

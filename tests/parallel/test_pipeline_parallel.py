@@ -110,9 +110,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-12))
 
 
+def _single_device_step(model_config, batches: list) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The single-device model (seed 7) after one backward of the mean loss of `batches`, and that loss."""
+    from paratron.model.gpt import build_model
+
+    reference = build_model(model_config, seed=7)
+    ref_loss = (
+        sum(
+            torch.nn.functional.cross_entropy(reference(b.input_ids).flatten(0, 1), b.labels.flatten()) for b in batches
+        )
+        / MICRO_BATCHES
+    )
+    ref_loss.backward()
+    return reference, ref_loss
+
+
 def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
     """One step of every schedule and flavour: the loss and every gradient against the
-    single-device model built on this rank. Returns the worst relative error of each case."""
+    single-device model built on this rank. Returns the worst relative error of each case.
+    (Leaves the process group up, for the curves that follow on it.)"""
     import torch.distributed as dist
 
     from paratron.config import build_config
@@ -120,7 +136,7 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
     from paratron.distributed.init import initialize
     from paratron.distributed.topology import Axis, ParallelDims, Topology
     from paratron.model.batch import Batch
-    from paratron.model.gpt import GPT, build_model
+    from paratron.model.gpt import GPT
     from paratron.parallel.parallelize import parallelize
     from paratron.parallel.pipeline.schedules import peak_live_activations
     from paratron.parallel.sharding import gather_full
@@ -128,6 +144,13 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
     ctx = initialize("gloo")
     topology = Topology(ParallelDims(world, tp=tp, pp=pp), ctx.rank)
     topology.create_groups()
+    ids = torch.randint(0, 97, (2 * MICRO_BATCHES, 17), generator=torch.Generator().manual_seed(3))
+    # micro-batches of 16 and 12 tokens: shapes are worked out per micro-batch
+    batches = [
+        Batch(ids[i : i + 2, :length], ids[i : i + 2, 1 : length + 1])
+        for i, length in zip(range(0, 2 * MICRO_BATCHES, 2), (16, 12) * MICRO_BATCHES)
+    ]
+    references: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
     worst: dict[str, float] = {}
     for flavour, model_settings in FLAVOURS.items():
         for case, settings in _layouts(pp):
@@ -146,21 +169,11 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
                     seed=7,
                 )
             )
-            reference = build_model(config.model, seed=7)
-            ids = torch.randint(0, 97, (2 * MICRO_BATCHES, 17), generator=torch.Generator().manual_seed(3))
-            # micro-batches of 16 and 12 tokens: shapes are worked out per micro-batch
-            batches = [
-                Batch(ids[i : i + 2, :length], ids[i : i + 2, 1 : length + 1])
-                for i, length in zip(range(0, 2 * MICRO_BATCHES, 2), (16, 12) * MICRO_BATCHES)
-            ]
-            ref_loss = (
-                sum(
-                    torch.nn.functional.cross_entropy(reference(b.input_ids).flatten(0, 1), b.labels.flatten())
-                    for b in batches
-                )
-                / MICRO_BATCHES
-            )
-            ref_loss.backward()
+            # the single-device model and its step, once per model: the schedules' settings leave it alone
+            model_key = repr(config.model)
+            if model_key not in references:
+                references[model_key] = _single_device_step(config.model, batches)
+            reference, ref_loss = references[model_key]
 
             with torch.device("meta"):
                 meta = GPT(dataclasses.replace(config.model))
@@ -192,19 +205,7 @@ def gradient_parity(world: int, pp: int, tp: int) -> dict[str, float]:
             dist.all_gather_object(names, sorted(held))
             assert set().union(*names) == set(ref_params), f"{key}: parameters missing from every stage"
             worst[key] = max(errors.values())
-    dist.destroy_process_group()
     return worst
-
-
-@pytest.mark.parametrize("pp", [2, 4])
-def test_every_schedule_gives_the_single_device_gradients(pp):
-    worst = run_ranks(gradient_parity, pp, pp, pp, 1)
-    assert len(worst[0]) == 2 * len(_layouts(pp))
-
-
-def test_pipeline_with_tensor_parallelism_gives_the_single_device_gradients():
-    worst = run_ranks(gradient_parity, 4, 4, 2, 2)
-    assert len(worst[0]) == 2 * len(_layouts(2))
 
 
 def train_curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
@@ -215,6 +216,14 @@ def train_curves(run_dir: str, runs: dict[str, dict]) -> dict[str, list[float]]:
     return {
         name: run_training(tiny_config(f"{run_dir}/{name}", **overrides)).losses for name, overrides in runs.items()
     }
+
+
+def gradients_and_curves(
+    world: int, pp: int, tp: int, run_dir: str, runs: dict[str, dict]
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """`gradient_parity`, then the loss curves of `runs`, on one process group: one spawn for both
+    (each rank start costs seconds)."""
+    return gradient_parity(world, pp, tp), train_curves(run_dir, runs)
 
 
 def _curve_settings(flavour: str) -> dict:
@@ -228,27 +237,41 @@ def _curve_settings(flavour: str) -> dict:
     )
 
 
+@pytest.fixture(scope="module")
+def single_device_curves(tmp_path_factory) -> dict[str, list[float]]:
+    """Each flavour's single-device curve, trained once for every test here."""
+    root = str(tmp_path_factory.mktemp("single"))
+    return train_curves(root, {flavour: _curve_settings(flavour) for flavour in FLAVOURS})
+
+
+def assert_curves_equal(curves: dict[str, list[float]], runs: dict[str, dict], reference: dict, layout: str) -> None:
+    """Every run's curve equals its flavour's (the name's first word) single-device curve, step by step."""
+    assert list(curves) == list(runs)
+    for name, curve in curves.items():
+        expected = reference[name.split("-")[0]]
+        assert len(curve) == CURVE_STEPS
+        for step, (ours, ref) in enumerate(zip(curve, expected), start=1):
+            assert abs(ours - ref) <= 1e-5 * abs(ref), f"{name} {layout}: step {step}: {ours} vs {ref}"
+
+
 @pytest.mark.parametrize("pp", [2, 4])
-def test_six_step_loss_curves_equal_single_device(tmp_path, pp):
-    reference = {f: train_curves(str(tmp_path / "single"), {f: _curve_settings(f)})[f] for f in FLAVOURS}
+def test_every_schedule_gives_the_single_device_gradients_and_six_step_curves(tmp_path, single_device_curves, pp):
     runs = {
         f"{flavour}-{case}": dict(_curve_settings(flavour), **settings, pipeline_model_parallel_size=pp)
         for flavour in FLAVOURS
         for case, settings in _layouts(pp)
         if case != "1f1b-shapes-sent"
     }
-    curves = run_ranks(train_curves, pp, str(tmp_path / f"pp{pp}"), runs)[0]
-    for name, curve in curves.items():
-        expected = reference[name.split("-")[0]]
-        assert len(curve) == CURVE_STEPS
-        for step, (ours, ref) in enumerate(zip(curve, expected), start=1):
-            assert abs(ours - ref) <= 1e-5 * abs(ref), f"{name} PP={pp}: step {step}: {ours} vs {ref}"
+    worst, curves = run_ranks(gradients_and_curves, pp, pp, pp, 1, str(tmp_path / f"pp{pp}"), runs)[0]
+    assert len(worst) == 2 * len(_layouts(pp))
+    assert_curves_equal(curves, runs, single_device_curves, f"PP={pp}")
 
 
-def test_pipeline_with_tensor_parallelism_six_step_curve(tmp_path):
-    reference = train_curves(str(tmp_path / "single"), {"llama": _curve_settings("llama")})["llama"]
+def test_pipeline_with_tensor_parallelism_gives_the_single_device_gradients_and_six_step_curves(
+    tmp_path, single_device_curves
+):
     runs = {
-        name: dict(
+        f"llama-{name}": dict(
             _curve_settings("llama"),
             pipeline_model_parallel_size=2,
             tensor_model_parallel_size=2,
@@ -258,11 +281,9 @@ def test_pipeline_with_tensor_parallelism_six_step_curve(tmp_path):
         for name, settings in _layouts(2)
         if name in ("zb-h1", "interleaved")
     }
-    curves = run_ranks(train_curves, 4, str(tmp_path / "pp2-tp2"), runs)[0]
-    for name, curve in curves.items():
-        assert len(curve) == CURVE_STEPS
-        for step, (ours, ref) in enumerate(zip(curve, reference), start=1):
-            assert abs(ours - ref) <= 1e-5 * abs(ref), f"{name} PP2 x TP2: step {step}: {ours} vs {ref}"
+    worst, curves = run_ranks(gradients_and_curves, 4, 4, 2, 2, str(tmp_path / "pp2-tp2"), runs)[0]
+    assert len(worst) == 2 * len(_layouts(2))
+    assert_curves_equal(curves, runs, single_device_curves, "PP2 x TP2")
 
 
 def resume_runs(run_dir: str) -> dict:

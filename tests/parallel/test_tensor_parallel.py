@@ -128,7 +128,8 @@ def test_collectives_by_hand(world):
 
 def model_parity(world: int) -> dict:
     """Every flavour with and without sequence parallelism: initial weights, logits, loss and every
-    gradient against the single-device model built on this rank. Returns the worst relative errors."""
+    gradient against the single-device model built on this rank. Returns the worst relative errors.
+    (Leaves the process group up, for the curves that follow on it.)"""
     from paratron.config import build_config
     from paratron.config.layout import resolve_layout
     from paratron.distributed import comm
@@ -190,7 +191,6 @@ def model_parity(world: int) -> dict:
             for what, error in errors.items():
                 assert error < 1e-5, f"{key} TP={world}: {what} differs by {error:.2e} relative"
             worst[key] = max(errors.values())
-    dist.destroy_process_group()
     return worst
 
 
@@ -225,12 +225,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_logits_and_gradients_equal_the_single_device_model(world):
-    worst = run_ranks(model_parity, world, world)
-    assert set(worst[0]) == {"gpt", "gpt-sp", "llama", "llama-sp", "nemotron", "nemotron-sp"}
-
-
 def train_curve(run_dir: str, overrides: dict) -> list[float]:
     return run_training(tiny_config(run_dir, **overrides)).losses
 
@@ -241,23 +235,41 @@ def train_curves(run_dir: str, runs: list[dict]) -> list[list[float]]:
     return [train_curve(f"{run_dir}/{i}", overrides) for i, overrides in enumerate(runs)]
 
 
+def parity_and_curves(world: int, run_dir: str, runs: list[dict]) -> tuple[dict, list[list[float]]]:
+    """`model_parity`, then the loss curves of `runs`, on one process group: one spawn for both
+    (each rank start costs seconds)."""
+    return model_parity(world), train_curves(run_dir, runs)
+
+
+def _curve_settings(flavour: str) -> dict:
+    return dict(
+        FLAVOURS[flavour],
+        model_name=None,
+        train_iters=CURVE_STEPS,
+        micro_batch_size=4,
+        seq_length=16,
+        hidden_dropout=0.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def single_device_curves(tmp_path_factory) -> dict[str, list[float]]:
+    """Each flavour's single-device curve, trained once for every TP size."""
+    root = tmp_path_factory.mktemp("single")
+    return {flavour: train_curve(str(root / flavour), _curve_settings(flavour)) for flavour in FLAVOURS}
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_six_step_loss_curves_equal_single_device(tmp_path, world):
+def test_logits_gradients_and_six_step_curves_equal_the_single_device_model(tmp_path, single_device_curves, world):
     runs, references = [], []
     for flavour in FLAVOURS:
-        common = dict(
-            FLAVOURS[flavour],
-            model_name=None,
-            train_iters=CURVE_STEPS,
-            micro_batch_size=4,
-            seq_length=16,
-            hidden_dropout=0.0,
-        )
-        reference = train_curve(str(tmp_path / f"single-{flavour}"), common)
         for sequence_parallel in (False, True):
-            runs.append(dict(common, tensor_model_parallel_size=world, sequence_parallel=sequence_parallel))
-            references.append((f"{flavour} TP={world} SP={sequence_parallel}", reference))
-    curves = run_ranks(train_curves, world, str(tmp_path / "tp"), runs)[0]
+            runs.append(
+                dict(_curve_settings(flavour), tensor_model_parallel_size=world, sequence_parallel=sequence_parallel)
+            )
+            references.append((f"{flavour} TP={world} SP={sequence_parallel}", single_device_curves[flavour]))
+    worst, curves = run_ranks(parity_and_curves, world, world, str(tmp_path / "tp"), runs)[0]
+    assert set(worst) == {"gpt", "gpt-sp", "llama", "llama-sp", "nemotron", "nemotron-sp"}
     for ours, (what, reference) in zip(curves, references, strict=True):
         assert len(ours) == CURVE_STEPS
         for step, (a, b) in enumerate(zip(ours, reference), start=1):
