@@ -40,7 +40,7 @@ test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -q -m "not spawns"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not spawns"
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check src tests bench scripts
