@@ -168,18 +168,23 @@ def test_use_checkpoint_args_is_accepted_and_the_checkpoint_wins(llama, capsys):
 def test_megatron_lm_tokenizer_settings_serve_a_run_that_names_none():
     args = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "/data/tok", "vocab_file": None}
     saved = SavedModel("the checkpoint m", dataclasses.asdict(ModelConfig()), megatron_tokenizer(args))
-    resolved = resolve_settings({"data_path": ["d"]}, saved=saved)
+    resolved = resolve_settings({"data_path": ["d"], "load": "m"}, read_checkpoint=lambda _: saved)
     assert (resolved.config.data.tokenizer_type, resolved.config.data.tokenizer_model) == (
         "HuggingFaceTokenizer",
         "/data/tok",
     )
     assert resolved.origins["tokenizer_model"] == "the checkpoint m"
-    named = resolve_settings({"data_path": ["d"], "tokenizer_type": "NullTokenizer"}, saved=saved).config.data
+    named = resolve_settings(
+        {"data_path": ["d"], "tokenizer_type": "NullTokenizer", "load": "m"}, read_checkpoint=lambda _: saved
+    ).config.data
     assert (named.tokenizer_type, named.tokenizer_model) == ("NullTokenizer", None)
-    assert resolve_settings({"mock_data": True}, saved=saved).config.data.tokenizer_type is None
+    assert (
+        resolve_settings({"mock_data": True, "load": "m"}, read_checkpoint=lambda _: saved).config.data.tokenizer_type
+        is None
+    )
     odd = SavedModel("the checkpoint m", saved.model, {"tokenizer_type": "MultimodalTokenizer"})
     with pytest.raises(ConfigError, match="trained with Megatron-LM's MultimodalTokenizer, which paratron does not"):
-        resolve_settings({"data_path": ["d"]}, saved=odd)
+        resolve_settings({"data_path": ["d"], "load": "m"}, read_checkpoint=lambda _: odd)
 
 
 def test_a_data_source_on_the_command_line_replaces_the_recipes():
@@ -249,8 +254,13 @@ def test_a_null_tokenizers_id_count_is_not_the_checkpoints_vocabulary():
     --vocab-size V, and neither contradicts the other; without --vocab-size the run is asked for it."""
     saved = SavedModel("the checkpoint m", dataclasses.asdict(ModelConfig(vocab_size=101)))
     data = {"data_path": ["d"], "tokenizer_type": "NullTokenizer"}
-    assert resolve_settings({**data, "vocab_size": 100}, saved=saved).config.model.vocab_size == 100
-    unsized = resolve_settings(data, saved=saved).config
+    assert (
+        resolve_settings(
+            {**data, "vocab_size": 100, "load": "m"}, read_checkpoint=lambda _: saved
+        ).config.model.vocab_size
+        == 100
+    )
+    unsized = resolve_settings({**data, "load": "m"}, read_checkpoint=lambda _: saved).config
     with pytest.raises(ConfigError, match="--tokenizer-type NullTokenizer needs --vocab-size"):
         validate(unsized, 1, check_data=True)
 

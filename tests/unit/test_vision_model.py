@@ -130,7 +130,9 @@ def test_throughput_counts_the_encoders_flops(tmp_path):
 def test_a_run_that_loads_a_checkpoint_freezes_what_its_own_flags_say():
     stage_one = ModelConfig(**TINY, vision_model="debug-vit", freeze_vision_model=True, freeze_language_model=True)
     saved = SavedModel("the checkpoint S1", settings_of(stage_one))
-    stage_two = resolve_settings({"freeze_vision_model": True}, saved=saved).config.model
+    stage_two = resolve_settings(
+        {"freeze_vision_model": True, "load": "S1"}, read_checkpoint=lambda _: saved
+    ).config.model
     assert stage_two.freeze_vision_model and not stage_two.freeze_language_model
     assert (
         stage_two.vision_model == "debug-vit" and stage_two.hidden_size == 32

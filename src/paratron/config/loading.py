@@ -172,14 +172,13 @@ The checkpoint layer reads it: this one imports nothing of it."""
 def resolve_settings(
     overrides: dict[str, Any] | None = None,
     recipe: str | None = None,
-    saved: SavedModel | None = None,
-    checkpoint_wins: bool = False,
     *,
     read_checkpoint: CheckpointReader | None = None,
+    checkpoint_wins: bool = False,
     given: Collection[str] = (),
 ) -> Resolution:
-    """The run's settings in one pass, lowest precedence first: defaults < the checkpoint it loads (`saved`, or what
-    `read_checkpoint` reads of the one --load names) < --model's preset < the recipe < the command line
+    """The run's settings in one pass, lowest precedence first: defaults < the checkpoint --load names (what
+    `read_checkpoint` reads of it) < --model's preset < the recipe < the command line
     (`overrides`). A data source on the command line replaces the recipe's; settings of `given` (those set on the
     command line) that Megatron-LM ignores in the result (`megatron.ignored_like_megatron`: --num-query-groups without
     --group-query-attention) are taken as not given, so that they fall back to the checkpoint's, the preset's, the
@@ -189,13 +188,12 @@ def resolve_settings(
     from_yaml = read_yaml(find_recipe(recipe)) if recipe else {}
     if any(overrides.get(name) for name in DATA_SOURCES):
         from_yaml = {name: value for name, value in from_yaml.items() if name not in DATA_SOURCES}
-    if read_checkpoint is not None:
-        naming = {**from_yaml, **overrides}
-        if checkpoint_wins and not naming.get("load"):
-            raise ConfigError("--use-checkpoint-args takes the model's settings from the checkpoint: add --load CKPT")
-        saved = read_checkpoint(naming) if naming.get("load") else None
-        if saved is not None and saved.folder is not None:  # (a converted copy is what the run loads)
-            overrides["load"] = saved.folder
+    naming = {**from_yaml, **overrides}  # (the settings that name the checkpoint)
+    if checkpoint_wins and not naming.get("load"):
+        raise ConfigError("--use-checkpoint-args takes the model's settings from the checkpoint: add --load CKPT")
+    saved = read_checkpoint(naming) if read_checkpoint is not None and naming.get("load") else None
+    if saved is not None and saved.folder is not None:  # (a converted copy is what the run loads)
+        overrides["load"] = saved.folder
     model_name = overrides.get("model_name", from_yaml.get("model_name"))
     named_by = (
         f"--model {model_name}" if "model_name" in overrides else f"model_name {model_name} in the recipe {recipe}"
