@@ -2,7 +2,7 @@
 
 The count follows the tensors autograd saves, each storage once, as `--log-memory`'s meter
 (`training/memory_report.py`) sees them; docs/memory.md derives each term and docs/planning.md gives
-the measured error. A layer is priced from its kinds (`planning.layers`): each kind declares what it saves for one
+the measured error. A layer is priced from its kinds (`planning.layer_terms`): each kind declares what it saves for one
 rank's share of a micro-batch (`LayerKind.activation_bytes`: attention, gated attention, the MLP, the mixture of
 experts, each with its output dropout's mask), and each residual sublayer adds its norm here (a Transformer block
 two, a --hybrid-layer-pattern layer one). Per token of a micro-batch on this rank (n = micro-batch x sequence / CP
@@ -49,7 +49,7 @@ from paratron.model.transformer import attention_kind
 from paratron.model.vision import encoder_layer_config
 from paratron.parallel.pipeline.schedules import stage_of
 from paratron.parallel.tensor.layers import padded_vocab_size
-from paratron.planning.layers import WIDTHS, LayerKinds, computed_keys, distinct_layers, model_layer_kinds
+from paratron.planning.layer_terms import WIDTHS, LayerKinds, computed_keys, distinct_layers, model_layer_kinds
 from paratron.planning.live import schedule_peak
 from paratron.planning.vision import images_per_micro_batch
 from paratron.training.flops import attended_keys

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from paratron.config.layout import layer_counts
 from paratron.config.schema import Config
-from paratron.planning.layers import layer_works, model_layer_kinds, work_share
+from paratron.planning.layer_terms import layer_works, model_layer_kinds, work_share
 from paratron.planning.vision import images_per_micro_batch, vision_work
 
 MAX_MICRO_BATCH = 16

@@ -43,7 +43,7 @@ from paratron.planning.activations import (
     grad_width,
     rank_model_stages,
 )
-from paratron.planning.layers import LayerKinds, StageKinds, model_layer_kinds, stage_kinds
+from paratron.planning.layer_terms import LayerKinds, StageKinds, model_layer_kinds, stage_kinds
 
 CATEGORIES = ("parameters", "gradients", "master", "optimizer_state", "activations", "buffers")
 

@@ -6,7 +6,7 @@ what follows it (the data-parallel tail, the optimizer step); this module is the
 arithmetic of FLOPs and message bytes.
 
 Each operation costs its compute (FLOPs at `Hardware.flops`, each layer's summed from what its kinds declare,
-`LayerKind.forward_work` through `planning.layers`: matmuls / TP, attention scores over the keys each query
+`LayerKind.forward_work` through `planning.layer_terms`: matmuls / TP, attention scores over the keys each query
 computes / (TP x CP); the output layer and loss on the last stage; recomputation repeats forward work in B; a vision
 model's encoder and projector on the first stage, forward only where the encoder is frozen) plus the communication
 it cannot hide:
@@ -49,7 +49,7 @@ from paratron.planning.hardware import (
     p2p_time,
     reduce_scatter_time,
 )
-from paratron.planning.layers import (
+from paratron.planning.layer_terms import (
     LayerKinds,
     LayerWork,
     StageKinds,
