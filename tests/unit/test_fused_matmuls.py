@@ -4,15 +4,22 @@ unchanged; layers with hooks or of other kinds still called themselves."""
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratron.inference.loading import keep_projections_stacked
-from paratron.model.fused_linear import StackedLinears, linears
+from paratron.inference.loading import FewRowLinear, keep_projections_stacked, use_few_row_linears
+from paratron.model import fused_linear
+from paratron.model.fused_linear import FewRowChoices, StackedLinears, few_row_linear, linears
+from paratron.model.gpt import build_model
 from paratron.model.lora import LoRALinear
 from paratron.model.mlp import Projections
+
+from tiny import tiny_config
 
 WIDTHS = {"q": 24, "k": 8, "v": 8}
 
@@ -161,3 +168,75 @@ def test_weights_laid_out_for_inference_are_read_without_a_copy_and_follow_their
     laid_out = _outputs_and_grads(projections, batch, stacked=True)
     for got, want in zip(laid_out, _outputs_and_grads(separate, batch, stacked=True), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _Timed(FewRowChoices):
+    """Choices whose measurements are given: each `_seconds` call takes the next of `times` and is counted."""
+
+    def __init__(self, times: list[float]) -> None:
+        super().__init__()
+        self.times, self.measured = iter(times), 0
+
+    def _seconds(self, run) -> float:
+        run()
+        self.measured += 1
+        return next(self.times)
+
+
+def test_few_rows_are_measured_once_per_shape_and_power_of_two_and_keep_their_values(monkeypatch):
+    """Inference's linear maps of a few rows: both ways measured the first time a (weight shape, rows rounded up to a
+    power of two) is met, the transposed way kept only when clearly faster; its values are F.linear's up to the
+    order of the sums; one row, many rows, autograd and deterministic runs never ask."""
+    weight, bias = torch.randn(48, 16), torch.randn(48)
+    # plain 1.0 s against transposed 0.5 s (taken), then 1.0 against 0.95 (within the margin: plain kept)
+    choices = _Timed([1.0, 0.5, 1.0, 0.95])
+    monkeypatch.setattr(fused_linear, "FEW_ROWS", choices)
+    turned = []
+    product = fused_linear._transposed_product
+    monkeypatch.setattr(fused_linear, "_transposed_product", lambda x, w: turned.append(x.size(0)) or product(x, w))
+    with torch.no_grad():
+        for rows in (3, 4, 1, 65, 5, 8):
+            x = torch.randn(1, rows, 16)
+            torch.testing.assert_close(few_row_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert choices.measured == 4  # rows 3 (bucket 4, both ways) and 5 (bucket 8); 4 and 8 reuse them
+    assert choices.transposed == {(48, 16, torch.float32, 4): True, (48, 16, torch.float32, 8): False}
+    assert turned == [3, 3, 4, 5]  # (rows 3's measurement, rows 3 and 4, rows 5's measurement: plain kept)
+    x = torch.randn(3, 16)
+    few_row_linear(x, weight, bias)  # autograd on: F.linear
+    with torch.no_grad(), deterministic():
+        few_row_linear(x, weight, bias)
+    assert turned == [3, 3, 4, 5]
+
+
+@contextlib.contextmanager
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_an_engine_s_own_model_computes_its_linear_layers_by_few_rows_and_stays_tied(monkeypatch):
+    """`use_few_row_linears`: every plain linear layer outside the stacked projections becomes a `FewRowLinear`
+    (the same module and parameters: the tied output layer still shares the embedding), and the model's outputs
+    are the same with every few-row matmul computed transposed."""
+
+    class Always(FewRowChoices):
+        def use_transposed(self, flat, weight) -> bool:
+            return True
+
+    config = tiny_config(Path("unused"), untie_embeddings_and_output_weights=False).model
+    model = build_model(config).eval()
+    reference = build_model(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 5))
+    names = dict(model.named_parameters())
+    use_few_row_linears(model)
+    assert dict(model.named_parameters()) == names
+    assert isinstance(model.output, FewRowLinear) and model.output.weight is model.embedding.weight
+    for layer in model.layers:
+        assert isinstance(layer.attention.out_proj, FewRowLinear) and isinstance(layer.mlp.out_proj, FewRowLinear)
+        assert all(type(child) is nn.Linear for child in layer.attention.in_proj.values())
+    monkeypatch.setattr(fused_linear, "FEW_ROWS", Always())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-5)

@@ -21,6 +21,8 @@ from paratron.inference.loading import engine_for_model, open_engine
 from paratron.inference.params import RequestError, SamplingParams
 from paratron.inference.sampling import apply_penalties, filtered
 from paratron.inference.text import IncrementalText
+from paratron.model import fused_linear
+from paratron.model.fused_linear import FewRowChoices
 
 from tiny import save_random_hf_model
 
@@ -108,6 +110,30 @@ def test_prompt_and_token_logprobs_equal_transformers(llama):
         reference = torch.log_softmax(logits[0].float(), dim=-1)
         assert entry.token_id == token and entry.logprob == pytest.approx(reference[token].item(), abs=1e-4)
         assert entry.top[0][0] == token and len(entry.top) == 2
+
+
+def test_an_engine_that_owns_its_model_decodes_few_rows_its_way_with_the_same_results(llama, monkeypatch):
+    """`paratron generate`'s engine owns its model: stacked weights in one storage, the linear layers computing a
+    decoding step's few rows the faster way (here forced to the transposed way everywhere). Tokens and
+    log-probabilities are those of an engine that leaves the model as it is, and transformers' tokens."""
+
+    class Always(FewRowChoices):
+        def use_transposed(self, flat, weight) -> bool:
+            return True
+
+    hf, model, folder = llama
+    monkeypatch.setattr(fused_linear, "FEW_ROWS", Always())
+    owned = engine_for_model(
+        load_pretrained(folder / "converted"), None, InferenceConfig(kv_cache_tokens=512), owns_model=True
+    )
+    params = SamplingParams(max_tokens=8, logprobs=2)
+    ours, theirs = owned.generate(prompts(), params), engine(model).generate(prompts(), params)
+    for prompt, mine, other in zip(prompts(), ours, theirs):
+        got, want = mine.completions[0], other.completions[0]
+        assert got.token_ids == want.token_ids
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert got.token_ids == expected[0, len(prompt) :].tolist()
+        assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(llama):

@@ -36,7 +36,7 @@ from paratron.inference.engine import Engine
 from paratron.inference.kv_cache import PagedKVCache, bytes_per_token
 from paratron.inference.paged_attention import key_value_kinds
 from paratron.inference.runner import ModelRunner, ReplicaGroups
-from paratron.model.fused_linear import lay_out_stacked
+from paratron.model.fused_linear import few_row_linear, lay_out_stacked
 from paratron.model.gpt import GPT
 from paratron.model.mlp import Projections
 from paratron.parallel.model import ParallelModel
@@ -130,11 +130,13 @@ def engine_for_model(
     """An engine over a model already built: a single-device `GPT`, or this rank's part of a training run's
     `ParallelModel` (with its `topology`; each data-parallel replica runs its own engine). `progress` is called at
     every step and keep-alive, on every rank (`ModelRunner`). `owns_model`: nothing but inference will use the
-    model, so its weights may be laid out for it (`keep_projections_stacked`)."""
+    model, so its weights may be laid out for it (`keep_projections_stacked`) and its linear layers compute a
+    decoding step's few rows the faster way (`use_few_row_linears`)."""
     module = model.module if isinstance(model, ParallelModel) else model
     assert isinstance(module, GPT)
     if owns_model:
         keep_projections_stacked(module)
+        use_few_row_linears(module)
     groups = _groups(topology) if topology is not None else ReplicaGroups.single()
     dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
     return _engine(module, module.config, tokenizer, settings, groups, dtype, model_name, progress)
@@ -152,6 +154,25 @@ def keep_projections_stacked(model: torch.nn.Module) -> None:
                 params = [getattr(layer, name, None) for layer in layers]
                 if all(isinstance(p, torch.Tensor) for p in params):
                     lay_out_stacked(params)
+
+
+class FewRowLinear(torch.nn.Linear):
+    """A linear layer of a model only inference uses: `few_row_linear`, which computes the few rows of a decoding
+    step the way the CPU runs faster (the same values up to the order of the sums)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return few_row_linear(x, self.weight, self.bias)
+
+
+def use_few_row_linears(model: torch.nn.Module) -> None:
+    """Every plain linear layer of `model` outside the stacked projections (which compute their own way) a
+    `FewRowLinear`: the same module, retyped, so that its parameters stay its own (a tied output layer tied)."""
+    for module in model.modules():
+        if isinstance(module, (Projections, ColumnParallelProjections)):
+            continue
+        for child in module.children():
+            if type(child) is torch.nn.Linear and not (child._forward_hooks or child._forward_pre_hooks):
+                child.__class__ = FewRowLinear
 
 
 def _groups(topology: Topology) -> ReplicaGroups:

@@ -11,6 +11,11 @@ An engine that owns its model lays each group's weights out one after another in
 (`lay_out_stacked`): the concatenation is then a view, free, which a one-token decoding step would
 otherwise pay in full for every layer. The parameters stay the same objects with the same values.
 
+Outside autograd, a CPU computes a linear map of a few rows (a decoding step's: one per sequence) up to twice as
+fast as (W x^T)^T for some weight shapes and row counts (the BLAS splits W's rows over the threads, where x W^T of a
+few rows may run on one), and slower for others: `few_row_linear` measures both once per weight shape and power of
+two of rows (`FewRowChoices`) and keeps the faster.
+
 Only the individual weights are kept for backward (not their concatenation, which would hold a
 second copy of the weights until then); backward concatenates them again. The same arithmetic
 serves the tensor-parallel twin (`parallel/tensor/layers.py`), which adds its collectives around it.
@@ -19,7 +24,8 @@ serves the tensor-parallel twin (`parallel/tensor/layers.py`), which adds its co
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -99,15 +105,88 @@ def lay_out_stacked(params: Sequence[torch.Tensor]) -> None:
         start += param.size(0)
 
 
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""x, W, b -> x W^T + b."""
+
+
+class FewRowChoices:
+    """For each (weight shape, type, power of two of rows up to `MOST_ROWS`): whether a CPU computes x W^T + b
+    faster as (W x^T)^T + b. Measured the first time each is met (best of `TRIES` calls each way, the transposed
+    way chosen only when `MARGIN` faster), then remembered for the process: the same machine, the same answer."""
+
+    MOST_ROWS = 64
+    TRIES = 3
+    MARGIN = 0.9
+
+    def __init__(self) -> None:
+        self.transposed: dict[tuple[int, int, torch.dtype, int], bool] = {}
+
+    def use_transposed(self, flat: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `flat` [rows, in] times `weight` [out, in] runs faster transposed (measuring it if not known)."""
+        rows = flat.size(0)
+        if not 1 < rows <= self.MOST_ROWS:
+            return False
+        key = (weight.size(0), weight.size(1), weight.dtype, 1 << (rows - 1).bit_length())
+        choice = self.transposed.get(key)
+        if choice is None:
+            plain = self._seconds(lambda: F.linear(flat, weight))
+            turned = self._seconds(lambda: _transposed_product(flat, weight))
+            choice = self.transposed[key] = turned < self.MARGIN * plain
+        return choice
+
+    def _seconds(self, run: Callable[[], torch.Tensor]) -> float:
+        run()  # (warm: the first call of a shape allocates)
+        best = float("inf")
+        for _ in range(self.TRIES):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+
+FEW_ROWS = FewRowChoices()
+"""The process's measured choices (one machine: like cuDNN's benchmark cache, kept for the process's life)."""
+
+
+def _transposed_product(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.mm(weight, flat.t()).t().contiguous()
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for inference (no autograd): a few rows on the CPU the faster way `FEW_ROWS` measured, the same
+    values up to the order of the sums; everything else, and every run that asks for deterministic algorithms,
+    F.linear's."""
+    rows = x.numel() // max(x.size(-1), 1)
+    if (
+        not 1 < rows <= FewRowChoices.MOST_ROWS  # (first: a batch-1 decoding step's every call stops here)
+        or x.device.type != "cpu"
+        or torch.is_grad_enabled()
+        or torch.are_deterministic_algorithms_enabled()
+        or torch.compiler.is_compiling()
+        or x.dtype != weight.dtype
+    ):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.size(-1))
+    if not FEW_ROWS.use_transposed(flat, weight):
+        return F.linear(x, weight, bias)
+    out = _transposed_product(flat, weight)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.size(0))
+
+
 def stacked_linear(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    linear: LinearFn = F.linear,
 ) -> torch.Tensor:
     """[x W_1^T + b_1, x W_2^T + b_2, ...] side by side in the last dimension, as one matmul over the
-    weights' rows (a missing bias adds zeros to its rows only: x + 0 is x)."""
+    weights' rows (a missing bias adds zeros to its rows only: x + 0 is x); by `linear` (inference: few_row_linear)."""
     bias = None
     if any(b is not None for b in biases):
         bias = _rows([b if b is not None else w.new_zeros(w.size(0)) for w, b in zip(weights, biases)])
-    return F.linear(x, _rows(weights), bias)
+    return linear(x, _rows(weights), bias)
 
 
 def stacked_input_grad(grad: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -175,8 +254,8 @@ def linears(x: torch.Tensor, weights_and_biases: Sequence[torch.Tensor | None]) 
         return StackedLinears.apply(x, *weights_and_biases)
     dtype = matmul_dtype(x)
     if dtype == x.dtype and all(p is None or p.dtype == dtype for p in weights_and_biases):
-        return stacked_linear(x, weights_and_biases[0::2], weights_and_biases[1::2])
+        return stacked_linear(x, weights_and_biases[0::2], weights_and_biases[1::2], few_row_linear)
     weights = [w.to(dtype) for w in weights_and_biases[0::2]]
     biases = [b.to(dtype) if b is not None else None for b in weights_and_biases[1::2]]
     with autocast_off(x):
-        return stacked_linear(x.to(dtype), weights, biases)
+        return stacked_linear(x.to(dtype), weights, biases, few_row_linear)
