@@ -133,19 +133,6 @@ REMOVED: dict[str, dict[str, tuple[str, str, str | None]]] = {
     "deepseek_proxy_fsdp_ep2_fsdp2": {
         "--fp8-format": (_HARDWARE, "--fp8-format e4m3 runs inside bf16 training (this run is fp32)", None),
         "--fp8-param-gather": (_HARDWARE, _GATHER_ALONE, None),
-        "--multi-latent-attention": (
-            "multi-latent attention is not implemented",
-            "--multi-latent-attention: Megatron-LM's flag is not supported: multi-latent attention is not implemented",
-            None,
-        ),
-        **{
-            flag: ("multi-latent attention is not implemented", "multi-latent attention is not implemented", None)
-            for flag in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
-        },
-        **{
-            flag: ("YaRN scaling of multi-latent attention", "YaRN rotary scaling is not implemented", None)
-            for flag in ("--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
-        },
         "--outer-dp-sharding-strategy": ("hybrid FSDP is not implemented", "hybrid sharding", None),
         "--moe-router-group-topk": ("group-limited routing", "group-limited routing is not implemented", None),
         "--moe-router-num-groups": ("group-limited routing", "group-limited routing is not implemented", None),
@@ -231,6 +218,11 @@ def test_megatron_mains_scripts_are_accepted_but_for_what_is_named(name, tmp_pat
         assert config.training.global_batch_size == 8
     if name == "deepseek_proxy_fsdp_ep2_fsdp2":
         assert (config.model.num_experts, config.parallel.expert_model_parallel_size, layout.dp) == (4, 2, 4)
+        assert (config.model.multi_latent_attention, config.model.q_lora_rank, config.model.rope_type) == (
+            True,
+            32,
+            "yarn",
+        )
         assert config.checkpoint.ckpt_format == "fsdp_dtensor"
 
 

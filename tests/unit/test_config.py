@@ -104,7 +104,7 @@ def test_data_parallel_flags():
     "argv, expected",
     [
         (["--fp8-margin", "0"], "--fp8-margin: Megatron-LM's flag is not supported: paratron's fp8 training is"),
-        (["--multi-latent-attention"], "--multi-latent-attention: Megatron-LM's flag is not supported: multi-latent"),
+        (["--linear-attention-freq", "4"], "--linear-attention-freq: Megatron-LM's flag is not supported: linear-"),
         (["--use-mup"], "--use-mup: Megatron-LM's flag is not supported: muP is not implemented"),
         (["--use-dist-ckpt"], "--use-dist-ckpt is a Megatron-LM flag that paratron does not implement; remove it"),
         (["--biencoder-projection-dim", "8"], "--biencoder-projection-dim is a Megatron-LM flag that paratron does"),

@@ -79,7 +79,8 @@ def test_the_distributed_optimizer_flag_folds_into_the_zero_stage(argv, stage):
 
 def test_derived_settings_follow_a_change_of_what_they_come_from():
     model = ModelConfig(hidden_size=64, num_attention_heads=4, activation="swiglu")
-    assert model.derived == frozenset({"ffn_hidden_size", "num_query_groups", "kv_channels"})
+    assert model.derived == frozenset({"ffn_hidden_size", "num_query_groups", "kv_channels", "rope_type"})
+    assert (model.rope_type, model.with_changes(multi_latent_attention=True).rope_type) == ("rope", "yarn")
     wider = model.with_changes(hidden_size=128, num_attention_heads=8)
     assert (wider.ffn_hidden_size, wider.num_query_groups, wider.kv_channels) == (320, 8, 16)
     assert model.with_changes(hidden_size=128, ffn_hidden_size=100).ffn_hidden_size == 100

@@ -16,7 +16,8 @@ from paratron.model import fused_ops
 from paratron.model.fused_ops import FusibleOp, fusion_wanted
 from paratron.model.gpt import GPT
 from paratron.model.mlp import _swiglu
-from paratron.model.transformer import _rms_norm, _rotate, rotary_cos_sin
+from paratron.model.norms import _rms_norm
+from paratron.model.rotary import _rotate, rotary_cos_sin
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 

@@ -28,7 +28,6 @@ from paratron.config.fields import all_fields
 from paratron.config.megatron_recent import (
     FP8_REASON,
     LINEAR_REASON,
-    MLA_REASON,
     RECENT_ACCEPTED,
     RECENT_REFUSED,
     Accepted,
@@ -81,6 +80,9 @@ RENAMES: dict[str, str] = {
     "--freeze-ViT": "freeze_vision_model",  # (Megatron-LM's examples/multimodal)
     "--freeze-LM": "freeze_language_model",
     "--hybrid-override-pattern": "hybrid_layer_pattern",  # (Megatron-LM's older spelling)
+    "--yarn-original-max-position-embeddings": "original_max_position_embeddings",  # (megatron-core's name)
+    "--yarn-beta-fast": "beta_fast",
+    "--yarn-beta-slow": "beta_slow",
 }
 """Other spellings of a setting's flag (Megatron-LM's own included)."""
 
@@ -266,7 +268,7 @@ ACCEPTED: dict[str, Accepted] = {
 """Megatron-LM flags accepted because they cannot change what paratron computes."""
 
 
-_FP8, _MLA, _LINEAR = FP8_REASON, MLA_REASON, LINEAR_REASON
+_FP8, _LINEAR = FP8_REASON, LINEAR_REASON
 
 REFUSED: dict[str, Refused] = {
     "fp8-amax-history-len": Refused("fp8 amax history length.", _FP8),
@@ -274,12 +276,6 @@ REFUSED: dict[str, Refused] = {
     "fp8-margin": Refused("fp8 scaling margin.", _FP8),
     "first-last-layers-bf16": Refused("Keep the first and last layers in bf16 under fp8.", _FP8),
     "fp4": Refused("Train in fp4.", "paratron has no fp4 training; train in --bf16"),
-    "multi-latent-attention": Refused("DeepSeek's multi-latent attention.", _MLA),
-    "q-lora-rank": Refused("Multi-latent attention: query compression rank.", _MLA),
-    "kv-lora-rank": Refused("Multi-latent attention: key/value compression rank.", _MLA),
-    "qk-head-dim": Refused("Multi-latent attention: query/key head width.", _MLA),
-    "qk-pos-emb-head-dim": Refused("Multi-latent attention: rotary part of the query/key head.", _MLA),
-    "v-head-dim": Refused("Multi-latent attention: value head width.", _MLA),
     "experimental-attention-variant": Refused("An experimental attention (gated delta net, DSA).", _LINEAR),
     "linear-attention-freq": Refused("Which layers use linear attention.", _LINEAR),
     "linear-conv-kernel-dim": Refused("Linear attention: convolution width.", _LINEAR),

@@ -59,6 +59,10 @@ RECENT_ACCEPTED: dict[str, Accepted] = {
     "use-transformer-engine-op-fuser": Accepted("Let Transformer Engine fuse operations.", _KERNEL + "."),
     "use-grouped-gemm-for-shared-expert": Accepted("Run the shared expert as a one-group grouped GEMM.", _KERNEL + "."),
     "use-grouped-gemm-for-dense-mlp": Accepted("Run the dense MLP as a one-group grouped GEMM.", _KERNEL + "."),
+    "mla-down-proj-fusion": Accepted("Fuse multi-latent attention's down-projections and input norm.", _KERNEL + "."),
+    "yarn-correction-range-round-to-int": Accepted(
+        "YaRN: round the correction range's ends to whole features (Megatron-LM's default).", "paratron always does."
+    ),
     "moe-use-grouped-tensor": Accepted("Transformer Engine's GroupedTensor path for grouped GEMMs.", _KERNEL + "."),
     "moe-single-grouped-weight": Accepted("Store the experts' weights as one grouped parameter.", _KERNEL + "."),
     "moe-single-grouped-bias": Accepted("Store the experts' biases as one grouped parameter.", _KERNEL + "."),
@@ -159,7 +163,6 @@ RECENT_ACCEPTED: dict[str, Accepted] = {
 FP8_REASON = (
     "paratron's fp8 training is torchao's float8 layers (--fp8-format, --fp8-recipe), which have no such setting"
 )
-MLA_REASON = "multi-latent attention is not implemented; use grouped-query attention (--group-query-attention)"
 _DSA = "DeepSeek sparse attention (DSA) is not implemented; see docs/attention.md for the attentions paratron has"
 LINEAR_REASON = "linear-attention layers are not implemented; see docs/attention.md for the attentions paratron has"
 _MTP = "multi-token prediction is not implemented; paratron trains the next-token loss only"
@@ -177,7 +180,7 @@ _RL = "reinforcement learning is not implemented"
 _DISTILL = "logit distillation (saving and training on a teacher's logits) is not implemented"
 _FAULTS = "use --fault-inject RANK:STEP:nan|crash|hang|slow to inject faults"
 _TRACE = "router decision traces are not written; metrics.jsonl records each step's MoE load balance"
-_YARN = "YaRN rotary scaling is not implemented"
+_YARN = "paratron's YaRN rounds the correction range's ends to whole features (Megatron-LM's and transformers' default)"
 _GROUPED = "group-limited routing is not implemented; every token may reach every expert (--moe-router-topk)"
 _GLU = "paratron keeps the gate and up projections of a GLU apart; a block-interleaved layout is not implemented"
 
@@ -195,7 +198,6 @@ RECENT_REFUSED: dict[str, Refused] = {
         "Precision of the output layer's GEMM (bf16 or fp32).",
         "the output layer's precision is not selectable; it computes in the training precision",
     ),
-    "mla-down-proj-fusion": Refused("Multi-latent attention: fused down-projections.", MLA_REASON),
     "dsa-indexer-topk-freq": Refused("DSA: layers between top-k computations of the indexer.", _DSA),
     "dsa-indexer-skip-topk-offset": Refused("DSA: layer offset of shared top-k.", _DSA),
     "dsa-kernel-backend": Refused("DSA: fused kernel backend.", _DSA),
@@ -314,11 +316,7 @@ RECENT_REFUSED: dict[str, Refused] = {
     "validation-set-names": Refused(
         "Names of several validation sets.", "several validation sets (--multiple-validation-sets) are not implemented"
     ),
-    "yarn-original-max-position-embeddings": Refused("YaRN: original context length.", _YARN),
-    "yarn-beta-fast": Refused("YaRN: beta fast.", _YARN),
-    "yarn-beta-slow": Refused("YaRN: beta slow.", _YARN),
-    "yarn-correction-range-round-to-int": Refused("YaRN: round the correction range.", _YARN),
-    "no-yarn-correction-range-round-to-int": Refused("YaRN: do not round it.", _YARN),
+    "no-yarn-correction-range-round-to-int": Refused("YaRN: do not round the correction range.", _YARN),
     "num-speculative-tokens": Refused("Speculative tokens per decoding step.", _INFERENCE),
     "use-same-sampling-seed-across-dp-ranks": Refused("One sampling seed on every data-parallel rank.", _INFERENCE),
     "inference-shards": Refused("Split the world into several inference models.", _INFERENCE),
@@ -339,9 +337,6 @@ RECENT_REFUSED: dict[str, Refused] = {
     ),
     "moe-router-group-topk": Refused("Device-limited routing: groups each token may use.", _GROUPED),
     "moe-router-num-groups": Refused("Device-limited routing: groups the experts form.", _GROUPED),
-    "rotary-scaling-factor": Refused("YaRN: rotary scaling factor (multi-latent attention).", _YARN),
-    "mscale": Refused("YaRN: attention scale (multi-latent attention).", _YARN),
-    "mscale-all-dim": Refused("YaRN: attention scale over all dimensions (multi-latent attention).", _YARN),
 }
 """Flags new since megatron-core 0.16.1 of features paratron does not have, with the reason."""
 

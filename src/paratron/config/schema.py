@@ -152,6 +152,64 @@ class ModelConfig(VisionSettings):
     """Gate the attention output feature by feature with a sigmoid of the layer's input, before the output projection
     (the full-attention layers of Qwen3-Next): a fourth input projection beside the queries, keys and values."""
 
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3's MLA) in every attention layer: the keys and values of a token come
+    from one latent of --kv-lora-rank features (up-projected per head), the queries from a latent of --q-lora-rank
+    features or one full projection; each query and key head has --qk-head-dim features plus --qk-pos-emb-head-dim
+    rotary ones (the rotary key one vector that every head shares), each value head --v-head-dim (--kv-channels is
+    not used). With --qk-layernorm the latents are normalized, as DeepSeek's are. See docs/attention.md."""
+
+    q_lora_rank: int | None = field(default=None, metadata=ABOVE_ZERO)
+    """Multi-latent attention: width of the queries' latent (a projection down from the hidden size, a norm under
+    --qk-layernorm, a projection up to the heads). Unset: the queries come from one full projection, as in
+    DeepSeek-V2-Lite."""
+
+    kv_lora_rank: int = field(default=32, metadata=ABOVE_ZERO)
+    """Multi-latent attention: width of the latent the keys and values are projected up from (Megatron-LM's default
+    32; DeepSeek-V3's is 512)."""
+
+    qk_head_dim: int = field(default=128, metadata=ABOVE_ZERO)
+    """Multi-latent attention: features of each query and key head without their rotary part (Hugging Face's
+    qk_nope_head_dim)."""
+
+    qk_pos_emb_head_dim: int = field(default=64, metadata=ABOVE_ZERO)
+    """Multi-latent attention: the rotary features of each query and key head (Hugging Face's qk_rope_head_dim); the
+    rotary key is one vector per token that every head shares."""
+
+    v_head_dim: int = field(default=128, metadata=ABOVE_ZERO)
+    """Multi-latent attention: features of each value head."""
+
+    rope_type: Literal["rope", "yarn"] = field(default=None, metadata={DERIVED: True})  # type: ignore[assignment]
+    """Rotary embeddings of multi-latent attention: plain (rope) or with YaRN's frequency interpolation (yarn:
+    --rotary-scaling-factor, --original-max-position-embeddings, --beta-fast, --beta-slow, --mscale,
+    --mscale-all-dim). Default: yarn with --multi-latent-attention, as in Megatron-LM (at --rotary-scaling-factor 1
+    the same tables as rope), rope otherwise (other attention has rope only)."""
+
+    rotary_scaling_factor: float = field(default=1.0, metadata=ABOVE_ZERO)
+    """YaRN: how many times --original-max-position-embeddings the context is stretched to (DeepSeek-V3: 40); the
+    slowest rotary frequencies are divided by it."""
+
+    original_max_position_embeddings: int = field(default=4096, metadata=ABOVE_ZERO)
+    """YaRN: the context length the rotary frequencies were first trained on; with --beta-fast and --beta-slow it
+    decides which frequencies are kept and which are divided by the scaling factor. On Megatron-LM's command line
+    --yarn-original-max-position-embeddings."""
+
+    beta_fast: float = field(default=32.0, metadata=ABOVE_ZERO)
+    """YaRN: frequencies that turn more than this many times over the original context are kept as they are; on
+    Megatron-LM's command line --yarn-beta-fast."""
+
+    beta_slow: float = field(default=1.0, metadata=ABOVE_ZERO)
+    """YaRN: frequencies that turn fewer than this many times over the original context are divided by the scaling
+    factor (between the two bounds a linear ramp mixes both); on Megatron-LM's command line --yarn-beta-slow."""
+
+    mscale: float = 1.0
+    """YaRN: the rotary tables are multiplied by m(--mscale) / m(--mscale-all-dim), where m(a) = 0.1 a ln(factor) + 1
+    (a factor of 1 multiplies by 1)."""
+
+    mscale_all_dim: float = 0.0
+    """YaRN: the softmax scale of multi-latent attention is multiplied by m(this)^2 (see --mscale; 0 leaves it
+    1/sqrt(query head width))."""
+
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of sharing the input embedding."""
 
@@ -312,6 +370,7 @@ class ModelConfig(VisionSettings):
             "ffn_hidden_size": int(4 * self.hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * self.hidden_size,
             "num_query_groups": 1 if self.group_query_attention else self.num_attention_heads,
             "kv_channels": self.hidden_size // max(self.num_attention_heads, 1),
+            "rope_type": "yarn" if self.multi_latent_attention else "rope",
             **self._vision_defaults(),
         }
 
@@ -341,9 +400,10 @@ class ModelConfig(VisionSettings):
     def architecture(self) -> dict[str, Any]:
         """Each MODEL_ARCHITECTURE setting's value in effect: a derived default worked out (the MLP width, the
         key/value heads, the head width) and a setting this model does not use (rotary settings without rotary
-        embeddings, expert settings without experts, vision settings without an encoder, the position table's size
-        without one) None, so that two spellings of the same model compare equal."""
-        rope, experts = self.position_embedding_type == "rope", bool(self.num_experts)
+        embeddings, expert settings without experts, multi-latent attention's without it, vision settings without an
+        encoder, the position table's size without one) None, so that two spellings of the same model compare
+        equal."""
+        rope, experts, mla = self.position_embedding_type == "rope", bool(self.num_experts), self.multi_latent_attention
         in_effect: dict[str, Any] = {
             "group_query_attention": self.num_query_groups,
             "max_position_embeddings": (
@@ -354,10 +414,28 @@ class ModelConfig(VisionSettings):
         values = {name: in_effect.get(name, getattr(self, name)) for name in MODEL_ARCHITECTURE}
         for name in values:
             unused_vision = not self.has_vision and name in VisionSettings.__dataclass_fields__
-            if (name.startswith("rotary_") and not rope) or (name.startswith("moe_") and not experts) or unused_vision:
+            unused_rope, unused_mla = name.startswith("rotary_") and not rope, name in MLA_SETTINGS[1:] and not mla
+            if unused_rope or (name.startswith("moe_") and not experts) or unused_vision or unused_mla:
                 values[name] = None
         return values
 
+
+MLA_SETTINGS: tuple[str, ...] = (
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+"""Multi-latent attention's settings (the switch first): the others are used by it alone."""
 
 MODEL_ARCHITECTURE: tuple[str, ...] = (
     "num_layers",
@@ -382,6 +460,7 @@ MODEL_ARCHITECTURE: tuple[str, ...] = (
     "add_qkv_bias",
     "qk_layernorm",
     "attention_output_gate",
+    *MLA_SETTINGS,
     "hybrid_layer_pattern",
     "untie_embeddings_and_output_weights",
     "num_experts",

@@ -191,6 +191,11 @@ def _engine(
 ) -> Engine:
     """The KV cache sized from `settings` (the same number of blocks on every rank of the replica), the runner,
     the engine."""
+    if config.multi_latent_attention:
+        raise ConfigError(
+            f"{flag.multi_latent_attention}: the inference engine's key/value cache does not hold multi-latent "
+            "attention's keys and values yet; score such a model with paratron evaluate"
+        )
     device = next(p.device for p in model.parameters())
     heads = max(1, config.num_query_groups // groups.tensor.size)
     layers = list(key_value_kinds(model))

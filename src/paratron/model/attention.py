@@ -22,9 +22,9 @@ causal kernel). Adding an attention is one subclass registered here (docs/attent
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -372,3 +372,20 @@ class AttentionCore(nn.Module):
         if self.layer_scaling is not None and q.dtype in (torch.float16, torch.bfloat16):
             return attend_unfused(self.pattern, q, k, v, places, dropout, self.layer_scaling)
         return attend(self.pattern, q, k, v, places, dropout)
+
+
+# ---------------------------------------------------------------- what attention asks of a KV cache (for generation)
+
+
+class LayerCache(Protocol):
+    """What attention asks of a layer's KV cache: take the new keys and values, give back all it attends over (the
+    inference engine's paged cache, `inference.kv_cache`)."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class LayerCaches(Protocol):
+    """Every layer's cache, by layer number."""
+
+    @property
+    def layers(self) -> Sequence[LayerCache | None]: ...

@@ -14,13 +14,9 @@ from paratron.config.schema import ModelConfig
 from paratron.model.attention import TokenPlaces
 from paratron.model.init import init_weights
 from paratron.model.lora import add_adapters
-from paratron.model.transformer import (
-    TransformerLayers,
-    build_layers,
-    make_norm,
-    rotary_cos_sin,
-    rotary_width,
-)
+from paratron.model.norms import make_norm
+from paratron.model.rotary import rotary_tables
+from paratron.model.transformer import TransformerLayers, build_layers
 from paratron.model.vision import VisionModel
 
 
@@ -130,10 +126,7 @@ class GPT(nn.Module):
 
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Rotary cos/sin tables for `positions` ([T] or [B, T]; None without rotary embeddings)."""
-        if self.config.position_embedding_type != "rope":
-            return None
-        config = self.config
-        return rotary_cos_sin(positions, rotary_width(config), config.rotary_base, config.rotary_interleaved)
+        return rotary_tables(self.config, positions)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and output layer: logits."""

@@ -5,8 +5,9 @@ mixture of experts (`E`). A kind is an `nn.Module` subclass of `LayerKind` that 
 
     tensor_parallel_plan()  how its weights split over tensor-parallel ranks, child by child: `Column` (output rows;
                             per-head groups for projections), `Row` (input columns), `PartialGradient` (whole on
-                            every rank, each rank's gradient a partial sum: the norms of its own heads), `Random`
-                            (draws under the tensor-parallel random stream); nothing: whole and replicated
+                            every rank, each rank's gradient a partial sum: the norms of its own heads),
+                            `ColumnInput` (an identity that enters the heads' region), `Random` (draws under the
+                            tensor-parallel random stream); nothing: whole and replicated
     context_parallel        how it runs when the sequence is split over ranks: token by token (nothing to exchange),
                             its attention core swapped for one that attends across the ranks, its router counting
                             over the whole sequence; or `context_parallel_refusal`, the reason it refuses
@@ -64,7 +65,19 @@ class Row:
 @dataclass(frozen=True)
 class PartialGradient:
     """Whole on every rank, but each rank's gradient covers only its share (the norms of its own heads): summed over
-    the tensor-parallel group."""
+    the tensor-parallel group. With `sequence_parallel_only`, only when the activations are split by sequence (a
+    replicated layer in front of the column-parallel ones, as multi-latent attention's down-projections: each rank
+    then sees its own tokens)."""
+
+    sequence_parallel_only: bool = False
+
+
+@dataclass(frozen=True)
+class ColumnInput:
+    """An identity where a replicated activation enters per-head work without passing a column-parallel layer
+    (multi-latent attention's rotary key, which every head shares): under tensor parallelism it becomes what a
+    column-parallel layer does to its input, Megatron-LM's copy to the tensor-parallel region (backward: the ranks'
+    gradients summed) or, under sequence parallelism, the gather of the sequence shards (backward: reduce-scatter)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,7 @@ class Random:
     sequence_parallel_only: bool = False
 
 
-Split = Column | Row | PartialGradient | Random
+Split = Column | Row | PartialGradient | ColumnInput | Random
 
 
 # ---------------------------------------------------------------- context parallelism and decoding

@@ -1,22 +1,20 @@
 """The Transformer's pieces, shared by the language model (`model/gpt.py`) and the vision encoder
-(`model/vision.py`): rotary positions, what attention asks of a KV cache, attention (and the gated attention), norms,
-the layers (pre-norm blocks, or the residual sublayers of a layer pattern) and their stack. Plain single-device
+(`model/vision.py`): attention (and the gated attention; multi-latent attention is `model/mla.py`), the layers
+(pre-norm blocks, or the residual sublayers of a layer pattern) and their stack; rotary positions are
+`model/rotary.py`, the norms `model/norms.py`. Plain single-device
 PyTorch; head counts are derived from weight shapes (`view(B, T, -1, head_dim)`), so tensor parallelism can swap
 `nn.Linear` for its sharded twins without touching this file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paratron.config.schema import ModelConfig
-from paratron.model.attention import AttentionCore, TokenPlaces, make_pattern
-from paratron.model.fused_ops import FusibleOp
+from paratron.model.attention import AttentionCore, LayerCache, LayerCaches, TokenPlaces, make_pattern
 from paratron.model.layer_kind import (
     CheckpointNames,
     Column,
@@ -30,77 +28,11 @@ from paratron.model.layer_kind import (
     Row,
     Split,
 )
+from paratron.model.mla import MultiLatentAttention
 from paratron.model.mlp import MLP, Projections
 from paratron.model.moe import MoELayer
-
-# ---------------------------------------------------------------- positions
-
-
-def rotary_width(config: ModelConfig) -> int:
-    """Features of each head that rotate: int(head width x --rotary-percent), as Megatron-LM counts them."""
-    head_dim = config.kv_channels
-    return int(head_dim * config.rotary_percent) if config.rotary_percent < 1.0 else head_dim
-
-
-def rotary_cos_sin(
-    positions: torch.Tensor, width: int, base: float, interleaved: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for rotary embeddings of `width` features, computed in fp32: [T, width] for
-    positions [T], [B, 1, T, width] (one table per row, broadcast over heads) for positions [B, T].
-    Pair k turns at base^(-2k / width) per position; its two features sit at k and k + width/2
-    (halves) or at 2k and 2k + 1 (`interleaved`)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, width, 2, device=positions.device, dtype=torch.float32) / width))
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    if interleaved:
-        angles = angles.repeat_interleave(2, dim=-1)
-    else:
-        angles = torch.cat((angles, angles), dim=-1)
-    if positions.dim() == 2:
-        angles = angles.unsqueeze(1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first cos.size(-1) features of x [B, heads, T, head_dim] by position-dependent angles,
-    pairs (i, i + width/2) or, `interleaved`, (2k, 2k + 1); the other features pass through."""
-    width = cos.size(-1)
-    turned, passed = x[..., :width], x[..., width:]
-    if interleaved:
-        even, odd = turned[..., 0::2], turned[..., 1::2]
-        rotated = torch.stack((-odd, even), dim=-1).flatten(-2)
-    else:
-        first, second = turned.chunk(2, dim=-1)
-        rotated = torch.cat((-second, first), dim=-1)
-    turned = (turned.float() * cos + rotated.float() * sin).to(x.dtype)
-    return torch.cat((turned, passed), dim=-1) if passed.size(-1) else turned
-
-
-def rotate_queries_and_keys(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`apply_rotary` of the queries and of the keys (one function, so that a fused kernel does both)."""
-    return apply_rotary(q, cos, sin, interleaved), apply_rotary(k, cos, sin, interleaved)
-
-
-_rotate = FusibleOp(rotate_queries_and_keys)
-
-
-# ---------------------------------------------------------------- KV cache (for generation)
-
-
-class LayerCache(Protocol):
-    """What attention asks of a layer's KV cache: take the new keys and values, give back all it attends over (the
-    inference engine's paged cache, `inference.kv_cache`)."""
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class LayerCaches(Protocol):
-    """Every layer's cache, by layer number."""
-
-    @property
-    def layers(self) -> Sequence[LayerCache | None]: ...
-
+from paratron.model.norms import make_norm
+from paratron.model.rotary import _rotate
 
 # ---------------------------------------------------------------- attention
 
@@ -289,52 +221,15 @@ class GatedAttention(Attention):
         return KindWork(work.linear + gate, work.scores, work.all_to_all)
 
 
-def attention_kind(config: ModelConfig) -> type[Attention]:
-    """The attention layers' kind: gated with --attention-output-gate."""
+def attention_kind(config: ModelConfig) -> type[Attention | MultiLatentAttention]:
+    """The attention layers' kind: gated with --attention-output-gate, multi-latent with --multi-latent-attention
+    (`model/mla.py`)."""
+    if config.multi_latent_attention:
+        return MultiLatentAttention
     return GatedAttention if config.attention_output_gate else Attention
 
 
 # ---------------------------------------------------------------- block and model
-
-
-class LayerNorm1P(nn.LayerNorm):
-    """LayerNorm with zero-centred gamma (--apply-layernorm-1p): the scale applied is 1 + weight."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
-
-
-_rms_norm = FusibleOp(F.rms_norm)
-
-
-class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (the same parameter), run as one compiled kernel where `fused` (--persist-layer-norm) is in effect."""
-
-    def __init__(self, size: int, eps: float, fused: bool | None = None) -> None:
-        super().__init__(size, eps=eps)
-        self.fused = fused
-
-    def scale(self) -> torch.Tensor | None:
-        return self.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(self.fused, x, tuple(self.normalized_shape), self.scale(), self.eps)
-
-
-class RMSNorm1P(RMSNorm):
-    """RMSNorm with zero-centred gamma (--apply-layernorm-1p): the scale applied is 1 + weight."""
-
-    def scale(self) -> torch.Tensor | None:
-        return self.weight + 1
-
-
-def make_norm(config: ModelConfig, size: int | None = None) -> nn.Module:
-    """The model's norm over `size` features (default: the hidden size)."""
-    size = size or config.hidden_size
-    if config.normalization == "RMSNorm":
-        rms = RMSNorm1P if config.apply_layernorm_1p else RMSNorm
-        return rms(size, config.norm_epsilon, config.persist_layer_norm)
-    return (LayerNorm1P if config.apply_layernorm_1p else nn.LayerNorm)(size, eps=config.norm_epsilon)
 
 
 KindT = TypeVar("KindT", bound=LayerKind)
@@ -391,7 +286,8 @@ class PatternLayer(Residual):
     def __init__(self, config: ModelConfig, symbol: str, layer_number: int = 1) -> None:
         super().__init__()
         kind_class = _symbol_kinds(config)[symbol]
-        kind = kind_class(config, layer_number) if issubclass(kind_class, Attention) else kind_class(config)
+        numbered = issubclass(kind_class, (Attention, MultiLatentAttention))
+        kind = kind_class(config, layer_number) if numbered else kind_class(config)
         self.norm = make_norm(config)
         self.add_module(kind.slot, kind)
         self.residual_slots = (("norm", kind.slot),)

@@ -110,10 +110,11 @@ def _refuse_megatron_only_features(m: ModelConfig) -> None:
 
 
 def _refuse_layer_kinds(m: ModelConfig) -> None:
-    """A layer pattern and the gated attention: layers none of the converted families has."""
+    """A layer pattern, the gated attention and multi-latent attention: layers none of the converted families has."""
     for setting, used in (
         ("--hybrid-layer-pattern (layers given one sublayer at a time)", m.hybrid_layer_pattern),
         ("--attention-output-gate (gated attention outputs)", m.attention_output_gate),
+        ("--multi-latent-attention (DeepSeek's attention through latents)", m.multi_latent_attention),
     ):
         if used:
             raise CheckpointError(

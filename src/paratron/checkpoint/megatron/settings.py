@@ -120,6 +120,7 @@ def megatron_args(config: Config, tp: int, pp: int, padded: int, iteration: int,
     for setting, used in (
         ("--hybrid-layer-pattern", m.hybrid_layer_pattern),
         ("--attention-output-gate", m.attention_output_gate),
+        ("--multi-latent-attention", m.multi_latent_attention),
     ):
         if used:  # (Megatron-LM's GPT checkpoints hold Transformer blocks: the layer names differ)
             raise CheckpointError(

@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 from paratron.config.fields import flag
-from paratron.config.schema import LORA_TARGETS, Config, DataConfig, ModelConfig
+from paratron.config.schema import LORA_TARGETS, MLA_SETTINGS, Config, DataConfig, ModelConfig
 from paratron.errors import ConfigError
 
 
 def check_model(m: ModelConfig, d: DataConfig) -> None:
     """Heads and widths that divide, a sequence the positions cover, attention, experts and LoRA settings."""
     heads, groups = m.num_attention_heads, m.num_query_groups
-    if "kv_channels" in m.derived and m.hidden_size % heads:
+    mla = m.multi_latent_attention  # (its head widths are its own settings)
+    if "kv_channels" in m.derived and m.hidden_size % heads and not mla:
         raise ConfigError(
             f"{flag.hidden_size} {m.hidden_size} is not divisible by {flag.num_attention_heads} "
             f"{heads}; change one of them or set {flag.kv_channels}"
@@ -23,7 +24,7 @@ def check_model(m: ModelConfig, d: DataConfig) -> None:
             f"{groups}; use a divisor of the head count"
         )
     head_dim = m.kv_channels
-    if m.position_embedding_type == "rope" and head_dim % 2:
+    if m.position_embedding_type == "rope" and head_dim % 2 and not mla:
         raise ConfigError(
             f"rotary embeddings need an even head width, got {head_dim}; change {flag.kv_channels} "
             f"or {flag.hidden_size}"
@@ -34,6 +35,7 @@ def check_model(m: ModelConfig, d: DataConfig) -> None:
             f"{m.max_position_embeddings}; lower the first or raise the second"
         )
     _check_attention(m)
+    _check_multi_latent_attention(m)
     _check_experts(m)
     if m.lora_rank is not None and m.lora_rank < 1:
         raise ConfigError(f"{flag.lora_rank} {m.lora_rank}: must be at least 1 (leave it unset to train every weight)")
@@ -65,6 +67,53 @@ def _check_attention(m: ModelConfig) -> None:
             f"no sequence is longer than the window, which is plain causal attention; use {flag.attention_type} "
             "causal or a smaller window"
         )
+
+
+_YARN_SETTINGS = (
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+"""The settings of YaRN's rotary tables and softmax scale (--rope-type yarn)."""
+
+
+def _check_multi_latent_attention(m: ModelConfig) -> None:
+    """Multi-latent attention's settings: only with it, and with nothing it cannot be combined with yet."""
+    if not m.multi_latent_attention:
+        changed = [name for name in MLA_SETTINGS[1:] if getattr(m, name) != getattr(_MODEL_DEFAULTS, name)]
+        if changed:
+            setting = getattr(flag, changed[0])
+            raise ConfigError(f"{setting} applies to {flag.multi_latent_attention}; add that or drop this")
+        return
+    mla = flag.multi_latent_attention
+    refusals = (
+        (m.position_embedding_type != "rope", f"{flag.position_embedding_type} rope (its rotary parts need it)"),
+        (
+            m.group_query_attention or m.num_query_groups != m.num_attention_heads,
+            f"no {flag.group_query_attention} / {flag.num_query_groups} (its heads share one latent, not key/value "
+            "groups)",
+        ),
+        (m.attention_output_gate, f"no {flag.attention_output_gate} (not supported with it yet)"),
+        (m.lora_rank is not None, f"no {flag.lora_rank} (LoRA adapters on its projections are not supported yet)"),
+        (m.rotary_percent < 1.0, f"no {flag.rotary_percent} below 1 (its rotary part is {flag.qk_pos_emb_head_dim})"),
+        (m.qk_pos_emb_head_dim % 2 == 1, f"an even {flag.qk_pos_emb_head_dim} (rotary features turn in pairs)"),
+    )
+    for refused, fix in refusals:
+        if refused:
+            raise ConfigError(f"{mla} needs {fix}")
+    yarn_given = m.rope_type == "yarn" and "rope_type" not in m.derived
+    if yarn_given and m.rotary_scaling_factor <= 1:
+        raise ConfigError(
+            f"{flag.rope_type} yarn needs {flag.rotary_scaling_factor} above 1 (at 1 it stretches nothing; "
+            f"DeepSeek-V3's is 40); set it or use {flag.rope_type} rope"
+        )
+    if m.rope_type == "rope":
+        changed = [name for name in _YARN_SETTINGS if getattr(m, name) != getattr(_MODEL_DEFAULTS, name)]
+        if changed:
+            raise ConfigError(f"{getattr(flag, changed[0])} applies to {flag.rope_type} yarn; set that or drop this")
 
 
 def _check_experts(m: ModelConfig) -> None:

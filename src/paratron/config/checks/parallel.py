@@ -98,6 +98,7 @@ def check_context_parallel(config: Config, layout: Layout) -> None:
         ),
         (p.zero_stage == 3, f"{flag.zero_stage} 3", f"use {flag.zero_stage} 1 or 2"),
         (p.variable_seq_lengths, flag.variable_seq_lengths, "drop it (rows must split evenly)"),
+        (m.multi_latent_attention, flag.multi_latent_attention, "use tensor or pipeline parallelism for now"),
     )
     for refused, what, fix in refusals:
         if refused:

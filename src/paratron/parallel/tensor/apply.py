@@ -37,12 +37,13 @@ from paratron.distributed import comm
 from paratron.distributed.rng import TENSOR_PARALLEL, Forked, RNGStates
 from paratron.distributed.topology import RankGroup
 from paratron.model.gpt import GPT
-from paratron.model.layer_kind import Column, LayerKind, PartialGradient, Row
+from paratron.model.layer_kind import Column, ColumnInput, LayerKind, PartialGradient, Row
 from paratron.model.transformer import Residual
 from paratron.parallel.sharding import set_partial_grad
 from paratron.parallel.tensor.layers import (
     ColumnParallelLinear,
     ColumnParallelProjections,
+    ColumnRegionEntry,
     RowParallelLinear,
     SequenceShardedEmbedding,
     TPContext,
@@ -118,8 +119,11 @@ def split_by_plan(kind: LayerKind, tp: TPContext, rng: RNGStates | None, kv_repl
         elif isinstance(split, Row):
             setattr(kind, name, RowParallelLinear(child, tp))
         elif isinstance(split, PartialGradient):
-            for param in child.parameters():
-                set_partial_grad(param, tp.group)
+            if not split.sequence_parallel_only or tp.sequence_parallel:
+                for param in child.parameters():
+                    set_partial_grad(param, tp.group)
+        elif isinstance(split, ColumnInput):
+            setattr(kind, name, ColumnRegionEntry(tp))
         elif not split.sequence_parallel_only or tp.sequence_parallel:  # (Random)
             setattr(kind, name, _forked(child, rng))
 

@@ -67,6 +67,18 @@ def enter_column_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return comm.copy_to_region(x, tp.group)
 
 
+class ColumnRegionEntry(nn.Module):
+    """`enter_column_region` as a module: where a kind's plan marks an identity `ColumnInput` (an activation that
+    per-head work uses without a column-parallel layer in between)."""
+
+    def __init__(self, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return enter_column_region(x, self.tp) if self.tp.group is not None else x
+
+
 class _ColumnParallelMatmuls(torch.autograd.Function):
     """[x W_1^T + b_1, x W_2^T + b_2, ...] side by side for this rank's rows of one or more weights
     sharing the input x (queries, keys and values; gate and up; LoRA A matrices, without bias), as one
