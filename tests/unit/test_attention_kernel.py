@@ -56,3 +56,9 @@ def test_hopper_tries_cudnn_then_flash_first(monkeypatch):
     assert torch._C._get_sdp_priority_order() == before
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert isinstance(attention_kernel_priority(torch.device("cuda", 0)), contextlib.nullcontext)
+
+
+def test_multi_latent_attention_names_its_query_and_value_widths():
+    mla = ["--position-embedding-type", "rope", "--multi-latent-attention", "--qk-head-dim", "8"]
+    line = kernel("--attention-dropout", "0", *mla, "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6")
+    assert "(float32, head size 12, values 6, causal)" in line

@@ -24,11 +24,17 @@ KERNEL_NAMES = {
 
 
 def sdpa_choice(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, dropout: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    dropout: float,
+    v: torch.Tensor | None = None,
 ) -> SDPBackend:
-    """The kernel SDPA dispatches these inputs to (torch's dispatcher, under the priority in force)."""
+    """The kernel SDPA dispatches these inputs to (torch's dispatcher, under the priority in force); values as wide
+    as the keys unless `v` is given."""
     gqa = k.size(-3) != q.size(-3)
-    return SDPBackend(torch._fused_sdp_choice(q, k, k, mask, dropout, causal, enable_gqa=gqa))
+    return SDPBackend(torch._fused_sdp_choice(q, k, k if v is None else v, mask, dropout, causal, enable_gqa=gqa))
 
 
 def attention_kernel(config: ModelConfig, seq_length: int, device: torch.device, dtype: torch.dtype) -> str:
@@ -38,15 +44,20 @@ def attention_kernel(config: ModelConfig, seq_length: int, device: torch.device,
         return "unfused (--apply-query-key-layer-scaling: Megatron-LM's step-by-step attention)"
     pattern = make_pattern(config)
     heads, groups, size = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    values = size
+    if config.multi_latent_attention:  # (queries and keys of the rotary width more, values of their own)
+        size, values = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
     q = torch.empty(1, heads, seq_length, size, device=device, dtype=dtype)
     k = torch.empty(1, groups, seq_length, size, device=device, dtype=dtype)
+    v = torch.empty(1, groups, seq_length, values, device=device, dtype=dtype)
     causal = pattern.causal_up_to(seq_length)
     mask = None if causal or pattern.sees_all else TokenPlaces.row(seq_length, device).mask(pattern, seq_length)
-    choice = sdpa_choice(q, k, mask, causal, config.attention_dropout)
+    choice = sdpa_choice(q, k, mask, causal, config.attention_dropout, v)
     name = KERNEL_NAMES.get(choice, choice.name.lower())
     if device.type == "cpu" and choice == SDPBackend.FLASH_ATTENTION:
         name = "flash (the CPU kernel)"
     shape = "causal" if causal else ("no mask" if mask is None else "masked")
     dropout = f", dropout {config.attention_dropout:g}" if config.attention_dropout else ""
     kind = str(dtype).removeprefix("torch.")
-    return f"SDPA {name} kernel on {device.type} ({kind}, head size {size}, {shape}{dropout}) while training"
+    head = f"head size {size}" + (f", values {values}" if values != size else "")
+    return f"SDPA {name} kernel on {device.type} ({kind}, {head}, {shape}{dropout}) while training"
