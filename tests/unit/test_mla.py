@@ -30,8 +30,9 @@ YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, original_max_position_e
 YARN_HF = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=32, beta_slow=1, mscale=0.9)
 
 
-def configs(q_lora_rank: int | None, yarn: bool, interleaved: bool) -> tuple[ModelConfig, DeepseekV3Config]:
-    """The same tiny attention for paratron and transformers (the latent norms on, as DeepSeek's)."""
+def configs(q_lora_rank: int | None, yarn: bool) -> tuple[ModelConfig, DeepseekV3Config]:
+    """The same tiny attention for paratron and transformers (the latent norms on and the rotary pairs interleaved,
+    as DeepSeek's)."""
     ours = ModelConfig(
         multi_latent_attention=True,
         hidden_size=HIDDEN,
@@ -45,7 +46,6 @@ def configs(q_lora_rank: int | None, yarn: bool, interleaved: bool) -> tuple[Mod
         normalization="RMSNorm",
         norm_epsilon=1e-6,
         position_embedding_type="rope",
-        rotary_interleaved=interleaved,
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -63,7 +63,7 @@ def configs(q_lora_rank: int | None, yarn: bool, interleaved: bool) -> tuple[Mod
         qk_rope_head_dim=8,
         v_head_dim=6,
         max_position_embeddings=64,
-        rope_interleave=interleaved,
+        rope_interleave=True,
         rope_parameters=dict(rope, rope_theta=10000.0),
         attention_bias=False,
     )
@@ -83,13 +83,13 @@ def copy_weights(ours: MultiLatentAttention, theirs: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize(
-    "q_lora_rank, yarn, interleaved",
-    [(16, False, False), (None, False, True), (16, True, True), (None, True, False)],
-    ids=["q-latent", "q-full-interleaved", "q-latent-yarn-interleaved", "q-full-yarn"],
+    "q_lora_rank, yarn",
+    [(16, False), (None, False), (16, True), (None, True)],
+    ids=["q-latent", "q-full", "q-latent-yarn", "q-full-yarn"],
 )
-def test_the_layer_equals_transformers_deepseek_v3_attention(q_lora_rank, yarn, interleaved):
+def test_the_layer_equals_transformers_deepseek_v3_attention(q_lora_rank, yarn):
     torch.manual_seed(0)
-    ours_config, theirs_config = configs(q_lora_rank, yarn, interleaved)
+    ours_config, theirs_config = configs(q_lora_rank, yarn)
     ours = MultiLatentAttention(ours_config).eval()
     for name, param in ours.named_parameters():
         torch.nn.init.normal_(param, 1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.2)
@@ -110,12 +110,13 @@ def test_the_layer_equals_transformers_deepseek_v3_attention(q_lora_rank, yarn, 
 
 @pytest.mark.parametrize("yarn", [False, True])
 def test_the_rotary_tables_equal_transformers(yarn):
-    ours_config, theirs_config = configs(16, yarn, False)
+    ours_config, theirs_config = configs(16, yarn)
     positions = torch.arange(40)  # (beyond YaRN's original context of 8)
     cos, sin = DeepseekV3RotaryEmbedding(theirs_config)(torch.zeros(1), positions[None])
     ours_cos, ours_sin = rotary_tables(ours_config, positions)
-    torch.testing.assert_close(ours_cos, cos[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ours_sin, sin[0], rtol=1e-6, atol=1e-6)
+    for pair in (0, 1):  # (ours laid out by interleaved pairs, theirs by halves: the same angle per pair)
+        torch.testing.assert_close(ours_cos[:, pair::2], cos[0, :, :4], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours_sin[:, pair::2], sin[0, :, :4], rtol=1e-6, atol=1e-6)
     if yarn:  # (YaRN's tables are not the plain ones: some frequencies divided, all scaled)
         plain, _ = rotary_tables(ours_config.with_changes(rope_type="rope", **_YARN_DEFAULTS), positions)
         assert not torch.allclose(plain, ours_cos, atol=1e-3)
@@ -230,6 +231,10 @@ def test_its_settings_are_checked_in_one_line():
     plain = dict(multi_latent_attention=False, rope_type="rope", **_YARN_DEFAULTS)
     assert refused(**plain, q_lora_rank=8) == "--q-lora-rank applies to --multi-latent-attention; add that or drop this"
     assert refused(rope_type="rope") == "--rotary-scaling-factor applies to --rope-type yarn; set that or drop this"
+    assert refused(rotary_interleaved=True) == (
+        "--multi-latent-attention needs no --rotary-interleaved (its rotary features always turn in interleaved pairs, "
+        "DeepSeek's layout)"
+    )
 
 
 def test_the_inference_engine_refuses_it_by_name():
@@ -242,3 +247,79 @@ def test_yarn_scale_matches_the_formula():
     config = ModelConfig(**dict(MODEL, mscale_all_dim=0.5))
     layer = MultiLatentAttention(config)
     assert layer.query_scale == pytest.approx((0.1 * 0.5 * math.log(4.0) + 1.0) ** 2)
+
+
+class _MegatronCore(torch.nn.Module):
+    """Softmax attention in megatron-core's layout ([s, b, heads, width] in, [s, b, heads x width] out) at the scale
+    its MLA hands its core: megatron-core's own local core takes no separate key and value widths (only Transformer
+    Engine's does, which is not installed here)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, **_) -> None:
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, q, k, v, mask, **_):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
+
+
+@pytest.mark.parametrize("q_lora_rank, rope_type", [(16, "yarn"), (None, "rope")])
+def test_the_layer_equals_megatron_cores_mla_self_attention(q_lora_rank, rope_type):
+    """Weights copied by the kind's megatron-core names (its local spec, whose module names and order they are)."""
+    from megatron_oracle import cpu_megatron, destroy_oracle, init_oracle_parallel
+
+    shape = dict(hidden_size=32, num_attention_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=12, qk_head_dim=8)
+    shape |= dict(
+        qk_pos_emb_head_dim=8, v_head_dim=6, qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False
+    )
+    yarn = dict(YARN, mscale_all_dim=0.7) if rope_type == "yarn" else dict(rope_type="rope")
+    ours_config = ModelConfig(
+        multi_latent_attention=True, norm_epsilon=1e-6, position_embedding_type="rope", **shape, **yarn
+    )
+    ours = MultiLatentAttention(ours_config).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.2)
+    x = torch.randn(2, SEQ, 32)
+    with cpu_megatron():
+        init_oracle_parallel()
+        try:
+            theirs = _megatron_mla(dict(shape, **yarn, layernorm_epsilon=1e-6))
+            names = ours.checkpoint_names.megatron_children
+            state = theirs.state_dict()
+            weights = [name for name in state if not name.endswith("_extra_state")]
+            assert weights == [f"{names[child]}.weight" for child in names if f"{child}.weight" in ours.state_dict()]
+            for name, param in ours.named_parameters():
+                child, part = name.split(".")
+                state[f"{names[child]}.{part}"].copy_(param.detach())
+            theirs.load_state_dict(state)
+            with torch.no_grad():
+                expected, _ = theirs(x.transpose(0, 1).contiguous(), None)
+                got = ours(x, rotary_tables(ours_config, torch.arange(SEQ)))
+        finally:
+            destroy_oracle(destroy_process_group=True)  # (later tests build their own worlds)
+    torch.testing.assert_close(got, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def _megatron_mla(settings: dict) -> torch.nn.Module:
+    """megatron-core's MLASelfAttention of its local spec on the CPU, our stand-in core inside; its check for
+    Transformer Engine's layers (not installed here) sees a class no layer is."""
+    import megatron.core.transformer.multi_latent_attention as megatron_mla
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_oracle import _FUSIONS_OFF
+
+    config = MLATransformerConfig(num_layers=1, use_cpu_initialization=True, **settings, **_FUSIONS_OFF)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    parts = spec.submodules.self_attention.submodules
+    parts.core_attention = _MegatronCore
+    no_te = megatron_mla.TELinear, megatron_mla.TEColumnParallelLinear
+    megatron_mla.TELinear = megatron_mla.TEColumnParallelLinear = type("NoTransformerEngine", (), {})
+    try:
+        return megatron_mla.MLASelfAttention(config, parts, 1, attn_mask_type=AttnMaskType.causal).eval()
+    finally:
+        megatron_mla.TELinear, megatron_mla.TEColumnParallelLinear = no_te

@@ -5,10 +5,12 @@ latent of --kv-lora-rank features (normalized under --qk-layernorm), which goes 
 beside the latent the same down-projection gives one rotary key of --qk-pos-emb-head-dim features that every head
 shares. Queries come down to a latent of --q-lora-rank features and up again (or from one full projection without
 it). Each query and key head is --qk-head-dim features without positions and --qk-pos-emb-head-dim rotary ones; each
-value head --v-head-dim. Under --rope-type yarn the rotary tables are YaRN's (`model/rotary.py`) and the softmax scale
-1/sqrt(qk-head-dim + qk-pos-emb-head-dim) is multiplied by m(--mscale-all-dim)^2, as transformers' DeepseekV3Attention
-and megatron-core's MLASelfAttention compute it. This is the non-absorbed form: keys and values are expanded per head
-and attention runs in the model's attention core (`model/attention.py`: its patterns, packed documents and kernels).
+value head --v-head-dim. The rotary features turn in pairs (2k, 2k + 1), the layout of DeepSeek's weights, as
+megatron-core's MLA and transformers' `rope_interleave` turn them. Under --rope-type yarn the rotary tables are
+YaRN's (`model/rotary.py`) and the softmax scale 1/sqrt(qk-head-dim + qk-pos-emb-head-dim) is multiplied by
+m(--mscale-all-dim)^2, as transformers' DeepseekV3Attention and megatron-core's MLASelfAttention compute it. This
+is the non-absorbed form: keys and values are expanded per head and attention runs in the model's attention core
+(`model/attention.py`: its patterns, packed documents and kernels).
 
 Under tensor parallelism (megatron-core's layout) the up-projections split by heads, the output projection by its
 input columns; the down-projections and their norms stay whole on every rank, and the shared rotary key enters the
@@ -105,7 +107,6 @@ class MultiLatentAttention(LayerKind):
         )
         self.out_proj = nn.Linear(heads * self.v_dim, hidden, bias=config.add_bias_linear)
         self.output_dropout = nn.Dropout(config.hidden_dropout)
-        self.rotary_interleaved = config.rotary_interleaved
         self.rope_fusion = config.apply_rope_fusion
         self.query_scale = yarn_softmax_factor(config)
         """What the queries are multiplied by, so that the core's 1/sqrt(width) becomes YaRN's softmax scale."""
@@ -142,7 +143,7 @@ class MultiLatentAttention(LayerKind):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         rope_key = rope_key.unsqueeze(1)  # [B, 1, T, rope]: one key for every head
         if rotary is not None:
-            q_rope, rope_key = _rotate(self.rope_fusion, q_rope, rope_key, *rotary, self.rotary_interleaved)
+            q_rope, rope_key = _rotate(self.rope_fusion, q_rope, rope_key, *rotary, True)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, rope_key.expand(-1, q.size(1), -1, -1)), dim=-1)
         if self.query_scale != 1.0:

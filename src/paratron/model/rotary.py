@@ -75,15 +75,16 @@ _rotate = FusibleOp(rotate_queries_and_keys)
 
 def rotary_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The model's cos/sin tables for `positions` ([T] or [B, T]); None without rotary embeddings. Multi-latent
-    attention rotates --qk-pos-emb-head-dim features per head, with YaRN's tables under --rope-type yarn."""
+    attention rotates --qk-pos-emb-head-dim features per head in interleaved pairs, with YaRN's tables under
+    --rope-type yarn."""
     if config.position_embedding_type != "rope":
         return None
     if not config.multi_latent_attention:
         return rotary_cos_sin(positions, rotary_width(config), config.rotary_base, config.rotary_interleaved)
-    width = config.qk_pos_emb_head_dim
+    width = config.qk_pos_emb_head_dim  # (pairs (2k, 2k + 1): DeepSeek's layout, which megatron-core's MLA keeps)
     if config.rope_type == "rope":
-        return rotary_cos_sin(positions, width, config.rotary_base, config.rotary_interleaved)
-    cos, sin = _tables(positions, yarn_inverse_frequencies(config, positions.device), config.rotary_interleaved)
+        return rotary_cos_sin(positions, width, config.rotary_base, interleaved=True)
+    cos, sin = _tables(positions, yarn_inverse_frequencies(config, positions.device), interleaved=True)
     concentration = yarn_mscale(config.rotary_scaling_factor, config.mscale) / yarn_mscale(
         config.rotary_scaling_factor, config.mscale_all_dim
     )

@@ -99,6 +99,10 @@ def _check_multi_latent_attention(m: ModelConfig) -> None:
         (m.attention_output_gate, f"no {flag.attention_output_gate} (not supported with it yet)"),
         (m.lora_rank is not None, f"no {flag.lora_rank} (LoRA adapters on its projections are not supported yet)"),
         (m.rotary_percent < 1.0, f"no {flag.rotary_percent} below 1 (its rotary part is {flag.qk_pos_emb_head_dim})"),
+        (
+            m.rotary_interleaved,
+            f"no {flag.rotary_interleaved} (its rotary features always turn in interleaved pairs, DeepSeek's layout)",
+        ),
         (m.qk_pos_emb_head_dim % 2 == 1, f"an even {flag.qk_pos_emb_head_dim} (rotary features turn in pairs)"),
     )
     for refused, fix in refusals:
