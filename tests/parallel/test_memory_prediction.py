@@ -1,8 +1,8 @@
 """Predicted memory against measured memory: for 18 layouts of a small model (world 1-8; tensor,
 sequence, pipeline (1f1b, interleaved, zb-h1, zb-v), data, context and expert parallelism; ZeRO 0-3;
 selective and full recomputation; dropout; the fused loss; fp32 and bf16; and, in this process, a
---hybrid-layer-pattern's sublayers and the gated attention), every rank's training state and activations
-saved for backward as `--log-memory` measures them after one real step, against what
+--hybrid-layer-pattern's sublayers, the gated attention and multi-latent attention), every rank's training state
+and activations saved for backward as `--log-memory` measures them after one real step, against what
 `paratron train --dry-run` predicts for that rank's pipeline stage (training state from the shards
 built on the meta device, activations from `planning/activations.py`). Asserted within 5%.
 
@@ -44,6 +44,18 @@ BASE = dict(
 LLAMA = dict(LLAMA_STYLE, num_query_groups=2, ffn_hidden_size=64)
 MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
 BF16 = dict(precision="bf16")
+MLA = dict(
+    num_query_groups=None,
+    multi_latent_attention=True,
+    q_lora_rank=16,
+    kv_lora_rank=24,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=16,
+    qk_layernorm=True,
+)
+"""Multi-latent attention, its query latent and latent norms on (values as wide as queries and keys: the CPU's flash
+kernel serves it, as a fused kernel does on a GPU)."""
 
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "llama fp32": (1, LLAMA),
@@ -120,9 +132,11 @@ KIND_LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "pattern moe bf16": (1, dict(MOE, **BF16, hybrid_layer_pattern="*E*-")),
     "pattern gated attention fp32": (1, dict(LLAMA, hybrid_layer_pattern="*-*-", attention_output_gate=True)),
     "gpt gated attention bf16": (1, dict(BF16, attention_output_gate=True)),
+    "mla bf16": (1, dict(LLAMA, **BF16, **MLA)),
+    "mla fp32 selective": (1, dict(LLAMA, **dict(MLA, q_lora_rank=None), recompute_granularity="selective")),
 }
-"""Layer kinds priced from their own declarations: a --hybrid-layer-pattern's sublayers, the gated attention (one
-process each: in this process)."""
+"""Layer kinds priced from their own declarations: a --hybrid-layer-pattern's sublayers, the gated attention,
+multi-latent attention (one process each: in this process)."""
 
 
 def measure(names: list[str], root: str) -> dict[str, list[dict[str, Any]]]:

@@ -143,6 +143,8 @@ class MicroBatchShare:
     """Bytes per element of a dropout mask (None: those of the compute type, as on the CPU)."""
     flash_with_dropout: bool = False
     """Attention with dropout still runs a fused kernel (nothing of size s x s kept)."""
+    composite_rms_norm: bool = False
+    """RMSNorm runs as separate operations in fp32 (the CPU), keeping fp32 copies (a kind's own norms)."""
 
     @property
     def sharded_tokens(self) -> float:

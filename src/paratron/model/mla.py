@@ -137,18 +137,19 @@ class MultiLatentAttention(LayerKind):
         kv = self.kv_up(self.kv_norm(latent) if self.kv_norm is not None else latent)
         rope_key = self.rope_key_entry(rope_key)
         B, T = q.shape[:2]  # (not x's: with sequence parallelism x holds only part of the sequence)
-        q = q.view(B, T, -1, self.nope_dim + self.rope_dim).transpose(1, 2)  # [B, heads, T, nope + rope]
-        kv = kv.view(B, T, -1, self.nope_dim + self.v_dim).transpose(1, 2)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        q_nope, q_rope = q.view(B, T, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], -1)
+        k_nope, v = kv.view(B, T, -1, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
         rope_key = rope_key.unsqueeze(1)  # [B, 1, T, rope]: one key for every head
+        q_rope = q_rope.transpose(1, 2)  # [B, heads, T, rope]
         if rotary is not None:
             q_rope, rope_key = _rotate(self.rope_fusion, q_rope, rope_key, *rotary, True)
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        k = torch.cat((k_nope, rope_key.expand(-1, q.size(1), -1, -1)), dim=-1)
+        # (queries, keys and values laid out [B, T, heads, width] under their [B, heads, T, width] views, as the
+        # other attention's are: the core's output then reaches the output projection without a copy)
+        q = torch.cat((q_nope, q_rope.transpose(1, 2)), dim=-1)
+        k = torch.cat((k_nope, rope_key.transpose(1, 2).expand(-1, -1, q.size(2), -1)), dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        v = v.contiguous()
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.contiguous().transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v)
         y = self.core(q, k, v, places).transpose(1, 2).reshape(B, T, -1)
@@ -189,10 +190,11 @@ class MultiLatentAttention(LayerKind):
     def activation_bytes(cls, config: ModelConfig, share: MicroBatchShare, selective: bool) -> float:
         """Per token (a: this rank's heads, w: bytes of the compute type, n, r, v: the query/key width without
         positions, the rotary width, the value width): the queries and keys 2·w·a·(n + r) and values w·a·v the core
-        keeps, the output w·a·v, the log-sum-exp 4a (not under selective recomputation); on the replicated (under
-        sequence parallelism, sharded) tokens, each latent once, twice under --qk-layernorm (the norm's input and
-        output); the reference kernel with attention dropout its fp32 probabilities and mask; the output dropout's
-        mask."""
+        keeps, its output w·a·v, the log-sum-exp 4a (not under selective recomputation), with attention dropout on
+        the reference kernel its fp32 probabilities and mask; on the replicated (under sequence parallelism,
+        sharded) tokens each latent (`_latent_bytes`); the output dropout's mask. As a fused kernel runs it: on the
+        CPU, values of another width than the queries fall back to SDPA's math kernel, which keeps more (s x s
+        probabilities) than counted here."""
         w, a = share.width, config.num_attention_heads // share.tp
         n, r, v = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         per_token = 2 * w * a * (n + r) + 2 * w * a * v
@@ -200,8 +202,10 @@ class MultiLatentAttention(LayerKind):
             per_token += 4 * a
         if config.attention_dropout > 0 and not share.flash_with_dropout and not selective:
             per_token += 12 * a * share.keys
-        copies = 2 if config.qk_layernorm else 1
-        latents = copies * w * (config.kv_lora_rank + (config.q_lora_rank or 0))
+        normed = config.qk_layernorm
+        latents = _latent_bytes(share, config.kv_lora_rank, r, normed)
+        if config.q_lora_rank is not None:
+            latents += _latent_bytes(share, config.q_lora_rank, 0, normed)
         return per_token * share.tokens + latents * share.sharded_tokens + share.output_dropout(config)
 
     @classmethod
@@ -213,3 +217,16 @@ class MultiLatentAttention(LayerKind):
         width = config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim
         scores = 2 * share.tokens * share.computed_keys * config.num_attention_heads * width / share.tp
         return KindWork(linear, scores)
+
+
+def _latent_bytes(share: MicroBatchShare, width: int, beside: int, normed: bool) -> float:
+    """Bytes per token a latent of `width` features keeps, `beside` more features of the same down-projection's
+    output beside it (the rotary key): the up-projection's input (a view, which keeps the whole output); under
+    --qk-layernorm also the norm's output and statistics, or on the CPU its fp32 copies (the input's own where it is
+    fp32 already)."""
+    w = share.width
+    if not normed:
+        return w * (width + beside)
+    if share.composite_rms_norm:
+        return 8 * width + 4 + w * width + (4 * beside if w == 4 else 0)
+    return w * (width + beside) + w * width + 4

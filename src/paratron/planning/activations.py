@@ -136,6 +136,7 @@ class _Shape:
             cp_gather=self.cp_gather,
             mask_bytes=self.kernels.mask_bytes,
             flash_with_dropout=self.kernels.flash_with_dropout,
+            composite_rms_norm=self.kernels.composite_rms_norm,
         )
 
 
