@@ -12,7 +12,7 @@ PATTERN_SYMBOLS: dict[str, str] = {"*": "attention", "-": "MLP", "E": "mixture o
 NOT_YET: dict[str, str] = {
     "M": "Mamba layers",
     "G": "gated DeltaNet layers",
-    "+": "multi-latent attention layers",
+    "+": "multi-latent attention layers beside others; --multi-latent-attention makes every '*' one",
     "D": "DeepSeek sparse attention layers",
 }
 """Megatron-LM's symbols of kinds paratron does not have yet."""
