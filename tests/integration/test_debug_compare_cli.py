@@ -160,3 +160,25 @@ def test_a_planted_defect_is_named(
     first = json.loads(output.read_text())["first"]
     assert (first["step"], first["phase"], first["name"]) == (1, "forward", defect)
     assert 1e-3 < first["rel_diff"] < 2e-2  # (a 1e-2 defect on all, or on one rank's part, of the output)
+
+
+MLA = (
+    "--config debug --micro-batch-size 2 --global-batch-size 2 --seq-length 16 --position-embedding-type rope "
+    "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
+    "--v-head-dim 8 --qk-layernorm --rotary-scaling-factor 4"
+)
+
+
+@pytest.mark.spawns
+def test_multi_latent_attention_at_tensor_parallel_agrees_with_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Its core's heads are laid out by its query projection's rows per head, which are not its values' width."""
+    output = tmp_path / "mla.json"
+    layout = "--nproc 2 --tensor-model-parallel-size 2 --sequence-parallel"
+    runs = ("--", f"{MLA} --nproc 1", "--", f"{MLA} {layout}")
+    done = compare_in_process(monkeypatch, capsys, "--output", str(output), *runs, steps=1)
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads(output.read_text())
+    assert report["first"] is None and report["compared"] > 50
+    assert max(row["forward"] for row in report["layers"]) < 1e-5

@@ -277,12 +277,13 @@ class DebugCapture:
         shard = info.shard if info is not None else None
         if shard is None:
             return [None, None, sequence[0], None], False
-        width = tensor.size(-1)
+        # (the query projection's rows per head: the core's width, or another: multi-latent attention's values)
+        rows = shard.length // tensor.size(1)
         heads = [
-            (slice(w[0].start // width, w[0].stop // width), slice(m[0].start // width, m[0].stop // width))
-            for w, m in boxes((tensor.size(1) * width,), shard)
+            (slice(w[0].start // rows, w[0].stop // rows), slice(m[0].start // rows, m[0].stop // rows))
+            for w, m in boxes((shard.length,), shard)
         ]
-        return [None, range_table(shard.full_size // width, heads), sequence[0], None], True
+        return [None, range_table(shard.full_size // rows, heads), sequence[0], None], True
 
     # ---------------------------------------------------------------- the step
 
