@@ -317,6 +317,18 @@ def test_grouped_gemm_matches_the_loop(activation, capacity):
         torch.testing.assert_close(grads_grouped[name], grad, atol=1e-6, rtol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_experts_given_no_rows_stay_in_the_graph(grouped):
+    """An expert-parallel rank whose experts no token chose (group-limited routing makes it common) still gives
+    backward a path through its experts: the exchanges around them must run there as on the other ranks."""
+    experts = built(moe_config(moe_grouped_gemm=grouped)).experts
+    tokens, probs = torch.zeros(0, H, requires_grad=True), torch.zeros(0, requires_grad=True)
+    out = experts(tokens, [0, 0, 0, 0], probs)
+    assert out.shape == (0, H) and out.requires_grad
+    out.sum().backward()
+    assert tokens.grad.shape == (0, H) and experts.w_in.grad is not None and not experts.w_in.grad.any()
+
+
 def test_this_device_has_a_grouped_matmul_for_every_precision():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert grouped_gemm_available(torch.device("cpu"), dtype), dtype

@@ -295,6 +295,9 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """`pad_to`: run each expert on at least this many rows (zeros beyond its tokens, then
         discarded): fixed shapes, the same numbers."""
+        if pad_to is None and not any(counts):  # no rows (an expert-parallel rank whose experts no token chose):
+            # still an output of the graph, so that backward runs the exchanges around it here as on the other ranks
+            return self.kernels.one(tokens, probs, self.w_in[0], self.w_out[0], self.gated, self.kind)
         if self.grouped:
             return self._grouped(tokens, counts, probs, pad_to)
         return self._looped(tokens, counts, probs, pad_to)
