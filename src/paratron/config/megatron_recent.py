@@ -178,7 +178,6 @@ _DISTILL = "logit distillation (saving and training on a teacher's logits) is no
 _FAULTS = "use --fault-inject RANK:STEP:nan|crash|hang|slow to inject faults"
 _TRACE = "router decision traces are not written; metrics.jsonl records each step's MoE load balance"
 _YARN = "YaRN rotary scaling is not implemented"
-_GROUPED = "group-limited routing is not implemented; every token may reach every expert (--moe-router-topk)"
 _GLU = "paratron keeps the gate and up projections of a GLU apart; a block-interleaved layout is not implemented"
 
 RECENT_REFUSED: dict[str, Refused] = {
@@ -337,8 +336,6 @@ RECENT_REFUSED: dict[str, Refused] = {
         "hybrid sharding over nested data-parallel groups is not implemented; --zero-stage shards over all "
         "data-parallel ranks",
     ),
-    "moe-router-group-topk": Refused("Device-limited routing: groups each token may use.", _GROUPED),
-    "moe-router-num-groups": Refused("Device-limited routing: groups the experts form.", _GROUPED),
     "rotary-scaling-factor": Refused("YaRN: rotary scaling factor (multi-latent attention).", _YARN),
     "mscale": Refused("YaRN: attention scale (multi-latent attention).", _YARN),
     "mscale-all-dim": Refused("YaRN: attention scale over all dimensions (multi-latent attention).", _YARN),

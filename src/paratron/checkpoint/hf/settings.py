@@ -99,6 +99,7 @@ def _refuse_megatron_only_features(m: ModelConfig) -> None:
         "--rotary-percent below 1 (partial rotary embeddings)": m.rotary_percent < 1.0,
         "--rotary-interleaved (rotation of interleaved feature pairs)": m.rotary_interleaved,
         "--position-embedding-type none (no position embeddings)": m.position_embedding_type == "none",
+        "--moe-router-num-groups (group-limited expert routing)": m.moe_router_num_groups is not None,
     }
     _refuse_squared_relu(m)
     for setting, used in unsupported.items():
