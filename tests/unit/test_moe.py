@@ -399,11 +399,15 @@ def test_a_refused_group_setting_exits_with_code_2(capsys):
     assert "--moe-router-num-groups 3 does not divide --num-experts 4" in capsys.readouterr().err
 
 
-def test_hugging_face_export_refuses_group_limited_routing():
+def test_hugging_face_export_refuses_group_routing_routed_scaling_and_expert_bias():
     mixtral = dict(position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False)
     assert model_type_of(moe_config(**mixtral)) == "mixtral"
     with pytest.raises(CheckpointError, match=r"--moe-router-num-groups \(group-limited expert routing\)"):
         model_type_of(moe_config(**mixtral, moe_router_num_groups=2, moe_router_group_topk=1))
+    with pytest.raises(CheckpointError, match=r"--moe-router-topk-scaling-factor \(routed scaling\)"):
+        model_type_of(moe_config(**mixtral, moe_router_topk_scaling_factor=2.5))
+    with pytest.raises(CheckpointError, match=r"--moe-router-enable-expert-bias \(aux-loss-free expert bias\)"):
+        model_type_of(moe_config(**mixtral, moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"))
 
 
 DEEPSEEK_FLAGS = (
