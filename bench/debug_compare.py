@@ -4,6 +4,9 @@ start and diff by hand.
     python bench/debug_compare.py --output bench/results/debug_compare.json
     python bench/debug_compare.py --smoke  # the debug model, one round: does it still run and agree?
 
+(--smoke trains its plain runs in this process, through the command's own entry point: the compare
+alone starts interpreters, three of them, each seconds of CPU importing torch.)
+
 A: the model on 2 processes with tensor parallelism 2 (--layout); B: the same run on one process.
 Plain: `paratron train` of A then B, --steps steps each, no evaluation (what a user runs before
 comparing metrics.jsonl by eye). Compare: `paratron debug compare --steps K -- "<A>"`, which checks
@@ -22,9 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common import add_smoke_argument, apply_smoke
+from paratron.cli import main as paratron_main
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = "--no-progress-bar --no-tensorboard"
@@ -38,11 +43,18 @@ def _run(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     return time.perf_counter() - start, done
 
 
-def plain_runs(model: str, layout: str, steps: int, folder: Path) -> float:
-    """Wall seconds of the two plain runs, A then B."""
+def _run_in_process(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+    """`_run` in this process, through `paratron`'s entry point (its output goes to this process's)."""
+    start = time.perf_counter()
+    code = paratron_main(args)
+    return time.perf_counter() - start, subprocess.CompletedProcess(args, code, "", "")
+
+
+def plain_runs(model: str, layout: str, steps: int, folder: Path, run: Callable = _run) -> float:
+    """Wall seconds of the two plain runs, A then B, each started by `run`."""
     total = 0.0
     for label, flags in (("A", f"{model} {layout}"), ("B", model)):
-        seconds, done = _run(
+        seconds, done = run(
             [
                 "train",
                 *flags.split(),
@@ -88,7 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     plain, compare, verdict = [], [], ""
     with tempfile.TemporaryDirectory() as tmp:
         for round_number in range(args.rounds):
-            plain.append(plain_runs(args.model, args.layout, args.steps, Path(tmp) / f"plain{round_number}"))
+            folder = Path(tmp) / f"plain{round_number}"
+            plain.append(
+                plain_runs(args.model, args.layout, args.steps, folder, _run_in_process if args.smoke else _run)
+            )
             seconds, verdict = compare_run(args.model, args.layout, args.steps)
             compare.append(seconds)
     results = {

@@ -3,6 +3,9 @@
     python bench/faults.py --output bench/results/faults.json
     python bench/faults.py --smoke  # one kill, one trial, every job at once: does it still run, with its outcomes?
 
+(--smoke's uninterrupted run, whose losses alone it uses, runs on two ranks forked from
+`run_ranks`' server: a launch costs three interpreters, each seconds of CPU importing torch.)
+
 - Restarts: the debug model on 2 processes, --train-iters 16 with a checkpoint every 2 steps,
   once uninterrupted and once with --kills SIGKILLs of a seeded random rank at seeded random steps
   (--fault-inject, --max-restarts); the extra wall time per kill (the agent noticing, stopping and
@@ -47,6 +50,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from common import add_smoke_argument, apply_smoke
+from paratron.cli import main as paratron_main
+from paratron.distributed.local_ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 STORE_PER_ATTEMPT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -132,6 +137,16 @@ def paratron(*args: str, timeout: float = 900) -> Ended:
     return run_job([sys.executable, "-m", "paratron", *args], timeout)
 
 
+def paratron_on_forked_ranks(*args: str) -> Ended:
+    """`paratron(*args)` of a run with --nproc N, its N workers forked from `run_ranks`' server as
+    torchrun's would run (no launcher: their output goes to this process's)."""
+    flags = list(args)
+    at = flags.index("--nproc")
+    start = time.perf_counter()
+    codes = run_ranks(paratron_main, int(flags[at + 1]), [*flags[:at], *flags[at + 2 :]])
+    return Ended(max(codes, key=abs), "", "", time.perf_counter() - start)
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
@@ -148,14 +163,22 @@ def one_by_one(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     return {name: job() for name, job in jobs.items()}
 
 
-def restarts(folder: Path, steps: int, kills: int, seed: int, run: Callable[[dict], dict] = one_by_one) -> dict:
+def restarts(
+    folder: Path,
+    steps: int,
+    kills: int,
+    seed: int,
+    run: Callable[[dict], dict] = one_by_one,
+    calm_runner: Callable[..., Ended] = paratron,
+) -> dict:
+    """The run uninterrupted (started by `calm_runner`) and with `kills` injected crashes: times and losses."""
     common = [*RUN, "--train-iters", str(steps), "--save-interval", "2", *QUIET]
     chance = random.Random(seed)
     faults = [f"{chance.randrange(2)}:{s}:crash" for s in sorted(chance.randint(1, steps) for _ in range(kills))]
     faulty_flags = ["--max-restarts", str(kills), "--fault-inject", *faults]
     ended = run(
         {
-            "calm": lambda: paratron(*common, "--save", str(folder / "ck0"), "--run-dir", str(folder / "calm")),
+            "calm": lambda: calm_runner(*common, "--save", str(folder / "ck0"), "--run-dir", str(folder / "calm")),
             "faulty": lambda: paratron(
                 *common, "--save", str(folder / "ck"), "--run-dir", str(folder / "faulty"), *faulty_flags
             ),
@@ -350,7 +373,9 @@ def main(argv: list[str] | None = None) -> None:
         folder = Path(tmp)
         results = run(
             {
-                "restarts": lambda: restarts(folder, args.steps, args.kills, args.seed, run),
+                "restarts": lambda: restarts(
+                    folder, args.steps, args.kills, args.seed, run, paratron_on_forked_ranks if args.smoke else paratron
+                ),
                 "torchrun_restart": lambda: torchrun_restart(
                     folder, args.trials, args.peer_timeout, SMOKE_STORES if args.smoke else None
                 ),

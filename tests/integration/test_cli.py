@@ -2,7 +2,9 @@
 (`--nproc` and torchrun); what starts no worker (validation messages, conversion, one-process
 training, generation from the trained checkpoints) in process through `paratron.cli.main` (the
 console script's code path), and one subprocess showing that a message reaches the terminal as the
-exit code 2 and one line."""
+exit code 2 and one line. Tensor-parallel training runs `paratron.cli.main` on two ranks forked
+from `run_ranks`' server, as workers that torchrun started: what it checks does not depend on the
+launch, which the other multi-process tests go through, and each fresh interpreter costs seconds."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from paratron.cli import main
+from paratron.distributed.local_ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["--no-progress-bar", "--no-tensorboard"]
@@ -123,18 +126,17 @@ def test_help_shows_field_docs(capsys):
     assert top.returncode == 0 and "train" in top.stdout and "generate" in top.stdout
 
 
-def test_tensor_parallel_training_then_generate(tmp_path, capsys):
+def test_tensor_parallel_training_then_generate(tmp_path, capfd):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(30):
         (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" * 40)
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    result = paratron(
+    capfd.readouterr()
+    argv = [
         "train",
         "--config",
         "debug",
-        "--nproc",
-        "2",
         "--tensor-model-parallel-size",
         "2",
         "--sequence-parallel",
@@ -156,14 +158,16 @@ def test_tensor_parallel_training_then_generate(tmp_path, capsys):
         "--sample-prompt",
         "def f3(x):",
         *QUIET,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "world 2 = TP 2 x CP 1 x DP 1" in result.stdout
-    assert "sample (temperature 0.7, top-k 40) continuing the prompt:" in result.stdout
+    ]
+    codes = run_ranks(main, 2, argv)  # (two ranks, as torchrun's workers of `paratron train --nproc 2`)
+    out, err = capfd.readouterr()
+    assert codes == [0, 0], err
+    assert "world 2 = TP 2 x CP 1 x DP 1" in out
+    assert "sample (temperature 0.7, top-k 40) continuing the prompt:" in out
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [4, 8]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
-    generated = in_process(capsys, "generate", "--load", str(ckpt), "--prompt", "def f1", "--max-new-tokens", "5")
+    generated = in_process(capfd, "generate", "--load", str(ckpt), "--prompt", "def f1", "--max-new-tokens", "5")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("def f1") and len(generated.stdout) > len("def f1")
 

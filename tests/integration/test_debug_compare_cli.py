@@ -3,21 +3,21 @@ parallelism, expert parallelism and ZeRO stage 3 agree with one process; a defec
 tensor-parallel layer, in a module of the second pipeline stage, or in a router whose experts are
 split over two ranks is named exactly.
 
-The single-process reference is trained once (--keep) by the command as a user starts it (its own
-process, both runs launched with `paratron train`, run A under torchrun) and reused by the other
-compares (--reference). Those run the command in this process, each of its runs of `paratron train`
-on two ranks forked from `run_ranks`' server instead of a torchrun launch: every fresh interpreter
-spends seconds importing torch, and what they check (the captures, the report, the exit code) does
-not depend on how the ranks started."""
+The single-process reference is trained once (--keep), by tensor parallelism's compare, and reused
+by the other compares (--reference). Each compare runs the command in this process, each of its runs
+of `paratron train` on ranks forked from `run_ranks`' server (two for --nproc 2, one for the
+single-process run) instead of a torchrun launch or an interpreter of its own: every fresh
+interpreter spends seconds importing torch, and what they check (the captures, the report, the exit
+code) does not depend on how the ranks started. The command as a user starts it, its runs in
+processes of their own, is bench/debug_compare.py's smoke run (tests/integration/test_bench_smoke.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
-import os
-import subprocess
-import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,6 @@ from paratron.debugging import compare as compare_command
 from paratron.debugging.capture import DEFECT_VARIABLE
 from paratron.distributed.local_ranks import run_ranks
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = (
     "--config debug --model-name debug-moe --moe-layer-freq [0,1] --moe-shared-expert-intermediate-size 32 "
     "--micro-batch-size 4 --global-batch-size 8 --seq-length 16"
@@ -43,25 +42,28 @@ class Outcome:
     stderr: str
 
 
-def compare(*args: str, steps: int = 2) -> subprocess.CompletedProcess:
-    """`python -m paratron debug compare --steps STEPS ARGS`, as a user starts it."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
-    env.pop(DEFECT_VARIABLE, None)
-    command = [sys.executable, "-m", "paratron", "debug", "compare", "--steps", str(steps), *args]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-
-
 def train_command(flags: list[str]) -> int:
     """One rank of `paratron train FLAGS`, as a worker that torchrun started."""
     return main(["train", *flags])
 
 
 def train_on_forked_ranks(label: str, flags: Sequence[str], folder: Path) -> None:
-    """The compare's run of `paratron train` (`debugging.compare.train`) on --nproc forked ranks."""
+    """The compare's run of `paratron train` (`debugging.compare.train`) on --nproc forked ranks (one without)."""
     flags = list(flags)
-    codes = run_ranks(train_command, int(flags[flags.index("--nproc") + 1]), flags)
+    ranks = int(flags[flags.index("--nproc") + 1]) if "--nproc" in flags else 1
+    codes = run_ranks(train_command, ranks, flags)
     assert set(codes) == {0}, f"run {label} failed: exit codes {codes}"
+
+
+@contextlib.contextmanager
+def runs_on_forked_ranks(patch: pytest.MonkeyPatch, defect: str | None) -> Iterator[None]:
+    """While the block runs, the compare trains its runs on forked ranks, with PARATRON_DEBUG_DEFECT=`defect`
+    (the ranks get this process's environment)."""
+    patch.setattr(compare_command, "train", train_on_forked_ranks)
+    patch.delenv(DEFECT_VARIABLE, raising=False)
+    if defect is not None:
+        patch.setenv(DEFECT_VARIABLE, defect)
+    yield
 
 
 def compare_in_process(
@@ -72,29 +74,29 @@ def compare_in_process(
     steps: int = 2,
 ) -> Outcome:
     """`paratron debug compare --steps STEPS ARGS` in this process, its runs on forked ranks, with
-    PARATRON_DEBUG_DEFECT=`defect` (the ranks get this process's environment)."""
-    monkeypatch.setattr(compare_command, "train", train_on_forked_ranks)
-    monkeypatch.delenv(DEFECT_VARIABLE, raising=False)
-    if defect is not None:
-        monkeypatch.setenv(DEFECT_VARIABLE, defect)
-    capsys.readouterr()
-    code = main(["debug", "compare", "--steps", str(steps), *args])
-    out, err = capsys.readouterr()
+    PARATRON_DEBUG_DEFECT=`defect`."""
+    with runs_on_forked_ranks(monkeypatch, defect):
+        capsys.readouterr()
+        code = main(["debug", "compare", "--steps", str(steps), *args])
+        out, err = capsys.readouterr()
     return Outcome(code, out, err)
 
 
 @pytest.fixture(scope="module")
-def kept(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+def kept(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Outcome]:
+    """Tensor parallelism's compare, its runs kept (--keep): the single-process reference of the others."""
     folder = tmp_path_factory.mktemp("compare") / "kept"
     output = folder.parent / "agree.json"
-    done = compare(
-        "--keep", str(folder), "--output", str(output), "--", f"{TINY} --nproc 2 --tensor-model-parallel-size 2"
-    )
-    return folder, done
+    out, err = io.StringIO(), io.StringIO()
+    args = ["--keep", str(folder), "--output", str(output), "--", f"{TINY} --nproc 2 --tensor-model-parallel-size 2"]
+    with pytest.MonkeyPatch.context() as patch, runs_on_forked_ranks(patch, None):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["debug", "compare", "--steps", "2", *args])
+    return folder, Outcome(code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.spawns
-def test_tensor_parallel_agrees_with_one_process(kept: tuple[Path, subprocess.CompletedProcess]) -> None:
+def test_tensor_parallel_agrees_with_one_process(kept: tuple[Path, Outcome]) -> None:
     folder, done = kept
     assert done.returncode == 0, done.stderr + done.stdout
     assert done.stdout.startswith("the runs agree:") and "layers.1" in done.stdout
@@ -109,7 +111,7 @@ def test_tensor_parallel_agrees_with_one_process(kept: tuple[Path, subprocess.Co
     "layout", ["--expert-model-parallel-size 2", "--zero-stage 3"], ids=["expert-parallel", "zero-3"]
 )
 def test_experts_and_zero3_agree_with_one_process(
-    kept: tuple[Path, subprocess.CompletedProcess],
+    kept: tuple[Path, Outcome],
     layout: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,
@@ -142,7 +144,7 @@ def test_experts_and_zero3_agree_with_one_process(
     ids=["tensor-parallel", "pipeline-stage-1", "expert-parallel-router"],
 )
 def test_a_planted_defect_is_named(
-    kept: tuple[Path, subprocess.CompletedProcess],
+    kept: tuple[Path, Outcome],
     layout: str,
     defect: str,
     monkeypatch: pytest.MonkeyPatch,

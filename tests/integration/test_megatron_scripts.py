@@ -134,18 +134,11 @@ REMOVED: dict[str, dict[str, tuple[str, str, str | None]]] = {
         "--fp8-format": (_HARDWARE, "--fp8-format e4m3 runs inside bf16 training (this run is fp32)", None),
         "--fp8-param-gather": (_HARDWARE, _GATHER_ALONE, None),
         "--outer-dp-sharding-strategy": ("hybrid FSDP is not implemented", "hybrid sharding", None),
-        "--moe-router-group-topk": ("group-limited routing", "group-limited routing is not implemented", None),
-        "--moe-router-num-groups": ("group-limited routing", "group-limited routing is not implemented", None),
         "--moe-router-dtype": ("the router's precision", "the router's precision is not selectable", None),
         "--moe-router-pre-softmax": (
             "Megatron-LM ignores it with a sigmoid score; paratron refuses the pair",
             "applies to --moe-router-score-function softmax only",
             None,
-        ),
-        "--moe-layer-freq": (
-            "paratron reads the list, not the Python expression",
-            "give a positive integer or a list",
-            "[0,1,1,1]",
         ),
     },
 }
@@ -218,11 +211,10 @@ def test_megatron_mains_scripts_are_accepted_but_for_what_is_named(name, tmp_pat
         assert config.training.global_batch_size == 8
     if name == "deepseek_proxy_fsdp_ep2_fsdp2":
         assert (config.model.num_experts, config.parallel.expert_model_parallel_size, layout.dp) == (4, 2, 4)
-        assert (config.model.multi_latent_attention, config.model.q_lora_rank, config.model.rope_type) == (
-            True,
-            32,
-            "yarn",
-        )
+        m = config.model  # (DeepSeek-V3's MoE: a dense first layer, sigmoid scores, group-limited routing)
+        assert m.moe_layer_pattern == (False, True, True, True)
+        assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_score_function) == (2, 1, "sigmoid")
+        assert (m.multi_latent_attention, m.q_lora_rank, m.rope_type) == (True, 32, "yarn")  # (and its attention)
         assert config.checkpoint.ckpt_format == "fsdp_dtensor"
 
 

@@ -137,14 +137,15 @@ def calm(tmp_path_factory) -> dict[int, float]:
     return losses(root / "run")
 
 
-def test_a_run_that_loses_a_rank_three_times_ends_as_the_uninterrupted_one(tmp_path, calm):
-    """Three kills (SIGKILL of a seeded random rank, one per attempt, steps in order so each fires:
-    at step 1, before any checkpoint, once between checkpoints and once at the last step),
-    --max-restarts 3, a checkpoint every 2 steps: every restart resumes from the newest intact
-    checkpoint, and the losses are the uninterrupted run's."""
-    steps, kills = STEPS, 3
+def test_a_run_that_loses_a_rank_twice_ends_as_the_uninterrupted_one(tmp_path, calm):
+    """Two kills (SIGKILL of a seeded random rank, one per attempt, steps in order so each fires:
+    at step 1, before any checkpoint, and at the last step, between checkpoints), --max-restarts 2,
+    a checkpoint every 2 steps: the first restart starts afresh, the second resumes from the newest
+    intact checkpoint, and the losses are the uninterrupted run's. (Each restart starts two
+    interpreters: a kill between checkpoints earlier in the run would prove what the last one does.)"""
+    steps, kills = STEPS, 2
     chance = random.Random(10)
-    faults = [f"{chance.randrange(2)}:{step}:crash" for step in (1, 5, steps)]
+    faults = [f"{chance.randrange(2)}:{step}:crash" for step in (1, steps)]
     code, out, err = finish(
         start(
             *BROKEN,
@@ -278,17 +279,20 @@ def lock_holder(save: Path) -> int | None:
     return json.loads(lock.read_text())["pid"] if lock.exists() else None
 
 
-def test_a_killed_launcher_takes_its_workers_with_it_and_a_save_folder_has_one_writer(tmp_path, calm):
+def test_a_killed_launcher_takes_its_workers_with_it_and_a_save_folder_has_one_writer(tmp_path, calm, capfd):
     """Three times the launcher's process group is SIGKILLed at a seeded random moment (starting up,
     training, just after a save; never so late that the run could end first), and the job is started
     again with the same flags (the second time under plain torchrun, where rank 0 holds the lock).
     Every worker ends with its launcher, a lock left behind is taken over with a note, no
-    checkpoint is saved by two jobs, and the run ends with the uninterrupted run's losses."""
+    checkpoint is saved by two jobs, and the run ends with the uninterrupted run's losses (its last
+    start, never killed, on two ranks forked here as torchrun's workers: what it proves lies in the
+    files it leaves, and a launch costs three interpreters)."""
     save = tmp_path / "ck"
     flags = [*BROKEN, "--save", str(save), "--load", str(save), "--run-dir", str(tmp_path / "run")]
+    at = flags.index("--nproc")  # (a worker's flags: torchrun's --nproc-per-node instead)
+    as_worker = [*flags[:at], *flags[at + 2 :]]
     by_torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    at = flags.index("--nproc")  # (torchrun's --nproc-per-node instead)
-    by_torchrun += ["-m", "paratron", *flags[:at], *flags[at + 2 :]]
+    by_torchrun += ["-m", "paratron", *as_worker]
     chance = random.Random(15)
     kinds = chance.sample(["start", "step", "save"], 3)
     outputs = []
@@ -311,8 +315,9 @@ def test_a_killed_launcher_takes_its_workers_with_it_and_a_save_folder_has_one_w
         if left is not None and taker not in (None, left):  # (it came as far as taking the lock)
             note = f"took over the lock of a job that is gone (host {socket.gethostname()}, pid {left}, since "
             assert note in "".join(job.err), "".join(job.err)[-2000:]
-    code, out, err = finish(start(*flags))
-    assert code == 0, err[-3000:]
+    capfd.readouterr()
+    assert run_ranks(main, 2, as_worker) == [0, 0]
+    out = capfd.readouterr().out
     assert losses(tmp_path / "run") == calm
     lines = "".join([*outputs, out]).splitlines()
     saved = [line.split("iter_")[1].strip() for line in lines if line.startswith("saved checkpoint")]

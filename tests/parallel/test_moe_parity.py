@@ -61,6 +61,15 @@ def curves(run_dir: str, layout: dict) -> list[dict]:
     return training_records(settings(run_dir, **layout))
 
 
+GROUPED = dict(
+    moe_router_score_function="sigmoid",
+    moe_router_topk_scaling_factor=2.0,
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+)
+"""DeepSeek-V3's routing on the same model: sigmoid scores with the expert bias and routed scaling, limited to one of
+two groups of two experts per token (where EP 2 holds a group per rank: every token's experts on one rank)."""
+
 LAYOUTS = {
     "pp2-1f1b": (2, dict(pipeline_model_parallel_size=2)),
     "pp2-zb-h1-recompute": (
@@ -114,6 +123,16 @@ LAYOUTS = {
             zero_stage=2,
         ),
     ),
+    "tp2-ep2-etp1-grouped": (
+        2,
+        dict(
+            GROUPED,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            expert_model_parallel_size=2,
+            expert_tensor_parallel_size=1,
+        ),
+    ),
     "etp2-dp2": (2, dict(expert_tensor_parallel_size=2)),
     "cp2-ep2": (2, dict(context_parallel_size=2, expert_model_parallel_size=2)),
     "ep2-zero3": (2, dict(expert_model_parallel_size=2, zero_stage=3)),  # (experts alone on their rank: EDP 1)
@@ -153,16 +172,27 @@ def curves_of_layouts(run_dir: str, layouts: dict[str, dict]) -> dict[str, list[
         return {name: curves(f"{run_dir}/{name}", layout) for name, layout in layouts.items()}
 
 
+@pytest.fixture(scope="module")
+def grouped_single(tmp_path_factory, single) -> list[dict]:
+    grouped = curves(str(tmp_path_factory.mktemp("moe") / "grouped"), GROUPED)
+    assert len(grouped) == 6 and grouped[-1]["loss"] < grouped[0]["loss"] - 0.2
+    assert [r["loss"] for r in grouped] != [r["loss"] for r in single]
+    for record in grouped:  # (every token takes both experts of one group: the two experts of a group tie)
+        assert all(layer[0] == layer[1] and layer[2] == layer[3] for layer in record["moe_tokens_per_expert"])
+    return grouped
+
+
 @pytest.mark.spawns
 @pytest.mark.parametrize("world", sorted({world for world, _ in LAYOUTS.values()}))
-def test_moe_training_at_every_layout_equals_one_process(tmp_path, single, world):
+def test_moe_training_at_every_layout_equals_one_process(tmp_path, single, world, request):
     assert len(single) == 6 and single[-1]["loss"] < single[0]["loss"] - 0.2  # (0.28 in 6 steps)
     assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 for r in single)
     layouts = {name: layout for name, (size, layout) in LAYOUTS.items() if size == world}
     for name, ours in run_ranks(curves_of_layouts, world, str(tmp_path), layouts)[0].items():
+        reference = request.getfixturevalue("grouped_single") if GROUPED.items() <= layouts[name].items() else single
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load_balance"):
-            assert [r[key] for r in ours] == pytest.approx([r[key] for r in single], rel=1e-5), f"{name}: {key}"
-        assert [r["moe_tokens_per_expert"] for r in ours] == [r["moe_tokens_per_expert"] for r in single], name
+            assert [r[key] for r in ours] == pytest.approx([r[key] for r in reference], rel=1e-5), f"{name}: {key}"
+        assert [r["moe_tokens_per_expert"] for r in ours] == [r["moe_tokens_per_expert"] for r in reference], name
 
 
 RESUMED_AT = 3

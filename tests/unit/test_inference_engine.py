@@ -17,7 +17,7 @@ from paratron.config import build_config
 from paratron.config.inference import InferenceConfig
 from paratron.data.tokenizer import train_byte_level_bpe
 from paratron.inference.engine import Engine
-from paratron.inference.loading import engine_for_model, open_engine
+from paratron.inference.loading import FewRowLinear, engine_for_model, open_engine
 from paratron.inference.params import RequestError, SamplingParams
 from paratron.inference.sampling import apply_penalties, filtered
 from paratron.inference.text import IncrementalText
@@ -267,6 +267,7 @@ def test_a_checkpoint_runs_in_its_precision(llama, tmp_path):
     eng = open_engine(build_config(dict(load=str(tmp_path / "bf16"), kv_cache_tokens=128)))
     assert eng.runner.dtype == torch.bfloat16 and eng.model_name == "bf16"
     assert {p.dtype for p in eng.runner.model.parameters()} == {torch.bfloat16}
+    assert isinstance(eng.runner.model.output, FewRowLinear)  # (a checkpoint's model is laid out for decoding)
     asked = open_engine(build_config(dict(load=str(tmp_path / "bf16"), kv_cache_tokens=128)), precision="fp16")
     assert asked.runner.dtype == torch.float16 and asked.runner.cache.layers[0].keys.dtype == torch.float16
     prompt = prompts()[0]

@@ -1,12 +1,13 @@
 """Megatron-LM checkpoints <-> paratron, with megatron-core 0.16.1 as the oracle.
 
-One spawn of 4 gloo ranks builds megatron-core's GPTModel (local spec, CPU, fp32) at TP x PP =
-1x1, 2x1, 1x2 and 2x2 (the rest of the 4 ranks are data-parallel replicas), saves it with
-megatron-core's own code (legacy `state_dict()` files and `dist_checkpointing.save` of its
-`sharded_state_dict()`, with an fp32 Adam's `sharded_state_dict` for the torch_dist optimizer
-entries) and runs its forward; the same ranks load legacy checkpoints that paratron wrote into
-megatron-core GPTModels (`load_state_dict(strict=True)`) and run them. The parent process converts
-with paratron and compares weights element for element and logits within 1e-5.
+One spawn of 4 gloo ranks (forked from one process that imported megatron-core once) builds
+megatron-core's GPTModel (local spec, CPU, fp32) at TP x PP = 1x1, 2x1, 1x2 and 2x2 (the rest of
+the 4 ranks are data-parallel replicas), saves it with megatron-core's own code (legacy
+`state_dict()` files and `dist_checkpointing.save` of its `sharded_state_dict()`, with an fp32
+Adam's `sharded_state_dict` for the torch_dist optimizer entries) and runs its forward; the same
+ranks load legacy checkpoints that paratron wrote into megatron-core GPTModels
+(`load_state_dict(strict=True)`) and run them. The parent process converts with paratron and
+compares weights element for element and logits within 1e-5.
 """
 
 from __future__ import annotations
@@ -222,6 +223,41 @@ def _oracle_ranks(root: str, written: dict[str, str]) -> dict[str, Any]:
     return results
 
 
+MEGATRON_MODULES = (
+    "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.mapping",
+    "megatron.core.dist_checkpointing.optimizer",
+    "megatron.core.fusions.fused_layer_norm",
+    "megatron.core.fusions.fused_softmax",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.transformer",
+    "megatron.core.transformer.enums",
+    "megatron.core.transformer.utils",
+)
+"""What the oracle's ranks use of megatron-core: imported once, before they are forked."""
+
+
+def _oracle_ranks_forked_here(root: str, written: dict[str, str]) -> list[dict[str, Any]]:
+    """`_oracle_ranks` on 4 ranks forked from this one after it imported megatron-core (seconds of CPU
+    that each rank would otherwise spend again; the server's ranks start without it)."""
+    import importlib
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    from paratron.distributed import local_ranks
+
+    for module in MEGATRON_MODULES:
+        importlib.import_module(module)
+    multiprocessing.current_process()._config["daemon"] = False  # (a daemonic process may not start processes)
+    local_ranks.rank_context = lambda: mp.get_context("fork")  # (in this process only, which ends after the call)
+    return local_ranks.run_ranks(_oracle_ranks, 4, root, written, timeout=240)
+
+
 def _adam_boxes(state: dict) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -266,7 +302,7 @@ def oracle(tmp_path_factory) -> dict[str, Any]:
         written[kind] = str(root / f"written-{kind}")
     start = time.perf_counter()
     results: dict[str, Any] = {}
-    for part in run_ranks(_oracle_ranks, 4, str(root), written, timeout=240):
+    for part in run_ranks(_oracle_ranks_forked_here, 1, str(root), written, timeout=300)[0]:
         results.update(part)
     results["root"], results["seconds"] = root, time.perf_counter() - start
     return results

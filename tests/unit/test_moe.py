@@ -11,14 +11,26 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils as megatron
 from torch.utils.checkpoint import checkpoint
-from transformers import MixtralConfig, Qwen2MoeConfig
+from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
+from paratron.checkpoint.hf.settings import model_type_of
+from paratron.cli import main
+from paratron.commands.train import train_config
 from paratron.config.schema import Config, ModelConfig
 from paratron.config.validation import validate
-from paratron.errors import ConfigError
-from paratron.model.moe import MoELayer, Router, attach_aux_loss, expert_capacity, grouped_gemm_available
+from paratron.errors import CheckpointError, ConfigError
+from paratron.model.gpt import build_model
+from paratron.model.moe import (
+    MoELayer,
+    Router,
+    attach_aux_loss,
+    expert_capacity,
+    group_limited_top,
+    grouped_gemm_available,
+)
 
 H = 32
 
@@ -180,6 +192,253 @@ def test_expert_bias_update_matches_megatron(monkeypatch):
     torch.testing.assert_close(router.expert_bias, start + 0.01 * torch.tensor([-1.0, 1, -1, -1, 1]))
 
 
+# ---------------------------------------------------------------- group-limited routing
+
+
+GROUPED = {  # (experts, groups, group top-k, top-k, more settings)
+    "sigmoid-bias-scaled": (8, 4, 2, 4, dict(moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5)),
+    "sigmoid-top1-per-group": (8, 4, 2, 3, dict(moe_router_score_function="sigmoid")),  # (groups ranked by 3 // 2 = 1)
+    "softmax": (8, 2, 1, 2, dict(moe_router_topk_scaling_factor=1.5)),
+    "presoftmax": (6, 3, 2, 3, dict(moe_router_pre_softmax=True)),
+}
+
+
+def grouped_router(name: str, tokens: int = 32) -> tuple[Router, torch.Tensor]:
+    experts, groups, group_k, k, options = GROUPED[name]
+    bias = options.get("moe_router_score_function") == "sigmoid"
+    config = moe_config(
+        num_experts=experts,
+        moe_router_topk=k,
+        moe_router_num_groups=groups,
+        moe_router_group_topk=group_k,
+        moe_router_enable_expert_bias=bias,
+        **options,
+    )
+    router, x = router_inputs(config, tokens=tokens, seed=1)
+    if bias:
+        with torch.no_grad():
+            router.expert_bias.copy_(torch.linspace(-0.2, 0.2, experts)[torch.randperm(experts)])
+    return router, x
+
+
+def ranked_values(router: Router, x: torch.Tensor) -> torch.Tensor:
+    """What the router ranks experts by: the scores (or the logits, softmax after the top-k) plus the expert bias."""
+    logits = logits_of(router, x)
+    if router.score_function == "sigmoid":
+        values = torch.sigmoid(logits)
+    else:
+        values = torch.softmax(logits, -1) if router.pre_softmax else logits
+    return values if router.expert_bias is None else values + router.expert_bias
+
+
+def clear_margins(router: Router, x: torch.Tensor, margin: float = 1e-4) -> torch.Tensor:
+    """[N] bool: the tokens whose choices no near-tie decides: the chosen groups' scores and the chosen experts' values
+    (within the chosen groups) each at least `margin` above the next one, so that every implementation must pick
+    the same."""
+    values, k, groups, group_k = ranked_values(router, x), router.topk, router.num_groups, router.group_topk
+    by_group = values.view(x.size(0), groups, -1)
+    group_scores = by_group.topk(k // group_k, dim=-1).values.sum(-1)
+    ranked_groups = group_scores.sort(-1, descending=True).values
+    clear = ranked_groups[:, group_k - 1] - ranked_groups[:, group_k] >= margin
+    closed = group_scores < ranked_groups[:, group_k - 1 : group_k]
+    ranked = by_group.masked_fill(closed.unsqueeze(-1), -1e9).flatten(1).sort(-1, descending=True).values
+    return clear & (ranked[:, k - 1] - ranked[:, k] >= margin)
+
+
+def clear_tokens(router: Router, x: torch.Tensor) -> torch.Tensor:
+    """The tokens of x with clear margins (most of them)."""
+    clear = clear_margins(router, x)
+    assert clear.sum() >= 0.75 * x.size(0)
+    return x[clear]
+
+
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_group_limited_routing_matches_megatron(name):
+    router, x = grouped_router(name)
+    x = clear_tokens(router, x)
+    routing = router(x)
+    probs, routing_map = megatron.topk_routing_with_score_function(
+        logits_of(router, x),
+        router.topk,
+        use_pre_softmax=router.pre_softmax,
+        num_groups=router.num_groups,
+        group_topk=router.group_topk,
+        scaling_factor=router.scaling_factor,
+        score_function=router.score_function,
+        expert_bias=router.expert_bias,
+    )
+    assert torch.equal(routing.routing_map, routing_map)  # the same experts first, then their weights
+    torch.testing.assert_close(routing.probs, probs, atol=1e-6, rtol=0)
+    # every token's experts lie in at most group-top-k groups, and the groups changed some token's choice
+    experts_per_group = router.num_experts // router.num_groups
+    groups_used = routing.routing_map.view(x.size(0), router.num_groups, experts_per_group).any(-1).sum(-1)
+    assert (groups_used <= router.group_topk).all()
+    ungrouped = copy.copy(router)
+    ungrouped.group_topk = None
+    assert not torch.equal(ungrouped(x).routing_map, routing.routing_map)
+
+
+def deepseek_v3_config(**overrides) -> DeepseekV3Config:
+    values = dict(
+        hidden_size=H,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        hidden_act="silu",
+        experts_implementation="eager",
+    )
+    return DeepseekV3Config(**{**values, **overrides})
+
+
+def test_group_limited_routing_matches_transformers_deepseek_v3():
+    router, x = grouped_router("sigmoid-bias-scaled")  # 8 experts, 4 groups, 2 chosen, top-4: DeepSeek-V3's ratios
+    x = clear_tokens(router, x)
+    gate = DeepseekV3TopkRouter(deepseek_v3_config())
+    with torch.no_grad():
+        gate.weight.copy_(router.weight)
+        gate.e_score_correction_bias.copy_(router.expert_bias)
+    _, weights, indices = gate(x)
+    routing = router(x)
+    chosen = torch.zeros_like(routing.routing_map).scatter(1, indices, True)
+    assert torch.equal(routing.routing_map, chosen)
+    torch.testing.assert_close(routing.probs.gather(1, indices), weights, atol=1e-6, rtol=0)
+
+
+def test_grouped_moe_layer_matches_transformers_deepseek_v3_block():
+    torch.manual_seed(0)
+    block = DeepseekV3MoE(deepseek_v3_config()).eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.3)
+        block.gate.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, 8))
+    config = moe_config(
+        num_experts=8,
+        moe_router_topk=4,
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5,
+        moe_ffn_hidden_size=24,
+        moe_shared_expert_intermediate_size=24,
+    )
+    layer = MoELayer(config)
+    names = {
+        "router.weight": "gate.weight",
+        "router.expert_bias": "gate.e_score_correction_bias",
+        "experts.w_in": "experts.gate_up_proj",
+        "experts.w_out": "experts.down_proj",
+        "shared_expert.in_proj.gate.weight": "shared_experts.gate_proj.weight",
+        "shared_expert.in_proj.up.weight": "shared_experts.up_proj.weight",
+        "shared_expert.out_proj.weight": "shared_experts.down_proj.weight",
+    }
+    assert sorted(names) == sorted(layer.state_dict())
+    theirs = block.state_dict()
+    layer.load_state_dict({ours: theirs[name] for ours, name in names.items()})
+    x = torch.randn(2, 8, H)
+    router = layer.router
+    assert clear_margins(router, x.view(-1, H)).all()
+    _, _, indices = block.gate(x)
+    theirs = torch.zeros(16, 8, dtype=torch.bool).scatter(1, indices, True)
+    assert torch.equal(router(x.view(-1, H)).routing_map, theirs)
+    compare_with(block, layer, x)
+
+
+def test_ties_go_to_the_lowest_index():
+    ranked = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0]])  # four groups of two; groups 0, 1, 3 tie
+    assert sorted(group_limited_top(ranked, 2, 4, 2).tolist()[0]) == [0, 1]  # groups 0 and 1 (not 3), experts 0, 1
+    assert sorted(group_limited_top(ranked, 3, 4, 3).tolist()[0]) == [0, 1, 2]
+
+
+GROUP_ERRORS = {
+    "groups alone": (dict(moe_router_num_groups=2), "--moe-router-num-groups needs --moe-router-group-topk too"),
+    "group top-k alone": (dict(moe_router_group_topk=1), "--moe-router-group-topk needs --moe-router-num-groups too"),
+    "uneven groups": (
+        dict(moe_router_num_groups=3, moe_router_group_topk=1),
+        "--moe-router-num-groups 3 does not divide --num-experts 8 into equal groups; use a divisor",
+    ),
+    "more groups chosen than exist": (
+        dict(moe_router_num_groups=2, moe_router_group_topk=3),
+        "--moe-router-group-topk 3: must be between 1 and --moe-router-num-groups 2",
+    ),
+    "no group chosen": (
+        dict(moe_router_num_groups=2, moe_router_group_topk=0),
+        "--moe-router-group-topk 0: must be between 1",
+    ),
+    "too few experts open": (
+        dict(moe_router_num_groups=4, moe_router_group_topk=1, moe_router_topk=3),
+        "--moe-router-group-topk 1 opens 2 experts, fewer than --moe-router-topk 3; choose more groups",
+    ),
+    "more groups than experts per token": (
+        dict(moe_router_num_groups=4, moe_router_group_topk=3, moe_router_topk=2),
+        "--moe-router-group-topk 3 exceeds --moe-router-topk 2",
+    ),
+    "without experts": (
+        dict(num_experts=None, moe_ffn_hidden_size=None, moe_router_num_groups=2, moe_router_group_topk=1),
+        "--moe-router-num-groups: a mixture-of-experts setting needs --num-experts",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(GROUP_ERRORS))
+def test_group_limited_routing_refuses_what_cannot_route(name):
+    settings, message = GROUP_ERRORS[name]
+    with pytest.raises(ConfigError) as error:
+        validate(Config(model=moe_config(**{"num_experts": 8, **settings})), 1, check_data=False)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_refused_group_setting_exits_with_code_2(capsys):
+    flags = ["--num-experts", "4", "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"]
+    assert main(["train", "--config", "debug", "--dry-run", *flags]) == 2
+    assert "--moe-router-num-groups 3 does not divide --num-experts 4" in capsys.readouterr().err
+
+
+def test_hugging_face_export_refuses_group_routing_routed_scaling_and_expert_bias():
+    mixtral = dict(position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False)
+    assert model_type_of(moe_config(**mixtral)) == "mixtral"
+    with pytest.raises(CheckpointError, match=r"--moe-router-num-groups \(group-limited expert routing\)"):
+        model_type_of(moe_config(**mixtral, moe_router_num_groups=2, moe_router_group_topk=1))
+    with pytest.raises(CheckpointError, match=r"--moe-router-topk-scaling-factor \(routed scaling\)"):
+        model_type_of(moe_config(**mixtral, moe_router_topk_scaling_factor=2.5))
+    with pytest.raises(CheckpointError, match=r"--moe-router-enable-expert-bias \(aux-loss-free expert bias\)"):
+        model_type_of(moe_config(**mixtral, moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"))
+
+
+DEEPSEEK_FLAGS = (
+    "--config debug --swiglu --num-layers 4 --moe-layer-freq ([0]*1+[1]*3) --num-experts 8 --moe-ffn-hidden-size 32 "
+    "--moe-shared-expert-intermediate-size 32 --moe-router-topk 4 --moe-router-score-function sigmoid "
+    "--moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 4 "
+    "--moe-router-group-topk 2 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-3"
+)
+
+
+def test_a_deepseek_style_model_from_the_command_line_trains():
+    config = train_config(DEEPSEEK_FLAGS.split())
+    validate(config, 1)
+    m = config.model
+    assert m.moe_layer_pattern == (False, True, True, True)
+    assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk) == (4, 2, 4)
+    model = build_model(m, seed=0)
+    layers = [layer for layer in model.modules() if isinstance(layer, MoELayer)]
+    assert len(layers) == 3 and all(layer.shared_expert is not None for layer in layers)
+    ids = torch.randint(0, m.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    maps = []
+    layers[0].router.register_forward_hook(lambda router, args, routing: maps.append(routing.routing_map))
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+    for layer in layers:
+        used = layer.last_stats["tokens_per_expert"]
+        assert used.sum() == 2 * 16 * 4
+        assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    assert (maps[0].view(-1, 4, 2).any(-1).sum(-1) <= 2).all()  # (each token's 4 experts within 2 groups of 2)
+
+
 # ---------------------------------------------------------------- capacity
 
 
@@ -315,6 +574,18 @@ def test_grouped_gemm_matches_the_loop(activation, capacity):
     torch.testing.assert_close(out_grouped, out, atol=1e-6, rtol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grads_grouped[name], grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_experts_given_no_rows_stay_in_the_graph(grouped):
+    """An expert-parallel rank whose experts no token chose (group-limited routing makes it common) still gives
+    backward a path through its experts: the exchanges around them must run there as on the other ranks."""
+    experts = built(moe_config(moe_grouped_gemm=grouped)).experts
+    tokens, probs = torch.zeros(0, H, requires_grad=True), torch.zeros(0, requires_grad=True)
+    out = experts(tokens, [0, 0, 0, 0], probs)
+    assert out.shape == (0, H) and out.requires_grad
+    out.sum().backward()
+    assert tokens.grad.shape == (0, H) and experts.w_in.grad is not None and not experts.w_in.grad.any()
 
 
 def test_this_device_has_a_grouped_matmul_for_every_precision():
@@ -485,7 +756,10 @@ def test_moe_layers_follow_the_layer_frequency():
     assert list(moe_config(num_layers=5, moe_layer_freq="2").moe_layer_pattern) == [True, False, True, False, True]
     assert list(moe_config(num_layers=3, moe_layer_freq="1").moe_layer_pattern) == [True] * 3
     assert list(moe_config(num_layers=4, moe_layer_freq="[0,1,1,1]").moe_layer_pattern) == [False, True, True, True]
-    for bad in ("[0,1]", "0", "x", "[0,2,1,1]"):
+    assert moe_config(num_layers=4, moe_layer_freq="([0]*1+[1]*3)").moe_layer_pattern == (False, True, True, True)
+    assert moe_config(num_layers=6, moe_layer_freq="([1]*2+[0])*2").moe_layer_pattern == (True, True, False) * 2
+    assert moe_config(num_layers=6, moe_layer_freq="2*[0]+[1]*4").moe_layer_pattern == (False,) * 2 + (True,) * 4
+    for bad in ("[0,1]", "0", "x", "[0,2,1,1]", "[0]*4+__import__('os').sep", "[0,1]*1000000000000", "[0,1,1,1"):
         with pytest.raises(ConfigError, match="moe-layer-freq") as error:
             validate(Config(model=moe_config(num_layers=4, moe_layer_freq=bad)), 1, check_data=False)
         assert "\n" not in str(error.value)

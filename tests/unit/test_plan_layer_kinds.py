@@ -20,6 +20,7 @@ from paratron.planning.dry_run import with_vocabulary
 from paratron.planning.memory_prediction import predict_memory
 from paratron.planning.operations import stage_operations
 from paratron.planning.search import plan
+from paratron.training.flops import training_flops_per_token
 
 H100 = hw.PRESETS["h100-80g"]
 LLAMA = dict(model_name="llama3-8b", precision="bf16", seq_length=4096, global_batch_size=16, micro_batch_size=1)
@@ -97,3 +98,16 @@ def test_the_plan_command_plans_a_pattern_model(capsys, tmp_path):
     assert run.returncode == 0, run.stderr
     plans = json.loads(output.read_text())["plans"]
     assert plans and all("PP2" in p["layout"] for p in plans)
+
+
+def test_group_limited_routing_is_planned_and_counted_as_plain_routing():
+    """Group-limited routing changes which experts a token meets, not a matmul: the same memory, time and FLOPs."""
+    grouped = dict(MOE, moe_router_num_groups=4, moe_router_group_topk=2)
+    layout = dict(expert_model_parallel_size=2, moe_layer_freq="[1,0]")
+    plain_config = config_of(num_layers=2, **MOE, **layout)
+    grouped_config = config_of(num_layers=2, **grouped, **layout)
+    assert predicted(grouped_config, 2) == predicted(plain_config, 2)
+    flops = (training_flops_per_token(c.model, 4096) for c in (plain_config, grouped_config))
+    assert len(set(flops)) == 1
+    plans = plan(build_config(dict(LLAMA, hybrid_layer_pattern="*E*-", **grouped)), 2, H100, within=math.inf)
+    assert plans and {p.settings["expert_model_parallel_size"] for p in plans} > {1}

@@ -181,7 +181,6 @@ _DISTILL = "logit distillation (saving and training on a teacher's logits) is no
 _FAULTS = "use --fault-inject RANK:STEP:nan|crash|hang|slow to inject faults"
 _TRACE = "router decision traces are not written; metrics.jsonl records each step's MoE load balance"
 _YARN = "paratron's YaRN rounds the correction range's ends to whole features (Megatron-LM's and transformers' default)"
-_GROUPED = "group-limited routing is not implemented; every token may reach every expert (--moe-router-topk)"
 _GLU = "paratron keeps the gate and up projections of a GLU apart; a block-interleaved layout is not implemented"
 
 RECENT_REFUSED: dict[str, Refused] = {
@@ -335,8 +334,6 @@ RECENT_REFUSED: dict[str, Refused] = {
         "hybrid sharding over nested data-parallel groups is not implemented; --zero-stage shards over all "
         "data-parallel ranks",
     ),
-    "moe-router-group-topk": Refused("Device-limited routing: groups each token may use.", _GROUPED),
-    "moe-router-num-groups": Refused("Device-limited routing: groups the experts form.", _GROUPED),
 }
 """Flags new since megatron-core 0.16.1 of features paratron does not have, with the reason."""
 

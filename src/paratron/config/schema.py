@@ -21,6 +21,7 @@ Limits live in each field's metadata (`ABOVE_ZERO`, `ZERO_OR_MORE`, `FRACTION`),
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,15 +36,46 @@ LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 
 
 def moe_layer_pattern(freq: str, num_layers: int) -> tuple[bool, ...]:
-    """Which of `num_layers` layers --moe-layer-freq makes MoE layers: an integer N (every N-th, from the first) or
-    a list such as [0,1,1,1]; empty for anything else (`config.validation` refuses it)."""
+    """Which of `num_layers` layers --moe-layer-freq makes MoE layers: an integer N (every N-th, from the first), a
+    list such as [0,1,1,1], or Megatron-LM's list expression such as ([0]*1+[1]*3); empty for anything else
+    (`config.validation` refuses it)."""
     text = freq.strip()
     if text.lstrip("-").isdigit() and int(text) >= 1:
         return tuple(i % int(text) == 0 for i in range(num_layers))
-    entries = [e.strip() for e in text.strip("[]").split(",")] if text.startswith("[") else []
-    if len(entries) != num_layers or any(e not in ("0", "1") for e in entries):
+    entries = _list_expression(text, num_layers) if "[" in text else None
+    if entries is None or len(entries) != num_layers or any(e not in (0, 1) for e in entries):
         return ()
-    return tuple(e == "1" for e in entries)
+    return tuple(e == 1 for e in entries)
+
+
+def _list_expression(text: str, num_layers: int) -> list[int] | None:
+    """The list of integers a Python expression of integer lists, `+` and `*` makes (Megatron-LM evaluates
+    --moe-layer-freq with Python; this reads only that arithmetic), or None for any other text or a list longer
+    than the layers."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node: ast.expr) -> int | list[int] | None:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(item) for item in node.elts]
+            return items if all(isinstance(item, int) for item in items) else None  # type: ignore[return-value]
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult))):
+            return None
+        left, right = value(node.left), value(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right if len(left) + len(right) <= num_layers else None
+        if isinstance(node.op, ast.Mult) and isinstance(left, int) != isinstance(right, int):
+            items, times = (left, right) if isinstance(left, list) else (right, left)
+            if isinstance(items, list) and isinstance(times, int) and len(items) * max(times, 0) <= num_layers:
+                return items * times
+        return None
+
+    result = value(tree)
+    return result if isinstance(result, list) else None
 
 
 def _readable_pattern(text: str | None) -> LayerPattern | None:
@@ -264,7 +296,7 @@ class ModelConfig(VisionSettings):
 
     moe_layer_freq: str = "1"
     """Which layers are MoE layers: an integer N (every N-th layer, counting from the first) or a list such as
-    [0,1,1,1] (1 = MoE) with one entry per layer."""
+    [0,1,1,1] (1 = MoE) with one entry per layer, also written as Megatron-LM's list expression ([0]*1+[1]*3)."""
 
     moe_ffn_hidden_size: int | None = None
     """Width of each expert's inner layer (default: --ffn-hidden-size)."""
@@ -281,6 +313,16 @@ class ModelConfig(VisionSettings):
 
     moe_router_topk_scaling_factor: float | None = None
     """Multiply the chosen experts' weights by this factor (DeepSeek-V3's routed scaling)."""
+
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V2's device-limited and DeepSeek-V3's node-limited routing): the experts form
+    this many equal groups of consecutive experts, and each token chooses its experts among the --moe-router-group-topk
+    best groups only; set both (default: off, every expert is open to every token)."""
+
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: the groups each token chooses, ranked by the sum of each group's best
+    (--moe-router-topk / this) expert scores (expert bias included), before its top-k experts among their experts;
+    set with --moe-router-num-groups."""
 
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
     """Load-balancing loss: aux_loss (Switch Transformer's, over the micro-batch), seq_aux_loss (per sequence,
@@ -470,6 +512,8 @@ MODEL_ARCHITECTURE: tuple[str, ...] = (
     "moe_router_score_function",
     "moe_router_pre_softmax",
     "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
     "moe_router_enable_expert_bias",
     "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",

@@ -113,7 +113,7 @@ def open_engine(config: Config, log: Log = print, precision: str | None = None, 
         model = GPT(model_config)
     model = parallelize_for_inference(model, config, topology, layout.pipeline.ranges, device, dtype)
     load_model_weights(info, model, whole=topology.size(Axis.PP) == 1)
-    keep_projections_stacked(model)
+    lay_out_for_decoding(model)
     name = load.name if load.name and not load.name.startswith("iter_") else load.resolve().parent.name
     return _engine(model, model_config, tokenizer, config.inference, _groups(topology), dtype, name)
 
@@ -130,16 +130,21 @@ def engine_for_model(
     """An engine over a model already built: a single-device `GPT`, or this rank's part of a training run's
     `ParallelModel` (with its `topology`; each data-parallel replica runs its own engine). `progress` is called at
     every step and keep-alive, on every rank (`ModelRunner`). `owns_model`: nothing but inference will use the
-    model, so its weights may be laid out for it (`keep_projections_stacked`) and its linear layers compute a
-    decoding step's few rows the faster way (`use_few_row_linears`)."""
+    model, so it may be laid out for decoding (`lay_out_for_decoding`)."""
     module = model.module if isinstance(model, ParallelModel) else model
     assert isinstance(module, GPT)
     if owns_model:
-        keep_projections_stacked(module)
-        use_few_row_linears(module)
+        lay_out_for_decoding(module)
     groups = _groups(topology) if topology is not None else ReplicaGroups.single()
     dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
     return _engine(module, module.config, tokenizer, settings, groups, dtype, model_name, progress)
+
+
+def lay_out_for_decoding(model: torch.nn.Module) -> None:
+    """A model only inference will use, made faster to decode with the same parameters and values: stacked weights
+    in one storage (`keep_projections_stacked`), few-row linear layers (`use_few_row_linears`)."""
+    keep_projections_stacked(model)
+    use_few_row_linears(model)
 
 
 def keep_projections_stacked(model: torch.nn.Module) -> None:

@@ -67,6 +67,26 @@ def _top_indices(ranked: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(ranked, k=k, dim=1).indices
 
 
+def _first_ranked(ranked: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., k] indices of the k largest entries of each row, ties to the lowest index (a stable sort: the same
+    choice on every device and at every layout)."""
+    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def group_limited_top(ranked: torch.Tensor, k: int, groups: int, group_k: int) -> torch.Tensor:
+    """[N, k] indices of each row's k largest entries among its `group_k` best groups (Megatron's
+    `group_limited_topk`): the E entries form `groups` groups of consecutive experts, a group's score is the sum of
+    its k // group_k largest entries, and the other groups' experts are out of reach. Ties go to the lowest index,
+    of groups and of experts."""
+    N, E = ranked.shape
+    by_group = ranked.view(N, groups, E // groups)
+    group_scores = by_group.topk(k // group_k, dim=-1).values.sum(dim=-1)  # [N, groups]
+    chosen_groups = _first_ranked(group_scores, group_k)
+    open_groups = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen_groups, True)
+    open_experts = open_groups.unsqueeze(-1).expand_as(by_group).reshape(N, E)
+    return _first_ranked(ranked.masked_fill(~open_experts, float("-inf")), k)
+
+
 def _keep_fp32(module: nn.Module, before: dict[str, torch.Tensor | None]) -> None:
     """After `module._apply` (e.g. `model.to(torch.bfloat16)`): give back the fp32 values of the
     named buffers on their new device. A bf16 expert bias could not move by 1e-3 steps, and bf16
@@ -85,7 +105,8 @@ class Router(nn.Module):
     Expert bias (aux-loss-free balancing) changes which experts are chosen, never their weights:
     it is added to whatever the top-k ranks (the logits when the softmax comes after the top-k,
     the scores otherwise). Megatron allows it with sigmoid scores only; with softmax this follows
-    the same rule."""
+    the same rule. Group-limited routing (--moe-router-num-groups) ranks the groups by the same
+    values; the load-balancing losses count the plain top-k of the scores, as Megatron's do."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -101,6 +122,8 @@ class Router(nn.Module):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.drop_policy = config.moe_token_drop_policy
         self.bias_update_rate = config.moe_router_bias_update_rate
+        self.num_groups = config.moe_router_num_groups
+        self.group_topk = config.moe_router_group_topk
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         bias = torch.zeros(config.num_experts) if config.moe_router_enable_expert_bias else None
         self.expert_bias: torch.Tensor | None
@@ -136,22 +159,29 @@ class Router(nn.Module):
         bias = self.expert_bias
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
-            top = _top_indices(scores if bias is None else scores + bias, self.topk)
+            top = self.top(scores if bias is None else scores + bias)
             chosen = scores.gather(1, top)
             if self.topk > 1:
                 chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
         elif self.pre_softmax:  # softmax over all experts; the chosen ones keep their probability
             scores = torch.softmax(logits, dim=-1)
-            top = _top_indices(scores if bias is None else scores + bias, self.topk)
+            top = self.top(scores if bias is None else scores + bias)
             chosen = scores.gather(1, top)
         else:  # softmax over the k chosen logits only
-            top = _top_indices(logits if bias is None else logits + bias, self.topk)
+            top = self.top(logits if bias is None else logits + bias)
             chosen = torch.softmax(logits.gather(1, top), dim=-1)
         if self.scaling_factor:
             chosen = chosen * self.scaling_factor
         probs = torch.zeros_like(logits).scatter(1, top, chosen)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
         return probs, routing_map
+
+    def top(self, ranked: torch.Tensor) -> torch.Tensor:
+        """[N, k] the experts each token goes to, ranked by `ranked` [N, E]: its top-k, or with group-limited routing
+        its top-k among its best groups."""
+        if self.group_topk is None or self.num_groups is None:
+            return _top_indices(ranked, self.topk)
+        return group_limited_top(ranked, self.topk, self.num_groups, self.group_topk)
 
     def drop(self, probs: torch.Tensor, routing_map: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each expert keeps at most `capacity` of its tokens: those of highest probability
@@ -295,6 +325,9 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """`pad_to`: run each expert on at least this many rows (zeros beyond its tokens, then
         discarded): fixed shapes, the same numbers."""
+        if pad_to is None and not any(counts):  # no rows (an expert-parallel rank whose experts no token chose):
+            # still an output of the graph, so that backward runs the exchanges around it here as on the other ranks
+            return self.kernels.one(tokens, probs, self.w_in[0], self.w_out[0], self.gated, self.kind)
         if self.grouped:
             return self._grouped(tokens, counts, probs, pad_to)
         return self._looped(tokens, counts, probs, pad_to)

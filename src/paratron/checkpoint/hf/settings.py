@@ -99,6 +99,7 @@ def _refuse_megatron_only_features(m: ModelConfig) -> None:
         "--rotary-percent below 1 (partial rotary embeddings)": m.rotary_percent < 1.0,
         "--rotary-interleaved (rotation of interleaved feature pairs)": m.rotary_interleaved,
         "--position-embedding-type none (no position embeddings)": m.position_embedding_type == "none",
+        "--moe-router-num-groups (group-limited expert routing)": m.moe_router_num_groups is not None,
     }
     _refuse_squared_relu(m)
     for setting, used in unsupported.items():
@@ -183,6 +184,15 @@ def _language_type_of(m: ModelConfig, preferred: str | None = None) -> str:
 
 
 def _moe_type_of(m: ModelConfig) -> str:
+    for setting, used in (
+        ("--moe-router-topk-scaling-factor (routed scaling)", m.moe_router_topk_scaling_factor is not None),
+        ("--moe-router-enable-expert-bias (aux-loss-free expert bias)", m.moe_router_enable_expert_bias),
+    ):
+        if used:  # (Mixtral, Qwen2-MoE and Qwen3-MoE route without either: exported, the model would change)
+            raise CheckpointError(
+                f"this model uses {setting}, which the Hugging Face Mixtral/Qwen2-MoE/Qwen3-MoE formats cannot "
+                "express; keep it as a paratron checkpoint"
+            )
     softmax = m.moe_router_score_function == "softmax"
     shared = m.moe_shared_expert_intermediate_size
     mixtral = not (m.add_qkv_bias or m.qk_layernorm or shared or m.moe_router_pre_softmax)

@@ -146,6 +146,7 @@ def _check_experts(m: ModelConfig) -> None:
         raise ConfigError(f"{flag.moe_pad_expert_input_to_capacity} needs {flag.moe_expert_capacity_factor}")
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         raise ConfigError(f"{flag.moe_router_pre_softmax} applies to {flag.moe_router_score_function} softmax only")
+    _check_expert_groups(m)
     if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
         raise ConfigError(f"{flag.moe_shared_expert_gate} needs {flag.moe_shared_expert_intermediate_size}")
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
@@ -155,6 +156,38 @@ def _check_experts(m: ModelConfig) -> None:
         raise ConfigError(
             f"{flag.moe_layer_freq} {m.moe_layer_freq}: give a positive integer or a list of {m.num_layers} "
             "0s and 1s such as [0,1,1,1] (one per layer)"
+        )
+
+
+def _check_expert_groups(m: ModelConfig) -> None:
+    """Group-limited routing: both settings, groups that split the experts evenly, and chosen groups that hold the
+    top-k experts and a score for each group (the sum of its best top-k / group top-k experts)."""
+    groups, chosen, experts, topk = m.moe_router_num_groups, m.moe_router_group_topk, m.num_experts, m.moe_router_topk
+    if groups is None and chosen is None:
+        return
+    if groups is None or chosen is None:
+        given, missing = flag.moe_router_num_groups, flag.moe_router_group_topk
+        if groups is None:
+            given, missing = missing, given
+        raise ConfigError(f"{given} needs {missing} too (group-limited routing takes both); add it or drop {given}")
+    if groups < 1 or experts % groups:
+        raise ConfigError(
+            f"{flag.moe_router_num_groups} {groups} does not divide {flag.num_experts} {experts} into equal groups; "
+            "use a divisor of the expert count"
+        )
+    if not 1 <= chosen <= groups:
+        raise ConfigError(
+            f"{flag.moe_router_group_topk} {chosen}: must be between 1 and {flag.moe_router_num_groups} {groups}"
+        )
+    if chosen * (experts // groups) < topk:
+        raise ConfigError(
+            f"{flag.moe_router_group_topk} {chosen} opens {chosen * (experts // groups)} experts, fewer than "
+            f"{flag.moe_router_topk} {topk}; choose more groups or fewer experts per token"
+        )
+    if chosen > topk:
+        raise ConfigError(
+            f"{flag.moe_router_group_topk} {chosen} exceeds {flag.moe_router_topk} {topk}: a group's score is the sum "
+            f"of its best top-k / group top-k experts, none here; choose at most {topk} groups"
         )
 
 
