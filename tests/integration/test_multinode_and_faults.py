@@ -137,15 +137,15 @@ def calm(tmp_path_factory) -> dict[int, float]:
     return losses(root / "run")
 
 
-def test_a_run_that_loses_a_rank_twice_ends_as_the_uninterrupted_one(tmp_path, calm):
-    """Two kills (SIGKILL of a seeded random rank, one per attempt, steps in order so each fires:
-    at step 1, before any checkpoint, and at the last step, between checkpoints), --max-restarts 2,
-    a checkpoint every 2 steps: the first restart starts afresh, the second resumes from the newest
-    intact checkpoint, and the losses are the uninterrupted run's. (Each restart starts two
-    interpreters: a kill between checkpoints earlier in the run would prove what the last one does.)"""
-    steps, kills = STEPS, 2
+def test_a_run_that_loses_a_rank_ten_times_ends_as_the_uninterrupted_one(tmp_path, calm):
+    """Ten kills in one bounded run (SIGKILL of a seeded random rank at a seeded random step, one per attempt, the
+    steps in order so that each fires: the first at step 1, before any checkpoint, the last at the last step,
+    between checkpoints), --max-restarts 10, a checkpoint every 2 steps: every restart resumes from the newest
+    intact checkpoint (or starts afresh before the first), and the losses are the uninterrupted run's."""
+    steps, kills = STEPS, 10
     chance = random.Random(10)
-    faults = [f"{chance.randrange(2)}:{step}:crash" for step in (1, steps)]
+    at = [1, *sorted(chance.randint(1, steps) for _ in range(kills - 2)), steps]
+    faults = [f"{chance.randrange(2)}:{step}:crash" for step in at]
     code, out, err = finish(
         start(
             *BROKEN,
