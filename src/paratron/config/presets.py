@@ -28,6 +28,28 @@ _LLAMA3 = dict(
     max_position_embeddings=8192,
 )
 
+_DEEPSEEK = dict(  # DeepSeek-V2/V3's multi-latent attention with YaRN, SwiGLU, RMSNorm, no biases, untied
+    position_embedding_type="rope",
+    rotary_base=10000.0,
+    normalization="RMSNorm",
+    norm_epsilon=1e-6,
+    activation="swiglu",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    max_position_embeddings=163840,
+    multi_latent_attention=True,
+    qk_layernorm=True,  # (the latents' norms)
+    kv_lora_rank=512,
+    qk_head_dim=128,
+    qk_pos_emb_head_dim=64,
+    v_head_dim=128,
+    rope_type="yarn",
+    rotary_scaling_factor=40.0,
+    original_max_position_embeddings=4096,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
+
 MODELS: dict[str, dict[str, Any]] = {
     "debug": dict(
         num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, max_position_embeddings=256
@@ -129,6 +151,61 @@ MODELS: dict[str, dict[str, Any]] = {
         moe_router_topk=8,
         moe_router_pre_softmax=True,
     ),
+    "deepseek-v2-lite-16b": dict(  # DeepSeek-V2-Lite: its config.json's shapes
+        _DEEPSEEK,
+        vocab_size=102400,
+        num_layers=27,
+        hidden_size=2048,
+        num_attention_heads=16,
+        ffn_hidden_size=10944,
+        moe_layer_freq="([0]*1+[1]*26)",
+        num_experts=64,
+        moe_router_topk=6,
+        moe_router_pre_softmax=True,
+        moe_ffn_hidden_size=1408,
+        moe_shared_expert_intermediate_size=2 * 1408,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+    ),
+    "deepseek-v3-671b": dict(  # DeepSeek-V3: its config.json's shapes (its one MTP module not built)
+        _DEEPSEEK,
+        vocab_size=129280,
+        num_layers=61,
+        hidden_size=7168,
+        num_attention_heads=128,
+        ffn_hidden_size=18432,
+        q_lora_rank=1536,
+        moe_layer_freq="([0]*3+[1]*58)",
+        num_experts=256,
+        moe_router_topk=8,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_num_groups=8,
+        moe_router_group_topk=4,
+        moe_ffn_hidden_size=2048,
+        moe_shared_expert_intermediate_size=2048,
+    ),
+    "kimi-k2-1t": dict(  # Kimi-K2 (model type kimi_k2: DeepSeek-V3's architecture): its config.json's shapes
+        _DEEPSEEK,
+        rotary_base=50000.0,
+        rotary_scaling_factor=32.0,
+        max_position_embeddings=131072,
+        vocab_size=163840,
+        num_layers=61,
+        hidden_size=7168,
+        num_attention_heads=64,
+        ffn_hidden_size=18432,
+        q_lora_rank=1536,
+        moe_layer_freq="([0]*1+[1]*60)",
+        num_experts=384,
+        moe_router_topk=8,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.827,
+        moe_ffn_hidden_size=2048,
+        moe_shared_expert_intermediate_size=2048,
+    ),
 }
 
 PUBLISHED_PARAMETERS: dict[str, int] = {
@@ -143,6 +220,8 @@ PUBLISHED_PARAMETERS: dict[str, int] = {
     "mixtral-8x7b": 46_702_792_704,  # Mixtral-8x7B-v0.1, "46.7B"
     "qwen2-moe-a2.7b": 14_300_000_000,  # Qwen1.5-MoE-A2.7B, "14.3B"
     "olmoe-1b-7b": 6_919_161_856,  # OLMoE-1B-7B-0924, "6.9B" (its QK norms included)
+    "deepseek-v2-lite-16b": 15_700_000_000,  # DeepSeek-V2-Lite, "15.7B"
+    "deepseek-v3-671b": 671_000_000_000,  # DeepSeek-V3, "671B": the main model (its MTP module, 14B, left out)
 }
 
 PUBLISHED_ACTIVE_PARAMETERS: dict[str, int] = {
@@ -150,7 +229,8 @@ PUBLISHED_ACTIVE_PARAMETERS: dict[str, int] = {
     "qwen2-moe-a2.7b": 2_700_000_000,  # "2.7B activated"
     "olmoe-1b-7b": 1_282_017_280,  # "1.3B active": its config, top-8 of 64 experts, QK norms included
 }
-"""Parameters a token uses (embeddings and every dense weight, top-k of the experts), for MoE entries."""
+"""Parameters a token uses (embeddings and every dense weight, top-k of the experts), for MoE entries. (DeepSeek's
+"activated" figures leave the input embedding out: they are not compared here.)"""
 
 
 MODERN_TRAINING: dict[str, Any] = dict(hidden_dropout=0.0, attention_dropout=0.0)
