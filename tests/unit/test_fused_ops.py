@@ -17,7 +17,7 @@ from paratron.model.fused_ops import FusibleOp, fusion_wanted
 from paratron.model.gpt import GPT
 from paratron.model.mlp import _swiglu
 from paratron.model.norms import _rms_norm
-from paratron.model.rotary import _rotate, rotary_cos_sin
+from paratron.model.rotary import fused_rotation, rotary_cos_sin
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
@@ -54,7 +54,7 @@ def _inputs(seq: int) -> dict[str, tuple]:
     }
 
 
-OPS: dict[str, FusibleOp] = {"rms_norm": _rms_norm, "rotary": _rotate, "swiglu": _swiglu}
+OPS: dict[str, FusibleOp] = {"rms_norm": _rms_norm, "rotary": fused_rotation, "swiglu": _swiglu}
 
 
 def _run(op: FusibleOp, fused: bool, args: tuple) -> list[torch.Tensor]:

@@ -50,6 +50,20 @@ _DEEPSEEK = dict(  # DeepSeek-V2/V3's multi-latent attention with YaRN, SwiGLU, 
     mscale_all_dim=1.0,
 )
 
+_DEEPSEEK_V3 = dict(  # DeepSeek-V3's shape (Kimi-K2 keeps it): 61 layers of width 7168, query latent 1536, sigmoid
+    # routing with expert bias over experts of 2048 and one shared expert of the same width
+    _DEEPSEEK,
+    num_layers=61,
+    hidden_size=7168,
+    ffn_hidden_size=18432,
+    q_lora_rank=1536,
+    moe_router_topk=8,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_ffn_hidden_size=2048,
+    moe_shared_expert_intermediate_size=2048,
+)
+
 MODELS: dict[str, dict[str, Any]] = {
     "debug": dict(
         num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, max_position_embeddings=256
@@ -168,43 +182,25 @@ MODELS: dict[str, dict[str, Any]] = {
         mscale_all_dim=0.707,
     ),
     "deepseek-v3-671b": dict(  # DeepSeek-V3: its config.json's shapes (its one MTP module not built)
-        _DEEPSEEK,
+        _DEEPSEEK_V3,
         vocab_size=129280,
-        num_layers=61,
-        hidden_size=7168,
         num_attention_heads=128,
-        ffn_hidden_size=18432,
-        q_lora_rank=1536,
         moe_layer_freq="([0]*3+[1]*58)",
         num_experts=256,
-        moe_router_topk=8,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=2.5,
         moe_router_num_groups=8,
         moe_router_group_topk=4,
-        moe_ffn_hidden_size=2048,
-        moe_shared_expert_intermediate_size=2048,
     ),
     "kimi-k2-1t": dict(  # Kimi-K2 (model type kimi_k2: DeepSeek-V3's architecture): its config.json's shapes
-        _DEEPSEEK,
+        _DEEPSEEK_V3,
         rotary_base=50000.0,
         rotary_scaling_factor=32.0,
         max_position_embeddings=131072,
         vocab_size=163840,
-        num_layers=61,
-        hidden_size=7168,
         num_attention_heads=64,
-        ffn_hidden_size=18432,
-        q_lora_rank=1536,
         moe_layer_freq="([0]*1+[1]*60)",
         num_experts=384,
-        moe_router_topk=8,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=2.827,
-        moe_ffn_hidden_size=2048,
-        moe_shared_expert_intermediate_size=2048,
     ),
 }
 

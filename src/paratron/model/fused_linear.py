@@ -122,11 +122,9 @@ class FewRowChoices:
         self.transposed: dict[tuple[int, int, torch.dtype, int], bool] = {}
 
     def use_transposed(self, flat: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether `flat` [rows, in] times `weight` [out, in] runs faster transposed (measuring it if not known)."""
-        rows = flat.size(0)
-        if not 1 < rows <= self.MOST_ROWS:
-            return False
-        key = (weight.size(0), weight.size(1), weight.dtype, 1 << (rows - 1).bit_length())
+        """Whether `flat` [rows, in] (2 to `MOST_ROWS` rows) times `weight` [out, in] runs faster transposed
+        (measuring it if not known)."""
+        key = (weight.size(0), weight.size(1), weight.dtype, 1 << (flat.size(0) - 1).bit_length())
         choice = self.transposed.get(key)
         if choice is None:
             plain = self._seconds(lambda: F.linear(flat, weight))

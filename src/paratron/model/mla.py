@@ -39,7 +39,7 @@ from paratron.model.layer_kind import (
     Split,
 )
 from paratron.model.norms import make_norm
-from paratron.model.rotary import _rotate, yarn_softmax_factor
+from paratron.model.rotary import fused_rotation, yarn_softmax_factor
 
 
 class MultiLatentAttention(LayerKind):
@@ -142,7 +142,7 @@ class MultiLatentAttention(LayerKind):
         rope_key = rope_key.unsqueeze(1)  # [B, 1, T, rope]: one key for every head
         q_rope = q_rope.transpose(1, 2)  # [B, heads, T, rope]
         if rotary is not None:
-            q_rope, rope_key = _rotate(self.rope_fusion, q_rope, rope_key, *rotary, True)
+            q_rope, rope_key = fused_rotation(self.rope_fusion, q_rope, rope_key, *rotary, True)
         # (queries, keys and values laid out [B, T, heads, width] under their [B, heads, T, width] views, as the
         # other attention's are: the core's output then reaches the output projection without a copy)
         q = torch.cat((q_nope, q_rope.transpose(1, 2)), dim=-1)

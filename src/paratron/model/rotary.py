@@ -70,7 +70,8 @@ def rotate_queries_and_keys(
     return apply_rotary(q, cos, sin, interleaved), apply_rotary(k, cos, sin, interleaved)
 
 
-_rotate = FusibleOp(rotate_queries_and_keys)
+fused_rotation = FusibleOp(rotate_queries_and_keys)
+"""`rotate_queries_and_keys`, one compiled kernel where --apply-rope-fusion is in effect (every attention kind's)."""
 
 
 def rotary_tables(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

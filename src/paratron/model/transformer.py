@@ -32,7 +32,7 @@ from paratron.model.mla import MultiLatentAttention
 from paratron.model.mlp import MLP, Projections
 from paratron.model.moe import MoELayer
 from paratron.model.norms import make_norm
-from paratron.model.rotary import _rotate
+from paratron.model.rotary import fused_rotation
 
 # ---------------------------------------------------------------- attention
 
@@ -138,7 +138,7 @@ class Attention(LayerKind):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
-            q, k = _rotate(self.rope_fusion, q, k, *rotary, self.rotary_interleaved)
+            q, k = fused_rotation(self.rope_fusion, q, k, *rotary, self.rotary_interleaved)
         if cache is not None:
             k, v = cache.update(k, v)
         y = self.core(q, k, v, places).transpose(1, 2).reshape(B, T, -1)
